@@ -1,0 +1,41 @@
+# Two commands set up and run everything on a fresh machine: `make demo` and `make test`.
+# Both create .venv at the repository root, install the libibverbs1 system package when it is
+# missing (Mooncake's engine links it even for TCP), then the right torch and Mooncake builds.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvsvc-installed
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: setup demo plan test lint typecheck check bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@bash scripts/ensure-libibverbs.sh
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(PY) -m pip install -q -e '.[cuda,test]'
+else
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,test]'
+endif
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvsvc demo
+
+plan: $(STAMP)
+	$(VENV)/bin/kvsvc plan
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check kvsvc workers tests examples
+	$(VENV)/bin/mypy
+	$(VENV)/bin/python -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/kvsvc bench --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

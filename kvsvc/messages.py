@@ -1,0 +1,265 @@
+"""Wire messages: a worker's published metadata and the control-channel protocol between a D and a P worker.
+
+Rules: every message is a frozen msgspec `Struct` with a tag, so one tagged union decodes any frame; the hello
+carries the protocol version and both sides' metadata. A frame on the wire is a 4-byte big-endian length followed
+by a msgpack body. `decode` and `FrameReader` turn any malformed, truncated, oversized or unknown input into
+`MalformedFrame` (a `RemoteProtocolError`), never another exception. Pure module: no I/O, no asyncio.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final, Literal
+
+import msgspec
+
+from kvsvc.errors import MalformedFrame, VersionMismatch
+
+PROTOCOL_VERSION: Final = 1
+# A frame holds at most one request's block ids (8 bytes each at worst): 4 MiB is >500k blocks.
+MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+Layout = Literal["HND", "NHD"]
+
+
+class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    """What one worker publishes about its KV pool; the unit of the handshake.
+
+    `base_addrs` holds one address per local layer, in layer order. `layout` is ignored when `is_mla`.
+    Fields added later must have defaults, so the original keywords alone always build one.
+    """
+
+    engine_id: str
+    incarnation: str
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    start_layer: int
+    end_layer: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    block_size: int
+    num_blocks: int
+    layout: str
+    is_mla: bool
+    base_addrs: list[int]
+    transport_addr: str = ""
+    control_addr: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    @property
+    def worker(self) -> tuple[int, int]:
+        """The `(pp_rank, tp_rank)` key of this worker in its engine."""
+        return (self.pp_rank, self.tp_rank)
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
+    """D to P, first frame of a control connection: who D is and which P worker it expects to reach.
+
+    `stage_layers` is D's engine split, `[start, end)` per PP stage, so P can work out which D workers it
+    sources and therefore how many requests to expect for each transfer.
+    """
+
+    version: int
+    sender: WorkerMetadata
+    stage_layers: list[tuple[int, int]]
+    expect_engine_id: str
+    expect_incarnation: str
+    expect_pp_rank: int
+    expect_tp_rank: int
+
+
+class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):
+    """P to D: the hello is accepted; P's own metadata, for D to check against what P's engine published."""
+
+    version: int
+    sender: WorkerMetadata
+
+
+class HelloRefused(msgspec.Struct, tag="hello_refused", frozen=True, kw_only=True):
+    """P to D: the hello is refused (version, identity or layout); the connection closes after it."""
+
+    version: int
+    reason: str
+
+
+class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True):
+    """D to P: write your share of `transfer_id`'s first `num_tokens` tokens into these D blocks."""
+
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class Release(msgspec.Struct, tag="release", frozen=True, kw_only=True):
+    """D to P: no D worker needs data from you for this transfer; free your hold now."""
+
+    transfer_id: str
+
+
+class TransferDone(msgspec.Struct, tag="xfer_done", frozen=True, kw_only=True):
+    """P to D: every write of this transfer to the receiving D worker has landed."""
+
+    transfer_id: str
+    bytes: int
+    descriptors: int
+
+
+class TransferFailed(msgspec.Struct, tag="xfer_failed", frozen=True, kw_only=True):
+    """P to D: the transfer to the receiving D worker did not complete; its blocks are invalid."""
+
+    transfer_id: str
+    reason: str
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
+    """Either side: stop this transfer; the receiver frees what it holds for it (after in-flight writes drain)."""
+
+    transfer_id: str
+    reason: str
+
+
+class ErrorMessage(msgspec.Struct, tag="error", frozen=True, kw_only=True):
+    """Either side: the last frame broke the protocol; says why. Unknown transfers are answered with this."""
+
+    reason: str
+    transfer_id: str = ""
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True, kw_only=True):
+    nonce: int
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True, kw_only=True):
+    nonce: int
+
+
+Message = (
+    Hello
+    | HelloOk
+    | HelloRefused
+    | TransferRequest
+    | Release
+    | TransferDone
+    | TransferFailed
+    | Abort
+    | ErrorMessage
+    | Ping
+    | Pong
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+_metadata_decoder = msgspec.msgpack.Decoder(dict[str, WorkerMetadata])
+
+
+def encode(message: Message) -> bytes:
+    """One frame: the length header and the msgpack body.
+
+    Raises:
+        ValueError: the body is larger than `MAX_FRAME_BYTES` (a local bug: too many block ids in one message).
+    """
+    body = _encoder.encode(message)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+    return _HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    """Decode one frame body (without its length header).
+
+    Raises:
+        MalformedFrame: the body is not a valid message of this protocol (any reason, named in the message).
+    """
+    if len(body) > MAX_FRAME_BYTES:
+        raise MalformedFrame(f"frame of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+    try:
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedFrame(f"malformed frame ({len(body)} bytes): {exc}") from None
+
+
+def check_version(version: int) -> None:
+    """Raises:
+    VersionMismatch: `version` is not `PROTOCOL_VERSION`; the message names both.
+    """
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"peer speaks protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+
+
+class FrameReader:
+    """Sans-IO frame splitter: feed it bytes as they arrive, get whole messages out.
+
+    After it raised `MalformedFrame` once the stream cannot be resynchronised; the connection must close.
+    """
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._buffer = bytearray()
+        self._max = max_frame_bytes
+        self._broken = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a whole frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[Message]:
+        """Append `data` and return every message it completed, in order.
+
+        Raises:
+            MalformedFrame: a frame announces more than the size limit, or its body does not decode.
+        """
+        if self._broken:
+            raise MalformedFrame("stream already broken by an earlier malformed frame")
+        self._buffer += data
+        messages: list[Message] = []
+        while len(self._buffer) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buffer)
+            if length > self._max:
+                self._broken = True
+                raise MalformedFrame(f"frame announces {length} bytes, limit is {self._max}")
+            end = _HEADER.size + length
+            if len(self._buffer) < end:
+                break
+            body = bytes(self._buffer[_HEADER.size : end])
+            del self._buffer[:end]
+            try:
+                messages.append(decode(body))
+            except MalformedFrame:
+                self._broken = True
+                raise
+        return messages
+
+
+def encode_engine_metadata(metas: dict[tuple[int, int], WorkerMetadata]) -> bytes:
+    """The body the handshake endpoint serves: msgpack of `{"pp,tp": WorkerMetadata}`."""
+    return _encoder.encode({f"{pp},{tp}": m for (pp, tp), m in sorted(metas.items())})
+
+
+def decode_engine_metadata(body: bytes) -> dict[tuple[int, int], WorkerMetadata]:
+    """Inverse of `encode_engine_metadata`.
+
+    Raises:
+        MalformedFrame: the body is not a valid engine metadata document, or a key disagrees with its worker.
+    """
+    try:
+        raw = _metadata_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedFrame(f"malformed engine metadata ({len(body)} bytes): {exc}") from None
+    result: dict[tuple[int, int], WorkerMetadata] = {}
+    for key, meta in raw.items():
+        try:
+            pp_s, tp_s = key.split(",")
+            worker = (int(pp_s), int(tp_s))
+        except ValueError:
+            raise MalformedFrame(f"engine metadata key {key!r} is not 'pp_rank,tp_rank'") from None
+        if worker != meta.worker:
+            raise MalformedFrame(f"engine metadata key {key!r} holds worker {meta.worker}")
+        result[worker] = meta
+    return result
