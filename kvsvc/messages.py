@@ -9,7 +9,7 @@ by a msgpack body. `decode` and `FrameReader` turn any malformed, truncated, ove
 from __future__ import annotations
 
 import struct
-from typing import Final, Literal
+from typing import Final, Literal, NamedTuple
 
 import msgspec
 
@@ -263,3 +263,23 @@ def decode_engine_metadata(body: bytes) -> dict[tuple[int, int], WorkerMetadata]
             raise MalformedFrame(f"engine metadata key {key!r} holds worker {meta.worker}")
         result[worker] = meta
     return result
+
+
+class WorkerRef(NamedTuple):
+    """One worker of one engine start: what a job's peer is keyed by. A new incarnation is a new peer."""
+
+    engine_id: str
+    incarnation: str
+    pp_rank: int
+    tp_rank: int
+
+    @property
+    def worker(self) -> tuple[int, int]:
+        return (self.pp_rank, self.tp_rank)
+
+    def __str__(self) -> str:
+        return f"{self.engine_id}[pp{self.pp_rank},tp{self.tp_rank}]"
+
+    @classmethod
+    def of(cls, meta: WorkerMetadata) -> WorkerRef:
+        return cls(meta.engine_id, meta.incarnation, meta.pp_rank, meta.tp_rank)

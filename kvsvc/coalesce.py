@@ -1,0 +1,129 @@
+"""Vectorised core of the planner: turn (layers x token segments x elements) into maximal byte runs.
+
+Pure module: imports numpy and `kvsvc.layout` only (no torch, asyncio, mooncake). Invariants: an element is one
+token of one head of one K/V half, `element_bytes` long on both sides; the planner only ever emits runs made of
+whole elements it was asked to copy; the output is sorted by source address and no two runs could merge
+(source ranges are disjoint, so after sorting a mergeable pair is always adjacent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvsvc.layout import BlockGeometry
+
+Int64Array = npt.NDArray[np.int64]
+
+
+def merge_runs(src: Int64Array, dst: Int64Array, length: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """Sort runs by source address and merge every pair contiguous on both sides; src ranges must be disjoint."""
+    if src.size == 0:
+        return src, dst, length
+    order = np.argsort(src, kind="stable")
+    src, dst, length = src[order], dst[order], length[order]
+    end_src = src[:-1] + length[:-1]
+    end_dst = dst[:-1] + length[:-1]
+    starts_run = np.ones(src.size, dtype=bool)
+    starts_run[1:] = (end_src != src[1:]) | (end_dst != dst[1:])
+    heads = np.flatnonzero(starts_run)
+    return src[heads], dst[heads], np.add.reduceat(length, heads)
+
+
+def _segment_runs(
+    gs: BlockGeometry,
+    gd: BlockGeometry,
+    src_heads: Int64Array,
+    dst_heads: Int64Array,
+    slot_src: int,
+    slot_dst: int,
+    count: int,
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """Runs, relative to the two block starts, that copy `count` tokens from slot `slot_src` to `slot_dst`."""
+    halves = np.arange(gs.halves, dtype=np.int64)[:, None, None]
+    tokens = np.arange(count, dtype=np.int64)[None, None, :]
+    src = halves * gs.half_stride + src_heads[None, :, None] * gs.head_stride + (slot_src + tokens) * gs.token_stride
+    dst = halves * gd.half_stride + dst_heads[None, :, None] * gd.head_stride + (slot_dst + tokens) * gd.token_stride
+    src, dst = np.broadcast_arrays(src, dst)
+    length = np.full(src.size, gs.element_bytes, dtype=np.int64)
+    return merge_runs(src.ravel(), dst.ravel(), length)
+
+
+def _segments(bs_s: int, bs_d: int, num_tokens: int) -> tuple[Int64Array, Int64Array]:
+    """Start token and token count of each segment: a token range inside one P block and one D block."""
+    if bs_s == bs_d:
+        starts = np.arange(0, num_tokens, bs_s, dtype=np.int64)
+    else:
+        starts = np.union1d(np.arange(0, num_tokens, bs_s), np.arange(0, num_tokens, bs_d)).astype(np.int64)
+    return starts, np.diff(np.append(starts, num_tokens))
+
+
+def unmerged_run_count(
+    gs: BlockGeometry,
+    gd: BlockGeometry,
+    src_heads: Sequence[int],
+    dst_heads: Sequence[int],
+    num_layers: int,
+    num_tokens: int,
+) -> int:
+    """Descriptors of a plan that merges inside each (layer, P block, D block) but never across them."""
+    starts, counts = _segments(gs.block_size, gd.block_size, num_tokens)
+    heads_src = np.asarray(src_heads, dtype=np.int64)
+    heads_dst = np.asarray(dst_heads, dtype=np.int64)
+    per_pattern: dict[tuple[int, int, int], int] = {}
+    total = 0
+    for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
+        pattern = (start % gs.block_size, start % gd.block_size, count)
+        if pattern not in per_pattern:
+            per_pattern[pattern] = _segment_runs(gs, gd, heads_src, heads_dst, *pattern)[0].size
+        total += per_pattern[pattern]
+    return total * num_layers
+
+
+def plan_runs(
+    gs: BlockGeometry,
+    gd: BlockGeometry,
+    src_heads: Sequence[int],
+    dst_heads: Sequence[int],
+    src_layer_bases: Sequence[int],
+    dst_layer_bases: Sequence[int],
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    num_tokens: int,
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """Maximal runs copying tokens `[0, num_tokens)` of the given local heads (paired by position) of every layer.
+
+    `src_layer_bases[i]` and `dst_layer_bases[i]` are the two sides' addresses of the same global layer. A token
+    segment is a token range inside one source block and one destination block; segments with the same slots
+    and length share one intra-block run pattern, so Python work grows with distinct patterns, not tokens.
+    """
+    bs_s, bs_d = gs.block_size, gd.block_size
+    starts, counts = _segments(bs_s, bs_d, num_tokens)
+    block_src, slot_src = np.divmod(starts, bs_s)
+    block_dst, slot_dst = np.divmod(starts, bs_d)
+    block_off_src = np.asarray(src_block_ids, dtype=np.int64)[block_src] * gs.block_bytes
+    block_off_dst = np.asarray(dst_block_ids, dtype=np.int64)[block_dst] * gd.block_bytes
+    bases_src = np.asarray(src_layer_bases, dtype=np.int64)[:, None, None]
+    bases_dst = np.asarray(dst_layer_bases, dtype=np.int64)[:, None, None]
+    heads_src = np.asarray(src_heads, dtype=np.int64)
+    heads_dst = np.asarray(dst_heads, dtype=np.int64)
+
+    key = (slot_src * (bs_d + 1) + slot_dst) * (max(bs_s, bs_d) + 1) + counts
+    patterns, which = np.unique(key, return_inverse=True)
+    parts_src: list[Int64Array] = []
+    parts_dst: list[Int64Array] = []
+    parts_len: list[Int64Array] = []
+    for index in range(patterns.size):
+        segs = np.flatnonzero(which == index)
+        first = int(segs[0])
+        rel_src, rel_dst, rel_len = _segment_runs(
+            gs, gd, heads_src, heads_dst, int(slot_src[first]), int(slot_dst[first]), int(counts[first])
+        )
+        src = bases_src + block_off_src[segs][None, :, None] + rel_src[None, None, :]
+        dst = bases_dst + block_off_dst[segs][None, :, None] + rel_dst[None, None, :]
+        parts_src.append(src.ravel())
+        parts_dst.append(dst.ravel())
+        parts_len.append(np.broadcast_to(rel_len, src.shape).ravel())
+    return merge_runs(np.concatenate(parts_src), np.concatenate(parts_dst), np.concatenate(parts_len))

@@ -1,0 +1,388 @@
+"""The admin HTTP application of one engine: health, readiness, topology, peers, transfers, metrics, drain, forget.
+
+Imports: aiohttp, msgspec, kvsvc.engine (bootstrap, metrics) and kvsvc.messages; never the service or workers: the
+engine is reached only through the `EngineView` protocol. Invariants: it shares one `web.Application` with the
+handshake endpoint; it binds loopback by default; every request that is not GET/HEAD needs the bearer token
+(compared in constant time) and is refused outright when none is configured; bodies over the limit get 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Final, Protocol
+
+import msgspec
+from aiohttp import web
+
+from kvsvc.engine.bootstrap import METADATA_KEY, add_metadata_route
+from kvsvc.engine.metrics import EngineMetrics, MetricsSnapshot, PeerRow, StatsDict, Worker
+from kvsvc.messages import WorkerMetadata
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024
+METRICS_KEY: Final = web.AppKey("kvsvc_metrics", EngineMetrics)
+_SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+# WorkerRef.__str__ of kvsvc.messages: "engine[pp0,tp1]"; greedy so an engine id may itself hold brackets.
+_PEER_RE: Final = re.compile(r"^(?P<engine>.*)\[pp(?P<pp>\d+),tp(?P<tp>\d+)\]$")
+_json = msgspec.json.Encoder(enc_hook=str)
+
+
+class EngineView(Protocol):
+    """What the admin app needs of an engine; the standalone runtime (`workers/`) and embedders implement it.
+
+    Every method runs on the admin app's event loop and must not block it. Per-worker data comes from each
+    worker's `KVTransferService`; a view over workers in other processes gathers it over its own channel.
+
+    - `engine_id`, `incarnation` (random per start), `role` ("P", "D" or "both"): constant for the view's life.
+    - `workers()`: the engine's merged `{(pp_rank, tp_rank): WorkerMetadata}` as published for the handshake;
+      empty before it is published.
+    - `is_ready()`: True once every worker registered its KV pool and the merged metadata is published.
+    - `statistics()`: `{(pp_rank, tp_rank): statistics_dict(service.statistics())}`, one entry per worker that
+      answered (keys missing from a dict only drop their metrics).
+    - `peers()`: the rows of every worker's `KVTransferService.peers()`, each with the local worker's `pp_rank`
+      and `tp_rank` added (see `tag_worker`). Rows carry `direction` ("to_p" / "from_d"), `peer`
+      (`engine[ppX,tpY]`), `incarnation`, `state`, and for "to_p" `describe` (holds `tp_ratio=` and
+      `remote_pp=`) and `last_error`; `peer_engine_id`/`peer_pp_rank`/`peer_tp_rank` are used when present.
+    - `transfers()`: one row per transfer in flight (held by P or awaited by D), with `pp_rank`, `tp_rank` and
+      whatever else the view knows (`req_id`, `transfer_id`, `direction`, `state`, `age_s`); shown as given.
+    - `drain()`: stop accepting new transfers and return once the in-flight ones ended (finished, failed or
+      expired). `forget_peer(engine_id)`: every worker drops what it cached about that remote engine
+      (`KVTransferService.forget_engine`); its receives fail; a no-op for an unknown engine. Either may raise
+      `LookupError` (answered 404) or `ValueError` (answered 409) with a message for the operator.
+    """
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def incarnation(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+    def workers(self) -> Mapping[Worker, WorkerMetadata]: ...
+
+    def is_ready(self) -> bool: ...
+
+    async def statistics(self) -> Mapping[Worker, StatsDict]: ...
+
+    async def peers(self) -> Sequence[PeerRow]: ...
+
+    async def transfers(self) -> Sequence[Mapping[str, object]]: ...
+
+    async def drain(self) -> None: ...
+
+    async def forget_peer(self, engine_id: str) -> None: ...
+
+
+# A Protocol is no concrete class, so the key is typed by subscription rather than by a `t` argument.
+VIEW_KEY: Final = web.AppKey[EngineView]("kvsvc_engine_view")
+
+
+def random_token(nbytes: int = 32) -> str:
+    """A fresh URL-safe bearer token (`nbytes` random bytes, default 256 bits). Raises nothing."""
+    return secrets.token_urlsafe(nbytes)
+
+
+def tag_worker(worker: Worker, rows: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
+    """Copies of `rows` (e.g. one service's `peers()`) with the local worker's `pp_rank` and `tp_rank` added."""
+    return [{**row, "pp_rank": worker[0], "tp_rank": worker[1]} for row in rows]
+
+
+def engine_metrics(app: web.Application) -> EngineMetrics:
+    """The `EngineMetrics` of an app built by `build_admin_app` (to observe transfer latencies).
+
+    Raises:
+        KeyError: `app` was not built by `build_admin_app`.
+    """
+    return app[METRICS_KEY]
+
+
+def _json_response(payload: object, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(payload), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    response = _json_response({"error": message}, status)
+    response.headers.update(headers)
+    return response
+
+
+def _bearer_matches(header: str, token: str) -> bool:
+    scheme, _, presented = header.partition(" ")
+    # Bytes, not str: compare_digest refuses non-ASCII str, and a header is attacker-controlled.
+    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+def _guard(token: str | None, max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def guard(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        length = request.content_length
+        if length is not None and length > max_body_bytes:
+            return _error(413, f"request body of {length} bytes exceeds the limit of {max_body_bytes} bytes")
+        if request.method not in _SAFE_METHODS:
+            if token is None:
+                return _error(
+                    403,
+                    "state-changing admin endpoints are disabled: no admin token is configured on this engine;"
+                    " configure one (build_admin_app(token=...)) and send it as 'Authorization: Bearer <token>'",
+                )
+            if not _bearer_matches(request.headers.get("Authorization", ""), token):
+                return _error(401, "missing or wrong bearer token", **{"WWW-Authenticate": 'Bearer realm="kvsvc"'})
+            # Read (and drop) the body so a chunked one without Content-Length still meets the limit.
+            try:
+                await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return _error(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except LookupError as exc:
+            return _error(404, str(exc))
+        except ValueError as exc:
+            return _error(409, str(exc))
+        except Exception as exc:  # an operator gets a JSON reason; the log gets the trace
+            log.exception("admin %s %s failed", request.method, request.path)
+            return _error(500, f"{type(exc).__name__}: {exc}")
+
+    return guard
+
+
+def _readiness(request: web.Request) -> tuple[bool, list[str]]:
+    view = request.app[VIEW_KEY]
+    reasons = []
+    if not view.is_ready():
+        reasons.append("the engine is not ready: not every worker registered its KV pool and published metadata")
+    if request.app.get(METADATA_KEY) is None:
+        reasons.append("the handshake metadata is not published on this endpoint yet")
+    return not reasons, reasons
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    view = request.app[VIEW_KEY]
+    return _json_response({"status": "ok", "engine_id": view.engine_id, "incarnation": view.incarnation})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    ready, reasons = _readiness(request)
+    return _json_response({"ready": ready, "reasons": reasons}, 200 if ready else 503)
+
+
+def _peer_identity(row: PeerRow) -> tuple[str, int | None, int | None]:
+    engine, pp, tp = row.get("peer_engine_id"), row.get("peer_pp_rank"), row.get("peer_tp_rank")
+    if isinstance(engine, str) and isinstance(pp, int):
+        return engine, pp, tp if isinstance(tp, int) else None
+    match = _PEER_RE.match(str(row.get("peer", "")))
+    if match is None:
+        return str(row.get("peer", "")), None, None
+    return match["engine"], int(match["pp"]), int(match["tp"])
+
+
+def remote_stages(peers: Sequence[PeerRow]) -> list[dict[str, object]]:
+    """Group peer rows by remote (engine, pp_rank, direction): the remote stages this engine talks to, with the
+    first non-empty `describe()`, the incarnations seen and one entry per connection. Raises nothing."""
+    groups: dict[tuple[str, int, str], dict[str, object]] = {}
+    for row in peers:
+        engine, pp, tp = _peer_identity(row)
+        direction = str(row.get("direction", ""))
+        key = (engine, -1 if pp is None else pp, direction)
+        group = groups.setdefault(
+            key,
+            {"engine_id": engine, "pp_rank": pp, "direction": direction, "describe": "", "incarnations": [], "connections": []},
+        )
+        incarnations = group["incarnations"]
+        assert isinstance(incarnations, list)
+        if (incarnation := str(row.get("incarnation", ""))) not in incarnations:
+            incarnations.append(incarnation)
+        if not group["describe"] and row.get("describe"):
+            group["describe"] = str(row["describe"])
+        connections = group["connections"]
+        assert isinstance(connections, list)
+        connections.append(
+            {
+                "local": [row.get("pp_rank"), row.get("tp_rank")],
+                "remote_tp_rank": tp,
+                "state": row.get("state", ""),
+                "last_error": row.get("last_error", ""),
+            }
+        )
+    return [groups[key] for key in sorted(groups)]
+
+
+async def _topology(request: web.Request) -> web.Response:
+    view = request.app[VIEW_KEY]
+    workers = view.workers()
+    first = next(iter(workers.values()), None)
+    return _json_response(
+        {
+            "engine_id": view.engine_id,
+            "incarnation": view.incarnation,
+            "role": view.role,
+            "ready": _readiness(request)[0],
+            "pp_size": first.pp_size if first else None,
+            "tp_size": first.tp_size if first else None,
+            "workers": [
+                {
+                    "pp_rank": m.pp_rank,
+                    "tp_rank": m.tp_rank,
+                    "start_layer": m.start_layer,
+                    "end_layer": m.end_layer,
+                    "num_kv_heads": m.num_kv_heads,
+                    "head_size": m.head_size,
+                    "dtype": m.dtype,
+                    "block_size": m.block_size,
+                    "num_blocks": m.num_blocks,
+                    "layout": m.layout,
+                    "is_mla": m.is_mla,
+                    "transport_addr": m.transport_addr,
+                    "control_addr": m.control_addr,
+                }
+                for _, m in sorted(workers.items())
+            ],
+            "remotes": remote_stages(await view.peers()),
+        }
+    )
+
+
+async def _peers(request: web.Request) -> web.Response:
+    return _json_response({"peers": list(await request.app[VIEW_KEY].peers())})
+
+
+async def _transfers(request: web.Request) -> web.Response:
+    return _json_response({"transfers": list(await request.app[VIEW_KEY].transfers())})
+
+
+async def _statistics(request: web.Request) -> web.Response:
+    stats = await request.app[VIEW_KEY].statistics()
+    return _json_response({"workers": [{"pp_rank": pp, "tp_rank": tp, **s} for (pp, tp), s in sorted(stats.items())]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    view = request.app[VIEW_KEY]
+    stats, peers = await asyncio.gather(view.statistics(), view.peers())
+    body = request.app[METRICS_KEY].render(MetricsSnapshot(stats, peers, _readiness(request)[0]))
+    # CONTENT_TYPE_LATEST carries a charset parameter, which aiohttp's content_type argument refuses.
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    await request.app[VIEW_KEY].drain()
+    return _json_response({"drained": True})
+
+
+async def _forget(request: web.Request) -> web.Response:
+    engine_id = request.match_info["engine_id"]
+    await request.app[VIEW_KEY].forget_peer(engine_id)
+    return _json_response({"forgotten": engine_id})
+
+
+def build_admin_app(
+    view: EngineView,
+    *,
+    token: str | None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics: EngineMetrics | None = None,
+) -> web.Application:
+    """The engine's aiohttp application: the handshake endpoint (`bootstrap.METADATA_PATH`) plus the admin routes
+    GET /healthz, /readyz, /v1/topology, /v1/peers, /v1/transfers, /v1/statistics, /metrics and
+    POST /v1/drain, /v1/peers/{engine_id}/forget.
+
+    `token` None disables the POST endpoints (403); an empty token is refused, as it would match an empty header.
+    Publish the handshake metadata with `bootstrap.publish_metadata(app, ...)` (or `KVSvcConnector`).
+
+    Raises:
+        ValueError: `token` is the empty string, or `max_body_bytes` < 1.
+    """
+    if token == "":
+        raise ValueError("admin token must be non-empty (or None to disable state-changing endpoints)")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_guard(token, max_body_bytes)])
+    app[VIEW_KEY] = view
+    app[METRICS_KEY] = metrics or EngineMetrics(view.engine_id, view.incarnation, view.role)
+    add_metadata_route(app)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/v1/topology", _topology)
+    app.router.add_get("/v1/peers", _peers)
+    app.router.add_get("/v1/transfers", _transfers)
+    app.router.add_get("/v1/statistics", _statistics)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/v1/drain", _drain)
+    app.router.add_post("/v1/peers/{engine_id}/forget", _forget)
+    return app
+
+
+class AdminServer:
+    """Serves `build_admin_app(view, ...)` on `host:port` (loopback and a free port by default)."""
+
+    def __init__(
+        self,
+        view: EngineView,
+        *,
+        token: str | None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        """Raises:
+        ValueError: as `build_admin_app`.
+        """
+        self.app = build_admin_app(view, token=token, max_body_bytes=max_body_bytes)
+        self._host, self._port = host, port
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.app[METRICS_KEY]
+
+    async def start(self) -> str:
+        """Bind and serve; returns the base URL (`http://host:port`), also in `url`.
+
+        Raises:
+            OSError: the address cannot be bound.
+            RuntimeError: already started.
+        """
+        if self._runner is not None:
+            raise RuntimeError(f"admin server already serving at {self.url}")
+        runner = web.AppRunner(self.app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self._host, self._port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return self.url
+
+    async def close(self) -> None:
+        """Stop serving. Idempotent; raises nothing of its own."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "METRICS_KEY",
+    "VIEW_KEY",
+    "AdminServer",
+    "EngineView",
+    "build_admin_app",
+    "engine_metrics",
+    "random_token",
+    "remote_stages",
+    "tag_worker",
+]

@@ -1,0 +1,103 @@
+"""The handshake endpoint an engine serves, and the client side that fetches a remote engine's metadata.
+
+Rules: the body is `kvsvc.messages.encode_engine_metadata` (msgpack), served read-only at `METADATA_PATH`, and 503
+until the engine published it. Binds loopback by default; `port=0` picks a free port, readable from
+`BootstrapServer.url` after start. The admin endpoints add their routes to the same `web.Application`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+
+from kvsvc.errors import HandshakeError, MalformedFrame
+from kvsvc.messages import WorkerMetadata, decode_engine_metadata, encode_engine_metadata
+
+METADATA_PATH: Final = "/kvsvc/v1/metadata"
+CONTENT_TYPE: Final = "application/msgpack"
+MAX_METADATA_BYTES: Final = 8 * 1024 * 1024
+METADATA_KEY: Final = web.AppKey("kvsvc_metadata", bytes)
+
+
+async def _handle_metadata(request: web.Request) -> web.Response:
+    body = request.app.get(METADATA_KEY)
+    if body is None:
+        return web.Response(status=503, text="engine metadata is not published yet")
+    return web.Response(body=body, content_type=CONTENT_TYPE)
+
+
+def add_metadata_route(app: web.Application) -> None:
+    """Serve the handshake endpoint on `app`; publish with `publish_metadata`."""
+    app.router.add_get(METADATA_PATH, _handle_metadata)
+
+
+def publish_metadata(app: web.Application, metas: dict[tuple[int, int], WorkerMetadata]) -> None:
+    """Make `metas` (the engine's merged worker metadata) the body of the handshake endpoint."""
+    app[METADATA_KEY] = encode_engine_metadata(metas)
+
+
+class BootstrapServer:
+    """A stand-alone aiohttp server with only the handshake endpoint (tests and minimal embeddings)."""
+
+    def __init__(
+        self, metas: dict[tuple[int, int], WorkerMetadata] | None = None, *, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.app = web.Application(client_max_size=64 * 1024)
+        add_metadata_route(self.app)
+        if metas is not None:
+            publish_metadata(self.app, metas)
+        self._host, self._port = host, port
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        """Bind and serve; returns the base URL (`http://host:port`).
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://{self._host}:{port}"
+        return self.url
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+async def fetch_engine_metadata(
+    session: aiohttp.ClientSession, url: str, *, timeout_s: float
+) -> dict[tuple[int, int], WorkerMetadata]:
+    """GET a remote engine's merged worker metadata from its bootstrap `url`.
+
+    Raises:
+        HandshakeError: unreachable, not ready (non-200), too large, malformed, or empty; the message names the URL.
+    """
+    target = url.rstrip("/") + METADATA_PATH
+    try:
+        async with session.get(target, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                text = (await response.text())[:200]
+                raise HandshakeError(f"GET {target}: HTTP {response.status}: {text}")
+            body = await response.content.read(MAX_METADATA_BYTES + 1)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise HandshakeError(f"GET {target}: {type(exc).__name__}: {exc}") from None
+    if len(body) > MAX_METADATA_BYTES:
+        raise HandshakeError(f"GET {target}: body larger than {MAX_METADATA_BYTES} bytes")
+    try:
+        metas = decode_engine_metadata(body)
+    except MalformedFrame as exc:
+        raise HandshakeError(f"GET {target}: {exc}") from None
+    if not metas:
+        raise HandshakeError(f"GET {target}: the engine published no workers")
+    engines = {(m.engine_id, m.incarnation) for m in metas.values()}
+    if len(engines) != 1:
+        raise HandshakeError(f"GET {target}: workers of several engine starts in one document: {sorted(engines)}")
+    return metas

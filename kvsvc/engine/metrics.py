@@ -1,0 +1,233 @@
+"""Prometheus metrics of one engine: a per-engine registry, a collector over statistics snapshots, a latency histogram.
+
+Imports: standard library, prometheus_client, and nothing of kvsvc's service (statistics arrive as plain dicts, the
+shape `statistics_dict` makes of a `ServiceStatistics`). Invariants: never touches prometheus_client's global
+registry, so several engines can live in one process; a scrape renders exactly one snapshot (set and rendered
+in one synchronous step); keys missing from a snapshot drop their samples, never fail the scrape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+Worker = tuple[int, int]
+StatsDict = Mapping[str, object]
+PeerRow = Mapping[str, object]
+TransferRole = Literal["P", "D"]
+
+# From a millisecond (a small loopback transfer) to a minute (the default hold timeout): wider than that is a
+# hold expiry, which has its own counter.
+TRANSFER_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# (metric name without `_total`, help, path into the statistics dict). Exported per worker (pp_rank, tp_rank).
+COUNTERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
+    ("kvsvc_sent_bytes", "Bytes P wrote into D workers' KV (completed writes).", ("bytes_sent",)),
+    ("kvsvc_sent_descriptors", "Transfer descriptors P submitted in completed writes.", ("descriptors_sent",)),
+    ("kvsvc_sent_transfers", "Writes to one D worker that completed.", ("transfers_sent",)),
+    ("kvsvc_write_failures", "Writes to a D worker that failed (transport, plan or lost peer).", ("write_failures",)),
+    ("kvsvc_protocol_errors", "Malformed or unexpected control frames and refused hellos.", ("protocol_errors",)),
+    ("kvsvc_expired_holds", "P holds released by their deadline (D never asked for them).", ("sender", "expired_holds")),
+    ("kvsvc_aborted_holds", "P holds released by an abort.", ("sender", "aborted_holds")),
+    ("kvsvc_received_transfers", "Receives that finished with their KV landed.", ("receiver", "finished")),
+    ("kvsvc_receive_failures", "Receives that failed (their blocks were reported invalid).", ("receiver", "failed")),
+    ("kvsvc_receive_expiries", "Receives failed because a P worker never answered in time.", ("receiver", "expired")),
+)
+GAUGES: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
+    ("kvsvc_holds", "Requests whose KV P holds for sending now.", ("sender", "holds")),
+    ("kvsvc_early_requests", "D requests that arrived before P held their transfer.", ("sender", "early_requests")),
+    ("kvsvc_receives_in_flight", "Receives D waits for now.", ("receiver", "receives")),
+    (
+        "kvsvc_receives_waiting_for_handshake",
+        "Receives whose P engine's metadata is still being fetched.",
+        ("receiver", "waiting_for_handshake"),
+    ),
+    ("kvsvc_writes_in_flight", "Writes submitted to the transport and not completed.", ("writes_in_flight",)),
+    ("kvsvc_remote_engines", "Remote engines whose metadata this worker fetched or is fetching.", ("remote_engines",)),
+)
+
+
+def statistics_dict(stats: object) -> dict[str, object]:
+    """The plain-dict form of a `ServiceStatistics` (nested dataclasses become dicts): what `EngineView`
+    returns per worker and what this module reads.
+
+    Raises:
+        TypeError: `stats` is not a dataclass instance.
+    """
+    if not dataclasses.is_dataclass(stats) or isinstance(stats, type):
+        raise TypeError(f"statistics_dict needs a dataclass instance, got {type(stats).__name__}")
+    return dataclasses.asdict(stats)
+
+
+def _lookup(stats: StatsDict, path: tuple[str, ...]) -> float | None:
+    node: object = stats
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return None
+        node = node[key]
+    # bool is an int, but a flag is not a count.
+    if isinstance(node, int | float) and not isinstance(node, bool):
+        return float(node)
+    return None
+
+
+def _worker_labels(worker: Worker) -> list[str]:
+    return [str(worker[0]), str(worker[1])]
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What one scrape exports: per-worker statistics, per-peer rows (with the local `pp_rank`/`tp_rank`), readiness."""
+
+    statistics: Mapping[Worker, StatsDict] = field(default_factory=dict)
+    peers: Sequence[PeerRow] = ()
+    ready: bool = False
+
+
+class _SnapshotCollector(Collector):
+    """Turns the latest snapshot into metric families; prometheus_client calls `collect` on every render."""
+
+    def __init__(self, engine_id: str, incarnation: str, role: str) -> None:
+        self._info = (engine_id, incarnation, role)
+        self.snapshot = MetricsSnapshot()
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.snapshot
+        info = GaugeMetricFamily(
+            "kvsvc_engine_info", "This engine: id, incarnation (random per start) and role.", labels=["engine_id", "incarnation", "role"]
+        )
+        info.add_metric(list(self._info), 1.0)
+        yield info
+        ready = GaugeMetricFamily("kvsvc_ready", "1 when every worker registered its KV and the metadata is served.")
+        ready.add_metric([], 1.0 if snapshot.ready else 0.0)
+        yield ready
+        workers = GaugeMetricFamily("kvsvc_workers", "Workers of this engine that reported statistics.")
+        workers.add_metric([], float(len(snapshot.statistics)))
+        yield workers
+        yield from self._per_worker(snapshot.statistics)
+        yield from self._per_peer(snapshot.peers)
+
+    @staticmethod
+    def _per_worker(statistics: Mapping[Worker, StatsDict]) -> Iterator[Metric]:
+        labels = ["pp_rank", "tp_rank"]
+        items = sorted(statistics.items())
+        for name, doc, path in COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            for worker, stats in items:
+                if (value := _lookup(stats, path)) is not None:
+                    counter.add_metric(_worker_labels(worker), value)
+            yield counter
+        for name, doc, path in GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            for worker, stats in items:
+                if (value := _lookup(stats, path)) is not None:
+                    gauge.add_metric(_worker_labels(worker), value)
+            yield gauge
+        peers = GaugeMetricFamily(
+            "kvsvc_peers", "Control connections: to_p (this D worker to P workers), from_d.", labels=[*labels, "direction"]
+        )
+        for worker, stats in items:
+            for direction, key in (("to_p", "outbound_peers"), ("from_d", "inbound_peers")):
+                if (value := _lookup(stats, (key,))) is not None:
+                    peers.add_metric([*_worker_labels(worker), direction], value)
+        yield peers
+        for side in ("send", "recv"):
+            jobs = GaugeMetricFamily(
+                f"kvsvc_{side}_jobs", f"{side.capitalize()} jobs (one per request and peer worker) by state.",
+                labels=[*labels, "state"],
+            )
+            for worker, stats in items:
+                table = stats.get("sender" if side == "send" else "receiver")
+                states = table.get("jobs_by_state") if isinstance(table, Mapping) else None
+                if isinstance(states, Mapping):
+                    for state, count in sorted(states.items()):
+                        if isinstance(count, int | float) and not isinstance(count, bool):
+                            jobs.add_metric([*_worker_labels(worker), str(state)], float(count))
+            yield jobs
+
+    @staticmethod
+    def _per_peer(peers: Sequence[PeerRow]) -> Iterator[Metric]:
+        handshakes = GaugeMetricFamily(
+            "kvsvc_handshakes",
+            "This D worker's control connections to P workers by handshake state (connecting, connected, failed).",
+            labels=["pp_rank", "tp_rank", "state"],
+        )
+        peer_up = GaugeMetricFamily(
+            "kvsvc_peer_connected",
+            "1 per control connection that is up, 0 while it connects or after it failed; labelled by the peer.",
+            labels=["pp_rank", "tp_rank", "direction", "peer", "incarnation"],
+        )
+        counts: dict[tuple[str, str, str], int] = {}
+        for row in peers:
+            local = [str(row.get("pp_rank", "")), str(row.get("tp_rank", ""))]
+            state = str(row.get("state", ""))
+            direction = str(row.get("direction", ""))
+            if direction == "to_p":
+                key = (local[0], local[1], state)
+                counts[key] = counts.get(key, 0) + 1
+            peer_up.add_metric(
+                [*local, direction, str(row.get("peer", "")), str(row.get("incarnation", ""))],
+                1.0 if state == "connected" else 0.0,
+            )
+        for (pp, tp, state), count in sorted(counts.items()):
+            handshakes.add_metric([pp, tp, state], float(count))
+        yield handshakes
+        yield peer_up
+
+
+class EngineMetrics:
+    """The metrics of one engine, in their own `CollectorRegistry` (`self.registry`).
+
+    The admin app's `/metrics` handler reads the engine's statistics, hands them over with `render(snapshot)`,
+    and serves the text. The engine observes each finished transfer with `observe_transfer`.
+    """
+
+    def __init__(self, engine_id: str, incarnation: str, role: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._collector = _SnapshotCollector(engine_id, incarnation, role)
+        self.registry.register(self._collector)
+        self._latency = Histogram(
+            "kvsvc_transfer_duration_seconds",
+            "Time from the start of a transfer to its end on this engine, by role (P: hold to last write landed;"
+            " D: start_recv to finished).",
+            labelnames=["role"],
+            buckets=TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe_transfer(self, seconds: float, role: TransferRole) -> None:
+        """Record one transfer's duration.
+
+        Raises:
+            ValueError: `role` is not "P" or "D", or `seconds` is negative.
+        """
+        if role not in ("P", "D"):
+            raise ValueError(f"transfer role must be 'P' or 'D', got {role!r}")
+        if seconds < 0:
+            raise ValueError(f"transfer duration must be >= 0 s, got {seconds}")
+        self._latency.labels(role=role).observe(seconds)
+
+    def render(self, snapshot: MetricsSnapshot) -> bytes:
+        """The Prometheus text exposition of `snapshot` plus the histogram. Raises nothing of its own.
+
+        Setting the snapshot and rendering happen without an await between them, so concurrent scrapes on one
+        event loop never mix two snapshots. Other exporters of `registry` see the last snapshot rendered.
+        """
+        self._collector.snapshot = snapshot
+        return generate_latest(self.registry)
+
+
+__all__ = [
+    "COUNTERS",
+    "GAUGES",
+    "TRANSFER_BUCKETS",
+    "EngineMetrics",
+    "MetricsSnapshot",
+    "statistics_dict",
+]

@@ -1,0 +1,208 @@
+"""Sans-IO state machines of one transfer's jobs: a send job on P and a receive job on D, each keyed by
+(transfer_id, peer worker).
+
+Rules: transitions live in the two tables below, (state, event) -> (next state, effects); an event a table lacks
+for a state is a `LocalProtocolError` naming both, never a silent pass. Repeats that the protocol allows (a
+repeated request, a repeated done) are explicit rows whose effects are idempotent. Effects are names of commands
+("submit", "reply_done", ...): the driver carries them out. Terminal states never change again. Pure module:
+standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+from types import MappingProxyType
+from typing import Final
+
+from kvsvc.errors import LocalProtocolError
+
+
+class SendState(Enum):
+    REQUESTED = "requested"  # D asked; waiting for the KV to be ready
+    WRITING = "writing"  # descriptors submitted to the transport
+    DRAINING = "draining"  # aborted while writing; waiting for the writes to stop touching memory
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+class SendEvent(Enum):
+    REQUEST = "request"  # D's transfer request (again)
+    READY = "ready"  # the KV's completion future resolved
+    WRITE_OK = "write_ok"
+    WRITE_FAILED = "write_failed"
+    ABORT = "abort"  # either side aborted
+    EXPIRE = "expire"  # the hold deadline passed
+    PEER_LOST = "peer_lost"  # the control connection to D broke
+
+
+class Effect(Enum):
+    SUBMIT = "submit"  # plan and hand descriptors to the transport
+    REPLY_DONE = "reply_done"  # P -> D TransferDone
+    REPLY_FAILED = "reply_failed"  # P -> D TransferFailed
+    SEND_REQUEST = "send_request"  # D -> P TransferRequest
+    SEND_ABORT = "send_abort"  # D -> P Abort
+
+
+S, SE, E = SendState, SendEvent, Effect
+
+_send_rows: dict[tuple[SendState, SendEvent], tuple[SendState, tuple[Effect, ...]]] = {
+    (S.REQUESTED, SE.REQUEST): (S.REQUESTED, ()),
+    (S.REQUESTED, SE.READY): (S.WRITING, (E.SUBMIT,)),
+    (S.REQUESTED, SE.ABORT): (S.ABORTED, (E.REPLY_FAILED,)),
+    (S.REQUESTED, SE.EXPIRE): (S.FAILED, (E.REPLY_FAILED,)),
+    (S.REQUESTED, SE.PEER_LOST): (S.FAILED, ()),
+    (S.WRITING, SE.REQUEST): (S.WRITING, ()),
+    (S.WRITING, SE.READY): (S.WRITING, ()),
+    (S.WRITING, SE.WRITE_OK): (S.DONE, (E.REPLY_DONE,)),
+    (S.WRITING, SE.WRITE_FAILED): (S.FAILED, (E.REPLY_FAILED,)),
+    (S.WRITING, SE.ABORT): (S.DRAINING, ()),
+    # Expiry and a lost peer cannot cut a write short: the blocks stay held until it drained.
+    (S.WRITING, SE.EXPIRE): (S.DRAINING, ()),
+    (S.WRITING, SE.PEER_LOST): (S.DRAINING, ()),
+    (S.DRAINING, SE.REQUEST): (S.DRAINING, ()),
+    (S.DRAINING, SE.READY): (S.DRAINING, ()),
+    (S.DRAINING, SE.ABORT): (S.DRAINING, ()),
+    (S.DRAINING, SE.EXPIRE): (S.DRAINING, ()),
+    (S.DRAINING, SE.PEER_LOST): (S.DRAINING, ()),
+    (S.DRAINING, SE.WRITE_OK): (S.ABORTED, (E.REPLY_FAILED,)),
+    (S.DRAINING, SE.WRITE_FAILED): (S.ABORTED, (E.REPLY_FAILED,)),
+    # A repeated request after the outcome gets the outcome again: D may have missed it.
+    (S.DONE, SE.REQUEST): (S.DONE, (E.REPLY_DONE,)),
+    (S.FAILED, SE.REQUEST): (S.FAILED, (E.REPLY_FAILED,)),
+    (S.ABORTED, SE.REQUEST): (S.ABORTED, (E.REPLY_FAILED,)),
+}
+for _terminal in (S.DONE, S.FAILED, S.ABORTED):
+    for _event in (SE.READY, SE.ABORT, SE.EXPIRE, SE.PEER_LOST):
+        _send_rows[(_terminal, _event)] = (_terminal, ())
+
+SEND_TABLE: Final[Mapping[tuple[SendState, SendEvent], tuple[SendState, tuple[Effect, ...]]]] = MappingProxyType(
+    _send_rows
+)
+
+SEND_TERMINAL: Final = frozenset({S.DONE, S.FAILED, S.ABORTED})
+
+
+class RecvState(Enum):
+    PENDING = "pending"  # waiting for the control connection to the P worker
+    REQUESTED = "requested"  # request sent; waiting for done or failed
+    ABORTING = "aborting"  # abort sent; waiting for P to confirm its writes stopped
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+class RecvEvent(Enum):
+    CONNECTED = "connected"
+    HANDSHAKE_FAILED = "handshake_failed"
+    DONE = "done"
+    FAILED = "failed"
+    PEER_LOST = "peer_lost"
+    EXPIRE = "expire"
+    ABORT = "abort"
+
+
+R, RE = RecvState, RecvEvent
+
+_recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...]]] = {
+    (R.PENDING, RE.CONNECTED): (R.REQUESTED, (E.SEND_REQUEST,)),
+    (R.PENDING, RE.HANDSHAKE_FAILED): (R.FAILED, ()),
+    (R.PENDING, RE.PEER_LOST): (R.FAILED, ()),
+    (R.PENDING, RE.EXPIRE): (R.FAILED, ()),
+    (R.PENDING, RE.ABORT): (R.ABORTED, ()),
+    (R.REQUESTED, RE.CONNECTED): (R.REQUESTED, ()),
+    (R.REQUESTED, RE.DONE): (R.DONE, ()),
+    (R.REQUESTED, RE.FAILED): (R.FAILED, ()),
+    (R.REQUESTED, RE.PEER_LOST): (R.FAILED, ()),
+    # P may still be writing: tell it to stop. A dead or frozen P writes nothing the engine will read, since the
+    # blocks are reported invalid.
+    (R.REQUESTED, RE.EXPIRE): (R.FAILED, (E.SEND_ABORT,)),
+    (R.REQUESTED, RE.ABORT): (R.ABORTING, (E.SEND_ABORT,)),
+    (R.ABORTING, RE.CONNECTED): (R.ABORTING, ()),
+    (R.ABORTING, RE.ABORT): (R.ABORTING, ()),
+    (R.ABORTING, RE.DONE): (R.ABORTED, ()),
+    (R.ABORTING, RE.FAILED): (R.ABORTED, ()),
+    (R.ABORTING, RE.PEER_LOST): (R.ABORTED, ()),
+    (R.ABORTING, RE.EXPIRE): (R.ABORTED, ()),
+}
+for _terminal_r in (R.DONE, R.FAILED, R.ABORTED):
+    for _event_r in (RE.CONNECTED, RE.DONE, RE.FAILED, RE.PEER_LOST, RE.EXPIRE, RE.ABORT, RE.HANDSHAKE_FAILED):
+        _recv_rows[(_terminal_r, _event_r)] = (_terminal_r, ())
+# A handshake can fail after a job was requested when a reconnect to a restarted peer is refused.
+_recv_rows[(R.REQUESTED, RE.HANDSHAKE_FAILED)] = (R.FAILED, ())
+_recv_rows[(R.ABORTING, RE.HANDSHAKE_FAILED)] = (R.ABORTED, ())
+
+RECV_TABLE: Final[Mapping[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...]]]] = MappingProxyType(
+    _recv_rows
+)
+
+RECV_TERMINAL: Final = frozenset({R.DONE, R.FAILED, R.ABORTED})
+
+
+class SendJob:
+    """P's job for one (transfer, D worker): from D's request to the outcome D is told."""
+
+    __slots__ = ("block_ids", "dst", "num_tokens", "reason", "state", "transfer_id")
+
+    def __init__(self, transfer_id: str, dst: tuple[int, int], block_ids: list[int], num_tokens: int) -> None:
+        self.transfer_id = transfer_id
+        self.dst = dst
+        self.block_ids = block_ids
+        self.num_tokens = num_tokens
+        self.state = SendState.REQUESTED
+        self.reason = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in SEND_TERMINAL
+
+    def handle(self, event: SendEvent, reason: str = "") -> tuple[Effect, ...]:
+        """Apply `event`; return the effects the driver must carry out.
+
+        Raises:
+            LocalProtocolError: the table has no row for (state, event).
+        """
+        try:
+            next_state, effects = SEND_TABLE[(self.state, event)]
+        except KeyError:
+            raise LocalProtocolError(
+                f"send job {self.transfer_id!r} -> D{self.dst}: event {event.value} in state {self.state.value}"
+            ) from None
+        if reason and next_state is not self.state:
+            self.reason = reason
+        self.state = next_state
+        return effects
+
+
+class RecvJob:
+    """D's job for one (transfer, P worker): from the request it sends to P's answer."""
+
+    __slots__ = ("reason", "src", "state", "transfer_id")
+
+    def __init__(self, transfer_id: str, src: tuple[int, int]) -> None:
+        self.transfer_id = transfer_id
+        self.src = src
+        self.state = RecvState.PENDING
+        self.reason = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in RECV_TERMINAL
+
+    def handle(self, event: RecvEvent, reason: str = "") -> tuple[Effect, ...]:
+        """Apply `event`; return the effects the driver must carry out.
+
+        Raises:
+            LocalProtocolError: the table has no row for (state, event).
+        """
+        try:
+            next_state, effects = RECV_TABLE[(self.state, event)]
+        except KeyError:
+            raise LocalProtocolError(
+                f"recv job {self.transfer_id!r} <- P{self.src}: event {event.value} in state {self.state.value}"
+            ) from None
+        if reason and next_state is not self.state:
+            self.reason = reason
+        self.state = next_state
+        return effects

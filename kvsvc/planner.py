@@ -1,0 +1,262 @@
+"""Transfer planning: which P worker writes which D bytes, as coalesced `(src_addr, dst_addr, length)` runs.
+
+Pure module: imports numpy, `kvsvc.layout`, `kvsvc.coalesce`, `kvsvc.messages`, `kvsvc.errors` (no torch,
+asyncio, mooncake). Invariants (DESIGN §2): every (D worker, layer, head) has exactly one source P worker; a plan
+writes only inside the listed D blocks and the (layer, head) slots its P worker sources; plans are maximal runs
+sorted by source address; incompatibility is a `TopologyError` that names both sides' values.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvsvc.coalesce import Int64Array, plan_runs
+from kvsvc.errors import TopologyError
+from kvsvc.layout import (
+    LAYOUTS,
+    block_geometry,
+    check_kv_heads,
+    dtype_size,
+    heads_of_rank,
+    holders_of_head,
+    kv_heads_per_rank,
+)
+from kvsvc.messages import WorkerMetadata
+
+Worker = tuple[int, int]
+_EMPTY: Int64Array = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+class Descriptor(NamedTuple):
+    """One write: `length` bytes from the P address `src_addr` to the D address `dst_addr`."""
+
+    src_addr: int
+    dst_addr: int
+    length: int
+
+
+# Skips NamedTuple's per-call argument handling: building descriptors dominates planning time.
+_new_descriptor = functools.partial(tuple.__new__, Descriptor)
+
+
+def _name(side: str, meta: WorkerMetadata) -> str:
+    return f"{side} worker (pp {meta.pp_rank}, tp {meta.tp_rank}) of {meta.engine_id!r}"
+
+
+def _check_worker(side: str, meta: WorkerMetadata) -> None:
+    who = _name(side, meta)
+    if not (0 <= meta.tp_rank < meta.tp_size and 0 <= meta.pp_rank < meta.pp_size):
+        raise TopologyError(f"{who}: rank outside its sizes (pp_size {meta.pp_size}, tp_size {meta.tp_size})")
+    if not 0 <= meta.start_layer < meta.end_layer:
+        raise TopologyError(f"{who}: empty or negative layer range [{meta.start_layer}, {meta.end_layer})")
+    if len(meta.base_addrs) != meta.num_layers:
+        raise TopologyError(f"{who}: {len(meta.base_addrs)} base_addrs for {meta.num_layers} layers")
+    if meta.block_size < 1 or meta.head_size < 1 or meta.num_blocks < 0:
+        raise TopologyError(
+            f"{who}: block_size {meta.block_size}, head_size {meta.head_size}, num_blocks {meta.num_blocks}"
+        )
+    dtype_size(meta.dtype)
+    if not meta.is_mla:
+        if meta.layout not in LAYOUTS:
+            raise TopologyError(f"{who}: unknown layout {meta.layout!r}; known: {', '.join(LAYOUTS)}")
+        check_kv_heads(meta.num_kv_heads, meta.tp_size, who)
+
+
+def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
+    """Check that P worker `src` can write into D worker `dst` (whatever their ranks); the hello runs this.
+
+    Raises:
+        TopologyError: a malformed side, or dtype, head_size, num_kv_heads or is_mla differ, or the TP sizes do
+            not divide one another, or a head split is needed where a side is NHD, or the two sides order a
+            block's heads differently (HND against NHD with several heads). The message names both values.
+    """
+    _check_worker("P", src)
+    _check_worker("D", dst)
+    for field in ("dtype", "head_size", "is_mla", "num_kv_heads"):
+        mine, theirs = getattr(src, field), getattr(dst, field)
+        if field == "dtype":
+            mine, theirs = mine.removeprefix("torch."), theirs.removeprefix("torch.")
+        if mine != theirs:
+            raise TopologyError(f"P {field} {mine!r} != D {field} {theirs!r} ({_name('P', src)}, {_name('D', dst)})")
+    small, large = sorted((src.tp_size, dst.tp_size))
+    if large % small:
+        raise TopologyError(f"P tp_size {src.tp_size} and D tp_size {dst.tp_size} do not divide one another")
+    if src.is_mla:
+        return
+    heads_p = kv_heads_per_rank(src.num_kv_heads, src.tp_size)
+    heads_d = kv_heads_per_rank(dst.num_kv_heads, dst.tp_size)
+    sizes = f"P tp_size {src.tp_size} holds {heads_p} heads per rank, D tp_size {dst.tp_size} holds {heads_d}"
+    if heads_d < heads_p and src.layout != "HND":
+        raise TopologyError(f"P layout {src.layout} cannot be split by head ({sizes}); a head split needs HND")
+    if heads_p < heads_d and dst.layout != "HND":
+        raise TopologyError(f"D layout {dst.layout} cannot be split by head ({sizes}); a head split needs HND")
+    if heads_p == heads_d > 1 and src.layout != dst.layout:
+        raise TopologyError(
+            f"P layout {src.layout} and D layout {dst.layout} order {heads_p} heads per block differently; "
+            "copying would transpose every token"
+        )
+
+
+def _source_heads(src: WorkerMetadata, dst: WorkerMetadata) -> list[int]:
+    if src.is_mla:
+        # Every P rank holds the latent; D ranks spread over them round-robin.
+        return [0] if dst.tp_rank % src.tp_size == src.tp_rank else []
+    heads: list[int] = []
+    for head in heads_of_rank(dst.tp_rank, dst.tp_size, dst.num_kv_heads):
+        holders = holders_of_head(head, src.tp_size, src.num_kv_heads)
+        if holders[dst.tp_rank % len(holders)] == src.tp_rank:
+            heads.append(head)
+    return heads
+
+
+def source_heads(src: WorkerMetadata, dst: WorkerMetadata) -> list[int]:
+    """Global KV heads of `dst` whose assigned source is `src` (MLA: `[0]` for the latent, or `[]`).
+
+    Looks at heads only; `is_source` also needs the layer ranges to overlap.
+
+    Raises:
+        TopologyError: `check_compatible` refuses the pair.
+    """
+    check_compatible(src, dst)
+    return _source_heads(src, dst)
+
+
+def _layer_overlap(src: WorkerMetadata, dst: WorkerMetadata) -> range:
+    return range(max(src.start_layer, dst.start_layer), min(src.end_layer, dst.end_layer))
+
+
+def is_source(src: WorkerMetadata, dst: WorkerMetadata) -> bool:
+    """Whether `src` writes anything into `dst`: their layers overlap and `src` sources one of its heads.
+
+    Raises:
+        TopologyError: `check_compatible` refuses the pair.
+    """
+    return bool(_layer_overlap(src, dst)) and bool(source_heads(src, dst))
+
+
+def _check_block_ids(side: str, meta: WorkerMetadata, ids: Sequence[int], tokens: int) -> None:
+    needed = -(-tokens // meta.block_size)
+    if len(ids) < needed:
+        raise ValueError(
+            f"{side}: {len(ids)} block ids hold fewer than {tokens} tokens of block_size {meta.block_size}"
+        )
+    used = ids[:needed]
+    if used and (min(used) < 0 or max(used) >= meta.num_blocks):
+        raise ValueError(f"{side}: block id outside [0, {meta.num_blocks}) in {list(used)}")
+    if side == "D" and len(set(used)) != len(used):
+        raise ValueError(f"D: repeated block id in {list(used)} would write one slot twice")
+
+
+def plan_transfer(
+    src: WorkerMetadata,
+    dst: WorkerMetadata,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    num_tokens: int | None = None,
+    *,
+    whole_blocks: bool = True,
+) -> list[Descriptor]:
+    """The writes P worker `src` makes into D worker `dst` for tokens `[0, num_tokens)` of one request.
+
+    `num_tokens` defaults to every slot of `dst_block_ids`. Covers every layer both hold, for the heads
+    `source_heads(src, dst)`; `[]` when `src` is no source of `dst`. Runs are maximal and sorted by source
+    address. With `whole_blocks`, a partial last block is completed up to the end of the current P and D
+    blocks when every head of both blocks is copied, which lets K and V merge; those extra slots lie inside
+    the listed D block and hold sourced heads only. `plan_transfer_arrays` gives the same plan as arrays,
+    which is several times cheaper when the plan has thousands of runs.
+
+    Raises:
+        TopologyError: `check_compatible` refuses the pair.
+        ValueError: `num_tokens` is negative, a block id list is too short or outside the pool, or a D block
+            id repeats.
+    """
+    src_addrs, dst_addrs, lengths = plan_transfer_arrays(
+        src, dst, src_block_ids, dst_block_ids, num_tokens, whole_blocks=whole_blocks
+    )
+    return list(map(_new_descriptor, zip(src_addrs.tolist(), dst_addrs.tolist(), lengths.tolist(), strict=True)))
+
+
+def plan_transfer_arrays(
+    src: WorkerMetadata,
+    dst: WorkerMetadata,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    num_tokens: int | None = None,
+    *,
+    whole_blocks: bool = True,
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """`plan_transfer` as three int64 arrays (source addresses, destination addresses, lengths).
+
+    The transport's batch write takes three lists, so the service can skip building `Descriptor`s. Empty
+    (read-only) arrays when `src` is no source of `dst`.
+
+    Raises:
+        TopologyError: `check_compatible` refuses the pair.
+        ValueError: `num_tokens` is negative, a block id list is too short or outside the pool, or a D block
+            id repeats.
+    """
+    check_compatible(src, dst)
+    tokens = len(dst_block_ids) * dst.block_size if num_tokens is None else num_tokens
+    if tokens < 0:
+        raise ValueError(f"num_tokens {tokens} is negative")
+    _check_block_ids("P", src, src_block_ids, tokens)
+    _check_block_ids("D", dst, dst_block_ids, tokens)
+    layers = _layer_overlap(src, dst)
+    heads = _source_heads(src, dst)
+    if not layers or not heads or tokens == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    gs, gd = block_geometry(src), block_geometry(dst)
+    if src.is_mla:
+        local_src, local_dst = [0], [0]
+    else:
+        first_src = heads_of_rank(src.tp_rank, src.tp_size, src.num_kv_heads).start
+        first_dst = heads_of_rank(dst.tp_rank, dst.tp_size, dst.num_kv_heads).start
+        local_src = [h - first_src for h in heads]
+        local_dst = [h - first_dst for h in heads]
+    every_head = len(heads) == gs.local_heads == gd.local_heads
+    if whole_blocks and every_head and not src.is_mla:
+        last = tokens - 1
+        tokens = min((last // gd.block_size + 1) * gd.block_size, (last // gs.block_size + 1) * gs.block_size)
+    src_bases = [src.base_addrs[layer - src.start_layer] for layer in layers]
+    dst_bases = [dst.base_addrs[layer - dst.start_layer] for layer in layers]
+    return plan_runs(gs, gd, local_src, local_dst, src_bases, dst_bases, src_block_ids, dst_block_ids, tokens)
+
+
+def sources_of(dst: WorkerMetadata, src_engine: Mapping[Worker, WorkerMetadata]) -> list[Worker]:
+    """The P workers, as sorted `(pp_rank, tp_rank)`, that D worker `dst` must ask for its KV.
+
+    Raises:
+        TopologyError: `check_compatible` refuses a pair.
+    """
+    return sorted(w for w, meta in src_engine.items() if is_source(meta, dst))
+
+
+def expected_destinations(src: WorkerMetadata, dst_engine: Mapping[Worker, WorkerMetadata]) -> list[Worker]:
+    """The D workers, as sorted `(pp_rank, tp_rank)`, that will ask P worker `src` for their share.
+
+    Raises:
+        TopologyError: `check_compatible` refuses a pair.
+    """
+    return sorted(w for w, meta in dst_engine.items() if is_source(src, meta))
+
+
+def release_notifier(src: WorkerMetadata, dst_engine: Mapping[Worker, WorkerMetadata]) -> Worker | None:
+    """The D worker that tells P worker `src` "nothing for you" when no D worker needs it, else None.
+
+    It is the first D worker in `(pp_rank, tp_rank)` order whose layers overlap `src`'s; None also when no
+    D worker overlaps at all (then the engines hold different layers and nobody can release it).
+
+    Raises:
+        TopologyError: `check_compatible` refuses a pair.
+    """
+    if expected_destinations(src, dst_engine):
+        return None
+    for worker in sorted(dst_engine):
+        if _layer_overlap(src, dst_engine[worker]):
+            return worker
+    return None

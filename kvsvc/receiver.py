@@ -1,0 +1,252 @@
+"""D's side of the protocol as a sans-IO object: receive jobs, deadlines and exactly-once reporting.
+
+Rules: `Receiver` takes events (a receive from the engine, the sources the handshake found, a connection that
+opened or broke, P's answers, the clock) and returns commands (`SendToSource`); it never does I/O. Each receive
+is reported exactly once, in `drain()`: finished when every P worker it needs answered done; failed, with its
+blocks invalid, on any failure, expiry or abort. An aborted receive is reported only after every P worker it asked
+confirmed its writes stopped, or the abort grace passed. Pure module: standard library and kvsvc's pure core only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvsvc.jobs import Effect, RecvEvent, RecvJob, RecvState
+from kvsvc.messages import Abort, Release, TransferRequest
+
+Worker = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class SendToSource:
+    """Send `message` to P worker `src` of engine `engine_id` on its control connection."""
+
+    engine_id: str
+    src: Worker
+    message: TransferRequest | Release | Abort
+
+
+@dataclass(slots=True)
+class _Recv:
+    req_id: str
+    transfer_id: str
+    engine_id: str
+    block_ids: list[int]
+    num_tokens: int
+    deadline: float
+    jobs: dict[Worker, RecvJob] = field(default_factory=dict)
+    sources_known: bool = False
+    aborted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverStatistics:
+    receives: int
+    waiting_for_handshake: int
+    jobs_by_state: dict[str, int]
+    finished: int
+    failed: int
+    expired: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecvReport:
+    """What `Receiver.drain` hands to the engine: each req_id once, in exactly one of the two sets."""
+
+    finished: set[str]
+    failed: set[str]
+    invalid_block_ids: set[int]
+    reasons: dict[str, str]
+
+
+class Receiver:
+    """The receive side of one D worker (see module docstring)."""
+
+    def __init__(self, *, recv_timeout_s: float = 60.0, abort_grace_s: float = 35.0) -> None:
+        self._timeout = recv_timeout_s
+        self._abort_grace = abort_grace_s
+        self._recvs: dict[str, _Recv] = {}
+        self._finished: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._invalid: set[int] = set()
+        self._counts = {"finished": 0, "failed": 0, "expired": 0}
+
+    # -- events from the engine --------------------------------------------------------------------------------
+
+    def start(
+        self, req_id: str, transfer_id: str, engine_id: str, block_ids: list[int], num_tokens: int, now: float
+    ) -> bool:
+        """Begin receiving `transfer_id` from engine `engine_id` into `block_ids`.
+
+        Returns False (and changes nothing) when the transfer is already being received: repeats are no-ops.
+        """
+        if transfer_id in self._recvs:
+            return False
+        self._recvs[transfer_id] = _Recv(req_id, transfer_id, engine_id, block_ids, num_tokens, now + self._timeout)
+        return True
+
+    def abort(self, req_id: str, now: float) -> list[SendToSource]:
+        """The engine aborted `req_id`: ask P workers to stop; report failed once they confirmed or grace passed."""
+        recv = next((r for r in self._recvs.values() if r.req_id == req_id), None)
+        if recv is None or recv.aborted:
+            return []
+        recv.aborted = True
+        recv.deadline = min(recv.deadline, now + self._abort_grace)
+        commands: list[SendToSource] = []
+        for job in list(recv.jobs.values()):
+            commands += self._apply(recv, job, RecvEvent.ABORT, "aborted by D")
+        if not recv.sources_known:
+            self._end(recv, "aborted by D before the handshake completed")
+        return commands
+
+    # -- events from the handshake and connections -------------------------------------------------------------
+
+    def sources_known(
+        self, transfer_id: str, sources: list[Worker], releases: list[Worker], connected: set[Worker]
+    ) -> list[SendToSource]:
+        """The handshake found which P workers this receive needs (`sources`) and which P workers this D worker
+        must tell that nobody needs them (`releases`). `connected` are the sources whose connection is open."""
+        recv = self._recvs.get(transfer_id)
+        if recv is None or recv.sources_known:
+            return []
+        recv.sources_known = True
+        commands = [SendToSource(recv.engine_id, src, Release(transfer_id=transfer_id)) for src in releases]
+        if recv.aborted:
+            return commands
+        for src in sources:
+            recv.jobs[src] = RecvJob(transfer_id, src)
+        for src in sources:
+            if src in connected:
+                commands += self._apply(recv, recv.jobs[src], RecvEvent.CONNECTED)
+        self._maybe_end(recv)
+        return commands
+
+    def connected(self, engine_id: str, src: Worker) -> list[SendToSource]:
+        """The control connection to P worker `src` of `engine_id` is open: send the requests waiting for it."""
+        commands: list[SendToSource] = []
+        for recv in list(self._recvs.values()):
+            job = recv.jobs.get(src)
+            if recv.engine_id == engine_id and job is not None:
+                commands += self._apply(recv, job, RecvEvent.CONNECTED)
+        return commands
+
+    def engine_failed(self, engine_id: str, reason: str) -> None:
+        """Engine `engine_id` cannot be reached or is incompatible: fail every receive from it that waits."""
+        for recv in list(self._recvs.values()):
+            if recv.engine_id != engine_id:
+                continue
+            if not recv.sources_known:
+                self._end(recv, reason)
+                continue
+            for job in list(recv.jobs.values()):
+                self._apply(recv, job, RecvEvent.HANDSHAKE_FAILED, reason)
+
+    def peer_lost(self, engine_id: str, src: Worker, reason: str) -> None:
+        """The connection to P worker `src` broke or was refused: its jobs fail (or end their abort)."""
+        for recv in list(self._recvs.values()):
+            job = recv.jobs.get(src)
+            if recv.engine_id == engine_id and job is not None:
+                self._apply(recv, job, RecvEvent.PEER_LOST, reason)
+
+    def answer(self, engine_id: str, src: Worker, transfer_id: str, error: str | None) -> bool:
+        """P worker `src` answered done (`error` None) or failed. Returns False for an unknown transfer or
+        source (the caller answers the peer with an error), True otherwise, repeats included."""
+        recv = self._recvs.get(transfer_id)
+        job = recv.jobs.get(src) if recv is not None and recv.engine_id == engine_id else None
+        if recv is None or job is None:
+            return False
+        event = RecvEvent.DONE if error is None else RecvEvent.FAILED
+        self._apply(recv, job, event, error or "")
+        return True
+
+    # -- the clock and reporting -------------------------------------------------------------------------------
+
+    def expire(self, now: float) -> list[SendToSource]:
+        """Fail every receive whose deadline passed; end aborts whose grace passed."""
+        commands: list[SendToSource] = []
+        for recv in list(self._recvs.values()):
+            if recv.deadline > now:
+                continue
+            if not recv.aborted:
+                self._counts["expired"] += 1
+            reason = (
+                f"receive of transfer {recv.transfer_id!r} from {recv.engine_id!r} timed out after {self._timeout:g} s"
+            )
+            for job in list(recv.jobs.values()):
+                commands += self._apply(recv, job, RecvEvent.EXPIRE, reason)
+            if recv.transfer_id in self._recvs:
+                self._end(recv, reason)
+        return commands
+
+    def next_deadline(self) -> float | None:
+        return min((r.deadline for r in self._recvs.values()), default=None)
+
+    def drain(self) -> RecvReport:
+        """Receives that ended since the last call; each req_id appears exactly once over the Receiver's life."""
+        report = RecvReport(self._finished, set(self._failed), self._invalid, self._failed)
+        self._finished, self._failed, self._invalid = set(), {}, set()
+        return report
+
+    def pending(self, transfer_id: str) -> list[Worker]:
+        """Sources of `transfer_id` still waiting for their connection (for the driver to connect)."""
+        recv = self._recvs.get(transfer_id)
+        if recv is None:
+            return []
+        return [src for src, job in recv.jobs.items() if job.state is RecvState.PENDING]
+
+    def engine_of(self, transfer_id: str) -> str | None:
+        recv = self._recvs.get(transfer_id)
+        return recv.engine_id if recv is not None else None
+
+    def statistics(self) -> ReceiverStatistics:
+        states: dict[str, int] = {}
+        for recv in self._recvs.values():
+            for job in recv.jobs.values():
+                states[job.state.value] = states.get(job.state.value, 0) + 1
+        return ReceiverStatistics(
+            receives=len(self._recvs),
+            waiting_for_handshake=sum(not r.sources_known for r in self._recvs.values()),
+            jobs_by_state=states,
+            finished=self._counts["finished"],
+            failed=self._counts["failed"],
+            expired=self._counts["expired"],
+        )
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _apply(self, recv: _Recv, job: RecvJob, event: RecvEvent, reason: str = "") -> list[SendToSource]:
+        effects = job.handle(event, reason)
+        commands: list[SendToSource] = []
+        for effect in effects:
+            if effect is Effect.SEND_REQUEST:
+                request = TransferRequest(
+                    transfer_id=recv.transfer_id, block_ids=recv.block_ids, num_tokens=recv.num_tokens
+                )
+                commands.append(SendToSource(recv.engine_id, job.src, request))
+            elif effect is Effect.SEND_ABORT:
+                abort = Abort(transfer_id=recv.transfer_id, reason=job.reason or "aborted by D")
+                commands.append(SendToSource(recv.engine_id, job.src, abort))
+        self._maybe_end(recv)
+        return commands
+
+    def _maybe_end(self, recv: _Recv) -> None:
+        if recv.transfer_id not in self._recvs or not recv.sources_known:
+            return
+        if any(not job.terminal for job in recv.jobs.values()):
+            return
+        failed = [job for job in recv.jobs.values() if job.state is not RecvState.DONE]
+        if not failed and not recv.aborted:
+            del self._recvs[recv.transfer_id]
+            self._finished.add(recv.req_id)
+            self._counts["finished"] += 1
+            return
+        job = failed[0] if failed else None
+        reason = f"P{job.src}: {job.reason or job.state.value}" if job is not None else "aborted by D"
+        self._end(recv, reason)
+
+    def _end(self, recv: _Recv, reason: str) -> None:
+        if self._recvs.pop(recv.transfer_id, None) is None:
+            return
+        self._failed[recv.req_id] = reason
+        self._invalid.update(recv.block_ids)
+        self._counts["failed"] += 1

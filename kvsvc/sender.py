@@ -1,0 +1,353 @@
+"""P's side of the protocol as a sans-IO object: holds, send jobs, deadlines and exactly-once reporting.
+
+Rules: `Sender` takes events (a hold from the engine, a request or abort from a D worker, a write's result, the
+clock) and returns commands (`Submit`, `Reply`); it never touches a socket, a transport or a clock itself. Each
+held request is reported in `drain_finished()` exactly once: when every D worker that needs it was served, when it
+expired, or when it was aborted, and never while a write may still touch its blocks. Requests that arrive before
+the hold wait a bounded time, then are answered failed. Pure module: standard library and kvsvc's pure core only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvsvc.jobs import Effect, SendEvent, SendJob, SendState
+from kvsvc.messages import ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest, WorkerRef
+
+Worker = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Plan this transfer's share for `dst` and write it; report back with `Sender.write_result`."""
+
+    transfer_id: str
+    dst: WorkerRef
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Send `message` to D worker `dst` on its control connection."""
+
+    dst: WorkerRef
+    message: TransferDone | TransferFailed | ErrorMessage
+
+
+SendCommand = Submit | Reply
+
+
+@dataclass(slots=True)
+class _Hold:
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    deadline: float
+    ready: bool = False
+    dst_engine: tuple[str, str] | None = None
+    expected: frozenset[Worker] | None = None
+    jobs: dict[Worker, SendJob] = field(default_factory=dict)
+    refs: dict[Worker, WorkerRef] = field(default_factory=dict)
+    results: dict[Worker, tuple[int, int]] = field(default_factory=dict)
+    ended: str = ""  # "aborted" or "expired" once the hold stops waiting for more D workers
+
+
+@dataclass(frozen=True, slots=True)
+class SenderStatistics:
+    holds: int
+    early_requests: int
+    jobs_by_state: dict[str, int]
+    finished_pending_report: int
+    expired_holds: int
+    aborted_holds: int
+
+
+class Sender:
+    """The send side of one P worker (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        hold_timeout_s: float = 60.0,
+        early_request_timeout_s: float = 10.0,
+        max_early_requests: int = 65536,
+        remembered_outcomes: int = 65536,
+    ) -> None:
+        self._hold_timeout = hold_timeout_s
+        self._early_timeout = early_request_timeout_s
+        self._max_early = max_early_requests
+        self._holds: dict[str, _Hold] = {}
+        # Requests for transfers not held yet, in arrival order (deadline, request, expected set).
+        self._early: OrderedDict[
+            tuple[str, Worker], tuple[float, WorkerRef, TransferRequest | Release, frozenset[Worker]]
+        ]
+        self._early = OrderedDict()
+        # Outcomes of finished transfers, so a repeated request is answered again rather than left to fail.
+        self._outcomes: OrderedDict[tuple[str, Worker], TransferDone | TransferFailed] = OrderedDict()
+        self._remembered = remembered_outcomes
+        self._finished: set[str] = set()
+        self._expired_count = 0
+        self._aborted_count = 0
+
+    # -- events from the engine -------------------------------------------------------------------------------
+
+    def hold(
+        self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int, now: float
+    ) -> list[SendCommand]:
+        """The engine holds `req_id`'s KV for `transfer_id` until D workers fetched it (or the hold expires).
+
+        A repeated hold of a held transfer is a no-op. Requests that arrived early are applied now.
+        """
+        if transfer_id in self._holds:
+            return []
+        self._holds[transfer_id] = _Hold(req_id, transfer_id, block_ids, num_tokens, now + self._hold_timeout)
+        commands: list[SendCommand] = []
+        for key in [k for k in self._early if k[0] == transfer_id]:
+            _, dst, message, expected = self._early.pop(key)
+            if isinstance(message, Release):
+                commands += self.release(dst, expected, message, now)
+            else:
+                commands += self.request(dst, expected, message, now)
+        return commands
+
+    def ready(self, transfer_id: str) -> list[SendCommand]:
+        """The compute that wrote the transfer's KV finished; requested jobs may write now."""
+        hold = self._holds.get(transfer_id)
+        if hold is None or hold.ready:
+            return []
+        hold.ready = True
+        commands: list[SendCommand] = []
+        for job in list(hold.jobs.values()):
+            commands += self._apply(hold, job, SendEvent.READY)
+        return commands
+
+    def abort(self, req_id: str) -> list[SendCommand]:
+        """The engine aborted `req_id`: answer waiting D workers failed; writing jobs drain first."""
+        for hold in self._holds.values():
+            if hold.req_id == req_id:
+                break
+        else:
+            return []
+        if not hold.ended:
+            hold.ended = "aborted"
+            self._aborted_count += 1
+        commands: list[SendCommand] = []
+        for job in list(hold.jobs.values()):
+            commands += self._apply(hold, job, SendEvent.ABORT, "aborted by P")
+        self._maybe_finish(hold)
+        return commands
+
+    # -- events from D workers ---------------------------------------------------------------------------------
+
+    def request(
+        self, dst: WorkerRef, expected: frozenset[Worker], message: TransferRequest, now: float
+    ) -> list[SendCommand]:
+        """D worker `dst` asks for its share. `expected` is every D worker of dst's engine that this P worker sources.
+
+        A repeat is a no-op, or re-answers the outcome if the job ended.
+        """
+        key = (message.transfer_id, dst.worker)
+        hold = self._holds.get(message.transfer_id)
+        if hold is None:
+            return self._early_or_outcome(key, dst, message, expected, now)
+        refused = self._check_engine(hold, dst, expected)
+        if refused:
+            return [refused]
+        job = hold.jobs.get(dst.worker)
+        if job is None:
+            job = SendJob(message.transfer_id, dst.worker, message.block_ids, message.num_tokens)
+            hold.jobs[dst.worker] = job
+            hold.refs[dst.worker] = dst
+            if hold.ended:
+                return self._apply(hold, job, SendEvent.ABORT if hold.ended == "aborted" else SendEvent.EXPIRE)
+            return self._apply(hold, job, SendEvent.READY) if hold.ready else []
+        return self._apply(hold, job, SendEvent.REQUEST)
+
+    def release(self, dst: WorkerRef, expected: frozenset[Worker], message: Release, now: float) -> list[SendCommand]:
+        """D's designated worker says no D worker needs data from this P worker: finish the hold now."""
+        hold = self._holds.get(message.transfer_id)
+        if hold is None:
+            key = (message.transfer_id, dst.worker)
+            if key not in self._outcomes:
+                return self._early_or_outcome(key, dst, message, expected, now)
+            return []
+        refused = self._check_engine(hold, dst, expected)
+        if refused:
+            return [refused]
+        self._maybe_finish(hold)
+        return []
+
+    def remote_abort(self, dst: WorkerRef, transfer_id: str, reason: str) -> list[SendCommand]:
+        """D worker `dst` aborted its receive: stop its job (after any write drained); it counts as served."""
+        self._early.pop((transfer_id, dst.worker), None)
+        hold = self._holds.get(transfer_id)
+        if hold is None:
+            return []
+        job = hold.jobs.get(dst.worker)
+        if job is None:
+            # D gave up before asking: record the D worker as served so the hold can finish.
+            job = SendJob(transfer_id, dst.worker, [], 0)
+            job.state, job.reason = SendState.ABORTED, reason
+            hold.jobs[dst.worker] = job
+            hold.refs[dst.worker] = dst
+            self._maybe_finish(hold)
+            return []
+        return self._apply(hold, job, SendEvent.ABORT, reason or "aborted by D")
+
+    def peer_lost(self, dst: WorkerRef) -> list[SendCommand]:
+        """The control connection to `dst` broke: its pending jobs fail; writing ones drain first."""
+        commands: list[SendCommand] = []
+        for hold in list(self._holds.values()):
+            job = hold.jobs.get(dst.worker)
+            if job is not None and hold.refs.get(dst.worker) == dst:
+                commands += self._apply(hold, job, SendEvent.PEER_LOST, f"control connection to {dst} lost")
+        for key in [k for k, v in self._early.items() if v[1] == dst]:
+            del self._early[key]
+        return commands
+
+    # -- events from the transport and the clock ---------------------------------------------------------------
+
+    def write_result(
+        self, transfer_id: str, dst: Worker, error: str | None, nbytes: int = 0, descriptors: int = 0
+    ) -> list[SendCommand]:
+        """The write that a `Submit` started ended: `error` None means every byte landed."""
+        hold = self._holds.get(transfer_id)
+        job = hold.jobs.get(dst) if hold is not None else None
+        if hold is None or job is None:
+            return []
+        hold.results[dst] = (nbytes, descriptors)
+        if error is None:
+            return self._apply(hold, job, SendEvent.WRITE_OK)
+        return self._apply(hold, job, SendEvent.WRITE_FAILED, error)
+
+    def expire(self, now: float) -> list[SendCommand]:
+        """Apply every deadline that passed at `now`: holds nobody fully fetched, early requests never held."""
+        commands: list[SendCommand] = []
+        for hold in list(self._holds.values()):
+            if hold.deadline <= now and not hold.ended:
+                hold.ended = "expired"
+                self._expired_count += 1
+                reason = f"hold of transfer {hold.transfer_id!r} expired after {self._hold_timeout:g} s"
+                for job in list(hold.jobs.values()):
+                    commands += self._apply(hold, job, SendEvent.EXPIRE, reason)
+                self._maybe_finish(hold)
+        while self._early:
+            key, (deadline, dst, message, _) = next(iter(self._early.items()))
+            if deadline > now:
+                break
+            del self._early[key]
+            if isinstance(message, TransferRequest):
+                reason = f"unknown transfer {message.transfer_id!r}: not held by P within {self._early_timeout:g} s"
+                commands.append(Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason)))
+        return commands
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which `expire` has something to do, or None."""
+        deadlines = [h.deadline for h in self._holds.values() if not h.ended]
+        if self._early:
+            deadlines.append(next(iter(self._early.values()))[0])
+        return min(deadlines, default=None)
+
+    def drain_finished(self) -> set[str]:
+        """The req_ids whose holds ended since the last call; each appears exactly once over the Sender's life."""
+        finished, self._finished = self._finished, set()
+        return finished
+
+    def holds(self, transfer_id: str) -> bool:
+        """Whether `transfer_id` is still held (its outcome not decided)."""
+        return transfer_id in self._holds
+
+    def held_blocks(self) -> int:
+        return sum(len(h.block_ids) for h in self._holds.values())
+
+    def statistics(self) -> SenderStatistics:
+        states: dict[str, int] = {}
+        for hold in self._holds.values():
+            for job in hold.jobs.values():
+                states[job.state.value] = states.get(job.state.value, 0) + 1
+        return SenderStatistics(
+            holds=len(self._holds),
+            early_requests=len(self._early),
+            jobs_by_state=states,
+            finished_pending_report=len(self._finished),
+            expired_holds=self._expired_count,
+            aborted_holds=self._aborted_count,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _early_or_outcome(
+        self,
+        key: tuple[str, Worker],
+        dst: WorkerRef,
+        message: TransferRequest | Release,
+        expected: frozenset[Worker],
+        now: float,
+    ) -> list[SendCommand]:
+        outcome = self._outcomes.get(key)
+        if outcome is not None:
+            return [Reply(dst, outcome)] if isinstance(message, TransferRequest) else []
+        if key in self._early:
+            return []
+        if len(self._early) >= self._max_early:
+            reason = f"P worker busy: {len(self._early)} requests already wait for transfers not held yet"
+            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
+        self._early[key] = (now + self._early_timeout, dst, message, expected)
+        return []
+
+    def _check_engine(self, hold: _Hold, dst: WorkerRef, expected: frozenset[Worker]) -> Reply | None:
+        engine = (dst.engine_id, dst.incarnation)
+        if hold.dst_engine is None:
+            hold.dst_engine, hold.expected = engine, expected
+            return None
+        if hold.dst_engine != engine:
+            reason = (
+                f"transfer {hold.transfer_id!r} is already being fetched by engine {hold.dst_engine[0]!r} "
+                f"(incarnation {hold.dst_engine[1]}), not {dst.engine_id!r} (incarnation {dst.incarnation})"
+            )
+            return Reply(dst, ErrorMessage(reason=reason, transfer_id=hold.transfer_id))
+        return None
+
+    def _apply(self, hold: _Hold, job: SendJob, event: SendEvent, reason: str = "") -> list[SendCommand]:
+        effects = job.handle(event, reason)
+        dst = hold.refs[job.dst]
+        commands: list[SendCommand] = []
+        for effect in effects:
+            if effect is Effect.SUBMIT:
+                commands.append(Submit(hold.transfer_id, dst, hold.block_ids, job.block_ids, job.num_tokens))
+            elif effect is Effect.REPLY_DONE:
+                nbytes, descriptors = hold.results.get(job.dst, (0, 0))
+                commands.append(
+                    Reply(dst, TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors))
+                )
+            elif effect is Effect.REPLY_FAILED:
+                why = job.reason or "failed"
+                commands.append(Reply(dst, TransferFailed(transfer_id=hold.transfer_id, reason=why)))
+        if job.terminal:
+            self._maybe_finish(hold)
+        return commands
+
+    def _maybe_finish(self, hold: _Hold) -> None:
+        if hold.transfer_id not in self._holds:
+            return
+        if any(not job.terminal for job in hold.jobs.values()):
+            return  # a write may still touch the blocks
+        served = all(w in hold.jobs for w in hold.expected) if hold.expected is not None else False
+        if not (hold.ended or served):
+            return
+        del self._holds[hold.transfer_id]
+        self._finished.add(hold.req_id)
+        for worker, job in hold.jobs.items():
+            outcome: TransferDone | TransferFailed
+            if job.state is SendState.DONE:
+                nbytes, descriptors = hold.results.get(worker, (0, 0))
+                outcome = TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors)
+            else:
+                outcome = TransferFailed(transfer_id=hold.transfer_id, reason=job.reason or job.state.value)
+            self._outcomes[(hold.transfer_id, worker)] = outcome
+        while len(self._outcomes) > self._remembered:
+            self._outcomes.popitem(last=False)

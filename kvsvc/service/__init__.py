@@ -1,0 +1,9 @@
+"""The asyncio transfer service each worker embeds, and its thread-safe facade."""
+
+from __future__ import annotations
+
+from kvsvc.service.config import ServiceConfig
+from kvsvc.service.service import KVTransferService, ServiceStatistics, new_incarnation
+from kvsvc.service.threaded import ServiceThread
+
+__all__ = ["KVTransferService", "ServiceConfig", "ServiceStatistics", "ServiceThread", "new_incarnation"]

@@ -1,0 +1,31 @@
+"""Settings of one worker's transfer service, with the defaults an operator would expect on one host.
+
+Rules: every hold and wait has a deadline here; none is infinite. Values are seconds unless named otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    control_host: str = "127.0.0.1"
+    """Address the control server binds; loopback by default."""
+    control_port: int = 0
+    """0 picks a free port; the bound one is in the published `WorkerMetadata.control_addr`."""
+    hold_timeout_s: float = 60.0
+    """P frees a request's KV that D workers have not fully fetched after this long, and reports it finished."""
+    recv_timeout_s: float = 60.0
+    """D fails a receive that its P workers have not completed after this long."""
+    early_request_timeout_s: float = 10.0
+    """P answers failed a D request for a transfer that was not held (start_send) within this long."""
+    abort_grace_s: float = 35.0
+    """D reports an aborted receive after this long even if a P worker never confirmed its writes stopped; keep
+    it above the transport's progress timeout, after which Mooncake fails writes to a frozen peer."""
+    handshake_timeout_s: float = 10.0
+    """Fetching a remote engine's metadata, connecting to a worker and its hello each get this long."""
+    close_drain_timeout_s: float = 30.0
+    """`close` waits this long for in-flight writes before it cancels what is left."""
+    max_early_requests: int = 65536
+    """Requests for transfers not held yet that P buffers; past it, new ones are answered busy."""

@@ -1,0 +1,585 @@
+"""A back-to-back P/D peer pair for protocol tests with no event loop: `Sender`s and `Receiver`s wired by lists.
+
+Rules: `PeerPair` plays the asyncio service's part (DESIGN §5) without I/O: it turns `Reply`/`SendToSource`
+commands into envelopes on an in-memory wire, delivers them as the other side's events, and carries out `Submit`
+by `plan_transfer` plus memmove between simulated KV pools (numpy byte arenas at fake addresses). Nothing happens
+until a test calls `step`/`run_until_idle`/`advance`; faults are predicates the test sets. The pair checks the
+rule "never report a send while a write may touch its blocks" as it goes. Pure: numpy and kvsvc's pure core only.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvsvc.errors import TopologyError
+from kvsvc.layout import block_geometry, even_layer_split, heads_of_rank, kv_cache_shape, layer_bytes
+from kvsvc.messages import (
+    Abort,
+    ErrorMessage,
+    Release,
+    TransferDone,
+    TransferFailed,
+    TransferRequest,
+    WorkerMetadata,
+    WorkerRef,
+)
+from kvsvc.planner import expected_destinations, plan_transfer, release_notifier, sources_of
+from kvsvc.receiver import Receiver, SendToSource
+from kvsvc.sender import Reply, SendCommand, Sender, Submit
+from kvsvc.testing.clock import FakeClock
+
+Worker = tuple[int, int]
+ByteArray = npt.NDArray[np.uint8]
+IntArray = npt.NDArray[np.int64]
+ToP = TransferRequest | Release | Abort
+ToD = TransferDone | TransferFailed | ErrorMessage
+_WORKER_STRIDE = 1 << 36  # fake address distance between two workers' arenas
+_P_BASE, _D_BASE = 1 << 44, 1 << 45
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Shape of one simulated engine. P and D must agree on the model (layers, heads, head size, dtype, MLA)."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    num_layers: int = 4
+    num_kv_heads: int = 4
+    head_size: int = 4
+    dtype: str = "bfloat16"
+    block_size: int = 4
+    num_blocks: int = 16
+    layout: str = "HND"
+    is_mla: bool = False
+    layer_split: tuple[tuple[int, int], ...] | None = None  # [start, end) per PP stage; default even split
+
+
+class SimEngine:
+    """One engine's workers: their `WorkerMetadata` and a zeroed byte arena per worker that the addresses name."""
+
+    def __init__(self, engine_id: str, spec: EngineSpec, base_addr: int, incarnation: str = "1") -> None:
+        self.engine_id = engine_id
+        self.incarnation = incarnation
+        self.spec = spec
+        self.metas: dict[Worker, WorkerMetadata] = {}
+        self.arenas: dict[Worker, ByteArray] = {}
+        self.bases: dict[Worker, int] = {}
+        split = spec.layer_split or tuple(even_layer_split(spec.num_layers, spec.pp_size))
+        index = 0
+        for pp, (start, end) in enumerate(split):
+            for tp in range(spec.tp_size):
+                meta = WorkerMetadata(
+                    engine_id=engine_id,
+                    incarnation=incarnation,
+                    pp_rank=pp,
+                    pp_size=len(split),
+                    tp_rank=tp,
+                    tp_size=spec.tp_size,
+                    start_layer=start,
+                    end_layer=end,
+                    num_kv_heads=spec.num_kv_heads,
+                    head_size=spec.head_size,
+                    dtype=spec.dtype,
+                    block_size=spec.block_size,
+                    num_blocks=spec.num_blocks,
+                    layout=spec.layout,
+                    is_mla=spec.is_mla,
+                    base_addrs=[],
+                )
+                size = layer_bytes(meta)
+                if size * (end - start) > _WORKER_STRIDE:
+                    raise ValueError(f"simulated pool of {size * (end - start)} bytes is too large")
+                base = base_addr + index * _WORKER_STRIDE
+                addrs = [base + i * size for i in range(end - start)]
+                self.metas[(pp, tp)] = msgspec.structs.replace(meta, base_addrs=addrs)
+                self.arenas[(pp, tp)] = np.zeros(size * (end - start), dtype=np.uint8)
+                self.bases[(pp, tp)] = base
+                index += 1
+
+    def ref(self, worker: Worker) -> WorkerRef:
+        return WorkerRef.of(self.metas[worker])
+
+    def span(self, worker: Worker, addr: int, length: int) -> slice:
+        """The arena slice that `[addr, addr + length)` names.
+
+        Raises:
+            AssertionError: the range leaves the worker's pool (a planner bug).
+        """
+        offset = addr - self.bases[worker]
+        arena = self.arenas[worker]
+        if offset < 0 or offset + length > arena.size:
+            raise AssertionError(f"[{addr:#x}, +{length}) lies outside worker {worker}'s pool of {self.engine_id!r}")
+        return slice(offset, offset + length)
+
+    def tokens(self, worker: Worker, layer: int, block_ids: list[int], num_tokens: int) -> ByteArray:
+        """A copy of tokens `[0, num_tokens)` of global `layer` in `block_ids`, axes (token, half, head, byte)."""
+        blocks, slots = self._index(worker, block_ids, num_tokens)
+        return self._view(worker, layer)[blocks, :, :, slots, :]
+
+    def write_tokens(
+        self, worker: Worker, layer: int, block_ids: list[int], num_tokens: int, values: ByteArray
+    ) -> None:
+        """Store `values` (axes as `tokens` returns them) into tokens `[0, num_tokens)` of `layer`."""
+        blocks, slots = self._index(worker, block_ids, num_tokens)
+        self._view(worker, layer)[blocks, :, :, slots, :] = values
+
+    def _index(self, worker: Worker, block_ids: list[int], num_tokens: int) -> tuple[IntArray, IntArray]:
+        bs = self.metas[worker].block_size
+        tokens = np.arange(num_tokens, dtype=np.int64)
+        return np.asarray(block_ids, dtype=np.int64)[tokens // bs], tokens % bs
+
+    def _view(self, worker: Worker, layer: int) -> ByteArray:
+        """Layer `layer`'s tensor as bytes, axes (block, half, head, slot, byte) whatever the layout."""
+        meta = self.metas[worker]
+        size = layer_bytes(meta)
+        offset = (layer - meta.start_layer) * size
+        geometry = block_geometry(meta)
+        shape = (*kv_cache_shape(meta)[:-1], geometry.element_bytes)
+        raw = self.arenas[worker][offset : offset + size].reshape(shape)
+        if meta.is_mla:
+            return raw.reshape(meta.num_blocks, 1, 1, meta.block_size, geometry.element_bytes)
+        return raw if meta.layout == "HND" else raw.transpose(0, 1, 3, 2, 4)
+
+    def heads(self, worker: Worker) -> list[int]:
+        meta = self.metas[worker]
+        if meta.is_mla:
+            return [0]
+        return list(heads_of_rank(meta.tp_rank, meta.tp_size, meta.num_kv_heads))
+
+
+def kv_pattern(transfer_id: str, layer: int, heads: list[int], num_tokens: int, halves: int, nbytes: int) -> ByteArray:
+    """The known bytes of a transfer's KV, a function of (transfer, layer, half, head, token, byte), never 0."""
+    salt = zlib.crc32(transfer_id.encode())
+    t = np.arange(num_tokens, dtype=np.int64)[:, None, None, None]
+    s = np.arange(halves, dtype=np.int64)[None, :, None, None]
+    h = np.asarray(heads, dtype=np.int64)[None, None, :, None]
+    b = np.arange(nbytes, dtype=np.int64)[None, None, None, :]
+    x = (salt ^ (layer * 0x9E3779B1) ^ (s * 0x85EBCA77) ^ (h * 0xC2B2AE3D) ^ (t * 0x27D4EB2F) ^ (b * 0x165667B1)) & (
+        0xFFFFFFFF
+    )
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    x ^= x >> 12
+    return (x % 255 + 1).astype(np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One control message on the wire between D worker `d` and P worker `p`; `to` names the receiving side."""
+
+    to: Literal["P", "D"]
+    d: Worker
+    p: Worker
+    message: ToP | ToD
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """A `Submit` that P worker `p` handed to the simulated transport and that has not completed yet."""
+
+    p: Worker
+    submit: Submit
+    seq: int
+
+    @property
+    def d(self) -> Worker:
+        return self.submit.dst.worker
+
+
+@dataclass(frozen=True, slots=True)
+class ReportEntry:
+    """One req_id that one worker reported: `finished_sending` (P), `finished` or `failed` (D)."""
+
+    side: Literal["P", "D"]
+    worker: Worker
+    req_id: str
+    outcome: Literal["finished_sending", "finished", "failed"]
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PairStatistics:
+    in_flight: int
+    held_back: int
+    writes_pending: int
+    writes_stalled: int
+    delivered: int
+    dropped: int
+    duplicated: int
+    writes_done: int
+    writes_failed: int
+    holds: int
+    receives: int
+
+
+@dataclass(slots=True)
+class _Counts:
+    delivered: int = 0
+    dropped: int = 0
+    duplicated: int = 0
+    writes_done: int = 0
+    writes_failed: int = 0
+
+
+class PeerPair:
+    """One P engine and one D engine, every worker's protocol object, an in-memory wire and simulated KV pools.
+
+    Typical use::
+
+        pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2))
+        pair.start_send("p-req", "t1", [0, 1], num_tokens=7)
+        pair.start_recv("d-req", "t1", [3, 4], num_tokens=7)
+        pair.run_until_idle()
+        pair.drain()
+        pair.assert_received("t1")
+
+    Faults (each None or a predicate; applied until reset): `drop`, `duplicate` and `hold_back` look at an
+    `Envelope` when it is sent (a held-back one waits for `release_held`); `stall_write` and `fail_write` look at a
+    `Write` when it would run (a stalled one waits for `finish_stalled`). Links between a D and a P worker break
+    with `lose_connection` and come back with `reconnect`. `violations` lists every broken harness invariant.
+    """
+
+    def __init__(
+        self,
+        p: EngineSpec,
+        d: EngineSpec,
+        *,
+        clock: FakeClock | None = None,
+        sender: Callable[[], Sender] = Sender,
+        receiver: Callable[[], Receiver] = Receiver,
+    ) -> None:
+        self.clock = clock or FakeClock()
+        self.p = SimEngine("P", p, _P_BASE)
+        self.d = SimEngine("D", d, _D_BASE)
+        self.senders = {w: sender() for w in self.p.metas}
+        self.receivers = {w: receiver() for w in self.d.metas}
+        self._expected = {w: frozenset(expected_destinations(m, self.d.metas)) for w, m in self.p.metas.items()}
+        self.drop: Callable[[Envelope], bool] | None = None
+        self.duplicate: Callable[[Envelope], bool] | None = None
+        self.hold_back: Callable[[Envelope], bool] | None = None
+        self.stall_write: Callable[[Write], bool] | None = None
+        self.fail_write: Callable[[Write], bool] | None = None
+        self.history: list[ReportEntry] = []
+        self.violations: list[str] = []
+        self.undeliverable: list[Reply] = []
+        self._wire: list[Envelope] = []
+        self._held: list[Envelope] = []
+        self._writes: list[Write] = []
+        self._stalled: list[Write] = []
+        self._down: set[tuple[Worker, Worker]] = set()
+        self._sends: dict[str, tuple[str, list[int], int]] = {}  # req_id -> (transfer_id, block ids, tokens)
+        self._recvs: dict[str, tuple[str, list[int], int]] = {}
+        self._write_counts = {w: np.zeros(a.size, dtype=np.uint16) for w, a in self.d.arenas.items()}
+        self._seq = 0
+        self._counts = _Counts()
+
+    # -- the engines' calls ------------------------------------------------------------------------------------
+
+    def start_send(
+        self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int, *, ready: bool = True
+    ) -> None:
+        """Every P worker writes the transfer's known KV pattern into `block_ids` and holds it; `ready=False`
+        leaves the compute unfinished until `ready(transfer_id)`."""
+        self._sends[req_id] = (transfer_id, list(block_ids), num_tokens)
+        for worker, sender in self.senders.items():
+            meta = self.p.metas[worker]
+            for layer in range(meta.start_layer, meta.end_layer):
+                values = self._pattern(self.p, worker, transfer_id, layer, num_tokens)
+                self.p.write_tokens(worker, layer, block_ids, num_tokens, values)
+            self._run_p(worker, sender.hold(req_id, transfer_id, list(block_ids), num_tokens, self.clock()))
+        if ready:
+            self.ready(transfer_id)
+
+    def ready(self, transfer_id: str) -> None:
+        """The compute that wrote `transfer_id`'s KV finished on every P worker."""
+        for worker, sender in self.senders.items():
+            self._run_p(worker, sender.ready(transfer_id))
+
+    def start_recv(self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
+        """Every D worker starts receiving into `block_ids`; the handshake completes at once, so each sends its
+        requests (and releases) on the links that are up."""
+        self._recvs[req_id] = (transfer_id, list(block_ids), num_tokens)
+        for worker, receiver in self.receivers.items():
+            meta = self.d.metas[worker]
+            if not receiver.start(req_id, transfer_id, self.p.engine_id, list(block_ids), num_tokens, self.clock()):
+                continue
+            sources = sources_of(meta, self.p.metas)
+            releases = [w for w, m in sorted(self.p.metas.items()) if release_notifier(m, self.d.metas) == worker]
+            connected = {s for s in sources if (worker, s) not in self._down}
+            self._run_d(worker, receiver.sources_known(transfer_id, sources, releases, connected))
+
+    def abort_send(self, req_id: str) -> None:
+        """P's engine aborts `req_id` on every P worker."""
+        for worker, sender in self.senders.items():
+            self._run_p(worker, sender.abort(req_id))
+
+    def abort_recv(self, req_id: str) -> None:
+        """D's engine aborts `req_id` on every D worker."""
+        for worker, receiver in self.receivers.items():
+            self._run_d(worker, receiver.abort(req_id, self.clock()))
+
+    # -- time, links and delivery ------------------------------------------------------------------------------
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock and apply every deadline that passed (as the service's timer does)."""
+        self.clock.advance(seconds)
+        self.expire()
+
+    def expire(self) -> None:
+        now = self.clock()
+        for worker, sender in self.senders.items():
+            self._run_p(worker, sender.expire(now))
+        for worker, receiver in self.receivers.items():
+            self._run_d(worker, receiver.expire(now))
+
+    def lose_connection(self, d: Worker, p: Worker) -> None:
+        """The control connection between D worker `d` and P worker `p` breaks: its in-flight messages are lost,
+        both sides learn it, and later messages on it are dropped until `reconnect`."""
+        self._down.add((d, p))
+        self._wire = [e for e in self._wire if (e.d, e.p) != (d, p)]
+        self._held = [e for e in self._held if (e.d, e.p) != (d, p)]
+        self._run_p(p, self.senders[p].peer_lost(self.d.ref(d)))
+        self.receivers[d].peer_lost(self.p.engine_id, p, f"connection to P{p} lost")
+
+    def reconnect(self, d: Worker, p: Worker) -> None:
+        """The link comes back; D sends the requests that waited for it."""
+        self._down.discard((d, p))
+        self._run_d(d, self.receivers[d].connected(self.p.engine_id, p))
+
+    def release_held(self, match: Callable[[Envelope], bool] | None = None) -> int:
+        """Put held-back envelopes (those `match` accepts, or all) on the wire, in order; returns how many."""
+        chosen = [e for e in self._held if match is None or match(e)]
+        self._held = [e for e in self._held if not (match is None or match(e))]
+        self._wire += chosen
+        return len(chosen)
+
+    def finish_stalled(self, error: str | None = None, match: Callable[[Write], bool] | None = None) -> int:
+        """Complete stalled writes (those `match` accepts, or all): with `error` None their bytes land."""
+        chosen = [w for w in self._stalled if match is None or match(w)]
+        self._stalled = [w for w in self._stalled if w not in chosen]
+        for write in chosen:
+            self._complete(write, error)
+        return len(chosen)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is on the wire and no write can run (held-back messages and stalled writes may remain)."""
+        return not self._wire and not self._writes
+
+    def step(self, rng: random.Random | None = None) -> bool:
+        """Deliver one message or run one write: the oldest, or a random one with `rng`. False when idle."""
+        if self.idle:
+            return False
+        pending: list[Envelope | Write] = [*self._wire, *self._writes]
+        item = rng.choice(pending) if rng is not None else min(pending, key=lambda x: x.seq)
+        if isinstance(item, Envelope):
+            self._wire.remove(item)
+            self._deliver(item)
+        else:
+            self._writes.remove(item)
+            self._run_write(item)
+        return True
+
+    def run_until_idle(self, rng: random.Random | None = None, max_steps: int = 100_000) -> int:
+        """`step` until idle; returns the steps taken.
+
+        Raises:
+            RuntimeError: still busy after `max_steps` (the peers keep talking forever).
+        """
+        for steps in range(max_steps):
+            if not self.step(rng):
+                return steps
+        raise RuntimeError(f"pair still busy after {max_steps} steps: {self.statistics()}")
+
+    # -- reports and checks ------------------------------------------------------------------------------------
+
+    def drain(self) -> list[ReportEntry]:
+        """Drain every worker's report (as `get_finished` does), append it to `history` and return it."""
+        entries: list[ReportEntry] = []
+        for worker, sender in self.senders.items():
+            for req_id in sorted(sender.drain_finished()):
+                transfer_id = self._sends[req_id][0] if req_id in self._sends else None
+                busy = [
+                    w for w in [*self._writes, *self._stalled] if (w.p, w.submit.transfer_id) == (worker, transfer_id)
+                ]
+                if busy:
+                    self.violations.append(f"P{worker} reported {req_id!r} while {len(busy)} write(s) may touch it")
+                entries.append(ReportEntry("P", worker, req_id, "finished_sending"))
+        for worker, receiver in self.receivers.items():
+            report = receiver.drain()
+            entries += [ReportEntry("D", worker, r, "finished") for r in sorted(report.finished)]
+            entries += [ReportEntry("D", worker, r, "failed", report.reasons[r]) for r in sorted(report.failed)]
+            for req_id in report.failed:
+                blocks = set(self._recvs[req_id][1]) if req_id in self._recvs else set()
+                if not blocks <= report.invalid_block_ids:
+                    self.violations.append(f"D{worker} failed {req_id!r} without marking all its blocks invalid")
+        self.history += entries
+        return entries
+
+    def outcomes(self, req_id: str) -> dict[tuple[str, Worker], list[str]]:
+        """Every report of `req_id` so far, by (side, worker), in order."""
+        found: dict[tuple[str, Worker], list[str]] = {}
+        for entry in self.history:
+            if entry.req_id == req_id:
+                found.setdefault((entry.side, entry.worker), []).append(entry.outcome)
+        return found
+
+    def assert_reported_once(self, send_req_ids: Iterable[str] = (), recv_req_ids: Iterable[str] = ()) -> None:
+        """Every P worker reported each of `send_req_ids` exactly once, every D worker each of `recv_req_ids`.
+
+        Raises:
+            AssertionError: a worker missed or repeated a report (the message names it).
+        """
+        for req_id in send_req_ids:
+            for worker in self.senders:
+                got = [e for e in self.history if (e.side, e.worker, e.req_id) == ("P", worker, req_id)]
+                assert len(got) == 1, f"P{worker} reported {req_id!r} {len(got)} times"
+        for req_id in recv_req_ids:
+            for worker in self.receivers:
+                got = [e for e in self.history if (e.side, e.worker, e.req_id) == ("D", worker, req_id)]
+                assert len(got) == 1, f"D{worker} reported {req_id!r} {len(got)} times: {got}"
+
+    def assert_received(self, transfer_id: str, workers: Iterable[Worker] | None = None) -> None:
+        """Every D worker (or those given) holds the transfer's KV byte for byte, in the blocks it received into.
+
+        Raises:
+            AssertionError: a byte differs (the message names worker, layer, token, half and head).
+        """
+        req = next((v for v in self._recvs.values() if v[0] == transfer_id), None)
+        assert req is not None, f"no receive of {transfer_id!r} was started"
+        _, block_ids, num_tokens = req
+        for worker in self.d.metas if workers is None else workers:
+            meta = self.d.metas[worker]
+            for layer in range(meta.start_layer, meta.end_layer):
+                got = self.d.tokens(worker, layer, block_ids, num_tokens)
+                want = self._pattern(self.d, worker, transfer_id, layer, num_tokens)
+                bad = np.argwhere(got != want)
+                if bad.size:
+                    token, half, head, _ = bad[0]
+                    raise AssertionError(
+                        f"D{worker} layer {layer}: {len(bad)} wrong bytes, first at token {token}, half {half}, "
+                        f"local head {head}"
+                    )
+
+    def bytes_written_twice(self, worker: Worker) -> int:
+        """Bytes of D worker `worker`'s pool that more than one write landed on."""
+        return int(np.count_nonzero(self._write_counts[worker] > 1))
+
+    def statistics(self) -> PairStatistics:
+        c = self._counts
+        return PairStatistics(
+            in_flight=len(self._wire),
+            held_back=len(self._held),
+            writes_pending=len(self._writes),
+            writes_stalled=len(self._stalled),
+            delivered=c.delivered,
+            dropped=c.dropped,
+            duplicated=c.duplicated,
+            writes_done=c.writes_done,
+            writes_failed=c.writes_failed,
+            holds=sum(s.statistics().holds for s in self.senders.values()),
+            receives=sum(r.statistics().receives for r in self.receivers.values()),
+        )
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _pattern(self, engine: SimEngine, worker: Worker, transfer_id: str, layer: int, num_tokens: int) -> ByteArray:
+        geometry = block_geometry(engine.metas[worker])
+        return kv_pattern(transfer_id, layer, engine.heads(worker), num_tokens, geometry.halves, geometry.element_bytes)
+
+    def _post(self, to: Literal["P", "D"], d: Worker, p: Worker, message: ToP | ToD) -> None:
+        if (d, p) in self._down:
+            self._counts.dropped += 1
+            return
+        self._seq += 1
+        envelope = Envelope(to, d, p, message, self._seq)
+        if self.drop is not None and self.drop(envelope):
+            self._counts.dropped += 1
+            return
+        copies = 1
+        if self.duplicate is not None and self.duplicate(envelope):
+            self._counts.duplicated += 1
+            copies = 2
+        for i in range(copies):
+            if i:
+                self._seq += 1
+                envelope = Envelope(to, d, p, message, self._seq)
+            held = self.hold_back is not None and self.hold_back(envelope)
+            (self._held if held else self._wire).append(envelope)
+
+    def _run_p(self, worker: Worker, commands: list[SendCommand]) -> None:
+        for command in commands:
+            if isinstance(command, Submit):
+                self._seq += 1
+                self._writes.append(Write(worker, command, self._seq))
+            elif (command.dst.engine_id, command.dst.incarnation) == (self.d.engine_id, self.d.incarnation):
+                self._post("D", command.dst.worker, worker, command.message)
+            else:
+                self.undeliverable.append(command)
+
+    def _run_d(self, worker: Worker, commands: list[SendToSource]) -> None:
+        for command in commands:
+            self._post("P", worker, command.src, command.message)
+
+    def _deliver(self, envelope: Envelope) -> None:
+        self._counts.delivered += 1
+        message, now = envelope.message, self.clock()
+        if envelope.to == "P":
+            sender, ref, expected = self.senders[envelope.p], self.d.ref(envelope.d), self._expected[envelope.p]
+            if isinstance(message, TransferRequest):
+                self._run_p(envelope.p, sender.request(ref, expected, message, now))
+            elif isinstance(message, Release):
+                self._run_p(envelope.p, sender.release(ref, expected, message, now))
+            elif isinstance(message, Abort):
+                self._run_p(envelope.p, sender.remote_abort(ref, message.transfer_id, message.reason))
+            return
+        receiver, engine = self.receivers[envelope.d], self.p.engine_id
+        if isinstance(message, TransferDone):
+            receiver.answer(engine, envelope.p, message.transfer_id, None)
+        elif isinstance(message, TransferFailed):
+            receiver.answer(engine, envelope.p, message.transfer_id, message.reason)
+        elif isinstance(message, ErrorMessage) and message.transfer_id:
+            receiver.answer(engine, envelope.p, message.transfer_id, f"P error: {message.reason}")
+
+    def _run_write(self, write: Write) -> None:
+        if self.stall_write is not None and self.stall_write(write):
+            self._stalled.append(write)
+            return
+        failed = self.fail_write is not None and self.fail_write(write)
+        self._complete(write, "injected write failure" if failed else None)
+
+    def _complete(self, write: Write, error: str | None) -> None:
+        submit, nbytes, count = write.submit, 0, 0
+        if error is None:
+            try:
+                plan = plan_transfer(
+                    self.p.metas[write.p],
+                    self.d.metas[write.d],
+                    submit.src_block_ids,
+                    submit.dst_block_ids,
+                    submit.num_tokens,
+                )
+            except (TopologyError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                src_arena, dst_arena = self.p.arenas[write.p], self.d.arenas[write.d]
+                for src_addr, dst_addr, length in plan:
+                    src = self.p.span(write.p, src_addr, length)
+                    dst = self.d.span(write.d, dst_addr, length)
+                    dst_arena[dst] = src_arena[src]
+                    self._write_counts[write.d][dst] += 1
+                    nbytes += length
+                count = len(plan)
+        if error is None:
+            self._counts.writes_done += 1
+        else:
+            self._counts.writes_failed += 1
+        self._run_p(write.p, self.senders[write.p].write_result(submit.transfer_id, write.d, error, nbytes, count))

@@ -1,0 +1,210 @@
+"""The `Transport` protocol the asyncio service writes KV through, its statistics, errors and address checks.
+
+Imports: the standard library and `kvsvc.errors` only (no asyncio loop work, no mooncake, no torch), so the pure core,
+the service and the fakes can all share it. Invariants: a write is refused (`InvalidDescriptor`) before anything is
+submitted unless every source range lies inside registered local memory and every destination range inside the
+peer's published regions; a write never returns or raises while a descriptor it submitted may still move data,
+except a `WriteFailed` whose `drained` future says when that is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol, runtime_checkable
+
+from kvsvc.errors import TransportError
+
+# Mooncake's own codes (transfer engine `error.h`), reused so every `TransportError.code` reads the same way.
+ERR_FAILED: Final = -1  # the engine reported the transfer failed, or refused to submit it
+ERR_ADDRESS_NOT_REGISTERED: Final = -3  # a range outside registered (local) or published (peer) memory
+ERR_ADDRESS_OVERLAPPED: Final = -7  # a registration overlaps one already registered
+
+Region = tuple[int, int]
+"""`(addr, length)` of a registered or published memory range."""
+
+
+class InvalidDescriptor(TransportError, ValueError):
+    """A write was refused before submission: a range lies outside registered or published memory, a length is
+    not positive, or the peer is unknown. Nothing was written; the caller's bug or a stale peer table."""
+
+
+class WriteFailed(TransportError):
+    """The engine failed a write (peer killed or frozen, queue full, target refused an address).
+
+    `drained` resolves once no descriptor of the write can still move data: it is already done when the write
+    raised after every submitted descriptor finished (the usual case), and still pending (`undrained` > 0) only
+    when the peer stopped making progress, so the transport gave up waiting (see `MooncakeConfig.drain_timeout_s`).
+    Do not reuse or free the source blocks, nor let the peer reuse the destination blocks, before it resolves.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        code: int = ERR_FAILED,
+        *,
+        peer: str = "",
+        undrained: int = 0,
+        drained: asyncio.Future[None] | None = None,
+    ) -> None:
+        super().__init__(message, code)
+        self.peer = peer
+        self.undrained = undrained
+        self.drained = drained
+
+
+class TransportClosed(TransportError):
+    """The transport was closed by its owner: no new write or registration is accepted."""
+
+
+@dataclass(frozen=True)
+class TransportStatistics:
+    """A snapshot of one transport; every field is a count since the transport was made (or a current level)."""
+
+    bytes_written: int = 0  # bytes of descriptors that landed
+    descriptors_written: int = 0  # descriptors that landed
+    writes_completed: int = 0  # writes that returned their byte count
+    failures: int = 0  # writes that raised WriteFailed
+    refused: int = 0  # writes refused before submission (InvalidDescriptor, closed transport)
+    writes_in_flight: int = 0  # writes that have not returned or raised yet
+    descriptors_in_flight: int = 0  # descriptors submitted to the engine and not finished (includes undrained ones)
+    peers: int = 0  # peers added and not removed
+    registered_bytes: int = 0  # local memory registered with the engine
+    polls: int = 0  # status checks made by the completion poller
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What the service needs from a data plane: one-sided writes of local registered memory into a peer's.
+
+    A transport lives on one event loop (the one its first `write` runs on). `register` and the peer table
+    methods are synchronous and cheap; `write` never blocks the loop.
+    """
+
+    @property
+    def session_id(self) -> str:
+        """The `host:rpc_port` peers use to reach this transport (`WorkerMetadata.transport_addr`)."""
+        ...
+
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register local memory `(addr, length)` in bulk: the whole KV pool, once, before the worker is ready.
+
+        Raises:
+            TransportError: a region is empty, overlaps another (code -7), or the engine refused it.
+            TransportClosed: after `close`.
+        """
+        ...
+
+    def add_peer(self, session_id: str, regions: Sequence[Region]) -> None:
+        """Publish a peer's KV regions: writes to `session_id` must land inside them. Replaces earlier regions.
+
+        Raises:
+            InvalidDescriptor: a region is empty.
+        """
+        ...
+
+    def remove_peer(self, session_id: str) -> None:
+        """Forget a peer (idempotent): later writes to it are refused; writes in flight finish on their own."""
+        ...
+
+    async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
+        """Write every `(src_addr, dst_addr, length)` into `peer`; return the bytes written once all landed.
+
+        Raises:
+            InvalidDescriptor: before anything is submitted, when a range is outside registered local memory or
+                the peer's regions, a length is not positive, or the peer is unknown.
+            WriteFailed: the engine failed a descriptor or refused a submission (with its code). Raised once every
+                submitted descriptor of the write finished, or, if the peer makes no progress, with `drained`
+                pending: await it before reusing the blocks.
+            TransportClosed: the transport is closed.
+
+        Cancellation stops submitting the remaining descriptors, then waits (shielded from further cancels) until
+        the submitted ones finished before re-raising `CancelledError`, so the blocks are safe to reuse after it.
+        If the peer stops making progress meanwhile, it re-raises anyway with descriptors left in flight: await
+        `drained(peer)` (or watch `statistics().descriptors_in_flight`) before reusing the blocks then.
+        """
+        ...
+
+    async def drained(self, peer: str | None = None) -> None:
+        """Return once no descriptor to `peer` (to any peer when None) is in flight. Cancellation-safe."""
+        ...
+
+    def statistics(self) -> TransportStatistics:
+        """A snapshot of the counters and levels."""
+        ...
+
+    async def close(self) -> None:
+        """Refuse new writes, wait (bounded) for in-flight descriptors to finish, then free the engine.
+        Idempotent. Writes still in flight at the bound raise `TransportClosed`."""
+        ...
+
+
+class AddressRanges:
+    """Sorted, non-overlapping `[start, end)` ranges, with containment and overlap checks in O(log n)."""
+
+    def __init__(self, regions: Iterable[Region] = ()) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        for addr, length in regions:
+            self.add(addr, length)
+
+    def add(self, addr: int, length: int) -> None:
+        """Add a range. Raises `TransportError` (code -7) when it overlaps one already there, or on length <= 0."""
+        if length <= 0 or addr < 0:
+            raise TransportError(f"region ({addr:#x}, {length}) is empty or negative", ERR_FAILED)
+        i = bisect_right(self._starts, addr)
+        if (i > 0 and self._ends[i - 1] > addr) or (i < len(self._starts) and self._starts[i] < addr + length):
+            raise TransportError(
+                f"region [{addr:#x}, {addr + length:#x}) overlaps a registered one", ERR_ADDRESS_OVERLAPPED
+            )
+        self._starts.insert(i, addr)
+        self._ends.insert(i, addr + length)
+
+    def contains(self, addr: int, length: int) -> bool:
+        """True when `[addr, addr + length)` lies inside one range."""
+        i = bisect_right(self._starts, addr) - 1
+        return i >= 0 and addr + length <= self._ends[i]
+
+    def regions(self) -> list[Region]:
+        return [(s, e - s) for s, e in zip(self._starts, self._ends, strict=True)]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+def check_descriptors(
+    descriptors: Sequence[tuple[int, int, int]],
+    local: AddressRanges,
+    remote: AddressRanges | None,
+    peer: str,
+) -> int:
+    """Return the total length of `descriptors` if every one may be written to `peer`.
+
+    Raises:
+        InvalidDescriptor: unknown peer (`remote` is None), a length <= 0, a source range outside `local`, or a
+            destination range outside `remote`; the message names the first offending descriptor.
+    """
+    if remote is None:
+        raise InvalidDescriptor(f"unknown peer {peer!r}: add_peer it first", ERR_FAILED)
+    total = 0
+    for i, (src, dst, length) in enumerate(descriptors):
+        if length <= 0:
+            raise InvalidDescriptor(f"descriptor {i} to {peer}: length {length} is not positive", ERR_FAILED)
+        if not local.contains(src, length):
+            raise InvalidDescriptor(
+                f"descriptor {i} to {peer}: source [{src:#x}, +{length}) is outside registered local memory",
+                ERR_ADDRESS_NOT_REGISTERED,
+            )
+        if not remote.contains(dst, length):
+            raise InvalidDescriptor(
+                f"descriptor {i} to {peer}: destination [{dst:#x}, +{length}) is outside the peer's regions",
+                ERR_ADDRESS_NOT_REGISTERED,
+            )
+        total += length
+    return total

@@ -1,0 +1,80 @@
+"""`kvsvc plan`: defaults work, the JSON line carries the figures, incompatible layouts exit 2 with one line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from kvsvc.cli import main
+from kvsvc.cli.plan import synthetic_engine
+from kvsvc.layout import layer_bytes
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["plan", "--json", *args]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert isinstance(report, dict)
+    return report
+
+
+def test_plain_plan_prints_a_table_with_totals(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    for text in ("P pp1 tp2", "D pp1 tp4", "total", "descriptors", "naive", "scattered", "planning took"):
+        assert text in out
+
+
+def test_json_totals_match_the_pairs_and_cover_the_whole_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_json(capsys, "--p-pp", "2", "--p-tp", "2", "--d-pp", "1", "--d-tp", "4", "--tokens", "1000")
+    pairs = report["pairs"]
+    assert isinstance(pairs, list) and len(pairs) == 8
+    assert report["descriptors"] == sum(p["descriptors"] for p in pairs)
+    assert report["bytes"] == 32 * 8 * 2 * 1000 * 128 * 2  # layers * heads * K/V * tokens * head_size * bf16
+    assert report["idle_pairs"] == 8
+
+
+def test_coalescing_beats_the_naive_count_when_blocks_are_contiguous(capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_json(capsys, "--p-tp", "1", "--d-tp", "1", "--d-ids", "contiguous")
+    assert report["descriptors"] == 32
+    assert report["naive_descriptors"] == 32 * 256
+
+
+def test_mla_and_block_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_json(capsys, "--mla", "--p-tp", "4", "--d-tp", "2", "--p-block-size", "32", "--d-block-size", "16")
+    assert report["bytes"] == 2 * 32 * 4096 * 128 * 2  # each D rank gets the whole latent
+    assert report["layout"] == "MLA"
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--p-tp", "3"], ["P", "tp_size 3", "8"]),
+        (["--p-tp", "4", "--d-tp", "6", "--kv-heads", "12"], ["tp_size 4", "tp_size 6"]),
+        (["--layout", "NHD"], ["NHD", "HND"]),
+        (["--dtype", "float64"], ["float64"]),
+        (["--tokens", "0"], ["--tokens"]),
+    ],
+)
+def test_errors_print_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], args: list[str], words: list[str]
+) -> None:
+    assert main(["plan", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvsvc plan: error:")
+    for word in words:
+        assert word in lines[0]
+
+
+def test_synthetic_engines_never_overlap() -> None:
+    engine = synthetic_engine(
+        "P", pp_size=2, tp_size=2, num_layers=5, num_kv_heads=4, head_size=8, block_size=4, num_blocks=3
+    )
+    regions = sorted((b, b + layer_bytes(m)) for m in engine.values() for b in m.base_addrs)
+    assert len(regions) == 10
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(regions))
+    assert [m.end_layer - m.start_layer for _, m in sorted(engine.items())] == [3, 3, 2, 2]

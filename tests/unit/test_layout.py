@@ -1,0 +1,132 @@
+"""Contract tests of `kvsvc.layout`: head ownership, layer splits and byte geometry (DESIGN §2)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsvc.errors import TopologyError
+from kvsvc.layout import (
+    DTYPE_SIZES,
+    block_bytes,
+    block_geometry,
+    check_kv_heads,
+    check_layer_split,
+    dtype_size,
+    even_layer_split,
+    heads_of_rank,
+    holders_of_head,
+    kv_cache_shape,
+    kv_heads_per_rank,
+    layer_bytes,
+)
+from kvsvc.messages import WorkerMetadata
+
+
+def meta(**kw: object) -> WorkerMetadata:
+    base: dict[str, object] = dict(
+        engine_id="E", incarnation="i", pp_rank=0, pp_size=1, tp_rank=0, tp_size=2, start_layer=0, end_layer=1,
+        num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16, num_blocks=10, layout="HND",
+        is_mla=False, base_addrs=[0],
+    )  # fmt: skip
+    base.update(kw)
+    return msgspec.convert(base, WorkerMetadata)
+
+
+def test_kv_heads_per_rank_is_at_least_one() -> None:
+    assert kv_heads_per_rank(8, 2) == 4
+    assert kv_heads_per_rank(4, 8) == 1
+
+
+def test_ranks_split_heads_evenly_when_tp_at_most_k() -> None:
+    assert [list(heads_of_rank(r, 4, 8)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_ranks_replicate_heads_when_tp_exceeds_k() -> None:
+    assert [list(heads_of_rank(r, 8, 2)) for r in range(8)] == [[0]] * 4 + [[1]] * 4
+    assert list(holders_of_head(1, 8, 2)) == [4, 5, 6, 7]
+    assert list(holders_of_head(5, 4, 8)) == [2]
+
+
+@given(st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([1, 2, 4, 8, 16, 32]))
+def test_every_head_is_held_and_holders_agree_with_heads_of_rank(k: int, tp: int) -> None:
+    held = [h for r in range(tp) for h in heads_of_rank(r, tp, k)]
+    assert set(held) == set(range(k))
+    for head in range(k):
+        assert [r for r in range(tp) if head in heads_of_rank(r, tp, k)] == list(holders_of_head(head, tp, k))
+
+
+@pytest.mark.parametrize(("k", "tp"), [(8, 3), (4, 6), (6, 4), (0, 1), (4, 0)])
+def test_uneven_head_counts_raise_topology_error_naming_both(k: int, tp: int) -> None:
+    with pytest.raises(TopologyError, match=rf"(?s)(?=.*\b{k}\b)(?=.*\b{tp}\b)"):
+        check_kv_heads(k, tp)
+
+
+def test_rank_outside_tp_size_is_value_error() -> None:
+    with pytest.raises(ValueError):
+        heads_of_rank(2, 2, 8)
+
+
+def test_even_layer_split_gives_remainder_to_stages_before_the_last() -> None:
+    assert even_layer_split(32, 2) == [(0, 16), (16, 32)]
+    assert even_layer_split(7, 3) == [(0, 2), (2, 5), (5, 7)]
+    assert even_layer_split(5, 1) == [(0, 5)]
+    with pytest.raises(ValueError):
+        even_layer_split(2, 3)
+
+
+@given(st.integers(1, 100), st.integers(1, 8))
+def test_even_layer_split_tiles_all_layers_within_one(layers: int, pp: int) -> None:
+    if layers < pp:
+        return
+    split = even_layer_split(layers, pp)
+    check_layer_split(split, layers)
+    sizes = [e - s for s, e in split]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_any_explicit_split_is_accepted_and_bad_ones_refused() -> None:
+    check_layer_split([(0, 1), (1, 7)], 7)
+    for bad in ([(0, 3), (4, 7)], [(0, 4), (3, 7)], [(0, 3)], [(0, 0), (0, 7)]):
+        with pytest.raises(ValueError):
+            check_layer_split(bad, 7)
+
+
+def test_dtype_sizes() -> None:
+    assert {n: dtype_size(n) for n in DTYPE_SIZES} == {
+        "bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+    }  # fmt: skip
+    assert dtype_size("torch.float32") == 4
+    with pytest.raises(TopologyError, match="complex64"):
+        dtype_size("complex64")
+
+
+def test_shapes_and_bytes_of_each_layout() -> None:
+    hnd = meta()
+    assert kv_cache_shape(hnd) == (10, 2, 4, 16, 128)
+    assert block_bytes(hnd) == 2 * 4 * 16 * 128 * 2
+    assert layer_bytes(hnd) == 10 * block_bytes(hnd)
+    nhd = meta(layout="NHD", dtype="float32")
+    assert kv_cache_shape(nhd) == (10, 2, 16, 4, 128)
+    assert block_bytes(nhd) == 2 * 16 * 4 * 128 * 4
+    mla = meta(is_mla=True, head_size=576, layout="whatever")
+    assert kv_cache_shape(mla) == (10, 16, 576)
+    assert layer_bytes(mla) == 10 * 16 * 576 * 2
+    with pytest.raises(TopologyError, match="XYZ"):
+        kv_cache_shape(meta(layout="XYZ"))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_strides_match_c_contiguous_tensor(layout: str) -> None:
+    m = meta(layout=layout)
+    g = block_geometry(m)
+    shape = kv_cache_shape(m)
+    elem = m.head_size * 2
+    strides = [elem * math.prod(shape[i + 1 : -1]) for i in range(len(shape) - 1)]
+    head_axis, token_axis = (2, 3) if layout == "HND" else (3, 2)
+    assert (g.block_bytes, g.half_stride) == (strides[0], strides[1])
+    assert (g.head_stride, g.token_stride) == (strides[head_axis], strides[token_axis])

@@ -1,0 +1,197 @@
+"""Contract tests of `kvsvc.planner` (DESIGN §2, §3): source assignment, coalescing, routing and refusals.
+
+Byte-level correctness of plans lives in test_simulator.py; this file pins the shapes and the errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvsvc.cli.plan import synthetic_engine
+from kvsvc.errors import TopologyError
+from kvsvc.layout import block_bytes
+from kvsvc.messages import WorkerMetadata
+from kvsvc.planner import (
+    Descriptor,
+    check_compatible,
+    expected_destinations,
+    is_source,
+    plan_transfer,
+    plan_transfer_arrays,
+    release_notifier,
+    source_heads,
+    sources_of,
+)
+
+
+def engine(name: str = "P", **kw: Any) -> dict[tuple[int, int], WorkerMetadata]:
+    args: dict[str, Any] = dict(
+        pp_size=1, tp_size=1, num_layers=4, num_kv_heads=8, head_size=64, block_size=16, num_blocks=64, layer_gap=4096
+    )
+    args.update(kw)
+    return synthetic_engine(name, base_addr=0x1000 if name == "P" else 0x10_0000_0000, **args)
+
+
+def one(name: str = "P", rank: tuple[int, int] = (0, 0), **kw: Any) -> WorkerMetadata:
+    return engine(name, **kw)[rank]
+
+
+def test_descriptor_is_a_named_triple() -> None:
+    d = Descriptor(1, 2, 3)
+    assert d == (1, 2, 3) and (d.src_addr, d.dst_addr, d.length) == (1, 2, 3)
+
+
+def test_same_layout_contiguous_blocks_is_one_descriptor_per_layer() -> None:
+    p, d = one("P"), one("D")
+    plan = plan_transfer(p, d, [4, 5, 6, 7], [10, 11, 12, 13])
+    bb = block_bytes(p)
+    assert plan == [Descriptor(p.base_addrs[i] + 4 * bb, d.base_addrs[i] + 10 * bb, 4 * bb) for i in range(4)]
+
+
+def test_num_tokens_defaults_to_every_listed_d_block() -> None:
+    p, d = one("P"), one("D")
+    assert plan_transfer(p, d, [0, 1], [0, 1]) == plan_transfer(p, d, [0, 1], [0, 1], 32)
+    assert sum(x.length for x in plan_transfer(p, d, [0, 1], [0, 1], 16)) == 4 * block_bytes(p)
+
+
+def test_head_split_keeps_k_and_v_halves_apart_and_merges_nothing_else() -> None:
+    p, d = one("P", tp_size=2), one("D", tp_size=4)
+    plan = plan_transfer(p, d, [0, 1, 2], [0, 1, 2])
+    assert len(plan) == 4 * 3 * 2
+    assert all(x.length == 2 * 16 * 64 * 2 for x in plan)
+
+
+def test_plans_are_sorted_deterministic_and_maximal() -> None:
+    p, d = one("P", tp_size=2, block_size=32), one("D", rank=(0, 1), tp_size=4)
+    ids_p, ids_d = [3, 1, 2], [5, 9, 6, 7, 8, 0]
+    plan = plan_transfer(p, d, ids_p, ids_d, 90)
+    assert plan == plan_transfer(p, d, ids_p, ids_d, 90) == sorted(plan)
+    for a, b in itertools.pairwise(plan):
+        assert not (a.src_addr + a.length == b.src_addr and a.dst_addr + a.length == b.dst_addr)
+    src, dst, lengths = plan_transfer_arrays(p, d, ids_p, ids_d, 90)
+    assert list(zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True)) == plan
+
+
+def test_no_source_gives_an_empty_plan() -> None:
+    p = engine("P", pp_size=2)
+    d = engine("D", pp_size=2)
+    assert plan_transfer(p[(0, 0)], d[(1, 0)], [0], [0]) == []
+    assert not is_source(p[(0, 0)], d[(1, 0)])
+    p_tp, d_tp = engine("P", tp_size=2), engine("D", tp_size=2)
+    assert plan_transfer(p_tp[(0, 1)], d_tp[(0, 0)], [0], [0]) == []
+    assert plan_transfer(p_tp[(0, 0)], d_tp[(0, 0)], [0], [0], 0) == []
+
+
+def test_source_heads_split_and_gather() -> None:
+    p, d = engine("P", tp_size=2), engine("D", tp_size=4)
+    assert source_heads(p[(0, 1)], d[(0, 3)]) == [6, 7]
+    assert source_heads(p[(0, 0)], d[(0, 3)]) == []
+    p4, d1 = engine("P", tp_size=4), engine("D", tp_size=1)
+    assert [source_heads(p4[(0, r)], d1[(0, 0)]) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_replicated_p_heads_spread_over_holders_by_d_rank() -> None:
+    p = engine("P", tp_size=8, num_kv_heads=4)  # two P ranks per head
+    d = engine("D", tp_size=2, num_kv_heads=4)
+    assert [source_heads(p[(0, r)], d[(0, 0)]) for r in range(8)] == [[0], [], [1], [], [], [], [], []]
+    assert [source_heads(p[(0, r)], d[(0, 1)]) for r in range(8)] == [[], [], [], [], [], [2], [], [3]]
+
+
+def test_mla_d_ranks_round_robin_over_p_ranks() -> None:
+    p = engine("P", tp_size=2, is_mla=True, num_kv_heads=1)
+    d = engine("D", tp_size=4, is_mla=True, num_kv_heads=1)
+    assert [sources_of(d[(0, r)], p) for r in range(4)] == [[(0, 0)], [(0, 1)], [(0, 0)], [(0, 1)]]
+    assert source_heads(p[(0, 1)], d[(0, 3)]) == [0]
+
+
+def test_routing_across_pp_stages() -> None:
+    p = engine("P", pp_size=3, tp_size=2, num_layers=7)
+    d = engine("D", pp_size=2, tp_size=4, num_layers=7)
+    assert sources_of(d[(0, 1)], p) == [(0, 0), (1, 0)]
+    assert sources_of(d[(1, 3)], p) == [(1, 1), (2, 1)]
+    assert expected_destinations(p[(1, 0)], d) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert release_notifier(p[(1, 0)], d) is None
+
+
+def test_release_notifier_is_the_first_overlapping_d_worker_of_an_idle_p_worker() -> None:
+    p = engine("P", pp_size=2, tp_size=4, is_mla=True, num_kv_heads=1)
+    d = engine("D", pp_size=2, tp_size=2, is_mla=True, num_kv_heads=1)
+    idle = p[(1, 3)]
+    assert expected_destinations(idle, d) == []
+    assert release_notifier(idle, d) == (1, 0)
+    assert release_notifier(p[(1, 1)], d) is None
+
+
+def _refused(src: WorkerMetadata, dst: WorkerMetadata, *values: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        check_compatible(src, dst)
+    for value in values:
+        assert value in str(info.value)
+    with pytest.raises(TopologyError):
+        plan_transfer(src, dst, [0], [0])
+
+
+def test_mismatched_scalars_are_refused_naming_both_values() -> None:
+    p = one("P")
+    _refused(p, one("D", dtype="float16"), "P dtype 'bfloat16'", "D dtype 'float16'")
+    _refused(p, one("D", head_size=128), "P head_size 64", "D head_size 128")
+    _refused(p, one("D", num_kv_heads=4), "P num_kv_heads 8", "D num_kv_heads 4")
+    _refused(p, one("D", is_mla=True), "P is_mla False", "D is_mla True")
+
+
+def test_non_divisible_tp_is_refused_naming_both_sizes() -> None:
+    _refused(one("P", tp_size=4, num_kv_heads=12), one("D", tp_size=6, num_kv_heads=12), "P tp_size 4", "D tp_size 6")
+
+
+def test_uneven_heads_on_one_side_is_refused_naming_it() -> None:
+    def six_heads(m: WorkerMetadata) -> WorkerMetadata:
+        return msgspec.structs.replace(m, num_kv_heads=6)
+
+    _refused(six_heads(one("P", tp_size=4)), six_heads(one("D", tp_size=2)), "P worker", "tp_size 4", "6")
+    _refused(six_heads(one("P", tp_size=2)), six_heads(one("D", tp_size=4)), "D worker", "tp_size 4", "6")
+
+
+def test_head_split_needs_hnd_on_the_split_side() -> None:
+    _refused(one("P", tp_size=2, layout="NHD"), one("D", tp_size=4), "P layout NHD", "HND", "tp_size 2", "tp_size 4")
+    _refused(one("P", tp_size=4), one("D", tp_size=2, layout="NHD"), "D layout NHD", "tp_size 4", "tp_size 2")
+    check_compatible(one("P", tp_size=2, layout="NHD"), one("D", tp_size=1))
+
+
+def test_different_head_order_with_several_heads_is_refused() -> None:
+    _refused(one("P", layout="NHD"), one("D", layout="HND"), "P layout NHD", "D layout HND")
+    check_compatible(one("P", tp_size=8, layout="NHD"), one("D", tp_size=8, layout="HND"))
+
+
+def test_malformed_metadata_is_refused_naming_the_side() -> None:
+    d = one("D")
+    _refused(msgspec.structs.replace(one("P"), base_addrs=[1]), d, "P worker", "1 base_addrs for 4 layers")
+    _refused(one("P"), msgspec.structs.replace(d, layout="XYZ"), "D worker", "'XYZ'")
+    _refused(one("P"), msgspec.structs.replace(d, dtype="int4"), "int4")
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "tokens", "match"),
+    [
+        ([0], [0], -1, "negative"),
+        ([0], [0, 1], 32, "P: 1 block ids"),
+        ([0, 1], [0], 32, "D: 1 block ids"),
+        ([0, 64], [0, 1], None, "outside"),
+        ([0, 1], [3, 3], None, "repeated"),
+    ],
+)
+def test_bad_requests_are_value_errors(src_ids: list[int], dst_ids: list[int], tokens: int | None, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        plan_transfer(one("P"), one("D"), src_ids, dst_ids, tokens)
+    assert not isinstance(info.value, TopologyError)
+
+
+def test_whole_blocks_only_completes_the_current_blocks() -> None:
+    p, d = one("P"), one("D", block_size=32)
+    plan = plan_transfer(p, d, [0, 1], [0], 20)
+    assert sum(x.length for x in plan) == 4 * 32 * 2 * 8 * 64 * 2
+    exact = plan_transfer(p, d, [0, 1], [0], 20, whole_blocks=False)
+    assert sum(x.length for x in exact) == 4 * 20 * 2 * 8 * 64 * 2

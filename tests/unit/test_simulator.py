@@ -1,0 +1,294 @@
+"""Byte-exact simulator of DESIGN §9: apply every (P worker, D worker) plan with memmove and check every D byte.
+
+P pools hold a known code per (layer, half, head, token) in each element (two int64 words); D pools start as a
+sentinel. After all plans ran: each slot D needs holds P's code and was written once; the slots of the last D
+block past `num_tokens` (whole-block copies) hold P's code or the sentinel; every other byte is untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsvc.cli.plan import synthetic_engine
+from kvsvc.layout import heads_of_rank, kv_cache_shape, layer_bytes
+from kvsvc.messages import WorkerMetadata
+from kvsvc.planner import expected_destinations, is_source, plan_transfer, release_notifier, sources_of
+
+SENTINEL = 0xAB
+MAGIC = 0x5A5A_5A5A_5A5A
+JUNK = -7  # P slots outside the request: a plan that reads them shows up as a wrong value
+Engine = dict[tuple[int, int], WorkerMetadata]
+U8 = npt.NDArray[np.uint8]
+I64 = npt.NDArray[np.int64]
+
+
+def code(layer: int | I64, half: int | I64, head: int | I64, token: int | I64, heads: int) -> I64:
+    return np.asarray(((layer * 2 + half) * heads + head) * (1 << 24) + token, dtype=np.int64)
+
+
+@dataclass
+class Layouts:
+    """One scenario: both engines and the request's block ids on each."""
+
+    p_pp: int = 1
+    p_tp: int = 1
+    d_pp: int = 1
+    d_tp: int = 1
+    layers: int = 4
+    heads: int = 8
+    p_block: int = 16
+    d_block: int = 16
+    tokens: int = 64
+    mla: bool = False
+    layout: str = "HND"
+    p_split: list[tuple[int, int]] | None = None
+    d_split: list[tuple[int, int]] | None = None
+    p_ids: list[int] | None = None
+    d_ids: list[int] | None = None
+    layer_gap: int = 64
+    extra_blocks: int = 3
+    whole_blocks: bool = True
+
+
+def _engine(name: str, s: Layouts, pp: int, tp: int, block: int, ids: list[int], split: object) -> Engine:
+    head_size = 8  # element = 16 bytes of float16: two int64 words
+    return synthetic_engine(
+        name,
+        pp_size=pp,
+        tp_size=tp,
+        num_layers=s.layers,
+        num_kv_heads=1 if s.mla else s.heads,
+        head_size=head_size,
+        dtype="float16",
+        block_size=block,
+        num_blocks=max(ids, default=0) + 1 + s.extra_blocks,
+        layout=s.layout,
+        is_mla=s.mla,
+        layer_split=split,  # type: ignore[arg-type]
+        base_addr=128,
+        layer_gap=s.layer_gap,
+    )
+
+
+def _view(arena: U8, meta: WorkerMetadata, local_layer: int) -> I64:
+    start = meta.base_addrs[local_layer]
+    shape = kv_cache_shape(meta)
+    words = arena[start : start + layer_bytes(meta)].view(np.int64)
+    return words.reshape(*shape[:-1], 2)
+
+
+def _arena_size(engine: Engine) -> int:
+    return max(m.base_addrs[-1] + layer_bytes(m) for m in engine.values()) + 256
+
+
+def _slot_index(meta: WorkerMetadata, ids: list[int]) -> I64:
+    """Token held by each (block, slot) of the pool for this request; -1 outside it."""
+    pos = np.full(meta.num_blocks, -1, dtype=np.int64)
+    pos[np.asarray(ids, dtype=np.int64)] = np.arange(len(ids))
+    token = pos[:, None] * meta.block_size + np.arange(meta.block_size)[None, :]
+    return np.where(pos[:, None] >= 0, token, -1)
+
+
+def _codes(meta: WorkerMetadata, ids: list[int], layer: int, heads: int) -> I64:
+    """Code of every element of one layer tensor, shaped like the tensor without its head_size axis."""
+    token = _slot_index(meta, ids)  # (nb, bs)
+    if meta.is_mla:
+        return code(layer, 0, 0, token, 1)
+    local = np.asarray(heads_of_rank(meta.tp_rank, meta.tp_size, heads), dtype=np.int64)
+    half = np.arange(2)[None, :, None, None]
+    if meta.layout == "HND":
+        return code(layer, half, local[None, None, :, None], token[:, None, None, :], heads)
+    return code(layer, half, local[None, None, None, :], token[:, None, :, None], heads)
+
+
+def simulate(s: Layouts) -> int:
+    """Run every pair's plan; assert the DESIGN §9 properties; return the number of descriptors."""
+    p_need = -(-s.tokens // s.p_block)
+    d_need = -(-s.tokens // s.d_block)
+    p_ids = s.p_ids if s.p_ids is not None else list(range(p_need))
+    d_ids = s.d_ids if s.d_ids is not None else list(range(d_need))
+    p_engine = _engine("P", s, s.p_pp, s.p_tp, s.p_block, p_ids, s.p_split)
+    d_engine = _engine("D", s, s.d_pp, s.d_tp, s.d_block, d_ids, s.d_split)
+    heads = 1 if s.mla else s.heads
+    p_arena = np.zeros(_arena_size(p_engine), dtype=np.uint8)
+    for meta in p_engine.values():
+        for i, layer in enumerate(range(meta.start_layer, meta.end_layer)):
+            codes = _codes(meta, p_ids, layer, heads)
+            view = _view(p_arena, meta, i)
+            view[..., 0] = np.where(codes >= 0, codes, JUNK)
+            view[..., 1] = view[..., 0] ^ MAGIC
+    d_arena = np.full(_arena_size(d_engine), SENTINEL, dtype=np.uint8)
+    writes = np.zeros(d_arena.size, dtype=np.uint8)
+
+    descriptors = 0
+    for p_key, p_meta in sorted(p_engine.items()):
+        regions = [(b, b + layer_bytes(p_meta)) for b in p_meta.base_addrs]
+        for d_key, d_meta in sorted(d_engine.items()):
+            plan = plan_transfer(p_meta, d_meta, p_ids, d_ids, s.tokens, whole_blocks=s.whole_blocks)
+            assert bool(plan) == (is_source(p_meta, d_meta) and s.tokens > 0), (p_key, d_key)
+            assert plan == sorted(plan), "plans are sorted by source address"
+            d_regions = [(b, b + layer_bytes(d_meta)) for b in d_meta.base_addrs]
+            for a, b in itertools.pairwise(plan):
+                mergeable = a.src_addr + a.length == b.src_addr and a.dst_addr + a.length == b.dst_addr
+                assert not mergeable, (a, b)
+            for src, dst, length in plan:
+                assert length > 0
+                assert _inside(src, length, regions), "P reads outside its own KV tensors"
+                assert _inside(dst, length, d_regions), "P writes outside the D worker's KV tensors"
+                d_arena[dst : dst + length] = p_arena[src : src + length]
+                writes[dst : dst + length] += 1
+            descriptors += len(plan)
+
+    checked = np.zeros(d_arena.size, dtype=bool)
+    last_end = d_need * s.d_block  # tokens up to here sit in listed D blocks
+    for d_meta in d_engine.values():
+        for i, layer in enumerate(range(d_meta.start_layer, d_meta.end_layer)):
+            start = d_meta.base_addrs[i]
+            stop = start + layer_bytes(d_meta)
+            checked[start:stop] = True
+            expected = _codes(d_meta, d_ids, layer, heads)
+            token = expected & ((1 << 24) - 1)
+            got = _view(d_arena, d_meta, i)
+            count = writes[start:stop].reshape(*got.shape[:-1], 16)
+            listed = expected >= 0
+            required = listed & (token < s.tokens)
+            optional = listed & (token >= s.tokens) & (token < last_end)
+            untouched = ~(required | optional)
+            assert (got[..., 0][required] == expected[required]).all(), f"D layer {layer}: wrong or missing KV"
+            assert (got[..., 1][required] == expected[required] ^ MAGIC).all()
+            assert (count[required] == 1).all(), f"D layer {layer}: required byte written != once"
+            tail_written = (count[optional] == 1).all(axis=-1)
+            tail_clean = (count[optional] == 0).all(axis=-1)
+            assert (tail_written | tail_clean).all()
+            assert (got[..., 0][optional][tail_written] == expected[optional][tail_written]).all()
+            assert (count[untouched] == 0).all(), f"D layer {layer}: wrote a slot it must not"
+            assert (got.view(np.uint8).reshape(count.shape)[untouched] == SENTINEL).all()
+    assert (writes[~checked] == 0).all() and (d_arena[~checked] == SENTINEL).all(), "wrote between tensors"
+    _check_routing(p_engine, d_engine)
+    return descriptors
+
+
+def _inside(addr: int, length: int, regions: list[tuple[int, int]]) -> bool:
+    # A run may cross from one layer tensor into the next only when they touch (layer_gap 0).
+    merged: list[list[int]] = []
+    for lo, hi in sorted(regions):
+        if merged and merged[-1][1] == lo:
+            merged[-1][1] = hi
+        else:
+            merged.append([lo, hi])
+    return any(lo <= addr and addr + length <= hi for lo, hi in merged)
+
+
+def _check_routing(p_engine: Engine, d_engine: Engine) -> None:
+    for d_key, d_meta in d_engine.items():
+        srcs = sources_of(d_meta, p_engine)
+        assert srcs, f"D worker {d_key} has no source"
+        for p_key in srcs:
+            assert d_key in expected_destinations(p_engine[p_key], d_engine)
+    for p_meta in p_engine.values():
+        notifier = release_notifier(p_meta, d_engine)
+        if expected_destinations(p_meta, d_engine):
+            assert notifier is None
+        else:
+            assert notifier is not None
+            d_meta = d_engine[notifier]
+            assert max(d_meta.start_layer, p_meta.start_layer) < min(d_meta.end_layer, p_meta.end_layer)
+
+
+CASES = {
+    "same layout": Layouts(),
+    "P tp2 -> D tp4": Layouts(p_tp=2, d_tp=4),
+    "P tp4 -> D tp2": Layouts(p_tp=4, d_tp=2),
+    "K=4 P tp8 -> D tp1": Layouts(heads=4, p_tp=8, d_tp=1),
+    "K=4 P tp1 -> D tp8": Layouts(heads=4, p_tp=1, d_tp=8),
+    "K=4 P tp8 -> D tp2": Layouts(heads=4, p_tp=8, d_tp=2),
+    "P pp2 -> D pp1": Layouts(p_pp=2, layers=6),
+    "P pp1 -> D pp2": Layouts(d_pp=2, layers=6),
+    "P pp3 tp2 -> D pp2 tp4, 7 layers": Layouts(p_pp=3, p_tp=2, d_pp=2, d_tp=4, layers=7),
+    "explicit uneven splits": Layouts(
+        p_pp=2, d_pp=3, layers=7, p_split=[(0, 1), (1, 7)], d_split=[(0, 3), (3, 4), (4, 7)]
+    ),
+    "block 16 -> 32": Layouts(p_block=16, d_block=32, p_tp=2, d_tp=4),
+    "block 32 -> 16": Layouts(p_block=32, d_block=16, p_tp=4, d_tp=2),
+    "block 16 -> 24, partial": Layouts(p_block=16, d_block=24, tokens=61, p_tp=2, d_tp=1),
+    "MLA P tp4 -> D tp2 with PP": Layouts(mla=True, p_tp=4, d_tp=2, d_pp=2, layers=5),
+    "MLA P tp1 pp2 -> D tp4": Layouts(mla=True, p_tp=1, p_pp=2, d_tp=4, layers=4),
+    "MLA block 32 -> 16": Layouts(mla=True, p_block=32, d_block=16, tokens=50),
+    "partial last block": Layouts(tokens=37),
+    "partial last block, head split": Layouts(tokens=37, p_tp=1, d_tp=2),
+    "partial last block, no whole-block copy": Layouts(tokens=37, whole_blocks=False),
+    "scattered block ids": Layouts(tokens=80, p_ids=[9, 3, 4, 5, 0], d_ids=[2, 7, 8, 1, 0], p_tp=2, d_tp=4),
+    "NHD, no head split": Layouts(layout="NHD", p_tp=2, d_tp=2, d_block=32, tokens=45),
+    "NHD, replicated heads": Layouts(layout="NHD", heads=2, p_tp=2, d_tp=4),
+    "touching layer tensors": Layouts(layer_gap=0, extra_blocks=0, tokens=64),
+    "zero tokens": Layouts(tokens=0, p_ids=[], d_ids=[]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_every_d_byte_is_written_once_with_the_right_kv(case: Layouts) -> None:
+    simulate(case)
+
+
+def test_whole_blocks_merge_k_and_v_of_a_partial_last_block() -> None:
+    fewer = simulate(Layouts(tokens=37))
+    more = simulate(Layouts(tokens=37, whole_blocks=False))
+    assert fewer < more
+
+
+def test_touching_layer_tensors_merge_into_one_descriptor() -> None:
+    assert simulate(Layouts(layer_gap=0, extra_blocks=0, tokens=64, layers=4)) == 1
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> Layouts:
+    mla = draw(st.booleans())
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    tps = [1, 2, 4, 8]
+    p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
+    layers = draw(st.integers(1, 6))
+    p_pp = draw(st.integers(1, min(3, layers)))
+    d_pp = draw(st.integers(1, min(3, layers)))
+    p_block = draw(st.sampled_from([4, 8, 16, 12]))
+    d_block = draw(st.sampled_from([4, 8, 16, 12]))
+    tokens = draw(st.integers(0, 70))
+    layout = "HND"
+    if not mla and draw(st.booleans()):
+        per_p, per_d = max(1, heads // p_tp), max(1, heads // d_tp)
+        layout = "NHD" if per_p == per_d else "HND"
+    p_need, d_need = -(-tokens // p_block), -(-tokens // d_block)
+    p_pool = p_need + draw(st.integers(0, 4))
+    d_pool = d_need + draw(st.integers(0, 4))
+    p_ids = draw(st.permutations(range(p_pool)))[:p_need]
+    d_ids = draw(st.permutations(range(d_pool)))[:d_need]
+    return Layouts(
+        p_pp=p_pp,
+        p_tp=p_tp,
+        d_pp=d_pp,
+        d_tp=d_tp,
+        layers=layers,
+        heads=heads,
+        p_block=p_block,
+        d_block=d_block,
+        tokens=tokens,
+        mla=mla,
+        layout=layout,
+        p_ids=list(p_ids),
+        d_ids=list(d_ids),
+        layer_gap=draw(st.sampled_from([0, 32])),
+        extra_blocks=draw(st.integers(0, 2)),
+        whole_blocks=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_random_layouts_are_byte_exact(case: Layouts) -> None:
+    simulate(case)
