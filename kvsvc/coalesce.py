@@ -95,7 +95,8 @@ def plan_runs(
 ) -> tuple[Int64Array, Int64Array, Int64Array]:
     """Maximal runs copying tokens `[0, num_tokens)` of the given local heads (paired by position) of every layer.
 
-    `src_layer_bases[i]` and `dst_layer_bases[i]` are the two sides' addresses of the same global layer. A token
+    `src_layer_bases[i]` and `dst_layer_bases[i]` are the two sides' addresses of block 0 of the same global layer;
+    block b of a layer lies `b * block_stride` after it (a cross-layer pool interleaves layers that way). A token
     segment is a token range inside one source block and one destination block; segments with the same slots
     and length share one intra-block run pattern, so Python work grows with distinct patterns, not tokens.
     """
@@ -103,8 +104,8 @@ def plan_runs(
     starts, counts = _segments(bs_s, bs_d, num_tokens)
     block_src, slot_src = np.divmod(starts, bs_s)
     block_dst, slot_dst = np.divmod(starts, bs_d)
-    block_off_src = np.asarray(src_block_ids, dtype=np.int64)[block_src] * gs.block_bytes
-    block_off_dst = np.asarray(dst_block_ids, dtype=np.int64)[block_dst] * gd.block_bytes
+    block_off_src = np.asarray(src_block_ids, dtype=np.int64)[block_src] * gs.block_stride
+    block_off_dst = np.asarray(dst_block_ids, dtype=np.int64)[block_dst] * gd.block_stride
     bases_src = np.asarray(src_layer_bases, dtype=np.int64)[:, None, None]
     bases_dst = np.asarray(dst_layer_bases, dtype=np.int64)[:, None, None]
     heads_src = np.asarray(src_heads, dtype=np.int64)

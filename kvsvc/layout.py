@@ -2,8 +2,12 @@
 
 Pure module: imports only the standard library and `kvsvc.errors`/`kvsvc.messages` (no numpy, torch, asyncio).
 Invariants: head ownership follows DESIGN §2 (`H_local = max(1, K // tp)`, replicated when `tp > K`); byte offsets
-match the torch tensors HND `(num_blocks, 2, H_local, block_size, head_size)`, NHD
-`(num_blocks, 2, block_size, H_local, head_size)` and MLA `(num_blocks, block_size, head_size)`, C-contiguous.
+match C-contiguous torch tensors. Per-layer layouts have one tensor per local layer (`base_addrs` holds one address
+per layer): HND `(num_blocks, 2, H_local, block_size, head_size)`, NHD `(num_blocks, 2, block_size, H_local,
+head_size)`, MLA `(num_blocks, block_size, head_size)`. The cross-layer layout `CROSS_LAYER` ("HND_CROSS_LAYER")
+has one tensor per worker with every local layer inside each block, `(num_blocks, local_layers, 2, H_local,
+block_size, head_size)`, or `(num_blocks, local_layers, block_size, head_size)` for MLA; `base_addrs` then holds
+one address, the tensor's start. Inside a block of one layer the cross-layer pool orders bytes as HND does.
 """
 
 from __future__ import annotations
@@ -23,7 +27,22 @@ DTYPE_SIZES: Final[dict[str, int]] = {
     "int8": 1,
     "uint8": 1,
 }
-LAYOUTS: Final = ("HND", "NHD")
+CROSS_LAYER: Final = "HND_CROSS_LAYER"
+PER_LAYER_LAYOUTS: Final = ("HND", "NHD")
+LAYOUTS: Final = (*PER_LAYER_LAYOUTS, CROSS_LAYER)
+
+
+def is_cross_layer(meta: WorkerMetadata) -> bool:
+    """Whether the worker keeps all its local layers in one cross-layer pool (MLA included)."""
+    return meta.layout == CROSS_LAYER
+
+
+def head_order(meta: WorkerMetadata) -> str:
+    """How a block of one layer orders heads and tokens: "HND" (also the cross-layer pool's order) or "NHD".
+
+    MLA has one latent per token, so its order is "HND" whatever the layout says.
+    """
+    return "NHD" if meta.layout == "NHD" and not meta.is_mla else "HND"
 
 
 def dtype_size(dtype: str) -> int:
@@ -140,46 +159,58 @@ class BlockGeometry(NamedTuple):
     half_stride: int
     head_stride: int
     token_stride: int
+    block_stride: int  # bytes from block b to block b + 1 of one layer: block_bytes, or layers x that cross-layer
 
 
 def kv_cache_shape(meta: WorkerMetadata) -> tuple[int, ...]:
-    """The torch shape of one layer's KV tensor of this worker.
+    """The torch shape of one KV tensor of this worker: one layer's, or the whole cross-layer pool's.
 
     Raises:
-        TopologyError: the layout is neither HND nor NHD (non-MLA), or K does not divide over tp.
+        TopologyError: the layout is not one of `LAYOUTS` (non-MLA), K does not divide over tp, or a
+            cross-layer pool has an empty layer range.
     """
+    cross = is_cross_layer(meta)
+    if cross and meta.num_layers < 1:
+        raise TopologyError(
+            f"{CROSS_LAYER} pool of an empty layer range [{meta.start_layer}, {meta.end_layer}) has no shape"
+        )
+    layers = (meta.num_layers,) if cross else ()
     if meta.is_mla:
-        return (meta.num_blocks, meta.block_size, meta.head_size)
+        return (meta.num_blocks, *layers, meta.block_size, meta.head_size)
     check_kv_heads(meta.num_kv_heads, meta.tp_size)
     heads = kv_heads_per_rank(meta.num_kv_heads, meta.tp_size)
-    if meta.layout == "HND":
-        return (meta.num_blocks, 2, heads, meta.block_size, meta.head_size)
+    if meta.layout in ("HND", CROSS_LAYER):
+        return (meta.num_blocks, *layers, 2, heads, meta.block_size, meta.head_size)
     if meta.layout == "NHD":
         return (meta.num_blocks, 2, meta.block_size, heads, meta.head_size)
     raise TopologyError(f"unknown KV layout {meta.layout!r}; known: {', '.join(LAYOUTS)}")
 
 
 def block_geometry(meta: WorkerMetadata) -> BlockGeometry:
-    """Strides of this worker's per-layer KV tensor.
+    """Strides of one layer's blocks of this worker, in its per-layer tensor or inside the cross-layer pool.
 
     Raises:
-        TopologyError: unknown dtype or layout, or K does not divide over tp.
+        TopologyError: unknown dtype or layout, K does not divide over tp, or a cross-layer pool has an empty
+            layer range.
     """
     element = meta.head_size * dtype_size(meta.dtype)
-    shape = kv_cache_shape(meta)
+    kv_cache_shape(meta)  # validates the layout and the heads
+    layers = meta.num_layers if is_cross_layer(meta) else 1
     bs = meta.block_size
     if meta.is_mla:
-        return BlockGeometry(1, 1, bs, element, bs * element, bs * element, bs * element, element)
+        block = bs * element
+        return BlockGeometry(1, 1, bs, element, block, block, block, element, layers * block)
     heads = kv_heads_per_rank(meta.num_kv_heads, meta.tp_size)
     half = heads * bs * element
-    if meta.layout == "HND":
-        return BlockGeometry(2, heads, bs, element, 2 * half, half, bs * element, element)
-    assert shape[3] == heads
-    return BlockGeometry(2, heads, bs, element, 2 * half, half, element, heads * element)
+    if head_order(meta) == "HND":
+        return BlockGeometry(2, heads, bs, element, 2 * half, half, bs * element, element, layers * 2 * half)
+    return BlockGeometry(2, heads, bs, element, 2 * half, half, element, heads * element, 2 * half)
 
 
 def block_bytes(meta: WorkerMetadata) -> int:
-    """Bytes of one block of one layer (K and V halves together, or the MLA latent).
+    """Bytes of one block of one layer (K and V halves together, or the MLA latent), for every layout.
+
+    This is vLLM's `block_len`. A block of the cross-layer pool, all local layers, is `num_layers` times it.
 
     Raises:
         TopologyError: unknown dtype or layout, or K does not divide over tp.
@@ -188,9 +219,66 @@ def block_bytes(meta: WorkerMetadata) -> int:
 
 
 def layer_bytes(meta: WorkerMetadata) -> int:
-    """Bytes of one layer's whole KV tensor (`num_blocks` blocks).
+    """Bytes of one layer's KV over the whole pool: `num_blocks * block_bytes`, for every layout.
+
+    In a per-layer layout that is one contiguous tensor, a registered region; in the cross-layer pool the layer is
+    strided (one `block_bytes` slice per block), so use `pool_regions` for what to register or check addresses
+    against, and `pool_bytes` for the pool's size.
 
     Raises:
         TopologyError: unknown dtype or layout, or K does not divide over tp.
     """
     return block_bytes(meta) * meta.num_blocks
+
+
+def pool_bytes(meta: WorkerMetadata) -> int:
+    """Bytes of all the worker's KV: `layer_bytes * num_layers`, whether in per-layer tensors or one pool.
+
+    Raises:
+        TopologyError: unknown dtype or layout, or K does not divide over tp.
+    """
+    return layer_bytes(meta) * max(0, meta.num_layers)
+
+
+def check_base_addrs(meta: WorkerMetadata, side: str = "") -> None:
+    """Check that `base_addrs` has one address per local layer, or exactly one for the cross-layer pool.
+
+    Raises:
+        TopologyError: the count is wrong; the message names `side` (a worker's name) and the layout.
+    """
+    who = f"{side}: " if side else ""
+    if is_cross_layer(meta):
+        if len(meta.base_addrs) != 1:
+            raise TopologyError(
+                f"{who}{len(meta.base_addrs)} base_addrs for layout {CROSS_LAYER}; it needs 1, the pool's start"
+            )
+    elif len(meta.base_addrs) != meta.num_layers:
+        raise TopologyError(f"{who}{len(meta.base_addrs)} base_addrs for {meta.num_layers} layers")
+
+
+def layer_addrs(meta: WorkerMetadata) -> list[int]:
+    """Address of block 0 of each local layer, in layer order; block b of layer i is at `+ b * block_stride`.
+
+    Raises:
+        TopologyError: unknown dtype or layout, K does not divide over tp, or `check_base_addrs` refuses.
+    """
+    check_base_addrs(meta)
+    if not is_cross_layer(meta):
+        return list(meta.base_addrs)
+    size = block_bytes(meta)
+    return [meta.base_addrs[0] + i * size for i in range(meta.num_layers)]
+
+
+def pool_regions(meta: WorkerMetadata) -> list[tuple[int, int]]:
+    """The worker's registered KV memory, as `(start_addr, length)` in `base_addrs` order.
+
+    One region per layer tensor in a per-layer layout, one region for the cross-layer pool.
+
+    Raises:
+        TopologyError: unknown dtype or layout, K does not divide over tp, or `check_base_addrs` refuses.
+    """
+    check_base_addrs(meta)
+    if is_cross_layer(meta):
+        return [(meta.base_addrs[0], pool_bytes(meta))]
+    size = layer_bytes(meta)
+    return [(addr, size) for addr in meta.base_addrs]

@@ -3,7 +3,9 @@
 Pure module: imports numpy, `kvsvc.layout`, `kvsvc.coalesce`, `kvsvc.messages`, `kvsvc.errors` (no torch,
 asyncio, mooncake). Invariants (DESIGN §2): every (D worker, layer, head) has exactly one source P worker; a plan
 writes only inside the listed D blocks and the (layer, head) slots its P worker sources; plans are maximal runs
-sorted by source address; incompatibility is a `TopologyError` that names both sides' values.
+sorted by source address; incompatibility is a `TopologyError` that names both sides' values. Any mix of
+per-layer layouts (HND, NHD) and the cross-layer pool (`kvsvc.layout.CROSS_LAYER`) on the two sides is planned the
+same way: each layer is a base address plus a block stride, and merging finds whatever is contiguous.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ from kvsvc.errors import TopologyError
 from kvsvc.layout import (
     LAYOUTS,
     block_geometry,
+    check_base_addrs,
     check_kv_heads,
     dtype_size,
+    head_order,
     heads_of_rank,
     holders_of_head,
     kv_heads_per_rank,
+    layer_addrs,
 )
 from kvsvc.messages import WorkerMetadata
 
@@ -54,13 +59,13 @@ def _check_worker(side: str, meta: WorkerMetadata) -> None:
         raise TopologyError(f"{who}: rank outside its sizes (pp_size {meta.pp_size}, tp_size {meta.tp_size})")
     if not 0 <= meta.start_layer < meta.end_layer:
         raise TopologyError(f"{who}: empty or negative layer range [{meta.start_layer}, {meta.end_layer})")
-    if len(meta.base_addrs) != meta.num_layers:
-        raise TopologyError(f"{who}: {len(meta.base_addrs)} base_addrs for {meta.num_layers} layers")
+    check_base_addrs(meta, who)
     if meta.block_size < 1 or meta.head_size < 1 or meta.num_blocks < 0:
         raise TopologyError(
             f"{who}: block_size {meta.block_size}, head_size {meta.head_size}, num_blocks {meta.num_blocks}"
         )
     dtype_size(meta.dtype)
+    # MLA ignores the layout unless it names the cross-layer pool, so any string passes there.
     if not meta.is_mla:
         if meta.layout not in LAYOUTS:
             raise TopologyError(f"{who}: unknown layout {meta.layout!r}; known: {', '.join(LAYOUTS)}")
@@ -70,10 +75,14 @@ def _check_worker(side: str, meta: WorkerMetadata) -> None:
 def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     """Check that P worker `src` can write into D worker `dst` (whatever their ranks); the hello runs this.
 
+    Any per-layer layout pairs with the cross-layer pool, which orders a block of one layer as HND does.
+
     Raises:
-        TopologyError: a malformed side, or dtype, head_size, num_kv_heads or is_mla differ, or the TP sizes do
-            not divide one another, or a head split is needed where a side is NHD, or the two sides order a
-            block's heads differently (HND against NHD with several heads). The message names both values.
+        TopologyError: a malformed side (the message names it: wrong count of base_addrs for its layout, unknown
+            layout or dtype...), or dtype, head_size, num_kv_heads or is_mla differ, or the TP sizes do not divide
+            one another, or a head split is needed where a side is NHD, or the two sides order a block's heads
+            differently (NHD against HND or the cross-layer pool, with several heads). The message names both
+            values.
     """
     _check_worker("P", src)
     _check_worker("D", dst)
@@ -91,11 +100,12 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     heads_p = kv_heads_per_rank(src.num_kv_heads, src.tp_size)
     heads_d = kv_heads_per_rank(dst.num_kv_heads, dst.tp_size)
     sizes = f"P tp_size {src.tp_size} holds {heads_p} heads per rank, D tp_size {dst.tp_size} holds {heads_d}"
-    if heads_d < heads_p and src.layout != "HND":
+    order_p, order_d = head_order(src), head_order(dst)
+    if heads_d < heads_p and order_p != "HND":
         raise TopologyError(f"P layout {src.layout} cannot be split by head ({sizes}); a head split needs HND")
-    if heads_p < heads_d and dst.layout != "HND":
+    if heads_p < heads_d and order_d != "HND":
         raise TopologyError(f"D layout {dst.layout} cannot be split by head ({sizes}); a head split needs HND")
-    if heads_p == heads_d > 1 and src.layout != dst.layout:
+    if heads_p == heads_d > 1 and order_p != order_d:
         raise TopologyError(
             f"P layout {src.layout} and D layout {dst.layout} order {heads_p} heads per block differently; "
             "copying would transpose every token"
@@ -165,10 +175,13 @@ def plan_transfer(
 
     `num_tokens` defaults to every slot of `dst_block_ids`. Covers every layer both hold, for the heads
     `source_heads(src, dst)`; `[]` when `src` is no source of `dst`. Runs are maximal and sorted by source
-    address. With `whole_blocks`, a partial last block is completed up to the end of the current P and D
-    blocks when every head of both blocks is copied, which lets K and V merge; those extra slots lie inside
-    the listed D block and hold sourced heads only. `plan_transfer_arrays` gives the same plan as arrays,
-    which is several times cheaper when the plan has thousands of runs.
+    address. When both sides are cross-layer pools with the same block size, heads and layer range, a run of
+    blocks contiguous on both sides is one descriptor for all layers; otherwise the layers both hold that lie next
+    to one another inside a block on both sides still share one. With `whole_blocks`, a partial last block is
+    completed up to the end of the current P and D blocks when every head of both blocks is copied, which lets
+    K and V merge; those extra slots lie inside the listed D block and hold sourced heads only.
+    `plan_transfer_arrays` gives the same plan as arrays, which is several times cheaper when the plan has
+    thousands of runs.
 
     Raises:
         TopologyError: `check_compatible` refuses the pair.
@@ -222,8 +235,11 @@ def plan_transfer_arrays(
     if whole_blocks and every_head and not src.is_mla:
         last = tokens - 1
         tokens = min((last // gd.block_size + 1) * gd.block_size, (last // gs.block_size + 1) * gs.block_size)
-    src_bases = [src.base_addrs[layer - src.start_layer] for layer in layers]
-    dst_bases = [dst.base_addrs[layer - dst.start_layer] for layer in layers]
+    # Cross-layer pools become per-layer bases with a wider block stride; merging then joins the layers that
+    # sit next to one another inside a block, on both sides, into one run.
+    src_all, dst_all = layer_addrs(src), layer_addrs(dst)
+    src_bases = [src_all[layer - src.start_layer] for layer in layers]
+    dst_bases = [dst_all[layer - dst.start_layer] for layer in layers]
     return plan_runs(gs, gd, local_src, local_dst, src_bases, dst_bases, src_block_ids, dst_block_ids, tokens)
 
 

@@ -62,7 +62,19 @@ def engine_shapes(
     check_layer_split(split, num_layers)
     return [
         WorkerShape(
-            engine_id, pp, pp_size, tp, tp_size, start, end, num_kv_heads, head_size, block_size, num_blocks, dtype, layout
+            engine_id,
+            pp,
+            pp_size,
+            tp,
+            tp_size,
+            start,
+            end,
+            num_kv_heads,
+            head_size,
+            block_size,
+            num_blocks,
+            dtype,
+            layout,
         )
         for pp, (start, end) in enumerate(split)
         for tp in range(tp_size)
@@ -145,4 +157,3 @@ class KVPool:
         """Layer `local_layer` as an HND view `(num_blocks, 2, H_local, block_size, head_size)`, whatever the layout."""
         layer = self.layers[local_layer]
         return layer if self.shape.layout == "HND" else layer.transpose(2, 3)
-

@@ -3,7 +3,7 @@
 Imports torch and the pure core only. Invariants: every value is a small integer (|v| <= 125), exact in bf16, fp16
 and fp32, so a byte-exact comparison is meaningful; values depend on the token's index in the request, never on
 block size or block ids, so P and D with different layouts agree on what each token's KV must be; a value is
-`pattern[code(seed, layer, half, head, token), dim]`, a lookup into a fixed table, which keeps `fill` one gather.
+`pattern[head_code(seed, layer, half, head) + token_code(seed, token), dim]`: one gather from a fixed table.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from kvsvc.layout import heads_of_rank
 from kvsvc.messages import WorkerMetadata
 
 _MASK31: Final = (1 << 31) - 1
-# Distinct row patterns: a row written to the wrong (layer, half, head, token) is missed only when both codes
-# collide, 1 in 4093; a systematic misplacement moves many rows and cannot hide.
-_PATTERN_ROWS: Final = 4093
+# A row's code is head_code + token_code, each in [0, _CODES): a row written to the wrong (layer, half, head, token)
+# is missed only when the two codes collide (about 1 in 4096); a systematic misplacement moves many rows and shows.
+_CODES: Final = 4096
 _INT_VIEW: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -51,7 +51,8 @@ class VerifyResult:
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 31-bit integer finaliser; every product stays below 2**62, so int64 never overflows."""
+    """A 31-bit integer finaliser; every product stays below 2**62, so int64 never overflows. Slow per element
+    on the CPU (torch shifts are not vectorised): use it on small tensors only."""
     x = x ^ (x >> 15)
     x = (x * 0x2C1B3C6D) & _MASK31
     x = x ^ (x >> 12)
@@ -61,26 +62,32 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _patterns(head_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    rows = torch.arange(_PATTERN_ROWS, dtype=torch.int64).unsqueeze(1)
+    """`(2 * _CODES - 1, head_size)` rows of small integers: row `head_code + token_code` is a token's KV."""
+    rows = torch.arange(2 * _CODES - 1, dtype=torch.int64).unsqueeze(1)
     dims = torch.arange(head_size, dtype=torch.int64).unsqueeze(0)
     values = _mix((rows * 0x10001 + dims * 0x3B9 + 0x5F3759) & _MASK31) % 251 - 125
     return values.to(dtype).to(device)
 
 
-def _codes(seed: int, layer: int, heads: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Row codes `(2, H, num_tokens)` of one layer for the given global heads."""
+def _head_codes(seed: int, layer: int, heads: Sequence[int]) -> torch.Tensor:
+    """Codes `(2, H)` in `[0, _CODES)` of each (half, global head) of one layer of one request."""
     base = (seed * 0x9E3779B1 + layer * 0x85EBCA77) & _MASK31
-    halves = torch.arange(2, dtype=torch.int64).view(2, 1, 1)
-    tokens = torch.arange(num_tokens, dtype=torch.int64).view(1, 1, -1)
-    x = (base + halves * 0x27D4EB2F + heads.view(1, -1, 1) * 0x01000193 + tokens * 0x5BD1E995) & _MASK31
-    return _mix(x) % _PATTERN_ROWS
+    halves = torch.arange(2, dtype=torch.int64).view(2, 1)
+    head_ids = torch.tensor(list(heads), dtype=torch.int64).view(1, -1)
+    return _mix((base + halves * 0x27D4EB2F + head_ids * 0x01000193) & _MASK31) % _CODES
+
+
+def _token_codes(seed: int, num_tokens: int) -> torch.Tensor:
+    """Codes `(num_tokens,)` in `[0, _CODES)` of each token of one request."""
+    tokens = torch.arange(num_tokens, dtype=torch.int64)
+    return _mix((seed * 0x5BD1E995 + 0x6A09E667 + tokens * 0x01000193) & _MASK31) % _CODES
 
 
 def expected_kv(
     seed: int, layer: int, heads: Sequence[int], num_tokens: int, head_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The KV the synthetic model writes for one layer: `(2, len(heads), num_tokens, head_size)` on the CPU."""
-    codes = _codes(seed, layer, torch.tensor(list(heads), dtype=torch.int64), num_tokens)
+    codes = _head_codes(seed, layer, heads).unsqueeze(2) + _token_codes(seed, num_tokens).view(1, 1, -1)
     return _patterns(head_size, dtype, torch.device("cpu"))[codes]
 
 
@@ -90,44 +97,72 @@ def _hnd(layer: torch.Tensor, meta: WorkerMetadata) -> torch.Tensor:
     return layer if meta.layout == "HND" else layer.transpose(2, 3)
 
 
-def _check_request(layers: Sequence[torch.Tensor], meta: WorkerMetadata, block_ids: Sequence[int], n: int) -> int:
-    """Number of blocks that hold the request's `n` tokens.
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ids as `(position in block_ids, first id, length)`."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, block in enumerate(block_ids):
+        if runs and block == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((pos, block, 1))
+    return runs
+
+
+def _check_request(
+    layers: Sequence[torch.Tensor], meta: WorkerMetadata, block_ids: Sequence[int], num_tokens: int
+) -> list[int]:
+    """The blocks that hold the request's tokens.
 
     Raises:
         ValueError: the layers do not match `meta`, or the blocks cannot hold the tokens or lie outside the pool.
     """
     if len(layers) != meta.num_layers:
         raise ValueError(f"{len(layers)} layer tensors for {meta.num_layers} local layers")
-    used = -(-n // meta.block_size)
-    if n < 0 or used > len(block_ids):
-        raise ValueError(f"{n} tokens do not fit {len(block_ids)} blocks of {meta.block_size} tokens")
+    used = -(-num_tokens // meta.block_size)
+    if num_tokens < 0 or used > len(block_ids):
+        raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} blocks of {meta.block_size} tokens")
     bad = [b for b in block_ids[:used] if not 0 <= b < meta.num_blocks]
     if bad:
         raise ValueError(f"block ids {bad[:8]} outside the pool of {meta.num_blocks} blocks")
-    return used
+    if len(set(block_ids[:used])) != used:
+        raise ValueError(f"block ids {list(block_ids[:used])} repeat a block")
+    return list(block_ids[:used])
 
 
-def fill(layers: Sequence[torch.Tensor], meta: WorkerMetadata, seed: int, block_ids: Sequence[int], num_tokens: int) -> None:
+def _block_codes(seed: int, layer: int, heads: Sequence[int], tokens: torch.Tensor, bs: int) -> torch.Tensor:
+    """Row codes in block order `(blocks, 2, H, bs)` for token codes `tokens` (a multiple of `bs` long)."""
+    return _head_codes(seed, layer, heads).view(1, 2, -1, 1) + tokens.view(-1, 1, 1, bs)
+
+
+def fill(
+    layers: Sequence[torch.Tensor], meta: WorkerMetadata, seed: int, block_ids: Sequence[int], num_tokens: int
+) -> None:
     """Write request `seed`'s KV for tokens `[0, num_tokens)` into `block_ids` of every local layer and head.
 
     The last block is written whole (its tail holds the values of tokens past the end): P owns those slots.
 
     Raises:
-        ValueError: layers and metadata disagree, the blocks cannot hold the tokens, or the layout is not HND/NHD.
+        ValueError: layers and metadata disagree, the blocks cannot hold the tokens (or repeat one), or the layout
+            is not HND/NHD.
     """
-    used = _check_request(layers, meta, block_ids, num_tokens)
-    if used == 0:
+    ids = _check_request(layers, meta, block_ids, num_tokens)
+    if not ids:
         return
     device = layers[0].device
-    ids = torch.tensor(list(block_ids[:used]), dtype=torch.int64, device=device)
-    heads = torch.tensor(list(heads_of_rank(meta.tp_rank, meta.tp_size, meta.num_kv_heads)), dtype=torch.int64)
+    heads = heads_of_rank(meta.tp_rank, meta.tp_size, meta.num_kv_heads)
     table = _patterns(meta.head_size, layers[0].dtype, device)
-    bs = meta.block_size
+    bs, hd, nh = meta.block_size, meta.head_size, len(heads)
+    tokens = _token_codes(seed, len(ids) * bs)
     for local, layer in enumerate(layers):
-        codes = _codes(seed, meta.start_layer + local, heads, used * bs).to(device)
-        values = table[codes]  # (2, H, used*bs, hd)
-        blocks = values.view(2, len(heads), used, bs, meta.head_size).permute(2, 0, 1, 3, 4)
-        _hnd(layer, meta)[ids] = blocks
+        codes = _block_codes(seed, meta.start_layer + local, heads, tokens, bs).to(device)
+        for pos, first, count in _runs(ids):
+            run_codes = codes[pos : pos + count].reshape(-1)
+            if meta.layout == "HND":
+                # Gather straight into the pool: a run of consecutive blocks is one contiguous slice.
+                torch.index_select(table, 0, run_codes, out=layer[first : first + count].view(-1, hd))
+            else:
+                values = torch.index_select(table, 0, run_codes).view(count, 2, nh, bs, hd)
+                _hnd(layer, meta)[first : first + count] = values
 
 
 def verify(
@@ -138,38 +173,49 @@ def verify(
     Comparison is bitwise (the integer view of the dtype), so `-0.0` vs `0.0` or a NaN payload counts as wrong.
 
     Raises:
-        ValueError: layers and metadata disagree, the blocks cannot hold the tokens, or the layout is not HND/NHD.
+        ValueError: layers and metadata disagree, the blocks cannot hold the tokens (or repeat one), or the layout
+            is not HND/NHD.
     """
-    used = _check_request(layers, meta, block_ids, num_tokens)
-    if used == 0:
+    ids = _check_request(layers, meta, block_ids, num_tokens)
+    if not ids:
         return VerifyResult(ok=True, checked=0, mismatches=0)
     device = layers[0].device
-    ids = torch.tensor(list(block_ids[:used]), dtype=torch.int64, device=device)
-    head_list = list(heads_of_rank(meta.tp_rank, meta.tp_size, meta.num_kv_heads))
-    heads = torch.tensor(head_list, dtype=torch.int64)
+    heads = heads_of_rank(meta.tp_rank, meta.tp_size, meta.num_kv_heads)
     table = _patterns(meta.head_size, layers[0].dtype, device)
     as_int = _INT_VIEW[layers[0].element_size()]
+    bs, hd, nh = meta.block_size, meta.head_size, len(heads)
+    tokens = _token_codes(seed, len(ids) * bs)
     checked = mismatches = 0
     first: Mismatch | None = None
     for local, layer in enumerate(layers):
-        expected = table[_codes(seed, meta.start_layer + local, heads, num_tokens).to(device)]
-        got = _hnd(layer, meta)[ids].permute(1, 2, 0, 3, 4).reshape(2, len(head_list), used * meta.block_size, -1)
-        actual = got[:, :, :num_tokens].contiguous()
-        wrong = expected.view(as_int) != actual.view(as_int)
-        checked += wrong.numel()
-        count = int(wrong.sum().item())
-        if count and first is None:
-            half, h, token, dim = (int(i) for i in wrong.nonzero()[0].tolist())
-            first = Mismatch(
-                meta.start_layer + local,
-                half,
-                head_list[h],
-                token,
-                dim,
-                float(expected[half, h, token, dim].item()),
-                float(actual[half, h, token, dim].item()),
-            )
-        mismatches += count
+        codes = _block_codes(seed, meta.start_layer + local, heads, tokens, bs).to(device)
+        view = _hnd(layer, meta)
+        for pos, block, count in _runs(ids):
+            # Only the slots of tokens below num_tokens: the tail of a partial last block is not the request's.
+            valid = min(count * bs, num_tokens - pos * bs)
+            full, rest = divmod(valid, bs)
+            parts = [(0, full, bs)] if full else []
+            if rest:
+                parts.append((full, full + 1, rest))
+            for lo, hi, slots in parts:
+                actual = view[block + lo : block + hi, :, :, :slots]
+                expected = torch.index_select(table, 0, codes[pos + lo : pos + hi, :, :, :slots].reshape(-1))
+                expected = expected.view(hi - lo, 2, nh, slots, hd)
+                wrong = expected.view(as_int) != actual.view(as_int)
+                count_wrong = int(torch.count_nonzero(wrong).item())
+                checked += wrong.numel()
+                mismatches += count_wrong
+                if count_wrong and first is None:
+                    b, half, h, slot, dim = (int(i) for i in wrong.nonzero()[0].tolist())
+                    first = Mismatch(
+                        layer=meta.start_layer + local,
+                        half=half,
+                        head=heads[h],
+                        token=(pos + lo + b) * bs + slot,
+                        dim=dim,
+                        expected=float(expected[b, half, h, slot, dim].item()),
+                        actual=float(actual[b, half, h, slot, dim].item()),
+                    )
     return VerifyResult(ok=mismatches == 0, checked=checked, mismatches=mismatches, first=first)
 
 
@@ -188,11 +234,12 @@ def ready_after_fill(device: torch.device) -> Awaitable[None] | None:
     if streams is not None and hasattr(streams, "record_event") and hasattr(streams, "completion_future"):
         future: Awaitable[None] = streams.completion_future(streams.record_event())
         return future
-    event = torch.cuda.Event()
+    event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
     return _poll_event(event)
 
 
-async def _poll_event(event: torch.cuda.Event) -> None:
-    while not event.query():
+async def _poll_event(event: Any) -> None:
+    # Polled, not awaited on a thread: cudaEventSynchronize would spin a core per pending request.
+    while not event.query():  # noqa: ASYNC110 - a CUDA event cannot set an asyncio.Event by itself
         await asyncio.sleep(0.0005)

@@ -2,7 +2,8 @@
 
 Imports the pure core (layout, planner) and rich; no torch, asyncio or mooncake. Invariants: synthetic engines
 never overlap in address space and are deterministic for the same arguments; an incompatible pair prints one
-line on stderr and exits 2; with `--json` the only output is one JSON object on one line.
+line on stderr and exits 2; with `--json` the only output is one JSON object on one line. When either side uses
+the cross-layer pool, every pair is also planned with per-layer HND tensors on both sides, for comparison.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ import msgspec
 from kvsvc.coalesce import unmerged_run_count
 from kvsvc.errors import TopologyError
 from kvsvc.layout import (
+    CROSS_LAYER,
+    LAYOUTS,
     block_geometry,
     check_kv_heads,
     check_layer_split,
     even_layer_split,
     heads_of_rank,
+    is_cross_layer,
     layer_bytes,
+    pool_bytes,
 )
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import Worker, plan_transfer_arrays, source_heads
@@ -52,7 +57,9 @@ def synthetic_engine(
     base_addr: int = P_BASE,
     layer_gap: int = _ALIGN,
 ) -> dict[Worker, WorkerMetadata]:
-    """Metadata of every worker of a fake engine: each layer tensor follows the previous one after `layer_gap`.
+    """Metadata of every worker of a fake engine: each KV tensor follows the previous one after `layer_gap`.
+
+    A per-layer layout gets one tensor per layer; `CROSS_LAYER` one pool per worker (MLA included).
 
     Raises:
         ValueError: the layer split does not tile `[0, num_layers)`, or fewer layers than stages.
@@ -84,9 +91,13 @@ def synthetic_engine(
                 is_mla=is_mla,
                 base_addrs=[],
             )
-            size = layer_bytes(meta)
-            bases = [addr + i * (size + layer_gap) for i in range(end - start)]
-            addr = bases[-1] + size + layer_gap
+            if is_cross_layer(meta):
+                bases = [addr]
+                addr += pool_bytes(meta) + layer_gap
+            else:
+                size = layer_bytes(meta)
+                bases = [addr + i * (size + layer_gap) for i in range(end - start)]
+                addr = bases[-1] + size + layer_gap
             engine[(pp_rank, tp_rank)] = msgspec.structs.replace(meta, base_addrs=bases)
     return engine
 
@@ -132,7 +143,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--tokens", type=int, default=4096, help="tokens of the request (default 4096)")
     add("--mla", action="store_true", help="MLA model: one latent per token, no K/V heads")
     add("--dtype", default="bfloat16", help="KV dtype, a torch dtype name (default bfloat16)")
-    add("--layout", choices=["HND", "NHD"], default="HND", help="KV layout of both engines (default HND)")
+    add(
+        "--layout",
+        choices=LAYOUTS,
+        default="HND",
+        help=f"KV layout of both engines (default HND); {CROSS_LAYER} is one pool per worker, all layers per block",
+    )
+    add("--p-layout", choices=LAYOUTS, default=None, help="KV layout of P (default: --layout)")
+    add("--d-layout", choices=LAYOUTS, default=None, help="KV layout of D (default: --layout)")
     add(
         "--d-ids",
         choices=["scattered", "contiguous"],
@@ -153,20 +171,30 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
         check_kv_heads(args.kv_heads, args.d_tp, "D")
     p_needed, d_needed = -(-args.tokens // p_bs), -(-args.tokens // d_bs)
     d_pool = 2 * d_needed if args.d_ids == "scattered" else d_needed
+    p_layout, d_layout = args.p_layout or args.layout, args.d_layout or args.layout
     common = dict(
         num_layers=args.layers,
         num_kv_heads=1 if args.mla else args.kv_heads,
         head_size=args.head_size,
         dtype=args.dtype,
-        layout=args.layout,
         is_mla=args.mla,
     )
-    p_engine = synthetic_engine(
-        "P", pp_size=args.p_pp, tp_size=args.p_tp, block_size=p_bs, num_blocks=p_needed, base_addr=P_BASE, **common
-    )
-    d_engine = synthetic_engine(
-        "D", pp_size=args.d_pp, tp_size=args.d_tp, block_size=d_bs, num_blocks=d_pool, base_addr=D_BASE, **common
-    )
+
+    def engines(p_layout: str, d_layout: str) -> tuple[dict[Worker, WorkerMetadata], dict[Worker, WorkerMetadata]]:
+        p_engine = synthetic_engine(
+            "P", pp_size=args.p_pp, tp_size=args.p_tp, block_size=p_bs, num_blocks=p_needed, base_addr=P_BASE,
+            layout=p_layout, **common,
+        )  # fmt: skip
+        d_engine = synthetic_engine(
+            "D", pp_size=args.d_pp, tp_size=args.d_tp, block_size=d_bs, num_blocks=d_pool, base_addr=D_BASE,
+            layout=d_layout, **common,
+        )  # fmt: skip
+        return p_engine, d_engine
+
+    p_engine, d_engine = engines(p_layout, d_layout)
+    # The comparison doubles the planning work, so it is made only when a side uses the cross-layer pool.
+    cross = CROSS_LAYER in (p_layout, d_layout)
+    per_layer = engines("HND", "HND") if cross else None
     p_ids = list(range(p_needed))
     d_ids = random.Random(0).sample(range(d_pool), d_needed) if args.d_ids == "scattered" else list(range(d_needed))
     # The first plan pays numpy's one-off set-up; keep it out of the timings.
@@ -180,6 +208,10 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
             if lengths.size == 0:
                 continue
             heads = source_heads(p_meta, d_meta)
+            hnd: int | None = None
+            if per_layer is not None:
+                plan = plan_transfer_arrays(per_layer[0][p_key], per_layer[1][d_key], p_ids, d_ids, args.tokens)
+                hnd = int(plan[2].size)
             pairs.append(
                 {
                     "p": list(p_key),
@@ -189,27 +221,44 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
                     "descriptors": int(lengths.size),
                     "bytes": int(lengths.sum()),
                     "naive_descriptors": naive_descriptor_count(p_meta, d_meta, args.tokens),
+                    "per_layer_hnd_descriptors": hnd,
                     "plan_ms": elapsed * 1e3,
                 }
             )
     d_heads = "latent" if args.mla else str(heads_of_rank(0, args.d_tp, args.kv_heads))
+    p_name, d_name = _layout_name(p_layout, args.mla), _layout_name(d_layout, args.mla)
     return {
-        "p": {"pp": args.p_pp, "tp": args.p_tp, "block_size": p_bs, "block_ids": "contiguous"},
-        "d": {"pp": args.d_pp, "tp": args.d_tp, "block_size": d_bs, "block_ids": args.d_ids, "rank0_heads": d_heads},
+        "p": {"pp": args.p_pp, "tp": args.p_tp, "block_size": p_bs, "block_ids": "contiguous", "layout": p_name},
+        "d": {
+            "pp": args.d_pp,
+            "tp": args.d_tp,
+            "block_size": d_bs,
+            "block_ids": args.d_ids,
+            "rank0_heads": d_heads,
+            "layout": d_name,
+        },
         "layers": args.layers,
         "kv_heads": args.kv_heads,
         "head_size": args.head_size,
         "dtype": args.dtype,
-        "layout": "MLA" if args.mla else args.layout,
+        "layout": p_name if p_name == d_name else f"P {p_name}, D {d_name}",
         "tokens": args.tokens,
         "pairs": pairs,
         "idle_pairs": len(p_engine) * len(d_engine) - len(pairs),
         "descriptors": sum(p["descriptors"] for p in pairs),
         "bytes": sum(p["bytes"] for p in pairs),
         "naive_descriptors": sum(p["naive_descriptors"] for p in pairs),
+        "per_layer_hnd_descriptors": sum(p["per_layer_hnd_descriptors"] for p in pairs) if cross else None,
         "plan_ms": sum(p["plan_ms"] for p in pairs),
         "max_plan_ms": max((p["plan_ms"] for p in pairs), default=0.0),
     }
+
+
+def _layout_name(layout: str, mla: bool) -> str:
+    """A side's layout in the report: the layout, or "MLA" / "MLA_CROSS_LAYER" (a latent has no head order)."""
+    if not mla:
+        return layout
+    return "MLA_CROSS_LAYER" if layout == CROSS_LAYER else "MLA"
 
 
 def _render(report: dict[str, Any]) -> None:
@@ -264,6 +313,10 @@ def _render(report: dict[str, Any]) -> None:
         f"{total:,} descriptors where a per-block planner writes {report['naive_descriptors']:,}; "
         f"planning took {report['plan_ms']:.2f} ms in all (slowest pair {report['max_plan_ms']:.2f} ms)."
     )
+    per_layer = report["per_layer_hnd_descriptors"]
+    if per_layer is not None:
+        ratio = f", {per_layer / total:.3g}x these pools' {total:,}" if total else ""
+        console.print(f"Per-layer HND tensors on both sides would need {per_layer:,} descriptors{ratio}.")
 
 
 def _size(n: int) -> str:

@@ -2,7 +2,7 @@
 
 Imports: aiohttp, msgspec, kvsvc.engine (bootstrap, metrics) and kvsvc.messages; never the service or workers: the
 engine is reached only through the `EngineView` protocol. Invariants: it shares one `web.Application` with the
-handshake endpoint; it binds loopback by default; every request that is not GET/HEAD needs the bearer token
+handshake endpoint; it binds loopback by default; every request that is not GET/HEAD/OPTIONS needs the bearer token
 (compared in constant time) and is refused outright when none is configured; bodies over the limit get 413.
 """
 
@@ -19,7 +19,7 @@ from typing import Final, Protocol
 import msgspec
 from aiohttp import web
 
-from kvsvc.engine.bootstrap import METADATA_KEY, add_metadata_route
+from kvsvc.engine.bootstrap import add_metadata_route, published_metadata
 from kvsvc.engine.metrics import EngineMetrics, MetricsSnapshot, PeerRow, StatsDict, Worker
 from kvsvc.messages import WorkerMetadata
 
@@ -146,10 +146,6 @@ def _guard(token: str | None, max_body_bytes: int) -> Callable[..., Awaitable[we
             return await handler(request)
         except web.HTTPException:
             raise
-        except LookupError as exc:
-            return _error(404, str(exc))
-        except ValueError as exc:
-            return _error(409, str(exc))
         except Exception as exc:  # an operator gets a JSON reason; the log gets the trace
             log.exception("admin %s %s failed", request.method, request.path)
             return _error(500, f"{type(exc).__name__}: {exc}")
@@ -162,7 +158,7 @@ def _readiness(request: web.Request) -> tuple[bool, list[str]]:
     reasons = []
     if not view.is_ready():
         reasons.append("the engine is not ready: not every worker registered its KV pool and published metadata")
-    if request.app.get(METADATA_KEY) is None:
+    if published_metadata(request.app) is None:
         reasons.append("the handshake metadata is not published on this endpoint yet")
     return not reasons, reasons
 
@@ -197,7 +193,14 @@ def remote_stages(peers: Sequence[PeerRow]) -> list[dict[str, object]]:
         key = (engine, -1 if pp is None else pp, direction)
         group = groups.setdefault(
             key,
-            {"engine_id": engine, "pp_rank": pp, "direction": direction, "describe": "", "incarnations": [], "connections": []},
+            {
+                "engine_id": engine,
+                "pp_rank": pp,
+                "direction": direction,
+                "describe": "",
+                "incarnations": [],
+                "connections": [],
+            },
         )
         incarnations = group["incarnations"]
         assert isinstance(incarnations, list)
@@ -274,15 +277,24 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+async def _operator_call(call: Awaitable[None], done: dict[str, object]) -> web.Response:
+    # Only the view's own refusals map to 4xx here; the same errors from handler bugs elsewhere stay 500s.
+    try:
+        await call
+    except LookupError as exc:
+        return _error(404, str(exc))
+    except ValueError as exc:
+        return _error(409, str(exc))
+    return _json_response(done)
+
+
 async def _drain(request: web.Request) -> web.Response:
-    await request.app[VIEW_KEY].drain()
-    return _json_response({"drained": True})
+    return await _operator_call(request.app[VIEW_KEY].drain(), {"drained": True})
 
 
 async def _forget(request: web.Request) -> web.Response:
     engine_id = request.match_info["engine_id"]
-    await request.app[VIEW_KEY].forget_peer(engine_id)
-    return _json_response({"forgotten": engine_id})
+    return await _operator_call(request.app[VIEW_KEY].forget_peer(engine_id), {"forgotten": engine_id})
 
 
 def build_admin_app(

@@ -18,11 +18,12 @@ from kvsvc.messages import WorkerMetadata, decode_engine_metadata, encode_engine
 METADATA_PATH: Final = "/kvsvc/v1/metadata"
 CONTENT_TYPE: Final = "application/msgpack"
 MAX_METADATA_BYTES: Final = 8 * 1024 * 1024
-METADATA_KEY: Final = web.AppKey("kvsvc_metadata", bytes)
+METADATA_KEY: Final = web.AppKey("kvsvc_metadata", list[bytes])
 
 
 async def _handle_metadata(request: web.Request) -> web.Response:
-    body = request.app.get(METADATA_KEY)
+    # A one-slot list, filled on publish: aiohttp forbids changing a started application's own state.
+    body = published_metadata(request.app)
     if body is None:
         return web.Response(status=503, text="engine metadata is not published yet")
     return web.Response(body=body, content_type=CONTENT_TYPE)
@@ -30,12 +31,29 @@ async def _handle_metadata(request: web.Request) -> web.Response:
 
 def add_metadata_route(app: web.Application) -> None:
     """Serve the handshake endpoint on `app`; publish with `publish_metadata`."""
+    app[METADATA_KEY] = []
     app.router.add_get(METADATA_PATH, _handle_metadata)
 
 
 def publish_metadata(app: web.Application, metas: dict[tuple[int, int], WorkerMetadata]) -> None:
-    """Make `metas` (the engine's merged worker metadata) the body of the handshake endpoint."""
-    app[METADATA_KEY] = encode_engine_metadata(metas)
+    """Make `metas` (the engine's merged worker metadata) the body of the handshake endpoint; may be called
+    while the application serves.
+
+    Raises:
+        ValueError: `app` was not set up with `add_metadata_route`.
+    """
+    slot = app.get(METADATA_KEY)
+    if slot is None:
+        if app.frozen:
+            raise ValueError("publish_metadata needs an application set up with add_metadata_route before it started")
+        slot = app[METADATA_KEY] = []
+    slot[:] = [encode_engine_metadata(metas)]
+
+
+def published_metadata(app: web.Application) -> bytes | None:
+    """The body the handshake endpoint serves now, or None before `publish_metadata`."""
+    slot = app.get(METADATA_KEY)
+    return slot[0] if slot else None
 
 
 class BootstrapServer:

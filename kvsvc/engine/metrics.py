@@ -33,7 +33,11 @@ COUNTERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
     ("kvsvc_sent_transfers", "Writes to one D worker that completed.", ("transfers_sent",)),
     ("kvsvc_write_failures", "Writes to a D worker that failed (transport, plan or lost peer).", ("write_failures",)),
     ("kvsvc_protocol_errors", "Malformed or unexpected control frames and refused hellos.", ("protocol_errors",)),
-    ("kvsvc_expired_holds", "P holds released by their deadline (D never asked for them).", ("sender", "expired_holds")),
+    (
+        "kvsvc_expired_holds",
+        "P holds released by their deadline (D never asked for them).",
+        ("sender", "expired_holds"),
+    ),
     ("kvsvc_aborted_holds", "P holds released by an abort.", ("sender", "aborted_holds")),
     ("kvsvc_received_transfers", "Receives that finished with their KV landed.", ("receiver", "finished")),
     ("kvsvc_receive_failures", "Receives that failed (their blocks were reported invalid).", ("receiver", "failed")),
@@ -100,7 +104,9 @@ class _SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snapshot = self.snapshot
         info = GaugeMetricFamily(
-            "kvsvc_engine_info", "This engine: id, incarnation (random per start) and role.", labels=["engine_id", "incarnation", "role"]
+            "kvsvc_engine_info",
+            "This engine: id, incarnation (random per start) and role.",
+            labels=["engine_id", "incarnation", "role"],
         )
         info.add_metric(list(self._info), 1.0)
         yield info
@@ -130,7 +136,9 @@ class _SnapshotCollector(Collector):
                     gauge.add_metric(_worker_labels(worker), value)
             yield gauge
         peers = GaugeMetricFamily(
-            "kvsvc_peers", "Control connections: to_p (this D worker to P workers), from_d.", labels=[*labels, "direction"]
+            "kvsvc_peers",
+            "Control connections: to_p (this D worker to P workers), from_d.",
+            labels=[*labels, "direction"],
         )
         for worker, stats in items:
             for direction, key in (("to_p", "outbound_peers"), ("from_d", "inbound_peers")):
@@ -139,7 +147,8 @@ class _SnapshotCollector(Collector):
         yield peers
         for side in ("send", "recv"):
             jobs = GaugeMetricFamily(
-                f"kvsvc_{side}_jobs", f"{side.capitalize()} jobs (one per request and peer worker) by state.",
+                f"kvsvc_{side}_jobs",
+                f"{side.capitalize()} jobs (one per request and peer worker) by state.",
                 labels=[*labels, "state"],
             )
             for worker, stats in items:

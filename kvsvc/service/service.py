@@ -16,10 +16,11 @@ import time
 import uuid
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from msgspec.structs import replace
 
 from kvsvc.engine.bootstrap import fetch_engine_metadata
 from kvsvc.errors import (
@@ -60,7 +61,7 @@ from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.config import ServiceConfig
 from kvsvc.topology import EngineTransferInfo, TransferTopology
-from kvsvc.transport.base import Transport, TransportStatistics
+from kvsvc.transport.base import Transport, TransportStatistics, WriteFailed
 
 log = logging.getLogger(__name__)
 Worker = tuple[int, int]
@@ -353,6 +354,9 @@ class KVTransferService:
                 {
                     "direction": "to_p",
                     "peer": str(peer.ref),
+                    "peer_engine_id": peer.ref.engine_id,
+                    "peer_pp_rank": peer.ref.pp_rank,
+                    "peer_tp_rank": peer.ref.tp_rank,
                     "incarnation": peer.ref.incarnation,
                     "state": "connected"
                     if peer.channel is not None
@@ -366,6 +370,9 @@ class KVTransferService:
                 {
                     "direction": "from_d",
                     "peer": str(inbound.ref),
+                    "peer_engine_id": inbound.ref.engine_id,
+                    "peer_pp_rank": inbound.ref.pp_rank,
+                    "peer_tp_rank": inbound.ref.tp_rank,
                     "incarnation": inbound.ref.incarnation,
                     "state": "connected",
                     "expected_destinations": sorted(inbound.expected),
@@ -466,7 +473,9 @@ class KVTransferService:
             )
         check_compatible(me, d)
         return {
-            (pp, tp): replace(d, pp_rank=pp, tp_rank=tp, start_layer=start, end_layer=end, base_addrs=[])
+            (pp, tp): replace(
+                d, pp_rank=pp, tp_rank=tp, start_layer=start, end_layer=end, base_addrs=_placeholder(d, end - start)
+            )
             for pp, (start, end) in enumerate(stages)
             for tp in range(d.tp_size)
         }
@@ -522,6 +531,12 @@ class KVTransferService:
                 nbytes = await self._transport.write(inbound.meta.transport_addr, descriptors)
             else:
                 nbytes = await self._write_layerwise(inbound.meta.transport_addr, descriptors, layers)
+        except WriteFailed as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self._counts["write_failures"] += 1
+            if exc.drained is not None:
+                # The peer stopped making progress: the blocks stay held until Mooncake gave up on every descriptor.
+                await asyncio.shield(exc.drained)
         except (TransferError, TopologyError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             self._counts["write_failures"] += 1
@@ -790,6 +805,11 @@ class KVTransferService:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
+
+
+def _placeholder(meta: WorkerMetadata, layers: int) -> list[int]:
+    """Base addresses for a D worker known only by layout (P never writes to it, it only plans who it sources)."""
+    return [0] * (1 if meta.layout == "HND_CROSS_LAYER" else layers)
 
 
 def new_incarnation() -> str:

@@ -1,4 +1,4 @@
-"""Contract tests of `kvsvc.layout`: head ownership, layer splits and byte geometry (DESIGN §2)."""
+"""Contract tests of `kvsvc.layout`: head ownership, layer splits, byte geometry and pool regions (DESIGN §2)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,26 @@ from hypothesis import strategies as st
 
 from kvsvc.errors import TopologyError
 from kvsvc.layout import (
+    CROSS_LAYER,
     DTYPE_SIZES,
+    LAYOUTS,
     block_bytes,
     block_geometry,
+    check_base_addrs,
     check_kv_heads,
     check_layer_split,
     dtype_size,
     even_layer_split,
+    head_order,
     heads_of_rank,
     holders_of_head,
+    is_cross_layer,
     kv_cache_shape,
     kv_heads_per_rank,
+    layer_addrs,
     layer_bytes,
+    pool_bytes,
+    pool_regions,
 )
 from kvsvc.messages import WorkerMetadata
 
@@ -130,3 +138,63 @@ def test_strides_match_c_contiguous_tensor(layout: str) -> None:
     head_axis, token_axis = (2, 3) if layout == "HND" else (3, 2)
     assert (g.block_bytes, g.half_stride) == (strides[0], strides[1])
     assert (g.head_stride, g.token_stride) == (strides[head_axis], strides[token_axis])
+
+
+def test_cross_layer_pool_shape_and_sizes() -> None:
+    pool = meta(layout=CROSS_LAYER, start_layer=2, end_layer=5)
+    assert CROSS_LAYER == "HND_CROSS_LAYER" and CROSS_LAYER in LAYOUTS
+    assert is_cross_layer(pool) and not is_cross_layer(meta())
+    assert kv_cache_shape(pool) == (10, 3, 2, 4, 16, 128)
+    # block_bytes and layer_bytes mean the same as in a per-layer HND tensor; the pool is all layers.
+    assert block_bytes(pool) == block_bytes(meta()) == 2 * 4 * 16 * 128 * 2
+    assert layer_bytes(pool) == 10 * block_bytes(pool)
+    assert pool_bytes(pool) == 3 * layer_bytes(pool) == math.prod(kv_cache_shape(pool)) * 2
+    assert block_geometry(pool).block_stride == 3 * block_bytes(pool)
+    assert block_geometry(meta()).block_stride == block_bytes(meta())
+
+
+def test_mla_cross_layer_pool() -> None:
+    pool = meta(is_mla=True, head_size=576, layout=CROSS_LAYER, end_layer=4)
+    assert kv_cache_shape(pool) == (10, 4, 16, 576)
+    assert block_bytes(pool) == 16 * 576 * 2
+    assert block_geometry(pool).block_stride == 4 * block_bytes(pool)
+    assert head_order(pool) == "HND" == head_order(meta(is_mla=True, layout="NHD"))
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_cross_layer_strides_match_c_contiguous_pool(mla: bool) -> None:
+    m = meta(layout=CROSS_LAYER, end_layer=3, is_mla=mla)
+    g = block_geometry(m)
+    shape = kv_cache_shape(m)
+    elem = m.head_size * 2
+    strides = [elem * math.prod(shape[i + 1 : -1]) for i in range(len(shape) - 1)]
+    assert (g.block_stride, g.block_bytes) == (strides[0], strides[1])  # block axis, then layer axis
+    if mla:
+        assert g.token_stride == strides[2]
+    else:
+        assert (g.half_stride, g.head_stride, g.token_stride) == tuple(strides[2:5])
+
+
+def test_pool_regions_and_layer_addrs_of_each_layout() -> None:
+    per_layer = meta(end_layer=3, base_addrs=[1000, 9000, 5000])
+    size = layer_bytes(per_layer)
+    assert pool_regions(per_layer) == [(1000, size), (9000, size), (5000, size)]
+    assert layer_addrs(per_layer) == [1000, 9000, 5000]
+    pool = meta(layout=CROSS_LAYER, end_layer=3, base_addrs=[4096])
+    assert pool_regions(pool) == [(4096, pool_bytes(pool))]
+    assert layer_addrs(pool) == [4096 + i * block_bytes(pool) for i in range(3)]
+
+
+def test_base_addrs_count_is_checked_per_layout() -> None:
+    check_base_addrs(meta(layout=CROSS_LAYER, end_layer=3, base_addrs=[0]))
+    with pytest.raises(TopologyError, match=r"P worker: 3 base_addrs for layout HND_CROSS_LAYER; it needs 1"):
+        check_base_addrs(meta(layout=CROSS_LAYER, end_layer=3, base_addrs=[0, 1, 2]), "P worker")
+    with pytest.raises(TopologyError, match="0 base_addrs for layout HND_CROSS_LAYER"):
+        pool_regions(meta(layout=CROSS_LAYER, base_addrs=[]))
+    with pytest.raises(TopologyError, match="1 base_addrs for 2 layers"):
+        layer_addrs(meta(end_layer=2, base_addrs=[0]))
+
+
+def test_cross_layer_pool_of_no_layers_is_refused() -> None:
+    with pytest.raises(TopologyError, match=r"HND_CROSS_LAYER.*\[3, 3\)"):
+        kv_cache_shape(meta(layout=CROSS_LAYER, start_layer=3, end_layer=3))

@@ -595,7 +595,8 @@ def _check_against_model(n: int, output_rank: int, steps: list[list[KVConnectorO
     aggregator = KVOutputAggregator(n)
     model = _Model(n)
     emitted: dict[str, list[str]] = {"send": [], "recv": []}
-    for step in [*steps, [KVConnectorOutput() for _ in range(n)]]:  # a final clean step flushes held ids
+    flush: list[KVConnectorOutput | None] = [KVConnectorOutput() for _ in range(n)]
+    for step in [*steps, flush]:  # the final clean step delivers ids held while the output rank was None
         outputs = [None if report is None else out(report) for report in step]
         if outputs[output_rank] is not None and any(o is None for o in outputs):
             with pytest.raises(ValueError, match="index"):

@@ -1,8 +1,9 @@
 """Byte-exact simulator of DESIGN §9: apply every (P worker, D worker) plan with memmove and check every D byte.
 
-P pools hold a known code per (layer, half, head, token) in each element (two int64 words); D pools start as a
-sentinel. After all plans ran: each slot D needs holds P's code and was written once; the slots of the last D
-block past `num_tokens` (whole-block copies) hold P's code or the sentinel; every other byte is untouched.
+Each side may use per-layer tensors (HND, NHD, MLA) or the cross-layer pool, chosen per side. P pools hold a known
+code per (layer, half, head, token) in each element (two int64 words); D pools start as a sentinel. After all plans
+ran: each slot D needs holds P's code and was written once; the slots of the last D block past `num_tokens`
+(whole-block copies) hold P's code or the sentinel; every other byte is untouched.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.layout import heads_of_rank, kv_cache_shape, layer_bytes
+from kvsvc.layout import (
+    CROSS_LAYER,
+    block_geometry,
+    head_order,
+    heads_of_rank,
+    is_cross_layer,
+    kv_cache_shape,
+    layer_bytes,
+    pool_regions,
+)
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import expected_destinations, is_source, plan_transfer, release_notifier, sources_of
 
@@ -47,7 +57,9 @@ class Layouts:
     d_block: int = 16
     tokens: int = 64
     mla: bool = False
-    layout: str = "HND"
+    layout: str = "HND"  # both sides, unless p_layout or d_layout says otherwise
+    p_layout: str | None = None
+    d_layout: str | None = None
     p_split: list[tuple[int, int]] | None = None
     d_split: list[tuple[int, int]] | None = None
     p_ids: list[int] | None = None
@@ -57,7 +69,9 @@ class Layouts:
     whole_blocks: bool = True
 
 
-def _engine(name: str, s: Layouts, pp: int, tp: int, block: int, ids: list[int], split: object) -> Engine:
+def _engine(
+    name: str, s: Layouts, pp: int, tp: int, block: int, ids: list[int], split: object, layout: str | None
+) -> Engine:
     head_size = 8  # element = 16 bytes of float16: two int64 words
     return synthetic_engine(
         name,
@@ -69,7 +83,7 @@ def _engine(name: str, s: Layouts, pp: int, tp: int, block: int, ids: list[int],
         dtype="float16",
         block_size=block,
         num_blocks=max(ids, default=0) + 1 + s.extra_blocks,
-        layout=s.layout,
+        layout=layout or s.layout,
         is_mla=s.mla,
         layer_split=split,  # type: ignore[arg-type]
         base_addr=128,
@@ -77,15 +91,25 @@ def _engine(name: str, s: Layouts, pp: int, tp: int, block: int, ids: list[int],
     )
 
 
-def _view(arena: U8, meta: WorkerMetadata, local_layer: int) -> I64:
-    start = meta.base_addrs[local_layer]
+def _bytes(arena: U8, meta: WorkerMetadata, local_layer: int) -> U8:
+    """One layer's KV as a view of `arena` shaped like a per-layer tensor, head_size axis replaced by bytes."""
     shape = kv_cache_shape(meta)
-    words = arena[start : start + layer_bytes(meta)].view(np.int64)
-    return words.reshape(*shape[:-1], 2)
+    element = block_geometry(meta).element_bytes
+    if is_cross_layer(meta):
+        ((start, size),) = pool_regions(meta)
+        # The pool's layer axis comes right after the block axis; picking one layer leaves a strided view.
+        pool: U8 = arena[start : start + size].reshape(*shape[:-1], element)
+        return pool[:, local_layer]
+    start = meta.base_addrs[local_layer]
+    return arena[start : start + layer_bytes(meta)].reshape(*shape[:-1], element)
+
+
+def _view(arena: U8, meta: WorkerMetadata, local_layer: int) -> I64:
+    return _bytes(arena, meta, local_layer).view(np.int64)
 
 
 def _arena_size(engine: Engine) -> int:
-    return max(m.base_addrs[-1] + layer_bytes(m) for m in engine.values()) + 256
+    return max(start + size for m in engine.values() for start, size in pool_regions(m)) + 256
 
 
 def _slot_index(meta: WorkerMetadata, ids: list[int]) -> I64:
@@ -103,7 +127,7 @@ def _codes(meta: WorkerMetadata, ids: list[int], layer: int, heads: int) -> I64:
         return code(layer, 0, 0, token, 1)
     local = np.asarray(heads_of_rank(meta.tp_rank, meta.tp_size, heads), dtype=np.int64)
     half = np.arange(2)[None, :, None, None]
-    if meta.layout == "HND":
+    if head_order(meta) == "HND":
         return code(layer, half, local[None, None, :, None], token[:, None, None, :], heads)
     return code(layer, half, local[None, None, None, :], token[:, None, :, None], heads)
 
@@ -114,8 +138,8 @@ def simulate(s: Layouts) -> int:
     d_need = -(-s.tokens // s.d_block)
     p_ids = s.p_ids if s.p_ids is not None else list(range(p_need))
     d_ids = s.d_ids if s.d_ids is not None else list(range(d_need))
-    p_engine = _engine("P", s, s.p_pp, s.p_tp, s.p_block, p_ids, s.p_split)
-    d_engine = _engine("D", s, s.d_pp, s.d_tp, s.d_block, d_ids, s.d_split)
+    p_engine = _engine("P", s, s.p_pp, s.p_tp, s.p_block, p_ids, s.p_split, s.p_layout)
+    d_engine = _engine("D", s, s.d_pp, s.d_tp, s.d_block, d_ids, s.d_split, s.d_layout)
     heads = 1 if s.mla else s.heads
     p_arena = np.zeros(_arena_size(p_engine), dtype=np.uint8)
     for meta in p_engine.values():
@@ -129,12 +153,12 @@ def simulate(s: Layouts) -> int:
 
     descriptors = 0
     for p_key, p_meta in sorted(p_engine.items()):
-        regions = [(b, b + layer_bytes(p_meta)) for b in p_meta.base_addrs]
+        regions = [(b, b + size) for b, size in pool_regions(p_meta)]
         for d_key, d_meta in sorted(d_engine.items()):
             plan = plan_transfer(p_meta, d_meta, p_ids, d_ids, s.tokens, whole_blocks=s.whole_blocks)
             assert bool(plan) == (is_source(p_meta, d_meta) and s.tokens > 0), (p_key, d_key)
             assert plan == sorted(plan), "plans are sorted by source address"
-            d_regions = [(b, b + layer_bytes(d_meta)) for b in d_meta.base_addrs]
+            d_regions = [(b, b + size) for b, size in pool_regions(d_meta)]
             for a, b in itertools.pairwise(plan):
                 mergeable = a.src_addr + a.length == b.src_addr and a.dst_addr + a.length == b.dst_addr
                 assert not mergeable, (a, b)
@@ -149,14 +173,13 @@ def simulate(s: Layouts) -> int:
     checked = np.zeros(d_arena.size, dtype=bool)
     last_end = d_need * s.d_block  # tokens up to here sit in listed D blocks
     for d_meta in d_engine.values():
+        for start, size in pool_regions(d_meta):
+            checked[start : start + size] = True
         for i, layer in enumerate(range(d_meta.start_layer, d_meta.end_layer)):
-            start = d_meta.base_addrs[i]
-            stop = start + layer_bytes(d_meta)
-            checked[start:stop] = True
             expected = _codes(d_meta, d_ids, layer, heads)
             token = expected & ((1 << 24) - 1)
             got = _view(d_arena, d_meta, i)
-            count = writes[start:stop].reshape(*got.shape[:-1], 16)
+            count = _bytes(writes, d_meta, i)
             listed = expected >= 0
             required = listed & (token < s.tokens)
             optional = listed & (token >= s.tokens) & (token < last_end)
@@ -229,6 +252,27 @@ CASES = {
     "NHD, replicated heads": Layouts(layout="NHD", heads=2, p_tp=2, d_tp=4),
     "touching layer tensors": Layouts(layer_gap=0, extra_blocks=0, tokens=64),
     "zero tokens": Layouts(tokens=0, p_ids=[], d_ids=[]),
+    "cross-layer both sides": Layouts(layout=CROSS_LAYER, tokens=61),
+    "cross-layer both, scattered ids": Layouts(
+        layout=CROSS_LAYER, tokens=80, p_ids=[9, 3, 4, 5, 0], d_ids=[2, 7, 8, 1, 0], p_tp=2, d_tp=4
+    ),
+    "cross-layer P -> HND D": Layouts(p_layout=CROSS_LAYER, tokens=45, p_ids=[3, 1, 2], d_ids=[0, 4, 5]),
+    "HND P -> cross-layer D": Layouts(d_layout=CROSS_LAYER, tokens=45),
+    "cross-layer P -> NHD D, one head per rank": Layouts(p_layout=CROSS_LAYER, d_layout="NHD", heads=2, p_tp=2, d_tp=2),
+    "NHD P -> cross-layer D, replicated": Layouts(p_layout="NHD", d_layout=CROSS_LAYER, heads=2, p_tp=4, d_tp=8),
+    "cross-layer head split P tp2 -> D tp4": Layouts(layout=CROSS_LAYER, p_tp=2, d_tp=4, tokens=37),
+    "cross-layer head gather P tp4 -> D tp1": Layouts(p_layout=CROSS_LAYER, p_tp=4, d_tp=1),
+    "cross-layer PP change P pp3 -> D pp2": Layouts(layout=CROSS_LAYER, p_pp=3, d_pp=2, p_tp=2, d_tp=4, layers=7),
+    "cross-layer D pp2 <- HND P pp1": Layouts(d_layout=CROSS_LAYER, d_pp=2, layers=5),
+    "cross-layer uneven splits": Layouts(
+        layout=CROSS_LAYER, p_pp=2, d_pp=3, layers=7, p_split=[(0, 1), (1, 7)], d_split=[(0, 3), (3, 4), (4, 7)]
+    ),
+    "cross-layer block 16 -> 24, partial": Layouts(layout=CROSS_LAYER, p_block=16, d_block=24, tokens=61, p_tp=2),
+    "cross-layer block 32 -> 16 vs HND": Layouts(p_layout=CROSS_LAYER, p_block=32, d_block=16, tokens=50, d_tp=2),
+    "cross-layer no whole-block copy": Layouts(layout=CROSS_LAYER, tokens=37, whole_blocks=False),
+    "MLA cross-layer both, PP": Layouts(mla=True, layout=CROSS_LAYER, p_tp=4, d_tp=2, d_pp=2, layers=5),
+    "MLA cross-layer P -> per-layer D": Layouts(mla=True, p_layout=CROSS_LAYER, p_block=32, d_block=16, tokens=50),
+    "cross-layer pools touching": Layouts(layout=CROSS_LAYER, layer_gap=0, extra_blocks=0, p_tp=2, d_tp=2),
 }
 
 
@@ -247,6 +291,20 @@ def test_touching_layer_tensors_merge_into_one_descriptor() -> None:
     assert simulate(Layouts(layer_gap=0, extra_blocks=0, tokens=64, layers=4)) == 1
 
 
+def test_cross_layer_pools_move_contiguous_blocks_of_all_layers_in_one_descriptor() -> None:
+    assert simulate(Layouts(layout=CROSS_LAYER, tokens=61, layers=6)) == 1
+    assert simulate(Layouts(layout=CROSS_LAYER, mla=True, tokens=64, layers=6)) == 1
+    # Two runs of blocks contiguous on both sides: ids 3,4 -> 6,7 and 0 -> 1.
+    assert simulate(Layouts(layout=CROSS_LAYER, tokens=48, p_ids=[3, 4, 0], d_ids=[6, 7, 1])) == 2
+
+
+def test_cross_layer_pp_change_is_one_descriptor_per_block_and_stage_slice() -> None:
+    # D's blocks interleave the layers of P's two stages, so each P stage writes one slice per D block.
+    assert simulate(Layouts(layout=CROSS_LAYER, p_pp=2, layers=6, tokens=64)) == 2 * 4
+    # Mixed layouts cannot merge across layers: one run per (layer, block).
+    assert simulate(Layouts(p_layout=CROSS_LAYER, layers=3, tokens=64)) == 3 * 4
+
+
 @st.composite
 def layouts(draw: st.DrawFn) -> Layouts:
     mla = draw(st.booleans())
@@ -259,10 +317,14 @@ def layouts(draw: st.DrawFn) -> Layouts:
     p_block = draw(st.sampled_from([4, 8, 16, 12]))
     d_block = draw(st.sampled_from([4, 8, 16, 12]))
     tokens = draw(st.integers(0, 70))
-    layout = "HND"
-    if not mla and draw(st.booleans()):
+    choices = ["HND", CROSS_LAYER] if mla else ["HND", "NHD", CROSS_LAYER]
+    p_layout, d_layout = draw(st.sampled_from(choices)), draw(st.sampled_from(choices))
+    if not mla:
         per_p, per_d = max(1, heads // p_tp), max(1, heads // d_tp)
-        layout = "NHD" if per_p == per_d else "HND"
+        nhd_p, nhd_d = p_layout == "NHD", d_layout == "NHD"
+        # NHD only where check_compatible allows it: no head split on its side, same head order when several.
+        if (per_p > per_d and nhd_p) or (per_d > per_p and nhd_d) or (per_p == per_d > 1 and nhd_p != nhd_d):
+            p_layout, d_layout = [CROSS_LAYER if x == "NHD" else x for x in (p_layout, d_layout)]
     p_need, d_need = -(-tokens // p_block), -(-tokens // d_block)
     p_pool = p_need + draw(st.integers(0, 4))
     d_pool = d_need + draw(st.integers(0, 4))
@@ -279,7 +341,8 @@ def layouts(draw: st.DrawFn) -> Layouts:
         d_block=d_block,
         tokens=tokens,
         mla=mla,
-        layout=layout,
+        p_layout=p_layout,
+        d_layout=d_layout,
         p_ids=list(p_ids),
         d_ids=list(d_ids),
         layer_gap=draw(st.sampled_from([0, 32])),
@@ -288,7 +351,7 @@ def layouts(draw: st.DrawFn) -> Layouts:
     )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts())
 def test_random_layouts_are_byte_exact(case: Layouts) -> None:
     simulate(case)

@@ -1,0 +1,32 @@
+"""The data plane behind a small `Transport` protocol: Mooncake for real, a loopback fake for unit tests.
+
+Imports: `kvsvc.transport.base` eagerly; `MooncakeTransport` is importable from here without the `mooncake` package
+(it imports the engine only when constructed). Invariant: nothing here imports torch or starts an engine on import.
+"""
+
+from __future__ import annotations
+
+from kvsvc.transport.base import (
+    AddressRanges,
+    InvalidDescriptor,
+    Region,
+    Transport,
+    TransportClosed,
+    TransportStatistics,
+    WriteFailed,
+    check_descriptors,
+)
+from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
+
+__all__ = [
+    "AddressRanges",
+    "InvalidDescriptor",
+    "MooncakeConfig",
+    "MooncakeTransport",
+    "Region",
+    "Transport",
+    "TransportClosed",
+    "TransportStatistics",
+    "WriteFailed",
+    "check_descriptors",
+]

@@ -1,0 +1,207 @@
+"""MooncakeTransport's submission and completion polling, against a scripted stand-in engine (no mooncake needed).
+
+The stand-in enforces MOONCAKE.md's crash rules: polling id 0, or an id after it reported 1/-1, fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+from kvsvc.errors import TransportError
+from kvsvc.transport import InvalidDescriptor, MooncakeConfig, MooncakeTransport, WriteFailed
+
+LOCAL, REMOTE, SIZE = 1 << 20, 1 << 30, 1 << 16
+
+
+class ScriptedEngine:
+    """Every submitted id runs until the test sets its status with `finish`."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1000)
+        self.status: dict[int, int] = {}
+        self.freed: set[int] = set()
+        self.submitted: list[tuple[int, int, int, int]] = []  # (id, src, dst, length)
+        self.polled: list[int] = []
+        self.refuse_after: int | None = None
+
+    def get_rpc_port(self) -> int:
+        return 15999
+
+    def batch_register_memory(self, addrs: list[int], lengths: list[int]) -> int:
+        return 0
+
+    def batch_unregister_memory(self, addrs: list[int]) -> int:
+        return 0
+
+    def transfer_submit_write(self, peer: str, src: int, dst: int, length: int) -> int:
+        if self.refuse_after is not None and len(self.submitted) >= self.refuse_after:
+            return 0
+        batch_id = next(self._ids)
+        self.status[batch_id] = 0
+        self.submitted.append((batch_id, src, dst, length))
+        return batch_id
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        assert batch_id != 0, "polled id 0"
+        assert batch_id not in self.freed, f"polled freed id {batch_id}"
+        self.polled.append(batch_id)
+        status = self.status[batch_id]
+        if status != 0:
+            self.freed.add(batch_id)
+        return status
+
+    def finish(self, index: int | slice, status: int = 1) -> None:
+        entries = self.submitted[index]
+        for batch_id, *_ in entries if isinstance(entries, list) else [entries]:
+            self.status[batch_id] = status
+
+
+def make(**overrides: float) -> tuple[MooncakeTransport, ScriptedEngine]:
+    engine = ScriptedEngine()
+    settings: dict[str, float] = {"drain_timeout_s": 0.05, "progress_timeout_s": 1, **overrides}
+    config = MooncakeConfig(**settings)  # type: ignore[arg-type]
+    transport = MooncakeTransport(config, engine=engine)
+    transport.register([(LOCAL, SIZE)])
+    transport.add_peer("peer:1", [(REMOTE, SIZE)])
+    return transport, engine
+
+
+def descs(n: int, length: int = 256) -> list[tuple[int, int, int]]:
+    return [(LOCAL + i * length, REMOTE + i * length, length) for i in range(n)]
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Yield to the loop until `predicate()` holds (at most about 5 s)."""
+    for _ in range(5000):
+        if predicate():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition never held")
+
+
+async def test_write_returns_bytes_once_every_descriptor_reported_done() -> None:
+    transport, engine = make()
+    task = asyncio.create_task(transport.write("peer:1", descs(3)))
+    await until(lambda: len(engine.submitted) == 3)
+    engine.finish(slice(0, 2))
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    engine.finish(2)
+    assert await task == 768
+    stats = transport.statistics()
+    assert (stats.bytes_written, stats.descriptors_written, stats.descriptors_in_flight) == (768, 3, 0)
+    assert [(s, d, n) for _, s, d, n in engine.submitted] == descs(3)
+    await transport.close()
+
+
+async def test_poller_stops_at_the_first_running_descriptor_of_a_peer() -> None:
+    transport, engine = make()
+    task = asyncio.create_task(transport.write("peer:1", descs(4)))
+    await until(lambda: len(engine.submitted) == 4)
+    engine.finish(slice(1, 4))  # the head still runs
+    await asyncio.sleep(0.02)
+    head = engine.submitted[0][0]
+    assert set(engine.polled) == {head}
+    engine.finish(0)
+    assert await task == 1024
+    await transport.close()
+
+
+async def test_out_of_range_write_submits_nothing() -> None:
+    transport, engine = make()
+    with pytest.raises(InvalidDescriptor):
+        await transport.write("peer:1", [*descs(2), (LOCAL, REMOTE + SIZE - 1, 2)])
+    assert engine.submitted == []
+    assert transport.statistics().refused == 1
+    await transport.close()
+
+
+async def test_failed_descriptor_fails_the_write_after_the_others_finished() -> None:
+    transport, engine = make(drain_timeout_s=5.0)
+    task = asyncio.create_task(transport.write("peer:1", descs(3)))
+    await until(lambda: len(engine.submitted) == 3)
+    engine.finish(0, -1)
+    await asyncio.sleep(0.02)
+    assert not task.done()  # the other two may still be moving
+    engine.finish(slice(1, 3))
+    with pytest.raises(WriteFailed) as info:
+        await task
+    assert info.value.code == -1 and info.value.undrained == 0
+    assert info.value.drained is not None and info.value.drained.done()
+    assert transport.statistics().failures == 1
+    await transport.close()
+
+
+async def test_refused_submission_never_polls_id_zero_and_waits_for_the_submitted() -> None:
+    transport, engine = make()
+    engine.refuse_after = 2
+    task = asyncio.create_task(transport.write("peer:1", descs(5)))
+    await until(lambda: len(engine.submitted) == 2)
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    engine.finish(slice(0, 2))
+    with pytest.raises(WriteFailed, match="batch id 0"):
+        await task
+    assert len(engine.submitted) == 2
+    await transport.close()
+
+
+async def test_cancelled_write_returns_only_after_its_descriptors_drained() -> None:
+    transport, engine = make(progress_timeout_s=30)
+    task = asyncio.create_task(transport.write("peer:1", descs(3)))
+    await until(lambda: len(engine.submitted) == 3)
+    task.cancel()
+    await asyncio.sleep(0.02)
+    assert not task.done()
+    task.cancel()  # a second cancel does not cut the drain short
+    await asyncio.sleep(0.02)
+    assert not task.done()
+    engine.finish(slice(0, 3))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert transport.statistics().descriptors_in_flight == 0
+    await transport.close()
+
+
+async def test_stuck_peer_fails_the_write_with_a_drained_future_and_fails_later_writes_fast() -> None:
+    transport, engine = make()
+    task = asyncio.create_task(transport.write("peer:1", descs(4)))
+    await until(lambda: len(engine.submitted) == 4)
+    engine.finish(0, -1)  # the engine failed one lane; the rest stay stuck
+    with pytest.raises(WriteFailed) as info:
+        await asyncio.wait_for(task, 5)
+    error = info.value
+    assert error.undrained == 3 and error.drained is not None and not error.drained.done()
+    with pytest.raises(WriteFailed, match="stuck"):
+        await transport.write("peer:1", descs(1))
+    assert len(engine.submitted) == 4
+    engine.finish(slice(1, 4), -1)
+    await asyncio.wait_for(error.drained, 5)
+    await asyncio.wait_for(transport.drained("peer:1"), 5)
+    assert transport.statistics().descriptors_in_flight == 0
+    await transport.close()
+
+
+async def test_in_flight_window_per_peer_is_respected() -> None:
+    transport, engine = make(max_queued_per_peer=2)
+    task = asyncio.create_task(transport.write("peer:1", descs(5)))
+    await until(lambda: len(engine.submitted) == 2)
+    await asyncio.sleep(0.01)
+    assert len(engine.submitted) == 2
+    for i in range(5):
+        await until(lambda i=i: len(engine.submitted) > i)  # type: ignore[misc]
+        engine.finish(i)
+    assert await task == 5 * 256
+    await transport.close()
+
+
+async def test_closed_transport_refuses_writes() -> None:
+    transport, _ = make()
+    await transport.close()
+    await transport.close()
+    with pytest.raises(TransportError):
+        await transport.write("peer:1", descs(1))

@@ -1,0 +1,464 @@
+"""Specification of the P/D protocol end to end: every P worker's `Sender` and every D worker's `Receiver` talk
+back to back through `kvsvc.testing.pair.PeerPair`, with simulated KV pools, a fake clock and no event loop
+(DESIGN §5, §9)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsvc.messages import Abort, ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest
+from kvsvc.planner import expected_destinations
+from kvsvc.receiver import Receiver
+from kvsvc.sender import Reply, Sender
+from kvsvc.testing.pair import EngineSpec, Envelope, PeerPair, Write
+
+LAYOUTS = {
+    "P tp1 -> D tp2": (EngineSpec(tp_size=1), EngineSpec(tp_size=2)),
+    "P tp2 -> D tp1": (EngineSpec(tp_size=2), EngineSpec(tp_size=1)),
+    "P pp2 -> D pp1": (EngineSpec(pp_size=2), EngineSpec(pp_size=1)),
+    "P pp1 -> D pp2": (EngineSpec(pp_size=1), EngineSpec(pp_size=2)),
+    "P pp2 tp2 -> D pp2 tp1, uneven split": (
+        EngineSpec(pp_size=2, tp_size=2, num_layers=5),
+        EngineSpec(pp_size=2, num_layers=5, layer_split=((0, 1), (1, 5))),
+    ),
+    "P block 4 -> D block 8, NHD": (EngineSpec(layout="NHD"), EngineSpec(block_size=8, layout="NHD")),
+    "P tp4 -> D tp2, block 8 -> 2": (EngineSpec(tp_size=4, block_size=8), EngineSpec(tp_size=2, block_size=2)),
+    "MLA P tp2 -> D tp4": (EngineSpec(tp_size=2, is_mla=True), EngineSpec(tp_size=4, is_mla=True)),
+}
+P_BLOCKS, D_BLOCKS, TOKENS = [3, 0, 9], [5, 11, 2, 7, 1, 4], 11
+
+
+def transfer(pair: PeerPair, tid: str = "t1", *, recv_first: bool = False) -> None:
+    d_blocks = D_BLOCKS[: -(-TOKENS // pair.d.spec.block_size)]
+    p_blocks = P_BLOCKS[: -(-TOKENS // pair.p.spec.block_size)]
+    if recv_first:
+        pair.start_recv(f"d-{tid}", tid, d_blocks, TOKENS)
+        pair.start_send(f"p-{tid}", tid, p_blocks, TOKENS)
+    else:
+        pair.start_send(f"p-{tid}", tid, p_blocks, TOKENS)
+        pair.start_recv(f"d-{tid}", tid, d_blocks, TOKENS)
+
+
+def assert_clean(pair: PeerPair) -> None:
+    """Nothing held or waiting on either side, and the harness saw no broken invariant."""
+    stats = pair.statistics()
+    assert (stats.holds, stats.receives) == (0, 0)
+    assert pair.violations == []
+
+
+def d_outcomes(pair: PeerPair, req_id: str) -> set[str]:
+    return {o for (side, _), outs in pair.outcomes(req_id).items() if side == "D" for o in outs}
+
+
+@pytest.mark.parametrize(("p", "d"), LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_transfer_lands_byte_exact_and_each_side_reports_it_once_without_any_deadline(
+    p: EngineSpec, d: EngineSpec
+) -> None:
+    pair = PeerPair(p, d)
+    transfer(pair)
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_received("t1")
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert d_outcomes(pair, "d-t1") == {"finished"}
+    assert all(pair.bytes_written_twice(w) == 0 for w in pair.receivers)
+    assert pair.clock() == 0
+    assert_clean(pair)
+
+
+def test_p_workers_that_source_nothing_for_replicated_kv_are_released_and_finish_at_once() -> None:
+    pair = PeerPair(EngineSpec(tp_size=8, num_kv_heads=4), EngineSpec(tp_size=2))
+    idle = [w for w, m in pair.p.metas.items() if not expected_destinations(m, pair.d.metas)]
+    assert idle  # the case needs P workers with nothing to send
+    transfer(pair)
+    pair.run_until_idle()
+    pair.drain()
+    releases = [e for e in pair.history if e.side == "P" and e.worker in idle]
+    assert len(releases) == len(idle)
+    assert pair.clock() == 0
+    pair.assert_received("t1")
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert_clean(pair)
+
+
+def test_a_release_is_what_frees_a_p_worker_that_sources_nothing() -> None:
+    pair = PeerPair(EngineSpec(tp_size=8, num_kv_heads=4), EngineSpec(tp_size=2))
+    pair.drop = lambda e: isinstance(e.message, Release)
+    transfer(pair)
+    pair.run_until_idle()
+    pair.drain()
+    idle = [w for w, m in pair.p.metas.items() if not expected_destinations(m, pair.d.metas)]
+    assert all(("P", w) not in pair.outcomes("p-t1") for w in idle)
+    pair.advance(60)
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+
+
+def test_duplicated_messages_repeated_calls_and_stray_aborts_change_nothing() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=4))
+    pair.duplicate = lambda e: True
+    transfer(pair)
+    transfer(pair)
+    pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS)
+    pair.abort_send("unknown")
+    pair.abort_recv("unknown")
+    pair.run_until_idle()
+    pair.drain()
+    pair.ready("t1")
+    pair.run_until_idle()
+    pair.drain()
+    assert pair.statistics().duplicated > 0
+    pair.assert_received("t1")
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert d_outcomes(pair, "d-t1") == {"finished"}
+    assert all(pair.bytes_written_twice(w) == 0 for w in pair.receivers)
+    assert_clean(pair)
+
+
+def test_repeated_aborts_report_once() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=2))
+    pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    for _ in range(3):
+        pair.abort_recv("d-t1")
+        pair.abort_send("p-t1")
+        pair.run_until_idle()
+        pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert_clean(pair)
+
+
+def test_a_request_that_arrives_before_p_holds_is_served_once_p_holds() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=1))
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    pair.advance(9)
+    assert pair.drain() == []
+    pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_received("t1")
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert_clean(pair)
+
+
+def test_a_request_for_a_transfer_p_never_holds_is_answered_failed_after_the_early_request_timeout() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=1))
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    pair.advance(9.9)
+    pair.run_until_idle()
+    assert pair.drain() == []
+    pair.advance(0.1)  # early_request_timeout_s = 10, well before D's own 60 s timeout
+    pair.run_until_idle()
+    [entry] = pair.drain()
+    assert (entry.outcome, "not held" in entry.reason) == ("failed", True)
+    assert_clean(pair)
+
+
+def test_hold_expiry_reports_once_and_answers_waiting_d_workers_failed() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2), receiver=lambda: Receiver(recv_timeout_s=600))
+    pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    pair.advance(59)
+    assert pair.drain() == []
+    pair.advance(1)
+    pair.run_until_idle()
+    pair.drain()
+    pair.advance(600)
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert d_outcomes(pair, "d-t1") == {"failed"}
+    assert all("expired" in e.reason for e in pair.history if e.side == "D")
+    assert_clean(pair)
+
+
+def stalled_pair() -> PeerPair:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=1), receiver=lambda: Receiver(recv_timeout_s=600))
+    pair.stall_write = lambda w: True
+    transfer(pair)
+    pair.run_until_idle()
+    assert pair.statistics().writes_stalled == 1
+    return pair
+
+
+def test_a_write_in_flight_at_hold_expiry_delays_the_report_until_the_write_result() -> None:
+    pair = stalled_pair()
+    pair.advance(60)
+    pair.run_until_idle()
+    assert pair.drain() == []
+    pair.finish_stalled()
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert d_outcomes(pair, "d-t1") == {"failed"}
+    assert_clean(pair)
+
+
+def test_a_write_in_flight_at_p_abort_delays_the_report_until_the_write_result() -> None:
+    pair = stalled_pair()
+    pair.abort_send("p-t1")
+    pair.run_until_idle()
+    assert pair.drain() == []
+    pair.finish_stalled(error="cancelled")
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert d_outcomes(pair, "d-t1") == {"failed"}
+    assert_clean(pair)
+
+
+def test_a_write_in_flight_at_d_abort_delays_both_reports_until_the_write_result() -> None:
+    pair = stalled_pair()
+    pair.abort_recv("d-t1")
+    pair.run_until_idle()
+    assert pair.drain() == []
+    pair.finish_stalled()
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert d_outcomes(pair, "d-t1") == {"failed"}
+    assert_clean(pair)
+
+
+def test_d_abort_aborts_the_p_job_which_counts_as_served() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=2))
+    pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    pair.abort_recv("d-t1")
+    pair.run_until_idle()
+    pair.drain()
+    assert all(s.statistics().holds == 0 for s in pair.senders.values())
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert d_outcomes(pair, "d-t1") == {"failed"}
+    assert pair.clock() == 0
+    assert pair.statistics().writes_done == 0
+    assert_clean(pair)
+
+
+def test_p_abort_fails_the_receive_on_d() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=1))
+    pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    pair.abort_send("p-t1")
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert d_outcomes(pair, "d-t1") == {"failed"}
+    assert_clean(pair)
+
+
+def test_a_receive_whose_p_never_answers_times_out_failed_with_all_its_blocks_invalid() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2), sender=lambda: Sender(hold_timeout_s=600))
+    pair.hold_back = lambda e: e.to == "D"
+    transfer(pair)
+    pair.run_until_idle()
+    pair.advance(60)
+    pair.run_until_idle()
+    entries = pair.drain()
+    assert {e.outcome for e in entries if e.side == "D"} == {"failed"}
+    assert all("timed out" in e.reason for e in entries if e.side == "D")
+    assert pair.violations == []  # the harness checked invalid_block_ids covered every block
+    pair.hold_back = None
+    pair.release_held()
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert_clean(pair)
+
+
+def test_a_failed_write_fails_the_receive_and_finishes_the_send() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=1))
+    pair.fail_write = lambda w: w.p == (0, 1)
+    transfer(pair)
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    [entry] = [e for e in pair.history if e.side == "D"]
+    assert entry.outcome == "failed" and "injected write failure" in entry.reason
+    assert_clean(pair)
+
+
+def test_a_connection_lost_while_writing_fails_that_receive_and_frees_the_hold_after_the_write() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2))
+    pair.stall_write = lambda w: w.d == (0, 1)
+    transfer(pair)
+    pair.run_until_idle()
+    pair.lose_connection((0, 1), (0, 0))
+    pair.run_until_idle()
+    assert all(e.side == "D" for e in pair.drain())  # P waits for its write to drain
+    pair.finish_stalled()
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert pair.outcomes("d-t1")[("D", (0, 1))] == ["failed"]
+    assert pair.outcomes("d-t1")[("D", (0, 0))] == ["finished"]
+    pair.assert_received("t1", [(0, 0)])
+    assert pair.clock() == 0
+    assert_clean(pair)
+
+
+def test_a_connection_lost_before_the_request_fails_that_receive_and_the_hold_ends_by_expiry() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2))
+    pair.hold_back = lambda e: e.d == (0, 1)
+    transfer(pair)
+    pair.run_until_idle()
+    pair.lose_connection((0, 1), (0, 0))
+    pair.run_until_idle()
+    pair.drain()
+    assert pair.outcomes("d-t1") == {("D", (0, 0)): ["finished"], ("D", (0, 1)): ["failed"]}
+    assert pair.outcomes("p-t1") == {}  # P never heard of D (0, 1) for this transfer: it waits for it
+    pair.advance(60)
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert_clean(pair)
+
+
+def test_a_source_reached_after_a_reconnect_serves_the_receive() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=1))
+    pair.lose_connection((0, 0), (0, 0))
+    transfer(pair)
+    pair.run_until_idle()
+    assert pair.drain() == []
+    pair.reconnect((0, 0), (0, 0))
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_received("t1")
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+
+
+def test_a_second_d_engine_asking_for_a_transfer_in_progress_gets_an_error_and_changes_nothing() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=1))
+    pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    stranger = pair.d.ref((0, 0))._replace(engine_id="D2")
+    request = TransferRequest(transfer_id="t1", block_ids=[1], num_tokens=1)
+    [reply] = pair.senders[(0, 0)].request(stranger, frozenset({(0, 0)}), request, pair.clock())
+    assert isinstance(reply, Reply) and isinstance(reply.message, ErrorMessage) and reply.dst == stranger
+    pair.ready("t1")
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_received("t1")
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+
+
+def test_the_harness_flags_a_send_reported_while_its_write_may_touch_the_blocks() -> None:
+    class EagerSender(Sender):
+        def drain_finished(self) -> set[str]:
+            return {"p-t1"}
+
+    pair = PeerPair(EngineSpec(), EngineSpec(), sender=EagerSender)
+    pair.stall_write = lambda w: True
+    transfer(pair)
+    pair.run_until_idle()
+    pair.drain()
+    assert pair.violations and "p-t1" in pair.violations[0]
+
+
+def test_the_byte_check_catches_a_missing_write() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=1))
+    pair.drop = lambda e: isinstance(e.message, TransferDone | TransferFailed)
+    pair.fail_write = lambda w: w.p == (0, 1)
+    transfer(pair)
+    pair.run_until_idle()
+    with pytest.raises(AssertionError, match="wrong bytes"):
+        pair.assert_received("t1")
+
+
+# -- random interleavings ----------------------------------------------------------------------------------------
+
+SIDES = st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 1), (1, 2)])  # (tp, pp): 1 to 4 workers
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p_shape=SIDES,
+    d_shape=SIDES,
+    transfers=st.integers(1, 3),
+    rng=st.randoms(use_true_random=False),
+    duplicate_rate=st.sampled_from([0.0, 0.3]),
+    abort_rate=st.sampled_from([0.0, 0.05]),
+)
+def test_any_delivery_order_with_duplicates_and_aborts_ends_clean_with_every_req_reported_once(
+    p_shape: tuple[int, int],
+    d_shape: tuple[int, int],
+    transfers: int,
+    rng: random.Random,
+    duplicate_rate: float,
+    abort_rate: float,
+) -> None:
+    p = EngineSpec(tp_size=p_shape[0], pp_size=p_shape[1], num_blocks=12)
+    d = EngineSpec(tp_size=d_shape[0], pp_size=d_shape[1], num_blocks=12)
+    pair = PeerPair(p, d)
+    pair.duplicate = lambda e: rng.random() < duplicate_rate
+    tids = [f"t{i}" for i in range(transfers)]
+    actions: list[tuple[str, str]] = [(kind, t) for t in tids for kind in ("send", "recv", "ready")]
+    rng.shuffle(actions)
+    started: set[tuple[str, str]] = set()
+    while actions or not pair.idle:
+        if actions and (pair.idle or rng.random() < 0.3):
+            kind, tid = actions.pop()
+            i = int(tid[1:])
+            if kind == "ready" and ("send", tid) not in started:
+                actions.insert(0, (kind, tid))
+                continue
+            started.add((kind, tid))
+            if kind == "send":
+                pair.start_send(f"p-{tid}", tid, [4 * i, 4 * i + 1, 4 * i + 2], 10, ready=False)
+            elif kind == "recv":
+                pair.start_recv(f"d-{tid}", tid, [11 - 4 * i, 10 - 4 * i, 9 - 4 * i], 10)
+            else:
+                pair.ready(tid)
+        else:
+            pair.step(rng)
+        if rng.random() < abort_rate:
+            tid = rng.choice(tids)
+            if rng.random() < 0.5:
+                pair.abort_send(f"p-{tid}")
+            else:
+                pair.abort_recv(f"d-{tid}")
+        if rng.random() < 0.1:
+            pair.drain()
+    pair.run_until_idle(rng)
+    pair.advance(600)  # every deadline passes: nothing may be left behind
+    pair.run_until_idle(rng)
+    pair.drain()
+    pair.assert_reported_once([f"p-{t}" for t in tids], [f"d-{t}" for t in tids])
+    for t in tids:
+        for (side, worker), outcomes in pair.outcomes(f"d-{t}").items():
+            if side == "D" and outcomes == ["finished"]:
+                pair.assert_received(t, [worker])
+    assert all(pair.bytes_written_twice(w) == 0 for w in pair.receivers)
+    assert_clean(pair)
+
+
+def test_envelopes_and_writes_name_both_workers() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2))
+    seen: list[Envelope] = []
+    writes: list[Write] = []
+
+    def watch(envelope: Envelope) -> bool:
+        seen.append(envelope)
+        return False
+
+    def watch_write(write: Write) -> bool:
+        writes.append(write)
+        return False
+
+    pair.hold_back, pair.stall_write = watch, watch_write
+    transfer(pair)
+    pair.run_until_idle()
+    requests = {(e.d, e.p) for e in seen if isinstance(e.message, TransferRequest)}
+    assert requests == {((0, 0), (0, 0)), ((0, 1), (0, 0))}
+    assert {w.d for w in writes} == {(0, 0), (0, 1)}
+    assert not any(isinstance(e.message, Abort) for e in seen)

@@ -1,0 +1,195 @@
+"""Specification of kvsvc.receiver: D's receive jobs, deadlines and exactly-once reporting, driven by hand
+with a fake clock and no event loop (DESIGN §5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsvc.messages import Abort, Release, TransferRequest
+from kvsvc.receiver import Receiver, SendToSource
+from kvsvc.testing.clock import FakeClock
+
+P0, P1, P2 = (0, 0), (0, 1), (0, 2)
+BLOCKS = [4, 5, 6]
+
+
+def started(
+    *, sources: list[tuple[int, int]] | None = None, connected: set[tuple[int, int]] | None = None
+) -> tuple[Receiver, FakeClock, list[SendToSource]]:
+    receiver, clock = Receiver(recv_timeout_s=60, abort_grace_s=30), FakeClock()
+    assert receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    srcs = [P0, P1] if sources is None else sources
+    out = receiver.sources_known("t1", srcs, [], set(srcs) if connected is None else connected)
+    return receiver, clock, out
+
+
+def kinds(commands: list[SendToSource]) -> list[tuple[tuple[int, int], type]]:
+    return [(c.src, type(c.message)) for c in commands]
+
+
+def test_a_receive_asks_each_connected_source_for_its_share() -> None:
+    _, _, out = started()
+    request = TransferRequest(transfer_id="t1", block_ids=BLOCKS, num_tokens=10)
+    assert out == [SendToSource("P", P0, request), SendToSource("P", P1, request)]
+
+
+def test_a_receive_tells_the_p_workers_nobody_needs_to_release_their_hold() -> None:
+    receiver = Receiver()
+    receiver.start("r1", "t1", "P", BLOCKS, 10, 0.0)
+    out = receiver.sources_known("t1", [P0], [P2], {P0})
+    assert SendToSource("P", P2, Release(transfer_id="t1")) in out
+
+
+def test_a_source_not_yet_connected_is_asked_once_its_connection_opens() -> None:
+    receiver, _, out = started(connected={P0})
+    assert kinds(out) == [(P0, TransferRequest)]
+    assert receiver.pending("t1") == [P1]
+    assert kinds(receiver.connected("P", P1)) == [(P1, TransferRequest)]
+    assert receiver.connected("P", P1) == []
+    assert receiver.pending("t1") == []
+
+
+def test_a_receive_finishes_once_every_source_answered_done_and_is_reported_once() -> None:
+    receiver, _, _ = started()
+    assert receiver.answer("P", P0, "t1", None)
+    assert receiver.drain().finished == set()
+    assert receiver.answer("P", P1, "t1", None)
+    report = receiver.drain()
+    assert (report.finished, report.failed, report.invalid_block_ids) == ({"r1"}, set(), set())
+    assert receiver.drain().finished == set()
+    assert receiver.statistics().receives == 0
+
+
+def test_one_failed_source_fails_the_receive_with_every_block_invalid() -> None:
+    receiver, _, _ = started()
+    receiver.answer("P", P0, "t1", None)
+    receiver.answer("P", P1, "t1", "TransportError: -1")
+    report = receiver.drain()
+    assert report.failed == {"r1"} and report.finished == set()
+    assert report.invalid_block_ids == set(BLOCKS)
+    assert "TransportError" in report.reasons["r1"]
+
+
+def test_repeated_starts_and_answers_change_nothing() -> None:
+    receiver, clock, _ = started()
+    assert not receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    assert receiver.sources_known("t1", [P0, P1], [], {P0, P1}) == []
+    receiver.answer("P", P0, "t1", None)
+    assert receiver.answer("P", P0, "t1", None)
+    assert receiver.answer("P", P0, "t1", "late failure")
+    receiver.answer("P", P1, "t1", None)
+    assert receiver.drain().finished == {"r1"}
+
+
+def test_an_answer_for_an_unknown_transfer_or_source_is_refused() -> None:
+    receiver, _, _ = started(sources=[P0])
+    assert not receiver.answer("P", P0, "nope", None)
+    assert not receiver.answer("P", P2, "t1", None)
+    assert not receiver.answer("other", P0, "t1", None)
+
+
+def test_a_receive_times_out_failed_with_all_its_blocks_invalid_and_tells_p_to_stop() -> None:
+    receiver, clock, _ = started()
+    receiver.answer("P", P0, "t1", None)
+    assert receiver.next_deadline() == 60
+    assert receiver.expire(clock.advance(59.9)) == []
+    out = receiver.expire(clock.advance(0.1))
+    assert kinds(out) == [(P1, Abort)]
+    report = receiver.drain()
+    assert report.failed == {"r1"} and report.invalid_block_ids == set(BLOCKS)
+    assert "timed out" in report.reasons["r1"]
+    assert receiver.expire(clock.advance(100)) == []
+    assert receiver.drain().failed == set()
+    assert receiver.statistics().expired == 1
+
+
+def test_a_receive_still_waiting_for_its_handshake_times_out_failed() -> None:
+    receiver, clock = Receiver(recv_timeout_s=5), FakeClock()
+    receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    assert receiver.statistics().waiting_for_handshake == 1
+    receiver.expire(clock.advance(5))
+    assert receiver.drain().failed == {"r1"}
+
+
+def test_d_abort_asks_p_to_stop_and_reports_failed_only_after_p_confirmed() -> None:
+    receiver, clock, _ = started()
+    out = receiver.abort("r1", clock())
+    assert kinds(out) == [(P0, Abort), (P1, Abort)]
+    assert receiver.abort("r1", clock()) == []
+    receiver.answer("P", P0, "t1", "aborted by D")
+    assert receiver.drain().failed == set()
+    receiver.answer("P", P1, "t1", None)
+    report = receiver.drain()
+    assert report.failed == {"r1"} and report.invalid_block_ids == set(BLOCKS)
+
+
+def test_d_abort_ends_after_the_grace_when_p_never_confirms() -> None:
+    receiver, clock, _ = started()
+    receiver.abort("r1", clock())
+    assert receiver.next_deadline() == 30
+    receiver.expire(clock.advance(29))
+    assert receiver.drain().failed == set()
+    receiver.expire(clock.advance(1))
+    assert receiver.drain().failed == {"r1"}
+    assert receiver.statistics().expired == 0
+
+
+def test_d_abort_of_a_receive_whose_sources_are_not_connected_ends_at_once() -> None:
+    receiver, clock, out = started(connected=set())
+    assert out == []
+    assert receiver.abort("r1", clock()) == []
+    assert receiver.drain().failed == {"r1"}
+
+
+def test_d_abort_before_the_handshake_ends_the_receive_at_once() -> None:
+    receiver, clock = Receiver(), FakeClock()
+    receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    receiver.abort("r1", clock())
+    assert receiver.drain().failed == {"r1"}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: Receiver.abort before sources_known ends the receive at once, so the later sources_known "
+    "finds nothing and never sends the Releases it owes; those P workers hold the KV until expiry",
+)
+def test_d_abort_before_the_handshake_still_releases_the_p_workers_it_must_release() -> None:
+    receiver, clock = Receiver(), FakeClock()
+    receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    receiver.abort("r1", clock())
+    out = receiver.sources_known("t1", [P0], [P2], {P0})
+    assert (P2, Release) in kinds(out)
+
+
+def test_a_lost_connection_fails_the_receive_once_the_other_sources_stopped_writing() -> None:
+    receiver, _, _ = started()
+    receiver.peer_lost("P", P1, "connection reset")
+    assert receiver.drain().failed == set()
+    receiver.answer("P", P0, "t1", None)
+    report = receiver.drain()
+    assert report.failed == {"r1"} and "connection reset" in report.reasons["r1"]
+
+
+def test_a_lost_connection_ends_an_abort_that_waited_for_that_source() -> None:
+    receiver, clock, _ = started(sources=[P0])
+    receiver.abort("r1", clock())
+    receiver.peer_lost("P", P0, "connection reset")
+    assert receiver.drain().failed == {"r1"}
+
+
+def test_an_incompatible_or_unreachable_engine_fails_its_receives_at_once() -> None:
+    receiver = Receiver()
+    receiver.start("r1", "t1", "P", BLOCKS, 10, 0.0)
+    receiver.start("r2", "t2", "P", [9], 1, 0.0)
+    receiver.start("r3", "t3", "other", [8], 1, 0.0)
+    receiver.sources_known("t2", [P0], [], set())
+    receiver.engine_failed("P", "P tp_size 3 does not divide D tp_size 4")
+    report = receiver.drain()
+    assert report.failed == {"r1", "r2"} and report.invalid_block_ids == {4, 5, 6, 9}
+    assert receiver.engine_of("t3") == "other"
+
+
+def test_statistics_count_receives_by_state() -> None:
+    receiver, _, _ = started(connected={P0})
+    stats = receiver.statistics()
+    assert (stats.receives, stats.jobs_by_state) == (1, {"requested": 1, "pending": 1})

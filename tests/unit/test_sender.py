@@ -1,0 +1,333 @@
+"""Specification of kvsvc.sender: P's holds, send jobs, deadlines and exactly-once reporting, driven by hand
+with a fake clock and no event loop (DESIGN §5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsvc.messages import ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest, WorkerRef
+from kvsvc.sender import Reply, SendCommand, Sender, Submit
+from kvsvc.testing.clock import FakeClock
+
+D0 = WorkerRef("D", "1", 0, 0)
+D1 = WorkerRef("D", "1", 0, 1)
+BOTH = frozenset({D0.worker, D1.worker})
+ONLY_D0 = frozenset({D0.worker})
+
+
+def request(transfer_id: str = "t1", blocks: tuple[int, ...] = (7, 8)) -> TransferRequest:
+    return TransferRequest(transfer_id=transfer_id, block_ids=list(blocks), num_tokens=6)
+
+
+def make(clock: FakeClock | None = None) -> tuple[Sender, FakeClock]:
+    return Sender(hold_timeout_s=60, early_request_timeout_s=10), clock or FakeClock()
+
+
+def replies(commands: list[SendCommand]) -> list[tuple[WorkerRef, type]]:
+    return [(c.dst, type(c.message)) for c in commands if isinstance(c, Reply)]
+
+
+def submits(commands: list[SendCommand]) -> list[Submit]:
+    return [c for c in commands if isinstance(c, Submit)]
+
+
+def test_a_request_for_ready_kv_submits_one_write_with_both_sides_blocks() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1, 2], 6, clock())
+    sender.ready("t1")
+    assert sender.request(D0, ONLY_D0, request(), clock()) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
+
+
+def test_a_request_waits_for_the_kv_to_be_ready() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1, 2], 6, clock())
+    assert sender.request(D0, ONLY_D0, request(), clock()) == []
+    assert len(submits(sender.ready("t1"))) == 1
+
+
+def test_a_landed_write_answers_done_with_its_figures_and_reports_the_send_once() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1, 2], 6, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    assert sender.drain_finished() == set()
+    out = sender.write_result("t1", D0.worker, None, nbytes=4096, descriptors=3)
+    assert out == [Reply(D0, TransferDone(transfer_id="t1", bytes=4096, descriptors=3))]
+    assert sender.drain_finished() == {"r1"}
+    assert sender.drain_finished() == set()
+    assert not sender.holds("t1")
+
+
+def test_the_send_is_reported_only_after_every_expected_d_worker_was_served() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, BOTH, request(), clock())
+    sender.write_result("t1", D0.worker, None)
+    assert sender.drain_finished() == set()
+    sender.request(D1, BOTH, request(), clock())
+    sender.write_result("t1", D1.worker, None)
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_a_failed_write_answers_failed_with_the_transport_error() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    out = sender.write_result("t1", D0.worker, "TransportError: -1")
+    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason="TransportError: -1"))]
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_repeated_holds_ready_and_requests_change_nothing() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    assert sender.hold("r1", "t1", [1], 4, clock()) == []
+    assert len(submits(sender.ready("t1") + sender.request(D0, ONLY_D0, request(), clock()))) == 1
+    assert sender.ready("t1") == []
+    assert sender.request(D0, ONLY_D0, request(), clock()) == []
+    assert sender.statistics().jobs_by_state == {"writing": 1}
+
+
+def test_a_repeated_request_after_the_outcome_gets_the_outcome_again_and_no_second_report() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    sender.write_result("t1", D0.worker, None, 10, 1)
+    assert sender.drain_finished() == {"r1"}
+    again = sender.request(D0, ONLY_D0, request(), clock())
+    assert again == [Reply(D0, TransferDone(transfer_id="t1", bytes=10, descriptors=1))]
+    assert sender.drain_finished() == set()
+    assert sender.write_result("t1", D0.worker, None) == []
+
+
+def test_an_early_request_is_served_once_p_holds() -> None:
+    sender, clock = make()
+    assert sender.request(D0, ONLY_D0, request(), clock()) == []
+    assert sender.statistics().early_requests == 1
+    clock.advance(5)
+    sender.hold("r1", "t1", [1, 2], 6, clock())
+    assert submits(sender.ready("t1")) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
+    assert sender.statistics().early_requests == 0
+
+
+def test_an_early_request_is_answered_failed_once_if_p_never_holds() -> None:
+    sender, clock = make()
+    sender.request(D0, ONLY_D0, request(), clock())
+    assert sender.next_deadline() == 10
+    assert sender.expire(clock.advance(9.9)) == []
+    out = sender.expire(clock.advance(0.1))
+    assert replies(out) == [(D0, TransferFailed)]
+    assert "not held" in out[0].message.reason  # type: ignore[union-attr]
+    assert sender.expire(clock.advance(100)) == []
+    assert sender.next_deadline() is None
+
+
+def test_an_early_request_table_that_is_full_answers_busy_at_once() -> None:
+    sender = Sender(max_early_requests=1)
+    sender.request(D0, BOTH, request("t1"), 0.0)
+    out = sender.request(D0, BOTH, request("t2"), 0.0)
+    assert replies(out) == [(D0, TransferFailed)]
+
+
+def test_hold_expiry_reports_once_and_answers_waiting_d_workers_failed() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.request(D0, BOTH, request(), clock())  # not ready: D0 waits
+    assert sender.next_deadline() == 60
+    assert sender.expire(clock.advance(59)) == []
+    out = sender.expire(clock.advance(1))
+    assert replies(out) == [(D0, TransferFailed)]
+    assert "expired" in out[0].message.reason  # type: ignore[union-attr]
+    assert sender.drain_finished() == {"r1"}
+    assert sender.expire(clock.advance(60)) == []
+    assert sender.drain_finished() == set()
+    assert sender.statistics().expired_holds == 1
+
+
+def test_a_hold_nobody_asks_for_expires_and_is_reported_once() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.expire(clock.advance(60))
+    assert sender.drain_finished() == {"r1"}
+    assert sender.held_blocks() == 0
+
+
+def test_a_write_in_flight_at_expiry_delays_the_report_until_its_result() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    assert sender.expire(clock.advance(60)) == []
+    assert sender.drain_finished() == set()
+    assert sender.holds("t1")
+    out = sender.write_result("t1", D0.worker, None)
+    assert replies(out) == [(D0, TransferFailed)]
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_a_write_in_flight_at_p_abort_delays_the_report_until_its_result() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    assert sender.abort("r1") == []
+    assert sender.drain_finished() == set()
+    assert replies(sender.write_result("t1", D0.worker, "cancelled")) == [(D0, TransferFailed)]
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_p_abort_answers_waiting_d_workers_failed_and_reports_at_once() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.request(D0, BOTH, request(), clock())
+    assert replies(sender.abort("r1")) == [(D0, TransferFailed)]
+    assert sender.drain_finished() == {"r1"}
+    assert sender.abort("r1") == []
+    assert sender.drain_finished() == set()
+    assert sender.statistics().aborted_holds == 1
+
+
+def test_a_request_after_p_aborted_is_answered_failed() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.request(D0, BOTH, request(), clock())
+    sender.abort("r1")
+    assert replies(sender.request(D0, BOTH, request(), clock())) == [(D0, TransferFailed)]
+
+
+def test_d_abort_before_asking_counts_that_d_worker_as_served() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, BOTH, request(), clock())
+    sender.write_result("t1", D0.worker, None)
+    assert sender.remote_abort(D1, "t1", "aborted by D") == []
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_d_abort_of_a_writing_job_answers_failed_after_the_write_drained() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    assert sender.remote_abort(D0, "t1", "aborted by D") == []
+    assert sender.drain_finished() == set()
+    assert replies(sender.write_result("t1", D0.worker, None)) == [(D0, TransferFailed)]
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_d_abort_of_an_early_request_forgets_it() -> None:
+    sender, clock = make()
+    sender.request(D0, ONLY_D0, request(), clock())
+    sender.remote_abort(D0, "t1", "aborted by D")
+    assert sender.statistics().early_requests == 0
+    assert sender.expire(clock.advance(10)) == []
+
+
+def test_a_release_finishes_a_hold_this_p_worker_sources_nothing_for_at_once() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    assert sender.release(D0, frozenset(), Release(transfer_id="t1"), clock()) == []
+    assert sender.drain_finished() == {"r1"}
+    assert sender.release(D0, frozenset(), Release(transfer_id="t1"), clock()) == []
+    assert sender.drain_finished() == set()
+
+
+def test_an_early_release_finishes_the_hold_when_it_arrives() -> None:
+    sender, clock = make()
+    sender.release(D0, frozenset(), Release(transfer_id="t1"), clock())
+    sender.hold("r1", "t1", [1], 4, clock.advance(1))
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_a_request_from_a_second_d_engine_for_the_same_transfer_gets_an_error_message() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.request(D0, ONLY_D0, request(), clock())
+    stranger = WorkerRef("D2", "9", 0, 0)
+    out = sender.request(stranger, ONLY_D0, request(), clock())
+    assert replies(out) == [(stranger, ErrorMessage)]
+    assert "'D2'" in out[0].message.reason and "'D'" in out[0].message.reason  # type: ignore[union-attr]
+    assert sender.statistics().jobs_by_state == {"requested": 1}
+
+
+def test_a_restarted_d_engine_is_another_engine_for_a_held_transfer() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.request(D0, ONLY_D0, request(), clock())
+    restarted = D0._replace(incarnation="2")
+    assert replies(sender.request(restarted, ONLY_D0, request(), clock())) == [(restarted, ErrorMessage)]
+
+
+def test_peer_lost_fails_a_waiting_job_and_the_hold_can_finish() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.request(D0, ONLY_D0, request(), clock())
+    assert sender.peer_lost(D0) == []
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_peer_lost_during_a_write_waits_for_the_write_to_drain() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    sender.peer_lost(D0)
+    assert sender.drain_finished() == set()
+    sender.write_result("t1", D0.worker, None)
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_peer_lost_of_another_incarnation_leaves_the_job_alone() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.request(D0, ONLY_D0, request(), clock())
+    sender.peer_lost(D0._replace(incarnation="0"))
+    assert sender.statistics().jobs_by_state == {"requested": 1}
+
+
+def test_peer_lost_forgets_early_requests_of_that_peer() -> None:
+    sender, clock = make()
+    sender.request(D0, ONLY_D0, request(), clock())
+    sender.peer_lost(D0)
+    assert sender.expire(clock.advance(10)) == []
+
+
+def test_statistics_count_what_is_held_and_pending() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1, 2, 3], 9, clock())
+    sender.request(D0, BOTH, request("t2"), clock())
+    stats = sender.statistics()
+    assert (stats.holds, stats.early_requests, sender.held_blocks()) == (1, 1, 3)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: Sender.remote_abort keys the job by (pp, tp) only and never checks the D engine/incarnation, "
+    "so an Abort from another D engine aborts the legitimate D worker's write",
+)
+def test_an_abort_from_another_d_engine_leaves_the_transfer_alone() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    sender.remote_abort(WorkerRef("D2", "9", 0, 0), "t1", "not yours")
+    assert sender.write_result("t1", D0.worker, None) == [
+        Reply(D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0))
+    ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: after P aborts (or expires) a hold before a D worker asked, that worker's request is parked as "
+    "an early request and answered failed only after early_request_timeout_s, with the misleading reason "
+    "'not held by P'",
+)
+def test_a_request_for_a_transfer_p_already_aborted_is_answered_failed_at_once() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.abort("r1")
+    assert replies(sender.request(D0, ONLY_D0, request(), clock())) == [(D0, TransferFailed)]

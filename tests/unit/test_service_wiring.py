@@ -1,0 +1,259 @@
+"""The asyncio service's wiring, in one process: real control sockets and HTTP, an in-process fake transport.
+
+These tests are about the driver (handshake, framing, refusals, deadlines reaching the engine); that bytes move
+through real Mooncake between processes is shown in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvsvc.engine.bootstrap import BootstrapServer
+from kvsvc.errors import ServiceClosed
+from kvsvc.layout import layer_bytes
+from kvsvc.messages import (
+    PROTOCOL_VERSION,
+    ErrorMessage,
+    FrameReader,
+    Hello,
+    HelloRefused,
+    Message,
+    TransferFailed,
+    TransferRequest,
+    WorkerMetadata,
+    encode,
+)
+from kvsvc.outputs import KVConnectorOutput
+from kvsvc.service import KVTransferService, ServiceConfig
+from kvsvc.testing.fakes import LoopbackTransport
+
+LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 2, 2, 8, 4, 16
+
+
+@dataclass
+class Side:
+    service: KVTransferService
+    pool: np.ndarray
+    transport: LoopbackTransport
+
+
+def make_side(engine_id: str, config: ServiceConfig, seed: int) -> Side:
+    meta0 = WorkerMetadata(
+        engine_id=engine_id,
+        incarnation=f"{engine_id}-1",
+        pp_rank=0,
+        pp_size=1,
+        tp_rank=0,
+        tp_size=1,
+        start_layer=0,
+        end_layer=LAYERS,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+        dtype="float16",
+        block_size=BLOCK,
+        num_blocks=BLOCKS,
+        layout="HND",
+        is_mla=False,
+        base_addrs=[0] * LAYERS,
+    )
+    per_layer = layer_bytes(meta0)
+    pool = np.random.default_rng(seed).integers(0, 255, size=LAYERS * per_layer, dtype=np.uint8)
+    base = pool.ctypes.data
+    meta = WorkerMetadata(**{**{f: getattr(meta0, f) for f in meta0.__struct_fields__}, "base_addrs": [base + i * per_layer for i in range(LAYERS)]})
+    transport = LoopbackTransport()
+    transport.register([(base, LAYERS * per_layer)])
+    return Side(KVTransferService(meta, transport, config), pool, transport)
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Side, Side, str]]:
+    config = ServiceConfig(hold_timeout_s=5, recv_timeout_s=5, early_request_timeout_s=0.3, handshake_timeout_s=2)
+    p, d = make_side("prefill", config, 1), make_side("decode", config, 2)
+    p_meta = await p.service.start()
+    await d.service.start()
+    bootstrap = BootstrapServer({(0, 0): p_meta})
+    url = await bootstrap.start()
+    yield p, d, url
+    await p.service.close()
+    await d.service.close()
+    await bootstrap.close()
+
+
+async def wait_output(service: KVTransferService, what: str, req: str, timeout: float = 10.0) -> KVConnectorOutput:
+    collected = KVConnectorOutput()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        out = service.get_finished()
+        for name in ("finished_sending", "finished_recving", "failed_recving"):
+            got = getattr(out, name)
+            if got:
+                setattr(collected, name, (getattr(collected, name) or set()) | got)
+        collected.invalid_block_ids |= out.invalid_block_ids
+        if req in (getattr(collected, what) or set()):
+            return collected
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{req} never appeared in {what}; got {collected}")
+
+
+def block_bytes_of(side: Side, layer: int, block: int) -> bytes:
+    per_layer = side.pool.size // LAYERS
+    per_block = per_layer // BLOCKS
+    start = layer * per_layer + block * per_block
+    return side.pool[start : start + per_block].tobytes()
+
+
+async def test_a_transfer_moves_every_byte_and_reports_once_on_each_side(pair: tuple[Side, Side, str]) -> None:
+    p, d, url = pair
+    p.service.start_send("p-req", "t1", [3, 4], 2 * BLOCK)
+    d.service.start_recv("d-req", "t1", "prefill", url, [9, 1], 2 * BLOCK)
+    await wait_output(d.service, "finished_recving", "d-req")
+    await wait_output(p.service, "finished_sending", "p-req")
+    for layer in range(LAYERS):
+        assert block_bytes_of(d, layer, 9) == block_bytes_of(p, layer, 3)
+        assert block_bytes_of(d, layer, 1) == block_bytes_of(p, layer, 4)
+    assert p.service.get_finished().is_empty() and d.service.get_finished().is_empty()
+    assert p.service.statistics().holds == 0 and d.service.statistics().holds == 0
+
+
+async def test_repeated_start_calls_change_nothing(pair: tuple[Side, Side, str]) -> None:
+    p, d, url = pair
+    for _ in range(3):
+        p.service.start_send("p-req", "t2", [0], BLOCK)
+        d.service.start_recv("d-req", "t2", "prefill", url, [5], BLOCK)
+    out = await wait_output(d.service, "finished_recving", "d-req")
+    assert out.failed_recving is None
+    await wait_output(p.service, "finished_sending", "p-req")
+    assert p.service.statistics().transfers_sent == 1
+
+
+async def test_an_unreachable_engine_fails_the_receive_with_its_blocks_invalid(pair: tuple[Side, Side, str]) -> None:
+    _, d, _ = pair
+    d.service.start_recv("d-req", "t3", "prefill", "http://127.0.0.1:9", [2, 3], BLOCK)
+    out = await wait_output(d.service, "failed_recving", "d-req")
+    assert out.invalid_block_ids == {2, 3}
+    assert d.service.statistics().holds == 0
+
+
+async def test_a_request_p_never_holds_is_answered_failed_after_the_early_timeout(
+    pair: tuple[Side, Side, str],
+) -> None:
+    _, d, url = pair
+    d.service.start_recv("d-req", "never-held", "prefill", url, [2], BLOCK)
+    await wait_output(d.service, "failed_recving", "d-req")
+
+
+async def test_block_ids_outside_the_pool_are_refused_at_the_call(pair: tuple[Side, Side, str]) -> None:
+    p, d, url = pair
+    with pytest.raises(ValueError, match=r"block ids \[99\] outside the pool of 16 blocks"):
+        p.service.start_send("p-req", "t4", [99], 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        d.service.start_recv("d-req", "t4", "prefill", url, [1], BLOCK + 1)
+
+
+async def raw_exchange(address: str, payload: bytes) -> list[Message]:
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(payload)
+    frames = FrameReader()
+    out: list[Message] = []
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), 5):
+            out += frames.feed(chunk)
+    finally:
+        writer.close()
+    return out
+
+
+async def test_garbage_on_the_control_port_gets_an_error_and_the_service_keeps_serving(
+    pair: tuple[Side, Side, str],
+) -> None:
+    p, d, url = pair
+    replies = await raw_exchange(p.service.metadata.control_addr, struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
+    assert len(replies) == 1 and isinstance(replies[0], ErrorMessage)
+    assert "malformed frame" in replies[0].reason
+    oversized = await raw_exchange(p.service.metadata.control_addr, struct.pack(">I", 2**31))
+    assert isinstance(oversized[0], ErrorMessage) and "limit" in oversized[0].reason
+    await test_a_transfer_moves_every_byte_and_reports_once_on_each_side((p, d, url))
+
+
+async def test_a_wrong_protocol_version_is_refused_naming_both_versions(pair: tuple[Side, Side, str]) -> None:
+    p, d, _ = pair
+    pm = p.service.metadata
+    hello = Hello(
+        version=PROTOCOL_VERSION + 1,
+        sender=d.service.metadata,
+        stage_layers=[(0, LAYERS)],
+        expect_engine_id=pm.engine_id,
+        expect_incarnation=pm.incarnation,
+        expect_pp_rank=0,
+        expect_tp_rank=0,
+    )
+    (reply,) = await raw_exchange(pm.control_addr, encode(hello))
+    assert isinstance(reply, HelloRefused)
+    assert f"version {PROTOCOL_VERSION + 1}, this side speaks {PROTOCOL_VERSION}" in reply.reason
+
+
+async def test_a_hello_for_another_incarnation_is_refused(pair: tuple[Side, Side, str]) -> None:
+    p, d, _ = pair
+    pm = p.service.metadata
+    hello = Hello(
+        version=PROTOCOL_VERSION,
+        sender=d.service.metadata,
+        stage_layers=[(0, LAYERS)],
+        expect_engine_id=pm.engine_id,
+        expect_incarnation="an-older-start",
+        expect_pp_rank=0,
+        expect_tp_rank=0,
+    )
+    (reply,) = await raw_exchange(pm.control_addr, encode(hello))
+    assert isinstance(reply, HelloRefused) and "an-older-start" in reply.reason
+
+
+async def test_a_request_before_the_hello_is_a_protocol_error(pair: tuple[Side, Side, str]) -> None:
+    p, _, _ = pair
+    request = TransferRequest(transfer_id="x", block_ids=[1], num_tokens=1)
+    (reply,) = await raw_exchange(p.service.metadata.control_addr, encode(request))
+    assert isinstance(reply, ErrorMessage) and "expected hello" in reply.reason
+    assert p.service.statistics().protocol_errors == 1
+
+
+async def test_a_write_failure_reaches_both_engines(pair: tuple[Side, Side, str]) -> None:
+    p, d, url = pair
+    p.transport.fail_next_writes(code=-1)
+    p.service.start_send("p-req", "t5", [0], BLOCK)
+    d.service.start_recv("d-req", "t5", "prefill", url, [7], BLOCK)
+    out = await wait_output(d.service, "failed_recving", "d-req")
+    assert out.invalid_block_ids == {7}
+    await wait_output(p.service, "finished_sending", "p-req")
+    assert p.service.statistics().write_failures == 1
+
+
+async def test_an_abort_on_d_frees_both_sides(pair: tuple[Side, Side, str]) -> None:
+    p, d, url = pair
+    p.transport.stall()
+    p.service.start_send("p-req", "t6", [0], BLOCK)
+    d.service.start_recv("d-req", "t6", "prefill", url, [7], BLOCK)
+    while p.service.statistics().writes_in_flight == 0:
+        await asyncio.sleep(0.01)
+    d.service.abort("d-req")
+    await asyncio.sleep(0.05)
+    # The write is still stalled: neither side may report yet.
+    assert not p.service.get_finished().finished_sending
+    p.transport.release()
+    await wait_output(d.service, "failed_recving", "d-req")
+    await wait_output(p.service, "finished_sending", "p-req")
+    assert p.service.statistics().holds == 0 and d.service.statistics().holds == 0
+
+
+async def test_a_closed_service_refuses_new_work(pair: tuple[Side, Side, str]) -> None:
+    p, _, _ = pair
+    await p.service.close()
+    with pytest.raises(ServiceClosed):
+        p.service.start_send("p-req", "t7", [0], 1)

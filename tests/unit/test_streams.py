@@ -1,0 +1,133 @@
+"""Completion futures on CPU: a fake event resolves them only once query() turns True, without blocking the loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvsvc.streams import LayerReadiness, completion_future, record_event
+
+
+class FakeEvent:
+    """An event that completes after `polls` queries (or when `fire()` is called)."""
+
+    def __init__(self, polls: int | None = None) -> None:
+        self.queries = 0
+        self.polls = polls
+        self.fired = False
+
+    def fire(self) -> None:
+        self.fired = True
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.fired or (self.polls is not None and self.queries >= self.polls)
+
+
+class BrokenEvent:
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_none_event_gives_an_already_resolved_future() -> None:
+    fut = completion_future(None)
+    assert fut.done() and fut.result() is None
+
+
+async def test_completed_event_resolves_without_waiting() -> None:
+    event = FakeEvent(polls=1)
+    fut = completion_future(event)
+    assert fut.done()
+    assert event.queries == 1
+
+
+async def test_future_resolves_only_after_query_turns_true() -> None:
+    event = FakeEvent()
+    fut = completion_future(event)
+    for _ in range(5):
+        await asyncio.sleep(0.002)
+        assert not fut.done()
+    assert event.queries > 1
+    event.fire()
+    await asyncio.wait_for(fut, 5)
+    assert fut.done()
+
+
+async def test_polling_does_not_block_the_loop() -> None:
+    event = FakeEvent()
+    fut = completion_future(event)
+    ticks = 0
+    for _ in range(20):
+        await asyncio.sleep(0)
+        ticks += 1
+    assert ticks == 20 and not fut.done()
+    event.fire()
+    await asyncio.wait_for(fut, 5)
+
+
+async def test_cancelling_the_future_stops_polling() -> None:
+    event = FakeEvent()
+    fut = completion_future(event)
+    await asyncio.sleep(0.005)
+    fut.cancel()
+    seen = event.queries
+    await asyncio.sleep(0.01)
+    assert event.queries == seen
+
+
+async def test_cancelled_waiter_leaves_polling_running_when_shielded() -> None:
+    event = FakeEvent()
+    readiness = LayerReadiness([event])
+    waiter = asyncio.create_task(readiness.wait(0))
+    await asyncio.sleep(0.002)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not readiness.future(0).done()
+    event.fire()
+    await asyncio.wait_for(readiness.wait(0), 5)
+
+
+async def test_query_error_lands_in_the_future() -> None:
+    fut = completion_future(BrokenEvent())
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        await fut
+
+
+async def test_layers_resolve_independently_and_in_any_order() -> None:
+    events = [FakeEvent(), FakeEvent(), None]
+    readiness = LayerReadiness(events)
+    assert len(readiness) == 3
+    assert readiness.future(2).done()
+    assert readiness.done_layers() == 0
+    events[1].fire()
+    await asyncio.wait_for(readiness.wait(1), 5)
+    assert readiness.done_layers() == 0  # layer 0 still computing
+    assert not readiness.future(0).done()
+    events[0].fire()
+    await asyncio.wait_for(readiness.wait_all(), 5)
+    assert readiness.done_layers() == 3
+
+
+async def test_ready_readiness_has_every_layer_complete() -> None:
+    readiness = LayerReadiness.ready(4)
+    await readiness.wait_all()
+    assert readiness.done_layers() == 4
+
+
+async def test_cancel_stops_every_layer() -> None:
+    events = [FakeEvent(), FakeEvent()]
+    readiness = LayerReadiness(events)
+    readiness.cancel()
+    assert all(f.cancelled() for f in readiness.futures)
+    seen = [e.queries for e in events]
+    await asyncio.sleep(0.005)
+    assert [e.queries for e in events] == seen
+
+
+def test_record_event_is_none_without_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by test_streams_cuda")
+    assert record_event() is None

@@ -1,0 +1,180 @@
+"""The two engine roles on an `Executor`: a prefill engine that computes and holds KV, a decode engine that fetches it.
+
+Imports `workers.executor` and `workers.process` only. Invariants: a request's blocks are allocated at submit and
+freed exactly once, when the aggregate of all workers reports the request finished (or failed); a finished receive
+is verified on every D worker before its blocks are freed; a failed one is marked for recompute.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from kvsvc.outputs import KVConnectorOutput
+from workers.executor import BlockAllocator, Executor
+from workers.process import AbortRequest, Prefill, Recv, Verify
+from workers.synthetic import VerifyResult
+
+
+@dataclass
+class PrefillRequest:
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    seed: int
+    finished: bool = False
+
+
+@dataclass
+class DecodeRequest:
+    req_id: str
+    transfer_id: str
+    prefill_engine_id: str
+    block_ids: list[int]
+    num_tokens: int
+    seed: int | None  # the prefill's seed, to verify the KV; None skips verification
+    state: str = "waiting"  # "waiting", "finished" or "failed"
+    needs_recompute: bool = False
+    invalid_block_ids: set[int] = field(default_factory=set)
+    verified: list[VerifyResult] = field(default_factory=list)  # one per D worker, once finished
+
+    @property
+    def verified_ok(self) -> bool:
+        """The KV landed and every D worker found every byte right (False until verified)."""
+        return self.state == "finished" and bool(self.verified) and all(v.ok for v in self.verified)
+
+
+class _Engine:
+    def __init__(self, executor: Executor, prefix: str) -> None:
+        self.executor = executor
+        self.allocator = BlockAllocator(executor.config.num_blocks)
+        self._ids = itertools.count()
+        self._prefix = prefix
+
+    def _new_req_id(self, transfer_id: str) -> str:
+        return f"{self._prefix}{next(self._ids)}-{transfer_id}"
+
+    def _blocks_for(self, num_tokens: int) -> list[int]:
+        return self.allocator.allocate(max(1, -(-num_tokens // self.executor.config.block_size)))
+
+
+class PrefillEngine(_Engine):
+    """Computes requests' KV with the synthetic model and holds it for decode engines to fetch."""
+
+    def __init__(self, executor: Executor) -> None:
+        super().__init__(executor, "p")
+        self.requests: dict[str, PrefillRequest] = {}
+
+    def submit(self, transfer_id: str, num_tokens: int, seed: int) -> PrefillRequest:
+        """Allocate blocks, run the synthetic prefill on every worker and hold the KV (`start_send`).
+
+        Raises:
+            NoFreeBlocks: the pool is full. WorkerError: a worker failed (the blocks are freed again).
+        """
+        blocks = self._blocks_for(num_tokens)
+        req = PrefillRequest(self._new_req_id(transfer_id), transfer_id, blocks, num_tokens, seed)
+        try:
+            self.executor.broadcast(Prefill(req.req_id, transfer_id, blocks, num_tokens, seed))
+        except BaseException:
+            # Some workers may hold it: abort there so nothing stays held, then the blocks are ours again.
+            self.executor.broadcast(AbortRequest(req.req_id))
+            self.allocator.free(blocks)
+            raise
+        self.requests[req.req_id] = req
+        return req
+
+    def abort(self, req: PrefillRequest) -> None:
+        """Abort on every worker; the blocks are freed when the workers report it finished."""
+        self.executor.broadcast(AbortRequest(req.req_id))
+
+    def step(self) -> list[PrefillRequest]:
+        """Collect the workers' reports; free and return the requests whose sends all finished.
+
+        Raises:
+            WorkerError: as `Executor.step`.
+        """
+        return self.apply(self.executor.step())
+
+    def apply(self, output: KVConnectorOutput) -> list[PrefillRequest]:
+        done: list[PrefillRequest] = []
+        for req_id in sorted(output.finished_sending or ()):
+            req = self.requests.pop(req_id, None)
+            if req is not None:
+                req.finished = True
+                self.allocator.free(req.block_ids)
+                done.append(req)
+        return done
+
+    def restart(self) -> list[PrefillRequest]:
+        """Restart the engine (a new incarnation); returns the requests that were lost with the old one."""
+        lost = list(self.requests.values())
+        self.executor.restart()
+        self.requests.clear()
+        self.allocator = BlockAllocator(self.executor.config.num_blocks)
+        return lost
+
+
+class DecodeEngine(_Engine):
+    """Receives requests' KV from prefill engines and checks it byte for byte."""
+
+    def __init__(self, executor: Executor) -> None:
+        super().__init__(executor, "d")
+        self.requests: dict[str, DecodeRequest] = {}
+
+    def submit(
+        self, transfer_id: str, prefill_engine_id: str, prefill_url: str, num_tokens: int, seed: int | None = None
+    ) -> DecodeRequest:
+        """Allocate blocks and start the receive on every worker.
+
+        Raises:
+            NoFreeBlocks: the pool is full. WorkerError: a worker refused (the blocks are freed again).
+        """
+        blocks = self._blocks_for(num_tokens)
+        req = DecodeRequest(self._new_req_id(transfer_id), transfer_id, prefill_engine_id, blocks, num_tokens, seed)
+        try:
+            self.executor.broadcast(Recv(req.req_id, transfer_id, prefill_engine_id, prefill_url, blocks, num_tokens))
+        except BaseException:
+            self.executor.broadcast(AbortRequest(req.req_id))
+            self.allocator.free(blocks)
+            raise
+        self.requests[req.req_id] = req
+        return req
+
+    def abort(self, req: DecodeRequest) -> None:
+        """Abort on every worker; it is reported failed (and freed) once no write can touch its blocks."""
+        self.executor.broadcast(AbortRequest(req.req_id))
+
+    def step(self, verify: bool = True) -> list[DecodeRequest]:
+        """Collect the workers' reports; verify finished receives on every D worker (when `verify` and the
+        request has a seed), mark failed ones for recompute, free their blocks, return them.
+
+        Raises:
+            WorkerError: as `Executor.step`, or a verification that could not run.
+        """
+        output = self.executor.step()
+        failed = output.failed_recving or set()
+        done: list[DecodeRequest] = []
+        for req_id in sorted(output.finished_recving or ()):
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            if req_id in failed:
+                req.state, req.needs_recompute = "failed", True
+                req.invalid_block_ids = output.invalid_block_ids & set(req.block_ids)
+            else:
+                req.state = "finished"
+                if verify and req.seed is not None:
+                    results = self.executor.broadcast(Verify(req.seed, req.block_ids, req.num_tokens))
+                    req.verified = [r for r in results if isinstance(r, VerifyResult)]
+            self.allocator.free(req.block_ids)
+            done.append(req)
+        return done
+
+    def restart(self) -> list[DecodeRequest]:
+        """Restart the engine (a new incarnation); returns the receives that were lost with the old one."""
+        lost = list(self.requests.values())
+        self.executor.restart()
+        self.requests.clear()
+        self.allocator = BlockAllocator(self.executor.config.num_blocks)
+        return lost

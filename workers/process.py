@@ -1,0 +1,259 @@
+"""One synthetic worker process: a KV pool, a Mooncake transport and a `KVTransferService` on the process's own uvloop.
+
+Imports `workers.kv_pool`, `workers.synthetic` and `kvsvc`; started with the `spawn` context by `workers.executor`.
+Protocol with the parent over a `multiprocessing` Pipe: the worker first sends `Ready(meta)` (or `StartFailed`), then
+answers every `(seq, command)` with exactly one `Reply(seq, ...)`, errors included as a string, never a hang on its
+side. The pipe is read from the event loop (`add_reader`), so the service keeps running between commands. The
+parent closing the pipe is a shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Final
+
+import uvloop
+
+from kvsvc.messages import WorkerMetadata
+from kvsvc.outputs import KVConnectorOutput
+from kvsvc.service import KVTransferService, ServiceConfig
+from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
+from workers.kv_pool import KVPool, WorkerShape
+from workers.synthetic import VerifyResult, fill, ready_after_fill, verify
+
+log = logging.getLogger(__name__)
+
+_CLOSE_TIMEOUT_S: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """Everything a worker process needs to start; pickled to the child."""
+
+    shape: WorkerShape
+    incarnation: str
+    role: str = "prefill"  # "prefill" or "decode": names the process; every worker can play both roles
+    device: str = "cpu"
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    transport: MooncakeConfig = field(default_factory=MooncakeConfig)
+    log_level: str = "WARNING"
+
+
+# -- commands (parent to worker) ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SetEngineMetadata:
+    metas: dict[tuple[int, int], WorkerMetadata]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """Run the synthetic model for a request (fill its blocks) and hold its KV for D (`start_send`)."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    req_id: str
+    transfer_id: str
+    remote_engine_id: str
+    remote_url: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    req_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetFinished:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    seed: int
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Statistics:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+Command = SetEngineMetadata | Prefill | Recv | AbortRequest | GetFinished | Verify | Statistics | Shutdown
+
+
+# -- answers (worker to parent) -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    meta: WorkerMetadata
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to command `seq`: `value` when `error` is None, else `error` is `"ExceptionType: message"`."""
+
+    seq: int
+    value: object = None
+    error: str | None = None
+
+
+Result = KVConnectorOutput | VerifyResult | dict[str, object] | None
+
+
+class WorkerRuntime:
+    """The command handler of one worker process; runs on the worker's event loop."""
+
+    def __init__(self, options: WorkerOptions, pool: KVPool, service: KVTransferService) -> None:
+        self.options = options
+        self.pool = pool
+        self.service = service
+        self.stopping: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    def handle(self, command: Command) -> Result:
+        """Carry out one command (except `Shutdown`, which the reader handles).
+
+        Raises:
+            TypeError: an unknown command. Anything the service or the synthetic model raises passes through.
+        """
+        service = self.service
+        if isinstance(command, GetFinished):
+            return service.get_finished()
+        if isinstance(command, Prefill):
+            fill(self.pool.layers, self.pool.meta, command.seed, command.block_ids, command.num_tokens)
+            ready = ready_after_fill(self.pool.device)
+            service.start_send(command.req_id, command.transfer_id, command.block_ids, command.num_tokens, ready)
+            return None
+        if isinstance(command, Recv):
+            service.start_recv(
+                command.req_id,
+                command.transfer_id,
+                command.remote_engine_id,
+                command.remote_url,
+                command.block_ids,
+                command.num_tokens,
+            )
+            return None
+        if isinstance(command, AbortRequest):
+            service.abort(command.req_id)
+            return None
+        if isinstance(command, Verify):
+            return verify(self.pool.layers, self.pool.meta, command.seed, command.block_ids, command.num_tokens)
+        if isinstance(command, Statistics):
+            return self.statistics()
+        if isinstance(command, SetEngineMetadata):
+            service.set_engine_metadata(command.metas)
+            return None
+        raise TypeError(f"unknown worker command {type(command).__name__}")
+
+    def statistics(self) -> dict[str, object]:
+        stats = self.service.statistics()
+        result = dataclasses.asdict(stats)
+        result["holds"] = stats.holds
+        result["pid"] = os.getpid()
+        return result
+
+
+async def _serve(options: WorkerOptions, conn: Connection) -> int:
+    try:
+        pool = KVPool(options.shape, options.incarnation, options.device)
+        transport = MooncakeTransport(options.transport)
+        transport.register(pool.regions())
+        service = KVTransferService(pool.meta, transport, options.service)
+        meta = await service.start()
+    except Exception as exc:
+        log.exception("worker failed to start")
+        conn.send(StartFailed(f"{type(exc).__name__}: {exc}"))
+        return 1
+    runtime = WorkerRuntime(options, pool, service)
+    loop = asyncio.get_running_loop()
+    shutdown_seq: list[int] = []
+
+    def on_readable() -> None:
+        try:
+            while not runtime.stopping.done() and conn.poll():
+                seq, command = conn.recv()
+                if isinstance(command, Shutdown):
+                    shutdown_seq.append(seq)
+                    runtime.stopping.set_result(0)
+                    return
+                try:
+                    reply = Reply(seq, runtime.handle(command))
+                except Exception as exc:  # every command is answered: the parent decides what an error means
+                    reply = Reply(seq, error=f"{type(exc).__name__}: {exc}")
+                try:
+                    conn.send(reply)
+                except (OSError, EOFError):
+                    raise
+                except Exception as exc:  # the value did not pickle: still answer, with why
+                    conn.send(Reply(seq, error=f"{type(exc).__name__}: {exc}"))
+        except (EOFError, OSError):
+            # The parent is gone (or closed the pipe): nobody will read our answers, so stop.
+            if not runtime.stopping.done():
+                runtime.stopping.set_result(0)
+
+    conn.send(Ready(meta, os.getpid()))
+    loop.add_reader(conn.fileno(), on_readable)
+    code = await runtime.stopping
+    loop.remove_reader(conn.fileno())
+    error: str | None = None
+    try:
+        await asyncio.wait_for(service.close(), _CLOSE_TIMEOUT_S)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        code = 1
+    if shutdown_seq:
+        with contextlib.suppress(OSError):
+            conn.send(Reply(shutdown_seq[0], error=error))
+    return code
+
+
+def worker_main(options: WorkerOptions, conn: Connection) -> None:
+    """The target of a worker process; never returns (exits with 0 after a clean shutdown)."""
+    logging.basicConfig(
+        level=options.log_level,
+        format=f"%(asctime)s {options.role}[pp{options.shape.pp_rank},tp{options.shape.tp_rank}] %(name)s: %(message)s",
+    )
+    code = 1
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            code = runner.run(_serve(options, conn))
+    except BaseException:
+        log.exception("worker crashed")
+    finally:
+        with contextlib.suppress(OSError):
+            conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: Mooncake's native threads and static destructors can stall a normal exit.
+        os._exit(code)
