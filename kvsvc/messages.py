@@ -26,7 +26,8 @@ Layout = Literal["HND", "NHD"]
 class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     """What one worker publishes about its KV pool; the unit of the handshake.
 
-    `base_addrs` holds one address per local layer, in layer order. `layout` is ignored when `is_mla`.
+    `base_addrs` holds one address per local layer, in layer order, or one address (the pool's start) for the
+    cross-layer pool layout `"HND_CROSS_LAYER"`. `layout` is ignored when `is_mla` unless it names that pool.
     Fields added later must have defaults, so the original keywords alone always build one.
     """
 

@@ -95,8 +95,7 @@ class Receiver:
         commands: list[SendToSource] = []
         for job in list(recv.jobs.values()):
             commands += self._apply(recv, job, RecvEvent.ABORT, "aborted by D")
-        if not recv.sources_known:
-            self._end(recv, "aborted by D before the handshake completed")
+        # Before the handshake it ends in `sources_known`, which still owes the P workers their Releases.
         return commands
 
     # -- events from the handshake and connections -------------------------------------------------------------
@@ -112,6 +111,7 @@ class Receiver:
         recv.sources_known = True
         commands = [SendToSource(recv.engine_id, src, Release(transfer_id=transfer_id)) for src in releases]
         if recv.aborted:
+            self._end(recv, "aborted by D before the handshake completed")
             return commands
         for src in sources:
             recv.jobs[src] = RecvJob(transfer_id, src)

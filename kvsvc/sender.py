@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvsvc.jobs import Effect, SendEvent, SendJob, SendState
-from kvsvc.messages import ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest, WorkerRef
+from kvsvc.messages import Abort, ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest, WorkerRef
 
 Worker = tuple[int, int]
 
@@ -83,12 +83,14 @@ class Sender:
         self._holds: dict[str, _Hold] = {}
         # Requests for transfers not held yet, in arrival order (deadline, request, expected set).
         self._early: OrderedDict[
-            tuple[str, Worker], tuple[float, WorkerRef, TransferRequest | Release, frozenset[Worker]]
+            tuple[str, Worker], tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]
         ]
         self._early = OrderedDict()
         # Outcomes of finished transfers, so a repeated request is answered again rather than left to fail.
         self._outcomes: OrderedDict[tuple[str, Worker], TransferDone | TransferFailed] = OrderedDict()
         self._remembered = remembered_outcomes
+        # Why each recently finished transfer ended, for D workers that ask only after it did.
+        self._closed: OrderedDict[str, str] = OrderedDict()
         self._finished: set[str] = set()
         self._expired_count = 0
         self._aborted_count = 0
@@ -108,7 +110,9 @@ class Sender:
         commands: list[SendCommand] = []
         for key in [k for k in self._early if k[0] == transfer_id]:
             _, dst, message, expected = self._early.pop(key)
-            if isinstance(message, Release):
+            if isinstance(message, Abort):
+                commands += self.remote_abort(dst, transfer_id, message.reason, now, expected)
+            elif isinstance(message, Release):
                 commands += self.release(dst, expected, message, now)
             else:
                 commands += self.request(dst, expected, message, now)
@@ -181,12 +185,34 @@ class Sender:
         self._maybe_finish(hold)
         return []
 
-    def remote_abort(self, dst: WorkerRef, transfer_id: str, reason: str) -> list[SendCommand]:
-        """D worker `dst` aborted its receive: stop its job (after any write drained); it counts as served."""
-        self._early.pop((transfer_id, dst.worker), None)
+    def remote_abort(
+        self,
+        dst: WorkerRef,
+        transfer_id: str,
+        reason: str,
+        now: float = 0.0,
+        expected: frozenset[Worker] | None = None,
+    ) -> list[SendCommand]:
+        """D worker `dst` aborted its receive: stop its job (after any write drained); it counts as served.
+
+        An abort for a transfer not held yet is kept like an early request, so the hold that comes later counts
+        `dst` as served at once. `expected` is as for `request`; without it an abort before any request cannot tell
+        P which other D workers to wait for.
+        """
+        key = (transfer_id, dst.worker)
         hold = self._holds.get(transfer_id)
         if hold is None:
-            return []
+            self._early.pop(key, None)
+            if transfer_id not in self._closed:
+                abort = Abort(transfer_id=transfer_id, reason=reason or "aborted by D")
+                self._early[key] = (now + self._early_timeout, dst, abort, expected or frozenset())
+            # Nothing was written for a transfer P does not hold: D may end its abort now.
+            return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason or "aborted by D"))]
+        if hold.dst_engine is None and expected is not None:
+            self._check_engine(hold, dst, expected)
+        if hold.dst_engine is not None and hold.dst_engine != (dst.engine_id, dst.incarnation):
+            reason = f"abort of transfer {transfer_id!r} from {dst}, which is not the engine fetching it"
+            return [Reply(dst, ErrorMessage(reason=reason, transfer_id=transfer_id))]
         job = hold.jobs.get(dst.worker)
         if job is None:
             # D gave up before asking: record the D worker as served so the hold can finish.
@@ -201,10 +227,22 @@ class Sender:
     def peer_lost(self, dst: WorkerRef) -> list[SendCommand]:
         """The control connection to `dst` broke: its pending jobs fail; writing ones drain first."""
         commands: list[SendCommand] = []
+        reason = f"control connection to {dst} lost"
         for hold in list(self._holds.values()):
             job = hold.jobs.get(dst.worker)
             if job is not None and hold.refs.get(dst.worker) == dst:
-                commands += self._apply(hold, job, SendEvent.PEER_LOST, f"control connection to {dst} lost")
+                commands += self._apply(hold, job, SendEvent.PEER_LOST, reason)
+            elif (
+                job is None
+                and hold.dst_engine == (dst.engine_id, dst.incarnation)
+                and dst.worker in (hold.expected or ())
+            ):
+                # D's receive fails with the connection, so it will never ask: count it served now, not at expiry.
+                job = SendJob(hold.transfer_id, dst.worker, [], 0)
+                job.state, job.reason = SendState.FAILED, reason
+                hold.jobs[dst.worker] = job
+                hold.refs[dst.worker] = dst
+                self._maybe_finish(hold)
         for key in [k for k, v in self._early.items() if v[1] == dst]:
             del self._early[key]
         return commands
@@ -291,6 +329,12 @@ class Sender:
         outcome = self._outcomes.get(key)
         if outcome is not None:
             return [Reply(dst, outcome)] if isinstance(message, TransferRequest) else []
+        closed = self._closed.get(message.transfer_id)
+        if closed is not None:
+            if isinstance(message, Release):
+                return []
+            reason = f"transfer {message.transfer_id!r} is no longer held by P: {closed}"
+            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
         if key in self._early:
             return []
         if len(self._early) >= self._max_early:
@@ -341,6 +385,9 @@ class Sender:
             return
         del self._holds[hold.transfer_id]
         self._finished.add(hold.req_id)
+        self._closed[hold.transfer_id] = hold.ended or "every D worker that needed it was served"
+        while len(self._closed) > self._remembered:
+            self._closed.popitem(last=False)
         for worker, job in hold.jobs.items():
             outcome: TransferDone | TransferFailed
             if job.state is SendState.DONE:

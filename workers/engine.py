@@ -11,7 +11,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from kvsvc.outputs import KVConnectorOutput
-from workers.executor import BlockAllocator, Executor
+from workers.blocks import BlockAllocator
+from workers.executor import Executor
 from workers.process import AbortRequest, Prefill, Recv, Verify
 from workers.synthetic import VerifyResult
 

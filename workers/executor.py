@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import Final, Self
+from typing import Any, Final, Self
 
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.handshake import merge_handshake_metadata
@@ -28,6 +28,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import ServiceConfig, new_incarnation
 from kvsvc.transport.mooncake import MooncakeConfig
+from workers.blocks import BlockAllocator, NoFreeBlocks
 from workers.kv_pool import engine_shapes
 from workers.process import (
     Command,
@@ -426,7 +427,7 @@ class Executor:
         assert aggregate is not None and aggregate.kv_connector_output is not None
         return aggregate.kv_connector_output
 
-    def statistics(self, timeout_s: float | None = None) -> list[dict[str, object]]:
+    def statistics(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Each worker's service statistics (`dataclasses.asdict` of `ServiceStatistics` plus `holds` and `pid`).
 
         Raises:
@@ -462,47 +463,6 @@ class Executor:
         handle.stopped = False
 
 
-class BlockAllocator:
-    """A free list of an engine's block ids (every worker of an engine uses the same ids for a request)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low ids first, in runs
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        """`count` free block ids.
-
-        Raises:
-            NoFreeBlocks: fewer than `count` are free (nothing is allocated then).
-        """
-        if count > len(self._free):
-            raise NoFreeBlocks(f"{count} blocks wanted, {len(self._free)} of {self.num_blocks} free")
-        ids = [self._free.pop() for _ in range(count)]
-        self._used.update(ids)
-        return ids
-
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Return blocks to the free list.
-
-        Raises:
-            ValueError: a block is not allocated (a double free); nothing is freed then.
-        """
-        stray = [b for b in block_ids if b not in self._used]
-        if stray or len(set(block_ids)) != len(block_ids):
-            raise ValueError(f"blocks {stray or list(block_ids)} are not allocated (double free?)")
-        self._used.difference_update(block_ids)
-        self._free.extend(sorted(block_ids, reverse=True))
-
-
-class NoFreeBlocks(RuntimeError):
-    """The engine's pool has too few free blocks for a request."""
-
-
 def start_all(executors: Sequence[Executor]) -> None:
     """Start several engines, their processes spawned together (torch imports overlap).
 
@@ -518,3 +478,16 @@ def start_all(executors: Sequence[Executor]) -> None:
         for executor in executors:
             executor.close()
         raise
+
+
+__all__ = [
+    "BlockAllocator",
+    "EngineConfig",
+    "Executor",
+    "NoFreeBlocks",
+    "WorkerDied",
+    "WorkerError",
+    "WorkerHandle",
+    "WorkerTimeout",
+    "start_all",
+]

@@ -35,7 +35,7 @@ from kvsvc.errors import (
     TransferError,
     VersionMismatch,
 )
-from kvsvc.layout import block_bytes, layer_bytes
+from kvsvc.layout import block_bytes, is_cross_layer, layer_addrs, pool_regions
 from kvsvc.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -443,7 +443,7 @@ class KVTransferService:
         if old is not None:  # a reconnect, or a restarted D engine: the old connection's jobs are gone
             old.channel.close()
             self._run_send(self._sender.peer_lost(old.ref))
-        self._transport.add_peer(d.transport_addr, self._regions(d))
+        self._transport.add_peer(d.transport_addr, pool_regions(d))
         inbound = _Inbound(ref, d, channel, frozenset(expected_destinations(self._meta, d_engine)))
         self._inbound[key] = inbound
         channel.send(HelloOk(version=PROTOCOL_VERSION, sender=self._meta))
@@ -487,13 +487,17 @@ class KVTransferService:
                 self._check_blocks(inbound.meta, message.block_ids, message.num_tokens, "D")
             except ValueError as exc:
                 inbound.channel.send(TransferFailed(transfer_id=message.transfer_id, reason=str(exc)))
-                self._run_send(self._sender.remote_abort(inbound.ref, message.transfer_id, str(exc)))
+                self._run_send(
+                    self._sender.remote_abort(inbound.ref, message.transfer_id, str(exc), now, inbound.expected)
+                )
                 return
             self._run_send(self._sender.request(inbound.ref, inbound.expected, message, now))
         elif isinstance(message, Release):
             self._run_send(self._sender.release(inbound.ref, inbound.expected, message, now))
         elif isinstance(message, Abort):
-            self._run_send(self._sender.remote_abort(inbound.ref, message.transfer_id, message.reason))
+            self._run_send(
+                self._sender.remote_abort(inbound.ref, message.transfer_id, message.reason, now, inbound.expected)
+            )
         elif isinstance(message, Ping):
             inbound.channel.send(Pong(nonce=message.nonce))
         elif isinstance(message, ErrorMessage):
@@ -553,16 +557,26 @@ class KVTransferService:
     async def _write_layerwise(
         self, peer: str, descriptors: Sequence[tuple[int, int, int]], layers: list[asyncio.Future[None]]
     ) -> int:
-        """Write each layer's descriptors as soon as its compute finished, later layers still computing."""
-        starts = sorted(self._meta.base_addrs)
-        order = {addr: i for i, addr in enumerate(self._meta.base_addrs)}
+        """Write each layer's descriptors as soon as its compute finished, later layers still computing.
+
+        A cross-layer pool puts every layer inside each block, so one descriptor spans layers: it goes once the
+        last layer finished (the layer-wise gain needs per-layer tensors).
+        """
         per_layer: list[list[tuple[int, int, int]]] = [[] for _ in layers]
-        for desc in descriptors:
-            base = starts[bisect_right(starts, desc[0]) - 1]
-            per_layer[order[base]].append(desc)
+        if is_cross_layer(self._meta):
+            per_layer[-1] = list(descriptors)
+        else:
+            addrs = layer_addrs(self._meta)
+            starts = sorted(addrs)
+            order = {addr: i for i, addr in enumerate(addrs)}
+            for desc in descriptors:
+                per_layer[order[starts[bisect_right(starts, desc[0]) - 1]]].append(desc)
 
         async def one(layer: int) -> int:
-            await layers[layer]
+            if is_cross_layer(self._meta):
+                await asyncio.gather(*layers)
+            else:
+                await layers[layer]
             return await self._transport.write(peer, per_layer[layer]) if per_layer[layer] else 0
 
         results = await asyncio.gather(*(one(i) for i in range(len(layers))), return_exceptions=True)
@@ -759,11 +773,6 @@ class KVTransferService:
     @staticmethod
     def _inbound_key(ref: WorkerRef) -> tuple[str, Worker]:
         return (ref.engine_id, ref.worker)
-
-    @staticmethod
-    def _regions(meta: WorkerMetadata) -> list[tuple[int, int]]:
-        size = layer_bytes(meta)
-        return [(addr, size) for addr in meta.base_addrs]
 
     @staticmethod
     def _check_blocks(meta: WorkerMetadata, block_ids: list[int], num_tokens: int, side: str) -> None:

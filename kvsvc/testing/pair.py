@@ -539,7 +539,7 @@ class PeerPair:
             elif isinstance(message, Release):
                 self._run_p(envelope.p, sender.release(ref, expected, message, now))
             elif isinstance(message, Abort):
-                self._run_p(envelope.p, sender.remote_abort(ref, message.transfer_id, message.reason))
+                self._run_p(envelope.p, sender.remote_abort(ref, message.transfer_id, message.reason, now, expected))
             return
         receiver, engine = self.receivers[envelope.d], self.p.engine_id
         if isinstance(message, TransferDone):

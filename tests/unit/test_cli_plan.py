@@ -1,4 +1,4 @@
-"""`kvsvc plan`: defaults work, the JSON line carries the figures, incompatible layouts exit 2 with one line."""
+"""`kvsvc plan`: defaults, the JSON figures, per-side layouts and the cross-layer comparison; bad input exits 2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from kvsvc.cli import main
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.layout import layer_bytes
+from kvsvc.layout import layer_bytes, pool_regions
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
@@ -78,3 +78,51 @@ def test_synthetic_engines_never_overlap() -> None:
     assert len(regions) == 10
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(regions))
     assert [m.end_layer - m.start_layer for _, m in sorted(engine.items())] == [3, 3, 2, 2]
+
+
+def test_cross_layer_pools_on_both_sides_and_the_per_layer_comparison(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--p-tp", "1", "--d-tp", "1", "--d-ids", "contiguous")
+    report = run_json(capsys, *args, "--layout", "HND_CROSS_LAYER")
+    assert report["descriptors"] == 1
+    assert report["per_layer_hnd_descriptors"] == 32
+    assert report["layout"] == "HND_CROSS_LAYER"
+    assert report["bytes"] == 32 * 8 * 2 * 4096 * 128 * 2
+    plain = run_json(capsys, *args)
+    assert plain["per_layer_hnd_descriptors"] is None and plain["layout"] == "HND"
+
+
+def test_layouts_per_side(capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_json(capsys, "--p-layout", "HND_CROSS_LAYER", "--d-tp", "2", "--d-pp", "2", "--tokens", "512")
+    assert report["layout"] == "P HND_CROSS_LAYER, D HND"
+    p, d = report["p"], report["d"]
+    assert isinstance(p, dict) and isinstance(d, dict)
+    assert (p["layout"], d["layout"]) == ("HND_CROSS_LAYER", "HND")
+    assert report["bytes"] == 32 * 8 * 2 * 512 * 128 * 2
+    mla = run_json(capsys, "--mla", "--d-layout", "HND_CROSS_LAYER", "--tokens", "64")
+    assert mla["layout"] == "P MLA, D MLA_CROSS_LAYER"
+
+
+def test_table_adds_the_per_layer_line_only_for_cross_layer_pools(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--d-layout", "HND_CROSS_LAYER", "--tokens", "256"]) == 0
+    assert "Per-layer HND tensors on both sides would need" in capsys.readouterr().out
+    assert main(["plan", "--tokens", "256"]) == 0
+    assert "Per-layer HND" not in capsys.readouterr().out
+
+
+def test_nhd_against_a_cross_layer_pool_with_several_heads_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--p-tp", "2", "--d-tp", "2", "--p-layout", "NHD", "--d-layout", "HND_CROSS_LAYER"]) == 2
+    err = capsys.readouterr().err
+    assert "P layout NHD" in err and "D layout HND_CROSS_LAYER" in err
+
+
+def test_synthetic_cross_layer_engines_have_one_pool_per_worker() -> None:
+    engine = synthetic_engine(
+        "D", pp_size=2, tp_size=2, num_layers=5, num_kv_heads=4, head_size=8, block_size=4, num_blocks=3,
+        layout="HND_CROSS_LAYER",
+    )  # fmt: skip
+    regions = sorted(r for m in engine.values() for r in pool_regions(m))
+    assert len(regions) == 4 and all(len(m.base_addrs) == 1 for m in engine.values())
+    assert all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(regions))
+    assert [size for _, size in regions] == [3 * layer_bytes(engine[(0, 0)])] * 2 + [
+        2 * layer_bytes(engine[(0, 0)])
+    ] * 2

@@ -133,7 +133,7 @@ def test_a_recv_event_missing_from_the_table_raises_naming_state_and_event(state
     assert job.state is state
 
 
-@pytest.mark.parametrize("state", sorted(SEND_TERMINAL, key=lambda s: s.value), ids=lambda s: s.value)
+@pytest.mark.parametrize("state", sorted(SEND_TERMINAL, key=lambda s: s.value), ids=lambda s: str(s.value))
 def test_a_terminal_send_job_never_changes_state(state: SendState) -> None:
     for event in SendEvent:
         job = send_job(state)
@@ -143,7 +143,7 @@ def test_a_terminal_send_job_never_changes_state(state: SendState) -> None:
         assert job.terminal
 
 
-@pytest.mark.parametrize("state", sorted(RECV_TERMINAL, key=lambda s: s.value), ids=lambda s: s.value)
+@pytest.mark.parametrize("state", sorted(RECV_TERMINAL, key=lambda s: s.value), ids=lambda s: str(s.value))
 def test_a_terminal_recv_job_never_changes_state_and_asks_for_nothing(state: RecvState) -> None:
     for event in RecvEvent:
         job = recv_job(state)

@@ -1,11 +1,13 @@
 """Contract tests of `kvsvc.planner` (DESIGN §2, §3): source assignment, coalescing, routing and refusals.
 
-Byte-level correctness of plans lives in test_simulator.py; this file pins the shapes and the errors.
+Byte-level correctness of plans lives in test_simulator.py; this file pins the shapes, the descriptor counts of
+the per-layer and cross-layer layouts, and the errors.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
 import msgspec
@@ -13,7 +15,7 @@ import pytest
 
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.errors import TopologyError
-from kvsvc.layout import block_bytes
+from kvsvc.layout import CROSS_LAYER, block_bytes
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import (
     Descriptor,
@@ -195,3 +197,70 @@ def test_whole_blocks_only_completes_the_current_blocks() -> None:
     assert sum(x.length for x in plan) == 4 * 32 * 2 * 8 * 64 * 2
     exact = plan_transfer(p, d, [0, 1], [0], 20, whole_blocks=False)
     assert sum(x.length for x in exact) == 4 * 20 * 2 * 8 * 64 * 2
+
+
+def test_cross_layer_pools_move_a_run_of_contiguous_blocks_in_one_descriptor() -> None:
+    p, d = one("P", layout=CROSS_LAYER), one("D", layout=CROSS_LAYER)
+    stride = 4 * block_bytes(p)  # one block of the pool: all 4 layers
+    assert plan_transfer(p, d, [4, 5, 6, 7], [10, 11, 12, 13]) == [
+        Descriptor(p.base_addrs[0] + 4 * stride, d.base_addrs[0] + 10 * stride, 4 * stride)
+    ]
+    # A partial last block is completed, so it still merges with the rest.
+    assert len(plan_transfer(p, d, [4, 5, 6, 7], [10, 11, 12, 13], 50)) == 1
+    scattered = plan_transfer(p, d, [0, 1, 2, 3], [7, 8, 2, 5])
+    assert [x.length for x in scattered] == [2 * stride, stride, stride]
+
+
+def test_cross_layer_mla_pools_merge_all_layers_too() -> None:
+    p = one("P", layout=CROSS_LAYER, is_mla=True, num_kv_heads=1, tp_size=2)
+    d = one("D", layout=CROSS_LAYER, is_mla=True, num_kv_heads=1)
+    assert len(plan_transfer(p, d, [0, 1, 2], [3, 4, 5])) == 1
+
+
+def test_cross_layer_pp_change_gives_one_descriptor_per_block_per_overlap() -> None:
+    p = engine("P", layout=CROSS_LAYER, pp_size=2, num_layers=4)
+    d = one("D", layout=CROSS_LAYER, num_layers=4)
+    bb = block_bytes(d)
+    for stage in range(2):
+        plan = plan_transfer(p[(stage, 0)], d, [0, 1, 2], [0, 1, 2])
+        # Each P stage's 2 layers are contiguous inside every block on both sides, but D's blocks interleave
+        # the layers of the other stage.
+        assert [x.length for x in plan] == [2 * bb] * 3
+        assert [x.dst_addr - d.base_addrs[0] for x in plan] == [b * 4 * bb + stage * 2 * bb for b in range(3)]
+
+
+def test_mixed_layouts_merge_within_a_block_of_one_layer_only() -> None:
+    pool, per_layer = one("P", layout=CROSS_LAYER), one("D")
+    plan = plan_transfer(pool, per_layer, [0, 1, 2], [0, 1, 2])
+    assert len(plan) == 4 * 3 and {x.length for x in plan} == {block_bytes(pool)}
+    back = plan_transfer(one("P"), one("D", layout=CROSS_LAYER), [0, 1, 2], [0, 1, 2])
+    assert len(back) == 4 * 3
+
+
+def test_cross_layer_head_split_and_head_order_rules() -> None:
+    plan = plan_transfer(one("P", tp_size=2, layout=CROSS_LAYER), one("D", tp_size=4, layout=CROSS_LAYER), [0], [0])
+    assert len(plan) == 4 * 2  # K and V of each layer, one head range each
+    check_compatible(one("P", tp_size=4), one("D", tp_size=2, layout=CROSS_LAYER))
+    check_compatible(one("P", tp_size=8, layout="NHD"), one("D", tp_size=8, layout=CROSS_LAYER))
+    _refused(one("P", layout="NHD"), one("D", layout=CROSS_LAYER), "P layout NHD", "D layout HND_CROSS_LAYER")
+    _refused(one("P", tp_size=4, layout=CROSS_LAYER), one("D", tp_size=2, layout="NHD"), "D layout NHD", "HND")
+
+
+def test_cross_layer_needs_exactly_one_base_addr_naming_the_side() -> None:
+    pool = one("D", layout=CROSS_LAYER)
+    _refused(one("P"), msgspec.structs.replace(pool, base_addrs=[1, 2]), "D worker", "2 base_addrs", CROSS_LAYER)
+    _refused(msgspec.structs.replace(pool, base_addrs=[]), one("D"), "P worker", "0 base_addrs", CROSS_LAYER)
+    # A per-layer worker publishing one address for its 4 layers is refused too.
+    _refused(one("P"), msgspec.structs.replace(pool, layout="HND"), "D worker", "1 base_addrs for 4 layers")
+
+
+def test_4096_tokens_of_32_cross_layer_layers_plan_to_one_descriptor_per_block_run() -> None:
+    p = one("P", layout=CROSS_LAYER, num_layers=32, num_blocks=512, head_size=128)
+    d = one("D", layout=CROSS_LAYER, num_layers=32, num_blocks=512, head_size=128)
+    scattered = random.Random(0).sample(range(512), 256)
+    assert len(plan_transfer(p, d, range(256), range(256), 4096)) == 1
+    # Planning speed is shown by `kvsvc plan` (it prints the time), never asserted here.
+    plan = plan_transfer(p, d, range(256), scattered, 4096)
+    runs = 1 + sum(1 for a, b in itertools.pairwise(scattered) if b != a + 1)
+    assert len(plan) == runs
+    assert sum(x.length for x in plan) == 4096 * 32 * 2 * 8 * 128 * 2

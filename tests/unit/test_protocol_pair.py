@@ -14,6 +14,7 @@ from kvsvc.messages import Abort, ErrorMessage, Release, TransferDone, TransferF
 from kvsvc.planner import expected_destinations
 from kvsvc.receiver import Receiver
 from kvsvc.sender import Reply, Sender
+from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.pair import EngineSpec, Envelope, PeerPair, Write
 
 LAYOUTS = {
@@ -244,6 +245,18 @@ def test_d_abort_aborts_the_p_job_which_counts_as_served() -> None:
     assert_clean(pair)
 
 
+def test_a_d_abort_that_reaches_p_before_p_holds_still_counts_that_d_worker_as_served() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=1))
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    pair.abort_recv("d-t1")
+    pair.run_until_idle()
+    pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS)
+    pair.run_until_idle()
+    pair.drain()
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+
+
 def test_p_abort_fails_the_receive_on_d() -> None:
     pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=1))
     pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
@@ -397,14 +410,15 @@ def test_any_delivery_order_with_duplicates_and_aborts_ends_clean_with_every_req
     duplicate_rate: float,
     abort_rate: float,
 ) -> None:
-    p = EngineSpec(tp_size=p_shape[0], pp_size=p_shape[1], num_blocks=12)
-    d = EngineSpec(tp_size=d_shape[0], pp_size=d_shape[1], num_blocks=12)
+    p = EngineSpec(tp_size=p_shape[0], pp_size=p_shape[1], num_kv_heads=2, num_blocks=12)  # tp 4 replicates
+    d = EngineSpec(tp_size=d_shape[0], pp_size=d_shape[1], num_kv_heads=2, num_blocks=12)
     pair = PeerPair(p, d)
     pair.duplicate = lambda e: rng.random() < duplicate_rate
     tids = [f"t{i}" for i in range(transfers)]
     actions: list[tuple[str, str]] = [(kind, t) for t in tids for kind in ("send", "recv", "ready")]
     rng.shuffle(actions)
     started: set[tuple[str, str]] = set()
+    aborted: set[str] = set()
     while actions or not pair.idle:
         if actions and (pair.idle or rng.random() < 0.3):
             kind, tid = actions.pop()
@@ -423,6 +437,7 @@ def test_any_delivery_order_with_duplicates_and_aborts_ends_clean_with_every_req
             pair.step(rng)
         if rng.random() < abort_rate:
             tid = rng.choice(tids)
+            aborted.add(tid)
             if rng.random() < 0.5:
                 pair.abort_send(f"p-{tid}")
             else:
@@ -430,6 +445,10 @@ def test_any_delivery_order_with_duplicates_and_aborts_ends_clean_with_every_req
         if rng.random() < 0.1:
             pair.drain()
     pair.run_until_idle(rng)
+    pair.drain()
+    for t in set(tids) - aborted:  # no deadline is needed to finish a transfer nobody aborted
+        assert len(pair.outcomes(f"p-{t}")) == len(pair.senders)
+        assert len(pair.outcomes(f"d-{t}")) == len(pair.receivers)
     pair.advance(600)  # every deadline passes: nothing may be left behind
     pair.run_until_idle(rng)
     pair.drain()
@@ -462,3 +481,13 @@ def test_envelopes_and_writes_name_both_workers() -> None:
     assert requests == {((0, 0), (0, 0)), ((0, 1), (0, 0))}
     assert {w.d for w in writes} == {(0, 0), (0, 1)}
     assert not any(isinstance(e.message, Abort) for e in seen)
+
+
+def test_the_fake_clock_moves_only_forward_and_only_when_told() -> None:
+    clock = FakeClock(5.0)
+    assert (clock(), clock.advance(2.5), clock.set(10.0), clock()) == (5.0, 7.5, 10.0, 10.0)
+    with pytest.raises(ValueError, match="-1"):
+        clock.advance(-1)
+    with pytest.raises(ValueError, match="back"):
+        clock.set(9.0)
+    assert clock.now == 10.0

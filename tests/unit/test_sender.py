@@ -3,8 +3,6 @@ with a fake clock and no event loop (DESIGN §5)."""
 
 from __future__ import annotations
 
-import pytest
-
 from kvsvc.messages import ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest, WorkerRef
 from kvsvc.sender import Reply, SendCommand, Sender, Submit
 from kvsvc.testing.clock import FakeClock
@@ -219,12 +217,20 @@ def test_d_abort_of_a_writing_job_answers_failed_after_the_write_drained() -> No
     assert sender.drain_finished() == {"r1"}
 
 
-def test_d_abort_of_an_early_request_forgets_it() -> None:
+def test_d_abort_of_an_early_request_is_answered_at_once_and_counts_d_as_served_later() -> None:
     sender, clock = make()
     sender.request(D0, ONLY_D0, request(), clock())
-    sender.remote_abort(D0, "t1", "aborted by D")
+    assert replies(sender.remote_abort(D0, "t1", "aborted by D", clock(), ONLY_D0)) == [(D0, TransferFailed)]
+    sender.hold("r1", "t1", [1], 4, clock())
+    assert sender.drain_finished() == {"r1"}
     assert sender.statistics().early_requests == 0
+
+
+def test_a_remembered_early_abort_expires_without_an_answer() -> None:
+    sender, clock = make()
+    sender.remote_abort(D0, "t1", "aborted by D", clock(), ONLY_D0)
     assert sender.expire(clock.advance(10)) == []
+    assert sender.statistics().early_requests == 0
 
 
 def test_a_release_finishes_a_hold_this_p_worker_sources_nothing_for_at_once() -> None:
@@ -304,11 +310,6 @@ def test_statistics_count_what_is_held_and_pending() -> None:
     assert (stats.holds, stats.early_requests, sender.held_blocks()) == (1, 1, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Sender.remote_abort keys the job by (pp, tp) only and never checks the D engine/incarnation, "
-    "so an Abort from another D engine aborts the legitimate D worker's write",
-)
 def test_an_abort_from_another_d_engine_leaves_the_transfer_alone() -> None:
     sender, clock = make()
     sender.hold("r1", "t1", [1], 4, clock())
@@ -320,12 +321,6 @@ def test_an_abort_from_another_d_engine_leaves_the_transfer_alone() -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: after P aborts (or expires) a hold before a D worker asked, that worker's request is parked as "
-    "an early request and answered failed only after early_request_timeout_s, with the misleading reason "
-    "'not held by P'",
-)
 def test_a_request_for_a_transfer_p_already_aborted_is_answered_failed_at_once() -> None:
     sender, clock = make()
     sender.hold("r1", "t1", [1], 4, clock())

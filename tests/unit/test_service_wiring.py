@@ -11,6 +11,7 @@ import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -24,7 +25,6 @@ from kvsvc.messages import (
     Hello,
     HelloRefused,
     Message,
-    TransferFailed,
     TransferRequest,
     WorkerMetadata,
     encode,
@@ -65,7 +65,7 @@ def make_side(engine_id: str, config: ServiceConfig, seed: int) -> Side:
     per_layer = layer_bytes(meta0)
     pool = np.random.default_rng(seed).integers(0, 255, size=LAYERS * per_layer, dtype=np.uint8)
     base = pool.ctypes.data
-    meta = WorkerMetadata(**{**{f: getattr(meta0, f) for f in meta0.__struct_fields__}, "base_addrs": [base + i * per_layer for i in range(LAYERS)]})
+    meta = msgspec.structs.replace(meta0, base_addrs=[base + i * per_layer for i in range(LAYERS)])
     transport = LoopbackTransport()
     transport.register([(base, LAYERS * per_layer)])
     return Side(KVTransferService(meta, transport, config), pool, transport)
