@@ -115,9 +115,9 @@ _recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...
     (R.REQUESTED, RE.DONE): (R.DONE, ()),
     (R.REQUESTED, RE.FAILED): (R.FAILED, ()),
     (R.REQUESTED, RE.PEER_LOST): (R.FAILED, ()),
-    # P may still be writing: tell it to stop. A dead or frozen P writes nothing the engine will read, since the
-    # blocks are reported invalid.
-    (R.REQUESTED, RE.EXPIRE): (R.FAILED, (E.SEND_ABORT,)),
+    # P may still be writing (a frozen P resumes and lands queued descriptors): tell it to stop, and give the
+    # blocks back only once it confirmed or the abort grace passed, as for an abort.
+    (R.REQUESTED, RE.EXPIRE): (R.ABORTING, (E.SEND_ABORT,)),
     (R.REQUESTED, RE.ABORT): (R.ABORTING, (E.SEND_ABORT,)),
     (R.ABORTING, RE.CONNECTED): (R.ABORTING, ()),
     (R.ABORTING, RE.ABORT): (R.ABORTING, ()),
@@ -169,7 +169,7 @@ class SendJob:
             raise LocalProtocolError(
                 f"send job {self.transfer_id!r} -> D{self.dst}: event {event.value} in state {self.state.value}"
             ) from None
-        if reason and next_state is not self.state:
+        if reason and not self.reason and next_state is not self.state:
             self.reason = reason
         self.state = next_state
         return effects
@@ -202,7 +202,7 @@ class RecvJob:
             raise LocalProtocolError(
                 f"recv job {self.transfer_id!r} <- P{self.src}: event {event.value} in state {self.state.value}"
             ) from None
-        if reason and next_state is not self.state:
+        if reason and not self.reason and next_state is not self.state:
             self.reason = reason
         self.state = next_state
         return effects

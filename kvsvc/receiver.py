@@ -167,14 +167,17 @@ class Receiver:
         for recv in list(self._recvs.values()):
             if recv.deadline > now:
                 continue
-            if not recv.aborted:
+            if recv.aborted:
+                reason = f"P workers did not confirm the abort of {recv.transfer_id!r} within {self._abort_grace:g} s"
+            else:
+                # First expiry: abort the sources still asked, and wait (bounded) for them to stop writing.
                 self._counts["expired"] += 1
-            reason = (
-                f"receive of transfer {recv.transfer_id!r} from {recv.engine_id!r} timed out after {self._timeout:g} s"
-            )
+                recv.aborted = True
+                recv.deadline = now + self._abort_grace
+                reason = f"receive of {recv.transfer_id!r} from {recv.engine_id!r} timed out after {self._timeout:g} s"
             for job in list(recv.jobs.values()):
                 commands += self._apply(recv, job, RecvEvent.EXPIRE, reason)
-            if recv.transfer_id in self._recvs:
+            if recv.transfer_id in self._recvs and (not recv.sources_known or recv.deadline <= now):
                 self._end(recv, reason)
         return commands
 

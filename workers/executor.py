@@ -244,6 +244,8 @@ class Executor:
             WorkerError: a worker failed to start (its error), died, or missed `start_timeout_s`; every started
                 child is reaped before it propagates.
         """
+        if self.workers and self.url and all(h.meta is not None for h in self.workers):
+            return self  # started already
         try:
             self.launch()
             self._await_ready()
@@ -259,7 +261,7 @@ class Executor:
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
-        waiting = {h.conn: h for h in self.workers}
+        waiting = {h.conn: h for h in self.workers if h.meta is None}
         while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from kvsvc.layout import check_kv_heads, check_layer_split, even_layer_split, kv_cache_shape, layer_bytes
+from kvsvc.layout import (
+    LAYOUTS,
+    check_kv_heads,
+    check_layer_split,
+    dtype_size,
+    even_layer_split,
+    kv_cache_shape,
+    layer_bytes,
+)
 from kvsvc.messages import WorkerMetadata
 
 
@@ -52,10 +60,13 @@ def engine_shapes(
     """The shapes of an engine's `pp_size * tp_size` workers, indexed `pp_rank * tp_size + tp_rank`.
 
     Raises:
-        ValueError: the layer split does not tile `[0, num_layers)` over `pp_size` stages.
-        TopologyError: `num_kv_heads` and `tp_size` do not divide evenly.
+        ValueError: the layer split does not tile `[0, num_layers)` over `pp_size` stages, or an unknown layout.
+        TopologyError: `num_kv_heads` and `tp_size` do not divide evenly, or an unknown dtype.
     """
     check_kv_heads(num_kv_heads, tp_size, engine_id)
+    dtype_size(dtype)
+    if layout not in LAYOUTS:
+        raise ValueError(f"engine {engine_id}: KV layout {layout!r} is not one of {LAYOUTS}")
     split = layer_split if layer_split is not None else even_layer_split(num_layers, pp_size)
     if len(split) != pp_size:
         raise ValueError(f"layer split {split} has {len(split)} stages, pp_size is {pp_size}")

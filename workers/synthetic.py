@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import torch
 
 from kvsvc.layout import heads_of_rank
 from kvsvc.messages import WorkerMetadata
+from kvsvc.streams import completion_future, record_event
 
 _MASK31: Final = (1 << 31) - 1
 # A row's code is head_code + token_code, each in [0, _CODES): a row written to the wrong (layer, half, head, token)
@@ -219,27 +219,13 @@ def verify(
     return VerifyResult(ok=mismatches == 0, checked=checked, mismatches=mismatches, first=first)
 
 
-def ready_after_fill(device: torch.device) -> Awaitable[None] | None:
-    """The completion future of the KV just written on `device`: None on the CPU (the data is there already).
+def ready_after_fill(device: torch.device) -> asyncio.Future[None] | None:
+    """The completion future of the KV just written on `device`: None on the CPU (the data is there already), on
+    CUDA a future of an event recorded on the current stream (`kvsvc.streams`). Call it on the loop that awaits it.
 
-    On CUDA it records an event on the current stream; uses `kvsvc.streams` when that module exists, else polls
-    the event from the running loop. Must be called on the event loop that awaits the result.
+    Raises:
+        RuntimeError: no running event loop (CUDA only); whatever torch raises when recording fails.
     """
     if device.type != "cuda":
         return None
-    try:
-        streams: Any = importlib.import_module("kvsvc.streams")
-    except ImportError:
-        streams = None
-    if streams is not None and hasattr(streams, "record_event") and hasattr(streams, "completion_future"):
-        future: Awaitable[None] = streams.completion_future(streams.record_event())
-        return future
-    event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
-    return _poll_event(event)
-
-
-async def _poll_event(event: Any) -> None:
-    # Polled, not awaited on a thread: cudaEventSynchronize would spin a core per pending request.
-    while not event.query():  # noqa: ASYNC110 - a CUDA event cannot set an asyncio.Event by itself
-        await asyncio.sleep(0.0005)
+    return completion_future(record_event())

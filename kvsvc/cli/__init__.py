@@ -1,8 +1,10 @@
-"""The `kvsvc` command: one subcommand per module in this package.
+"""The `kvsvc` command: one subcommand per module, built in or plugged in.
 
-Each subcommand module exposes `register(subparsers)`, which adds its parser and sets `func` to a callable taking
-the parsed namespace and returning an exit code. Heavy imports (torch, mooncake) happen inside `func`, so
-`kvsvc --help` stays fast.
+Built-in subcommands (`plan`) live in this package; commands that need the standalone engine runtime (`demo`,
+`serve`, `bench`, `chaos`) live in `workers.commands` and plug in through the `kvsvc.commands` entry-point group,
+so `kvsvc` never imports `workers`. Each module exposes `register(subparsers)`, which adds its parser and sets
+`func` to a callable taking the parsed namespace and returning an exit code. Heavy imports (torch, mooncake)
+happen inside `func`, so `kvsvc --help` stays fast.
 """
 
 from __future__ import annotations
@@ -10,17 +12,27 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 from kvsvc.cli import plan
 
-_SUBCOMMANDS = [plan]
+_BUILTIN = [plan]
+ENTRY_POINT_GROUP = "kvsvc.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsvc", description="KV-cache transfer service for disaggregated serving")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in _SUBCOMMANDS:
+    for module in _BUILTIN:
         module.register(subparsers)
+    for entry in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            register = entry.load()
+        except ImportError as exc:
+            # A broken plug-in must not take the built-in commands down with it.
+            print(f"kvsvc: command {entry.name!r} unavailable: {exc}", file=sys.stderr)
+            continue
+        register(subparsers)
     return parser
 
 

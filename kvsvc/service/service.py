@@ -412,6 +412,9 @@ class KVTransferService:
                 channel.send(ErrorMessage(reason=str(exc)))
         except PeerLost:
             pass
+        except asyncio.CancelledError:
+            # Only `close` cancels a handler; returning (not re-raising) keeps asyncio's stream callback quiet.
+            pass
         finally:
             if inbound is not None and self._inbound.get(self._inbound_key(inbound.ref)) is inbound:
                 del self._inbound[self._inbound_key(inbound.ref)]

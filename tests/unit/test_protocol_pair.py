@@ -278,6 +278,11 @@ def test_a_receive_whose_p_never_answers_times_out_failed_with_all_its_blocks_in
     pair.advance(60)
     pair.run_until_idle()
     entries = pair.drain()
+    # P was told to stop and ends its hold; D waits for P's answer (held back here), bounded by the abort grace.
+    assert [e.side for e in entries] == ["P"]
+    pair.advance(35)
+    pair.run_until_idle()
+    entries = pair.drain()
     assert {e.outcome for e in entries if e.side == "D"} == {"failed"}
     assert all("timed out" in e.reason for e in entries if e.side == "D")
     assert pair.violations == []  # the harness checked invalid_block_ids covered every block

@@ -93,6 +93,8 @@ def test_a_receive_times_out_failed_with_all_its_blocks_invalid_and_tells_p_to_s
     assert receiver.expire(clock.advance(59.9)) == []
     out = receiver.expire(clock.advance(0.1))
     assert kinds(out) == [(P1, Abort)]
+    assert receiver.drain().failed == set()  # until P1 confirms or the abort grace (30 s) passed
+    receiver.expire(clock.advance(30))
     report = receiver.drain()
     assert report.failed == {"r1"} and report.invalid_block_ids == set(BLOCKS)
     assert "timed out" in report.reasons["r1"]
@@ -197,3 +199,24 @@ def test_statistics_count_receives_by_state() -> None:
     receiver, _, _ = started(connected={P0})
     stats = receiver.statistics()
     assert (stats.receives, stats.jobs_by_state) == (1, {"requested": 1, "pending": 1})
+
+
+def test_a_timed_out_receive_keeps_its_blocks_until_the_sources_confirm_they_stopped() -> None:
+    receiver, clock, _ = started()
+    out = receiver.expire(clock.advance(60))
+    assert sorted(kinds(out)) == [(P0, Abort), (P1, Abort)]
+    assert receiver.drain().failed == set()  # a frozen P could still land bytes in these blocks
+    receiver.answer("P", P0, "t1", "aborted by D")
+    receiver.answer("P", P1, "t1", None)
+    report = receiver.drain()
+    assert report.failed == {"r1"} and report.invalid_block_ids == set(BLOCKS)
+    assert "timed out after 60 s" in report.reasons["r1"]
+
+
+def test_a_timed_out_receive_whose_sources_never_confirm_ends_after_the_abort_grace() -> None:
+    receiver, clock, _ = started()
+    receiver.expire(clock.advance(60))
+    assert receiver.expire(clock.advance(29)) == [] and receiver.drain().failed == set()
+    receiver.expire(clock.advance(1))
+    assert receiver.drain().failed == {"r1"}
+    assert receiver.statistics().expired == 1

@@ -7,7 +7,7 @@ import torch
 
 from kvsvc.layout import heads_of_rank
 from workers.kv_pool import KVPool, WorkerShape, engine_shapes
-from workers.synthetic import expected_kv, fill, verify
+from workers.synthetic import expected_kv, fill, ready_after_fill, verify
 
 
 def _pool(tp_rank: int = 0, tp_size: int = 1, layout: str = "HND", dtype: str = "bfloat16", bs: int = 4) -> KVPool:
@@ -117,3 +117,7 @@ def test_worker_shapes_follow_the_engine_split() -> None:
         (1, 1, 3, 5),
     ]
     assert isinstance(shapes[0], WorkerShape)
+
+
+def test_kv_written_on_the_cpu_is_ready_at_once() -> None:
+    assert ready_after_fill(torch.device("cpu")) is None
