@@ -110,7 +110,8 @@ _recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...
     (R.PENDING, RE.HANDSHAKE_FAILED): (R.FAILED, ()),
     (R.PENDING, RE.PEER_LOST): (R.FAILED, ()),
     (R.PENDING, RE.EXPIRE): (R.FAILED, ()),
-    (R.PENDING, RE.ABORT): (R.ABORTED, ()),
+    # Not asked yet, so nothing can be written; the abort still reaches P once connected, to free its hold early.
+    (R.PENDING, RE.ABORT): (R.ABORTED, (E.SEND_ABORT,)),
     (R.REQUESTED, RE.CONNECTED): (R.REQUESTED, ()),
     (R.REQUESTED, RE.DONE): (R.DONE, ()),
     (R.REQUESTED, RE.FAILED): (R.FAILED, ()),

@@ -111,7 +111,11 @@ class Receiver:
         recv.sources_known = True
         commands = [SendToSource(recv.engine_id, src, Release(transfer_id=transfer_id)) for src in releases]
         if recv.aborted:
-            self._end(recv, "aborted by D before the handshake completed")
+            # Nothing was asked yet, so nothing can be written; still tell the sources, so a P that holds the
+            # transfer later frees it at once instead of at its hold expiry.
+            abort = Abort(transfer_id=transfer_id, reason="aborted by D before the handshake completed")
+            commands += [SendToSource(recv.engine_id, src, abort) for src in sources]
+            self._end(recv, abort.reason)
             return commands
         for src in sources:
             recv.jobs[src] = RecvJob(transfer_id, src)

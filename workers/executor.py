@@ -22,7 +22,9 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Any, Final, Self
 
-from kvsvc.engine.bootstrap import BootstrapServer
+from aiohttp import web
+
+from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata
 from kvsvc.handshake import merge_handshake_metadata
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
@@ -106,12 +108,15 @@ class WorkerHandle:
 class _BootstrapThread:
     """The engine's handshake endpoint, served from a private event loop thread of the parent process."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, app: web.Application | None = None) -> None:
         self._host, self._port = host, port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bootstrap", daemon=True)
         self._thread.start()
         self._server: BootstrapServer | None = None
+        # `app` (e.g. the admin app, which carries the handshake route): bound once, metadata published in place.
+        self._app = app
+        self._runner: web.AppRunner | None = None
         self.url = ""
 
     def serve(self, metas: dict[tuple[int, int], WorkerMetadata], timeout_s: float) -> str:
@@ -122,6 +127,18 @@ class _BootstrapThread:
         """
 
         async def swap() -> str:
+            if self._app is not None:
+                publish_metadata(self._app, metas)
+                if self._runner is None:
+                    runner = web.AppRunner(self._app, access_log=None)
+                    await runner.setup()
+                    try:
+                        await web.TCPSite(runner, self._host, self._port).start()
+                    except BaseException:
+                        await runner.cleanup()
+                        raise
+                    self._runner, self._port = runner, int(runner.addresses[0][1])
+                return f"http://{self._host}:{self._port}"
             # A new server per publication: aiohttp apps must not change after they started.
             if self._server is not None:
                 await self._server.close()
@@ -135,6 +152,8 @@ class _BootstrapThread:
 
     def withdraw(self, timeout_s: float) -> None:
         """Stop serving (a restarting engine must not hand out its old incarnation)."""
+        if self._app is not None:
+            self._app[METADATA_KEY].clear()  # the handshake route answers 503 until the next `serve`
         if self._server is not None:
             server, self._server = self._server, None
             with contextlib.suppress(Exception):
@@ -142,6 +161,10 @@ class _BootstrapThread:
 
     def close(self, timeout_s: float) -> None:
         self.withdraw(timeout_s)
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(runner.cleanup(), self._loop).result(timeout_s)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
@@ -177,6 +200,7 @@ class Executor:
         self.incarnation = ""
         self._seq = 0
         self._bootstrap: _BootstrapThread | None = None
+        self._app: web.Application | None = None
         self._aggregator = KVOutputAggregator(self.num_workers)
         self._output_rank = self.index_of(config.pp_size - 1, 0)
 
@@ -194,6 +218,19 @@ class Executor:
     def url(self) -> str:
         """The bootstrap endpoint remote engines fetch this engine's metadata from (empty before `start`)."""
         return self._bootstrap.url if self._bootstrap is not None else ""
+
+    def serve_app(self, app: web.Application) -> None:
+        """Serve `app` on the bootstrap address instead of a bare handshake server: one port for the handshake
+        endpoint and whatever else `app` routes (the admin endpoints of `kvsvc.engine.admin.build_admin_app`).
+        `app` must carry the handshake route (`bootstrap.add_metadata_route`); it is bound once, the metadata is
+        published into it, and its handlers run on the bootstrap thread's event loop. Call before `start`.
+
+        Raises:
+            RuntimeError: the engine serves its endpoint already.
+        """
+        if self._bootstrap is not None:
+            raise RuntimeError(f"{self.engine_id}: serve_app must come before start (the endpoint is serving)")
+        self._app = app
 
     def index_of(self, pp_rank: int, tp_rank: int) -> int:
         return pp_rank * self.config.tp_size + tp_rank
@@ -252,7 +289,7 @@ class Executor:
             self.metas = merge_handshake_metadata({h.worker: h.meta} for h in self.workers if h.meta is not None)
             self.broadcast(SetEngineMetadata(self.metas))
             if self._bootstrap is None:
-                self._bootstrap = _BootstrapThread(self.config.bootstrap_host, self.config.bootstrap_port)
+                self._bootstrap = _BootstrapThread(self.config.bootstrap_host, self.config.bootstrap_port, self._app)
             self._bootstrap.serve(self.metas, self.config.call_timeout_s)
         except BaseException:
             self.close()

@@ -1,8 +1,11 @@
-"""One worker's KV pool: a torch tensor per local layer, HND `(num_blocks, 2, H_local, block_size, head_size)`.
+"""One worker's KV pool: a torch tensor per local layer, HND `(num_blocks, 2, H_local, block_size, head_size)` or NHD,
+or one cross-layer pool `(num_blocks, local_layers, 2, H_local, block_size, head_size)` (`HND_CROSS_LAYER`).
 
 Imports torch and the pure core (`kvsvc.layout`, `kvsvc.messages`) only. Invariants: the layers are views of one
 contiguous buffer whenever it can be allocated, so the transport registers a single region; `base_addrs` of the
 pool's `WorkerMetadata` are the layers' `data_ptr()`s in layer order, and each layer's size is `layer_bytes(meta)`.
+The cross-layer pool is always one buffer, `base_addrs` holds its start, and `layers` are strided per-layer views
+(HND order inside a block), so the synthetic model fills and checks it like an HND pool.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import msgspec
 import torch
 
 from kvsvc.layout import (
+    CROSS_LAYER,
     LAYOUTS,
     check_kv_heads,
     check_layer_split,
@@ -111,12 +115,12 @@ class KVPool:
         """Allocate the pool (zeroed).
 
         Raises:
-            ValueError: unknown dtype or layout (only HND and NHD pools exist here), or an empty layer range.
+            ValueError: unknown dtype or layout, or an empty layer range.
             TopologyError: the heads do not divide over tp.
             torch.OutOfMemoryError / RuntimeError: not even one layer fits.
         """
-        if shape.layout not in ("HND", "NHD"):
-            raise ValueError(f"KVPool holds HND or NHD layers, not {shape.layout!r}")
+        if shape.layout not in LAYOUTS:
+            raise ValueError(f"KVPool holds one of the layouts {LAYOUTS}, not {shape.layout!r}")
         if shape.end_layer <= shape.start_layer:
             raise ValueError(f"worker holds no layers: [{shape.start_layer}, {shape.end_layer})")
         self.shape = shape
@@ -142,6 +146,12 @@ class KVPool:
         layer_shape = kv_cache_shape(draft)
         num_layers = shape.end_layer - shape.start_layer
         self.buffer: torch.Tensor | None
+        if shape.layout == CROSS_LAYER:
+            # One tensor with every local layer inside each block: there is no per-layer fallback.
+            self.buffer = torch.zeros(layer_shape, dtype=dtype, device=device)
+            self.layers = list(self.buffer.unbind(1))
+            self.meta = msgspec.structs.replace(draft, base_addrs=[self.buffer.data_ptr()])
+            return
         try:
             self.buffer = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=device)
             self.layers: list[torch.Tensor] = list(self.buffer.unbind(0))
@@ -167,4 +177,4 @@ class KVPool:
     def hnd(self, local_layer: int) -> torch.Tensor:
         """Layer `local_layer` as an HND view `(num_blocks, 2, H_local, block_size, head_size)`, whatever the layout."""
         layer = self.layers[local_layer]
-        return layer if self.shape.layout == "HND" else layer.transpose(2, 3)
+        return layer.transpose(2, 3) if self.shape.layout == "NHD" else layer

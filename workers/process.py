@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Final
@@ -102,7 +103,36 @@ class Shutdown:
     pass
 
 
-Command = SetEngineMetadata | Prefill | Recv | AbortRequest | GetFinished | Verify | Statistics | Shutdown
+@dataclass(frozen=True, slots=True)
+class Peers:
+    """The service's `peers()` rows (admin endpoint)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetEngine:
+    """`forget_engine(engine_id)` on the service: drop what it cached about a remote engine."""
+
+    engine_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Transfers:
+    """Rows of the requests this worker started (`Prefill`/`Recv`) and has not reported finished yet."""
+
+
+Command = (
+    SetEngineMetadata
+    | Prefill
+    | Recv
+    | AbortRequest
+    | GetFinished
+    | Verify
+    | Statistics
+    | Shutdown
+    | Peers
+    | ForgetEngine
+    | Transfers
+)
 
 
 # -- answers (worker to parent) -------------------------------------------------------------------------------
@@ -128,7 +158,7 @@ class Reply:
     error: str | None = None
 
 
-Result = KVConnectorOutput | VerifyResult | dict[str, object] | None
+Result = KVConnectorOutput | VerifyResult | dict[str, object] | list[dict[str, object]] | None
 
 
 class WorkerRuntime:
@@ -139,6 +169,8 @@ class WorkerRuntime:
         self.pool = pool
         self.service = service
         self.stopping: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        # req_id -> (direction, transfer_id, started): what `Transfers` lists; dropped once `get_finished` reports it.
+        self.in_flight: dict[str, tuple[str, str, float]] = {}
 
     def handle(self, command: Command) -> Result:
         """Carry out one command (except `Shutdown`, which the reader handles).
@@ -148,11 +180,15 @@ class WorkerRuntime:
         """
         service = self.service
         if isinstance(command, GetFinished):
-            return service.get_finished()
+            output = service.get_finished()
+            for req_id in (output.finished_sending or set()) | (output.finished_recving or set()):
+                self.in_flight.pop(req_id, None)
+            return output
         if isinstance(command, Prefill):
             fill(self.pool.layers, self.pool.meta, command.seed, command.block_ids, command.num_tokens)
             ready = ready_after_fill(self.pool.device)
             service.start_send(command.req_id, command.transfer_id, command.block_ids, command.num_tokens, ready)
+            self.in_flight[command.req_id] = ("send", command.transfer_id, time.monotonic())
             return None
         if isinstance(command, Recv):
             service.start_recv(
@@ -163,6 +199,7 @@ class WorkerRuntime:
                 command.block_ids,
                 command.num_tokens,
             )
+            self.in_flight[command.req_id] = ("recv", command.transfer_id, time.monotonic())
             return None
         if isinstance(command, AbortRequest):
             service.abort(command.req_id)
@@ -174,6 +211,17 @@ class WorkerRuntime:
         if isinstance(command, SetEngineMetadata):
             service.set_engine_metadata(command.metas)
             return None
+        if isinstance(command, Peers):
+            return service.peers()
+        if isinstance(command, ForgetEngine):
+            service.forget_engine(command.engine_id)
+            return None
+        if isinstance(command, Transfers):
+            now = time.monotonic()
+            return [
+                {"req_id": req_id, "transfer_id": tid, "direction": direction, "age_s": round(now - started, 3)}
+                for req_id, (direction, tid, started) in self.in_flight.items()
+            ]
         raise TypeError(f"unknown worker command {type(command).__name__}")
 
     def statistics(self) -> dict[str, object]:

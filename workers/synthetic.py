@@ -16,7 +16,7 @@ from typing import Final
 
 import torch
 
-from kvsvc.layout import heads_of_rank
+from kvsvc.layout import CROSS_LAYER, heads_of_rank
 from kvsvc.messages import WorkerMetadata
 from kvsvc.streams import completion_future, record_event
 
@@ -92,9 +92,12 @@ def expected_kv(
 
 
 def _hnd(layer: torch.Tensor, meta: WorkerMetadata) -> torch.Tensor:
-    if meta.is_mla or meta.layout not in ("HND", "NHD"):
-        raise ValueError(f"the synthetic model writes HND or NHD KV, not layout {meta.layout!r} (is_mla={meta.is_mla})")
-    return layer if meta.layout == "HND" else layer.transpose(2, 3)
+    """One layer as an HND view; a layer of the cross-layer pool is a strided view that is HND inside a block."""
+    if meta.is_mla or meta.layout not in ("HND", "NHD", CROSS_LAYER):
+        raise ValueError(
+            f"the synthetic model writes HND, NHD or {CROSS_LAYER} KV, not layout {meta.layout!r} (is_mla={meta.is_mla})"
+        )
+    return layer.transpose(2, 3) if meta.layout == "NHD" else layer
 
 
 def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -143,7 +146,7 @@ def fill(
 
     Raises:
         ValueError: layers and metadata disagree, the blocks cannot hold the tokens (or repeat one), or the layout
-            is not HND/NHD.
+            is not HND, NHD or the cross-layer pool.
     """
     ids = _check_request(layers, meta, block_ids, num_tokens)
     if not ids:
@@ -174,7 +177,7 @@ def verify(
 
     Raises:
         ValueError: layers and metadata disagree, the blocks cannot hold the tokens (or repeat one), or the layout
-            is not HND/NHD.
+            is not HND, NHD or the cross-layer pool.
     """
     ids = _check_request(layers, meta, block_ids, num_tokens)
     if not ids:

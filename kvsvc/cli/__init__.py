@@ -29,11 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             register = entry.load()
         except ImportError as exc:
-            # A broken plug-in must not take the built-in commands down with it.
-            print(f"kvsvc: command {entry.name!r} unavailable: {exc}", file=sys.stderr)
+            # A broken plug-in must not take the other commands down with it: it explains itself when run.
+            _register_unavailable(subparsers, entry.name, f"{type(exc).__name__}: {exc}")
             continue
         register(subparsers)
     return parser
+
+
+def _register_unavailable(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, why: str) -> None:
+    parser = subparsers.add_parser(name, help=f"(unavailable: {why})", add_help=False)
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def fail(_: argparse.Namespace) -> int:
+        print(f"kvsvc {name}: unavailable: {why}", file=sys.stderr)
+        return 2
+
+    parser.set_defaults(func=fail)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

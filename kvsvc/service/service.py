@@ -170,6 +170,7 @@ class KVTransferService:
         self._server: asyncio.Server | None = None
         self._http: aiohttp.ClientSession | None = None
         self._wake = asyncio.Event()
+        self._reports = asyncio.Event()  # set when `get_finished` may have something new
         self._deadline_task: asyncio.Task[None] | None = None
         self._closing = False
         self._counts = {"bytes": 0, "descriptors": 0, "transfers": 0, "write_failures": 0, "protocol_errors": 0}
@@ -307,6 +308,7 @@ class KVTransferService:
 
     def get_finished(self) -> KVConnectorOutput:
         """Drain what ended since the last call: each req_id appears exactly once over the service's life."""
+        self._reports.clear()
         sent = self._sender.drain_finished()
         for transfer_id in [t for t in self._layer_ready if not self._sender.holds(t)]:
             del self._layer_ready[transfer_id]
@@ -323,12 +325,20 @@ class KVTransferService:
             kv_connector_stats={k: v for k, v in deltas.items() if v} or None,
         )
 
+    async def wait_for_reports(self, timeout_s: float | None = None) -> None:
+        """Return once `get_finished` may have something new since its last call (an answer from P, a write that
+        ended, a deadline), or after `timeout_s`; wake-ups may be spurious. Lets an embedder wake on completions
+        instead of polling."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._reports.wait(), timeout_s)
+
     def check_deadlines(self) -> None:
         """Apply every deadline that passed by the clock now (the timer does this by itself; tests with a fake
         clock call it)."""
         now = self._clock()
         self._run_send(self._sender.expire(now))
         self._run_recv(self._receiver.expire(now))
+        self._reports.set()
 
     def statistics(self) -> ServiceStatistics:
         return ServiceStatistics(
@@ -556,6 +566,7 @@ class KVTransferService:
             self._counts["descriptors"] += ndesc
             self._counts["transfers"] += 1
         self._run_send(self._sender.write_result(command.transfer_id, command.dst.worker, error, nbytes, ndesc))
+        self._reports.set()
 
     async def _write_layerwise(
         self, peer: str, descriptors: Sequence[tuple[int, int, int]], layers: list[asyncio.Future[None]]
@@ -608,13 +619,15 @@ class KVTransferService:
         except (HandshakeError, TopologyError) as exc:
             self._remotes.pop(engine_id, None)
             self._receiver.engine_failed(engine_id, str(exc))
+            self._reports.set()
             return
+        # Peers first: commands for a peer without a connection wait in its outbox (Releases, early Aborts).
+        for worker in sorted({*sources, *releases}):
+            self._ensure_outbound(p_engine[worker])
         connected = {
             src for src in sources if (peer := self._outbound.get((engine_id, src))) and peer.channel is not None
         }
         self._run_recv(self._receiver.sources_known(transfer_id, sources, releases, connected))
-        for worker in {*sources, *releases}:
-            self._ensure_outbound(p_engine[worker])
 
     async def _remote_engine(self, engine_id: str, url: str) -> EngineMetadata:
         remote = self._remotes.get(engine_id)
@@ -675,6 +688,7 @@ class KVTransferService:
                 # A lost connection may mean a restart: fetch the engine's metadata again next time.
                 self._remotes.pop(engine_id, None)
             self._receiver.peer_lost(engine_id, src, peer.last_error or f"connection to {peer.ref} closed")
+            self._reports.set()
             if channel is not None:
                 await channel.wait_closed()
 
@@ -722,6 +736,7 @@ class KVTransferService:
 
     def _on_p_message(self, peer: _Outbound, message: Message) -> None:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
+        self._reports.set()
         if isinstance(message, TransferDone | TransferFailed):
             error = message.reason if isinstance(message, TransferFailed) else None
             if not self._receiver.answer(engine_id, src, message.transfer_id, error):
@@ -754,6 +769,7 @@ class KVTransferService:
             peer.task.cancel()
         self._outbound.pop((peer.ref.engine_id, peer.ref.worker), None)
         self._receiver.peer_lost(peer.ref.engine_id, peer.ref.worker, reason)
+        self._reports.set()
 
     # -- helpers -----------------------------------------------------------------------------------------------
 

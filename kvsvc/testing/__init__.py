@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from kvsvc.testing.clock import FakeClock
-from kvsvc.testing.pair import EngineSpec, PeerPair
+from kvsvc.testing.pair import PeerPair
+from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
 
-__all__ = ["EngineSpec", "FakeClock", "PeerPair"]
+__all__ = ["EngineSpec", "FakeClock", "PeerPair", "SimEngine", "kv_pattern"]

@@ -1,3 +1,62 @@
-"""pytest plugin entry point of `kvsvc.testing` (registered under the `pytest11` entry point)."""
+"""pytest plugin of `kvsvc.testing`, loaded automatically (the `pytest11` entry point) wherever kvsvc is installed.
+
+Fixtures:
+- `fake_clock`: a `FakeClock` at 0, for `KVTransferService(clock=...)` or `Sender`/`Receiver` `now` values.
+- `peer_pair`: a factory `peer_pair(p_spec, d_spec, **kwargs) -> PeerPair`: protocol objects back to back.
+- `loopback_engines`: an async factory `await loopback_engines(prefill_spec, decode_spec, config=...,
+  transport="mooncake")` returning started `(P, D)` `LoopbackEngine`s on real Mooncake; all are closed at teardown.
+"""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
+
+import pytest
+import pytest_asyncio
+
+from kvsvc.service import ServiceConfig
+from kvsvc.testing.clock import FakeClock
+from kvsvc.testing.pair import PeerPair
+from kvsvc.testing.sim import EngineSpec
+
+LoopbackFactory = Callable[..., Awaitable[tuple[Any, Any]]]
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def peer_pair() -> Callable[..., PeerPair]:
+    def make(p: EngineSpec | None = None, d: EngineSpec | None = None, **kwargs: Any) -> PeerPair:
+        return PeerPair(p or EngineSpec(), d or EngineSpec(), **kwargs)
+
+    return make
+
+
+@pytest_asyncio.fixture
+async def loopback_engines() -> AsyncIterator[LoopbackFactory]:
+    from kvsvc.testing.engines import LoopbackEngine
+
+    started: list[LoopbackEngine] = []
+
+    async def make(
+        prefill: EngineSpec | None = None,
+        decode: EngineSpec | None = None,
+        *,
+        config: ServiceConfig | None = None,
+        transport: Literal["mooncake", "fake"] = "mooncake",
+    ) -> tuple[LoopbackEngine, LoopbackEngine]:
+        p = LoopbackEngine("prefill", prefill or EngineSpec(), config=config, transport=transport)
+        started.append(p)
+        await p.start()
+        d = LoopbackEngine("decode", decode or EngineSpec(), config=config, transport=transport)
+        started.append(d)
+        await d.start()
+        return p, d
+
+    yield make
+    for engine in reversed(started):
+        await engine.close()

@@ -209,6 +209,13 @@ class MooncakeTransport:
     def session_id(self) -> str:
         return self._session_id
 
+    @property
+    def native_engine(self) -> Any:
+        """The underlying `mooncake.engine.TransferEngine` (None after `close`), for benchmarks and diagnostics that
+        measure the engine itself; nothing in kvsvc writes through it, and a caller must not while writes are in
+        flight."""
+        return self._engine
+
     # -- registration and peers -----------------------------------------------------------------------------------
 
     def register(self, regions: Sequence[Region]) -> None:

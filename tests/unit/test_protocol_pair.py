@@ -15,7 +15,8 @@ from kvsvc.planner import expected_destinations
 from kvsvc.receiver import Receiver
 from kvsvc.sender import Reply, Sender
 from kvsvc.testing.clock import FakeClock
-from kvsvc.testing.pair import EngineSpec, Envelope, PeerPair, Write
+from kvsvc.testing.pair import Envelope, PeerPair, Write
+from kvsvc.testing.sim import EngineSpec
 
 LAYOUTS = {
     "P tp1 -> D tp2": (EngineSpec(tp_size=1), EngineSpec(tp_size=2)),

@@ -134,10 +134,11 @@ def test_d_abort_ends_after_the_grace_when_p_never_confirms() -> None:
     assert receiver.statistics().expired == 0
 
 
-def test_d_abort_of_a_receive_whose_sources_are_not_connected_ends_at_once() -> None:
+def test_d_abort_of_a_receive_whose_sources_are_not_connected_ends_at_once_and_still_tells_them() -> None:
     receiver, clock, out = started(connected=set())
     assert out == []
-    assert receiver.abort("r1", clock()) == []
+    # Queued until connected: nothing was asked, but a P that holds the transfer can free it at once.
+    assert kinds(receiver.abort("r1", clock())) == [(P0, Abort), (P1, Abort)]
     assert receiver.drain().failed == {"r1"}
 
 
@@ -146,7 +147,7 @@ def test_d_abort_before_the_handshake_ends_the_receive_when_the_sources_are_know
     receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
     receiver.abort("r1", clock())
     assert receiver.drain().failed == set()
-    assert receiver.sources_known("t1", [P0], [], {P0}) == []
+    assert kinds(receiver.sources_known("t1", [P0], [], {P0})) == [(P0, Abort)]
     assert receiver.drain().failed == {"r1"}
 
 

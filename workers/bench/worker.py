@@ -1,0 +1,273 @@
+"""The worker-process half of `kvsvc bench`: commands a worker runs for the benchmark, and their handlers.
+
+Imports `kvsvc` (the service and the Mooncake transport), `workers.kv_pool` and `workers.synthetic`, never
+`workers.process` (which dispatches to `handle_bench`). Invariants: baselines (raw Mooncake, the peers' way) run on
+the worker's own Mooncake engine and registered pool, so they move the very bytes kvsvc moves, and only while
+kvsvc has nothing in flight; every timing is taken inside the worker with `time.perf_counter` (span) or
+`time.monotonic` (instants compared across processes: CLOCK_MONOTONIC is system-wide on Linux); CPU time is the
+whole process's (`time.process_time`), Mooncake's threads included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from kvsvc.service import KVTransferService
+from kvsvc.transport.mooncake import MooncakeTransport
+from workers.kv_pool import KVPool
+from workers.synthetic import fill
+
+Desc = tuple[int, int, int]
+# (req_id, transfer_id, block ids, num_tokens, seed)
+BenchRequest = tuple[str, str, list[int], int, int]
+PEER_THREADS: Final = 10  # vLLM's MooncakeConnector sends from a pool of 10 threads
+_RAW_POLL_SLEEP_S: Final = 20e-6  # the raw poller's nap between status checks of a still-running descriptor
+
+
+class _Runtime(Protocol):
+    pool: KVPool
+    service: KVTransferService
+    transport: MooncakeTransport | None
+    bench: BenchState | None
+
+
+@dataclass
+class BenchState:
+    """What a worker remembers between bench commands: held requests' ready futures, receive start times."""
+
+    layer_futures: dict[str, list[asyncio.Future[None]]] = field(default_factory=dict)
+    recv_started: dict[str, float] = field(default_factory=dict)
+    recv_ended: dict[str, float] = field(default_factory=dict)
+    recv_failed: dict[str, str] = field(default_factory=dict)
+
+
+# -- commands -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HoldMany:
+    """P: `start_send` every request (after filling its KV when `fill`). `ready` is "none" (computed already),
+    "layer" (one future per layer, resolved by `Compute`) or "whole" (one future, resolved by `Compute`)."""
+
+    requests: list[BenchRequest]
+    fill: bool = True
+    ready: str = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """P: the synthetic prefill of held requests, one after another: `layer_time_s` per layer (a sleep: a GPU
+    kernel leaves the CPU free), resolving each layer's future as it ends. Answers each request's end instant."""
+
+    transfer_ids: list[str]
+    layer_time_s: float
+    layers: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecvMany:
+    """D: `start_recv` every request from engine `engine_id` at `url` at once; answers the CPU time before."""
+
+    engine_id: str
+    url: str
+    requests: list[BenchRequest]
+
+
+@dataclass(frozen=True, slots=True)
+class Collect:
+    """D: wait until every receive of `req_ids` ended (or `timeout_s`); answers their start and end instants."""
+
+    req_ids: list[str]
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTime:
+    """Any worker: its process CPU seconds so far."""
+
+
+@dataclass(frozen=True, slots=True)
+class RawWrite:
+    """P: write `descriptors[i]` to `peers[i]` straight on the engine, `method` being "submit_poll" (one-descriptor
+    batches, polled from the oldest with a short nap) or "batch" (one async batch per peer, then
+    `get_batch_transfer_status`). Answers the span and the CPU it took."""
+
+    peers: list[str]
+    descriptors: list[list[Desc]]
+    method: str = "submit_poll"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStyleWrite:
+    """P: the peers' way: each batch (one request for one D worker) is one blocking `batch_transfer_sync_write`,
+    run from a pool of `threads` threads. `batches[i]` goes to `peers[i]`."""
+
+    peers: list[str]
+    batches: list[list[Desc]]
+    threads: int = PEER_THREADS
+
+
+BenchCommand = HoldMany | Compute | RecvMany | Collect | CpuTime | RawWrite | PeerStyleWrite
+BenchResult = dict[str, Any]
+
+
+def handle_bench(runtime: _Runtime, command: BenchCommand) -> BenchResult | Coroutine[Any, Any, BenchResult]:
+    """Run one bench command: a value, or a coroutine the worker awaits on its loop before answering.
+
+    Raises:
+        ValueError / TransportError: what the service or the engine refused; TypeError for an unknown command.
+    """
+    if runtime.bench is None:
+        runtime.bench = BenchState()
+    state = runtime.bench
+    if isinstance(command, HoldMany):
+        return _hold_many(runtime, state, command)
+    if isinstance(command, Compute):
+        return _compute(state, command)
+    if isinstance(command, RecvMany):
+        cpu = time.process_time()
+        for req_id, transfer_id, block_ids, num_tokens, _ in command.requests:
+            state.recv_started[req_id] = time.monotonic()
+            runtime.service.start_recv(req_id, transfer_id, command.engine_id, command.url, block_ids, num_tokens)
+        return {"cpu": cpu}
+    if isinstance(command, Collect):
+        return _collect(runtime.service, state, command)
+    if isinstance(command, CpuTime):
+        return {"cpu": time.process_time()}
+    if isinstance(command, RawWrite | PeerStyleWrite):
+        if runtime.transport is None or runtime.transport.native_engine is None:
+            raise ValueError("this worker has no Mooncake engine to benchmark")
+        engine = runtime.transport.native_engine
+        if isinstance(command, RawWrite):
+            return _timed(lambda: _raw_write(engine, command))
+        return _timed(lambda: _peer_style_write(engine, command))
+    raise TypeError(f"unknown bench command {type(command).__name__}")
+
+
+def _hold_many(runtime: _Runtime, state: BenchState, command: HoldMany) -> BenchResult:
+    pool, service = runtime.pool, runtime.service
+    loop = asyncio.get_running_loop()
+    for req_id, transfer_id, block_ids, num_tokens, seed in command.requests:
+        if command.fill:
+            fill(pool.layers, pool.meta, seed, block_ids, num_tokens)
+        if command.ready == "none":
+            service.start_send(req_id, transfer_id, block_ids, num_tokens, None)
+            continue
+        count = pool.meta.num_layers if command.ready == "layer" else 1
+        futures = [loop.create_future() for _ in range(count)]
+        state.layer_futures[transfer_id] = futures
+        service.start_send(req_id, transfer_id, block_ids, num_tokens, futures if count > 1 else futures[0])
+    return {}
+
+
+async def _compute(state: BenchState, command: Compute) -> BenchResult:
+    ends: dict[str, float] = {}
+    for transfer_id in command.transfer_ids:
+        futures = state.layer_futures.pop(transfer_id)
+        for layer in range(command.layers):
+            await asyncio.sleep(command.layer_time_s)
+            if len(futures) > 1:
+                futures[layer].set_result(None)
+        ends[transfer_id] = time.monotonic()
+        if len(futures) == 1:  # whole-request ready: resolved once the last layer's compute ended
+            futures[0].set_result(None)
+    return {"ends": ends}
+
+
+async def _collect(service: KVTransferService, state: BenchState, command: Collect) -> BenchResult:
+    wanted = set(command.req_ids)
+    deadline = time.monotonic() + command.timeout_s
+    while True:
+        output = service.get_finished()
+        now = time.monotonic()
+        failed = output.failed_recving or set()
+        for req_id in output.finished_recving or ():
+            if req_id in failed:
+                state.recv_failed[req_id] = "failed"
+            state.recv_ended[req_id] = now
+        for req_id in failed:
+            state.recv_failed.setdefault(req_id, "failed")
+            state.recv_ended.setdefault(req_id, now)
+        if wanted.issubset(state.recv_ended) or now > deadline:
+            break
+        await service.wait_for_reports(max(0.0, deadline - now))
+    result = {
+        "cpu": time.process_time(),
+        "started": {r: state.recv_started.pop(r, 0.0) for r in command.req_ids},
+        "ended": {r: state.recv_ended.pop(r) for r in command.req_ids if r in state.recv_ended},
+        "failed": {r: state.recv_failed.pop(r) for r in command.req_ids if r in state.recv_failed},
+    }
+    return result
+
+
+# -- baselines ------------------------------------------------------------------------------------------------
+
+
+def _timed(run: Any) -> BenchResult:
+    cpu, start = time.process_time(), time.perf_counter()
+    failures = run()
+    return {"span": time.perf_counter() - start, "cpu_start": cpu, "cpu": time.process_time(), "failures": failures}
+
+
+def _raw_write(engine: Any, command: RawWrite) -> int:
+    """The best way MOONCAKE.md allows to move a descriptor list: returns how many descriptors failed."""
+    failures = 0
+    if command.method == "batch":
+        ids = []
+        for peer, descs in zip(command.peers, command.descriptors, strict=True):
+            if not descs:
+                continue
+            batch = engine.batch_transfer_async_write(
+                peer, [d[0] for d in descs], [d[1] for d in descs], [d[2] for d in descs]
+            )
+            if batch == 0:  # refused: never poll an id 0
+                failures += len(descs)
+            else:
+                ids.append(batch)
+        if ids and engine.get_batch_transfer_status(ids) != 0:
+            failures += 1
+        return failures
+    if command.method != "submit_poll":
+        raise ValueError(f"unknown raw method {command.method!r}")
+    submit, check = engine.transfer_submit_write, engine.transfer_check_status
+    queues: list[deque[int]] = []
+    for peer, descs in zip(command.peers, command.descriptors, strict=True):
+        queue: deque[int] = deque()
+        for src, dst, length in descs:
+            batch = submit(peer, src, dst, length)
+            if batch == 0:
+                failures += 1
+            else:
+                queue.append(batch)
+        queues.append(queue)
+    sleep = time.sleep
+    while any(queues):
+        progressed = False
+        for queue in queues:
+            while queue:
+                status = check(queue[0])
+                if status == 0:
+                    break
+                queue.popleft()  # 1 or -1 freed the id
+                progressed = True
+                if status != 1:
+                    failures += 1
+        if not progressed:
+            sleep(_RAW_POLL_SLEEP_S)
+    return failures
+
+
+def _peer_style_write(engine: Any, command: PeerStyleWrite) -> int:
+    def one(peer: str, descs: Sequence[Desc]) -> int:
+        rc = engine.batch_transfer_sync_write(peer, [d[0] for d in descs], [d[1] for d in descs], [d[2] for d in descs])
+        return 0 if rc == 0 else 1
+
+    with ThreadPoolExecutor(command.threads) as pool:
+        futures = [pool.submit(one, p, b) for p, b in zip(command.peers, command.batches, strict=True) if b]
+        return sum(f.result() for f in futures)

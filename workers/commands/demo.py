@@ -1,0 +1,404 @@
+"""`kvsvc demo`: a prefill and a decode engine on this machine move requests' KV over real Mooncake, every byte checked.
+
+Imports: argparse and the standard library at module level; torch, rich and the runtime (`workers.executor`,
+`workers.engine`) only inside `main`, so `kvsvc --help` stays fast. Invariants: every worker process is reaped on
+every exit path, Ctrl-C included (workers ignore SIGINT; the parent shuts them down); `ok` means every request
+finished and every D worker verified every byte of it; with `--json` the last stdout line is the result object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from workers.engine import DecodeRequest
+    from workers.executor import Executor
+
+DEFAULT_REQUESTS: Final = 64
+DEFAULT_TOKENS: Final = 512
+LAYOUTS: Final = ("HND", "NHD")  # what `workers.kv_pool.KVPool` allocates; HND_CROSS_LAYER pools are not there yet
+_IDLE_SLEEP_S: Final = 0.0005  # between polls when nothing finished: short, so latency is not the poll period
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """One demo run: the two engines' layouts, the model geometry and the load."""
+
+    prefill_pp: int = 2
+    prefill_tp: int = 1
+    decode_pp: int = 1
+    decode_tp: int = 2
+    requests: int = DEFAULT_REQUESTS
+    tokens: int = DEFAULT_TOKENS
+    prefill_block_size: int = 16
+    decode_block_size: int = 16
+    layers: int = 8
+    kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    layout: str = "HND"
+    concurrency: int = 8
+    timeout_s: float = 120.0
+
+    def describe(self) -> str:
+        return (
+            f"P pp{self.prefill_pp}×tp{self.prefill_tp} (block {self.prefill_block_size}) → "
+            f"D pp{self.decode_pp}×tp{self.decode_tp} (block {self.decode_block_size}); "
+            f"{self.layers} layers, {self.kv_heads} KV heads × {self.head_size}, {self.dtype}, {self.layout}"
+        )
+
+    def request_kv_bytes(self) -> int:
+        """The KV of one request: what a decode engine must end up holding (K and V, every layer and head)."""
+        from kvsvc.layout import dtype_size
+
+        return self.tokens * self.layers * 2 * self.kv_heads * self.head_size * dtype_size(self.dtype)
+
+
+@dataclass
+class DemoResult:
+    """What a run measured. `bytes` and `descriptors` are what P's services wrote (their counters)."""
+
+    requests: int
+    finished: int = 0
+    failed: int = 0
+    verified: int = 0
+    bytes: int = 0
+    kv_bytes: int = 0  # KV of the verified requests (the goodput numerator)
+    descriptors: int = 0
+    seconds: float = 0.0
+    startup_seconds: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.requests > 0 and self.finished == self.requests == self.verified and not self.errors
+
+    @property
+    def goodput_gbps(self) -> float:
+        return self.kv_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_json(self, options: DemoOptions | None = None) -> dict[str, Any]:
+        p50, p99 = (percentile(self.latencies_ms, q) if self.latencies_ms else None for q in (50, 99))
+        payload: dict[str, Any] = {
+            "ok": self.ok,
+            "requests": self.requests,
+            "finished": self.finished,
+            "failed": self.failed,
+            "verified": self.verified,
+            "bytes": self.bytes,
+            "kv_bytes": self.kv_bytes,
+            "seconds": round(self.seconds, 4),
+            "startup_seconds": round(self.startup_seconds, 3),
+            "goodput_gbps": round(self.goodput_gbps, 4),
+            "p50_ms": None if p50 is None else round(p50, 3),
+            "p99_ms": None if p99 is None else round(p99, 3),
+            "descriptors": self.descriptors,
+            "errors": self.errors[:10],
+        }
+        if options is not None:
+            payload["layout"] = options.describe()
+        return payload
+
+
+# -- pure helpers -----------------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile of `values`, linearly interpolated between closest ranks (numpy's default method).
+
+    Raises:
+        ValueError: `values` is empty, or `q` is outside [0, 100].
+    """
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def format_bytes(count: int) -> str:
+    """`count` bytes in binary units with three significant figures ("1.00 GiB", "512 B"). Raises nothing."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{count} B" if unit == "B" else f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def summary_rows(result: DemoResult) -> list[tuple[str, str]]:
+    """(metric, value) rows of the final table. Raises nothing."""
+
+    def ms(q: float) -> str:
+        return f"{percentile(result.latencies_ms, q):.1f} ms" if result.latencies_ms else "-"
+
+    return [
+        ("requests", f"{result.requests}" + (f" ({result.failed} failed)" if result.failed else "")),
+        ("verified", f"{result.verified} / {result.requests}"),
+        ("bytes", f"{format_bytes(result.bytes)} ({result.bytes:,})"),
+        ("seconds", f"{result.seconds:.2f} (engines started in {result.startup_seconds:.1f})"),
+        ("goodput", f"{result.goodput_gbps:.3f} GB/s"),
+        ("latency p50", ms(50)),
+        ("latency p99", ms(99)),
+        ("descriptors", f"{result.descriptors:,}"),
+    ]
+
+
+def summary_table(result: DemoResult, title: str) -> Table:
+    """The rich table printed at the end of a run."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    for metric, value in summary_rows(result):
+        table.add_row(metric, value)
+    status = "[green]OK: every byte verified on every D worker[/]" if result.ok else "[red]FAILED[/]"
+    table.caption = status if not result.errors else f"{status}: {result.errors[0]}"
+    return table
+
+
+# -- the run ----------------------------------------------------------------------------------------------------
+
+
+def _engine_configs(options: DemoOptions) -> tuple[Any, Any]:
+    from kvsvc.service import ServiceConfig
+    from workers.executor import EngineConfig
+
+    def config(role: str, pp: int, tp: int, block_size: int) -> EngineConfig:
+        blocks_per_request = max(1, -(-options.tokens // block_size))
+        return EngineConfig(
+            engine_id=f"demo-{role}",
+            role=role,
+            num_layers=options.layers,
+            num_kv_heads=options.kv_heads,
+            head_size=options.head_size,
+            block_size=block_size,
+            # P may report a send finished a step after D saw the receive: room for two windows of requests.
+            num_blocks=2 * options.concurrency * blocks_per_request,
+            pp_size=pp,
+            tp_size=tp,
+            dtype=options.dtype,
+            layout=options.layout,
+            service=ServiceConfig(recv_timeout_s=min(60.0, options.timeout_s)),
+        )
+
+    return (
+        config("prefill", options.prefill_pp, options.prefill_tp, options.prefill_block_size),
+        config("decode", options.decode_pp, options.decode_tp, options.decode_block_size),
+    )
+
+
+def _counters(executor: Executor) -> tuple[int, int]:
+    stats = executor.statistics()
+    return sum(int(s["bytes_sent"]) for s in stats), sum(int(s["descriptors_sent"]) for s in stats)
+
+
+def run_demo(options: DemoOptions, on_progress: Callable[[DemoResult], None] | None = None) -> DemoResult:
+    """Start both engines, push `options.requests` requests through, verify each on every D worker, stop them.
+
+    Raises:
+        WorkerError: an engine failed to start or a worker failed a command (every process is reaped first).
+        ValueError / TopologyError: the layouts cannot work together.
+    """
+    from workers.commands.common import start_engines
+    from workers.engine import DecodeEngine, PrefillEngine
+    from workers.executor import Executor
+    from workers.process import Verify
+    from workers.synthetic import VerifyResult
+
+    p_config, d_config = _engine_configs(options)
+    p_exec, d_exec = Executor(p_config), Executor(d_config)  # validates the geometry before anything starts
+    result = DemoResult(requests=options.requests)
+    started = time.monotonic()
+    start_engines([p_exec, d_exec])
+    try:
+        result.startup_seconds = time.monotonic() - started
+        prefill, decode = PrefillEngine(p_exec), DecodeEngine(d_exec)
+        bytes0, descriptors0 = _counters(p_exec)
+        kv_bytes = options.request_kv_bytes()
+        waiting = list(range(options.requests))
+        waiting.reverse()
+        in_flight: dict[str, tuple[DecodeRequest, float]] = {}
+        begin = time.monotonic()
+        deadline = begin + options.timeout_s
+        while waiting or in_flight:
+            while waiting and len(in_flight) < options.concurrency and len(prefill.requests) < 2 * options.concurrency:
+                index = waiting.pop()
+                transfer_id, seed = f"demo-{index}", 1000 + index
+                prefill.submit(transfer_id, options.tokens, seed)
+                recv_started = time.monotonic()
+                req = decode.submit(transfer_id, p_exec.engine_id, p_exec.url, options.tokens, seed)
+                in_flight[req.req_id] = (req, recv_started)
+            # Verified after the step, not inside it, so a request's latency excludes checking the others'.
+            ended = decode.step(verify=False)
+            ended_at = time.monotonic()
+            prefill.step()
+            for req in ended:
+                _, recv_started = in_flight.pop(req.req_id)
+                result.latencies_ms.append((ended_at - recv_started) * 1e3)
+                if req.state != "finished":
+                    result.failed += 1
+                    result.errors.append(f"{req.transfer_id} failed (blocks {sorted(req.invalid_block_ids)[:4]}...)")
+                    continue
+                result.finished += 1
+                # The blocks were freed in the step, but nothing is allocated before this check: still ours.
+                answers = d_exec.broadcast(Verify(req.seed or 0, req.block_ids, req.num_tokens))
+                checks = [a for a in answers if isinstance(a, VerifyResult)]
+                if len(checks) == d_exec.num_workers and all(c.ok and c.checked > 0 for c in checks):
+                    result.verified += 1
+                    result.kv_bytes += kv_bytes
+                else:
+                    bad = next((c for c in checks if not c.ok), None)
+                    result.errors.append(f"{req.transfer_id}: {bad.mismatches if bad else '?'} bytes differ: {bad}")
+            if ended and on_progress is not None:
+                on_progress(result)
+            if time.monotonic() > deadline:
+                result.errors.append(f"{len(in_flight) + len(waiting)} requests not done after {options.timeout_s} s")
+                break
+            if not ended:
+                time.sleep(_IDLE_SLEEP_S)
+        result.seconds = time.monotonic() - begin
+        while prefill.requests and time.monotonic() < deadline:  # sends end a step after the receives
+            prefill.step()
+            time.sleep(_IDLE_SLEEP_S)
+        bytes1, descriptors1 = _counters(p_exec)
+        result.bytes, result.descriptors = bytes1 - bytes0, descriptors1 - descriptors0
+    finally:
+        d_exec.close()
+        p_exec.close()
+    return result
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="a prefill and a decode engine on this machine, real Mooncake transfers, every byte verified",
+        description="Starts a P engine and a D engine (worker processes with synthetic KV), moves --requests "
+        "requests from P to D over Mooncake (TCP loopback), verifies every byte on every D worker and prints "
+        "goodput and latency. Exit code 0 iff every request finished and verified.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=main_with_args)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = DemoOptions()
+    add = parser.add_argument
+    add("--prefill-pp", type=_positive, default=defaults.prefill_pp, help="P pipeline-parallel size (default 2)")
+    add("--prefill-tp", type=_positive, default=defaults.prefill_tp, help="P tensor-parallel size (default 1)")
+    add("--decode-pp", type=_positive, default=defaults.decode_pp, help="D pipeline-parallel size (default 1)")
+    add("--decode-tp", type=_positive, default=defaults.decode_tp, help="D tensor-parallel size (default 2)")
+    add("--requests", type=_positive, default=defaults.requests, help="requests to move (default 64)")
+    add("--tokens", type=_positive, default=defaults.tokens, help="tokens per request (default 512)")
+    add("--block-size", type=_positive, default=None, help="block size of both engines (default 16)")
+    add("--prefill-block-size", type=_positive, default=None, help="P's block size (default: --block-size)")
+    add("--decode-block-size", type=_positive, default=None, help="D's block size (default: --block-size)")
+    add("--layers", type=_positive, default=defaults.layers, help="model layers (default 8)")
+    add("--kv-heads", type=_positive, default=defaults.kv_heads, help="total KV heads (default 8)")
+    add("--head-size", type=_positive, default=defaults.head_size, help="head size (default 128)")
+    add("--dtype", default=defaults.dtype, choices=("bfloat16", "float16", "float32"), help="KV dtype")
+    add("--layout", default=defaults.layout, choices=LAYOUTS, help="KV layout of both engines (default HND)")
+    add("--concurrency", type=_positive, default=defaults.concurrency, help="requests in flight (default 8)")
+    add("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds (default 120)")
+    add("--json", action="store_true", help="print one JSON object (the last stdout line) instead of the table")
+
+
+def options_from_args(args: argparse.Namespace) -> DemoOptions:
+    block_size = args.block_size or 16
+    return DemoOptions(
+        prefill_pp=args.prefill_pp,
+        prefill_tp=args.prefill_tp,
+        decode_pp=args.decode_pp,
+        decode_tp=args.decode_tp,
+        requests=args.requests,
+        tokens=args.tokens,
+        prefill_block_size=args.prefill_block_size or block_size,
+        decode_block_size=args.decode_block_size or block_size,
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_size=args.head_size,
+        dtype=args.dtype,
+        layout=args.layout,
+        concurrency=args.concurrency,
+        timeout_s=args.timeout,
+    )
+
+
+def main_with_args(args: argparse.Namespace) -> int:
+    """Run the demo for parsed arguments; returns the exit code (0 iff every request finished and verified)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    options = options_from_args(args)
+    err = Console(stderr=True)
+    show_bar = not args.json and sys.stderr.isatty()
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("verified {task.fields[verified]}"),
+        TimeElapsedColumn(),
+        console=err,
+        disable=not show_bar,
+        transient=True,
+    )
+    task = progress.add_task("starting engines", total=options.requests, verified=0)
+
+    def on_progress(result: DemoResult) -> None:
+        done = result.finished + result.failed
+        progress.update(task, description="transferring", completed=done, verified=result.verified)
+
+    try:
+        with progress:
+            result = run_demo(options, on_progress)
+    except KeyboardInterrupt:
+        err.print("interrupted: every worker process was stopped")
+        return 130
+    except Exception as exc:  # a start failure or an impossible layout: one line for the operator, no trace
+        message = f"{type(exc).__name__}: {exc}"
+        if args.json:
+            print(json.dumps({"ok": False, "requests": options.requests, "verified": 0, "error": message}))
+        else:
+            err.print(f"[red]kvsvc demo failed:[/] {message}")
+        return 1
+    if args.json:
+        print(json.dumps(result.to_json(options)))
+    else:
+        Console().print(summary_table(result, options.describe()))
+    return 0 if result.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`kvsvc demo` with `argv` (the arguments after `demo`); for tests and `python -m workers.commands.demo`."""
+    parser = argparse.ArgumentParser(prog="kvsvc demo")
+    add_arguments(parser)
+    return main_with_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
