@@ -30,7 +30,8 @@ plan: $(STAMP)
 	$(VENV)/bin/kvsvc plan
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check kvsvc workers tests examples
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest -q
 

@@ -146,6 +146,7 @@ class KVPool:
         layer_shape = kv_cache_shape(draft)
         num_layers = shape.end_layer - shape.start_layer
         self.buffer: torch.Tensor | None
+        self.layers: list[torch.Tensor]
         if shape.layout == CROSS_LAYER:
             # One tensor with every local layer inside each block: there is no per-layer fallback.
             self.buffer = torch.zeros(layer_shape, dtype=dtype, device=device)
@@ -154,7 +155,7 @@ class KVPool:
             return
         try:
             self.buffer = torch.zeros((num_layers, *layer_shape), dtype=dtype, device=device)
-            self.layers: list[torch.Tensor] = list(self.buffer.unbind(0))
+            self.layers = list(self.buffer.unbind(0))
         except (torch.OutOfMemoryError, RuntimeError):
             # A GPU without one free stretch of that size may still hold the layers apart: one region each.
             self.buffer = None

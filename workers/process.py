@@ -18,7 +18,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Final
+from collections.abc import Coroutine
+from typing import Any, Final
 
 import uvloop
 
@@ -26,6 +27,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
+from workers.bench.worker import BenchCommand, BenchState, handle_bench
 from workers.kv_pool import KVPool, WorkerShape
 from workers.synthetic import VerifyResult, fill, ready_after_fill, verify
 
@@ -132,6 +134,7 @@ Command = (
     | Peers
     | ForgetEngine
     | Transfers
+    | BenchCommand
 )
 
 
@@ -158,7 +161,14 @@ class Reply:
     error: str | None = None
 
 
-Result = KVConnectorOutput | VerifyResult | dict[str, object] | list[dict[str, object]] | None
+Result = (
+    KVConnectorOutput
+    | VerifyResult
+    | dict[str, object]
+    | list[dict[str, object]]
+    | Coroutine[Any, Any, dict[str, Any]]  # answered once it completed on the worker's loop (bench commands)
+    | None
+)
 
 
 class WorkerRuntime:
@@ -171,6 +181,8 @@ class WorkerRuntime:
         self.stopping: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         # req_id -> (direction, transfer_id, started): what `Transfers` lists; dropped once `get_finished` reports it.
         self.in_flight: dict[str, tuple[str, str, float]] = {}
+        self.transport: MooncakeTransport | None = None  # the engine `kvsvc bench` measures its baselines on
+        self.bench: BenchState | None = None
 
     def handle(self, command: Command) -> Result:
         """Carry out one command (except `Shutdown`, which the reader handles).
@@ -222,6 +234,8 @@ class WorkerRuntime:
                 {"req_id": req_id, "transfer_id": tid, "direction": direction, "age_s": round(now - started, 3)}
                 for req_id, (direction, tid, started) in self.in_flight.items()
             ]
+        if isinstance(command, BenchCommand):
+            return handle_bench(self, command)
         raise TypeError(f"unknown worker command {type(command).__name__}")
 
     def statistics(self) -> dict[str, object]:
@@ -244,8 +258,18 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
         conn.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return 1
     runtime = WorkerRuntime(options, pool, service)
+    runtime.transport = transport
     loop = asyncio.get_running_loop()
     shutdown_seq: list[int] = []
+    later: set[asyncio.Task[None]] = set()
+
+    async def answer_later(seq: int, work: Coroutine[Any, Any, dict[str, Any]]) -> None:
+        try:
+            reply = Reply(seq, await work)
+        except Exception as exc:
+            reply = Reply(seq, error=f"{type(exc).__name__}: {exc}")
+        with contextlib.suppress(OSError, EOFError):
+            conn.send(reply)
 
     def on_readable() -> None:
         try:
@@ -256,7 +280,13 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
                     runtime.stopping.set_result(0)
                     return
                 try:
-                    reply = Reply(seq, runtime.handle(command))
+                    value = runtime.handle(command)
+                    if asyncio.iscoroutine(value):
+                        task = loop.create_task(answer_later(seq, value))
+                        later.add(task)
+                        task.add_done_callback(later.discard)
+                        continue
+                    reply = Reply(seq, value)
                 except Exception as exc:  # every command is answered: the parent decides what an error means
                     reply = Reply(seq, error=f"{type(exc).__name__}: {exc}")
                 try:
@@ -266,6 +296,7 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
                 except Exception as exc:  # the value did not pickle: still answer, with why
                     conn.send(Reply(seq, error=f"{type(exc).__name__}: {exc}"))
         except (EOFError, OSError):
+            import traceback; traceback.print_exc()
             # The parent is gone (or closed the pipe): nobody will read our answers, so stop.
             if not runtime.stopping.done():
                 runtime.stopping.set_result(0)

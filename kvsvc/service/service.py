@@ -616,9 +616,9 @@ class KVTransferService:
             sources = sources_of(self._meta, p_engine)
             own = self._own_engine()
             releases = [w for w, p in sorted(p_engine.items()) if release_notifier(p, own) == self._meta.worker]
-        except (HandshakeError, TopologyError) as exc:
+        except (KVSvcError, ValueError, KeyError) as exc:  # unreachable, malformed or incompatible: all fail now
             self._remotes.pop(engine_id, None)
-            self._receiver.engine_failed(engine_id, str(exc))
+            self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}")
             self._reports.set()
             return
         # Peers first: commands for a peer without a connection wait in its outbox (Releases, early Aborts).

@@ -10,6 +10,7 @@ Mooncake is imported only when an engine starts; `transport="fake"` swaps in `Lo
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -34,12 +35,14 @@ class LoopbackEngine:
         config: ServiceConfig | None = None,
         transport: Literal["mooncake", "fake"] = "mooncake",
         transport_factory: Callable[[], Transport] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine_id = engine_id
         self.spec = spec
         self.sim = SimEngine(engine_id, spec, None, incarnation=new_incarnation())
         self._config = config or ServiceConfig()
         self._factory = transport_factory or _transport_factory(transport)
+        self._clock = clock
         self.services: dict[Worker, KVTransferService] = {}
         self._bootstrap: BootstrapServer | None = None
         self._aggregator = KVOutputAggregator(len(self.sim.metas))
@@ -61,7 +64,7 @@ class LoopbackEngine:
             transport = self._factory()
             arena = self.sim.arenas[worker]
             transport.register([(arena.ctypes.data, arena.nbytes)])
-            service = KVTransferService(self.sim.metas[worker], transport, self._config)
+            service = KVTransferService(self.sim.metas[worker], transport, self._config, clock=self._clock)
             self.sim.metas[worker] = await service.start()
             self.services[worker] = service
         for service in self.services.values():

@@ -9,6 +9,7 @@ Fixtures:
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
@@ -48,11 +49,12 @@ async def loopback_engines() -> AsyncIterator[LoopbackFactory]:
         *,
         config: ServiceConfig | None = None,
         transport: Literal["mooncake", "fake"] = "mooncake",
+        clock: Callable[[], float] = time.monotonic,
     ) -> tuple[LoopbackEngine, LoopbackEngine]:
-        p = LoopbackEngine("prefill", prefill or EngineSpec(), config=config, transport=transport)
+        p = LoopbackEngine("prefill", prefill or EngineSpec(), config=config, transport=transport, clock=clock)
         started.append(p)
         await p.start()
-        d = LoopbackEngine("decode", decode or EngineSpec(), config=config, transport=transport)
+        d = LoopbackEngine("decode", decode or EngineSpec(), config=config, transport=transport, clock=clock)
         started.append(d)
         await d.start()
         return p, d

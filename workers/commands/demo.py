@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -158,11 +160,11 @@ def summary_rows(result: DemoResult) -> list[tuple[str, str]]:
     ]
 
 
-def summary_table(result: DemoResult, title: str) -> Table:
+def summary_table(result: DemoResult) -> Table:
     """The rich table printed at the end of a run."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", show_header=False)
+    table = Table(show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
     for metric, value in summary_rows(result):
@@ -208,8 +210,11 @@ def _counters(executor: Executor) -> tuple[int, int]:
     return sum(int(s["bytes_sent"]) for s in stats), sum(int(s["descriptors_sent"]) for s in stats)
 
 
-def run_demo(options: DemoOptions, on_progress: Callable[[DemoResult], None] | None = None) -> DemoResult:
+def run_demo(
+    options: DemoOptions, on_progress: Callable[[DemoResult], None] | None = None, worker_log: str | None = None
+) -> DemoResult:
     """Start both engines, push `options.requests` requests through, verify each on every D worker, stop them.
+    The workers' stderr (Mooncake's native log included) goes to `worker_log` when given.
 
     Raises:
         WorkerError: an engine failed to start or a worker failed a command (every process is reaped first).
@@ -225,7 +230,7 @@ def run_demo(options: DemoOptions, on_progress: Callable[[DemoResult], None] | N
     p_exec, d_exec = Executor(p_config), Executor(d_config)  # validates the geometry before anything starts
     result = DemoResult(requests=options.requests)
     started = time.monotonic()
-    start_engines([p_exec, d_exec])
+    start_engines([p_exec, d_exec], worker_log)
     try:
         result.startup_seconds = time.monotonic() - started
         prefill, decode = PrefillEngine(p_exec), DecodeEngine(d_exec)
@@ -326,6 +331,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--concurrency", type=_positive, default=defaults.concurrency, help="requests in flight (default 8)")
     add("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds (default 120)")
     add("--json", action="store_true", help="print one JSON object (the last stdout line) instead of the table")
+    add(
+        "--worker-log",
+        default=None,
+        help="file for the workers' stderr, Mooncake's log included (default: a temporary file, kept only when the"
+        " run fails); '-' leaves it on this terminal",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:
@@ -373,23 +384,41 @@ def main_with_args(args: argparse.Namespace) -> int:
         done = result.finished + result.failed
         progress.update(task, description="transferring", completed=done, verified=result.verified)
 
+    if args.worker_log == "-":
+        worker_log = None
+    elif args.worker_log:
+        worker_log = args.worker_log
+    else:
+        handle, worker_log = tempfile.mkstemp(prefix="kvsvc-demo-", suffix=".log")
+        os.close(handle)
+    keep_log = args.worker_log is not None
     try:
         with progress:
-            result = run_demo(options, on_progress)
+            result = run_demo(options, on_progress, worker_log)
     except KeyboardInterrupt:
         err.print("interrupted: every worker process was stopped")
         return 130
     except Exception as exc:  # a start failure or an impossible layout: one line for the operator, no trace
         message = f"{type(exc).__name__}: {exc}"
+        where = f" (worker log: {worker_log})" if worker_log else ""
         if args.json:
-            print(json.dumps({"ok": False, "requests": options.requests, "verified": 0, "error": message}))
+            print(json.dumps({"ok": False, "requests": options.requests, "verified": 0, "error": message + where}))
         else:
-            err.print(f"[red]kvsvc demo failed:[/] {message}")
+            err.print(f"[red]kvsvc demo failed:[/] {message}{where}")
         return 1
+    if worker_log and not keep_log and result.ok:
+        os.unlink(worker_log)  # nothing to look into: don't leave a file per run behind
+        worker_log = None
     if args.json:
-        print(json.dumps(result.to_json(options)))
+        payload = result.to_json(options)
+        payload["worker_log"] = worker_log
+        print(json.dumps(payload))
     else:
-        Console().print(summary_table(result, options.describe()))
+        console = Console()
+        console.print(options.describe())
+        console.print(summary_table(result))
+        if worker_log:
+            console.print(f"worker log: {worker_log}", style="dim")
     return 0 if result.ok else 1
 
 

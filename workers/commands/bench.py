@@ -1,0 +1,98 @@
+"""`kvsvc bench [--quick] [--json]`: kvsvc against raw Mooncake, the peers' way and memcpy, measured in one run.
+
+Imports argparse and rich at module level; torch, mooncake and the engines (`workers.bench.runner`) only inside
+`func`, so `kvsvc --help` stays fast. Invariants: every figure printed comes from this run; `--json` prints the
+table to stderr and ends stdout with one JSON object (`BenchReport.summary`); the exit code is 1 when a transfer
+failed or a byte did not verify, never because of a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from workers.bench.runner import BenchReport
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure kvsvc against raw Mooncake, the peers' way and memcpy",
+        description="Start a P engine and D engines (separate processes, Mooncake over TCP loopback) and measure, in "
+        "one run: kvsvc end to end, raw Mooncake moving the same descriptors, vLLM's MooncakeConnector way (one "
+        "descriptor per layer, block and K/V half, blocking batch writes from 10 threads) and memcpy of the same "
+        "bytes; scenarios large, small (one-block requests, cross-layer pool) and heterogeneous TP, plus layer-wise "
+        "against whole-request sends.",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller scenarios and 3 repetitions (under 40 s)")
+    parser.add_argument("--json", action="store_true", help="end stdout with one JSON object (table on stderr)")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the test's sizes
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from workers.bench.runner import FULL, QUICK, TINY, BenchRunner
+
+    sizes = TINY if args.tiny else QUICK if args.quick else FULL
+    console = Console(stderr=args.json)
+    runner = BenchRunner(sizes, progress=lambda what: console.log(f"bench: {what}"))
+    try:
+        report = runner.run()
+    finally:
+        runner.close()
+    console.print(render_table(report))
+    summary = report.summary()
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    return 0 if summary["verified"] and not summary["failures"] else 1
+
+
+def render_table(report: BenchReport) -> Table:
+    """Metrics as rows, scenarios as columns."""
+    z = report.sizes
+    table = Table(
+        title=f"kvsvc bench: {z.reps} repetitions, medians (GB = 1e9 B); startup {report.startup_s:.1f} s, "
+        f"total {report.total_s:.1f} s",
+    )
+    table.add_column("metric")
+    for s in report.scenarios:
+        table.add_column(f"{s.name} ({s.requests} req, {s.bytes_per_rep / 2**20:.1f} MiB)", justify="right")
+
+    def row(label: str, fmt: str, get: Any) -> None:
+        table.add_row(label, *(fmt.format(get(s)) for s in report.scenarios))
+
+    row("kvsvc GB/s", "{:.2f}", lambda s: s.kvsvc_gbps)
+    row("raw Mooncake GB/s", "{}", lambda s: f"{s.raw_gbps:.2f} ({s.raw_method})")
+    row("peers' way GB/s", "{:.2f}", lambda s: s.peer_gbps)
+    row("memcpy GB/s", "{:.1f}", lambda s: s.memcpy_gbps)
+    row("ratio to raw", "{:.2f}", lambda s: s.ratio_to_raw)
+    row("ratio to peers' way", "{:.2f}", lambda s: s.ratio_to_peer)
+    row("ratio to memcpy", "{:.3f}", lambda s: s.ratio_to_memcpy)
+    row("kvsvc requests/s", "{:,.0f}", lambda s: s.kvsvc_requests_per_s)
+    row("raw requests/s", "{:,.0f}", lambda s: s.raw_requests_per_s)
+    row("peers' way requests/s", "{:,.0f}", lambda s: s.peer_requests_per_s)
+    row("kvsvc p50 / p99 ms (burst)", "{}", lambda s: f"{s.p50_ms:.2f} / {s.p99_ms:.2f}")
+    row("descriptors/request kvsvc", "{:.1f}", lambda s: s.descriptors_per_request)
+    row("  per (layer, block, K/V)", "{:.1f}", lambda s: s.naive_descriptors_per_request)
+    row("  block runs x layers", "{:.1f}", lambda s: s.run_bound_per_request)
+    row("CPU s/GB kvsvc", "{:.2f}", lambda s: s.kvsvc_cpu_s_per_gb)
+    row("CPU s/GB raw", "{:.2f}", lambda s: s.raw_cpu_s_per_gb)
+    row("CPU s/GB peers' way", "{:.2f}", lambda s: s.peer_cpu_s_per_gb)
+    row("verified / failures", "{}", lambda s: f"{s.verified} / {s.failures}")
+    lw = report.layerwise
+    table.caption = (
+        f"layer-wise: last layer's compute end -> complete on D {lw.layer_ms:.2f} ms vs whole-request "
+        f"{lw.whole_ms:.2f} ms (ratio {lw.ratio:.2f}; {lw.layers} layers x {lw.layer_time_ms:g} ms, "
+        f"{lw.request_bytes / 2**20:.0f} MiB)"
+    )
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(run(argparse.Namespace(quick=True, json=False, tiny=False)))
