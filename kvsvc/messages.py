@@ -182,7 +182,7 @@ def decode(body: bytes) -> Message:
         raise MalformedFrame(f"frame of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
     try:
         return _decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"malformed frame ({len(body)} bytes): {exc}") from None
 
 
@@ -251,7 +251,7 @@ def decode_engine_metadata(body: bytes) -> dict[tuple[int, int], WorkerMetadata]
     """
     try:
         raw = _metadata_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"malformed engine metadata ({len(body)} bytes): {exc}") from None
     result: dict[tuple[int, int], WorkerMetadata] = {}
     for key, meta in raw.items():

@@ -27,7 +27,7 @@ from aiohttp import web
 from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata
 from kvsvc.handshake import merge_handshake_metadata
 from kvsvc.messages import WorkerMetadata
-from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
+from kvsvc.outputs import AggregatorStatistics, KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import ServiceConfig, new_incarnation
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.blocks import BlockAllocator, NoFreeBlocks
@@ -473,6 +473,11 @@ class Executor:
             WorkerError / WorkerDied / WorkerTimeout: as `broadcast`.
         """
         return [dict(s) for s in self.broadcast(Statistics(), timeout_s) if isinstance(s, dict)]
+
+    def aggregator_statistics(self) -> AggregatorStatistics:
+        """The engine core's output aggregator counters (this incarnation): `late_reports_ignored` > 0 means a
+        worker reported an id again after it completed."""
+        return self._aggregator.statistics()
 
     # -- supervision -------------------------------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from collections.abc import Coroutine
 from typing import Any, Final
 
 import uvloop
@@ -296,13 +296,15 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
                 except Exception as exc:  # the value did not pickle: still answer, with why
                     conn.send(Reply(seq, error=f"{type(exc).__name__}: {exc}"))
         except (EOFError, OSError):
-            import traceback; traceback.print_exc()
             # The parent is gone (or closed the pipe): nobody will read our answers, so stop.
             if not runtime.stopping.done():
                 runtime.stopping.set_result(0)
 
     conn.send(Ready(meta, os.getpid()))
     loop.add_reader(conn.fileno(), on_readable)
+    # uvloop's add_reader makes the fd non-blocking; a command or answer larger than the socket buffer would then
+    # fail half-read (BlockingIOError). Readiness polling works the same on a blocking fd.
+    os.set_blocking(conn.fileno(), True)
     code = await runtime.stopping
     loop.remove_reader(conn.fileno())
     error: str | None = None

@@ -95,7 +95,8 @@ def _hnd(layer: torch.Tensor, meta: WorkerMetadata) -> torch.Tensor:
     """One layer as an HND view; a layer of the cross-layer pool is a strided view that is HND inside a block."""
     if meta.is_mla or meta.layout not in ("HND", "NHD", CROSS_LAYER):
         raise ValueError(
-            f"the synthetic model writes HND, NHD or {CROSS_LAYER} KV, not layout {meta.layout!r} (is_mla={meta.is_mla})"
+            f"the synthetic model writes HND, NHD or {CROSS_LAYER} KV, not layout {meta.layout!r} "
+            f"(is_mla={meta.is_mla})"
         )
     return layer.transpose(2, 3) if meta.layout == "NHD" else layer
 

@@ -1,8 +1,9 @@
 """One control connection between a D worker and a P worker: length-prefixed msgspec frames over asyncio streams.
 
 Rules: `receive` returns whole messages or raises `MalformedFrame` (the peer sent garbage; close) or `PeerLost`
-(EOF, reset, or closed by us). `send` never blocks: frames queue in the transport's buffer; `drain` applies
-backpressure where the caller wants it. Closing is idempotent.
+(EOF, reset, or closed by us). `send` never blocks: frames queue and go out together at the end of the current
+loop iteration (one socket write for every frame sent meanwhile, in order), or at `drain`/`close`; `drain`
+applies backpressure where the caller wants it. Closing flushes what was queued and is idempotent.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ControlChannel:
         self._writer = writer
         self._frames = FrameReader(max_frame_bytes)
         self._inbox: deque[Message] = deque()
+        self._outbox: list[bytes] = []  # frames sent since the last flush
         self._closed = False
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -57,8 +59,25 @@ class ControlChannel:
         """
         if self._closed or self._writer.is_closing():
             raise PeerLost(f"control connection to {self.peer} is closed")
-        self._writer.write(encode(message))
+        frame = encode(message)
         self.frames_sent += 1
+        if self._outbox:
+            self._outbox.append(frame)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop running (a synchronous caller): write at once
+            self._writer.write(frame)
+            return
+        self._outbox.append(frame)
+        loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write the queued frames in one call (a no-op once the connection is closing)."""
+        if self._outbox:
+            frames, self._outbox = self._outbox, []
+            if not self._writer.is_closing():
+                self._writer.write(b"".join(frames))
 
     async def drain(self) -> None:
         """Wait until the write buffer is below its high-water mark.
@@ -66,6 +85,7 @@ class ControlChannel:
         Raises:
             PeerLost: the connection broke.
         """
+        self._flush()
         try:
             await self._writer.drain()
         except (ConnectionError, RuntimeError) as exc:
@@ -93,6 +113,7 @@ class ControlChannel:
 
     def close(self) -> None:
         if not self._closed:
+            self._flush()
             self._closed = True
             self._writer.close()
 

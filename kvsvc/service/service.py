@@ -16,7 +16,7 @@ import time
 import uuid
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -35,7 +35,7 @@ from kvsvc.errors import (
     TransferError,
     VersionMismatch,
 )
-from kvsvc.layout import block_bytes, is_cross_layer, layer_addrs, pool_regions
+from kvsvc.layout import block_bytes, block_geometry, is_cross_layer, layer_addrs, pool_regions
 from kvsvc.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -97,6 +97,10 @@ class _Inbound:
     meta: WorkerMetadata
     channel: ControlChannel
     expected: frozenset[Worker]
+    # Plans of requests whose P and D blocks are each one run of consecutive ids, for the run starting at block 0
+    # on both sides, keyed (P blocks, D blocks, tokens): see `KVTransferService._plan`.
+    plans: dict[tuple[int, int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
+    strides: tuple[int, int] = (0, 0)  # block strides of P (this worker) and of this D worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +462,7 @@ class KVTransferService:
             self._run_send(self._sender.peer_lost(old.ref))
         self._transport.add_peer(d.transport_addr, pool_regions(d))
         inbound = _Inbound(ref, d, channel, frozenset(expected_destinations(self._meta, d_engine)))
+        inbound.strides = (block_geometry(self._meta).block_stride, block_geometry(d).block_stride)
         self._inbound[key] = inbound
         channel.send(HelloOk(version=PROTOCOL_VERSION, sender=self._meta))
         return inbound
@@ -539,9 +544,7 @@ class KVTransferService:
         try:
             if inbound is None or inbound.ref != command.dst:
                 raise PeerLost(f"control connection to {command.dst} lost before the write")
-            descriptors = plan_transfer(
-                self._meta, inbound.meta, command.src_block_ids, command.dst_block_ids, command.num_tokens
-            )
+            descriptors = self._plan(inbound, command.src_block_ids, command.dst_block_ids, command.num_tokens)
             ndesc = len(descriptors)
             layers = self._layer_ready.get(command.transfer_id)
             if layers is None:
@@ -567,6 +570,43 @@ class KVTransferService:
             self._counts["transfers"] += 1
         self._run_send(self._sender.write_result(command.transfer_id, command.dst.worker, error, nbytes, ndesc))
         self._reports.set()
+
+    def _plan(
+        self, inbound: _Inbound, src_ids: list[int], dst_ids: list[int], num_tokens: int
+    ) -> Sequence[tuple[int, int, int]]:
+        """`plan_transfer`, from `inbound`'s cache when the used P and D blocks are each one run of consecutive ids.
+
+        Such a plan is the plan of the runs starting at block 0, shifted by each side's first block times its
+        block stride: merging depends only on which ranges touch, and a shift keeps that (a run touches the next
+        layer's tensor only when it spans the whole pool, and then it starts at block 0). Planning thousands of
+        one-block requests a second is otherwise the P worker's main cost.
+
+        Raises:
+            TopologyError / ValueError: as `plan_transfer` (the uncached path runs every check).
+        """
+        src, dst = self._meta, inbound.meta
+        n_src, n_dst = -(-num_tokens // src.block_size), -(-num_tokens // dst.block_size)
+        if not (
+            0 < n_src <= len(src_ids)
+            and 0 < n_dst <= len(dst_ids)
+            and 0 <= src_ids[0] <= src.num_blocks - n_src
+            and 0 <= dst_ids[0] <= dst.num_blocks - n_dst
+            and _is_run(src_ids, n_src)
+            and _is_run(dst_ids, n_dst)
+        ):
+            return plan_transfer(src, dst, src_ids, dst_ids, num_tokens)
+        key = (n_src, n_dst, num_tokens)
+        unit = inbound.plans.get(key)
+        if unit is None:
+            unit = [tuple(d) for d in plan_transfer(src, dst, range(n_src), range(n_dst), num_tokens)]  # type: ignore[misc]
+            if len(inbound.plans) < _PLAN_CACHE_ENTRIES and len(unit) <= _PLAN_CACHE_DESCRIPTORS:
+                inbound.plans[key] = unit
+        if src_ids[0] == dst_ids[0] == 0:
+            return unit
+        if not inbound.strides[0]:
+            inbound.strides = (block_geometry(src).block_stride, block_geometry(dst).block_stride)
+        shift_src, shift_dst = src_ids[0] * inbound.strides[0], dst_ids[0] * inbound.strides[1]
+        return [(s + shift_src, d + shift_dst, n) for s, d, n in unit]
 
     async def _write_layerwise(
         self, peer: str, descriptors: Sequence[tuple[int, int, int]], layers: list[asyncio.Future[None]]
@@ -833,6 +873,16 @@ class KVTransferService:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
+
+
+_PLAN_CACHE_ENTRIES = 1024  # per D worker connection
+_PLAN_CACHE_DESCRIPTORS = 4096  # larger plans cost more to shift than to plan
+
+
+def _is_run(ids: list[int], count: int) -> bool:
+    """Whether the first `count` ids are consecutive."""
+    first = ids[0]
+    return ids[count - 1] == first + count - 1 and (count <= 2 or ids[:count] == list(range(first, first + count)))
 
 
 def _placeholder(meta: WorkerMetadata, layers: int) -> list[int]:

@@ -130,6 +130,7 @@ class _Write:
             return
         if not self.drained.done():
             self.drained.set_result(None)
+            self.queue.stuck.discard(self)
         if self.result.done():
             return
         if self.error is None:
@@ -140,6 +141,7 @@ class _Write:
     def give_up(self) -> None:
         """Resolve `result` with descriptors still in flight (the peer stopped progressing)."""
         if not self.result.done():
+            self.queue.stuck.add(self)
             self.result.set_exception(self.failure(f"; {self.pending} descriptor(s) still in flight, await .drained"))
 
     def failure(self, suffix: str = "") -> WriteFailed:
@@ -156,6 +158,7 @@ class _PeerQueue:
         self.peer = peer
         self.entries: deque[tuple[int, _Write, int]] = deque()  # (batch id, its write, length)
         self.writes: set[_Write] = set()
+        self.stuck: set[_Write] = set()  # writes that gave up (result done) with descriptors still in flight
         self.last_success = now
         self.space = asyncio.Event()  # set when the window has room again
 
@@ -268,7 +271,7 @@ class MooncakeTransport:
         queue = self._queues.get(peer)
         if queue is None:
             queue = self._queues[peer] = _PeerQueue(peer, loop.time())
-        elif any(w.result.done() and not w.drained.done() for w in queue.writes):
+        elif queue.stuck:
             # An earlier write gave up on this peer with descriptors stuck behind it: fail fast, submit nothing.
             self._counts["refused"] += 1
             raise WriteFailed(f"peer {peer} has descriptors stuck from a failed write", ERR_FAILED, peer=peer)

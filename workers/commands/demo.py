@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from kvsvc.layout import LAYOUTS  # pure core: no torch, keeps `kvsvc --help` fast
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
 
 DEFAULT_REQUESTS: Final = 64
 DEFAULT_TOKENS: Final = 512
-LAYOUTS: Final = ("HND", "NHD")  # what `workers.kv_pool.KVPool` allocates; HND_CROSS_LAYER pools are not there yet
 _IDLE_SLEEP_S: Final = 0.0005  # between polls when nothing finished: short, so latency is not the poll period
 
 
@@ -258,7 +259,7 @@ def run_demo(
                 result.latencies_ms.append((ended_at - recv_started) * 1e3)
                 if req.state != "finished":
                     result.failed += 1
-                    result.errors.append(f"{req.transfer_id} failed (blocks {sorted(req.invalid_block_ids)[:4]}...)")
+                    result.errors.append(f"{req.transfer_id}: receive failed (the reason is in the worker log)")
                     continue
                 result.finished += 1
                 # The blocks were freed in the step, but nothing is allocated before this check: still ours.
@@ -327,7 +328,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-heads", type=_positive, default=defaults.kv_heads, help="total KV heads (default 8)")
     add("--head-size", type=_positive, default=defaults.head_size, help="head size (default 128)")
     add("--dtype", default=defaults.dtype, choices=("bfloat16", "float16", "float32"), help="KV dtype")
-    add("--layout", default=defaults.layout, choices=LAYOUTS, help="KV layout of both engines (default HND)")
+    add(
+        "--layout",
+        default=defaults.layout,
+        choices=LAYOUTS,
+        help="KV layout of both engines (default HND); HND_CROSS_LAYER puts every local layer in each block",
+    )
     add("--concurrency", type=_positive, default=defaults.concurrency, help="requests in flight (default 8)")
     add("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds (default 120)")
     add("--json", action="store_true", help="print one JSON object (the last stdout line) instead of the table")
@@ -396,6 +402,8 @@ def main_with_args(args: argparse.Namespace) -> int:
         with progress:
             result = run_demo(options, on_progress, worker_log)
     except KeyboardInterrupt:
+        if worker_log and not keep_log:
+            os.unlink(worker_log)
         err.print("interrupted: every worker process was stopped")
         return 130
     except Exception as exc:  # a start failure or an impossible layout: one line for the operator, no trace

@@ -1,0 +1,57 @@
+"""`kvsvc bench --json` on tiny sizes: it runs every scenario and baseline and ends stdout with one JSON object that
+holds every headline key with a sane type. Never asserts a figure against a target (benchmarks print, tests check
+shape).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+NUMBERS = (
+    "ratio_to_raw",
+    "ratio_to_peer_style",
+    "ratio_to_memcpy",
+    "small_ratio_to_raw",
+    "small_requests_per_s",
+    "small_raw_requests_per_s",
+    "descriptors_per_request",
+    "raw_gbps",
+    "kvsvc_gbps",
+    "peer_style_gbps",
+    "memcpy_gbps",
+    "layerwise_ms",
+    "whole_request_ms",
+    "layerwise_ratio",
+)
+SCENARIO_NUMBERS = ("kvsvc_gbps", "raw_gbps", "peer_gbps", "p50_ms", "p99_ms", "kvsvc_cpu_s_per_gb")
+
+
+def test_bench_json_has_every_key_with_sane_types() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvsvc.cli", "bench", "--quick", "--tiny", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in NUMBERS:
+        value = summary[key]
+        assert isinstance(value, int | float) and not isinstance(value, bool), key
+        assert math.isfinite(value) and value > 0, (key, value)
+    assert summary["verified"] is True
+    assert summary["failures"] == 0
+    assert set(summary["scenarios"]) == {"large", "small", "hetero_tp"}
+    for name, scenario in summary["scenarios"].items():
+        for key in SCENARIO_NUMBERS:
+            assert isinstance(scenario[key], float) and math.isfinite(scenario[key]), (name, key)
+        assert scenario["raw_method"] in ("submit_poll", "batch")
+        assert scenario["descriptors_per_request"] <= scenario["naive_descriptors_per_request"]

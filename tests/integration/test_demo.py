@@ -1,0 +1,47 @@
+"""`kvsvc demo` run in-process with small flags: both engines start, every request moves and verifies on every D worker.
+
+Reads the JSON object of `--json` (the last stdout line); never asserts durations.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workers.commands import demo
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+SMALL = ["--requests", "12", "--tokens", "70", "--layers", "4", "--kv-heads", "4", "--head-size", "16", "--json"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *layout: str) -> dict[str, object]:
+    code = demo.main([*layout, *SMALL])
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert isinstance(result, dict)
+    assert code == (0 if result["ok"] else 1)
+    return result
+
+
+def _assert_all_verified(result: dict[str, object]) -> None:
+    assert result["ok"] is True, result
+    assert result["verified"] == result["requests"] == 12
+    assert isinstance(result["bytes"], int) and result["bytes"] > 0
+    assert isinstance(result["descriptors"], int) and result["descriptors"] > 0
+    assert result["p50_ms"] is not None and result["p99_ms"] is not None
+
+
+def test_default_layouts_p_pp2_tp1_to_d_pp1_tp2_verify_every_request(capsys: pytest.CaptureFixture[str]) -> None:
+    result = _run(capsys, "--prefill-pp", "2", "--prefill-tp", "1", "--decode-pp", "1", "--decode-tp", "2")
+    _assert_all_verified(result)
+
+
+def test_p_tp1_to_d_tp2_with_other_block_sizes_verifies_every_request(capsys: pytest.CaptureFixture[str]) -> None:
+    result = _run(
+        capsys,
+        *("--prefill-pp", "1", "--prefill-tp", "1", "--decode-pp", "1", "--decode-tp", "2"),
+        *("--prefill-block-size", "16", "--decode-block-size", "8"),
+    )
+    _assert_all_verified(result)

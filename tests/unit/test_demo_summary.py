@@ -1,0 +1,80 @@
+"""The pure helpers of `kvsvc demo`: percentiles, byte formatting, the summary rows and the JSON result."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.commands.demo import DemoOptions, DemoResult, format_bytes, percentile, summary_rows
+
+
+def test_percentile_interpolates_between_closest_ranks_like_numpy() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 99) == pytest.approx(3.97)
+    assert percentile([7.0], 99) == 7.0
+
+
+@pytest.mark.parametrize("q", [-1, 100.5])
+def test_percentile_refuses_q_outside_0_to_100(q: float) -> None:
+    with pytest.raises(ValueError, match="q must be"):
+        percentile([1.0], q)
+
+
+def test_percentile_of_nothing_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [(0, "0 B"), (512, "512 B"), (1536, "1.5 KiB"), (16 * 2**20, "16 MiB"), (2**30, "1 GiB"), (300 * 2**30, "300 GiB")],
+)
+def test_format_bytes_uses_binary_units(count: int, text: str) -> None:
+    assert format_bytes(count) == text
+
+
+def test_result_is_ok_only_when_every_request_finished_and_verified() -> None:
+    assert DemoResult(requests=2, finished=2, verified=2).ok
+    assert not DemoResult(requests=2, finished=2, verified=1).ok
+    assert not DemoResult(requests=2, finished=1, failed=1, verified=1).ok
+    assert not DemoResult(requests=2, finished=2, verified=2, errors=["late"]).ok
+    assert not DemoResult(requests=0).ok
+
+
+def test_json_carries_the_documented_keys_and_goodput_in_gb_per_s() -> None:
+    result = DemoResult(requests=2, finished=2, verified=2, bytes=10**9, kv_bytes=2 * 10**9, seconds=4.0)
+    result.latencies_ms.extend([10.0, 30.0])
+    payload = result.to_json(DemoOptions())
+    for key in ("ok", "requests", "verified", "bytes", "seconds", "goodput_gbps", "p50_ms", "p99_ms", "descriptors"):
+        assert key in payload
+    assert payload["ok"] is True
+    assert payload["goodput_gbps"] == 0.5
+    assert payload["p50_ms"] == 20.0
+    assert "P pp2×tp1" in payload["layout"]
+
+
+def test_json_latencies_are_null_when_nothing_finished() -> None:
+    payload = DemoResult(requests=3).to_json()
+    assert payload["p50_ms"] is None and payload["p99_ms"] is None and payload["ok"] is False
+
+
+def test_summary_rows_name_every_figure_of_the_table() -> None:
+    result = DemoResult(requests=4, finished=4, verified=4, bytes=2**20, descriptors=1234, seconds=2.0)
+    result.latencies_ms.extend([1.0, 2.0, 3.0, 4.0])
+    rows = dict(summary_rows(result))
+    assert list(rows) == [
+        "requests",
+        "verified",
+        "bytes",
+        "seconds",
+        "goodput",
+        "latency p50",
+        "latency p99",
+        "descriptors",
+    ]
+    assert rows["verified"] == "4 / 4"
+    assert rows["bytes"] == "1 MiB (1,048,576)"
+    assert rows["descriptors"] == "1,234"
+    assert rows["latency p50"] == "2.5 ms"

@@ -1,0 +1,564 @@
+"""`ChaosRun`: load with random aborts and injected faults through a prefill and a decode engine, fully audited.
+
+Imports `workers.engine`, `workers.executor`, `workers.process` and `kvsvc` (admin app, service config). Drives a P
+engine and a D engine (separate worker processes, real Mooncake over loopback) from one thread, the way an engine
+core would: submit, step, abort. Every request is tracked until both engines reported it; the audit at the end
+checks what issue 4 promises: every finished receive verified byte for byte on every D worker, every failed one
+reported with all its blocks invalid, no request lost (each reported exactly once per engine), both block
+allocators full again, no hold left on any worker.
+
+Faults (one per phase, injected once half the phase's requests were submitted, after `probes` parked receives were
+started: receives of transfers P never holds, so each fault has requests it must fail):
+
+- `kill`: SIGKILL P worker `fault_worker`; D fails what waits on it; then the P engine restarts (new incarnation).
+- `freeze`: SIGSTOP P worker `fault_worker` for `freeze_s`, then SIGCONT; D expires what waits on it.
+- `restart`: the whole P engine restarts (new incarnation) while load is in flight.
+- `cut`: D's control connections to P are cut through the admin endpoint `POST /v1/peers/{engine}/forget`
+  (bearer token); the next receive reconnects.
+
+Nothing here sleeps on a fixed schedule except the freeze; every wait has a deadline and is recorded, never
+asserted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvsvc.engine.admin import build_admin_app, random_token
+from kvsvc.service import ServiceConfig
+from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine, PrefillRequest
+from workers.executor import EngineConfig, Executor, start_all
+from workers.view import ExecutorView
+
+FAULTS: Final = ("kill", "freeze", "restart", "cut")
+_IDLE_SLEEP_S: Final = 0.001
+
+
+def default_service() -> ServiceConfig:
+    """Short deadlines, so a fault's bound is seconds and a run ends by itself."""
+    return ServiceConfig(
+        hold_timeout_s=10.0,
+        recv_timeout_s=5.0,
+        early_request_timeout_s=4.0,
+        abort_grace_s=15.0,
+        handshake_timeout_s=5.0,
+        close_drain_timeout_s=10.0,
+    )
+
+
+@dataclass(frozen=True)
+class ChaosOptions:
+    """One run: the load, the faults and the two engines' layout."""
+
+    requests: int = 10_000  # regular requests over the whole run, split evenly over the phases
+    faults: tuple[str, ...] = FAULTS
+    concurrency: int = 16
+    max_tokens: int = 64
+    abort_rate: float = 0.10
+    abort_window_s: float = 0.02  # an abort is issued at a uniformly random moment this long after the submit
+    probes: int = 4  # parked receives started just before each fault
+    freeze_s: float = 6.0
+    fault_worker: int = 1  # index of the P worker killed or frozen
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    prefill_block_size: int = 4
+    decode_block_size: int = 8
+    num_blocks: int = 2048
+    seed: int = 0
+    timeout_s: float = 1800.0
+    service: ServiceConfig = field(default_factory=default_service)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.faults) - set(FAULTS))
+        if unknown:
+            raise ValueError(f"unknown faults {unknown}; known: {list(FAULTS)}")
+        if not 0 <= self.abort_rate <= 1:
+            raise ValueError(f"abort_rate must be in [0, 1], got {self.abort_rate}")
+        if self.requests < 1 or self.concurrency < 1 or self.max_tokens < 1:
+            raise ValueError("requests, concurrency and max_tokens must be >= 1")
+        if not 0 <= self.fault_worker < self.prefill_tp:
+            raise ValueError(f"fault_worker {self.fault_worker} is not a P worker (prefill_tp {self.prefill_tp})")
+
+    def fault_bound_s(self, fault: str) -> float:
+        """The longest a request hit by `fault` may take to be reported failed, from the fault: the receive
+        deadline, then the abort grace (a frozen P cannot confirm), then a handshake; the freeze itself for a
+        freeze (P confirms the abort once it runs again)."""
+        service = self.service
+        bound = service.recv_timeout_s + service.abort_grace_s + service.handshake_timeout_s
+        return bound + (self.freeze_s if fault == "freeze" else 0.0)
+
+    def engine_configs(self) -> tuple[EngineConfig, EngineConfig]:
+        common: dict[str, Any] = dict(num_layers=4, num_kv_heads=4, head_size=16, num_blocks=self.num_blocks)
+        return (
+            EngineConfig(
+                engine_id="chaos-p",
+                role="prefill",
+                tp_size=self.prefill_tp,
+                block_size=self.prefill_block_size,
+                service=self.service,
+                **common,
+            ),
+            EngineConfig(
+                engine_id="chaos-d",
+                role="decode",
+                tp_size=self.decode_tp,
+                block_size=self.decode_block_size,
+                service=self.service,
+                **common,
+            ),
+        )
+
+
+@dataclass
+class PhaseResult:
+    """What one phase (plain load, or load with one fault) did. Times in seconds; `fail_s` is the longest time
+    from the fault to the report of a request it made fail."""
+
+    name: str
+    requests: int = 0
+    finished: int = 0
+    verified: int = 0
+    failed: int = 0
+    aborted_p: int = 0
+    aborted_d: int = 0
+    affected: int = 0  # receives in flight (probes included) when the fault hit
+    affected_failed: int = 0
+    probes: int = 0
+    probes_failed: int = 0
+    after_fault: int = 0  # regular requests submitted once the fault was over
+    after_fault_finished: int = 0
+    p_lost_in_restart: int = 0
+    fail_s: float | None = None
+    bound_s: float | None = None
+    recovery_s: float | None = None  # from the fault to the first later request that finished verified
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class ChaosResult:
+    options: ChaosOptions
+    phases: list[PhaseResult] = field(default_factory=list)
+    requests_lost: int = 0  # submitted but never reported by one of the engines
+    holds_leaked: int = 0  # sum of every worker's `holds` after the run settled
+    p_blocks_leaked: int = 0
+    d_blocks_leaked: int = 0
+    duplicate_reports: int = 0  # ids an engine reported that it did not wait for (a repeat)
+    late_reports_ignored: int = 0  # the aggregators' count of repeats after an id completed
+    seconds: float = 0.0
+    startup_seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        leaks = self.requests_lost + self.holds_leaked + self.p_blocks_leaked + self.d_blocks_leaked
+        return not self.errors and leaks == 0 and self.duplicate_reports == 0 and self.late_reports_ignored == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "requests": sum(p.requests for p in self.phases),
+            "verified": sum(p.verified for p in self.phases),
+            "failed": sum(p.failed for p in self.phases),
+            "requests_lost": self.requests_lost,
+            "holds_leaked": self.holds_leaked,
+            "p_blocks_leaked": self.p_blocks_leaked,
+            "d_blocks_leaked": self.d_blocks_leaked,
+            "duplicate_reports": self.duplicate_reports,
+            "late_reports_ignored": self.late_reports_ignored,
+            "seconds": round(self.seconds, 3),
+            "startup_seconds": round(self.startup_seconds, 3),
+            "phases": [p.to_json() for p in self.phases],
+            "errors": self.errors[:20],
+        }
+
+
+@dataclass
+class _Track:
+    transfer_id: str
+    phase: PhaseResult
+    d_req: DecodeRequest
+    p_req: PrefillRequest | None  # None: a parked probe that P never holds
+    abort_side: str = ""  # "p" or "d" once an abort was issued
+    affected_at: float | None = None  # when a fault hit it in flight
+    after_fault_at: float | None = None  # the fault that was over when it was submitted
+
+
+class ChaosRun:
+    """Runs `options` on two started engines (see module docstring); one thread, not reentrant."""
+
+    def __init__(
+        self,
+        options: ChaosOptions,
+        prefill: PrefillEngine,
+        decode: DecodeEngine,
+        *,
+        admin_url: str = "",
+        admin_token: str = "",
+        on_progress: Callable[[ChaosResult], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.prefill, self.decode = prefill, decode
+        self.admin_url, self.admin_token = admin_url, admin_token
+        self.result = ChaosResult(options)
+        self._rng = random.Random(options.seed)
+        self._by_d: dict[str, _Track] = {}  # D req_id -> track, until D reported it
+        self._by_p: dict[str, _Track] = {}  # P req_id -> track, until P reported it (or lost it in a restart)
+        self._aborts: list[tuple[float, int, str]] = []  # (when, tiebreak, transfer id)
+        self._tracks: dict[str, _Track] = {}
+        self._p_up = True
+        self._count = 0
+        self._deadline = time.monotonic() + options.timeout_s
+        self._on_progress = on_progress
+
+    # -- the run -------------------------------------------------------------------------------------------------
+
+    def run(self) -> ChaosResult:
+        """Every phase, then the settle and the audit. Never raises for what the engines do wrong: it is recorded
+        in `errors`; a worker command that fails (`WorkerError`) still propagates."""
+        started = time.monotonic()
+        names = ["load", *self.options.faults]
+        share, extra = divmod(self.options.requests, len(names))
+        for i, name in enumerate(names):
+            self._phase(name, share + (1 if i < extra else 0))
+        self._settle()
+        self._audit()
+        self.result.seconds = time.monotonic() - started
+        return self.result
+
+    def _phase(self, name: str, count: int) -> None:
+        phase = PhaseResult(name)
+        self.result.phases.append(phase)
+        begin = time.monotonic()
+        fault_at: float | None = None
+        while phase.requests < count or any(t.phase is phase for t in self._by_d.values()):
+            if self._expired(f"phase {name}"):
+                break
+            if name != "load" and fault_at is None and phase.requests >= count // 2:
+                fault_at = self._inject(phase)
+            while phase.requests < count and self._can_submit():
+                self._submit(phase, fault_at)
+            if not self._pump():
+                time.sleep(_IDLE_SLEEP_S)
+        phase.seconds = time.monotonic() - begin
+
+    def _inject(self, phase: PhaseResult) -> float:
+        fault, opts = phase.name, self.options
+        phase.bound_s = opts.fault_bound_s(fault)
+        for _ in range(opts.probes):
+            self._probe(phase)
+        self._pump_for(0.05)  # the probes' requests reach P
+        at = time.monotonic()
+        for track in self._by_d.values():
+            track.affected_at = at
+            track.phase.affected += 1
+        p_exec = self.prefill.executor
+        if fault == "kill":
+            p_exec.kill(opts.fault_worker)
+            self._p_up = False
+            self._wait_affected(at + phase.bound_s)
+            self._restart_p(phase)
+        elif fault == "freeze":
+            p_exec.stop(opts.fault_worker)
+            self._p_up = False
+            try:
+                self._pump_for(opts.freeze_s)
+            finally:
+                p_exec.cont(opts.fault_worker)
+            self._p_up = True
+        elif fault == "restart":
+            self._p_up = False
+            self._restart_p(phase)
+        elif fault == "cut":
+            self._forget_p()
+        return at
+
+    def _restart_p(self, phase: PhaseResult) -> None:
+        """Restart the P engine in a thread while D keeps being stepped (D must notice by itself)."""
+        lost: list[PrefillRequest] = []
+        errors: list[BaseException] = []
+
+        def restart() -> None:
+            try:
+                lost.extend(self.prefill.restart())
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=restart, name="chaos-restart", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            self._pump_d()
+            thread.join(0.01)
+        if errors:
+            raise errors[0]
+        for req in lost:
+            track = self._by_p.pop(req.req_id, None)
+            if track is not None:
+                track.phase.p_lost_in_restart += 1
+        self._p_up = True
+
+    def _forget_p(self) -> None:
+        """Cut D's control connections to P through the admin endpoint (or the worker command without one)."""
+        p_id = self.prefill.executor.engine_id
+        if not self.admin_url:
+            from workers.process import ForgetEngine
+
+            self.decode.executor.broadcast(ForgetEngine(p_id))
+            return
+        request = urllib.request.Request(
+            f"{self.admin_url}/v1/peers/{p_id}/forget",
+            method="POST",
+            headers={"Authorization": f"Bearer {self.admin_token}"},
+        )
+        with urllib.request.urlopen(request, timeout=self.decode.executor.config.call_timeout_s) as response:
+            answer = json.loads(response.read())
+        if answer.get("forgotten") != p_id:
+            self.result.errors.append(f"forget answered {answer}")
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    def _can_submit(self) -> bool:
+        opts = self.options
+        if not self._p_up or len(self._by_d) >= opts.concurrency:
+            return False
+        worst_p = -(-opts.max_tokens // opts.prefill_block_size)
+        worst_d = -(-opts.max_tokens // opts.decode_block_size)
+        return self.prefill.allocator.num_free >= worst_p and self.decode.allocator.num_free >= worst_d
+
+    def _submit(self, phase: PhaseResult, fault_at: float | None) -> None:
+        opts, rng = self.options, self._rng
+        tokens, seed = rng.randint(1, opts.max_tokens), rng.randrange(1 << 30)
+        transfer_id = f"{phase.name}-{self._count}"
+        self._count += 1
+        p_exec = self.prefill.executor
+        p_req = self.prefill.submit(transfer_id, tokens, seed)
+        d_req = self.decode.submit(transfer_id, p_exec.engine_id, p_exec.url, tokens, seed)
+        track = _Track(transfer_id, phase, d_req, p_req, after_fault_at=fault_at)
+        self._register(track)
+        phase.requests += 1
+        if fault_at is not None:
+            phase.after_fault += 1
+        if rng.random() < opts.abort_rate:
+            when = time.monotonic() + rng.uniform(0, opts.abort_window_s)
+            heapq.heappush(self._aborts, (when, self._count, transfer_id))
+
+    def _probe(self, phase: PhaseResult) -> None:
+        """A receive of a transfer P never holds: it waits on P until the fault (or P's early-request timeout)."""
+        transfer_id = f"{phase.name}-probe-{self._count}"
+        self._count += 1
+        p_exec = self.prefill.executor
+        d_req = self.decode.submit(transfer_id, p_exec.engine_id, p_exec.url, 1 + self._count % 8, None)
+        self._register(_Track(transfer_id, phase, d_req, None))
+        phase.probes += 1
+
+    def _register(self, track: _Track) -> None:
+        self._tracks[track.transfer_id] = track
+        self._by_d[track.d_req.req_id] = track
+        if track.p_req is not None:
+            self._by_p[track.p_req.req_id] = track
+
+    def _issue_aborts(self) -> None:
+        now = time.monotonic()
+        while self._aborts and self._aborts[0][0] <= now:
+            _, tiebreak, transfer_id = heapq.heappop(self._aborts)
+            track = self._tracks.get(transfer_id)
+            if track is None:
+                continue
+            side = "p" if tiebreak % 2 else "d"
+            if side == "p" and (not self._p_up or track.p_req is None):
+                side = "d"
+            if side == "p" and track.p_req is not None and track.p_req.req_id in self._by_p:
+                self.prefill.abort(track.p_req)
+            elif side == "d" and track.d_req.req_id in self._by_d:
+                self.decode.abort(track.d_req)
+            else:
+                continue
+            track.abort_side = side
+            if side == "p":
+                track.phase.aborted_p += 1
+            else:
+                track.phase.aborted_d += 1
+
+    # -- stepping ------------------------------------------------------------------------------------------------
+
+    def _pump(self) -> bool:
+        """Issue due aborts, step both engines (P only while it runs); True when something was reported."""
+        if self._p_up:
+            self._issue_aborts()
+        progressed = self._pump_d()
+        if self._p_up:
+            for req in self.prefill.step():
+                if self._by_p.pop(req.req_id, None) is None:
+                    self.result.duplicate_reports += 1
+                progressed = True
+        self._forget_ended()
+        return progressed
+
+    def _pump_d(self) -> bool:
+        now = time.monotonic()
+        ended = self.decode.step(verify=True)
+        for req in ended:
+            track = self._by_d.pop(req.req_id, None)
+            if track is None:
+                self.result.duplicate_reports += 1
+                continue
+            self._d_ended(track, req, now)
+        if ended and self._on_progress is not None:
+            self._on_progress(self.result)
+        return bool(ended)
+
+    def _d_ended(self, track: _Track, req: DecodeRequest, now: float) -> None:
+        phase = track.phase
+        if req.state == "finished":
+            phase.finished += 1
+            if track.p_req is None:
+                self.result.errors.append(f"{track.transfer_id}: a probe finished, but P never held it")
+            elif not req.verified_ok:
+                bad = next((v for v in req.verified if not v.ok), None)
+                self.result.errors.append(f"{track.transfer_id}: finished but not verified on every D worker: {bad}")
+            else:
+                phase.verified += 1
+                if track.after_fault_at is not None:
+                    phase.after_fault_finished += 1
+                    since = now - track.after_fault_at
+                    phase.recovery_s = since if phase.recovery_s is None else min(phase.recovery_s, since)
+            return
+        phase.failed += 1
+        if req.invalid_block_ids != set(req.block_ids):
+            missing = sorted(set(req.block_ids) - req.invalid_block_ids)[:8]
+            self.result.errors.append(f"{track.transfer_id}: failed without all its blocks invalid ({missing} not)")
+        if track.p_req is None:
+            phase.probes_failed += 1
+        if track.affected_at is not None:
+            phase.affected_failed += 1
+            took = now - track.affected_at
+            phase.fail_s = took if phase.fail_s is None else max(phase.fail_s, took)
+        elif not track.abort_side:
+            self.result.errors.append(f"{track.transfer_id}: failed with no abort and no fault")
+
+    def _forget_ended(self) -> None:
+        for transfer_id in [t for t, tr in self._tracks.items() if tr.d_req.req_id not in self._by_d]:
+            track = self._tracks[transfer_id]
+            if track.p_req is None or track.p_req.req_id not in self._by_p:
+                del self._tracks[transfer_id]
+
+    def _pump_for(self, seconds: float) -> None:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            if not (self._pump() if self._p_up else self._pump_d()):
+                time.sleep(_IDLE_SLEEP_S)
+
+    def _wait_affected(self, deadline: float) -> None:
+        while any(t.affected_at is not None for t in self._by_d.values()) and time.monotonic() < deadline:
+            if not self._pump_d():
+                time.sleep(_IDLE_SLEEP_S)
+
+    def _expired(self, what: str) -> bool:
+        if time.monotonic() < self._deadline:
+            return False
+        self.result.errors.append(f"{what}: not done after {self.options.timeout_s:g} s")
+        return True
+
+    # -- the end -------------------------------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Wait (bounded by the hold deadline) for P to report every send and for every worker to drop its holds."""
+        service = self.options.service
+        bound = max(service.hold_timeout_s, service.early_request_timeout_s, service.abort_grace_s) + 30.0
+        deadline = min(self._deadline, time.monotonic() + bound)
+        while (self._by_d or self._by_p) and time.monotonic() < deadline:
+            if not self._pump():
+                time.sleep(0.01)
+        while self._holds() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _holds(self) -> int:
+        return sum(int(s["holds"]) for e in (self.prefill.executor, self.decode.executor) for s in e.statistics())
+
+    def _audit(self) -> None:
+        result = self.result
+        result.requests_lost = len(self._by_d) + len(self._by_p)
+        for track in list(self._by_d.values())[:5]:
+            result.errors.append(f"{track.transfer_id}: D never reported it")
+        for track in list(self._by_p.values())[:5]:
+            result.errors.append(f"{track.transfer_id}: P never reported it")
+        result.holds_leaked = self._holds()
+        result.p_blocks_leaked = self.prefill.executor.config.num_blocks - self.prefill.allocator.num_free
+        result.d_blocks_leaked = self.decode.executor.config.num_blocks - self.decode.allocator.num_free
+        result.late_reports_ignored = sum(
+            e.aggregator_statistics().late_reports_ignored for e in (self.prefill.executor, self.decode.executor)
+        )
+        for phase in result.phases:
+            if phase.name == "load":
+                continue
+            if phase.probes_failed != phase.probes:
+                result.errors.append(f"{phase.name}: {phase.probes - phase.probes_failed} probes did not fail")
+            if phase.fail_s is not None and phase.bound_s is not None and phase.fail_s > phase.bound_s:
+                result.errors.append(f"{phase.name}: failures took {phase.fail_s:.1f} s, bound {phase.bound_s:g} s")
+            if phase.after_fault and phase.after_fault_finished == 0:
+                result.errors.append(f"{phase.name}: no request finished after the fault (D did not recover)")
+
+
+def start_chaos_engines(options: ChaosOptions) -> tuple[PrefillEngine, DecodeEngine, str, str]:
+    """Start the P engine and the D engine (D's endpoint also serves the admin app, with a fresh token).
+
+    Returns (prefill, decode, D admin URL, token).
+
+    Raises:
+        WorkerError: an engine failed to start (both are closed then).
+    """
+    from workers.commands.common import sigint_ignored_by_children
+
+    p_config, d_config = options.engine_configs()
+    p_exec, d_exec = Executor(p_config), Executor(d_config)
+    try:
+        with sigint_ignored_by_children():
+            p_exec.launch()
+            d_exec.launch()
+        token = random_token()
+        d_exec.serve_app(build_admin_app(ExecutorView(d_exec), token=token))
+        start_all([p_exec, d_exec])
+    except BaseException:
+        p_exec.close()
+        d_exec.close()
+        raise
+    return PrefillEngine(p_exec), DecodeEngine(d_exec), d_exec.url, token
+
+
+def run_chaos(options: ChaosOptions, on_progress: Callable[[ChaosResult], None] | None = None) -> ChaosResult:
+    """Start both engines, run `options`, close them (every process reaped, also on errors).
+
+    Raises:
+        WorkerError: an engine failed to start or a worker failed a command.
+    """
+    started = time.monotonic()
+    prefill, decode, url, token = start_chaos_engines(options)
+    try:
+        run = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token, on_progress=on_progress)
+        run.result.startup_seconds = time.monotonic() - started
+        return run.run()
+    finally:
+        decode.executor.close()
+        prefill.executor.close()
+
+
+__all__ = [
+    "FAULTS",
+    "ChaosOptions",
+    "ChaosResult",
+    "ChaosRun",
+    "PhaseResult",
+    "default_service",
+    "run_chaos",
+    "start_chaos_engines",
+]

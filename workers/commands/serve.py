@@ -1,0 +1,231 @@
+"""`kvsvc serve`: one synthetic engine whose handshake and admin endpoints share one aiohttp app and port.
+
+Imports argparse and the standard library at module level; the runtime (`workers.executor`, torch, mooncake) and
+`kvsvc.engine.admin` inside the functions. Invariants: the endpoint binds loopback unless told otherwise; POST
+endpoints need the bearer token (`--token-file` or `KVSVC_ADMIN_TOKEN`) and are refused (403) without one; SIGINT
+and SIGTERM stop the engine and reap every worker; `ServedEngine` is the code path of both the command and the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Final, Self
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from workers.executor import Executor
+    from workers.view import ExecutorView
+
+TOKEN_ENV: Final = "KVSVC_ADMIN_TOKEN"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    role: str = "prefill"
+    engine_id: str = ""  # "" -> "<role>-<pid>"
+    pp: int = 1
+    tp: int = 1
+    layers: int = 8
+    kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    num_blocks: int = 1024
+    dtype: str = "bfloat16"
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+
+
+class ServedEngine:
+    """A started engine and its endpoint (`url`): the workers, an `ExecutorView`, and the admin app serving both
+    the handshake route and the admin routes. A context manager; `close()` reaps every worker."""
+
+    def __init__(self, executor: Executor, view: ExecutorView, app: web.Application) -> None:
+        self.executor, self.view, self.app = executor, view, app
+
+    @classmethod
+    def start(cls, options: ServeOptions) -> Self:
+        """Spawn the workers (they ignore SIGINT: the parent stops them), build the admin app on a view of them,
+        serve it on `options.host:options.port` with the handshake metadata published.
+
+        Raises:
+            WorkerError: a worker failed to start (every process is reaped first). OSError: the port is taken.
+            ValueError / TopologyError: impossible geometry, or an empty token.
+        """
+        from kvsvc.engine.admin import build_admin_app
+        from kvsvc.service import ServiceConfig
+        from kvsvc.transport.mooncake import MooncakeConfig
+        from workers.commands.common import sigint_ignored_by_children
+        from workers.executor import EngineConfig, Executor
+        from workers.view import ExecutorView
+
+        config = EngineConfig(
+            engine_id=options.engine_id or f"{options.role}-{os.getpid()}",
+            role=options.role,
+            num_layers=options.layers,
+            num_kv_heads=options.kv_heads,
+            head_size=options.head_size,
+            block_size=options.block_size,
+            num_blocks=options.num_blocks,
+            pp_size=options.pp,
+            tp_size=options.tp,
+            dtype=options.dtype,
+            service=ServiceConfig(),
+            transport=MooncakeConfig(),
+            bootstrap_host=options.host,
+            bootstrap_port=options.port,
+        )
+        executor = Executor(config)
+        try:
+            with sigint_ignored_by_children():
+                executor.launch()
+            # The view and app need the incarnation, which `launch` draws; the app must exist before `start` binds.
+            view = ExecutorView(executor)
+            app = build_admin_app(view, token=options.token)
+            executor.serve_app(app)
+            executor.start()
+        except BaseException:
+            executor.close()
+            raise
+        return cls(executor, view, app)
+
+    @property
+    def url(self) -> str:
+        return self.executor.url
+
+    def close(self) -> None:
+        """Stop answering admin calls, then shut every worker down and reap it. Idempotent."""
+        self.view.close()
+        self.executor.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The admin token: the first line of `token_file`, else `$KVSVC_ADMIN_TOKEN`, else None (POSTs disabled).
+
+    Raises:
+        OSError: `token_file` cannot be read. ValueError: the token found is empty.
+    """
+    if token_file:
+        with open(token_file, encoding="utf-8") as handle:
+            token = handle.readline().strip()
+        source = token_file
+    elif TOKEN_ENV in os.environ:
+        token, source = os.environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}"
+    else:
+        return None
+    if not token:
+        raise ValueError(f"the admin token from {source} is empty")
+    return token
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    defaults = ServeOptions()
+    parser = subparsers.add_parser(
+        "serve",
+        help="run one engine with synthetic workers and its handshake + admin endpoints",
+        description="Runs one engine of pp × tp synthetic worker processes until SIGINT/SIGTERM. One HTTP port "
+        "serves the handshake metadata (what a remote engine's start_recv fetches) and the admin endpoints "
+        "(/healthz, /readyz, /metrics, /v1/topology, /v1/peers, /v1/transfers, /v1/statistics, POST /v1/drain, "
+        f"POST /v1/peers/<engine>/forget). POSTs need the bearer token from --token-file or ${TOKEN_ENV}.",
+    )
+    add = parser.add_argument
+    add("--role", choices=("prefill", "decode"), default=defaults.role)
+    add("--engine-id", default="", help="engine id (default: <role>-<pid>)")
+    add("--pp", type=int, default=defaults.pp, help="pipeline-parallel size (default 1)")
+    add("--tp", type=int, default=defaults.tp, help="tensor-parallel size (default 1)")
+    add("--layers", type=int, default=defaults.layers)
+    add("--kv-heads", type=int, default=defaults.kv_heads)
+    add("--head-size", type=int, default=defaults.head_size)
+    add("--block-size", type=int, default=defaults.block_size)
+    add("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks per worker (default 1024)")
+    add("--dtype", default=defaults.dtype, choices=("bfloat16", "float16", "float32"))
+    add("--host", default=defaults.host, help="address of the HTTP endpoint (default 127.0.0.1: loopback only)")
+    add("--port", type=int, default=defaults.port, help="port of the HTTP endpoint (default 0: a free one)")
+    add("--token-file", default=None, help=f"file whose first line is the admin bearer token (else ${TOKEN_ENV})")
+    parser.set_defaults(func=main_with_args)
+
+
+def main_with_args(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code (0 after a clean stop, 1 when the engine cannot start)."""
+    from workers.executor import WorkerError
+
+    try:
+        token = read_token(args.token_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvsvc serve: {exc}", file=sys.stderr)
+        return 2
+    options = ServeOptions(
+        role=args.role,
+        engine_id=args.engine_id,
+        pp=args.pp,
+        tp=args.tp,
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_size=args.head_size,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        token=token,
+    )
+    # Mooncake's native INFO lines (one set per worker start) drown the URLs; an operator's own setting wins.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            engine = ServedEngine.start(options)
+        except (WorkerError, OSError, ValueError) as exc:
+            print(f"kvsvc serve: the engine did not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        with engine:
+            ex = engine.executor
+            print(
+                f"engine {ex.engine_id} ({options.role}, pp{options.pp}×tp{options.tp}, incarnation {ex.incarnation})"
+            )
+            print(f"bootstrap URL: {engine.url}   (what a decode engine's start_recv needs)")
+            print(f"admin URL:     {engine.url}   (/healthz /readyz /metrics /v1/topology /v1/peers /v1/statistics)")
+            if token is None:
+                print(f"POST endpoints disabled: no admin token (--token-file or ${TOKEN_ENV})")
+            print("Ctrl-C or SIGTERM stops it.", flush=True)
+            # wait() in slices: a bare wait() on an Event is not interrupted by signals on every platform.
+            while not stop.wait(0.5):
+                if not all(engine.executor.alive()):
+                    print("kvsvc serve: a worker process died; stopping", file=sys.stderr)
+                    return 1
+        print("stopped; every worker reaped", file=sys.stderr)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`kvsvc serve` with `argv` (the arguments after `serve`)."""
+    parser = argparse.ArgumentParser(prog="kvsvc")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(argv or [])])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
