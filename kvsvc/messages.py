@@ -204,6 +204,8 @@ class FrameReader:
         self._buffer = bytearray()
         self._max = max_frame_bytes
         self._broken = False
+        # An error met after whole messages in the same chunk: those are returned first, the error raised next.
+        self._pending: MalformedFrame | None = None
 
     @property
     def buffered(self) -> int:
@@ -216,26 +218,39 @@ class FrameReader:
         Raises:
             MalformedFrame: a frame announces more than the size limit, or its body does not decode.
         """
-        if self._broken:
-            raise MalformedFrame("stream already broken by an earlier malformed frame")
+        self.raise_if_broken()
         self._buffer += data
         messages: list[Message] = []
-        while len(self._buffer) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buffer)
-            if length > self._max:
-                self._broken = True
-                raise MalformedFrame(f"frame announces {length} bytes, limit is {self._max}")
-            end = _HEADER.size + length
-            if len(self._buffer) < end:
-                break
-            body = bytes(self._buffer[_HEADER.size : end])
-            del self._buffer[:end]
-            try:
+        try:
+            while len(self._buffer) >= _HEADER.size:
+                (length,) = _HEADER.unpack_from(self._buffer)
+                if length > self._max:
+                    raise MalformedFrame(f"frame announces {length} bytes, limit is {self._max}")
+                end = _HEADER.size + length
+                if len(self._buffer) < end:
+                    break
+                body = bytes(self._buffer[_HEADER.size : end])
+                del self._buffer[:end]
                 messages.append(decode(body))
-            except MalformedFrame:
-                self._broken = True
+        except MalformedFrame as exc:
+            self._broken = True
+            self._buffer.clear()
+            if not messages:
                 raise
+            self._pending = exc
         return messages
+
+    def raise_if_broken(self) -> None:
+        """Raise the error that broke the stream, if any (the one held back behind good messages first).
+
+        Raises:
+            MalformedFrame: the stream is broken.
+        """
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            raise pending
+        if self._broken:
+            raise MalformedFrame("stream already broken by an earlier malformed frame")
 
 
 def encode_engine_metadata(metas: dict[tuple[int, int], WorkerMetadata]) -> bytes:

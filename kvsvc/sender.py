@@ -87,7 +87,8 @@ class Sender:
         ]
         self._early = OrderedDict()
         # Outcomes of finished transfers, so a repeated request is answered again rather than left to fail.
-        self._outcomes: OrderedDict[tuple[str, Worker], TransferDone | TransferFailed] = OrderedDict()
+        # Keyed by the D worker's whole identity: another engine, or a restart, must never be told an old outcome.
+        self._outcomes: OrderedDict[tuple[str, WorkerRef], TransferDone | TransferFailed] = OrderedDict()
         self._remembered = remembered_outcomes
         # Why each recently finished transfer ended, for D workers that ask only after it did.
         self._closed: OrderedDict[str, str] = OrderedDict()
@@ -176,7 +177,7 @@ class Sender:
         hold = self._holds.get(message.transfer_id)
         if hold is None:
             key = (message.transfer_id, dst.worker)
-            if key not in self._outcomes:
+            if (message.transfer_id, dst) not in self._outcomes:
                 return self._early_or_outcome(key, dst, message, expected, now)
             return []
         refused = self._check_engine(hold, dst, expected)
@@ -326,7 +327,7 @@ class Sender:
         expected: frozenset[Worker],
         now: float,
     ) -> list[SendCommand]:
-        outcome = self._outcomes.get(key)
+        outcome = self._outcomes.get((message.transfer_id, dst))
         if outcome is not None:
             return [Reply(dst, outcome)] if isinstance(message, TransferRequest) else []
         closed = self._closed.get(message.transfer_id)
@@ -395,6 +396,6 @@ class Sender:
                 outcome = TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors)
             else:
                 outcome = TransferFailed(transfer_id=hold.transfer_id, reason=job.reason or job.state.value)
-            self._outcomes[(hold.transfer_id, worker)] = outcome
+            self._outcomes[(hold.transfer_id, hold.refs[worker])] = outcome
         while len(self._outcomes) > self._remembered:
             self._outcomes.popitem(last=False)

@@ -99,6 +99,7 @@ class ControlChannel:
             PeerLost: EOF, a reset, or the channel was closed.
         """
         while not self._inbox:
+            self._frames.raise_if_broken()
             if self._closed:
                 raise PeerLost(f"control connection to {self.peer} is closed")
             try:

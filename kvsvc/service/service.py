@@ -33,6 +33,7 @@ from kvsvc.errors import (
     ServiceClosed,
     TopologyError,
     TransferError,
+    TransportError,
     VersionMismatch,
 )
 from kvsvc.layout import block_bytes, block_geometry, is_cross_layer, layer_addrs, pool_regions
@@ -429,6 +430,9 @@ class KVTransferService:
         except asyncio.CancelledError:
             # Only `close` cancels a handler; returning (not re-raising) keeps asyncio's stream callback quiet.
             pass
+        except Exception:  # a bug of ours: log it and drop this connection, never the service
+            self._counts["protocol_errors"] += 1
+            log.exception("control connection from %s failed", channel.peer)
         finally:
             if inbound is not None and self._inbound.get(self._inbound_key(inbound.ref)) is inbound:
                 del self._inbound[self._inbound_key(inbound.ref)]
@@ -460,7 +464,11 @@ class KVTransferService:
         if old is not None:  # a reconnect, or a restarted D engine: the old connection's jobs are gone
             old.channel.close()
             self._run_send(self._sender.peer_lost(old.ref))
-        self._transport.add_peer(d.transport_addr, pool_regions(d))
+        try:
+            self._transport.add_peer(d.transport_addr, pool_regions(d))
+        except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
+            self._refuse(channel, f"D worker {ref} publishes an impossible KV pool: {exc}")
+            return None
         inbound = _Inbound(ref, d, channel, frozenset(expected_destinations(self._meta, d_engine)))
         inbound.strides = (block_geometry(self._meta).block_stride, block_geometry(d).block_stride)
         self._inbound[key] = inbound

@@ -431,11 +431,6 @@ def test_repeated_transfer_requests_on_the_wire_are_answered_with_one_outcome_an
     _assert_bytes(d, 12, d_blocks, TOKENS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: kvsvc/sender.py Sender._early_or_outcome keys remembered outcomes by (transfer_id, D worker) "
-    "only, so another D engine asking for a finished transfer gets TransferDone with nothing written to it",
-)
 def test_a_finished_transfer_is_not_reported_done_to_another_decode_engine(engines: dict[str, Executor]) -> None:
     p, d = engines["p_tp2"], engines["d"]
     p_reports = Reports(p)
@@ -642,12 +637,6 @@ def test_malformed_input_on_a_control_port_gets_an_error_frame_and_breaks_nothin
     _transfer(p, d, f"after-{case}-{target}".replace(" ", "-"), seed=70)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: kvsvc/messages.py FrameReader.feed raises MalformedFrame on a bad frame and drops the whole "
-    "frames it decoded before it from the same chunk (kvsvc/service/channel.py receive feeds each read whole), "
-    "so a valid hello followed by garbage in one TCP segment gets only ErrorMessage, apart it gets HelloOk first",
-)
 def test_frames_before_a_malformed_one_are_handled_whatever_the_segmentation(engines: dict[str, Executor]) -> None:
     p, d = engines["p_tp2"], engines["d"]
     target = p.metas[(0, 0)]
@@ -694,12 +683,6 @@ def test_a_hello_with_an_impossible_pool_is_not_accepted_and_breaks_nothing(
     _transfer(p, d, f"after-impossible-pool-{pool}".replace(" ", "-"), seed=80)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: kvsvc/service/service.py _accept_hello calls transport.add_peer(d.transport_addr, "
-    "pool_regions(d)) outside any handler; a hello whose pool is empty or overlaps itself raises TransportError "
-    "out of the connection handler, so D gets a bare close instead of HelloRefused and nothing is counted",
-)
 @pytest.mark.parametrize("pool", ["no blocks", "overlapping layers"])
 def test_a_hello_with_an_impossible_pool_is_refused_with_the_reason(engines: dict[str, Executor], pool: str) -> None:
     p, d = engines["p_tp2"], engines["d"]
