@@ -76,6 +76,18 @@ class _RemoteEngine:
     engine_id: str
     url: str
     fetch: asyncio.Task[EngineMetadata]
+    # Once fetched: which P workers this D worker needs and must release, so later receives skip the task and the
+    # computation (`KVTransferService._route_known`); None until then. Valid for `routes_engine` only (own engine).
+    routes: _Routes | None = None
+    routes_engine: EngineMetadata | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Routes:
+    p_engine: EngineMetadata
+    sources: list[Worker]
+    releases: list[Worker]
+    peers: list[Worker]  # sorted union of both
 
 
 @dataclass(slots=True)
@@ -172,6 +184,10 @@ class KVTransferService:
         self._layer_ready: dict[str, list[asyncio.Future[None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writes: set[asyncio.Task[None]] = set()
+        # Writes submitted without a task (`_start_write`): their result futures, and `drained` futures of failed
+        # ones whose descriptors may still move (their blocks stay held until these resolve).
+        self._started: set[asyncio.Future[Any]] = set()
+        self._start_write: Callable[..., asyncio.Future[int] | None] | None = getattr(transport, "start_write", None)
         self._server: asyncio.Server | None = None
         self._http: aiohttp.ClientSession | None = None
         self._wake = asyncio.Event()
@@ -225,9 +241,10 @@ class KVTransferService:
         self._closing = True
         if self._server is not None:
             self._server.close()
-        if self._writes:
-            _, pending = await asyncio.wait(set(self._writes), timeout=self.config.close_drain_timeout_s)
-            for task in pending:
+        if self._writes or self._started:
+            waits: set[asyncio.Future[Any]] = {*self._writes, *self._started}
+            _, pending = await asyncio.wait(waits, timeout=self.config.close_drain_timeout_s)
+            for task in pending & self._writes:
                 task.cancel()
         for task in [*self._tasks, *([self._deadline_task] if self._deadline_task else [])]:
             task.cancel()
@@ -302,7 +319,8 @@ class KVTransferService:
         if not self._receiver.start(req_id, transfer_id, remote_engine_id, block_ids, num_tokens, self._clock()):
             return
         self._wake.set()
-        self._spawn(self._resolve_sources(transfer_id, remote_engine_id, remote_url))
+        if not self._route_known(transfer_id, remote_engine_id, remote_url):
+            self._spawn(self._resolve_sources(transfer_id, remote_engine_id, remote_url))
 
     def abort(self, req_id: str) -> None:
         """Abort `req_id` on whichever side holds it. Its blocks are reported (finished_sending on P, failed on D)
@@ -352,7 +370,7 @@ class KVTransferService:
             inbound_peers=len(self._inbound),
             outbound_peers=sum(p.channel is not None for p in self._outbound.values()),
             remote_engines=len(self._remotes),
-            writes_in_flight=len(self._writes),
+            writes_in_flight=len(self._writes) + len(self._started),
             bytes_sent=self._counts["bytes"],
             descriptors_sent=self._counts["descriptors"],
             transfers_sent=self._counts["transfers"],
@@ -536,6 +554,8 @@ class KVTransferService:
     def _run_send(self, commands: list[SendCommand]) -> None:
         for command in commands:
             if isinstance(command, Submit):
+                if self._submit_now(command):
+                    continue
                 write = asyncio.create_task(self._write(command), name=f"kvsvc-write-{command.transfer_id}")
                 self._writes.add(write)
                 write.add_done_callback(self._writes.discard)
@@ -572,12 +592,59 @@ class KVTransferService:
             error = "P service closed before the write finished"
             self._run_send(self._sender.write_result(command.transfer_id, command.dst.worker, error))
             raise
+        self._write_ended(command, error, nbytes, ndesc)
+
+    def _write_ended(self, command: Submit, error: str | None, nbytes: int, ndesc: int) -> None:
         if error is None:
             self._counts["bytes"] += nbytes
             self._counts["descriptors"] += ndesc
             self._counts["transfers"] += 1
         self._run_send(self._sender.write_result(command.transfer_id, command.dst.worker, error, nbytes, ndesc))
         self._reports.set()
+
+    def _submit_now(self, command: Submit) -> bool:
+        """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can
+        (`start_write`); the outcome arrives in `_started_write_done`. False, having done nothing, in any other
+        case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then."""
+        if self._start_write is None or command.transfer_id in self._layer_ready:
+            return False
+        inbound = self._inbound.get(self._inbound_key(command.dst))
+        if inbound is None or inbound.ref != command.dst:
+            return False
+        try:
+            descriptors = self._plan(inbound, command.src_block_ids, command.dst_block_ids, command.num_tokens)
+        except (TopologyError, ValueError):
+            return False  # `_write` plans again and reports why
+        result = self._start_write(inbound.meta.transport_addr, descriptors)
+        if result is None:
+            return False
+        self._started.add(result)
+        result.add_done_callback(lambda fut: self._started_write_done(command, len(descriptors), fut))
+        return True
+
+    def _started_write_done(self, command: Submit, ndesc: int, result: asyncio.Future[int]) -> None:
+        self._started.discard(result)
+        if result.cancelled():
+            self._write_ended(command, "P service closed before the write finished", 0, ndesc)
+            return
+        exc = result.exception()
+        if exc is None:
+            self._write_ended(command, None, result.result(), ndesc)
+            return
+        self._counts["write_failures"] += 1
+        error = f"{type(exc).__name__}: {exc}"
+        drained = exc.drained if isinstance(exc, WriteFailed) else None
+        if drained is None or drained.done():
+            self._write_ended(command, error, 0, ndesc)
+            return
+        # The peer stopped making progress: the blocks stay held until Mooncake gave up on every descriptor.
+        self._started.add(drained)
+
+        def after_drain(_: asyncio.Future[None]) -> None:
+            self._started.discard(drained)
+            self._write_ended(command, error, 0, ndesc)
+
+        drained.add_done_callback(after_drain)
 
     def _plan(
         self, inbound: _Inbound, src_ids: list[int], dst_ids: list[int], num_tokens: int
@@ -669,13 +736,28 @@ class KVTransferService:
             self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}")
             self._reports.set()
             return
+        routes = _Routes(p_engine, sources, releases, sorted({*sources, *releases}))
+        remote = self._remotes.get(engine_id)
+        if remote is not None and remote.url == url and _fetched(remote) is p_engine:
+            remote.routes, remote.routes_engine = routes, self._engine  # this very fetch: later receives reuse it
+        self._route(transfer_id, engine_id, routes)
+
+    def _route_known(self, transfer_id: str, engine_id: str, url: str) -> bool:
+        """`_resolve_sources` at once, when an earlier receive from the same start of `engine_id` (same URL, same
+        metadata fetch, same own engine) computed its routes; False, having done nothing, otherwise."""
+        remote = self._remotes.get(engine_id)
+        if remote is None or remote.routes is None or remote.url != url or remote.routes_engine is not self._engine:
+            return False
+        self._route(transfer_id, engine_id, remote.routes)
+        return True
+
+    def _route(self, transfer_id: str, engine_id: str, routes: _Routes) -> None:
         # Peers first: commands for a peer without a connection wait in its outbox (Releases, early Aborts).
-        for worker in sorted({*sources, *releases}):
-            self._ensure_outbound(p_engine[worker])
-        connected = {
-            src for src in sources if (peer := self._outbound.get((engine_id, src))) and peer.channel is not None
-        }
-        self._run_recv(self._receiver.sources_known(transfer_id, sources, releases, connected))
+        for worker in routes.peers:
+            self._ensure_outbound(routes.p_engine[worker])
+        outbound = self._outbound
+        connected = {src for src in routes.sources if (peer := outbound.get((engine_id, src))) and peer.channel}
+        self._run_recv(self._receiver.sources_known(transfer_id, routes.sources, routes.releases, connected))
 
     async def _remote_engine(self, engine_id: str, url: str) -> EngineMetadata:
         remote = self._remotes.get(engine_id)
@@ -885,6 +967,14 @@ class KVTransferService:
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
 _PLAN_CACHE_DESCRIPTORS = 4096  # larger plans cost more to shift than to plan
+
+
+def _fetched(remote: _RemoteEngine) -> EngineMetadata | None:
+    """The metadata `remote`'s fetch returned, or None while it runs or when it failed."""
+    fetch = remote.fetch
+    if not fetch.done() or fetch.cancelled() or fetch.exception() is not None:
+        return None
+    return fetch.result()
 
 
 def _is_run(ids: list[int], count: int) -> bool:

@@ -62,6 +62,7 @@ class ServiceThread:
 
         Raises:
             KVSvcTimeout: the service did not start within the call timeout.
+            ServiceClosed: on any call after `close` (every method).
             OSError, TransportError: from the transport or the control server.
         """
         self._thread.start()
@@ -144,6 +145,9 @@ class ServiceThread:
             self._loop.close()
 
     def _run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        if self._loop.is_closed() or not self._thread.is_alive():
+            coro.close()
+            raise ServiceClosed(f"service thread of worker {self.metadata.worker} is not running")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout if timeout is not None else self._timeout)

@@ -304,6 +304,65 @@ class MooncakeTransport:
         self._counts["completed"] += 1
         return nbytes
 
+    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+        """Submit a small write at once, from the running loop, without a task: the many-small-requests path.
+
+        Returns a future that resolves exactly as `write` returns or raises (bytes written, or `WriteFailed` whose
+        `drained` may still be pending, or `TransportClosed`), or None, having submitted nothing, whenever `write`
+        would do anything but submit at once: the first write to a peer (its handshake runs off the loop), a full
+        window, stuck descriptors, more than `submit_chunk` descriptors, a refused descriptor, a closed transport.
+        The caller then uses `write`, which raises what applies. Cancelling the future cancels nothing.
+        """
+        if (
+            self._closed
+            or not descriptors
+            or peer not in self._connected
+            or len(descriptors) > self.config.submit_chunk
+        ):
+            return None
+        queue = self._queues.get(peer)
+        if queue is not None and (
+            queue.stuck or len(queue.entries) + len(descriptors) > self.config.max_queued_per_peer
+        ):
+            return None
+        if self._loop is None or asyncio.get_running_loop() is not self._loop:
+            return None
+        try:
+            check_descriptors(descriptors, self._local, self._peers.get(peer), peer)
+        except TransportError:
+            return None
+        loop = self._bind_loop()
+        if queue is None:
+            queue = self._queues[peer] = _PeerQueue(peer, loop.time())
+        op = _Write(queue, loop)
+        queue.writes.add(op)
+        self._counts["writes"] += 1
+        submit = self._engine.transfer_submit_write
+        for src, dst, length in descriptors:
+            self._enqueue(op, submit(peer, src, dst, length), length)
+            if op.error is not None:
+                break
+        op.submitting = False
+        op.settle()
+        op.result.add_done_callback(lambda _: self._started_write_done(op))
+        return op.result
+
+    def _started_write_done(self, op: _Write) -> None:
+        """Bookkeeping of a `start_write` once its result is decided (what `write`'s epilogue does)."""
+        self._counts["writes"] -= 1
+        queue = op.queue
+        if op.drained.done():
+            queue.writes.discard(op)
+        else:
+            op.drained.add_done_callback(lambda _: queue.writes.discard(op))
+        if op.result.cancelled():
+            return
+        exc = op.result.exception()
+        if exc is None:
+            self._counts["completed"] += 1
+        elif isinstance(exc, WriteFailed):
+            self._counts["failures"] += 1
+
     async def _submit(self, op: _Write, descriptors: Sequence[tuple[int, int, int]]) -> None:
         queue, engine, loop = op.queue, self._engine, self._loop
         assert loop is not None and self._wake is not None

@@ -205,3 +205,63 @@ async def test_closed_transport_refuses_writes() -> None:
     await transport.close()
     with pytest.raises(TransportError):
         await transport.write("peer:1", descs(1))
+
+
+# -- start_write: submitting small writes without a task --------------------------------------------------------
+
+
+async def connected() -> tuple[MooncakeTransport, ScriptedEngine]:
+    """A transport whose first write to peer:1 (the handshake one, off the loop) has landed."""
+    transport, engine = make()
+    first = asyncio.create_task(transport.write("peer:1", descs(1)))
+    await until(lambda: len(engine.submitted) == 1)
+    engine.finish(0)
+    await first
+    return transport, engine
+
+
+async def test_start_write_declines_before_the_first_write_to_a_peer_and_submits_nothing() -> None:
+    transport, engine = make()
+    assert transport.start_write("peer:1", descs(1)) is None
+    assert engine.submitted == []
+    await transport.close()
+
+
+async def test_start_write_submits_at_once_and_resolves_like_write() -> None:
+    transport, engine = await connected()
+    result = transport.start_write("peer:1", descs(2))
+    assert result is not None
+    assert len(engine.submitted) == 3  # submitted synchronously, no task
+    assert transport.statistics().writes_in_flight == 1
+    engine.finish(slice(1, 3))
+    assert await result == 512
+    await asyncio.sleep(0)
+    stats = transport.statistics()
+    assert (stats.writes_in_flight, stats.writes_completed, stats.descriptors_in_flight) == (0, 2, 0)
+    await transport.close()
+
+
+async def test_start_write_failure_is_its_own_and_the_next_write_still_lands() -> None:
+    transport, engine = await connected()
+    writes = [transport.start_write("peer:1", [d]) for d in descs(3)]
+    assert all(w is not None for w in writes)
+    engine.finish(1)
+    engine.finish(2, -1)
+    engine.finish(3)
+    first, failed, last = [await asyncio.gather(w, return_exceptions=True) for w in writes]  # type: ignore[arg-type]
+    assert first == [256] and last == [256]
+    assert isinstance(failed[0], WriteFailed) and failed[0].drained is not None and failed[0].drained.done()
+    await asyncio.sleep(0)
+    assert transport.statistics().failures == 1
+    await transport.close()
+
+
+async def test_start_write_declines_what_write_must_handle() -> None:
+    transport, engine = await connected()
+    assert transport.start_write("peer:1", [(LOCAL, REMOTE + SIZE - 1, 2)]) is None  # refused descriptor
+    assert transport.start_write("peer:2", descs(1)) is None  # unknown peer
+    assert transport.start_write("peer:1", descs(transport.config.submit_chunk + 1)) is None  # large
+    assert transport.start_write("peer:1", []) is None
+    assert len(engine.submitted) == 1
+    await transport.close()
+    assert transport.start_write("peer:1", descs(1)) is None  # closed

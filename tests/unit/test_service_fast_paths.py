@@ -1,0 +1,154 @@
+"""The service's many-small-requests paths: P submits through `start_write` without a task per write, and D reuses
+the routes of a P engine start instead of recomputing them per receive. Same bytes, same exactly-once reports,
+failures isolated per transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+
+import kvsvc.service.service as service_module
+from kvsvc.engine.bootstrap import BootstrapServer
+from kvsvc.service import KVTransferService, ServiceConfig
+from kvsvc.testing.fakes import LoopbackTransport
+from kvsvc.transport.base import WriteFailed
+from tests.unit.test_service_wiring import BLOCK, LAYERS, Side, block_bytes_of, make_side, wait_output
+
+
+class StartingTransport(LoopbackTransport):
+    """A loopback transport with `start_write`: copies at once, resolves on the next loop iteration; writes whose
+    first destination is in `fail_dst` fail (nothing copied), with `drained` resolved only by `release_drain`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = 0
+        self.fail_dst: set[int] = set()
+        self.hold_drain: asyncio.Future[None] | None = None
+
+    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[int] = loop.create_future()
+        self.started += 1
+        if descriptors[0][1] in self.fail_dst:
+            drained = self.hold_drain or loop.create_future()
+            if self.hold_drain is None:
+                drained.set_result(None)
+            exc = WriteFailed(f"injected failure to {peer}", -1, peer=peer, undrained=1, drained=drained)
+            loop.call_soon(result.set_exception, exc)
+            return result
+        for src, dst, length in descriptors:
+            ctypes.memmove(dst, src, length)
+        loop.call_soon(result.set_result, sum(d[2] for d in descriptors))
+        return result
+
+
+@pytest.fixture
+async def fast_pair() -> AsyncIterator[tuple[Side, Side, str, StartingTransport]]:
+    config = ServiceConfig(hold_timeout_s=5, recv_timeout_s=5, early_request_timeout_s=0.3, handshake_timeout_s=2)
+    p, d = make_side("prefill", config, 1), make_side("decode", config, 2)
+    transport = StartingTransport()
+    transport.register(p.transport._local.regions())
+    p = make_side_with(p, transport)
+    url_meta = await p.service.start()
+    await d.service.start()
+    bootstrap = BootstrapServer({(0, 0): url_meta})
+    url = await bootstrap.start()
+    yield p, d, url, transport
+    await p.service.close()
+    await d.service.close()
+    await bootstrap.close()
+
+
+def make_side_with(side: Side, transport: StartingTransport) -> Side:
+    service = KVTransferService(side.service.metadata, transport, side.service.config)
+    return Side(service, side.pool, transport)
+
+
+async def collect(service: Any, what: str, reqs: set[str], timeout: float = 10.0) -> dict[str, set[Any]]:
+    got: dict[str, set[Any]] = {"finished_sending": set(), "finished_recving": set(), "failed_recving": set()}
+    seen: list[str] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not reqs <= got[what] | got["failed_recving"] and loop.time() < deadline:
+        out = service.get_finished()
+        for name in got:
+            for req in getattr(out, name) or ():
+                got[name].add(req)
+                seen.append(req)
+        await asyncio.sleep(0.005)
+    assert len(seen) == len(set(seen)), "a request was reported twice"
+    return got
+
+
+async def test_small_requests_go_through_start_write_and_every_byte_lands(
+    fast_pair: tuple[Side, Side, str, StartingTransport],
+) -> None:
+    p, d, url, transport = fast_pair
+    n = 12
+    for i in range(n):
+        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK)
+    for i in range(n):
+        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [n - 1 - i], BLOCK)
+    got = await collect(d.service, "finished_recving", {f"d{i}" for i in range(n)})
+    assert got["finished_recving"] == {f"d{i}" for i in range(n)} and not got["failed_recving"]
+    sent = await collect(p.service, "finished_sending", {f"p{i}" for i in range(n)})
+    assert sent["finished_sending"] == {f"p{i}" for i in range(n)}
+    assert transport.started == n and transport.writes == []  # no write took the task path
+    for i in range(n):
+        for layer in range(LAYERS):
+            assert block_bytes_of(d, layer, n - 1 - i) == block_bytes_of(p, layer, i)
+    stats = p.service.statistics()
+    assert (stats.transfers_sent, stats.writes_in_flight, stats.holds) == (n, 0, 0)
+
+
+async def test_a_failed_start_write_fails_only_its_own_transfer_and_waits_for_its_drain(
+    fast_pair: tuple[Side, Side, str, StartingTransport],
+) -> None:
+    p, d, url, transport = fast_pair
+    loop = asyncio.get_running_loop()
+    transport.hold_drain = loop.create_future()
+    transport.fail_dst = {d.service.metadata.base_addrs[0] + 5 * (d.pool.size // LAYERS // 16)}  # D block 5
+    for i, dst in enumerate([4, 5, 6]):
+        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK)
+        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [dst], BLOCK)
+    got = await collect(d.service, "finished_recving", {"d0", "d2"})
+    assert got["finished_recving"] == {"d0", "d2"} and not got["failed_recving"]
+    sent = await collect(p.service, "finished_sending", {"p0", "p2"})
+    assert "p1" not in sent["finished_sending"]  # its descriptors may still move: still held
+    await asyncio.sleep(0.05)
+    assert "p1" not in (p.service.get_finished().finished_sending or set())
+    assert p.service.statistics().writes_in_flight == 1
+    transport.hold_drain.set_result(None)
+    out = await wait_output(d.service, "failed_recving", "d1")
+    assert out.invalid_block_ids == {5}
+    await wait_output(p.service, "finished_sending", "p1")
+    assert p.service.statistics().write_failures == 1
+
+
+async def test_d_computes_a_p_engines_routes_once_per_start(
+    fast_pair: tuple[Side, Side, str, StartingTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p, d, url, _ = fast_pair
+    calls = []
+    real = service_module.sources_of
+    monkeypatch.setattr(service_module, "sources_of", lambda *a: calls.append(1) or real(*a))
+    p.service.start_send("p0", "t0", [0], BLOCK)
+    d.service.start_recv("d0", "t0", "prefill", url, [0], BLOCK)
+    await wait_output(d.service, "finished_recving", "d0")
+    first = len(calls)
+    for i in range(1, 8):
+        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK)
+        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [i], BLOCK)
+    got = await collect(d.service, "finished_recving", {f"d{i}" for i in range(1, 8)})
+    assert got["finished_recving"] == {f"d{i}" for i in range(1, 8)}
+    assert len(calls) == first  # the later receives reused the routes
+    # A lost connection means a possible restart: the routes go with the cached metadata.
+    await p.service.close()
+    await asyncio.sleep(0.05)
+    d.service.start_recv("d9", "t9", "prefill", url, [9], BLOCK)
+    await wait_output(d.service, "failed_recving", "d9")
+    assert len(calls) > first
