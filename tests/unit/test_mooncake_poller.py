@@ -248,9 +248,9 @@ async def test_start_write_failure_is_its_own_and_the_next_write_still_lands() -
     engine.finish(1)
     engine.finish(2, -1)
     engine.finish(3)
-    first, failed, last = [await asyncio.gather(w, return_exceptions=True) for w in writes]  # type: ignore[arg-type]
-    assert first == [256] and last == [256]
-    assert isinstance(failed[0], WriteFailed) and failed[0].drained is not None and failed[0].drained.done()
+    first, failed, last = await asyncio.gather(*writes, return_exceptions=True)  # type: ignore[arg-type]
+    assert first == 256 and last == 256
+    assert isinstance(failed, WriteFailed) and failed.drained is not None and failed.drained.done()
     await asyncio.sleep(0)
     assert transport.statistics().failures == 1
     await transport.close()

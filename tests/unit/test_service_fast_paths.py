@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import kvsvc.service.service as service_module
+from kvsvc import planner
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
@@ -133,9 +134,14 @@ async def test_d_computes_a_p_engines_routes_once_per_start(
     fast_pair: tuple[Side, Side, str, StartingTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p, d, url, _ = fast_pair
-    calls = []
-    real = service_module.sources_of
-    monkeypatch.setattr(service_module, "sources_of", lambda *a: calls.append(1) or real(*a))
+    calls: list[int] = []
+    real = planner.sources_of
+
+    def counting(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(service_module, "sources_of", counting)
     p.service.start_send("p0", "t0", [0], BLOCK)
     d.service.start_recv("d0", "t0", "prefill", url, [0], BLOCK)
     await wait_output(d.service, "finished_recving", "d0")
