@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsvc-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# Mooncake's CUDA wheels are per CUDA major version: -cuda13 for a CUDA 13 driver, the plain one for CUDA 12.
+CUDA_EXTRA := $(shell nvidia-smi 2>/dev/null | grep -q 'CUDA Version: 1[3-9]' && echo cuda13 || echo cuda)
 
 .PHONY: setup demo plan test lint typecheck check bench clean
 
@@ -16,7 +18,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),1)
-	$(PY) -m pip install -q -e '.[cuda,test]'
+	$(PY) -m pip install -q -e '.[$(CUDA_EXTRA),test]'
 else
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[cpu,test]'
