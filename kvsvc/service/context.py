@@ -1,0 +1,55 @@
+"""What the two roles of one worker's service share, handed to each explicitly: `ServiceContext`.
+
+Rules: the P role (`kvsvc.service.sending`) and the D role (`kvsvc.service.receiving`) never import or call each
+other; everything they both need is here, built by `KVTransferService` and injected, so a test can pass fakes.
+Only `metadata` ever changes, once, when `start` fills in the bound addresses. Imports types and values only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from kvsvc.messages import WorkerMetadata
+from kvsvc.service.config import ServiceConfig
+from kvsvc.transport.base import Transport
+
+Worker = tuple[int, int]
+EngineMetadata = dict[Worker, WorkerMetadata]
+
+COUNTERS = ("bytes", "descriptors", "transfers", "write_failures", "protocol_errors")
+"""The service's monotonic counters (`ServiceContext.counts`), reported as deltas by `get_finished`."""
+
+
+@dataclass(slots=True, eq=False)
+class ServiceContext:
+    metadata: WorkerMetadata
+    """This worker's metadata; replaced by `KVTransferService.start` with its transport and control addresses."""
+    config: ServiceConfig
+    transport: Transport
+    clock: Callable[[], float]
+    counts: dict[str, int]
+    """The counters named in `COUNTERS`, bumped by either role."""
+    spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
+    """Run a background task that `close` cancels and whose failure is logged."""
+    tasks: set[asyncio.Task[Any]]
+    """The tasks `close` cancels: spawned ones, and connection handlers that register themselves."""
+    wake: asyncio.Event
+    """Set when a deadline may have moved: the deadline timer re-reads them."""
+    reports: asyncio.Event
+    """Set when `get_finished` may have something new."""
+
+
+def check_blocks(meta: WorkerMetadata, block_ids: list[int], num_tokens: int, side: str) -> None:
+    """Check that `block_ids` lie in `meta`'s pool and can hold `num_tokens`.
+
+    Raises:
+        ValueError: a block id is outside the pool, or the blocks cannot hold `num_tokens`.
+    """
+    bad = [b for b in block_ids if not 0 <= b < meta.num_blocks]
+    if bad:
+        raise ValueError(f"{side} block ids {bad[:8]} outside the pool of {meta.num_blocks} blocks")
+    if not 0 <= num_tokens <= len(block_ids) * meta.block_size:
+        raise ValueError(f"{num_tokens} tokens do not fit {side}'s {len(block_ids)} blocks of {meta.block_size} tokens")

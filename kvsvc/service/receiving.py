@@ -1,0 +1,400 @@
+"""The D role of a worker's service, `ReceivingRole`: fetching from P workers, driving the sans-IO `Receiver`.
+
+Rules: protocol decisions live in `Receiver`; this module carries out its commands on the control connections it
+opens to P workers, and feeds it events (routes found, connections opened or lost, answers). It owns what D knows of
+remote engines (metadata, routes, topology) and drops it when a connection to them breaks. Commands for a peer without
+a connection wait in its outbox. Shares only a `ServiceContext`; never imports the P role; never waits in start_recv.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+from msgspec.structs import replace
+
+from kvsvc.engine.bootstrap import fetch_engine_metadata
+from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost, PeerMismatch
+from kvsvc.layout import block_bytes
+from kvsvc.messages import (
+    PROTOCOL_VERSION,
+    ErrorMessage,
+    Hello,
+    HelloOk,
+    HelloRefused,
+    Message,
+    Pong,
+    TransferDone,
+    TransferFailed,
+    WorkerMetadata,
+    WorkerRef,
+)
+from kvsvc.planner import check_compatible, release_notifier, sources_of
+from kvsvc.receiver import Receiver, ReceiverStatistics, RecvReport, SendToSource
+from kvsvc.service.channel import ControlChannel
+from kvsvc.service.context import EngineMetadata, ServiceContext, Worker, check_blocks
+from kvsvc.topology import EngineTransferInfo, TransferTopology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _RemoteEngine:
+    """D's view of one P engine start: its published workers, fetched once and shared by concurrent receives."""
+
+    engine_id: str
+    url: str
+    fetch: asyncio.Task[EngineMetadata]
+    # Once fetched: which P workers this D worker needs and must release, so later receives skip the task and the
+    # computation (`ReceivingRole._route_known`); None until then. Valid for `routes_engine` only (own engine).
+    routes: _Routes | None = None
+    routes_engine: EngineMetadata | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Routes:
+    p_engine: EngineMetadata
+    sources: list[Worker]
+    releases: list[Worker]
+    peers: list[Worker]  # sorted union of both
+
+
+@dataclass(slots=True)
+class _Outbound:
+    """D's control connection to one P worker."""
+
+    ref: WorkerRef
+    meta: WorkerMetadata
+    channel: ControlChannel | None = None
+    outbox: list[Message] | None = None
+    task: asyncio.Task[None] | None = None
+    last_error: str = ""
+
+
+class ReceivingRole:
+    """D's side of one worker's service (see module docstring): remote engines, connections to P, receives."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self._ctx = ctx
+        meta = ctx.metadata
+        self._receiver = Receiver(recv_timeout_s=ctx.config.recv_timeout_s, abort_grace_s=ctx.config.abort_grace_s)
+        self.topology = TransferTopology(
+            tp_rank=meta.tp_rank,
+            tp_size=meta.tp_size,
+            block_size=meta.block_size,
+            engine_id=meta.engine_id,
+            is_mla=meta.is_mla,
+            total_num_kv_heads=meta.num_kv_heads,
+            pp_rank=meta.pp_rank,
+            pp_size=meta.pp_size,
+            start_layer=meta.start_layer,
+            end_layer=meta.end_layer,
+        )
+        self._engine: EngineMetadata | None = None
+        self._remotes: dict[str, _RemoteEngine] = {}
+        self._outbound: dict[tuple[str, Worker], _Outbound] = {}
+        self._http: aiohttp.ClientSession | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the HTTP session that fetches remote engines' metadata (needs the running loop)."""
+        self._http = aiohttp.ClientSession()
+
+    def set_own_engine(self, metas: EngineMetadata) -> None:
+        """As `KVTransferService.set_engine_metadata`."""
+        meta = self._ctx.metadata
+        own = metas.get(meta.worker)
+        if own is None or (own.start_layer, own.end_layer) != (meta.start_layer, meta.end_layer):
+            raise ValueError(f"engine metadata does not hold worker {meta.worker} with its layers")
+        self._engine = dict(metas)
+
+    def close_connections(self) -> None:
+        for peer in list(self._outbound.values()):
+            if peer.channel is not None:
+                peer.channel.close()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    # -- the engine's calls ------------------------------------------------------------------------------------
+
+    def start_recv(
+        self, req_id: str, transfer_id: str, engine_id: str, url: str, block_ids: list[int], num_tokens: int
+    ) -> None:
+        """As `KVTransferService.start_recv`, once the service is known open."""
+        check_blocks(self._ctx.metadata, block_ids, num_tokens, "D")
+        self._own_engine()
+        if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, self._ctx.clock()):
+            return
+        self._ctx.wake.set()
+        if not self._route_known(transfer_id, engine_id, url):
+            self._ctx.spawn(self._resolve_sources(transfer_id, engine_id, url))
+
+    def abort(self, req_id: str) -> None:
+        self._run_recv(self._receiver.abort(req_id, self._ctx.clock()))
+
+    def expire(self, now: float) -> None:
+        self._run_recv(self._receiver.expire(now))
+
+    def next_deadline(self) -> float | None:
+        return self._receiver.next_deadline()
+
+    def drain(self) -> RecvReport:
+        """Receives that ended since the last call (see `Receiver.drain`)."""
+        return self._receiver.drain()
+
+    def forget_engine(self, engine_id: str) -> None:
+        """As `KVTransferService.forget_engine`."""
+        self._remotes.pop(engine_id, None)
+        for key, peer in list(self._outbound.items()):
+            if key[0] == engine_id:
+                self._drop_outbound(peer, f"engine {engine_id!r} forgotten by the operator")
+        self.topology.unregister_remote_engine(engine_id)
+
+    # -- how full it is ----------------------------------------------------------------------------------------
+
+    def receiver_statistics(self) -> ReceiverStatistics:
+        return self._receiver.statistics()
+
+    @property
+    def outbound_peers(self) -> int:
+        return sum(p.channel is not None for p in self._outbound.values())
+
+    @property
+    def remote_engines(self) -> int:
+        return len(self._remotes)
+
+    def peer_rows(self) -> list[dict[str, object]]:
+        """One row per control connection to a P worker, for the admin endpoint."""
+        return [
+            {
+                "direction": "to_p",
+                "peer": str(peer.ref),
+                "peer_engine_id": peer.ref.engine_id,
+                "peer_pp_rank": peer.ref.pp_rank,
+                "peer_tp_rank": peer.ref.tp_rank,
+                "incarnation": peer.ref.incarnation,
+                "state": "connected" if peer.channel is not None else ("failed" if peer.last_error else "connecting"),
+                "describe": self._describe(peer.ref),
+                "last_error": peer.last_error,
+            }
+            for peer in self._outbound.values()
+        ]
+
+    # -- remote engines and routes -----------------------------------------------------------------------------
+
+    async def _resolve_sources(self, transfer_id: str, engine_id: str, url: str) -> None:
+        try:
+            p_engine = await self._remote_engine(engine_id, url)
+            sources = sources_of(self._ctx.metadata, p_engine)
+            own = self._own_engine()
+            me = self._ctx.metadata.worker
+            releases = [w for w, p in sorted(p_engine.items()) if release_notifier(p, own) == me]
+        except (KVSvcError, ValueError, KeyError) as exc:  # unreachable, malformed or incompatible: all fail now
+            self._remotes.pop(engine_id, None)
+            self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}")
+            self._ctx.reports.set()
+            return
+        routes = _Routes(p_engine, sources, releases, sorted({*sources, *releases}))
+        remote = self._remotes.get(engine_id)
+        if remote is not None and remote.url == url and _fetched(remote) is p_engine:
+            remote.routes, remote.routes_engine = routes, self._engine  # this very fetch: later receives reuse it
+        self._route(transfer_id, engine_id, routes)
+
+    def _route_known(self, transfer_id: str, engine_id: str, url: str) -> bool:
+        """`_resolve_sources` at once, when an earlier receive from the same start of `engine_id` (same URL, same
+        metadata fetch, same own engine) computed its routes; False, having done nothing, otherwise."""
+        remote = self._remotes.get(engine_id)
+        if remote is None or remote.routes is None or remote.url != url or remote.routes_engine is not self._engine:
+            return False
+        self._route(transfer_id, engine_id, remote.routes)
+        return True
+
+    def _route(self, transfer_id: str, engine_id: str, routes: _Routes) -> None:
+        # Peers first: commands for a peer without a connection wait in its outbox (Releases, early Aborts).
+        for worker in routes.peers:
+            self._ensure_outbound(routes.p_engine[worker])
+        outbound = self._outbound
+        connected = {src for src in routes.sources if (peer := outbound.get((engine_id, src))) and peer.channel}
+        self._run_recv(self._receiver.sources_known(transfer_id, routes.sources, routes.releases, connected))
+
+    async def _remote_engine(self, engine_id: str, url: str) -> EngineMetadata:
+        remote = self._remotes.get(engine_id)
+        if remote is None or remote.url != url or (remote.fetch.done() and remote.fetch.exception() is not None):
+            assert self._http is not None
+            fetch = asyncio.create_task(self._fetch_engine(engine_id, url))
+            remote = self._remotes[engine_id] = _RemoteEngine(engine_id, url, fetch)
+        return await asyncio.shield(remote.fetch)
+
+    async def _fetch_engine(self, engine_id: str, url: str) -> EngineMetadata:
+        assert self._http is not None
+        me = self._ctx.metadata
+        metas = await fetch_engine_metadata(self._http, url, timeout_s=self._ctx.config.handshake_timeout_s)
+        found = next(iter(metas.values())).engine_id
+        if found != engine_id:
+            raise HandshakeError(f"{url} serves engine {found!r}, not {engine_id!r}")
+        for src in sources_of(me, metas):
+            check_compatible(metas[src], me)
+        # A refetch means a new start of the engine: what was registered for the old one must go.
+        self.topology.unregister_remote_engine(engine_id)
+        for p in metas.values():
+            if p.tp_rank == 0 and p.start_layer < me.end_layer and me.start_layer < p.end_layer:
+                info = EngineTransferInfo(
+                    p.tp_size, block_bytes(p), p.block_size, 1, p.pp_rank, p.start_layer, p.end_layer
+                )
+                self.topology.register_remote_engine(engine_id, info)
+        return metas
+
+    # -- control connections to P workers ----------------------------------------------------------------------
+
+    def _ensure_outbound(self, p: WorkerMetadata) -> None:
+        key = (p.engine_id, p.worker)
+        peer = self._outbound.get(key)
+        if peer is not None and peer.ref.incarnation == p.incarnation and peer.task is not None:
+            return
+        if peer is not None:
+            self._drop_outbound(peer, f"P engine {p.engine_id!r} restarted (incarnation {p.incarnation})")
+        peer = _Outbound(WorkerRef.of(p), p, outbox=[])
+        self._outbound[key] = peer
+        peer.task = self._ctx.spawn(self._run_outbound(peer))
+
+    async def _run_outbound(self, peer: _Outbound) -> None:
+        engine_id, src = peer.ref.engine_id, peer.ref.worker
+        channel: ControlChannel | None = None
+        try:
+            channel = await self._connect(peer)
+            peer.channel = channel
+            for message in peer.outbox or []:
+                channel.send(message)
+            peer.outbox = None
+            self._run_recv(self._receiver.connected(engine_id, src))
+            while True:
+                self._on_p_message(peer, await channel.receive())
+        except (PeerLost, MalformedFrame, HandshakeError) as exc:
+            peer.last_error = str(exc)
+            if isinstance(exc, MalformedFrame):
+                self._ctx.counts["protocol_errors"] += 1
+        finally:
+            if self._outbound.get((engine_id, src)) is peer:
+                del self._outbound[(engine_id, src)]
+                # A lost connection may mean a restart: fetch the engine's metadata again next time.
+                self._remotes.pop(engine_id, None)
+            self._receiver.peer_lost(engine_id, src, peer.last_error or f"connection to {peer.ref} closed")
+            self._ctx.reports.set()
+            if channel is not None:
+                await channel.wait_closed()
+
+    async def _connect(self, peer: _Outbound) -> ControlChannel:
+        """Open and hello one P worker.
+
+        Raises:
+            PeerLost: unreachable, or closed during the hello.
+            HandshakeError: the hello was refused, timed out, or P is not what its engine published.
+        """
+        p = peer.meta
+        timeout_s = self._ctx.config.handshake_timeout_s
+        channel = await ControlChannel.connect(p.control_addr, timeout_s=timeout_s)
+        own = self._own_engine()
+        stage_layers = sorted({(m.pp_rank, m.start_layer, m.end_layer) for m in own.values()})
+        channel.send(
+            Hello(
+                version=PROTOCOL_VERSION,
+                sender=self._ctx.metadata,
+                stage_layers=[(start, end) for _, start, end in stage_layers],
+                expect_engine_id=p.engine_id,
+                expect_incarnation=p.incarnation,
+                expect_pp_rank=p.pp_rank,
+                expect_tp_rank=p.tp_rank,
+            )
+        )
+        try:
+            reply = await asyncio.wait_for(channel.receive(), timeout_s)
+        except TimeoutError:
+            channel.close()
+            raise HandshakeError(f"{peer.ref} did not answer the hello within {timeout_s:g} s") from None
+        if isinstance(reply, HelloRefused):
+            channel.close()
+            raise HandshakeError(f"{peer.ref} refused the hello: {reply.reason}")
+        if not isinstance(reply, HelloOk):
+            channel.close()
+            raise HandshakeError(f"{peer.ref} answered the hello with {type(reply).__name__}")
+        if reply.sender != p:
+            channel.close()
+            raise PeerMismatch(
+                f"{peer.ref} says it is {WorkerRef.of(reply.sender)} with other metadata than its engine published"
+            )
+        return channel
+
+    def _on_p_message(self, peer: _Outbound, message: Message) -> None:
+        engine_id, src = peer.ref.engine_id, peer.ref.worker
+        self._ctx.reports.set()
+        if isinstance(message, TransferDone | TransferFailed):
+            error = message.reason if isinstance(message, TransferFailed) else None
+            if not self._receiver.answer(engine_id, src, message.transfer_id, error):
+                log.debug("late or unknown answer for %r from %s", message.transfer_id, peer.ref)
+        elif isinstance(message, ErrorMessage):
+            log.warning("P worker %s reports a protocol error: %s", peer.ref, message.reason)
+            if message.transfer_id:
+                self._receiver.answer(engine_id, src, message.transfer_id, f"P error: {message.reason}")
+        elif not isinstance(message, Pong):
+            self._ctx.counts["protocol_errors"] += 1
+            if peer.channel is not None:
+                peer.channel.send(ErrorMessage(reason=f"unexpected {type(message).__name__} from a P worker"))
+
+    def _run_recv(self, commands: list[SendToSource]) -> None:
+        for command in commands:
+            peer = self._outbound.get((command.engine_id, command.src))
+            if peer is None:
+                continue
+            if peer.channel is not None:
+                with contextlib.suppress(PeerLost):
+                    peer.channel.send(command.message)
+            elif peer.outbox is not None:
+                peer.outbox.append(command.message)
+
+    def _drop_outbound(self, peer: _Outbound, reason: str) -> None:
+        peer.last_error = reason
+        if peer.channel is not None:
+            peer.channel.close()
+        if peer.task is not None:
+            peer.task.cancel()
+        self._outbound.pop((peer.ref.engine_id, peer.ref.worker), None)
+        self._receiver.peer_lost(peer.ref.engine_id, peer.ref.worker, reason)
+        self._ctx.reports.set()
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _own_engine(self) -> EngineMetadata:
+        """This worker's engine, as `set_engine_metadata` gave it, or built from this worker alone (pp_size 1).
+
+        Raises:
+            LocalProtocolError: the engine has several PP stages and `set_engine_metadata` was not called.
+        """
+        meta = self._ctx.metadata
+        if self._engine is not None:
+            return self._engine
+        if meta.pp_size != 1:
+            raise LocalProtocolError(
+                f"worker {meta.worker} of a pp_size {meta.pp_size} engine needs set_engine_metadata before it can "
+                "receive"
+            )
+        return {(0, tp): replace(meta, tp_rank=tp) for tp in range(meta.tp_size)}
+
+    def _describe(self, ref: WorkerRef) -> str:
+        try:
+            return self.topology.describe(ref.engine_id, ref.pp_rank)
+        except KeyError:
+            return ""
+
+
+def _fetched(remote: _RemoteEngine) -> EngineMetadata | None:
+    """The metadata `remote`'s fetch returned, or None while it runs or when it failed."""
+    fetch = remote.fetch
+    if not fetch.done() or fetch.cancelled() or fetch.exception() is not None:
+        return None
+    return fetch.result()

@@ -1,0 +1,361 @@
+"""The P role of a worker's service, `SendingRole`: serving D workers, driving the sans-IO `Sender`.
+
+Rules: protocol decisions live in `Sender`; this module carries out its commands (replies on the connections D
+workers opened; writes through its `BlockWriter`) and feeds it events (hellos, requests, layers ready, write results).
+Shares only a `ServiceContext`; never imports the D role. A request's blocks stay held until every write that may
+touch them drained. Network input never raises out of a connection handler: it gets an error frame or a close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+
+from msgspec.structs import replace
+
+from kvsvc.errors import (
+    MalformedFrame,
+    PeerLost,
+    PeerMismatch,
+    TopologyError,
+    TransportError,
+    VersionMismatch,
+)
+from kvsvc.layout import block_geometry, pool_regions
+from kvsvc.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    ErrorMessage,
+    Hello,
+    HelloOk,
+    HelloRefused,
+    Message,
+    Ping,
+    Pong,
+    Release,
+    TransferFailed,
+    TransferRequest,
+    WorkerMetadata,
+    WorkerRef,
+    check_version,
+)
+from kvsvc.planner import check_compatible, expected_destinations
+from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
+from kvsvc.service.channel import ControlChannel
+from kvsvc.service.context import EngineMetadata, ServiceContext, Worker, check_blocks
+from kvsvc.service.writing import BlockWriter, WriteTarget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Inbound:
+    """P's control connection from one D worker, after its hello was accepted."""
+
+    ref: WorkerRef
+    meta: WorkerMetadata
+    channel: ControlChannel
+    expected: frozenset[Worker]
+    target: WriteTarget  # the same D worker as the writes see it, with its cached plans
+
+
+class SendingRole:
+    """P's side of one worker's service (see module docstring): its control server, holds and writes."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self._ctx = ctx
+        config = ctx.config
+        self._sender = Sender(
+            hold_timeout_s=config.hold_timeout_s,
+            early_request_timeout_s=config.early_request_timeout_s,
+            max_early_requests=config.max_early_requests,
+        )
+        self._inbound: dict[tuple[str, Worker], _Inbound] = {}
+        self._writer = BlockWriter(ctx, self._write_target, self._write_result)
+        self._server: asyncio.Server | None = None
+        self._accepting = True
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def listen(self) -> int:
+        """Bind the control server D workers connect to; returns its port.
+
+        Raises:
+            OSError: the control address cannot be bound.
+        """
+        self._server = await asyncio.start_server(
+            self._serve_connection, self._ctx.config.control_host, self._ctx.config.control_port
+        )
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    def stop_accepting(self) -> None:
+        """Refuse new control connections from now on."""
+        self._accepting = False
+        if self._server is not None:
+            self._server.close()
+
+    async def drain_writes(self) -> None:
+        """Wait up to `close_drain_timeout_s` for the writes in flight, then cancel the write tasks left."""
+        await self._writer.drain()
+
+    @property
+    def write_tasks(self) -> set[asyncio.Task[None]]:
+        """Writes running as tasks (`close` awaits them after cancelling)."""
+        return self._writer.tasks
+
+    def close_connections(self) -> None:
+        for inbound in list(self._inbound.values()):
+            inbound.channel.close()
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    # -- the engine's calls ------------------------------------------------------------------------------------
+
+    def start_send(
+        self,
+        req_id: str,
+        transfer_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        ready: Awaitable[None] | Sequence[Awaitable[None]] | None,
+    ) -> None:
+        """As `KVTransferService.start_send`, once the service is known open."""
+        meta = self._ctx.metadata
+        check_blocks(meta, block_ids, num_tokens, "P")
+        layered = isinstance(ready, Sequence)
+        if layered and len(ready) != meta.num_layers:  # type: ignore[arg-type]
+            raise ValueError(f"layer-wise ready has {len(ready)} futures for {meta.num_layers} local layers")  # type: ignore[arg-type]
+        self._run_send(self._sender.hold(req_id, transfer_id, block_ids, num_tokens, self._ctx.clock()))
+        self._ctx.wake.set()
+        if ready is None:
+            self._run_send(self._sender.ready(transfer_id))
+        elif isinstance(ready, Sequence):
+            self._writer.layer_wise(transfer_id, ready)
+            self._run_send(self._sender.ready(transfer_id))
+        else:
+            self._ctx.spawn(self._await_ready(req_id, transfer_id, ready))
+
+    def abort(self, req_id: str) -> None:
+        self._run_send(self._sender.abort(req_id))
+
+    def expire(self, now: float) -> None:
+        self._run_send(self._sender.expire(now))
+
+    def next_deadline(self) -> float | None:
+        return self._sender.next_deadline()
+
+    def drain_finished(self) -> set[str]:
+        """The req_ids whose holds ended since the last call (see `Sender.drain_finished`)."""
+        sent = self._sender.drain_finished()
+        self._writer.forget_layers(lambda transfer_id: not self._sender.holds(transfer_id))
+        return sent
+
+    # -- how full it is ----------------------------------------------------------------------------------------
+
+    def sender_statistics(self) -> SenderStatistics:
+        return self._sender.statistics()
+
+    @property
+    def inbound_peers(self) -> int:
+        return len(self._inbound)
+
+    @property
+    def writes_in_flight(self) -> int:
+        return self._writer.in_flight
+
+    def peer_rows(self) -> list[dict[str, object]]:
+        """One row per control connection from a D worker, for the admin endpoint."""
+        return [
+            {
+                "direction": "from_d",
+                "peer": str(inbound.ref),
+                "peer_engine_id": inbound.ref.engine_id,
+                "peer_pp_rank": inbound.ref.pp_rank,
+                "peer_tp_rank": inbound.ref.tp_rank,
+                "incarnation": inbound.ref.incarnation,
+                "state": "connected",
+                "expected_destinations": sorted(inbound.expected),
+            }
+            for inbound in self._inbound.values()
+        ]
+
+    # -- control connections from D workers --------------------------------------------------------------------
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        channel = ControlChannel(reader, writer)
+        if not self._accepting:
+            channel.close()
+            return
+        task = asyncio.current_task()
+        if task is not None:
+            self._ctx.tasks.add(task)
+        inbound: _Inbound | None = None
+        try:
+            inbound = await self._accept_hello(channel)
+            if inbound is None:
+                return
+            while True:
+                self._on_d_message(inbound, await channel.receive())
+        except MalformedFrame as exc:
+            self._ctx.counts["protocol_errors"] += 1
+            log.warning("closing control connection from %s: %s", channel.peer, exc)
+            with contextlib.suppress(PeerLost):
+                channel.send(ErrorMessage(reason=str(exc)))
+        except PeerLost:
+            pass
+        except asyncio.CancelledError:
+            # Only `close` cancels a handler; returning (not re-raising) keeps asyncio's stream callback quiet.
+            pass
+        except Exception:  # a bug of ours: log it and drop this connection, never the service
+            self._ctx.counts["protocol_errors"] += 1
+            log.exception("control connection from %s failed", channel.peer)
+        finally:
+            if inbound is not None and self._inbound.get(_inbound_key(inbound.ref)) is inbound:
+                del self._inbound[_inbound_key(inbound.ref)]
+                self._run_send(self._sender.peer_lost(inbound.ref))
+            await channel.wait_closed()
+            if task is not None:
+                self._ctx.tasks.discard(task)
+
+    async def _accept_hello(self, channel: ControlChannel) -> _Inbound | None:
+        timeout_s = self._ctx.config.handshake_timeout_s
+        try:
+            first = await asyncio.wait_for(channel.receive(), timeout_s)
+        except TimeoutError:
+            self._refuse(channel, f"no hello within {timeout_s:g} s")
+            return None
+        if not isinstance(first, Hello):
+            self._ctx.counts["protocol_errors"] += 1
+            channel.send(ErrorMessage(reason=f"expected hello as the first frame, got {type(first).__name__}"))
+            return None
+        try:
+            check_version(first.version)
+            d_engine = self._check_hello(first)
+        except (VersionMismatch, PeerMismatch, TopologyError) as exc:
+            self._refuse(channel, str(exc))
+            return None
+        d = first.sender
+        ref = WorkerRef.of(d)
+        key = _inbound_key(ref)
+        old = self._inbound.pop(key, None)
+        if old is not None:  # a reconnect, or a restarted D engine: the old connection's jobs are gone
+            old.channel.close()
+            self._run_send(self._sender.peer_lost(old.ref))
+        try:
+            self._ctx.transport.add_peer(d.transport_addr, pool_regions(d))
+        except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
+            self._refuse(channel, f"D worker {ref} publishes an impossible KV pool: {exc}")
+            return None
+        me = self._ctx.metadata
+        target = WriteTarget(ref, d, strides=(block_geometry(me).block_stride, block_geometry(d).block_stride))
+        inbound = _Inbound(ref, d, channel, frozenset(expected_destinations(me, d_engine)), target)
+        self._inbound[key] = inbound
+        channel.send(HelloOk(version=PROTOCOL_VERSION, sender=me))
+        return inbound
+
+    def _check_hello(self, hello: Hello) -> EngineMetadata:
+        """The D engine's layout rebuilt from the hello, after checking it is meant for us and compatible.
+
+        Raises:
+            PeerMismatch: the hello expects another engine, start or worker, or its layer split is inconsistent.
+            TopologyError: D's layout cannot be served from ours.
+        """
+        me, d = self._ctx.metadata, hello.sender
+        expected = (hello.expect_engine_id, hello.expect_incarnation, hello.expect_pp_rank, hello.expect_tp_rank)
+        actual = (me.engine_id, me.incarnation, me.pp_rank, me.tp_rank)
+        if expected != actual:
+            raise PeerMismatch(f"hello expects engine/incarnation/pp/tp {expected}, this worker is {actual}")
+        stages = [tuple(s) for s in hello.stage_layers]
+        if (
+            len(stages) != d.pp_size
+            or not (0 <= d.pp_rank < d.pp_size)
+            or stages[d.pp_rank] != (d.start_layer, d.end_layer)
+        ):
+            raise PeerMismatch(
+                f"D worker {WorkerRef.of(d)} layers [{d.start_layer}, {d.end_layer}) disagree with its engine's "
+                f"stage split {stages} (pp_size {d.pp_size})"
+            )
+        check_compatible(me, d)
+        return {
+            (pp, tp): replace(
+                d, pp_rank=pp, tp_rank=tp, start_layer=start, end_layer=end, base_addrs=_placeholder(d, end - start)
+            )
+            for pp, (start, end) in enumerate(stages)
+            for tp in range(d.tp_size)
+        }
+
+    def _refuse(self, channel: ControlChannel, reason: str) -> None:
+        self._ctx.counts["protocol_errors"] += 1
+        log.warning("refusing hello from %s: %s", channel.peer, reason)
+        with contextlib.suppress(PeerLost):
+            channel.send(HelloRefused(version=PROTOCOL_VERSION, reason=reason))
+
+    def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
+        now = self._ctx.clock()
+        if isinstance(message, TransferRequest):
+            try:
+                check_blocks(inbound.meta, message.block_ids, message.num_tokens, "D")
+            except ValueError as exc:
+                inbound.channel.send(TransferFailed(transfer_id=message.transfer_id, reason=str(exc)))
+                self._run_send(
+                    self._sender.remote_abort(inbound.ref, message.transfer_id, str(exc), now, inbound.expected)
+                )
+                return
+            self._run_send(self._sender.request(inbound.ref, inbound.expected, message, now))
+        elif isinstance(message, Release):
+            self._run_send(self._sender.release(inbound.ref, inbound.expected, message, now))
+        elif isinstance(message, Abort):
+            self._run_send(
+                self._sender.remote_abort(inbound.ref, message.transfer_id, message.reason, now, inbound.expected)
+            )
+        elif isinstance(message, Ping):
+            inbound.channel.send(Pong(nonce=message.nonce))
+        elif isinstance(message, ErrorMessage):
+            log.warning("D worker %s reports a protocol error: %s", inbound.ref, message.reason)
+        else:
+            self._ctx.counts["protocol_errors"] += 1
+            inbound.channel.send(ErrorMessage(reason=f"unexpected {type(message).__name__} from a D worker"))
+        self._ctx.wake.set()
+
+    # -- carrying out the Sender's commands --------------------------------------------------------------------
+
+    def _run_send(self, commands: list[SendCommand]) -> None:
+        for command in commands:
+            if isinstance(command, Submit):
+                self._writer.submit(command)
+            elif isinstance(command, Reply):
+                inbound = self._inbound.get(_inbound_key(command.dst))
+                if inbound is not None and inbound.ref == command.dst and not inbound.channel.closed:
+                    with contextlib.suppress(PeerLost):
+                        inbound.channel.send(command.message)
+
+    def _write_target(self, dst: WorkerRef) -> WriteTarget | None:
+        inbound = self._inbound.get(_inbound_key(dst))
+        return inbound.target if inbound is not None and inbound.ref == dst else None
+
+    def _write_result(self, transfer_id: str, dst: Worker, error: str | None, nbytes: int, ndesc: int) -> None:
+        self._run_send(self._sender.write_result(transfer_id, dst, error, nbytes, ndesc))
+
+    async def _await_ready(self, req_id: str, transfer_id: str, ready: Awaitable[None]) -> None:
+        try:
+            await ready
+        except Exception as exc:  # the engine's compute failed: nobody can have this KV
+            log.warning("ready future of %s failed (%s); aborting its hold", req_id, exc)
+            self._run_send(self._sender.abort(req_id))
+            return
+        self._run_send(self._sender.ready(transfer_id))
+
+
+def _inbound_key(ref: WorkerRef) -> tuple[str, Worker]:
+    return (ref.engine_id, ref.worker)
+
+
+def _placeholder(meta: WorkerMetadata, layers: int) -> list[int]:
+    """Base addresses for a D worker known only by layout (P never writes to it, it only plans who it sources)."""
+    return [0] * (1 if meta.layout == "HND_CROSS_LAYER" else layers)

@@ -1,0 +1,258 @@
+"""P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s through the transport.
+
+Rules: each `Submit` is planned (from a per-D-worker cache when it can be), written, and its result handed back once
+through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
+its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport
+has `start_write`. Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from bisect import bisect_right
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsvc.errors import PeerLost, TopologyError, TransferError
+from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs
+from kvsvc.messages import WorkerMetadata, WorkerRef
+from kvsvc.planner import plan_transfer
+from kvsvc.sender import Submit
+from kvsvc.service.context import ServiceContext, Worker
+from kvsvc.transport.base import WriteFailed
+
+_PLAN_CACHE_ENTRIES = 1024  # per D worker connection
+_PLAN_CACHE_DESCRIPTORS = 4096  # larger plans cost more to shift than to plan
+
+WriteResult = Callable[[str, Worker, str | None, int, int], None]
+"""`(transfer_id, D worker, error or None, bytes, descriptors)`: how a write's end reaches the `Sender`."""
+
+
+@dataclass(slots=True)
+class WriteTarget:
+    """A D worker this P worker writes to, as its accepted hello described it."""
+
+    ref: WorkerRef
+    meta: WorkerMetadata
+    # Plans of requests whose P and D blocks are each one run of consecutive ids, for the run starting at block 0
+    # on both sides, keyed (P blocks, D blocks, tokens): see `BlockWriter._plan`.
+    plans: dict[tuple[int, int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
+    strides: tuple[int, int] = (0, 0)  # block strides of P (this worker) and of this D worker
+
+
+class BlockWriter:
+    """The writes of one P worker (see module docstring).
+
+    `target` finds the D worker a `Submit` names (None once its connection is gone or was replaced); `write_result`
+    feeds each write's end back to the `Sender`.
+    """
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        target: Callable[[WorkerRef], WriteTarget | None],
+        write_result: WriteResult,
+    ) -> None:
+        self._ctx = ctx
+        self._target = target
+        self._write_result = write_result
+        self._layer_ready: dict[str, list[asyncio.Future[None]]] = {}
+        self._writes: set[asyncio.Task[None]] = set()
+        # Writes submitted without a task (`_start_write`): their result futures, and `drained` futures of failed
+        # ones whose descriptors may still move (their blocks stay held until these resolve).
+        self._started: set[asyncio.Future[Any]] = set()
+        self._start_write: Callable[..., asyncio.Future[int] | None] | None = getattr(
+            ctx.transport, "start_write", None
+        )
+
+    def submit(self, command: Submit) -> None:
+        """Start the write `command` asks for; its end reaches `write_result` later, never from this call."""
+        if self._submit_now(command):
+            return
+        write = asyncio.create_task(self._write(command), name=f"kvsvc-write-{command.transfer_id}")
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+
+    def layer_wise(self, transfer_id: str, ready: Sequence[Awaitable[None]]) -> None:
+        """Write `transfer_id` layer by layer: each local layer once its own future in `ready` resolved."""
+        self._layer_ready[transfer_id] = [asyncio.ensure_future(r) for r in ready]
+
+    def forget_layers(self, ended: Callable[[str], bool]) -> None:
+        """Drop the layer futures of the transfers for which `ended` is true."""
+        for transfer_id in [t for t in self._layer_ready if ended(t)]:
+            del self._layer_ready[transfer_id]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._writes) + len(self._started)
+
+    @property
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """Writes running as tasks (`close` awaits them after cancelling)."""
+        return self._writes
+
+    async def drain(self) -> None:
+        """Wait up to `close_drain_timeout_s` for the writes in flight, then cancel the write tasks left."""
+        if self._writes or self._started:
+            waits: set[asyncio.Future[Any]] = {*self._writes, *self._started}
+            _, pending = await asyncio.wait(waits, timeout=self._ctx.config.close_drain_timeout_s)
+            for task in pending & self._writes:
+                task.cancel()
+
+    async def _write(self, command: Submit) -> None:
+        error: str | None = None
+        nbytes = ndesc = 0
+        target = self._target(command.dst)
+        try:
+            if target is None:
+                raise PeerLost(f"control connection to {command.dst} lost before the write")
+            descriptors = self._plan(target, command.src_block_ids, command.dst_block_ids, command.num_tokens)
+            ndesc = len(descriptors)
+            layers = self._layer_ready.get(command.transfer_id)
+            if layers is None:
+                nbytes = await self._ctx.transport.write(target.meta.transport_addr, descriptors)
+            else:
+                nbytes = await self._write_layerwise(target.meta.transport_addr, descriptors, layers)
+        except WriteFailed as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self._ctx.counts["write_failures"] += 1
+            if exc.drained is not None:
+                # The peer stopped making progress: the blocks stay held until Mooncake gave up on every descriptor.
+                await asyncio.shield(exc.drained)
+        except (TransferError, TopologyError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self._ctx.counts["write_failures"] += 1
+        except asyncio.CancelledError:
+            error = "P service closed before the write finished"
+            self._write_result(command.transfer_id, command.dst.worker, error, 0, 0)
+            raise
+        self._write_ended(command, error, nbytes, ndesc)
+
+    def _write_ended(self, command: Submit, error: str | None, nbytes: int, ndesc: int) -> None:
+        counts = self._ctx.counts
+        if error is None:
+            counts["bytes"] += nbytes
+            counts["descriptors"] += ndesc
+            counts["transfers"] += 1
+        self._write_result(command.transfer_id, command.dst.worker, error, nbytes, ndesc)
+        self._ctx.reports.set()
+
+    def _submit_now(self, command: Submit) -> bool:
+        """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can
+        (`start_write`); the outcome arrives in `_started_write_done`. False, having done nothing, in any other
+        case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then."""
+        if self._start_write is None or command.transfer_id in self._layer_ready:
+            return False
+        target = self._target(command.dst)
+        if target is None:
+            return False
+        try:
+            descriptors = self._plan(target, command.src_block_ids, command.dst_block_ids, command.num_tokens)
+        except (TopologyError, ValueError):
+            return False  # `_write` plans again and reports why
+        result = self._start_write(target.meta.transport_addr, descriptors)
+        if result is None:
+            return False
+        self._started.add(result)
+        result.add_done_callback(lambda fut: self._started_write_done(command, len(descriptors), fut))
+        return True
+
+    def _started_write_done(self, command: Submit, ndesc: int, result: asyncio.Future[int]) -> None:
+        self._started.discard(result)
+        if result.cancelled():
+            self._write_ended(command, "P service closed before the write finished", 0, ndesc)
+            return
+        exc = result.exception()
+        if exc is None:
+            self._write_ended(command, None, result.result(), ndesc)
+            return
+        self._ctx.counts["write_failures"] += 1
+        error = f"{type(exc).__name__}: {exc}"
+        drained = exc.drained if isinstance(exc, WriteFailed) else None
+        if drained is None or drained.done():
+            self._write_ended(command, error, 0, ndesc)
+            return
+        # The peer stopped making progress: the blocks stay held until Mooncake gave up on every descriptor.
+        self._started.add(drained)
+
+        def after_drain(_: asyncio.Future[None]) -> None:
+            self._started.discard(drained)
+            self._write_ended(command, error, 0, ndesc)
+
+        drained.add_done_callback(after_drain)
+
+    def _plan(
+        self, target: WriteTarget, src_ids: list[int], dst_ids: list[int], num_tokens: int
+    ) -> Sequence[tuple[int, int, int]]:
+        """`plan_transfer`, from `target`'s cache when the used P and D blocks are each one run of consecutive ids.
+
+        Such a plan is the plan of the runs starting at block 0, shifted by each side's first block times its
+        block stride: merging depends only on which ranges touch, and a shift keeps that (a run touches the next
+        layer's tensor only when it spans the whole pool, and then it starts at block 0). Planning thousands of
+        one-block requests a second is otherwise the P worker's main cost.
+
+        Raises:
+            TopologyError / ValueError: as `plan_transfer` (the uncached path runs every check).
+        """
+        src, dst = self._ctx.metadata, target.meta
+        n_src, n_dst = -(-num_tokens // src.block_size), -(-num_tokens // dst.block_size)
+        if not (
+            0 < n_src <= len(src_ids)
+            and 0 < n_dst <= len(dst_ids)
+            and 0 <= src_ids[0] <= src.num_blocks - n_src
+            and 0 <= dst_ids[0] <= dst.num_blocks - n_dst
+            and _is_run(src_ids, n_src)
+            and _is_run(dst_ids, n_dst)
+        ):
+            return plan_transfer(src, dst, src_ids, dst_ids, num_tokens)
+        key = (n_src, n_dst, num_tokens)
+        unit = target.plans.get(key)
+        if unit is None:
+            unit = [tuple(d) for d in plan_transfer(src, dst, range(n_src), range(n_dst), num_tokens)]  # type: ignore[misc]
+            if len(target.plans) < _PLAN_CACHE_ENTRIES and len(unit) <= _PLAN_CACHE_DESCRIPTORS:
+                target.plans[key] = unit
+        if src_ids[0] == dst_ids[0] == 0:
+            return unit
+        if not target.strides[0]:
+            target.strides = (block_geometry(src).block_stride, block_geometry(dst).block_stride)
+        shift_src, shift_dst = src_ids[0] * target.strides[0], dst_ids[0] * target.strides[1]
+        return [(s + shift_src, d + shift_dst, n) for s, d, n in unit]
+
+    async def _write_layerwise(
+        self, peer: str, descriptors: Sequence[tuple[int, int, int]], layers: list[asyncio.Future[None]]
+    ) -> int:
+        """Write each layer's descriptors as soon as its compute finished, later layers still computing.
+
+        A cross-layer pool puts every layer inside each block, so one descriptor spans layers: it goes once the
+        last layer finished (the layer-wise gain needs per-layer tensors).
+        """
+        meta = self._ctx.metadata
+        per_layer: list[list[tuple[int, int, int]]] = [[] for _ in layers]
+        if is_cross_layer(meta):
+            per_layer[-1] = list(descriptors)
+        else:
+            addrs = layer_addrs(meta)
+            starts = sorted(addrs)
+            order = {addr: i for i, addr in enumerate(addrs)}
+            for desc in descriptors:
+                per_layer[order[starts[bisect_right(starts, desc[0]) - 1]]].append(desc)
+
+        async def one(layer: int) -> int:
+            if is_cross_layer(meta):
+                await asyncio.gather(*layers)
+            else:
+                await layers[layer]
+            return await self._ctx.transport.write(peer, per_layer[layer]) if per_layer[layer] else 0
+
+        results = await asyncio.gather(*(one(i) for i in range(len(layers))), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+        return sum(r for r in results if isinstance(r, int))
+
+
+def _is_run(ids: list[int], count: int) -> bool:
+    """Whether the first `count` ids are consecutive."""
+    first = ids[0]
+    return ids[count - 1] == first + count - 1 and (count <= 2 or ids[:count] == list(range(first, first + count)))
