@@ -39,6 +39,7 @@ def test_a_pure_core_module_imports_no_event_loop_torch_or_mooncake(module: str)
 
 
 def test_kvsvc_never_imports_workers() -> None:
-    probe = "import sys, kvsvc.service, kvsvc.engine.admin, kvsvc.cli, kvsvc.testing.engines\nprint('workers' in sys.modules)"
+    modules = "kvsvc.service, kvsvc.engine.admin, kvsvc.cli, kvsvc.testing.engines"
+    probe = f"import sys, {modules}\nprint('workers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
