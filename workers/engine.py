@@ -1,8 +1,9 @@
 """The two engine roles on an `Executor`: a prefill engine that computes and holds KV, a decode engine that fetches it.
 
-Imports `workers.executor` and `workers.process` only. Invariants: a request's blocks are allocated at submit and
-freed exactly once, when the aggregate of all workers reports the request finished (or failed); a finished receive
-is verified on every D worker before its blocks are freed; a failed one is marked for recompute.
+Imports `workers.executor`, `workers.process` and kvsvc's scheduler view (`RequestTracker`), which turns each step's
+aggregate into what to free, run or recompute. Invariants: a request's blocks are allocated at submit and freed
+exactly once, when the aggregate of all workers reports the request finished (or failed); a finished receive is
+verified on every D worker before its blocks are freed; a failed one is marked for recompute.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from kvsvc.engine.scheduler import RequestTracker
 from kvsvc.outputs import KVConnectorOutput
 from workers.blocks import BlockAllocator
 from workers.executor import Executor
@@ -50,6 +52,7 @@ class _Engine:
     def __init__(self, executor: Executor, prefix: str) -> None:
         self.executor = executor
         self.allocator = BlockAllocator(executor.config.num_blocks)
+        self.tracker = RequestTracker()
         self._ids = itertools.count()
         self._prefix = prefix
 
@@ -83,6 +86,7 @@ class PrefillEngine(_Engine):
             self.allocator.free(blocks)
             raise
         self.requests[req.req_id] = req
+        self.tracker.track_send(req.req_id, blocks)
         return req
 
     def abort(self, req: PrefillRequest) -> None:
@@ -99,12 +103,11 @@ class PrefillEngine(_Engine):
 
     def apply(self, output: KVConnectorOutput) -> list[PrefillRequest]:
         done: list[PrefillRequest] = []
-        for req_id in sorted(output.finished_sending or ()):
-            req = self.requests.pop(req_id, None)
-            if req is not None:
-                req.finished = True
-                self.allocator.free(req.block_ids)
-                done.append(req)
+        for req_id, blocks in sorted(self.tracker.update(output).sends_finished.items()):
+            req = self.requests.pop(req_id)
+            req.finished = True
+            self.allocator.free(blocks)
+            done.append(req)
         return done
 
     def restart(self) -> list[PrefillRequest]:
@@ -113,6 +116,7 @@ class PrefillEngine(_Engine):
         self.executor.restart()
         self.requests.clear()
         self.allocator = BlockAllocator(self.executor.config.num_blocks)
+        self.tracker = RequestTracker()
         return lost
 
 
@@ -140,6 +144,7 @@ class DecodeEngine(_Engine):
             self.allocator.free(blocks)
             raise
         self.requests[req.req_id] = req
+        self.tracker.track_recv(req.req_id, blocks)
         return req
 
     def abort(self, req: DecodeRequest) -> None:
@@ -154,21 +159,22 @@ class DecodeEngine(_Engine):
             WorkerError: as `Executor.step`, or a verification that could not run.
         """
         output = self.executor.step()
-        failed = output.failed_recving or set()
+        update = self.tracker.update(output)
         done: list[DecodeRequest] = []
-        for req_id in sorted(output.finished_recving or ()):
-            req = self.requests.pop(req_id, None)
-            if req is None:
-                continue
-            if req_id in failed:
-                req.state, req.needs_recompute = "failed", True
-                req.invalid_block_ids = output.invalid_block_ids & set(req.block_ids)
-            else:
-                req.state = "finished"
-                if verify and req.seed is not None:
-                    results = self.executor.broadcast(Verify(req.seed, req.block_ids, req.num_tokens))
-                    req.verified = [r for r in results if isinstance(r, VerifyResult)]
-            self.allocator.free(req.block_ids)
+        for req_id, blocks in sorted(update.recvs_failed.items()):
+            req = self.requests.pop(req_id)
+            req.state, req.needs_recompute = "failed", True
+            # What the workers reported invalid (the tracker recomputes all of a failed request's blocks anyway).
+            req.invalid_block_ids = output.invalid_block_ids & set(blocks)
+            self.allocator.free(blocks)
+            done.append(req)
+        for req_id, blocks in sorted(update.recvs_finished.items()):
+            req = self.requests.pop(req_id)
+            req.state = "finished"
+            if verify and req.seed is not None:
+                results = self.executor.broadcast(Verify(req.seed, req.block_ids, req.num_tokens))
+                req.verified = [r for r in results if isinstance(r, VerifyResult)]
+            self.allocator.free(blocks)
             done.append(req)
         return done
 
@@ -178,4 +184,5 @@ class DecodeEngine(_Engine):
         self.executor.restart()
         self.requests.clear()
         self.allocator = BlockAllocator(self.executor.config.num_blocks)
+        self.tracker = RequestTracker()
         return lost
