@@ -18,8 +18,15 @@ from kvsvc.layout import BlockGeometry
 Int64Array = npt.NDArray[np.int64]
 
 
-def merge_runs(src: Int64Array, dst: Int64Array, length: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """Sort runs by source address and merge every pair contiguous on both sides; src ranges must be disjoint."""
+def merge_runs(
+    src: Int64Array, dst: Int64Array, length: Int64Array, region: Int64Array | None = None
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """Sort runs by source address and merge every pair contiguous on both sides; src ranges must be disjoint.
+
+    `region`, when given, is a per-run id of the (source tensor, destination tensor) pair: runs of different
+    regions never merge, since a transfer engine may register each tensor as its own memory region and a
+    descriptor must lie inside one region on each side.
+    """
     if src.size == 0:
         return src, dst, length
     order = np.argsort(src, kind="stable")
@@ -28,6 +35,9 @@ def merge_runs(src: Int64Array, dst: Int64Array, length: Int64Array) -> tuple[In
     end_dst = dst[:-1] + length[:-1]
     starts_run = np.ones(src.size, dtype=bool)
     starts_run[1:] = (end_src != src[1:]) | (end_dst != dst[1:])
+    if region is not None:
+        region = region[order]
+        starts_run[1:] |= region[:-1] != region[1:]
     heads = np.flatnonzero(starts_run)
     return src[heads], dst[heads], np.add.reduceat(length, heads)
 
@@ -92,6 +102,9 @@ def plan_runs(
     src_block_ids: Sequence[int],
     dst_block_ids: Sequence[int],
     num_tokens: int,
+    *,
+    src_one_region: bool = False,
+    dst_one_region: bool = False,
 ) -> tuple[Int64Array, Int64Array, Int64Array]:
     """Maximal runs copying tokens `[0, num_tokens)` of the given local heads (paired by position) of every layer.
 
@@ -99,6 +112,8 @@ def plan_runs(
     block b of a layer lies `b * block_stride` after it (a cross-layer pool interleaves layers that way). A token
     segment is a token range inside one source block and one destination block; segments with the same slots
     and length share one intra-block run pattern, so Python work grows with distinct patterns, not tokens.
+    Runs never cross from one layer tensor into the next, even where tensors touch, unless that side is one region
+    (`*_one_region`: a cross-layer pool).
     """
     bs_s, bs_d = gs.block_size, gd.block_size
     starts, counts = _segments(bs_s, bs_d, num_tokens)
@@ -113,9 +128,15 @@ def plan_runs(
 
     key = (slot_src * (bs_d + 1) + slot_dst) * (max(bs_s, bs_d) + 1) + counts
     patterns, which = np.unique(key, return_inverse=True)
+    layer_index = np.arange(len(src_layer_bases), dtype=np.int64)[:, None, None]
+    # One id per (source tensor, destination tensor): the layer, unless that side is a single region.
+    layer_region = (0 if src_one_region else layer_index) * (len(src_layer_bases) + 1) + (
+        0 if dst_one_region else layer_index
+    )
     parts_src: list[Int64Array] = []
     parts_dst: list[Int64Array] = []
     parts_len: list[Int64Array] = []
+    parts_region: list[Int64Array] = []
     for index in range(patterns.size):
         segs = np.flatnonzero(which == index)
         first = int(segs[0])
@@ -127,4 +148,7 @@ def plan_runs(
         parts_src.append(src.ravel())
         parts_dst.append(dst.ravel())
         parts_len.append(np.broadcast_to(rel_len, src.shape).ravel())
-    return merge_runs(np.concatenate(parts_src), np.concatenate(parts_dst), np.concatenate(parts_len))
+        parts_region.append(np.broadcast_to(layer_region, src.shape).ravel())
+    return merge_runs(
+        np.concatenate(parts_src), np.concatenate(parts_dst), np.concatenate(parts_len), np.concatenate(parts_region)
+    )

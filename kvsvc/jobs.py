@@ -115,7 +115,8 @@ _recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...
     (R.REQUESTED, RE.CONNECTED): (R.REQUESTED, ()),
     (R.REQUESTED, RE.DONE): (R.DONE, ()),
     (R.REQUESTED, RE.FAILED): (R.FAILED, ()),
-    (R.REQUESTED, RE.PEER_LOST): (R.FAILED, ()),
+    # P may still write into the blocks after the connection broke: they are held until the abort grace passed.
+    (R.REQUESTED, RE.PEER_LOST): (R.ABORTING, ()),
     # P may still be writing (a frozen P resumes and lands queued descriptors): tell it to stop, and give the
     # blocks back only once it confirmed or the abort grace passed, as for an abort.
     (R.REQUESTED, RE.EXPIRE): (R.ABORTING, (E.SEND_ABORT,)),
@@ -124,14 +125,15 @@ _recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...
     (R.ABORTING, RE.ABORT): (R.ABORTING, ()),
     (R.ABORTING, RE.DONE): (R.ABORTED, ()),
     (R.ABORTING, RE.FAILED): (R.ABORTED, ()),
-    (R.ABORTING, RE.PEER_LOST): (R.ABORTED, ()),
+    # The abort may not have reached P before the connection broke: keep waiting, bounded by the abort grace.
+    (R.ABORTING, RE.PEER_LOST): (R.ABORTING, ()),
     (R.ABORTING, RE.EXPIRE): (R.ABORTED, ()),
 }
 for _terminal_r in (R.DONE, R.FAILED, R.ABORTED):
     for _event_r in (RE.CONNECTED, RE.DONE, RE.FAILED, RE.PEER_LOST, RE.EXPIRE, RE.ABORT, RE.HANDSHAKE_FAILED):
         _recv_rows[(_terminal_r, _event_r)] = (_terminal_r, ())
 # A handshake can fail after a job was requested when a reconnect to a restarted peer is refused.
-_recv_rows[(R.REQUESTED, RE.HANDSHAKE_FAILED)] = (R.FAILED, ())
+_recv_rows[(R.REQUESTED, RE.HANDSHAKE_FAILED)] = (R.ABORTING, ())
 _recv_rows[(R.ABORTING, RE.HANDSHAKE_FAILED)] = (R.ABORTED, ())
 
 RECV_TABLE: Final[Mapping[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...]]]] = MappingProxyType(

@@ -27,6 +27,7 @@ from kvsvc.layout import (
     head_order,
     heads_of_rank,
     holders_of_head,
+    is_cross_layer,
     kv_heads_per_rank,
     layer_addrs,
 )
@@ -240,7 +241,19 @@ def plan_transfer_arrays(
     src_all, dst_all = layer_addrs(src), layer_addrs(dst)
     src_bases = [src_all[layer - src.start_layer] for layer in layers]
     dst_bases = [dst_all[layer - dst.start_layer] for layer in layers]
-    return plan_runs(gs, gd, local_src, local_dst, src_bases, dst_bases, src_block_ids, dst_block_ids, tokens)
+    return plan_runs(
+        gs,
+        gd,
+        local_src,
+        local_dst,
+        src_bases,
+        dst_bases,
+        src_block_ids,
+        dst_block_ids,
+        tokens,
+        src_one_region=is_cross_layer(src),
+        dst_one_region=is_cross_layer(dst),
+    )
 
 
 def sources_of(dst: WorkerMetadata, src_engine: Mapping[Worker, WorkerMetadata]) -> list[Worker]:

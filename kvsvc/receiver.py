@@ -135,22 +135,32 @@ class Receiver:
         return commands
 
     def engine_failed(self, engine_id: str, reason: str) -> None:
-        """Engine `engine_id` cannot be reached or is incompatible: fail every receive from it that waits."""
+        """Engine `engine_id`'s metadata cannot be fetched or is incompatible: fail every receive from it that still
+        waits for the handshake. Receives already routed keep their connections (and their own failures)."""
         for recv in list(self._recvs.values()):
-            if recv.engine_id != engine_id:
-                continue
-            if not recv.sources_known:
+            if recv.engine_id == engine_id and not recv.sources_known:
                 self._end(recv, reason)
-                continue
-            for job in list(recv.jobs.values()):
-                self._apply(recv, job, RecvEvent.HANDSHAKE_FAILED, reason)
 
-    def peer_lost(self, engine_id: str, src: Worker, reason: str) -> None:
-        """The connection to P worker `src` broke or was refused: its jobs fail (or end their abort)."""
+    def peer_lost(self, engine_id: str, src: Worker, reason: str, now: float) -> list[SendToSource]:
+        """The connection to P worker `src` broke or was refused. Jobs that never asked fail; jobs that asked may
+        still be written to by that P, so their receive ends only after `abort_grace_s`, and its other sources
+        are told to stop at once (the receive is lost anyway)."""
+        commands: list[SendToSource] = []
         for recv in list(self._recvs.values()):
             job = recv.jobs.get(src)
-            if recv.engine_id == engine_id and job is not None:
-                self._apply(recv, job, RecvEvent.PEER_LOST, reason)
+            if recv.engine_id != engine_id or job is None or job.terminal:
+                continue
+            asked = job.state is not RecvState.PENDING
+            commands += self._apply(recv, job, RecvEvent.PEER_LOST, reason)
+            if recv.transfer_id not in self._recvs:
+                continue
+            if asked and not recv.aborted:
+                recv.aborted = True
+                recv.deadline = min(recv.deadline, now + self._abort_grace)
+            for other in list(recv.jobs.values()):
+                if other is not job and not other.terminal:
+                    commands += self._apply(recv, other, RecvEvent.ABORT, f"P{src} lost: {reason}")
+        return commands
 
     def answer(self, engine_id: str, src: Worker, transfer_id: str, error: str | None) -> bool:
         """P worker `src` answered done (`error` None) or failed. Returns False for an unknown transfer or
@@ -172,7 +182,8 @@ class Receiver:
             if recv.deadline > now:
                 continue
             if recv.aborted:
-                reason = f"P workers did not confirm the abort of {recv.transfer_id!r} within {self._abort_grace:g} s"
+                cause = next((f"P{j.src}: {j.reason}" for j in recv.jobs.values() if j.reason), "aborted")
+                reason = f"{cause}; its writes were not confirmed stopped within {self._abort_grace:g} s"
             else:
                 # First expiry: abort the sources still asked, and wait (bounded) for them to stop writing.
                 self._counts["expired"] += 1

@@ -280,11 +280,14 @@ class ReceivingRole:
             if isinstance(exc, MalformedFrame):
                 self._ctx.counts["protocol_errors"] += 1
         finally:
-            if self._outbound.get((engine_id, src)) is peer:
+            current = self._outbound.get((engine_id, src)) is peer
+            if current:
                 del self._outbound[(engine_id, src)]
                 # A lost connection may mean a restart: fetch the engine's metadata again next time.
                 self._remotes.pop(engine_id, None)
-            self._receiver.peer_lost(engine_id, src, peer.last_error or f"connection to {peer.ref} closed")
+            if current:  # else `_drop_outbound` already reported it, and a newer connection may own the jobs
+                reason = peer.last_error or f"connection to {peer.ref} closed"
+                self._run_recv(self._receiver.peer_lost(engine_id, src, reason, self._ctx.clock()))
             self._ctx.reports.set()
             if channel is not None:
                 await channel.wait_closed()
@@ -364,7 +367,7 @@ class ReceivingRole:
         if peer.task is not None:
             peer.task.cancel()
         self._outbound.pop((peer.ref.engine_id, peer.ref.worker), None)
-        self._receiver.peer_lost(peer.ref.engine_id, peer.ref.worker, reason)
+        self._run_recv(self._receiver.peer_lost(peer.ref.engine_id, peer.ref.worker, reason, self._ctx.clock()))
         self._ctx.reports.set()
 
     # -- helpers -----------------------------------------------------------------------------------------------

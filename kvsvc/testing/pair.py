@@ -115,7 +115,9 @@ class PeerPair:
     Faults (each None or a predicate; applied until reset): `drop`, `duplicate` and `hold_back` look at an
     `Envelope` when it is sent (a held-back one waits for `release_held`); `stall_write` and `fail_write` look at a
     `Write` when it would run (a stalled one waits for `finish_stalled`). Links between a D and a P worker break
-    with `lose_connection` and come back with `reconnect`. `violations` lists every broken harness invariant.
+    with `lose_connection` and come back with `reconnect`. `violations` lists every broken harness invariant: a
+    report on either side while a write may still touch its blocks, a failed receive not marking all its blocks
+    invalid.
     """
 
     def __init__(
@@ -218,7 +220,7 @@ class PeerPair:
         self._wire = [e for e in self._wire if (e.d, e.p) != (d, p)]
         self._held = [e for e in self._held if (e.d, e.p) != (d, p)]
         self._run_p(p, self.senders[p].peer_lost(self.d.ref(d)))
-        self.receivers[d].peer_lost(self.p.engine_id, p, f"connection to P{p} lost")
+        self._run_d(d, self.receivers[d].peer_lost(self.p.engine_id, p, f"connection to P{p} lost", self.clock()))
 
     def reconnect(self, d: Worker, p: Worker) -> None:
         """The link comes back; D sends the requests that waited for it."""
@@ -286,6 +288,13 @@ class PeerPair:
                 entries.append(ReportEntry("P", worker, req_id, "finished_sending"))
         for worker, receiver in self.receivers.items():
             report = receiver.drain()
+            for req_id in report.finished | report.failed:
+                transfer_id = self._recvs[req_id][0] if req_id in self._recvs else None
+                busy = [
+                    w for w in [*self._writes, *self._stalled] if (w.d, w.submit.transfer_id) == (worker, transfer_id)
+                ]
+                if busy:
+                    self.violations.append(f"D{worker} reported {req_id!r} while {len(busy)} write(s) may touch it")
             entries += [ReportEntry("D", worker, r, "finished") for r in sorted(report.finished)]
             entries += [ReportEntry("D", worker, r, "failed", report.reasons[r]) for r in sorted(report.failed)]
             for req_id in report.failed:

@@ -168,32 +168,44 @@ def test_d_abort_before_the_handshake_still_releases_the_p_workers_it_must_relea
     assert (P2, Release) in kinds(out)
 
 
-def test_a_lost_connection_fails_the_receive_once_the_other_sources_stopped_writing() -> None:
-    receiver, _, _ = started()
-    receiver.peer_lost("P", P1, "connection reset")
-    assert receiver.drain().failed == set()
-    receiver.answer("P", P0, "t1", None)
+def test_a_lost_connection_stops_the_other_sources_and_holds_the_blocks_for_the_abort_grace() -> None:
+    receiver, clock, _ = started()
+    out = receiver.peer_lost("P", P1, "connection reset", clock())
+    assert kinds(out) == [(P0, Abort)]  # the receive is lost: P0 need not keep writing
+    receiver.answer("P", P0, "t1", "aborted by D")
+    assert receiver.drain().failed == set()  # P1 may still be writing into these blocks
+    receiver.expire(clock.advance(30))
     report = receiver.drain()
     assert report.failed == {"r1"} and "connection reset" in report.reasons["r1"]
+    assert report.invalid_block_ids == set(BLOCKS)
 
 
-def test_a_lost_connection_ends_an_abort_that_waited_for_that_source() -> None:
+def test_a_lost_connection_before_the_request_fails_the_job_at_once() -> None:
+    receiver, clock, _ = started(sources=[P0], connected=set())
+    assert receiver.peer_lost("P", P0, "connection refused", clock()) == []
+    report = receiver.drain()
+    assert report.failed == {"r1"} and "connection refused" in report.reasons["r1"]
+
+
+def test_a_lost_connection_during_an_abort_still_waits_for_the_abort_grace() -> None:
     receiver, clock, _ = started(sources=[P0])
     receiver.abort("r1", clock())
-    receiver.peer_lost("P", P0, "connection reset")
+    receiver.peer_lost("P", P0, "connection reset", clock())
+    assert receiver.drain().failed == set()
+    receiver.expire(clock.advance(30))
     assert receiver.drain().failed == {"r1"}
 
 
-def test_an_incompatible_or_unreachable_engine_fails_its_receives_at_once() -> None:
+def test_an_incompatible_or_unreachable_engine_fails_the_receives_that_wait_for_its_handshake() -> None:
     receiver = Receiver()
     receiver.start("r1", "t1", "P", BLOCKS, 10, 0.0)
     receiver.start("r2", "t2", "P", [9], 1, 0.0)
     receiver.start("r3", "t3", "other", [8], 1, 0.0)
-    receiver.sources_known("t2", [P0], [], set())
+    receiver.sources_known("t2", [P0], [], set())  # routed already: its connection decides its fate
     receiver.engine_failed("P", "P tp_size 3 does not divide D tp_size 4")
     report = receiver.drain()
-    assert report.failed == {"r1", "r2"} and report.invalid_block_ids == {4, 5, 6, 9}
-    assert receiver.engine_of("t3") == "other"
+    assert report.failed == {"r1"} and report.invalid_block_ids == {4, 5, 6}
+    assert receiver.engine_of("t2") == "P" and receiver.engine_of("t3") == "other"
 
 
 def test_statistics_count_receives_by_state() -> None:

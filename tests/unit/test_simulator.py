@@ -160,7 +160,12 @@ def simulate(s: Layouts) -> int:
             assert plan == sorted(plan), "plans are sorted by source address"
             d_regions = [(b, b + size) for b, size in pool_regions(d_meta)]
             for a, b in itertools.pairwise(plan):
-                mergeable = a.src_addr + a.length == b.src_addr and a.dst_addr + a.length == b.dst_addr
+                mergeable = (
+                    a.src_addr + a.length == b.src_addr
+                    and a.dst_addr + a.length == b.dst_addr
+                    and _region(a.src_addr, regions) == _region(b.src_addr, regions)
+                    and _region(a.dst_addr, d_regions) == _region(b.dst_addr, d_regions)
+                )
                 assert not mergeable, (a, b)
             for src, dst, length in plan:
                 assert length > 0
@@ -199,14 +204,12 @@ def simulate(s: Layouts) -> int:
 
 
 def _inside(addr: int, length: int, regions: list[tuple[int, int]]) -> bool:
-    # A run may cross from one layer tensor into the next only when they touch (layer_gap 0).
-    merged: list[list[int]] = []
-    for lo, hi in sorted(regions):
-        if merged and merged[-1][1] == lo:
-            merged[-1][1] = hi
-        else:
-            merged.append([lo, hi])
-    return any(lo <= addr and addr + length <= hi for lo, hi in merged)
+    # One region per tensor as a transfer engine may register them: a run never crosses into the next tensor.
+    return _region(addr, regions) == _region(addr + length - 1, regions) != -1
+
+
+def _region(addr: int, regions: list[tuple[int, int]]) -> int:
+    return next((i for i, (lo, hi) in enumerate(sorted(regions)) if lo <= addr < hi), -1)
 
 
 def _check_routing(p_engine: Engine, d_engine: Engine) -> None:
@@ -250,7 +253,7 @@ CASES = {
     "scattered block ids": Layouts(tokens=80, p_ids=[9, 3, 4, 5, 0], d_ids=[2, 7, 8, 1, 0], p_tp=2, d_tp=4),
     "NHD, no head split": Layouts(layout="NHD", p_tp=2, d_tp=2, d_block=32, tokens=45),
     "NHD, replicated heads": Layouts(layout="NHD", heads=2, p_tp=2, d_tp=4),
-    "touching layer tensors": Layouts(layer_gap=0, extra_blocks=0, tokens=64),
+    "touching layer tensors": Layouts(layer_gap=0, extra_blocks=0, tokens=64),  # runs stop at each tensor's end
     "zero tokens": Layouts(tokens=0, p_ids=[], d_ids=[]),
     "cross-layer both sides": Layouts(layout=CROSS_LAYER, tokens=61),
     "cross-layer both, scattered ids": Layouts(
@@ -287,8 +290,9 @@ def test_whole_blocks_merge_k_and_v_of_a_partial_last_block() -> None:
     assert fewer < more
 
 
-def test_touching_layer_tensors_merge_into_one_descriptor() -> None:
-    assert simulate(Layouts(layer_gap=0, extra_blocks=0, tokens=64, layers=4)) == 1
+def test_runs_never_cross_from_one_layer_tensor_into_the_next_even_where_they_touch() -> None:
+    # Each tensor may be its own registered memory region (and RDMA cannot span two): one run per layer.
+    assert simulate(Layouts(layer_gap=0, extra_blocks=0, tokens=64, layers=4)) == 4
 
 
 def test_cross_layer_pools_move_contiguous_blocks_of_all_layers_in_one_descriptor() -> None:
