@@ -9,7 +9,7 @@ by a msgpack body. `decode` and `FrameReader` turn any malformed, truncated, ove
 from __future__ import annotations
 
 import struct
-from typing import Final, Literal, NamedTuple
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -19,8 +19,6 @@ PROTOCOL_VERSION: Final = 1
 # A frame holds at most one request's block ids (8 bytes each at worst): 4 MiB is >500k blocks.
 MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 _HEADER = struct.Struct(">I")
-
-Layout = Literal["HND", "NHD"]
 
 
 class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):

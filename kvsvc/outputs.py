@@ -89,8 +89,9 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
-    sampled_token_ids: list[list[int]] = field(default_factory=list)
     kv_connector_output: KVConnectorOutput | None = None
+    # After the contract's three fields, so positional construction keeps DESIGN §3's order.
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
 
     @staticmethod
     def with_kv_conn_output_only(kv_connector_output: KVConnectorOutput | None) -> ModelRunnerOutput:

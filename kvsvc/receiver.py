@@ -79,8 +79,16 @@ class Receiver:
         """Begin receiving `transfer_id` from engine `engine_id` into `block_ids`.
 
         Returns False (and changes nothing) when the transfer is already being received: repeats are no-ops.
+
+        Raises:
+            ValueError: `transfer_id` is being received already for another request.
         """
-        if transfer_id in self._recvs:
+        known = self._recvs.get(transfer_id)
+        if known is not None:
+            if known.req_id != req_id:
+                raise ValueError(
+                    f"transfer {transfer_id!r} is already received for request {known.req_id!r}, not {req_id!r}"
+                )
             return False
         self._recvs[transfer_id] = _Recv(req_id, transfer_id, engine_id, block_ids, num_tokens, now + self._timeout)
         return True

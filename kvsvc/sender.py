@@ -104,8 +104,16 @@ class Sender:
         """The engine holds `req_id`'s KV for `transfer_id` until D workers fetched it (or the hold expires).
 
         A repeated hold of a held transfer is a no-op. Requests that arrived early are applied now.
+
+        Raises:
+            ValueError: `transfer_id` is held already for another request.
         """
-        if transfer_id in self._holds:
+        held = self._holds.get(transfer_id)
+        if held is not None:
+            if held.req_id != req_id:
+                raise ValueError(
+                    f"transfer {transfer_id!r} is already held for request {held.req_id!r}, not {req_id!r}"
+                )
             return []
         self._holds[transfer_id] = _Hold(req_id, transfer_id, block_ids, num_tokens, now + self._hold_timeout)
         commands: list[SendCommand] = []
@@ -204,7 +212,7 @@ class Sender:
         hold = self._holds.get(transfer_id)
         if hold is None:
             self._early.pop(key, None)
-            if transfer_id not in self._closed:
+            if transfer_id not in self._closed and len(self._early) < self._max_early:
                 abort = Abort(transfer_id=transfer_id, reason=reason or "aborted by D")
                 self._early[key] = (now + self._early_timeout, dst, abort, expected or frozenset())
             # Nothing was written for a transfer P does not hold: D may end its abort now.

@@ -104,11 +104,15 @@ async def fetch_engine_metadata(
             if response.status != 200:
                 text = (await response.text())[:200]
                 raise HandshakeError(f"GET {target}: HTTP {response.status}: {text}")
-            body = await response.content.read(MAX_METADATA_BYTES + 1)
+            # `content.read(n)` returns what is buffered, not the whole body: read to the end, with a cap.
+            buffer = bytearray()
+            async for chunk in response.content.iter_chunked(64 * 1024):
+                buffer += chunk
+                if len(buffer) > MAX_METADATA_BYTES:
+                    raise HandshakeError(f"GET {target}: body larger than {MAX_METADATA_BYTES} bytes")
+            body = bytes(buffer)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise HandshakeError(f"GET {target}: {type(exc).__name__}: {exc}") from None
-    if len(body) > MAX_METADATA_BYTES:
-        raise HandshakeError(f"GET {target}: body larger than {MAX_METADATA_BYTES} bytes")
     try:
         metas = decode_engine_metadata(body)
     except MalformedFrame as exc:

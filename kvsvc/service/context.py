@@ -46,10 +46,13 @@ def check_blocks(meta: WorkerMetadata, block_ids: list[int], num_tokens: int, si
     """Check that `block_ids` lie in `meta`'s pool and can hold `num_tokens`.
 
     Raises:
-        ValueError: a block id is outside the pool, or the blocks cannot hold `num_tokens`.
+        ValueError: a block id is outside the pool, repeated (D), or the blocks cannot hold `num_tokens`.
     """
     bad = [b for b in block_ids if not 0 <= b < meta.num_blocks]
     if bad:
         raise ValueError(f"{side} block ids {bad[:8]} outside the pool of {meta.num_blocks} blocks")
+    if side == "D" and len(set(block_ids)) != len(block_ids):
+        repeated = sorted({b for b in block_ids if block_ids.count(b) > 1})[:8]
+        raise ValueError(f"D block ids {repeated} appear more than once: two token ranges would share a block")
     if not 0 <= num_tokens <= len(block_ids) * meta.block_size:
         raise ValueError(f"{num_tokens} tokens do not fit {side}'s {len(block_ids)} blocks of {meta.block_size} tokens")

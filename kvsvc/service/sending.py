@@ -49,6 +49,8 @@ from kvsvc.service.context import EngineMetadata, ServiceContext, Worker, check_
 from kvsvc.service.writing import BlockWriter, WriteTarget
 
 log = logging.getLogger(__name__)
+# More ranks than any deployment has; a hello claiming more is refused before P builds the D layout from it.
+MAX_PARALLEL = 1024
 
 
 @dataclass(slots=True)
@@ -271,6 +273,9 @@ class SendingRole:
         actual = (me.engine_id, me.incarnation, me.pp_rank, me.tp_rank)
         if expected != actual:
             raise PeerMismatch(f"hello expects engine/incarnation/pp/tp {expected}, this worker is {actual}")
+        if not (1 <= d.tp_size <= MAX_PARALLEL and 1 <= d.pp_size <= MAX_PARALLEL):
+            # Bounded before anything is built from them: the layout below has pp_size x tp_size entries.
+            raise PeerMismatch(f"D worker {WorkerRef.of(d)} claims tp_size {d.tp_size}, pp_size {d.pp_size}")
         stages = [tuple(s) for s in hello.stage_layers]
         if (
             len(stages) != d.pp_size

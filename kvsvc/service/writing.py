@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsvc.errors import PeerLost, TopologyError, TransferError
+from kvsvc.errors import PeerLost, TopologyError
 from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs
 from kvsvc.messages import WorkerMetadata, WorkerRef
 from kvsvc.planner import plan_transfer
@@ -114,19 +114,19 @@ class BlockWriter:
                 nbytes = await self._ctx.transport.write(target.meta.transport_addr, descriptors)
             else:
                 nbytes = await self._write_layerwise(target.meta.transport_addr, descriptors, layers)
-        except WriteFailed as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            self._ctx.counts["write_failures"] += 1
-            if exc.drained is not None:
-                # The peer stopped making progress: the blocks stay held until Mooncake gave up on every descriptor.
-                await asyncio.shield(exc.drained)
-        except (TransferError, TopologyError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            self._ctx.counts["write_failures"] += 1
         except asyncio.CancelledError:
-            error = "P service closed before the write finished"
-            self._write_result(command.transfer_id, command.dst.worker, error, 0, 0)
+            # Only `close` cancels, after `close_drain_timeout_s`: the engine is going away with its blocks.
+            self._write_result(
+                command.transfer_id, command.dst.worker, "P service closed before the write finished", 0, 0
+            )
             raise
+        except Exception as exc:  # a transport failure, a plan refused, a layer's compute that failed: all end the job
+            error = f"{type(exc).__name__}: {exc}"
+            self._ctx.counts["write_failures"] += 1
+            drained = exc.drained if isinstance(exc, WriteFailed) else None
+            if drained is not None:
+                # The peer stopped making progress: the blocks stay held until Mooncake gave up on every descriptor.
+                await asyncio.shield(drained)
         self._write_ended(command, error, nbytes, ndesc)
 
     def _write_ended(self, command: Submit, error: str | None, nbytes: int, ndesc: int) -> None:
@@ -247,6 +247,10 @@ class BlockWriter:
 
         results = await asyncio.gather(*(one(i) for i in range(len(layers))), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
+        # Every layer's write must have stopped moving bytes before the job may end, not only the first failure's.
+        drains = [f.drained for f in failures if isinstance(f, WriteFailed) and f.drained is not None]
+        if drains:
+            await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
         if failures:
             raise failures[0]
         return sum(r for r in results if isinstance(r, int))

@@ -652,3 +652,9 @@ def test_property_any_arrival_order_of_distinct_workers_finishes_an_id_on_the_la
         outputs = [out(kv(recving={"r"})) if i == worker else out() for i in range(n)]
         finished = agg_kv(aggregator.aggregate(outputs)).finished_recving
         assert (finished == {"r"}) == (position == len(arrivals) - 1)
+
+
+def test_model_runner_output_keeps_the_contracts_positional_order() -> None:
+    kv = KVConnectorOutput(finished_sending={"r"})
+    output = ModelRunnerOutput(["r"], {"r": 0}, kv)
+    assert output.kv_connector_output is kv and output.sampled_token_ids == []

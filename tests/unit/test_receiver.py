@@ -3,6 +3,8 @@ with a fake clock and no event loop (DESIGN §5)."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvsvc.messages import Abort, Release, TransferRequest
 from kvsvc.receiver import Receiver, SendToSource
 from kvsvc.testing.clock import FakeClock
@@ -233,3 +235,9 @@ def test_a_timed_out_receive_whose_sources_never_confirm_ends_after_the_abort_gr
     receiver.expire(clock.advance(1))
     assert receiver.drain().failed == {"r1"}
     assert receiver.statistics().expired == 1
+
+
+def test_receiving_a_transfer_twice_for_another_request_is_refused() -> None:
+    receiver, clock, _ = started()
+    with pytest.raises(ValueError, match="'t1' is already received for request 'r1', not 'r2'"):
+        receiver.start("r2", "t1", "P", [9], 1, clock())

@@ -3,6 +3,8 @@ with a fake clock and no event loop (DESIGN §5)."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvsvc.messages import ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest, WorkerRef
 from kvsvc.sender import Reply, SendCommand, Sender, Submit
 from kvsvc.testing.clock import FakeClock
@@ -326,3 +328,10 @@ def test_a_request_for_a_transfer_p_already_aborted_is_answered_failed_at_once()
     sender.hold("r1", "t1", [1], 4, clock())
     sender.abort("r1")
     assert replies(sender.request(D0, ONLY_D0, request(), clock())) == [(D0, TransferFailed)]
+
+
+def test_holding_a_held_transfer_for_another_request_is_refused() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    with pytest.raises(ValueError, match="'t1' is already held for request 'r1', not 'r2'"):
+        sender.hold("r2", "t1", [2], 4, clock())

@@ -257,3 +257,62 @@ async def test_a_closed_service_refuses_new_work(pair: tuple[Side, Side, str]) -
     await p.service.close()
     with pytest.raises(ServiceClosed):
         p.service.start_send("p-req", "t7", [0], 1)
+
+
+async def test_a_layer_whose_compute_failed_fails_the_transfer_and_frees_both_sides(
+    pair: tuple[Side, Side, str],
+) -> None:
+    p, d, url = pair
+    loop = asyncio.get_running_loop()
+    layers: list[asyncio.Future[None]] = [loop.create_future() for _ in range(LAYERS)]
+    p.service.start_send("p-req", "t8", [0], BLOCK, layers)
+    d.service.start_recv("d-req", "t8", "prefill", url, [7], BLOCK)
+    layers[0].set_result(None)
+    layers[1].set_exception(RuntimeError("CUDA kernel failed"))
+    out = await wait_output(d.service, "failed_recving", "d-req")
+    assert out.invalid_block_ids == {7}
+    await wait_output(p.service, "finished_sending", "p-req")
+    assert p.service.statistics().holds == 0 and d.service.statistics().holds == 0
+
+
+async def test_repeated_d_block_ids_are_refused_at_the_call(pair: tuple[Side, Side, str]) -> None:
+    _, d, url = pair
+    with pytest.raises(ValueError, match=r"D block ids \[3\] appear more than once"):
+        d.service.start_recv("d-req", "t9", "prefill", url, [3, 3], 2 * BLOCK)
+
+
+async def test_a_hello_claiming_an_absurd_tp_size_is_refused_before_anything_is_built(
+    pair: tuple[Side, Side, str],
+) -> None:
+    p, d, _ = pair
+    pm = p.service.metadata
+    hello = Hello(
+        version=PROTOCOL_VERSION,
+        sender=msgspec.structs.replace(d.service.metadata, tp_size=2**30),
+        stage_layers=[(0, LAYERS)],
+        expect_engine_id=pm.engine_id,
+        expect_incarnation=pm.incarnation,
+        expect_pp_rank=0,
+        expect_tp_rank=0,
+    )
+    (reply,) = await raw_exchange(pm.control_addr, encode(hello))
+    assert isinstance(reply, HelloRefused) and "tp_size 1073741824" in reply.reason
+
+
+async def test_engine_metadata_larger_than_one_read_is_fetched_whole() -> None:
+    import aiohttp
+
+    from kvsvc.engine.bootstrap import fetch_engine_metadata
+
+    base = make_side("big", ServiceConfig(), 3).service.metadata
+    metas = {
+        (0, tp): msgspec.structs.replace(base, tp_rank=tp, tp_size=1024, base_addrs=[2**40 + i for i in range(128)])
+        for tp in range(1024)
+    }  # about 1.3 MB: many reads on any socket
+    server = BootstrapServer(metas)
+    url = await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await fetch_engine_metadata(session, url, timeout_s=10) == metas
+    finally:
+        await server.close()
