@@ -55,6 +55,7 @@ class ServiceThread:
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvsvc-loop", daemon=True)
         self._service: KVTransferService | None = None
+        self._late_report: concurrent.futures.Future[KVConnectorOutput] | None = None
         self.metadata: WorkerMetadata = metadata
 
     def start(self) -> WorkerMetadata:
@@ -127,7 +128,26 @@ class ServiceThread:
         self.call(lambda s: s.abort(req_id))
 
     def get_finished(self) -> KVConnectorOutput:
-        return self.call(lambda s: s.get_finished())
+        """As `KVTransferService.get_finished`. A call that timed out is not cancelled (the loop may have drained
+        already): its report is merged into the next call's, so nothing reported is ever lost.
+
+        Raises:
+            KVSvcTimeout: the loop did not answer in time (the report comes with the next call).
+            ServiceClosed: after `close`.
+        """
+        late, self._late_report = self._late_report, None
+        future = self._submit(self._drain())
+        try:
+            report = future.result(self._timeout)
+        except concurrent.futures.TimeoutError:
+            self._late_report = _chain(late, future)
+            raise KVSvcTimeout(f"kvsvc loop did not answer get_finished within {self._timeout:g} s") from None
+        if late is not None:
+            report = _merge(late.result(self._timeout), report)
+        return report
+
+    async def _drain(self) -> KVConnectorOutput:
+        return self.service.get_finished()
 
     def statistics(self) -> ServiceStatistics:
         return self.call(lambda s: s.statistics())
@@ -144,13 +164,58 @@ class ServiceThread:
         if not self._thread.is_alive():
             self._loop.close()
 
-    def _run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+    def _submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         if self._loop.is_closed() or not self._thread.is_alive():
             coro.close()
             raise ServiceClosed(f"service thread of worker {self.metadata.worker} is not running")
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        future = self._submit(coro)
         try:
             return future.result(timeout if timeout is not None else self._timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise KVSvcTimeout(f"kvsvc loop did not answer within {timeout or self._timeout:g} s") from None
+
+
+def _merge(a: KVConnectorOutput, b: KVConnectorOutput) -> KVConnectorOutput:
+    """Two reports of one worker as one (their id sets are disjoint: each id is reported once)."""
+
+    def union(x: set[str] | None, y: set[str] | None) -> set[str] | None:
+        return (x or set()) | (y or set()) or None
+
+    return KVConnectorOutput(
+        finished_sending=union(a.finished_sending, b.finished_sending),
+        finished_recving=union(a.finished_recving, b.finished_recving),
+        failed_recving=union(a.failed_recving, b.failed_recving),
+        invalid_block_ids=a.invalid_block_ids | b.invalid_block_ids,
+        kv_connector_stats=_sum_stats(a.kv_connector_stats, b.kv_connector_stats),
+    )
+
+
+def _sum_stats(a: object, b: object) -> object:
+    """The service's stats are counter deltas: two deltas add up."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+    return b if a is None else a
+
+
+def _chain(
+    late: concurrent.futures.Future[KVConnectorOutput] | None, future: concurrent.futures.Future[KVConnectorOutput]
+) -> concurrent.futures.Future[KVConnectorOutput]:
+    """One future for two pending reports, in order (both must be delivered by the next call)."""
+    if late is None:
+        return future
+    merged: concurrent.futures.Future[KVConnectorOutput] = concurrent.futures.Future()
+
+    def done(_: object) -> None:
+        if late.done() and future.done() and not merged.done():
+            try:
+                merged.set_result(_merge(late.result(), future.result()))
+            except BaseException as exc:  # the service raised: hand it to the caller
+                merged.set_exception(exc)
+
+    late.add_done_callback(done)
+    future.add_done_callback(done)
+    return merged
