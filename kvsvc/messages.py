@@ -118,7 +118,7 @@ class TransferFailed(msgspec.Struct, tag="xfer_failed", frozen=True, kw_only=Tru
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
-    """Either side: stop this transfer; the receiver frees what it holds for it (after in-flight writes drain)."""
+    """D to P: stop this transfer; P answers `TransferFailed` once no write of it can touch D's blocks."""
 
     transfer_id: str
     reason: str
