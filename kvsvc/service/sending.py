@@ -221,6 +221,10 @@ class SendingRole:
             if inbound is not None and self._inbound.get(_inbound_key(inbound.ref)) is inbound:
                 del self._inbound[_inbound_key(inbound.ref)]
                 self._run_send(self._sender.peer_lost(inbound.ref))
+                addr = inbound.meta.transport_addr
+                if all(other.meta.transport_addr != addr for other in self._inbound.values()):
+                    # Forget the D worker's regions (a restart publishes new ones); writes in flight still finish.
+                    self._ctx.transport.remove_peer(addr)
             await channel.wait_closed()
             if task is not None:
                 self._ctx.tasks.discard(task)
