@@ -1,19 +1,18 @@
 """`Executor`: one synthetic engine of `pp_size x tp_size` worker processes, its bootstrap endpoint and supervision.
 
-Imports `workers.process` and `kvsvc` (engine side: handshake merge, bootstrap server, output aggregation). Rules:
-workers are indexed `pp_rank * tp_size + tp_rank`; every call to a worker has a deadline and raises `WorkerError`
-(never hangs) when it errs, dies or stalls; replies are matched by sequence number, so a late answer to a call that
-timed out is dropped, never taken for the next one; `close()` reaps every child, also after errors.
+Imports `workers.process`, `workers.bootstrap_endpoint` and `kvsvc` (engine side: handshake merge, output
+aggregation). Rules: workers are indexed `pp_rank * tp_size + tp_rank`; every call to a worker has a deadline and
+raises `WorkerError` (never hangs) when it errs, dies or stalls; replies are matched by sequence number, so a late
+answer to a call that timed out is dropped, never taken for the next one; `close()` reaps every child, also after
+errors.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,13 +23,13 @@ from typing import Any, Final, Self
 
 from aiohttp import web
 
-from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata
 from kvsvc.handshake import merge_handshake_metadata
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import AggregatorStatistics, KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import ServiceConfig, new_incarnation
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.blocks import BlockAllocator, NoFreeBlocks
+from workers.bootstrap_endpoint import BootstrapEndpoint
 from workers.kv_pool import engine_shapes
 from workers.process import (
     Command,
@@ -105,72 +104,6 @@ class WorkerHandle:
         return f"worker {self.index} (pp{self.worker[0]},tp{self.worker[1]}, pid {self.pid})"
 
 
-class _BootstrapThread:
-    """The engine's handshake endpoint, served from a private event loop thread of the parent process."""
-
-    def __init__(self, host: str, port: int, app: web.Application | None = None) -> None:
-        self._host, self._port = host, port
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="bootstrap", daemon=True)
-        self._thread.start()
-        self._server: BootstrapServer | None = None
-        # `app` (e.g. the admin app, which carries the handshake route): bound once, metadata published in place.
-        self._app = app
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-
-    def serve(self, metas: dict[tuple[int, int], WorkerMetadata], timeout_s: float) -> str:
-        """Serve `metas` (replacing what was served); the URL stays the same once bound.
-
-        Raises:
-            OSError: the port cannot be bound. TimeoutError: the loop thread did not answer.
-        """
-
-        async def swap() -> str:
-            if self._app is not None:
-                publish_metadata(self._app, metas)
-                if self._runner is None:
-                    runner = web.AppRunner(self._app, access_log=None)
-                    await runner.setup()
-                    try:
-                        await web.TCPSite(runner, self._host, self._port).start()
-                    except BaseException:
-                        await runner.cleanup()
-                        raise
-                    self._runner, self._port = runner, int(runner.addresses[0][1])
-                return f"http://{self._host}:{self._port}"
-            # A new server per publication: aiohttp apps must not change after they started.
-            if self._server is not None:
-                await self._server.close()
-            self._server = BootstrapServer(metas, host=self._host, port=self._port)
-            url = await self._server.start()
-            self._port = int(url.rsplit(":", 1)[1])
-            return url
-
-        self.url = asyncio.run_coroutine_threadsafe(swap(), self._loop).result(timeout_s)
-        return self.url
-
-    def withdraw(self, timeout_s: float) -> None:
-        """Stop serving (a restarting engine must not hand out its old incarnation)."""
-        if self._app is not None:
-            self._app[METADATA_KEY].clear()  # the handshake route answers 503 until the next `serve`
-        if self._server is not None:
-            server, self._server = self._server, None
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(server.close(), self._loop).result(timeout_s)
-
-    def close(self, timeout_s: float) -> None:
-        self.withdraw(timeout_s)
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(runner.cleanup(), self._loop).result(timeout_s)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-
 class Executor:
     """Starts and supervises one engine's worker processes (see module docstring). A context manager."""
 
@@ -199,7 +132,7 @@ class Executor:
         self.metas: dict[tuple[int, int], WorkerMetadata] = {}
         self.incarnation = ""
         self._seq = 0
-        self._bootstrap: _BootstrapThread | None = None
+        self._bootstrap: BootstrapEndpoint | None = None
         self._app: web.Application | None = None
         self._aggregator = KVOutputAggregator(self.num_workers)
         self._output_rank = self.index_of(config.pp_size - 1, 0)
@@ -289,7 +222,7 @@ class Executor:
             self.metas = merge_handshake_metadata({h.worker: h.meta} for h in self.workers if h.meta is not None)
             self.broadcast(SetEngineMetadata(self.metas))
             if self._bootstrap is None:
-                self._bootstrap = _BootstrapThread(self.config.bootstrap_host, self.config.bootstrap_port, self._app)
+                self._bootstrap = BootstrapEndpoint(self.config.bootstrap_host, self.config.bootstrap_port, self._app)
             self._bootstrap.serve(self.metas, self.config.call_timeout_s)
         except BaseException:
             self.close()

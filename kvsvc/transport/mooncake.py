@@ -1,10 +1,10 @@
 """`MooncakeTransport`: the `Transport` protocol on the Mooncake Transfer Engine (P2PHANDSHAKE, TCP or RDMA).
 
-Imports: stdlib, `kvsvc.errors`, `kvsvc.transport.base`; `mooncake` only lazily, inside `MooncakeTransport`.
-Invariants (MOONCAKE.md): every descriptor is its own one-descriptor batch (`transfer_submit_write`), because
-`transfer_check_status` only looks at a batch's first descriptor; an id is polled until it reports 1 or -1 and never
-again (that frees it); id 0 is a refusal, never polled; `get_batch_transfer_status` and the blocking calls are never
-used. One poller task per transport, on the event loop: no thread per transfer, no busy spinning.
+Imports: stdlib, `kvsvc.errors`, `kvsvc.transport.base` and `.completion` (which polls what this submits); `mooncake`
+only lazily, inside `MooncakeTransport`. Invariants (MOONCAKE.md): every descriptor is its own one-descriptor batch
+(`transfer_submit_write`), because `transfer_check_status` only looks at a batch's first descriptor; every id the
+engine returns goes to the `CompletionPoller`, the only caller of `transfer_check_status`; `get_batch_transfer_status`
+and the blocking calls are never used. One poller task per transport: no thread per transfer, no busy spinning.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from kvsvc.errors import TransportError
 from kvsvc.transport.base import (
@@ -28,12 +27,10 @@ from kvsvc.transport.base import (
     WriteFailed,
     check_descriptors,
 )
+from kvsvc.transport.completion import LOOP_TIMER_FLOOR_S, CompletionPoller, Write, wait_uncancellable
 
 log = logging.getLogger(__name__)
 
-# asyncio's epoll and uvloop's libuv timers both have a 1 ms floor; uvloop turns any shorter sleep into a zero
-# timeout, i.e. a busy spin of the loop (measured). So the poller never sleeps less than this.
-LOOP_TIMER_FLOOR_S: Final = 0.001
 # Engines whose close gave up on in-flight descriptors: kept alive (never unregistered nor destroyed) so a late
 # completion cannot touch freed memory or a dead engine.
 _LEAKED_ENGINES: list[Any] = []
@@ -92,77 +89,6 @@ class MooncakeConfig:
         return env
 
 
-class _Write:
-    """One `write` call: its submitted-but-unfinished descriptors and the two futures it resolves."""
-
-    __slots__ = (
-        "bytes_ok",
-        "cancelled_at",
-        "code",
-        "drained",
-        "error",
-        "failed_at",
-        "pending",
-        "queue",
-        "result",
-        "submitting",
-    )
-
-    def __init__(self, queue: _PeerQueue, loop: asyncio.AbstractEventLoop) -> None:
-        self.queue = queue
-        self.pending = 0  # submitted, not finished
-        self.submitting = True
-        self.bytes_ok = 0
-        self.error: str | None = None
-        self.code = ERR_FAILED
-        self.failed_at: float | None = None
-        self.cancelled_at: float | None = None
-        self.result: asyncio.Future[int] = loop.create_future()  # when `write` may return or raise
-        self.drained: asyncio.Future[None] = loop.create_future()  # when nothing of it can move any more
-
-    def fail(self, message: str, code: int, now: float) -> None:
-        if self.error is None:
-            self.error, self.code, self.failed_at = message, code, now
-
-    def settle(self) -> None:
-        """Resolve the futures that the current state allows."""
-        if self.submitting or self.pending:
-            return
-        if not self.drained.done():
-            self.drained.set_result(None)
-            self.queue.stuck.discard(self)
-        if self.result.done():
-            return
-        if self.error is None:
-            self.result.set_result(self.bytes_ok)
-        else:
-            self.result.set_exception(self.failure())
-
-    def give_up(self) -> None:
-        """Resolve `result` with descriptors still in flight (the peer stopped progressing)."""
-        if not self.result.done():
-            self.queue.stuck.add(self)
-            self.result.set_exception(self.failure(f"; {self.pending} descriptor(s) still in flight, await .drained"))
-
-    def failure(self, suffix: str = "") -> WriteFailed:
-        message = self.error or f"write to {self.queue.peer} cancelled"
-        return WriteFailed(
-            message + suffix, self.code, peer=self.queue.peer, undrained=self.pending, drained=self.drained
-        )
-
-
-class _PeerQueue:
-    """The descriptors in flight to one peer, in submission order (the engine serves a peer roughly FIFO)."""
-
-    def __init__(self, peer: str, now: float) -> None:
-        self.peer = peer
-        self.entries: deque[tuple[int, _Write, int]] = deque()  # (batch id, its write, length)
-        self.writes: set[_Write] = set()
-        self.stuck: set[_Write] = set()  # writes that gave up (result done) with descriptors still in flight
-        self.last_success = now
-        self.space = asyncio.Event()  # set when the window has room again
-
-
 class MooncakeTransport:
     """The `Transport` protocol on one Mooncake `TransferEngine` (see `kvsvc.transport.base.Transport`).
 
@@ -184,16 +110,18 @@ class MooncakeTransport:
         self._session_id = f"{self.config.host}:{engine.get_rpc_port()}"
         self._local = AddressRanges()
         self._peers: dict[str, AddressRanges] = {}
-        self._queues: dict[str, _PeerQueue] = {}
+        self._completions = CompletionPoller(
+            engine.transfer_check_status,
+            drain_timeout_s=self.config.drain_timeout_s,
+            progress_timeout_s=self.config.progress_timeout_s,
+            poll_interval_min_s=self.config.poll_interval_min_s,
+            poll_interval_max_s=self.config.poll_interval_max_s,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._poller: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
         self._connected: set[str] = set()  # peers a submission already reached (handshake done)
         self._connect_locks: dict[str, asyncio.Lock] = {}
         self._closed = False
-        self._counts = dict.fromkeys(
-            ("bytes", "descriptors", "completed", "failures", "refused", "writes", "in_flight", "polls"), 0
-        )
+        self._counts = dict.fromkeys(("completed", "failures", "refused", "writes"), 0)
 
     @staticmethod
     def _start_engine(config: MooncakeConfig) -> Any:
@@ -268,14 +196,12 @@ class MooncakeTransport:
         if not descriptors:
             return 0
         loop = self._bind_loop()
-        queue = self._queues.get(peer)
-        if queue is None:
-            queue = self._queues[peer] = _PeerQueue(peer, loop.time())
-        elif queue.stuck:
+        queue = self._completions.queue(peer, loop.time())
+        if queue.stuck:
             # An earlier write gave up on this peer with descriptors stuck behind it: fail fast, submit nothing.
             self._counts["refused"] += 1
             raise WriteFailed(f"peer {peer} has descriptors stuck from a failed write", ERR_FAILED, peer=peer)
-        op = _Write(queue, loop)
+        op = Write(queue, loop)
         queue.writes.add(op)
         self._counts["writes"] += 1
         try:
@@ -288,7 +214,7 @@ class MooncakeTransport:
             if op.cancelled_at is None:
                 op.cancelled_at = loop.time()
             op.settle()
-            await _wait_uncancellable(op.result)
+            await wait_uncancellable(op.result)
             raise
         except WriteFailed:
             self._counts["failures"] += 1
@@ -320,7 +246,7 @@ class MooncakeTransport:
             or len(descriptors) > self.config.submit_chunk
         ):
             return None
-        queue = self._queues.get(peer)
+        queue = self._completions.queues.get(peer)
         if queue is not None and (
             queue.stuck or len(queue.entries) + len(descriptors) > self.config.max_queued_per_peer
         ):
@@ -332,14 +258,13 @@ class MooncakeTransport:
         except TransportError:
             return None
         loop = self._bind_loop()
-        if queue is None:
-            queue = self._queues[peer] = _PeerQueue(peer, loop.time())
-        op = _Write(queue, loop)
+        queue = self._completions.queue(peer, loop.time())
+        op = Write(queue, loop)
         queue.writes.add(op)
         self._counts["writes"] += 1
         submit = self._engine.transfer_submit_write
         for src, dst, length in descriptors:
-            self._enqueue(op, submit(peer, src, dst, length), length)
+            self._completions.enqueue(op, submit(peer, src, dst, length), length)
             if op.error is not None:
                 break
         op.submitting = False
@@ -347,7 +272,7 @@ class MooncakeTransport:
         op.result.add_done_callback(lambda _: self._started_write_done(op))
         return op.result
 
-    def _started_write_done(self, op: _Write) -> None:
+    def _started_write_done(self, op: Write) -> None:
         """Bookkeeping of a `start_write` once its result is decided (what `write`'s epilogue does)."""
         self._counts["writes"] -= 1
         queue = op.queue
@@ -363,9 +288,9 @@ class MooncakeTransport:
         elif isinstance(exc, WriteFailed):
             self._counts["failures"] += 1
 
-    async def _submit(self, op: _Write, descriptors: Sequence[tuple[int, int, int]]) -> None:
+    async def _submit(self, op: Write, descriptors: Sequence[tuple[int, int, int]]) -> None:
         queue, engine, loop = op.queue, self._engine, self._loop
-        assert loop is not None and self._wake is not None
+        assert loop is not None
         start = 0
         if queue.peer not in self._connected:
             async with self._connect_locks.setdefault(queue.peer, asyncio.Lock()):
@@ -377,8 +302,8 @@ class MooncakeTransport:
                     try:
                         await asyncio.shield(fut)
                     finally:  # also on cancel: the id exists and must be polled
-                        await _wait_uncancellable(fut)
-                        self._enqueue(op, fut.result(), length)
+                        await wait_uncancellable(fut)
+                        self._completions.enqueue(op, fut.result(), length)
                     if op.error is None:
                         self._connected.add(queue.peer)
                     start = 1
@@ -392,119 +317,38 @@ class MooncakeTransport:
             while len(queue.entries) >= self.config.max_queued_per_peer:
                 queue.space.clear()
                 await queue.space.wait()
-            self._enqueue(op, engine.transfer_submit_write(queue.peer, src, dst, length), length)
+            self._completions.enqueue(op, engine.transfer_submit_write(queue.peer, src, dst, length), length)
             if (i - start) % self.config.submit_chunk == self.config.submit_chunk - 1:
                 await asyncio.sleep(0)  # let the poller and others run between chunks
-
-    def _enqueue(self, op: _Write, batch_id: int, length: int) -> None:
-        assert self._loop is not None and self._wake is not None
-        if batch_id == 0:  # refused (unknown peer, queue full): never poll an id 0
-            op.fail(
-                f"Mooncake refused to submit a write to {op.queue.peer} (batch id 0)", ERR_FAILED, self._loop.time()
-            )
-            return
-        op.queue.entries.append((batch_id, op, length))
-        op.pending += 1
-        self._counts["in_flight"] += 1
-        self._wake.set()
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is None:
-            self._loop, self._wake = loop, asyncio.Event()
+            self._loop = loop
         elif self._loop is not loop:
             raise TransportError("MooncakeTransport used from a second event loop", ERR_FAILED)
-        if self._poller is None or self._poller.done():
-            self._poller = loop.create_task(self._poll_forever(), name=f"mooncake-poller-{self._session_id}")
+        self._completions.start(loop, name=f"mooncake-poller-{self._session_id}")
         return loop
 
-    # -- completion polling -------------------------------------------------------------------------------------
-
-    async def _poll_forever(self) -> None:
-        """Poll in-flight ids: per peer from the oldest, stopping at the first still running one. Sleeps in
-        proportion to how long nothing finished (1/16 of it, between the configured bounds); parks when idle."""
-        assert self._loop is not None and self._wake is not None
-        cfg, loop = self.config, self._loop
-        last_progress = loop.time()
-        while True:
-            if not any(q.entries for q in self._queues.values()):
-                self._wake.clear()
-                await self._wake.wait()
-                last_progress = loop.time()
-            now = loop.time()
-            if self._poll_once(now):
-                last_progress = now
-            interval = min(cfg.poll_interval_max_s, max(cfg.poll_interval_min_s, (now - last_progress) / 16))
-            await asyncio.sleep(max(interval, LOOP_TIMER_FLOOR_S))
-
-    def _poll_once(self, now: float) -> int:
-        finished = 0
-        check = self._engine.transfer_check_status
-        for peer, queue in list(self._queues.items()):
-            entries = queue.entries
-            while entries:
-                batch_id, op, length = entries[0]
-                status = check(batch_id)
-                self._counts["polls"] += 1
-                if status == 0:
-                    break
-                entries.popleft()  # 1 and -1 freed the id: never poll it again
-                finished += 1
-                self._counts["in_flight"] -= 1
-                op.pending -= 1
-                if status == 1:
-                    op.bytes_ok += length
-                    queue.last_success = now
-                    self._counts["bytes"] += length
-                    self._counts["descriptors"] += 1
-                else:
-                    op.fail(f"Mooncake failed a write to {peer} (status {status})", ERR_FAILED, now)
-                op.settle()
-            if finished:
-                queue.space.set()
-            self._check_stalls(queue, now)
-            if not entries and not queue.writes:
-                del self._queues[peer]
-        return finished
-
-    def _check_stalls(self, queue: _PeerQueue, now: float) -> None:
-        """Give up waiting for a failed or cancelled write's descriptors when the peer stopped progressing."""
-        cfg = self.config
-        for op in queue.writes:
-            if op.result.done() or not op.pending:
-                continue
-            if op.failed_at is not None:
-                since = max(op.failed_at, queue.last_success)
-                if now - since > cfg.drain_timeout_s:
-                    op.give_up()
-            elif op.cancelled_at is not None:
-                # Mooncake fails a descriptor without byte progress after its progress timeout; wait for that.
-                since = max(op.cancelled_at, queue.last_success)
-                if now - since > cfg.progress_timeout_s + cfg.drain_timeout_s:
-                    op.give_up()
+    # -- completion and statistics --------------------------------------------------------------------------------
 
     async def drained(self, peer: str | None = None) -> None:
         """Return once no descriptor to `peer` (any peer when None) is in flight. Cancellation-safe."""
-        while True:
-            queues = [q for p, q in self._queues.items() if peer is None or p == peer]
-            waits = [op.drained for q in queues for op in q.writes if not op.drained.done()]
-            if not waits:
-                return
-            await asyncio.wait(waits)
+        await self._completions.drained(peer)
 
     def statistics(self) -> TransportStatistics:
-        c = self._counts
+        c, done = self._counts, self._completions
         return TransportStatistics(
-            bytes_written=c["bytes"],
-            descriptors_written=c["descriptors"],
+            bytes_written=done.bytes,
+            descriptors_written=done.descriptors,
             writes_completed=c["completed"],
             failures=c["failures"],
             refused=c["refused"],
             writes_in_flight=c["writes"],
-            descriptors_in_flight=c["in_flight"],
+            descriptors_in_flight=done.in_flight,
             peers=len(self._peers),
             registered_bytes=self._local.total_bytes,
-            polls=c["polls"],
+            polls=done.polls,
         )
 
     async def close(self) -> None:
@@ -515,20 +359,18 @@ class MooncakeTransport:
         if self._closed:
             return
         self._closed = True
-        if self._counts["in_flight"]:
+        if self._completions.in_flight:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.drained(), self.config.close_timeout_s)
-        if self._poller is not None:
-            self._poller.cancel()
-            await _wait_uncancellable(self._poller)
-        if self._counts["in_flight"]:
+        await self._completions.stop()
+        if self._completions.in_flight:
             log.warning(
                 "closing Mooncake transport %s with %d descriptor(s) in flight: leaking its engine",
                 self._session_id,
-                self._counts["in_flight"],
+                self._completions.in_flight,
             )
             _LEAKED_ENGINES.append(self._engine)
-            for queue in self._queues.values():
+            for queue in self._completions.queues.values():
                 for op in queue.writes:
                     if not op.result.done():
                         op.result.set_exception(TransportClosed(f"transport closed during a write to {queue.peer}"))
@@ -543,10 +385,3 @@ class MooncakeTransport:
             box.clear()  # the last reference: the engine's destructor runs here, off the loop
 
         await asyncio.to_thread(destroy)
-
-
-async def _wait_uncancellable(fut: asyncio.Future[Any]) -> None:
-    """Wait until `fut` is done, absorbing cancellations (the caller re-raises its own afterwards)."""
-    while not fut.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait((fut,))

@@ -1,0 +1,83 @@
+"""`BootstrapEndpoint`: an engine's handshake endpoint, served over HTTP from a private event loop thread.
+
+Imports aiohttp and `kvsvc.engine.bootstrap` (server, metadata route); used by `workers.executor`, whose blocking
+calls reach the loop thread through `run_coroutine_threadsafe` with a timeout. Invariants: once bound, the URL (host
+and port) stays the same across `serve` calls; `withdraw` stops handing out the old metadata before a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+from aiohttp import web
+
+from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata
+from kvsvc.messages import WorkerMetadata
+
+
+class BootstrapEndpoint:
+    """The engine's handshake endpoint, served from a private event loop thread of the parent process."""
+
+    def __init__(self, host: str, port: int, app: web.Application | None = None) -> None:
+        self._host, self._port = host, port
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bootstrap", daemon=True)
+        self._thread.start()
+        self._server: BootstrapServer | None = None
+        # `app` (e.g. the admin app, which carries the handshake route): bound once, metadata published in place.
+        self._app = app
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def serve(self, metas: dict[tuple[int, int], WorkerMetadata], timeout_s: float) -> str:
+        """Serve `metas` (replacing what was served); the URL stays the same once bound.
+
+        Raises:
+            OSError: the port cannot be bound. TimeoutError: the loop thread did not answer.
+        """
+
+        async def swap() -> str:
+            if self._app is not None:
+                publish_metadata(self._app, metas)
+                if self._runner is None:
+                    runner = web.AppRunner(self._app, access_log=None)
+                    await runner.setup()
+                    try:
+                        await web.TCPSite(runner, self._host, self._port).start()
+                    except BaseException:
+                        await runner.cleanup()
+                        raise
+                    self._runner, self._port = runner, int(runner.addresses[0][1])
+                return f"http://{self._host}:{self._port}"
+            # A new server per publication: aiohttp apps must not change after they started.
+            if self._server is not None:
+                await self._server.close()
+            self._server = BootstrapServer(metas, host=self._host, port=self._port)
+            url = await self._server.start()
+            self._port = int(url.rsplit(":", 1)[1])
+            return url
+
+        self.url = asyncio.run_coroutine_threadsafe(swap(), self._loop).result(timeout_s)
+        return self.url
+
+    def withdraw(self, timeout_s: float) -> None:
+        """Stop serving (a restarting engine must not hand out its old incarnation)."""
+        if self._app is not None:
+            self._app[METADATA_KEY].clear()  # the handshake route answers 503 until the next `serve`
+        if self._server is not None:
+            server, self._server = self._server, None
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(server.close(), self._loop).result(timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        self.withdraw(timeout_s)
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(runner.cleanup(), self._loop).result(timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()
