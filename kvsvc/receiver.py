@@ -66,6 +66,7 @@ class Receiver:
         self._timeout = recv_timeout_s
         self._abort_grace = abort_grace_s
         self._recvs: dict[str, _Recv] = {}
+        self._by_req: dict[str, str] = {}  # req_id -> transfer_id of each receive, for the engine's aborts
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._invalid: set[int] = set()
@@ -91,11 +92,13 @@ class Receiver:
                 )
             return False
         self._recvs[transfer_id] = _Recv(req_id, transfer_id, engine_id, block_ids, num_tokens, now + self._timeout)
+        self._by_req[req_id] = transfer_id
         return True
 
     def abort(self, req_id: str, now: float) -> list[SendToSource]:
         """The engine aborted `req_id`: ask P workers to stop; report failed once they confirmed or grace passed."""
-        recv = next((r for r in self._recvs.values() if r.req_id == req_id), None)
+        transfer_id = self._by_req.get(req_id)
+        recv = self._recvs.get(transfer_id) if transfer_id is not None else None
         if recv is None or recv.aborted:
             return []
         recv.aborted = True
@@ -263,6 +266,7 @@ class Receiver:
         failed = [job for job in recv.jobs.values() if job.state is not RecvState.DONE]
         if not failed and not recv.aborted:
             del self._recvs[recv.transfer_id]
+            self._by_req.pop(recv.req_id, None)
             self._finished.add(recv.req_id)
             self._counts["finished"] += 1
             return
@@ -273,6 +277,7 @@ class Receiver:
     def _end(self, recv: _Recv, reason: str) -> None:
         if self._recvs.pop(recv.transfer_id, None) is None:
             return
+        self._by_req.pop(recv.req_id, None)
         self._failed[recv.req_id] = reason
         self._invalid.update(recv.block_ids)
         self._counts["failed"] += 1

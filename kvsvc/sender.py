@@ -81,6 +81,7 @@ class Sender:
         self._early_timeout = early_request_timeout_s
         self._max_early = max_early_requests
         self._holds: dict[str, _Hold] = {}
+        self._by_req: dict[str, str] = {}  # req_id -> transfer_id of each hold, for the engine's aborts
         # Requests for transfers not held yet, in arrival order (deadline, request, expected set).
         self._early: OrderedDict[
             tuple[str, Worker], tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]
@@ -116,6 +117,7 @@ class Sender:
                 )
             return []
         self._holds[transfer_id] = _Hold(req_id, transfer_id, block_ids, num_tokens, now + self._hold_timeout)
+        self._by_req[req_id] = transfer_id
         commands: list[SendCommand] = []
         for key in [k for k in self._early if k[0] == transfer_id]:
             _, dst, message, expected = self._early.pop(key)
@@ -140,11 +142,10 @@ class Sender:
 
     def abort(self, req_id: str) -> list[SendCommand]:
         """The engine aborted `req_id`: answer waiting D workers failed; writing jobs drain first."""
-        for hold in self._holds.values():
-            if hold.req_id == req_id:
-                break
-        else:
+        transfer_id = self._by_req.get(req_id)
+        if transfer_id is None:
             return []
+        hold = self._holds[transfer_id]
         if not hold.ended:
             hold.ended = "aborted"
             self._aborted_count += 1
@@ -232,6 +233,19 @@ class Sender:
             self._maybe_finish(hold)
             return []
         return self._apply(hold, job, SendEvent.ABORT, reason or "aborted by D")
+
+    def refuse(
+        self, dst: WorkerRef, transfer_id: str, reason: str, now: float, expected: frozenset[Worker]
+    ) -> list[SendCommand]:
+        """D worker `dst` sent a request P cannot serve (block ids outside its pool, say): answer it failed once,
+        and count `dst` as served; a job `dst` already has is left alone (the bad frame is only answered)."""
+        hold = self._holds.get(transfer_id)
+        if hold is not None and dst.worker in hold.jobs:
+            return [Reply(dst, ErrorMessage(reason=reason, transfer_id=transfer_id))]
+        commands = self.remote_abort(dst, transfer_id, reason, now, expected)
+        if not any(isinstance(c, Reply) for c in commands):
+            commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
+        return commands
 
     def peer_lost(self, dst: WorkerRef) -> list[SendCommand]:
         """The control connection to `dst` broke: its pending jobs fail; writing ones drain first."""
@@ -393,6 +407,7 @@ class Sender:
         if not (hold.ended or served):
             return
         del self._holds[hold.transfer_id]
+        self._by_req.pop(hold.req_id, None)
         self._finished.add(hold.req_id)
         self._closed[hold.transfer_id] = hold.ended or "every D worker that needed it was served"
         while len(self._closed) > self._remembered:

@@ -36,7 +36,6 @@ from kvsvc.messages import (
     Ping,
     Pong,
     Release,
-    TransferFailed,
     TransferRequest,
     WorkerMetadata,
     WorkerRef,
@@ -311,10 +310,8 @@ class SendingRole:
             try:
                 check_blocks(inbound.meta, message.block_ids, message.num_tokens, "D")
             except ValueError as exc:
-                inbound.channel.send(TransferFailed(transfer_id=message.transfer_id, reason=str(exc)))
-                self._run_send(
-                    self._sender.remote_abort(inbound.ref, message.transfer_id, str(exc), now, inbound.expected)
-                )
+                refused = self._sender.refuse(inbound.ref, message.transfer_id, str(exc), now, inbound.expected)
+                self._run_send(refused)
                 return
             self._run_send(self._sender.request(inbound.ref, inbound.expected, message, now))
         elif isinstance(message, Release):

@@ -335,3 +335,23 @@ def test_holding_a_held_transfer_for_another_request_is_refused() -> None:
     sender.hold("r1", "t1", [1], 4, clock())
     with pytest.raises(ValueError, match="'t1' is already held for request 'r1', not 'r2'"):
         sender.hold("r2", "t1", [2], 4, clock())
+
+
+def test_a_request_p_cannot_serve_is_answered_failed_once_and_counts_d_as_served() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    assert replies(sender.refuse(D0, "t1", "block ids [99] outside the pool", clock(), ONLY_D0)) == [
+        (D0, TransferFailed)
+    ]
+    assert sender.drain_finished() == {"r1"}
+
+
+def test_a_bad_repeat_of_a_request_leaves_the_running_job_alone() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    assert replies(sender.refuse(D0, "t1", "block ids [99] outside the pool", clock(), ONLY_D0)) == [(D0, ErrorMessage)]
+    assert sender.write_result("t1", D0.worker, None) == [
+        Reply(D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0))
+    ]
