@@ -62,6 +62,16 @@ class _Engine:
     def _blocks_for(self, num_tokens: int) -> list[int]:
         return self.allocator.allocate(max(1, -(-num_tokens // self.executor.config.block_size)))
 
+    def _start(self, req_id: str, blocks: list[int], command: Prefill | Recv) -> None:
+        """Send `command` to every worker; if any fails, abort it everywhere and take the blocks back."""
+        try:
+            self.executor.broadcast(command)
+        except BaseException:
+            # Some workers may hold it: abort there so nothing stays held, then the blocks are ours again.
+            self.executor.broadcast(AbortRequest(req_id))
+            self.allocator.free(blocks)
+            raise
+
 
 class PrefillEngine(_Engine):
     """Computes requests' KV with the synthetic model and holds it for decode engines to fetch."""
@@ -78,13 +88,7 @@ class PrefillEngine(_Engine):
         """
         blocks = self._blocks_for(num_tokens)
         req = PrefillRequest(self._new_req_id(transfer_id), transfer_id, blocks, num_tokens, seed)
-        try:
-            self.executor.broadcast(Prefill(req.req_id, transfer_id, blocks, num_tokens, seed))
-        except BaseException:
-            # Some workers may hold it: abort there so nothing stays held, then the blocks are ours again.
-            self.executor.broadcast(AbortRequest(req.req_id))
-            self.allocator.free(blocks)
-            raise
+        self._start(req.req_id, blocks, Prefill(req.req_id, transfer_id, blocks, num_tokens, seed))
         self.requests[req.req_id] = req
         self.tracker.track_send(req.req_id, blocks)
         return req
@@ -137,12 +141,9 @@ class DecodeEngine(_Engine):
         """
         blocks = self._blocks_for(num_tokens)
         req = DecodeRequest(self._new_req_id(transfer_id), transfer_id, prefill_engine_id, blocks, num_tokens, seed)
-        try:
-            self.executor.broadcast(Recv(req.req_id, transfer_id, prefill_engine_id, prefill_url, blocks, num_tokens))
-        except BaseException:
-            self.executor.broadcast(AbortRequest(req.req_id))
-            self.allocator.free(blocks)
-            raise
+        self._start(
+            req.req_id, blocks, Recv(req.req_id, transfer_id, prefill_engine_id, prefill_url, blocks, num_tokens)
+        )
         self.requests[req.req_id] = req
         self.tracker.track_recv(req.req_id, blocks)
         return req
