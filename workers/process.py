@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -300,6 +301,10 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
             if not runtime.stopping.done():
                 runtime.stopping.set_result(0)
 
+    # What exists now (torch's modules, the pool, the engine) lives as long as the worker: freezing it keeps the
+    # collector's full passes to what requests allocate (docs/performance.md: 50 ms passes on a busy P before).
+    gc.collect()
+    gc.freeze()
     conn.send(Ready(meta, os.getpid()))
     loop.add_reader(conn.fileno(), on_readable)
     # uvloop's add_reader makes the fd non-blocking; a command or answer larger than the socket buffer would then

@@ -4,8 +4,9 @@ Imports `kvsvc` (planner, layout), `workers.executor` and `workers.bench.worker`
 baseline move the same bytes between the same two Mooncake engines (the P worker's and the D workers'), described by
 the same plan (`plan_transfer`); the peers' way moves them as one descriptor per (layer, block, K/V half); the
 handshake and each engine's first write happen before anything is timed; the runs of kvsvc and the baselines
-alternate, so noise hits them alike, and every figure is the median over the repetitions; the first repetition
-of kvsvc is verified byte for byte on D (a sample of the requests in the small scenario) before a baseline writes.
+alternate, in an order that rotates, so noise hits them alike; every figure is the median over the repetitions and
+every ratio the median of per-repetition ratios; the first repetition of kvsvc is verified byte for byte on D (a
+sample of the requests in the small scenario) before a baseline writes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from kvsvc.layout import block_geometry
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import plan_transfer
+from workers.bench.models import DEFAULT_MODEL, MODELS, ModelShape
 from workers.bench.worker import (
     BenchRequest,
     Collect,
@@ -44,68 +46,83 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each scenario is; `quick` keeps the whole run under 40 s on 2 cores."""
+    """How big each scenario is; `quick` keeps the whole run under 40 s on 2 cores. Request sizes are targets in
+    bytes, rounded down to whole blocks of the model (at least one)."""
 
-    reps: int
+    reps: int  # of the large and heterogeneous-TP scenarios (a repetition takes well under a second)
+    small_reps: int
     large_requests: int
-    large_blocks: int
+    large_request_bytes: int
     hetero_requests: int
-    hetero_blocks: int
+    hetero_request_bytes: int
     small_requests: int
     layerwise_iterations: int
     layer_time_s: float
-    # the model: per-layer HND engines (large, heterogeneous TP, layer-wise) and cross-layer ones (small)
-    num_layers: int = 8
-    num_kv_heads: int = 8
-    head_size: int = 128
-    block_size: int = 16
+    model: ModelShape = MODELS[DEFAULT_MODEL]
+    # the small scenario's own cross-layer model: 64 KiB one-block requests (8 layers, 2 heads of 64, block 16)
+    small_layers: int = 8
     small_kv_heads: int = 2
     small_head_size: int = 64
+    small_block_size: int = 16
+
+    @property
+    def large_blocks(self) -> int:
+        return max(1, self.large_request_bytes // self.model.block_bytes())
+
+    @property
+    def hetero_blocks(self) -> int:
+        return max(1, self.hetero_request_bytes // self.model.block_bytes())
 
 
+MiB = 1 << 20
 QUICK = Sizes(
-    reps=3,
+    reps=9,
+    small_reps=5,
     large_requests=4,
-    large_blocks=32,
+    large_request_bytes=16 * MiB,
     hetero_requests=8,
-    hetero_blocks=8,
+    hetero_request_bytes=4 * MiB,
     small_requests=2000,
     layerwise_iterations=3,
     layer_time_s=0.004,
 )
 FULL = Sizes(
-    reps=5,
+    reps=11,
+    small_reps=7,
     large_requests=8,
-    large_blocks=64,
+    large_request_bytes=32 * MiB,
     hetero_requests=16,
-    hetero_blocks=8,
+    hetero_request_bytes=4 * MiB,
     small_requests=10000,
     layerwise_iterations=5,
     layer_time_s=0.004,
 )
+_TINY_MODEL = ModelShape("tiny", num_layers=2, num_kv_heads=2, head_size=16, block_size=4)
 TINY = Sizes(  # the test's sizes: every code path, seconds of work
     reps=1,
+    small_reps=1,
     large_requests=2,
-    large_blocks=2,
+    large_request_bytes=2 * _TINY_MODEL.block_bytes(),
     hetero_requests=2,
-    hetero_blocks=2,
+    hetero_request_bytes=2 * _TINY_MODEL.block_bytes(),
     small_requests=20,
     layerwise_iterations=1,
     layer_time_s=0.001,
-    num_layers=2,
-    num_kv_heads=2,
-    head_size=16,
-    block_size=4,
-    small_kv_heads=2,
+    model=_TINY_MODEL,
+    small_layers=2,
     small_head_size=16,
+    small_block_size=4,
 )
 
 
 @dataclass
 class ScenarioResult:
-    """Medians over the repetitions of one scenario (GB/s are 1e9 bytes per second)."""
+    """Medians over the repetitions of one scenario (GB/s are 1e9 bytes per second). The ratios are medians of
+    per-repetition ratios, each kvsvc run against the baseline runs that follow it, so that load changing between
+    repetitions cancels; they can differ a little from the ratio of the medians."""
 
     name: str
+    reps: int
     requests: int
     bytes_per_rep: int
     kvsvc_gbps: float
@@ -124,17 +141,11 @@ class ScenarioResult:
     kvsvc_cpu_s_per_gb: float
     raw_cpu_s_per_gb: float
     peer_cpu_s_per_gb: float
+    ratio_to_raw: float
+    ratio_to_peer: float
     verified: bool
     failures: int
     spans: dict[str, list[float]] = field(default_factory=dict)
-
-    @property
-    def ratio_to_raw(self) -> float:
-        return self.kvsvc_gbps / self.raw_gbps if self.raw_gbps else 0.0
-
-    @property
-    def ratio_to_peer(self) -> float:
-        return self.kvsvc_gbps / self.peer_gbps if self.peer_gbps else 0.0
 
     @property
     def ratio_to_memcpy(self) -> float:
@@ -180,14 +191,10 @@ class BenchReport:
             "memcpy_gbps": large.memcpy_gbps,
             "descriptors_per_request": large.descriptors_per_request,
             "naive_descriptors_per_request": large.naive_descriptors_per_request,
-            "small_ratio_to_raw": small.kvsvc_requests_per_s / small.raw_requests_per_s
-            if small.raw_requests_per_s
-            else 0.0,
+            "small_ratio_to_raw": small.ratio_to_raw,
             "small_requests_per_s": small.kvsvc_requests_per_s,
             "small_raw_requests_per_s": small.raw_requests_per_s,
-            "small_ratio_to_peer_style": small.kvsvc_requests_per_s / small.peer_requests_per_s
-            if small.peer_requests_per_s
-            else 0.0,
+            "small_ratio_to_peer_style": small.ratio_to_peer,
             "small_descriptors_per_request": small.descriptors_per_request,
             "layerwise_ms": self.layerwise.layer_ms,
             "whole_request_ms": self.layerwise.whole_ms,
@@ -195,9 +202,11 @@ class BenchReport:
             "verified": all(s.verified for s in self.scenarios),
             "failures": sum(s.failures for s in self.scenarios),
             "reps": self.sizes.reps,
+            "small_reps": self.sizes.small_reps,
+            "model": self.sizes.model.name,
             "scenarios": {
-                s.name: {k: v for k, v in vars(s).items() if k not in ("name", "spans")}
-                | {"ratio_to_raw": s.ratio_to_raw, "ratio_to_peer_style": s.ratio_to_peer}
+                s.name: {k: v for k, v in vars(s).items() if k not in ("name", "spans", "ratio_to_peer")}
+                | {"ratio_to_peer_style": s.ratio_to_peer}
                 for s in self.scenarios
             },
         }
@@ -245,14 +254,14 @@ class BenchRunner:
     def __init__(self, sizes: Sizes, progress: Callable[[str], None] = lambda _: None) -> None:
         self.sizes = sizes
         self.progress = progress
-        z = sizes
-        hnd = dict(num_layers=z.num_layers, num_kv_heads=z.num_kv_heads, head_size=z.head_size, block_size=z.block_size)
+        z, m = sizes, sizes.model
+        hnd = dict(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_size=m.head_size, block_size=m.block_size)
         hnd_blocks = max(z.large_requests * z.large_blocks, z.hetero_requests * z.hetero_blocks) + 4
         small = dict(
-            num_layers=z.num_layers,
+            num_layers=z.small_layers,
             num_kv_heads=z.small_kv_heads,
             head_size=z.small_head_size,
-            block_size=z.block_size,
+            block_size=z.small_block_size,
             layout="HND_CROSS_LAYER",
             num_blocks=z.small_requests + 4,
         )
@@ -281,11 +290,14 @@ class BenchRunner:
         z = self.sizes
         scenarios = []
         self.progress("large")
-        scenarios.append(self._scenario("large", self.p, self.d, z.large_requests, z.large_blocks, 1000, 1.0))
+        scenarios.append(self._scenario("large", self.p, self.d, z.large_requests, z.large_blocks, 1000, 1.0, z.reps))
         self.progress("small")
-        scenarios.append(self._scenario("small", self.px, self.dx, z.small_requests, 1, 100000, 64 / z.small_requests))
+        share = 64 / z.small_requests  # of the requests verified
+        scenarios.append(self._scenario("small", self.px, self.dx, z.small_requests, 1, 100000, share, z.small_reps))
         self.progress("heterogeneous TP")
-        scenarios.append(self._scenario("hetero_tp", self.p, self.d2, z.hetero_requests, z.hetero_blocks, 2000, 1.0))
+        scenarios.append(
+            self._scenario("hetero_tp", self.p, self.d2, z.hetero_requests, z.hetero_blocks, 2000, 1.0, z.reps)
+        )
         self.progress("layer-wise")
         layerwise = self._layerwise()
         return BenchReport(z, scenarios, layerwise, startup, time.perf_counter() - began)
@@ -293,13 +305,20 @@ class BenchRunner:
     # -- one scenario ---------------------------------------------------------------------------------------
 
     def _scenario(
-        self, name: str, p: Executor, d: Executor, count: int, blocks: int, seed0: int, verify_share: float
+        self,
+        name: str,
+        p: Executor,
+        d: Executor,
+        count: int,
+        blocks: int,
+        seed0: int,
+        verify_share: float,
+        reps: int,
     ) -> ScenarioResult:
-        z = self.sizes
         p_meta = p.metas[(0, 0)]
         d_metas = [d.metas[(0, tp)] for tp in range(d.config.tp_size)]
         peers = [m.transport_addr for m in d_metas]
-        tokens = blocks * z.block_size
+        tokens = blocks * p_meta.block_size
         shapes = [
             (list(range(i * blocks, (i + 1) * blocks)), list(range(i * blocks, (i + 1) * blocks)), seed0 + i)
             for i in range(count)
@@ -327,34 +346,38 @@ class BenchRunner:
         self._raw(p, d, RawWrite(peers, [[x[0]] if x else [] for x in raw_descs], "submit_poll"))
         self._raw(p, d, PeerStyleWrite(peer_peers[:1], peer_batches[:1]))
 
-        memcpy = _memcpy_gbps(total_bytes, z.reps)
+        memcpy = _memcpy_gbps(total_bytes, reps)
         spans: dict[str, list[float]] = {"kvsvc": [], "peer": [], **{m: [] for m in RAW_METHODS}}
         cpu: dict[str, list[float]] = {k: [] for k in spans}
         latencies: list[float] = []
         verified, failures = True, 0
-        for rep in range(z.reps):
-            round_ = self._kvsvc_round(p, d, f"{name}-{rep}", shapes, fill=rep == 0)
-            spans["kvsvc"].append(round_["span"])
-            cpu["kvsvc"].append(round_["cpu"])
-            latencies.extend(round_["latencies"])
-            failures += round_["failed"]
-            if rep == 0:
-                verified = self._verify(d, shapes, tokens, verify_share)
-            for method in RAW_METHODS:
-                span, used, bad = self._raw(p, d, RawWrite(peers, raw_descs, method))
-                spans[method].append(span)
-                cpu[method].append(used)
+        runs = ["kvsvc", *RAW_METHODS, "peer"]
+        for rep in range(reps):
+            # Each repetition starts one run later in the list, so no run always follows the same one (the peers'
+            # 10 threads leave the engine's connections busy for a moment). The first one starts with kvsvc, whose
+            # bytes are verified before any baseline overwrites them.
+            for run in runs[rep % len(runs) :] + runs[: rep % len(runs)]:
+                if run == "kvsvc":
+                    round_ = self._kvsvc_round(p, d, f"{name}-{rep}", shapes, fill=rep == 0)
+                    span, used, bad = round_["span"], round_["cpu"], round_["failed"]
+                    latencies.extend(round_["latencies"])
+                    if rep == 0:
+                        verified = self._verify(d, shapes, tokens, verify_share)
+                elif run == "peer":
+                    span, used, bad = self._raw(p, d, PeerStyleWrite(peer_peers, peer_batches))
+                else:
+                    span, used, bad = self._raw(p, d, RawWrite(peers, raw_descs, run))
+                spans[run].append(span)
+                cpu[run].append(used)
                 failures += bad
-            span, used, bad = self._raw(p, d, PeerStyleWrite(peer_peers, peer_batches))
-            spans["peer"].append(span)
-            cpu["peer"].append(used)
-            failures += bad
         med = {k: statistics.median(v) for k, v in spans.items()}
         raw_method = min(RAW_METHODS, key=lambda m: med[m])
         gb = total_bytes / GB
+        peer_share = peer_bytes / total_bytes  # the peers' way is timed on a prefix of the requests
         latencies.sort()
         return ScenarioResult(
             name=name,
+            reps=reps,
             requests=count,
             bytes_per_rep=total_bytes,
             kvsvc_gbps=gb / med["kvsvc"],
@@ -373,6 +396,8 @@ class BenchRunner:
             kvsvc_cpu_s_per_gb=statistics.median(cpu["kvsvc"]) / gb,
             raw_cpu_s_per_gb=statistics.median(cpu[raw_method]) / gb,
             peer_cpu_s_per_gb=statistics.median(cpu["peer"]) / (peer_bytes / GB),
+            ratio_to_raw=paired_ratio(spans[raw_method], spans["kvsvc"]),
+            ratio_to_peer=paired_ratio(spans["peer"], [k * peer_share for k in spans["kvsvc"]]),
             verified=verified,
             failures=failures,
             spans=spans,
@@ -383,7 +408,7 @@ class BenchRunner:
     ) -> dict[str, Any]:
         """Hold every request on P (untimed), then receive them all on D at once; span from the first start_recv
         on any D worker to the last completion."""
-        tokens_of = self.sizes.block_size
+        tokens_of = p.metas[(0, 0)].block_size
         p_reqs: list[BenchRequest] = [
             (f"p-{tag}-{i}", f"{tag}-{i}", pb, len(pb) * tokens_of, seed) for i, (pb, _, seed) in enumerate(shapes)
         ]
@@ -430,7 +455,7 @@ class BenchRunner:
         z = self.sizes
         p, d = self.p, self.d
         blocks = list(range(z.large_blocks))
-        tokens = len(blocks) * z.block_size
+        tokens = len(blocks) * p.metas[(0, 0)].block_size
         layers = p.metas[(0, 0)].num_layers
         request_bytes = sum(x[2] for x in plan_transfer(p.metas[(0, 0)], d.metas[(0, 0)], blocks, blocks, tokens))
         results: dict[str, list[float]] = {"layer": [], "whole": []}
@@ -468,6 +493,11 @@ def _memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / GB / statistics.median(spans)
 
 
+def paired_ratio(baseline_spans: Sequence[float], kvsvc_spans: Sequence[float]) -> float:
+    """Median over repetitions of kvsvc's speed over the baseline's, for the same bytes: baseline span / kvsvc span."""
+    return statistics.median(b / k for b, k in zip(baseline_spans, kvsvc_spans, strict=True))
+
+
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
     if not sorted_values:
         return float("nan")
@@ -484,4 +514,4 @@ def _field(result: object, key: str) -> Any:
     return result[key]
 
 
-__all__ = ["FULL", "QUICK", "TINY", "BenchReport", "BenchRunner", "Sizes", "split_per_half"]
+__all__ = ["FULL", "QUICK", "TINY", "BenchReport", "BenchRunner", "Sizes", "paired_ratio", "split_per_half"]
