@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -60,10 +62,10 @@ class ScriptedEngine:
             self.status[batch_id] = status
 
 
-def make(**overrides: float) -> tuple[MooncakeTransport, ScriptedEngine]:
+def make(**overrides: Any) -> tuple[MooncakeTransport, ScriptedEngine]:
     engine = ScriptedEngine()
-    settings: dict[str, float] = {"drain_timeout_s": 0.05, "progress_timeout_s": 1, **overrides}
-    config = MooncakeConfig(**settings)  # type: ignore[arg-type]
+    settings: dict[str, Any] = {"drain_timeout_s": 0.05, "progress_timeout_s": 1, **overrides}
+    config = MooncakeConfig(**settings)
     transport = MooncakeTransport(config, engine=engine)
     transport.register([(LOCAL, SIZE)])
     transport.add_peer("peer:1", [(REMOTE, SIZE)])
@@ -265,3 +267,50 @@ async def test_start_write_declines_what_write_must_handle() -> None:
     assert len(engine.submitted) == 1
     await transport.close()
     assert transport.start_write("peer:1", descs(1)) is None  # closed
+
+
+# -- the tail of a burst: short naps from a timerfd --------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
+async def test_tail_of_a_write_is_polled_with_short_naps_while_it_moves() -> None:
+    transport, engine = make(tail_poll_bytes=1024)
+    task = asyncio.create_task(transport.write("peer:1", descs(2)))  # 512 bytes in flight: a tail
+    await until(lambda: len(engine.submitted) == 2)
+    await until(lambda: transport.statistics().tail_polls > 0)
+    engine.finish(slice(0, 2))
+    assert await task == 512
+    await transport.close()
+
+
+@pytest.mark.parametrize("overrides", [{"tail_poll_bytes": 256}, {"tail_poll_interval_s": None}])
+async def test_no_short_naps_with_many_bytes_in_flight_or_when_turned_off(overrides: dict[str, Any]) -> None:
+    transport, engine = make(**overrides)
+    task = asyncio.create_task(transport.write("peer:1", descs(2)))  # 512 bytes in flight
+    await until(lambda: len(engine.submitted) == 2)
+    await asyncio.sleep(0.02)
+    engine.finish(slice(0, 2))
+    assert await task == 512
+    assert transport.statistics().tail_polls == 0
+    await transport.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
+async def test_short_naps_stop_when_the_tail_stops_moving() -> None:
+    transport, engine = make(tail_poll_bytes=1024)
+    task = asyncio.create_task(transport.write("peer:1", descs(1)))
+    await until(lambda: len(engine.submitted) == 1)
+    await asyncio.sleep(0.05)  # far past TAIL_WINDOW_S without progress
+    naps = transport.statistics().tail_polls
+    await asyncio.sleep(0.05)
+    assert transport.statistics().tail_polls == naps  # back on the loop's timers
+    engine.finish(0)
+    assert await task == 256
+    await transport.close()
+
+
+def test_tail_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="tail_poll_interval_s"):
+        MooncakeConfig(tail_poll_interval_s=0.001)
+    with pytest.raises(ValueError, match="tail_poll_bytes"):
+        MooncakeConfig(tail_poll_bytes=-1)

@@ -1,0 +1,103 @@
+"""`FineTimer`: sub-millisecond sleeps from a timerfd the loop watches, on asyncio's loop and on uvloop.
+
+No test asserts how long a sleep took (the machines are noisy); they check that sleeps end, that a cancelled one is
+disarmed, that misuse raises, and that `open` declines where there is no timerfd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import uvloop
+
+from kvsvc.transport.finetimer import FineTimer
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
+
+Runner = Callable[[Callable[[], Coroutine[Any, Any, None]]], None]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Runner:
+    factory = uvloop.new_event_loop if request.param == "uvloop" else asyncio.new_event_loop
+
+    def runner(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        with asyncio.Runner(loop_factory=factory) as r:
+            r.run(asyncio.wait_for(main(), 10))  # a deadline against hangs, not a timing assertion
+
+    return runner
+
+
+def _open() -> FineTimer:
+    timer = FineTimer.open(asyncio.get_running_loop())
+    assert timer is not None
+    return timer
+
+
+def test_sleeps_end_one_after_another(run: Runner) -> None:
+    async def main() -> None:
+        timer = _open()
+        for delay in (0.0, 1e-6, 100e-6, 300e-6, 2e-3):
+            await timer.sleep(delay)
+        timer.close()
+
+    run(main)
+
+
+def test_a_second_concurrent_sleep_is_refused(run: Runner) -> None:
+    async def main() -> None:
+        timer = _open()
+        first = asyncio.ensure_future(timer.sleep(0.01))
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="already pending"):
+            await timer.sleep(0.01)
+        await first
+        timer.close()
+
+    run(main)
+
+
+def test_a_cancelled_sleep_disarms_the_timer_and_the_next_sleep_works(run: Runner) -> None:
+    async def main() -> None:
+        timer = _open()
+        sleeper = asyncio.ensure_future(timer.sleep(0.02))
+        await asyncio.sleep(0)
+        sleeper.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sleeper
+        await asyncio.sleep(0.05)  # well past the cancelled expiry
+        readable, _, _ = select.select([timer._fd], [], [], 0)
+        assert readable == []  # disarmed: it never fired
+        await timer.sleep(100e-6)
+        timer.close()
+
+    run(main)
+
+
+def test_close_cancels_a_pending_sleep_and_later_sleeps_raise(run: Runner) -> None:
+    async def main() -> None:
+        timer = _open()
+        sleeper = asyncio.ensure_future(timer.sleep(5))
+        await asyncio.sleep(0)
+        timer.close()
+        with pytest.raises(asyncio.CancelledError):
+            await sleeper
+        with pytest.raises(RuntimeError, match="closed"):
+            await timer.sleep(0.001)
+        timer.close()  # idempotent
+
+    run(main)
+
+
+def test_open_declines_where_there_is_no_timerfd(monkeypatch: pytest.MonkeyPatch, run: Runner) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
+
+    async def main() -> None:
+        assert FineTimer.open(asyncio.get_running_loop()) is None
+
+    run(main)
