@@ -34,6 +34,7 @@ class _Recv:
     block_ids: list[int]
     num_tokens: int
     deadline: float
+    started: float
     jobs: dict[Worker, RecvJob] = field(default_factory=dict)
     sources_known: bool = False
     aborted: bool = False
@@ -70,6 +71,7 @@ class Receiver:
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._invalid: set[int] = set()
+        self._landed: list[float] = []  # start instants of receives that finished since `take_landed`
         self._counts = {"finished": 0, "failed": 0, "expired": 0}
 
     # -- events from the engine --------------------------------------------------------------------------------
@@ -91,7 +93,9 @@ class Receiver:
                     f"transfer {transfer_id!r} is already received for request {known.req_id!r}, not {req_id!r}"
                 )
             return False
-        self._recvs[transfer_id] = _Recv(req_id, transfer_id, engine_id, block_ids, num_tokens, now + self._timeout)
+        self._recvs[transfer_id] = _Recv(
+            req_id, transfer_id, engine_id, block_ids, num_tokens, now + self._timeout, started=now
+        )
         self._by_req[req_id] = transfer_id
         return True
 
@@ -216,6 +220,12 @@ class Receiver:
         self._finished, self._failed, self._invalid = set(), {}, set()
         return report
 
+    def take_landed(self) -> list[float]:
+        """The `now` each receive was started at, for the receives that finished with their KV landed since the
+        last call (the caller, who has the clock, turns them into durations)."""
+        landed, self._landed = self._landed, []
+        return landed
+
     def pending(self, transfer_id: str) -> list[Worker]:
         """Sources of `transfer_id` still waiting for their connection (for the driver to connect)."""
         recv = self._recvs.get(transfer_id)
@@ -268,6 +278,7 @@ class Receiver:
             del self._recvs[recv.transfer_id]
             self._by_req.pop(recv.req_id, None)
             self._finished.add(recv.req_id)
+            self._landed.append(recv.started)
             self._counts["finished"] += 1
             return
         job = failed[0] if failed else None

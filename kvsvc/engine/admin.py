@@ -96,7 +96,7 @@ def tag_worker(worker: Worker, rows: Sequence[Mapping[str, object]]) -> list[dic
 
 
 def engine_metrics(app: web.Application) -> EngineMetrics:
-    """The `EngineMetrics` of an app built by `build_admin_app` (to observe transfer latencies).
+    """The `EngineMetrics` of an app built by `build_admin_app` (its `registry` takes an engine's own metrics).
 
     Raises:
         KeyError: `app` was not built by `build_admin_app`.

@@ -1,9 +1,10 @@
 """Prometheus metrics of one engine: a per-engine registry, a collector over statistics snapshots, a latency histogram.
 
-Imports: standard library, prometheus_client, and nothing of kvsvc's service (statistics arrive as plain dicts, the
-shape `statistics_dict` makes of a `ServiceStatistics`). Invariants: never touches prometheus_client's global
-registry, so several engines can live in one process; a scrape renders exactly one snapshot (set and rendered
-in one synchronous step); keys missing from a snapshot drop their samples, never fail the scrape.
+Imports: standard library, prometheus_client and `kvsvc.histogram`, nothing of kvsvc's service (statistics arrive
+as plain dicts, the shape `statistics_dict` makes of a `ServiceStatistics`). Invariants: never touches
+prometheus_client's global registry, so several engines can live in one process; a scrape renders exactly one
+snapshot (set and rendered in one synchronous step); keys missing from a snapshot drop their samples, never fail
+the scrape.
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvsvc.histogram import TRANSFER_BUCKETS
 
 Worker = tuple[int, int]
 StatsDict = Mapping[str, object]
 PeerRow = Mapping[str, object]
 TransferRole = Literal["P", "D"]
-
-# From a millisecond (a small loopback transfer) to a minute (the default hold timeout): wider than that is a
-# hold expiry, which has its own counter.
-TRANSFER_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# (role label, the statistics key of that role's `HistogramStatistics`)
+DURATIONS: Final[tuple[tuple[TransferRole, str], ...]] = (("P", "send_durations"), ("D", "recv_durations"))
 
 # (metric name without `_total`, help, path into the statistics dict). Exported per worker (pp_rank, tp_rank).
 COUNTERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
@@ -159,6 +160,7 @@ class _SnapshotCollector(Collector):
                         if isinstance(count, int | float) and not isinstance(count, bool):
                             jobs.add_metric([*_worker_labels(worker), str(state)], float(count))
             yield jobs
+        yield _durations(items)
 
     @staticmethod
     def _per_peer(peers: Sequence[PeerRow]) -> Iterator[Metric]:
@@ -190,40 +192,45 @@ class _SnapshotCollector(Collector):
         yield peer_up
 
 
+def _durations(items: Sequence[tuple[Worker, StatsDict]]) -> Metric:
+    """`kvsvc_transfer_duration_seconds` from the histograms each worker keeps (`kvsvc.histogram`)."""
+    family = HistogramMetricFamily(
+        "kvsvc_transfer_duration_seconds",
+        "Transfer durations measured by each worker. P: from a write's start (D's request met the held KV) to its"
+        " last byte landed, per D worker; D: from start_recv to the KV landed.",
+        labels=["pp_rank", "tp_rank", "role"],
+    )
+    for worker, stats in items:
+        for role, key in DURATIONS:
+            hist = stats.get(key)
+            if not isinstance(hist, Mapping):
+                continue
+            bounds, counts, total = hist.get("bounds"), hist.get("counts"), hist.get("total")
+            if not isinstance(bounds, Sequence) or not isinstance(counts, Sequence) or len(counts) != len(bounds) + 1:
+                continue
+            cumulative, buckets = 0, []
+            for bound, count in zip([*bounds, float("inf")], counts, strict=True):
+                cumulative += int(count)
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(cumulative)))
+            family.add_metric([*_worker_labels(worker), role], buckets, float(total or 0.0))
+    return family
+
+
 class EngineMetrics:
     """The metrics of one engine, in their own `CollectorRegistry` (`self.registry`).
 
     The admin app's `/metrics` handler reads the engine's statistics, hands them over with `render(snapshot)`,
-    and serves the text. The engine observes each finished transfer with `observe_transfer`.
+    and serves the text. Transfer durations come from the workers' own histograms in those statistics, so an
+    engine core feeds nothing; an embedding engine may register metrics of its own in `registry`.
     """
 
     def __init__(self, engine_id: str, incarnation: str, role: str) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._collector = _SnapshotCollector(engine_id, incarnation, role)
         self.registry.register(self._collector)
-        self._latency = Histogram(
-            "kvsvc_transfer_duration_seconds",
-            "Time from the start of a transfer to its end on this engine, by role (P: hold to last write landed;"
-            " D: start_recv to finished).",
-            labelnames=["role"],
-            buckets=TRANSFER_BUCKETS,
-            registry=self.registry,
-        )
-
-    def observe_transfer(self, seconds: float, role: TransferRole) -> None:
-        """Record one transfer's duration.
-
-        Raises:
-            ValueError: `role` is not "P" or "D", or `seconds` is negative.
-        """
-        if role not in ("P", "D"):
-            raise ValueError(f"transfer role must be 'P' or 'D', got {role!r}")
-        if seconds < 0:
-            raise ValueError(f"transfer duration must be >= 0 s, got {seconds}")
-        self._latency.labels(role=role).observe(seconds)
 
     def render(self, snapshot: MetricsSnapshot) -> bytes:
-        """The Prometheus text exposition of `snapshot` plus the histogram. Raises nothing of its own.
+        """The Prometheus text exposition of `snapshot`. Raises nothing of its own.
 
         Setting the snapshot and rendering happen without an await between them, so concurrent scrapes on one
         event loop never mix two snapshots. Other exporters of `registry` see the last snapshot rendered.

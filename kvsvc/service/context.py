@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from kvsvc.histogram import LatencyHistogram
 from kvsvc.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.transport.base import Transport
@@ -40,6 +41,11 @@ class ServiceContext:
     """Set when a deadline may have moved: the deadline timer re-reads them."""
     reports: asyncio.Event
     """Set when `get_finished` may have something new."""
+    send_durations: LatencyHistogram
+    """P: from a write's start (D's request met the held KV) to its last byte landed; layer-wise writes include
+    the wait for their layers."""
+    recv_durations: LatencyHistogram
+    """D: from `start_recv` to the receive finished with its KV landed."""
 
 
 def check_blocks(meta: WorkerMetadata, block_ids: list[int], num_tokens: int, side: str) -> None:

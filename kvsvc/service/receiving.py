@@ -340,6 +340,9 @@ class ReceivingRole:
             error = message.reason if isinstance(message, TransferFailed) else None
             if not self._receiver.answer(engine_id, src, message.transfer_id, error):
                 log.debug("late or unknown answer for %r from %s", message.transfer_id, peer.ref)
+            now = self._ctx.clock()
+            for started in self._receiver.take_landed():
+                self._ctx.recv_durations.observe(now - started)
         elif isinstance(message, ErrorMessage):
             log.warning("P worker %s reports a protocol error: %s", peer.ref, message.reason)
             if message.transfer_id:

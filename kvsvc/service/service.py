@@ -21,6 +21,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvsvc.errors import KVSvcError, ServiceClosed
+from kvsvc.histogram import HistogramStatistics, LatencyHistogram
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.receiver import ReceiverStatistics
@@ -51,6 +52,8 @@ class ServiceStatistics:
     write_failures: int
     protocol_errors: int
     transport: TransportStatistics
+    send_durations: HistogramStatistics  # P: write start to last byte landed, per write to one D worker
+    recv_durations: HistogramStatistics  # D: start_recv to KV landed, per receive
 
     @property
     def holds(self) -> int:
@@ -88,6 +91,8 @@ class KVTransferService:
             tasks=self._tasks,
             wake=self._wake,
             reports=self._reports,
+            send_durations=LatencyHistogram(),
+            recv_durations=LatencyHistogram(),
         )
         self._sending = SendingRole(self._ctx)
         self._receiving = ReceivingRole(self._ctx)
@@ -248,6 +253,8 @@ class KVTransferService:
             write_failures=counts["write_failures"],
             protocol_errors=counts["protocol_errors"],
             transport=self._ctx.transport.statistics(),
+            send_durations=self._ctx.send_durations.statistics(),
+            recv_durations=self._ctx.recv_durations.statistics(),
         )
 
     def peers(self) -> list[dict[str, object]]:

@@ -62,12 +62,14 @@ class BlockWriter:
         # Writes submitted without a task (`_start_write`): their result futures, and `drained` futures of failed
         # ones whose descriptors may still move (their blocks stay held until these resolve).
         self._started: set[asyncio.Future[Any]] = set()
+        self._began: dict[int, float] = {}  # id(Submit) -> when its write started, for the latency histogram
         self._start_write: Callable[..., asyncio.Future[int] | None] | None = getattr(
             ctx.transport, "start_write", None
         )
 
     def submit(self, command: Submit) -> None:
         """Start the write `command` asks for; its end reaches `write_result` later, never from this call."""
+        self._began[id(command)] = self._ctx.clock()
         if self._submit_now(command):
             return
         write = asyncio.create_task(self._write(command), name=f"kvsvc-write-{command.transfer_id}")
@@ -116,6 +118,7 @@ class BlockWriter:
                 nbytes = await self._write_layerwise(target.meta.transport_addr, descriptors, layers)
         except asyncio.CancelledError:
             # Only `close` cancels, after `close_drain_timeout_s`: the engine is going away with its blocks.
+            self._began.pop(id(command), None)
             self._write_result(
                 command.transfer_id, command.dst.worker, "P service closed before the write finished", 0, 0
             )
@@ -131,7 +134,10 @@ class BlockWriter:
 
     def _write_ended(self, command: Submit, error: str | None, nbytes: int, ndesc: int) -> None:
         counts = self._ctx.counts
+        began = self._began.pop(id(command), None)
         if error is None:
+            if began is not None:
+                self._ctx.send_durations.observe(self._ctx.clock() - began)
             counts["bytes"] += nbytes
             counts["descriptors"] += ndesc
             counts["transfers"] += 1

@@ -107,7 +107,12 @@ def test_every_byte_arrives_and_no_hold_is_left(engines: dict[str, PrefillEngine
     assert not decode.requests
 
     _poll(lambda: _holds(p_exec, d_exec) == 0, lambda: f"{case}: {_holds(p_exec, d_exec)} holds left")
-    assert sum(s["bytes_sent"] for s in p_exec.statistics()) > 0
+    p_stats, d_stats = p_exec.statistics(), d_exec.statistics()
+    assert sum(s["bytes_sent"] for s in p_stats) > 0
+    # Every write that landed and every receive that finished was timed by its worker (the metrics histogram).
+    assert sum(sum(s["send_durations"]["counts"]) for s in p_stats) == sum(s["transfers_sent"] for s in p_stats)
+    assert sum(sum(s["recv_durations"]["counts"]) for s in d_stats) == sum(s["receiver"]["finished"] for s in d_stats)
+    assert sum(s["recv_durations"]["total"] for s in d_stats) > 0
 
 
 def test_a_killed_prefill_worker_fails_the_receive_and_a_restarted_engine_serves_again(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import inspect
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -13,8 +14,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsvc.engine.admin import AdminServer, EngineView, build_admin_app, engine_metrics, random_token, remote_stages
+from kvsvc.engine.admin import AdminServer, EngineView, build_admin_app, random_token, remote_stages
 from kvsvc.engine.bootstrap import METADATA_PATH, publish_metadata
+from kvsvc.histogram import LatencyHistogram
 from kvsvc.messages import WorkerMetadata, decode_engine_metadata
 
 TOKEN = "s3cret-token"
@@ -43,7 +45,10 @@ def meta(pp: int, tp: int, *, pp_size: int = 1, tp_size: int = 2) -> WorkerMetad
     )
 
 
-def stats(bytes_sent: int, expired: int = 0) -> dict[str, object]:
+def stats(bytes_sent: int, expired: int = 0, write_seconds: tuple[float, ...] = ()) -> dict[str, object]:
+    writes = LatencyHistogram()
+    for seconds in write_seconds:
+        writes.observe(seconds)
     return {
         "sender": {
             "holds": 3,
@@ -71,6 +76,8 @@ def stats(bytes_sent: int, expired: int = 0) -> dict[str, object]:
         "write_failures": 0,
         "protocol_errors": 1,
         "transport": {},
+        "send_durations": dataclasses.asdict(writes.statistics()),
+        "recv_durations": dataclasses.asdict(LatencyHistogram().statistics()),
     }
 
 
@@ -91,7 +98,7 @@ class FakeView:
         return self.ready
 
     async def statistics(self) -> Mapping[tuple[int, int], Mapping[str, object]]:
-        return {(0, 0): stats(4096, expired=5), (0, 1): stats(8192)}
+        return {(0, 0): stats(4096, expired=5, write_seconds=(0.02,)), (0, 1): stats(8192)}
 
     async def peers(self) -> Sequence[Mapping[str, object]]:
         return [
@@ -219,7 +226,6 @@ async def test_peers_transfers_and_statistics_are_json(client: TestClient[web.Re
 
 
 async def test_metrics_parse_and_show_the_view_values(client: TestClient[web.Request, web.Application]) -> None:
-    engine_metrics(client.app).observe_transfer(0.02, "P")
     response = await client.get("/metrics")
     assert response.status == 200
     assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
@@ -229,8 +235,13 @@ async def test_metrics_parse_and_show_the_view_values(client: TestClient[web.Req
     expired = {s.labels["tp_rank"]: s.value for s in families["kvsvc_expired_holds"].samples}
     assert expired == {"0": 5.0, "1": 0.0}
     assert [s.value for s in families["kvsvc_ready"].samples] == [0.0]
-    latency = {s.name: s.value for s in families["kvsvc_transfer_duration_seconds"].samples if s.labels["role"] == "P"}
-    assert latency["kvsvc_transfer_duration_seconds_count"] == 1.0
+    latency = {
+        (s.labels["tp_rank"], s.name): s.value
+        for s in families["kvsvc_transfer_duration_seconds"].samples
+        if s.labels["role"] == "P"
+    }
+    assert latency[("0", "kvsvc_transfer_duration_seconds_count")] == 1.0  # one 20 ms write on worker (0, 0)
+    assert latency[("1", "kvsvc_transfer_duration_seconds_count")] == 0.0
     handshakes = {(s.labels["tp_rank"], s.labels["state"]): s.value for s in families["kvsvc_handshakes"].samples}
     assert handshakes == {("0", "connected"): 1.0, ("1", "failed"): 1.0}
 

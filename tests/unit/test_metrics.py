@@ -1,9 +1,9 @@
-"""Specification of kvsvc.engine.metrics: per-engine registries, the snapshot collector and the latency histogram."""
+"""Specification of kvsvc.engine.metrics: per-engine registries, the snapshot collector, the workers' histograms."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import prometheus_client
 import pytest
@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from kvsvc.engine.metrics import COUNTERS, GAUGES, EngineMetrics, MetricsSnapshot, statistics_dict
+from kvsvc.histogram import LatencyHistogram
 
 
 @dataclass(frozen=True)
@@ -141,31 +142,38 @@ def test_each_render_shows_only_the_latest_snapshot() -> None:
     assert by_worker(got["kvsvc_sent_bytes"]) == {("0", "1"): 3.0}
 
 
-def test_transfer_latency_histogram_by_role() -> None:
-    metrics = EngineMetrics("p", "i", "both")
+def test_transfer_durations_come_from_each_workers_histogram() -> None:
+    d_hist = LatencyHistogram()
     for seconds in (0.002, 0.2, 3.0):
-        metrics.observe_transfer(seconds, "D")
-    metrics.observe_transfer(0.0, "P")
-    got = samples(metrics, MetricsSnapshot())
-    d = {
-        (s.name, s.labels.get("le")): s.value for s in got["kvsvc_transfer_duration_seconds"] if s.labels["role"] == "D"
-    }
+        d_hist.observe(seconds)
+    stats = {"send_durations": asdict(LatencyHistogram().statistics()), "recv_durations": asdict(d_hist.statistics())}
+    got = samples(EngineMetrics("p", "i", "both"), MetricsSnapshot({(0, 1): stats}))
+    rows = got["kvsvc_transfer_duration_seconds"]
+    d = {(s.name, s.labels.get("le")): s.value for s in rows if s.labels["role"] == "D"}
     assert d[("kvsvc_transfer_duration_seconds_count", None)] == 3.0
     assert d[("kvsvc_transfer_duration_seconds_bucket", "0.25")] == 2.0
+    assert d[("kvsvc_transfer_duration_seconds_bucket", "+Inf")] == 3.0
     assert d[("kvsvc_transfer_duration_seconds_sum", None)] == pytest.approx(3.202)
-    with pytest.raises(ValueError, match="'P' or 'D'"):
-        metrics.observe_transfer(1.0, "X")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=">= 0"):
-        metrics.observe_transfer(-1.0, "P")
+    assert {(s.labels["pp_rank"], s.labels["tp_rank"]) for s in rows} == {("0", "1")}
+    p = {s.name: s.value for s in rows if s.labels["role"] == "P"}
+    assert p["kvsvc_transfer_duration_seconds_count"] == 0.0
+
+
+def test_a_malformed_histogram_drops_its_series_and_never_fails_the_scrape() -> None:
+    bad = {"send_durations": {"bounds": [0.1], "counts": [1]}, "recv_durations": "nonsense"}
+    got = samples(EngineMetrics("p", "i", "both"), MetricsSnapshot({(0, 0): bad}))
+    assert got.get("kvsvc_transfer_duration_seconds", []) == []
 
 
 def test_engines_in_one_process_have_separate_registries_and_leave_the_global_one_alone() -> None:
     before = prometheus_client.generate_latest(prometheus_client.REGISTRY)
     a, b = EngineMetrics("a", "1", "P"), EngineMetrics("b", "2", "D")
-    a.observe_transfer(1.0, "P")
+    hist = LatencyHistogram()
+    hist.observe(1.0)
+    samples(a, MetricsSnapshot({(0, 0): {"send_durations": asdict(hist.statistics())}}))
     assert a.registry is not b.registry
     got_b = samples(b, MetricsSnapshot())
-    assert [s.value for s in got_b["kvsvc_transfer_duration_seconds"] if s.name.endswith("_count")] == []
+    assert [s.value for s in got_b.get("kvsvc_transfer_duration_seconds", []) if s.name.endswith("_count")] == []
     assert b"kvsvc_" not in prometheus_client.generate_latest(prometheus_client.REGISTRY)
     assert before.count(b"kvsvc_") == 0
 

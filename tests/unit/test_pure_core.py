@@ -18,6 +18,7 @@ PURE_CORE = [
     "kvsvc.sender",
     "kvsvc.receiver",
     "kvsvc.outputs",
+    "kvsvc.histogram",
     "kvsvc.handshake",
     "kvsvc.connector",
     "kvsvc.testing.clock",
