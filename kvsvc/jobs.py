@@ -101,6 +101,7 @@ class RecvEvent(Enum):
     PEER_LOST = "peer_lost"
     EXPIRE = "expire"
     ABORT = "abort"
+    GONE = "gone"  # the lost P worker's transfer engine is gone (its process died): nothing more can land
 
 
 R, RE = RecvState, RecvEvent
@@ -128,9 +129,10 @@ _recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...
     # The abort may not have reached P before the connection broke: keep waiting, bounded by the abort grace.
     (R.ABORTING, RE.PEER_LOST): (R.ABORTING, ()),
     (R.ABORTING, RE.EXPIRE): (R.ABORTED, ()),
+    (R.ABORTING, RE.GONE): (R.ABORTED, ()),
 }
 for _terminal_r in (R.DONE, R.FAILED, R.ABORTED):
-    for _event_r in (RE.CONNECTED, RE.DONE, RE.FAILED, RE.PEER_LOST, RE.EXPIRE, RE.ABORT, RE.HANDSHAKE_FAILED):
+    for _event_r in (RE.CONNECTED, RE.DONE, RE.FAILED, RE.PEER_LOST, RE.EXPIRE, RE.ABORT, RE.HANDSHAKE_FAILED, RE.GONE):
         _recv_rows[(_terminal_r, _event_r)] = (_terminal_r, ())
 # A handshake can fail after a job was requested when a reconnect to a restarted peer is refused.
 _recv_rows[(R.REQUESTED, RE.HANDSHAKE_FAILED)] = (R.ABORTING, ())

@@ -38,6 +38,7 @@ class _Recv:
     jobs: dict[Worker, RecvJob] = field(default_factory=dict)
     sources_known: bool = False
     aborted: bool = False
+    lost: set[Worker] = field(default_factory=set)  # sources whose connection broke after they were asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +170,33 @@ class Receiver:
             commands += self._apply(recv, job, RecvEvent.PEER_LOST, reason)
             if recv.transfer_id not in self._recvs:
                 continue
+            if asked:
+                recv.lost.add(src)
             if asked and not recv.aborted:
                 recv.aborted = True
                 recv.deadline = min(recv.deadline, now + self._abort_grace)
             for other in list(recv.jobs.values()):
                 if other is not job and not other.terminal:
                     commands += self._apply(recv, other, RecvEvent.ABORT, f"P{src} lost: {reason}")
+        return commands
+
+    def waits_on_lost(self, engine_id: str, src: Worker) -> bool:
+        """True while some receive holds its blocks only because its connection to P worker `src` broke after
+        asking (the abort grace): confirming that worker's transfer engine is gone would end the wait."""
+        return any(
+            recv.engine_id == engine_id and src in recv.lost and not recv.jobs[src].terminal
+            for recv in self._recvs.values()
+        )
+
+    def source_gone(self, engine_id: str, src: Worker, reason: str) -> list[SendToSource]:
+        """P worker `src`'s transfer engine is gone (its process died) and what it had sent has settled: the
+        receives that lost their connection to it stop waiting for it. A receive ends once its other sources are
+        done too; none is touched whose connection to `src` did not break after asking."""
+        commands: list[SendToSource] = []
+        for recv in list(self._recvs.values()):
+            job = recv.jobs.get(src)
+            if recv.engine_id == engine_id and job is not None and src in recv.lost:
+                commands += self._apply(recv, job, RecvEvent.GONE, reason)
         return commands
 
     def answer(self, engine_id: str, src: Worker, transfer_id: str, error: str | None) -> bool:

@@ -23,6 +23,10 @@ class ServiceConfig:
     abort_grace_s: float = 35.0
     """D reports an aborted receive after this long even if a P worker never confirmed its writes stopped; keep
     it above the transport's progress timeout, after which Mooncake fails writes to a frozen peer."""
+    gone_settle_s: float = 1.0
+    """When the P worker a receive lost its connection to turns out to be dead (its transfer engine refuses a probe
+    at once), D reports the receive failed this long after, instead of after `abort_grace_s`: the time for what
+    the dead process had already sent to land."""
     handshake_timeout_s: float = 10.0
     """Fetching a remote engine's metadata, connecting to a worker and its hello each get this long."""
     close_drain_timeout_s: float = 30.0

@@ -4,6 +4,9 @@ Rules: protocol decisions live in `Receiver`; this module carries out its comman
 opens to P workers, and feeds it events (routes found, connections opened or lost, answers). It owns what D knows of
 remote engines (metadata, routes, topology) and drops it when a connection to them breaks. Commands for a peer without
 a connection wait in its outbox. Shares only a `ServiceContext`; never imports the P role; never waits in start_recv.
+When a connection breaks after asking, the receive's blocks stay held for the abort grace, unless the transport can
+prove the P worker's process gone (an optional `peer_gone(session)`, as `MooncakeTransport` has): then only for
+`gone_settle_s`.
 """
 
 from __future__ import annotations
@@ -287,7 +290,7 @@ class ReceivingRole:
                 self._remotes.pop(engine_id, None)
             if current:  # else `_drop_outbound` already reported it, and a newer connection may own the jobs
                 reason = peer.last_error or f"connection to {peer.ref} closed"
-                self._run_recv(self._receiver.peer_lost(engine_id, src, reason, self._ctx.clock()))
+                self._lost(peer, reason)
             self._ctx.reports.set()
             if channel is not None:
                 await channel.wait_closed()
@@ -370,7 +373,23 @@ class ReceivingRole:
         if peer.task is not None:
             peer.task.cancel()
         self._outbound.pop((peer.ref.engine_id, peer.ref.worker), None)
-        self._run_recv(self._receiver.peer_lost(peer.ref.engine_id, peer.ref.worker, reason, self._ctx.clock()))
+        self._lost(peer, reason)
+        self._ctx.reports.set()
+
+    def _lost(self, peer: _Outbound, reason: str) -> None:
+        engine_id, src = peer.ref.engine_id, peer.ref.worker
+        self._run_recv(self._receiver.peer_lost(engine_id, src, reason, self._ctx.clock()))
+        if self._receiver.waits_on_lost(engine_id, src) and hasattr(self._ctx.transport, "peer_gone"):
+            self._ctx.spawn(self._confirm_gone(peer, reason))
+
+    async def _confirm_gone(self, peer: _Outbound, reason: str) -> None:
+        """Shorten the abort grace of the receives that lost `peer` if its transfer engine is gone: a dead
+        process writes nothing more once what it had sent has landed (`gone_settle_s`)."""
+        if not await self._ctx.transport.peer_gone(peer.meta.transport_addr):  # type: ignore[attr-defined]
+            return
+        await asyncio.sleep(self._ctx.config.gone_settle_s)
+        why = f"{reason}; its transfer engine is gone"
+        self._run_recv(self._receiver.source_gone(peer.ref.engine_id, peer.ref.worker, why))
         self._ctx.reports.set()
 
     # -- helpers -----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,7 @@ class MooncakeTransport:
         self._connect_locks: dict[str, asyncio.Lock] = {}
         self._closed = False
         self._counts = dict.fromkeys(("completed", "failures", "refused", "writes"), 0)
+        self._probes: ThreadPoolExecutor | None = None  # one thread: a probe of a frozen peer blocks ~5 s
 
     @staticmethod
     def _start_engine(config: MooncakeConfig) -> Any:
@@ -362,6 +364,24 @@ class MooncakeTransport:
             tail_polls=done.tail_polls,
         )
 
+    async def peer_gone(self, session: str, within_s: float = 0.5) -> bool:
+        """True when `session`'s transfer engine refuses a probe (`send_probe`) within `within_s`: its process is
+        gone. A live engine answers (False); a frozen one keeps the probe waiting about 5 s before it fails, which
+        is past `within_s`, so it counts as not gone. False too once this transport is closed. Never raises.
+        """
+        if self._closed or self._engine is None:
+            return False
+        if self._probes is None:
+            self._probes = ThreadPoolExecutor(1, thread_name_prefix="kvsvc-probe")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        probe = loop.run_in_executor(self._probes, self._engine.send_probe, session)
+        try:
+            rc = await asyncio.wait_for(asyncio.shield(probe), within_s)
+        except Exception:  # slow (a frozen peer) or failed: not proven gone
+            return False
+        return rc != 0 and loop.time() - started <= within_s
+
     async def close(self) -> None:
         """Refuse new writes, wait up to `close_timeout_s` for in-flight descriptors, then unregister the memory
         and destroy the engine (off the loop: it takes ~0.7 s). Idempotent. If descriptors are still in flight at
@@ -374,6 +394,8 @@ class MooncakeTransport:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.drained(), self.config.close_timeout_s)
         await self._completions.stop()
+        if self._probes is not None:  # a probe uses the engine: let it return (at most ~5 s) before destroying it
+            await asyncio.to_thread(self._probes.shutdown)
         if self._completions.in_flight:
             log.warning(
                 "closing Mooncake transport %s with %d descriptor(s) in flight: leaking its engine",

@@ -221,3 +221,17 @@ async def test_cancelled_write_returns_only_after_its_descriptors_drained(writer
     first = target.sha()
     await asyncio.sleep(0.05)
     assert target.sha() == first
+
+
+async def test_peer_gone_tells_a_killed_peer_from_a_live_or_a_frozen_one(writer, targets) -> None:  # type: ignore[no-untyped-def]
+    alive, killed, frozen = targets(), targets(), targets()
+    killed.signal(signal.SIGKILL)
+    killed.proc.wait(timeout=10)
+    frozen.signal(signal.SIGSTOP)
+    try:
+        assert await writer.peer_gone(alive.session_id) is False
+        assert await writer.peer_gone(killed.session_id) is True  # refused at once: nobody listens any more
+        # A stopped process's listener still accepts: the probe waits (about 5 s), so it is not proven gone.
+        assert await writer.peer_gone(frozen.session_id) is False
+    finally:
+        frozen.signal(signal.SIGCONT)

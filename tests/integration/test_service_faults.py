@@ -520,6 +520,25 @@ def test_a_prefill_worker_killed_mid_write_fails_the_receive_and_decode_serves_a
     _transfer(p, d, "after-mid-kill", seed=42)
 
 
+def test_a_prefill_worker_killed_after_d_asked_fails_the_receive_without_waiting_for_the_abort_grace(
+    engines: dict[str, Executor],
+) -> None:
+    """Bound: DEAD_P_BOUND_S after the kill, with D's abort grace and receive timeout at 600 s: only the probe
+    that finds P's transfer engine gone (then `gone_settle_s`) can end the receive that soon."""
+    p = engines["p_fault"]
+    long_wait = dataclasses.replace(CONFIGS["d"].service, abort_grace_s=600.0, recv_timeout_s=600.0)
+    config = dataclasses.replace(CONFIGS["d"], engine_id="faults-d-long-grace", service=long_wait)
+    with Executor(config).start() as d:
+        d_reports = Reports(d)
+        req_id, d_blocks = _start_big_write(p, d, "gone", seed=61)
+        p.kill(0)
+        _until(lambda: d_reports.poll().ended(req_id), DEAD_P_BOUND_S, lambda: "the receive did not fail")
+        d_reports.assert_failed_once(req_id, d_blocks)
+        assert _stat(d, "holds") == [0]
+    p.restart()
+    _transfer(p, engines["d"], "after-gone", seed=62)
+
+
 def test_a_frozen_prefill_worker_fails_the_receive_in_time_and_leaks_nothing_once_it_resumes(
     engines: dict[str, Executor],
 ) -> None:

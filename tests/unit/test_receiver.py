@@ -182,6 +182,31 @@ def test_a_lost_connection_stops_the_other_sources_and_holds_the_blocks_for_the_
     assert report.invalid_block_ids == set(BLOCKS)
 
 
+def test_a_lost_source_proven_gone_ends_the_wait_once_the_other_sources_stopped() -> None:
+    receiver, clock, _ = started()
+    assert not receiver.waits_on_lost("P", P1)
+    receiver.peer_lost("P", P1, "connection reset", clock())
+    assert receiver.waits_on_lost("P", P1) and not receiver.waits_on_lost("P", P0)
+    assert receiver.source_gone("P", P1, "connection reset; its transfer engine is gone") == []
+    assert receiver.drain().failed == set()  # P0 was told to abort and has not confirmed: it may still write
+    receiver.answer("P", P0, "t1", "aborted by D")
+    report = receiver.drain()  # long before the abort grace
+    assert report.failed == {"r1"} and "connection reset" in report.reasons["r1"]
+    assert not receiver.waits_on_lost("P", P1)
+
+
+def test_gone_touches_only_receives_whose_connection_to_that_source_broke() -> None:
+    receiver, clock, _ = started(sources=[P0])
+    receiver.start("r2", "t2", "P", [9], 1, clock())
+    receiver.sources_known("t2", [P0], [], set())  # not asked yet: its connection never broke after asking
+    receiver.source_gone("P", P0, "gone")  # nothing was lost yet: no-op
+    assert receiver.drain().failed == set() and receiver.statistics().receives == 2
+    receiver.peer_lost("P", P0, "reset", clock())  # r1 asked (held for the grace), r2 had not (fails at once)
+    assert receiver.drain().failed == {"r2"}
+    receiver.source_gone("P", P0, "gone")
+    assert receiver.drain().failed == {"r1"}
+
+
 def test_a_lost_connection_before_the_request_fails_the_job_at_once() -> None:
     receiver, clock, _ = started(sources=[P0], connected=set())
     assert receiver.peer_lost("P", P0, "connection refused", clock()) == []
