@@ -14,7 +14,7 @@ from kvsvc.layout import CROSS_LAYER, block_geometry
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import plan_transfer
 from workers.bench.models import DEFAULT_MODEL, MODELS, ModelShape
-from workers.bench.runner import QUICK, TINY, paired_ratio, split_per_half
+from workers.bench.runner import QUICK, RAW_METHODS, TINY, paired_ratio, run_orders, split_per_half
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -73,3 +73,12 @@ def test_paired_ratio_is_the_median_of_per_repetition_speedups() -> None:
     assert paired_ratio([1.0, 1.0, 10.0], [2.0, 2.0, 1.0]) == 0.5  # one noisy repetition does not move it
     with pytest.raises(ValueError):
         paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_run_orders_start_with_kvsvc_hold_every_run_once_and_vary_who_follows_whom() -> None:
+    orders = run_orders(40, seed=1000)
+    assert orders == run_orders(40, seed=1000)  # seeded: every bench run measures the same orders
+    assert orders[0][0] == "kvsvc"
+    assert all(sorted(o) == sorted(["kvsvc", *RAW_METHODS, "peer"]) for o in orders)
+    after_peer = {o[o.index("peer") + 1] for o in orders if o[-1] != "peer"}
+    assert len(after_peer) > 1  # kvsvc does not always run right after the peers' way

@@ -11,6 +11,7 @@ sample of the requests in the small scenario) before a baseline writes.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from bisect import bisect_right
@@ -351,12 +352,8 @@ class BenchRunner:
         cpu: dict[str, list[float]] = {k: [] for k in spans}
         latencies: list[float] = []
         verified, failures = True, 0
-        runs = ["kvsvc", *RAW_METHODS, "peer"]
-        for rep in range(reps):
-            # Each repetition starts one run later in the list, so no run always follows the same one (the peers'
-            # 10 threads leave the engine's connections busy for a moment). The first one starts with kvsvc, whose
-            # bytes are verified before any baseline overwrites them.
-            for run in runs[rep % len(runs) :] + runs[: rep % len(runs)]:
+        for rep, runs in enumerate(run_orders(reps, seed0)):
+            for run in runs:
                 if run == "kvsvc":
                     round_ = self._kvsvc_round(p, d, f"{name}-{rep}", shapes, fill=rep == 0)
                     span, used, bad = round_["span"], round_["cpu"], round_["failed"]
@@ -493,6 +490,20 @@ def _memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / GB / statistics.median(spans)
 
 
+def run_orders(reps: int, seed: int) -> list[list[str]]:
+    """The order of kvsvc and the baselines in each repetition: a fresh seeded shuffle each time, so that no run
+    always follows the same one (a rotation would keep kvsvc right after the peers' 10 threads, whose aftermath
+    slows the next run); the first starts with kvsvc, whose bytes are verified before a baseline overwrites them."""
+    rng = random.Random(seed)
+    orders = []
+    for rep in range(reps):
+        runs = [*RAW_METHODS, "peer"]
+        rng.shuffle(runs)
+        runs.insert(0 if rep == 0 else rng.randrange(len(runs) + 1), "kvsvc")
+        orders.append(runs)
+    return orders
+
+
 def paired_ratio(baseline_spans: Sequence[float], kvsvc_spans: Sequence[float]) -> float:
     """Median over repetitions of kvsvc's speed over the baseline's, for the same bytes: baseline span / kvsvc span."""
     return statistics.median(b / k for b, k in zip(baseline_spans, kvsvc_spans, strict=True))
@@ -514,4 +525,15 @@ def _field(result: object, key: str) -> Any:
     return result[key]
 
 
-__all__ = ["FULL", "QUICK", "TINY", "BenchReport", "BenchRunner", "Sizes", "paired_ratio", "split_per_half"]
+__all__ = [
+    "FULL",
+    "QUICK",
+    "RAW_METHODS",
+    "TINY",
+    "BenchReport",
+    "BenchRunner",
+    "Sizes",
+    "paired_ratio",
+    "run_orders",
+    "split_per_half",
+]
