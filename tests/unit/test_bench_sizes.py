@@ -13,8 +13,8 @@ from kvsvc.cli.plan import synthetic_engine
 from kvsvc.layout import CROSS_LAYER, block_geometry
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import plan_transfer
-from workers.bench.models import DEFAULT_MODEL, MODELS, ModelShape
-from workers.bench.runner import QUICK, RAW_METHODS, TINY, paired_ratio, run_orders, split_per_half
+from workers.bench.measure import RAW_METHODS, paired_ratio, run_orders, split_per_half
+from workers.bench.models import DEFAULT_MODEL, MODELS, QUICK, TINY, ModelShape
 
 KiB, MiB = 1 << 10, 1 << 20
 

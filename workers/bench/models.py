@@ -1,4 +1,5 @@
-"""KV shapes of real models for `kvsvc bench`, importable without torch (the command line lists them).
+"""KV shapes of real models and the sizes of each scenario for `kvsvc bench`, importable without torch (the command
+line lists them).
 
 A shape is what one engine holds, all TP ranks together, in bf16. It matters to the comparison with the peers' way,
 which moves one descriptor of `block_size * kv_heads_per_rank * head_size * 2` bytes per (layer, block, K/V half):
@@ -39,4 +40,75 @@ MODELS: Final[dict[str, ModelShape]] = {
 DEFAULT_MODEL: Final = "qwen2.5-7b"
 
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "ModelShape"]
+@dataclass(frozen=True)
+class Sizes:
+    """How big each scenario is; `quick` keeps the whole run under 40 s on 2 cores. Request sizes are targets in
+    bytes, rounded down to whole blocks of the model (at least one)."""
+
+    reps: int  # of the large and heterogeneous-TP scenarios (a repetition takes well under a second)
+    small_reps: int
+    large_requests: int
+    large_request_bytes: int
+    hetero_requests: int
+    hetero_request_bytes: int
+    small_requests: int
+    layerwise_iterations: int
+    layer_time_s: float
+    model: ModelShape = MODELS[DEFAULT_MODEL]
+    # the small scenario's own cross-layer model: 64 KiB one-block requests (8 layers, 2 heads of 64, block 16)
+    small_layers: int = 8
+    small_kv_heads: int = 2
+    small_head_size: int = 64
+    small_block_size: int = 16
+
+    @property
+    def large_blocks(self) -> int:
+        return max(1, self.large_request_bytes // self.model.block_bytes())
+
+    @property
+    def hetero_blocks(self) -> int:
+        return max(1, self.hetero_request_bytes // self.model.block_bytes())
+
+
+MiB = 1 << 20
+QUICK = Sizes(
+    reps=9,
+    small_reps=5,
+    large_requests=4,
+    large_request_bytes=16 * MiB,
+    hetero_requests=8,
+    hetero_request_bytes=4 * MiB,
+    small_requests=2000,
+    layerwise_iterations=3,
+    layer_time_s=0.004,
+)
+FULL = Sizes(
+    reps=11,
+    small_reps=7,
+    large_requests=8,
+    large_request_bytes=32 * MiB,
+    hetero_requests=16,
+    hetero_request_bytes=4 * MiB,
+    small_requests=10000,
+    layerwise_iterations=5,
+    layer_time_s=0.004,
+)
+_TINY_MODEL = ModelShape("tiny", num_layers=2, num_kv_heads=2, head_size=16, block_size=4)
+TINY = Sizes(  # the test's sizes: every code path, seconds of work
+    reps=1,
+    small_reps=1,
+    large_requests=2,
+    large_request_bytes=2 * _TINY_MODEL.block_bytes(),
+    hetero_requests=2,
+    hetero_request_bytes=2 * _TINY_MODEL.block_bytes(),
+    small_requests=20,
+    layerwise_iterations=1,
+    layer_time_s=0.001,
+    model=_TINY_MODEL,
+    small_layers=2,
+    small_head_size=16,
+    small_block_size=4,
+)
+
+
+__all__ = ["DEFAULT_MODEL", "FULL", "MODELS", "QUICK", "TINY", "ModelShape", "Sizes"]

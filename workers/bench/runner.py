@@ -1,30 +1,35 @@
 """The parent half of `kvsvc bench`: start the engines, run every scenario and its baselines in one run, summarise.
 
-Imports `kvsvc` (planner, layout), `workers.executor` and `workers.bench.worker`. Invariants: kvsvc and every
+Imports `kvsvc` (planner), `workers.executor`, `workers.bench.worker` (the worker-side commands) and the bench's
+`models` (sizes), `measure` (arithmetic) and `report` (results). Invariants: kvsvc and every
 baseline move the same bytes between the same two Mooncake engines (the P worker's and the D workers'), described by
 the same plan (`plan_transfer`); the peers' way moves them as one descriptor per (layer, block, K/V half); the
 handshake and each engine's first write happen before anything is timed; the runs of kvsvc and the baselines
-alternate, in an order that rotates, so noise hits them alike; every figure is the median over the repetitions and
-every ratio the median of per-repetition ratios; the first repetition of kvsvc is verified byte for byte on D (a
-sample of the requests in the small scenario) before a baseline writes.
+alternate, in a shuffled order (`run_orders`), so noise hits them alike; every figure is the median over the
+repetitions and every ratio the median of per-repetition ratios; the first repetition of kvsvc is verified byte for
+byte on D (a sample of the requests in the small scenario) before a baseline writes.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from kvsvc.layout import block_geometry
-from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import plan_transfer
-from workers.bench.models import DEFAULT_MODEL, MODELS, ModelShape
+from workers.bench.measure import (
+    GB,
+    RAW_METHODS,
+    memcpy_gbps,
+    paired_ratio,
+    quantile,
+    run_bound,
+    run_orders,
+    split_per_half,
+)
+from workers.bench.models import Sizes
+from workers.bench.report import BenchReport, LayerwiseResult, ScenarioResult
 from workers.bench.worker import (
     BenchRequest,
     Collect,
@@ -40,210 +45,7 @@ from workers.executor import EngineConfig, Executor, start_all
 from workers.process import Verify
 from workers.synthetic import VerifyResult
 
-RAW_METHODS = ("submit_poll", "batch")
 PEER_MAX_REQUESTS = 400  # requests the peers' way is timed on (a prefix of the scenario's)
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """How big each scenario is; `quick` keeps the whole run under 40 s on 2 cores. Request sizes are targets in
-    bytes, rounded down to whole blocks of the model (at least one)."""
-
-    reps: int  # of the large and heterogeneous-TP scenarios (a repetition takes well under a second)
-    small_reps: int
-    large_requests: int
-    large_request_bytes: int
-    hetero_requests: int
-    hetero_request_bytes: int
-    small_requests: int
-    layerwise_iterations: int
-    layer_time_s: float
-    model: ModelShape = MODELS[DEFAULT_MODEL]
-    # the small scenario's own cross-layer model: 64 KiB one-block requests (8 layers, 2 heads of 64, block 16)
-    small_layers: int = 8
-    small_kv_heads: int = 2
-    small_head_size: int = 64
-    small_block_size: int = 16
-
-    @property
-    def large_blocks(self) -> int:
-        return max(1, self.large_request_bytes // self.model.block_bytes())
-
-    @property
-    def hetero_blocks(self) -> int:
-        return max(1, self.hetero_request_bytes // self.model.block_bytes())
-
-
-MiB = 1 << 20
-QUICK = Sizes(
-    reps=9,
-    small_reps=5,
-    large_requests=4,
-    large_request_bytes=16 * MiB,
-    hetero_requests=8,
-    hetero_request_bytes=4 * MiB,
-    small_requests=2000,
-    layerwise_iterations=3,
-    layer_time_s=0.004,
-)
-FULL = Sizes(
-    reps=11,
-    small_reps=7,
-    large_requests=8,
-    large_request_bytes=32 * MiB,
-    hetero_requests=16,
-    hetero_request_bytes=4 * MiB,
-    small_requests=10000,
-    layerwise_iterations=5,
-    layer_time_s=0.004,
-)
-_TINY_MODEL = ModelShape("tiny", num_layers=2, num_kv_heads=2, head_size=16, block_size=4)
-TINY = Sizes(  # the test's sizes: every code path, seconds of work
-    reps=1,
-    small_reps=1,
-    large_requests=2,
-    large_request_bytes=2 * _TINY_MODEL.block_bytes(),
-    hetero_requests=2,
-    hetero_request_bytes=2 * _TINY_MODEL.block_bytes(),
-    small_requests=20,
-    layerwise_iterations=1,
-    layer_time_s=0.001,
-    model=_TINY_MODEL,
-    small_layers=2,
-    small_head_size=16,
-    small_block_size=4,
-)
-
-
-@dataclass
-class ScenarioResult:
-    """Medians over the repetitions of one scenario (GB/s are 1e9 bytes per second). The ratios are medians of
-    per-repetition ratios, each kvsvc run against the baseline runs that follow it, so that load changing between
-    repetitions cancels; they can differ a little from the ratio of the medians."""
-
-    name: str
-    reps: int
-    requests: int
-    bytes_per_rep: int
-    kvsvc_gbps: float
-    raw_gbps: float
-    raw_method: str
-    peer_gbps: float
-    memcpy_gbps: float
-    kvsvc_requests_per_s: float
-    raw_requests_per_s: float
-    peer_requests_per_s: float
-    p50_ms: float
-    p99_ms: float
-    descriptors_per_request: float
-    naive_descriptors_per_request: float
-    run_bound_per_request: float  # contiguous block runs x layers, per D worker
-    kvsvc_cpu_s_per_gb: float
-    raw_cpu_s_per_gb: float
-    peer_cpu_s_per_gb: float
-    ratio_to_raw: float
-    ratio_to_peer: float
-    verified: bool
-    failures: int
-    spans: dict[str, list[float]] = field(default_factory=dict)
-
-    @property
-    def ratio_to_memcpy(self) -> float:
-        return self.kvsvc_gbps / self.memcpy_gbps if self.memcpy_gbps else 0.0
-
-
-@dataclass
-class LayerwiseResult:
-    """Time from the end of the last layer's compute to the request complete on D (medians, ms)."""
-
-    layer_ms: float
-    whole_ms: float
-    layer_time_ms: float
-    layers: int
-    request_bytes: int
-
-    @property
-    def ratio(self) -> float:
-        return self.layer_ms / self.whole_ms if self.whole_ms else 0.0
-
-
-@dataclass
-class BenchReport:
-    sizes: Sizes
-    scenarios: list[ScenarioResult]
-    layerwise: LayerwiseResult
-    startup_s: float
-    total_s: float
-
-    def scenario(self, name: str) -> ScenarioResult:
-        return next(s for s in self.scenarios if s.name == name)
-
-    def summary(self) -> dict[str, Any]:
-        """The JSON object `kvsvc bench --json` ends with."""
-        large, small = self.scenario("large"), self.scenario("small")
-        return {
-            "ratio_to_raw": large.ratio_to_raw,
-            "ratio_to_peer_style": large.ratio_to_peer,
-            "ratio_to_memcpy": large.ratio_to_memcpy,
-            "raw_gbps": large.raw_gbps,
-            "kvsvc_gbps": large.kvsvc_gbps,
-            "peer_style_gbps": large.peer_gbps,
-            "memcpy_gbps": large.memcpy_gbps,
-            "descriptors_per_request": large.descriptors_per_request,
-            "naive_descriptors_per_request": large.naive_descriptors_per_request,
-            "small_ratio_to_raw": small.ratio_to_raw,
-            "small_requests_per_s": small.kvsvc_requests_per_s,
-            "small_raw_requests_per_s": small.raw_requests_per_s,
-            "small_ratio_to_peer_style": small.ratio_to_peer,
-            "small_descriptors_per_request": small.descriptors_per_request,
-            "layerwise_ms": self.layerwise.layer_ms,
-            "whole_request_ms": self.layerwise.whole_ms,
-            "layerwise_ratio": self.layerwise.ratio,
-            "verified": all(s.verified for s in self.scenarios),
-            "failures": sum(s.failures for s in self.scenarios),
-            "reps": self.sizes.reps,
-            "small_reps": self.sizes.small_reps,
-            "model": self.sizes.model.name,
-            "scenarios": {
-                s.name: {k: v for k, v in vars(s).items() if k not in ("name", "spans", "ratio_to_peer")}
-                | {"ratio_to_peer_style": s.ratio_to_peer}
-                for s in self.scenarios
-            },
-        }
-
-
-# -- geometry helpers -----------------------------------------------------------------------------------------
-
-
-def split_per_half(descs: Sequence[Desc], src: WorkerMetadata, dst: WorkerMetadata) -> list[Desc]:
-    """Cut a plan into one descriptor per (layer, block, K/V half), as a planner that never merges would emit.
-
-    K/V halves tile each layer tensor (or the cross-layer pool) from its start, so cuts fall every `half_stride`
-    bytes from the tensor's base, on either side.
-    """
-    s_bases, s_half = sorted(src.base_addrs), block_geometry(src).half_stride
-    d_bases, d_half = sorted(dst.base_addrs), block_geometry(dst).half_stride
-    out: list[Desc] = []
-    for s, d, length in descs:
-        end = s + length
-        while s < end:
-            step = min(end - s, _to_cut(s, s_bases, s_half), _to_cut(d, d_bases, d_half))
-            out.append((s, d, step))
-            s, d = s + step, d + step
-    return out
-
-
-def _to_cut(addr: int, bases: Sequence[int], half: int) -> int:
-    """Bytes from `addr` to the next K/V-half boundary of the tensor that holds it."""
-    base = bases[bisect_right(bases, addr) - 1]
-    return half - (addr - base) % half
-
-
-def run_bound(blocks: Sequence[int], layers: int) -> int:
-    """Contiguous block runs times layers: the descriptor count DESIGN's target allows per request."""
-    runs = sum(1 for i, b in enumerate(blocks) if i == 0 or b != blocks[i - 1] + 1)
-    return runs * layers
 
 
 # -- the runner -----------------------------------------------------------------------------------------------
@@ -347,7 +149,7 @@ class BenchRunner:
         self._raw(p, d, RawWrite(peers, [[x[0]] if x else [] for x in raw_descs], "submit_poll"))
         self._raw(p, d, PeerStyleWrite(peer_peers[:1], peer_batches[:1]))
 
-        memcpy = _memcpy_gbps(total_bytes, reps)
+        memcpy = memcpy_gbps(total_bytes, reps)
         spans: dict[str, list[float]] = {"kvsvc": [], "peer": [], **{m: [] for m in RAW_METHODS}}
         cpu: dict[str, list[float]] = {k: [] for k in spans}
         latencies: list[float] = []
@@ -385,8 +187,8 @@ class BenchRunner:
             kvsvc_requests_per_s=count / med["kvsvc"],
             raw_requests_per_s=count / med[raw_method],
             peer_requests_per_s=peer_count / med["peer"],
-            p50_ms=1e3 * _quantile(latencies, 0.5),
-            p99_ms=1e3 * _quantile(latencies, 0.99),
+            p50_ms=1e3 * quantile(latencies, 0.5),
+            p99_ms=1e3 * quantile(latencies, 0.99),
             descriptors_per_request=kv_desc,
             naive_descriptors_per_request=naive_desc,
             run_bound_per_request=bound,
@@ -475,44 +277,7 @@ class BenchRunner:
         )
 
 
-# -- small helpers --------------------------------------------------------------------------------------------
-
-
-def _memcpy_gbps(nbytes: int, reps: int) -> float:
-    """One-thread memcpy of `nbytes` (numpy's copyto), both buffers touched first; median of `reps`."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    spans = []
-    for _ in range(max(reps, 3)):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        spans.append(time.perf_counter() - start)
-    return nbytes / GB / statistics.median(spans)
-
-
-def run_orders(reps: int, seed: int) -> list[list[str]]:
-    """The order of kvsvc and the baselines in each repetition: a fresh seeded shuffle each time, so that no run
-    always follows the same one (a rotation would keep kvsvc right after the peers' 10 threads, whose aftermath
-    slows the next run); the first starts with kvsvc, whose bytes are verified before a baseline overwrites them."""
-    rng = random.Random(seed)
-    orders = []
-    for rep in range(reps):
-        runs = [*RAW_METHODS, "peer"]
-        rng.shuffle(runs)
-        runs.insert(0 if rep == 0 else rng.randrange(len(runs) + 1), "kvsvc")
-        orders.append(runs)
-    return orders
-
-
-def paired_ratio(baseline_spans: Sequence[float], kvsvc_spans: Sequence[float]) -> float:
-    """Median over repetitions of kvsvc's speed over the baseline's, for the same bytes: baseline span / kvsvc span."""
-    return statistics.median(b / k for b, k in zip(baseline_spans, kvsvc_spans, strict=True))
-
-
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+# -- answers ----------------------------------------------------------------------------------------------
 
 
 def _cpu(result: object) -> float:
@@ -525,15 +290,4 @@ def _field(result: object, key: str) -> Any:
     return result[key]
 
 
-__all__ = [
-    "FULL",
-    "QUICK",
-    "RAW_METHODS",
-    "TINY",
-    "BenchReport",
-    "BenchRunner",
-    "Sizes",
-    "paired_ratio",
-    "run_orders",
-    "split_per_half",
-]
+__all__ = ["BenchRunner"]

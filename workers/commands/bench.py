@@ -21,7 +21,7 @@ from rich.table import Table
 from workers.bench.models import DEFAULT_MODEL, MODELS
 
 if TYPE_CHECKING:
-    from workers.bench.runner import BenchReport
+    from workers.bench.report import BenchReport
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from workers.bench.runner import FULL, QUICK, TINY, BenchRunner
+    from workers.bench.models import FULL, QUICK, TINY
+    from workers.bench.runner import BenchRunner
 
     # Mooncake logs every blocking batch at INFO (the peers' way makes thousands); keep the table readable.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -1,0 +1,90 @@
+"""The arithmetic of `kvsvc bench`: the peers' descriptor split, the descriptor bound, run orders, paired ratios,
+quantiles and the memcpy baseline. No engines, no processes: `workers.bench.runner` calls these.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from bisect import bisect_right
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvsvc.layout import block_geometry
+from kvsvc.messages import WorkerMetadata
+from workers.bench.worker import Desc
+
+RAW_METHODS = ("submit_poll", "batch")
+GB = 1e9
+
+
+def split_per_half(descs: Sequence[Desc], src: WorkerMetadata, dst: WorkerMetadata) -> list[Desc]:
+    """Cut a plan into one descriptor per (layer, block, K/V half), as a planner that never merges would emit.
+
+    K/V halves tile each layer tensor (or the cross-layer pool) from its start, so cuts fall every `half_stride`
+    bytes from the tensor's base, on either side.
+    """
+    s_bases, s_half = sorted(src.base_addrs), block_geometry(src).half_stride
+    d_bases, d_half = sorted(dst.base_addrs), block_geometry(dst).half_stride
+    out: list[Desc] = []
+    for s, d, length in descs:
+        end = s + length
+        while s < end:
+            step = min(end - s, _to_cut(s, s_bases, s_half), _to_cut(d, d_bases, d_half))
+            out.append((s, d, step))
+            s, d = s + step, d + step
+    return out
+
+
+def _to_cut(addr: int, bases: Sequence[int], half: int) -> int:
+    """Bytes from `addr` to the next K/V-half boundary of the tensor that holds it."""
+    base = bases[bisect_right(bases, addr) - 1]
+    return half - (addr - base) % half
+
+
+def run_bound(blocks: Sequence[int], layers: int) -> int:
+    """Contiguous block runs times layers: the descriptor count DESIGN's target allows per request."""
+    runs = sum(1 for i, b in enumerate(blocks) if i == 0 or b != blocks[i - 1] + 1)
+    return runs * layers
+
+
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    """One-thread memcpy of `nbytes` (numpy's copyto), both buffers touched first; median of `reps`."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    spans = []
+    for _ in range(max(reps, 3)):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        spans.append(time.perf_counter() - start)
+    return nbytes / GB / statistics.median(spans)
+
+
+def run_orders(reps: int, seed: int) -> list[list[str]]:
+    """The order of kvsvc and the baselines in each repetition: a fresh seeded shuffle each time, so that no run
+    always follows the same one (a rotation would keep kvsvc right after the peers' 10 threads, whose aftermath
+    slows the next run); the first starts with kvsvc, whose bytes are verified before a baseline overwrites them."""
+    rng = random.Random(seed)
+    orders = []
+    for rep in range(reps):
+        runs = [*RAW_METHODS, "peer"]
+        rng.shuffle(runs)
+        runs.insert(0 if rep == 0 else rng.randrange(len(runs) + 1), "kvsvc")
+        orders.append(runs)
+    return orders
+
+
+def paired_ratio(baseline_spans: Sequence[float], kvsvc_spans: Sequence[float]) -> float:
+    """Median over repetitions of kvsvc's speed over the baseline's, for the same bytes: baseline span / kvsvc span."""
+    return statistics.median(b / k for b, k in zip(baseline_spans, kvsvc_spans, strict=True))
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+__all__ = ["GB", "RAW_METHODS", "memcpy_gbps", "paired_ratio", "quantile", "run_bound", "run_orders", "split_per_half"]

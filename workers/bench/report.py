@@ -1,0 +1,110 @@
+"""What `kvsvc bench` reports: per-scenario medians and paired ratios, the layer-wise comparison, and the JSON
+summary `--json` ends with. Plain dataclasses; filled in by `workers.bench.runner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.bench.models import Sizes
+
+
+@dataclass
+class ScenarioResult:
+    """Medians over the repetitions of one scenario (GB/s are 1e9 bytes per second). The ratios are medians of
+    per-repetition ratios, each kvsvc run against the baseline runs that follow it, so that load changing between
+    repetitions cancels; they can differ a little from the ratio of the medians."""
+
+    name: str
+    reps: int
+    requests: int
+    bytes_per_rep: int
+    kvsvc_gbps: float
+    raw_gbps: float
+    raw_method: str
+    peer_gbps: float
+    memcpy_gbps: float
+    kvsvc_requests_per_s: float
+    raw_requests_per_s: float
+    peer_requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    descriptors_per_request: float
+    naive_descriptors_per_request: float
+    run_bound_per_request: float  # contiguous block runs x layers, per D worker
+    kvsvc_cpu_s_per_gb: float
+    raw_cpu_s_per_gb: float
+    peer_cpu_s_per_gb: float
+    ratio_to_raw: float
+    ratio_to_peer: float
+    verified: bool
+    failures: int
+    spans: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def ratio_to_memcpy(self) -> float:
+        return self.kvsvc_gbps / self.memcpy_gbps if self.memcpy_gbps else 0.0
+
+
+@dataclass
+class LayerwiseResult:
+    """Time from the end of the last layer's compute to the request complete on D (medians, ms)."""
+
+    layer_ms: float
+    whole_ms: float
+    layer_time_ms: float
+    layers: int
+    request_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.layer_ms / self.whole_ms if self.whole_ms else 0.0
+
+
+@dataclass
+class BenchReport:
+    sizes: Sizes
+    scenarios: list[ScenarioResult]
+    layerwise: LayerwiseResult
+    startup_s: float
+    total_s: float
+
+    def scenario(self, name: str) -> ScenarioResult:
+        return next(s for s in self.scenarios if s.name == name)
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON object `kvsvc bench --json` ends with."""
+        large, small = self.scenario("large"), self.scenario("small")
+        return {
+            "ratio_to_raw": large.ratio_to_raw,
+            "ratio_to_peer_style": large.ratio_to_peer,
+            "ratio_to_memcpy": large.ratio_to_memcpy,
+            "raw_gbps": large.raw_gbps,
+            "kvsvc_gbps": large.kvsvc_gbps,
+            "peer_style_gbps": large.peer_gbps,
+            "memcpy_gbps": large.memcpy_gbps,
+            "descriptors_per_request": large.descriptors_per_request,
+            "naive_descriptors_per_request": large.naive_descriptors_per_request,
+            "small_ratio_to_raw": small.ratio_to_raw,
+            "small_requests_per_s": small.kvsvc_requests_per_s,
+            "small_raw_requests_per_s": small.raw_requests_per_s,
+            "small_ratio_to_peer_style": small.ratio_to_peer,
+            "small_descriptors_per_request": small.descriptors_per_request,
+            "layerwise_ms": self.layerwise.layer_ms,
+            "whole_request_ms": self.layerwise.whole_ms,
+            "layerwise_ratio": self.layerwise.ratio,
+            "verified": all(s.verified for s in self.scenarios),
+            "failures": sum(s.failures for s in self.scenarios),
+            "reps": self.sizes.reps,
+            "small_reps": self.sizes.small_reps,
+            "model": self.sizes.model.name,
+            "scenarios": {
+                s.name: {k: v for k, v in vars(s).items() if k not in ("name", "spans", "ratio_to_peer")}
+                | {"ratio_to_peer_style": s.ratio_to_peer}
+                for s in self.scenarios
+            },
+        }
+
+
+__all__ = ["BenchReport", "LayerwiseResult", "ScenarioResult"]
