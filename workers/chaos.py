@@ -1,6 +1,7 @@
 """`ChaosRun`: load with random aborts and injected faults through a prefill and a decode engine, fully audited.
 
-Imports `workers.engine`, `workers.executor`, `workers.process` and `kvsvc` (admin app, service config). Drives a P
+Imports `workers.engine`, `workers.executor`, `workers.process`, `workers.chaos_spec` (options and results, re-exported
+here) and `kvsvc` (admin app). Drives a P
 engine and a D engine (separate worker processes, real Mooncake over loopback) from one thread, the way an engine
 core would: submit, step, abort. Every request is tracked until both engines reported it; the audit at the end
 checks what issue 4 promises: every finished receive verified byte for byte on every D worker, every failed one
@@ -29,158 +30,16 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Final
 
 from kvsvc.engine.admin import build_admin_app, random_token
-from kvsvc.service import ServiceConfig
+from workers.chaos_spec import FAULTS, ChaosOptions, ChaosResult, PhaseResult, default_service
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine, PrefillRequest
-from workers.executor import EngineConfig, Executor, start_all
+from workers.executor import Executor, start_all
 from workers.view import ExecutorView
 
-FAULTS: Final = ("kill", "freeze", "restart", "cut")
 _IDLE_SLEEP_S: Final = 0.001
-
-
-def default_service() -> ServiceConfig:
-    """Short deadlines, so a fault's bound is seconds and a run ends by itself."""
-    return ServiceConfig(
-        hold_timeout_s=10.0,
-        recv_timeout_s=5.0,
-        early_request_timeout_s=4.0,
-        abort_grace_s=15.0,
-        handshake_timeout_s=5.0,
-        close_drain_timeout_s=10.0,
-    )
-
-
-@dataclass(frozen=True)
-class ChaosOptions:
-    """One run: the load, the faults and the two engines' layout."""
-
-    requests: int = 10_000  # regular requests over the whole run, split evenly over the phases
-    faults: tuple[str, ...] = FAULTS
-    concurrency: int = 16
-    max_tokens: int = 64
-    abort_rate: float = 0.10
-    abort_window_s: float = 0.02  # an abort is issued at a uniformly random moment this long after the submit
-    probes: int = 4  # parked receives started just before each fault
-    freeze_s: float = 6.0
-    fault_worker: int = 1  # index of the P worker killed or frozen
-    prefill_tp: int = 2
-    decode_tp: int = 1
-    prefill_block_size: int = 4
-    decode_block_size: int = 8
-    num_blocks: int = 2048
-    seed: int = 0
-    timeout_s: float = 1800.0
-    service: ServiceConfig = field(default_factory=default_service)
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.faults) - set(FAULTS))
-        if unknown:
-            raise ValueError(f"unknown faults {unknown}; known: {list(FAULTS)}")
-        if not 0 <= self.abort_rate <= 1:
-            raise ValueError(f"abort_rate must be in [0, 1], got {self.abort_rate}")
-        if self.requests < 1 or self.concurrency < 1 or self.max_tokens < 1:
-            raise ValueError("requests, concurrency and max_tokens must be >= 1")
-        if not 0 <= self.fault_worker < self.prefill_tp:
-            raise ValueError(f"fault_worker {self.fault_worker} is not a P worker (prefill_tp {self.prefill_tp})")
-
-    def fault_bound_s(self, fault: str) -> float:
-        """The longest a request hit by `fault` may take to be reported failed, from the fault: the receive
-        deadline, then the abort grace (a frozen P cannot confirm), then a handshake; the freeze itself for a
-        freeze (P confirms the abort once it runs again)."""
-        service = self.service
-        bound = service.recv_timeout_s + service.abort_grace_s + service.handshake_timeout_s
-        return bound + (self.freeze_s if fault == "freeze" else 0.0)
-
-    def engine_configs(self) -> tuple[EngineConfig, EngineConfig]:
-        common: dict[str, Any] = dict(num_layers=4, num_kv_heads=4, head_size=16, num_blocks=self.num_blocks)
-        return (
-            EngineConfig(
-                engine_id="chaos-p",
-                role="prefill",
-                tp_size=self.prefill_tp,
-                block_size=self.prefill_block_size,
-                service=self.service,
-                **common,
-            ),
-            EngineConfig(
-                engine_id="chaos-d",
-                role="decode",
-                tp_size=self.decode_tp,
-                block_size=self.decode_block_size,
-                service=self.service,
-                **common,
-            ),
-        )
-
-
-@dataclass
-class PhaseResult:
-    """What one phase (plain load, or load with one fault) did. Times in seconds; `fail_s` is the longest time
-    from the fault to the report of a request it made fail."""
-
-    name: str
-    requests: int = 0
-    finished: int = 0
-    verified: int = 0
-    failed: int = 0
-    aborted_p: int = 0
-    aborted_d: int = 0
-    affected: int = 0  # receives in flight (probes included) when the fault hit
-    affected_failed: int = 0
-    probes: int = 0
-    probes_failed: int = 0
-    after_fault: int = 0  # regular requests submitted once the fault was over
-    after_fault_finished: int = 0
-    p_lost_in_restart: int = 0
-    fail_s: float | None = None
-    bound_s: float | None = None
-    recovery_s: float | None = None  # from the fault to the first later request that finished verified
-    seconds: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
-
-
-@dataclass
-class ChaosResult:
-    options: ChaosOptions
-    phases: list[PhaseResult] = field(default_factory=list)
-    requests_lost: int = 0  # submitted but never reported by one of the engines
-    holds_leaked: int = 0  # sum of every worker's `holds` after the run settled
-    p_blocks_leaked: int = 0
-    d_blocks_leaked: int = 0
-    duplicate_reports: int = 0  # ids an engine reported that it did not wait for (a repeat)
-    late_reports_ignored: int = 0  # the aggregators' count of repeats after an id completed
-    seconds: float = 0.0
-    startup_seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        leaks = self.requests_lost + self.holds_leaked + self.p_blocks_leaked + self.d_blocks_leaked
-        return not self.errors and leaks == 0 and self.duplicate_reports == 0 and self.late_reports_ignored == 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "requests": sum(p.requests for p in self.phases),
-            "verified": sum(p.verified for p in self.phases),
-            "failed": sum(p.failed for p in self.phases),
-            "requests_lost": self.requests_lost,
-            "holds_leaked": self.holds_leaked,
-            "p_blocks_leaked": self.p_blocks_leaked,
-            "d_blocks_leaked": self.d_blocks_leaked,
-            "duplicate_reports": self.duplicate_reports,
-            "late_reports_ignored": self.late_reports_ignored,
-            "seconds": round(self.seconds, 3),
-            "startup_seconds": round(self.startup_seconds, 3),
-            "phases": [p.to_json() for p in self.phases],
-            "errors": self.errors[:20],
-        }
 
 
 @dataclass
