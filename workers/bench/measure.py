@@ -64,8 +64,8 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
 
 def run_orders(reps: int, seed: int) -> list[list[str]]:
     """The order of kvsvc and the baselines in each repetition: a fresh seeded shuffle each time, so that no run
-    always follows the same one (a rotation would keep kvsvc right after the peers' 10 threads, whose aftermath
-    slows the next run); the first starts with kvsvc, whose bytes are verified before a baseline overwrites them."""
+    always follows the same one (the runs share each worker's engine, and a rotation would keep kvsvc right after
+    the peers' 10 threads); the first starts with kvsvc, whose bytes are verified before a baseline overwrites them."""
     rng = random.Random(seed)
     orders = []
     for rep in range(reps):
