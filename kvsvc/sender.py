@@ -155,6 +155,24 @@ class Sender:
         self._maybe_finish(hold)
         return commands
 
+    def shut_down(self, reason: str) -> list[SendCommand]:
+        """The worker is closing: answer failed every D request that waits (early ones, and jobs whose KV never
+        became ready), as an engine abort of every hold would, so that D need not wait for its deadlines.
+        Jobs still writing drain first, as for an abort; holds end as aborted and are reported finished."""
+        commands: list[SendCommand] = []
+        for _, dst, message, _ in self._early.values():
+            if isinstance(message, TransferRequest):
+                commands.append(Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason)))
+        self._early.clear()
+        for hold in list(self._holds.values()):
+            if not hold.ended:
+                hold.ended = "aborted"
+                self._aborted_count += 1
+            for job in list(hold.jobs.values()):
+                commands += self._apply(hold, job, SendEvent.ABORT, reason)
+            self._maybe_finish(hold)
+        return commands
+
     # -- events from D workers ---------------------------------------------------------------------------------
 
     def request(

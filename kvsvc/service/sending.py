@@ -103,6 +103,10 @@ class SendingRole:
         """Wait up to `close_drain_timeout_s` for the writes in flight, then cancel the write tasks left."""
         await self._writer.drain()
 
+    def shut_down(self) -> None:
+        """Answer failed what D workers still wait for (see `Sender.shut_down`), before the connections close."""
+        self._run_send(self._sender.shut_down("P worker shutting down"))
+
     @property
     def write_tasks(self) -> set[asyncio.Task[None]]:
         """Writes running as tasks (`close` awaits them after cancelling)."""

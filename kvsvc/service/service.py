@@ -145,6 +145,7 @@ class KVTransferService:
         self._closing = True
         self._sending.stop_accepting()
         await self._sending.drain_writes()
+        self._sending.shut_down()  # D's waiting receives fail now, not at their deadlines
         for task in [*self._tasks, *([self._deadline_task] if self._deadline_task else [])]:
             task.cancel()
         self._receiving.close_connections()

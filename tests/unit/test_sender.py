@@ -190,6 +190,26 @@ def test_p_abort_answers_waiting_d_workers_failed_and_reports_at_once() -> None:
     assert sender.statistics().aborted_holds == 1
 
 
+def test_shutting_down_answers_every_waiting_d_request_failed_and_reports_every_hold() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())  # asked, KV never ready
+    sender.request(D0, ONLY_D0, request("t1"), clock())
+    sender.request(D1, ONLY_D0, request("t2"), clock())  # early: t2 is never held
+    sender.hold("r3", "t3", [3], 4, clock())  # nobody asked
+    sender.hold("r4", "t4", [4], 4, clock())  # writing: answered once its write ends, as for an abort
+    sender.ready("t4")
+    sender.request(D0, ONLY_D0, request("t4"), clock())
+    out = sender.shut_down("P worker shutting down")
+    failed = {(c.dst, c.message.transfer_id) for c in out if isinstance(c, Reply)}
+    assert failed == {(D0, "t1"), (D1, "t2")}
+    assert all(isinstance(c, Reply) and "shutting down" in c.message.reason for c in out)  # type: ignore[union-attr]
+    assert sender.drain_finished() == {"r1", "r3"}
+    assert replies(sender.write_result("t4", D0.worker, "cancelled")) == [(D0, TransferFailed)]
+    assert sender.drain_finished() == {"r4"}
+    assert sender.statistics().early_requests == 0
+    assert sender.shut_down("again") == []
+
+
 def test_a_request_after_p_aborted_is_answered_failed() -> None:
     sender, clock = make()
     sender.hold("r1", "t1", [1], 4, clock())
