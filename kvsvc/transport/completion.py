@@ -206,8 +206,12 @@ class CompletionPoller:
                 and now - last_progress < TAIL_WINDOW_S
             ):
                 self.tail_polls += 1
-                await fine.sleep(self._tail_interval_s)
-                continue
+                try:
+                    await fine.sleep(self._tail_interval_s)
+                    continue
+                except RuntimeError:  # the timerfd refused to arm: keep polling, on the loop's timers from now on
+                    fine.close()
+                    self._fine = None
             interval = min(self._interval_max_s, max(self._interval_min_s, (now - last_progress) / 16))
             await asyncio.sleep(max(interval, LOOP_TIMER_FLOOR_S))
 

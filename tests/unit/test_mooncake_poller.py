@@ -15,6 +15,7 @@ import pytest
 
 from kvsvc.errors import TransportError
 from kvsvc.transport import InvalidDescriptor, MooncakeConfig, MooncakeTransport, WriteFailed
+from kvsvc.transport.finetimer import FineTimer
 
 LOCAL, REMOTE, SIZE = 1 << 20, 1 << 30, 1 << 16
 
@@ -314,3 +315,18 @@ def test_tail_settings_are_checked() -> None:
         MooncakeConfig(tail_poll_interval_s=0.001)
     with pytest.raises(ValueError, match="tail_poll_bytes"):
         MooncakeConfig(tail_poll_bytes=-1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
+async def test_a_timer_that_fails_leaves_the_poller_on_the_loop_timers(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(self: FineTimer, delay: float) -> None:
+        raise RuntimeError("timerfd_settime failed: errno 9")
+
+    monkeypatch.setattr(FineTimer, "sleep", broken)
+    transport, engine = make(tail_poll_bytes=1024)
+    task = asyncio.create_task(transport.write("peer:1", descs(1)))  # a tail from its first poll
+    await until(lambda: transport.statistics().tail_polls > 0)
+    assert transport._completions._fine is None  # the broken timer was dropped, not retried
+    engine.finish(0)
+    assert await task == 256  # still polled to completion
+    await transport.close()
