@@ -138,8 +138,9 @@ class KVTransferService:
         self._receiving.set_own_engine(metas)
 
     async def close(self) -> None:
-        """Stop accepting work, let in-flight writes drain (up to `close_drain_timeout_s`), then close
-        connections, timers and the transport. Idempotent. What was not reported stays in `get_finished`."""
+        """Stop accepting work, let in-flight writes drain (up to `close_drain_timeout_s`), answer failed every D
+        request still waiting (so D need not wait for its deadlines), then close connections, timers and the
+        transport. Idempotent. What was not reported (every hold ends, as aborted) stays in `get_finished`."""
         if self._closing:
             return
         self._closing = True
