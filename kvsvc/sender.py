@@ -145,15 +145,7 @@ class Sender:
         transfer_id = self._by_req.get(req_id)
         if transfer_id is None:
             return []
-        hold = self._holds[transfer_id]
-        if not hold.ended:
-            hold.ended = "aborted"
-            self._aborted_count += 1
-        commands: list[SendCommand] = []
-        for job in list(hold.jobs.values()):
-            commands += self._apply(hold, job, SendEvent.ABORT, "aborted by P")
-        self._maybe_finish(hold)
-        return commands
+        return self._abort_hold(self._holds[transfer_id], "aborted by P")
 
     def shut_down(self, reason: str) -> list[SendCommand]:
         """The worker is closing: answer failed every D request that waits (early ones, and jobs whose KV never
@@ -165,12 +157,7 @@ class Sender:
                 commands.append(Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason)))
         self._early.clear()
         for hold in list(self._holds.values()):
-            if not hold.ended:
-                hold.ended = "aborted"
-                self._aborted_count += 1
-            for job in list(hold.jobs.values()):
-                commands += self._apply(hold, job, SendEvent.ABORT, reason)
-            self._maybe_finish(hold)
+            commands += self._abort_hold(hold, reason)
         return commands
 
     # -- events from D workers ---------------------------------------------------------------------------------
@@ -383,6 +370,16 @@ class Sender:
             return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
         self._early[key] = (now + self._early_timeout, dst, message, expected)
         return []
+
+    def _abort_hold(self, hold: _Hold, reason: str) -> list[SendCommand]:
+        if not hold.ended:
+            hold.ended = "aborted"
+            self._aborted_count += 1
+        commands: list[SendCommand] = []
+        for job in list(hold.jobs.values()):
+            commands += self._apply(hold, job, SendEvent.ABORT, reason)
+        self._maybe_finish(hold)
+        return commands
 
     def _check_engine(self, hold: _Hold, dst: WorkerRef, expected: frozenset[Worker]) -> Reply | None:
         engine = (dst.engine_id, dst.incarnation)
