@@ -209,10 +209,14 @@ def _durations(items: Sequence[tuple[Worker, StatsDict]]) -> Metric:
             if not isinstance(bounds, Sequence) or not isinstance(counts, Sequence) or len(counts) != len(bounds) + 1:
                 continue
             cumulative, buckets = 0, []
-            for bound, count in zip([*bounds, float("inf")], counts, strict=True):
-                cumulative += int(count)
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(cumulative)))
-            family.add_metric([*_worker_labels(worker), role], buckets, float(total or 0.0))
+            try:
+                for bound, count in zip([*bounds, float("inf")], counts, strict=True):
+                    cumulative += int(count)
+                    buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(cumulative)))
+                total_s = float(total or 0.0)
+            except (TypeError, ValueError):  # a malformed snapshot drops the series, never the scrape
+                continue
+            family.add_metric([*_worker_labels(worker), role], buckets, total_s)
     return family
 
 

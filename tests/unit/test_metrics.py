@@ -163,6 +163,9 @@ def test_a_malformed_histogram_drops_its_series_and_never_fails_the_scrape() -> 
     bad = {"send_durations": {"bounds": [0.1], "counts": [1]}, "recv_durations": "nonsense"}
     got = samples(EngineMetrics("p", "i", "both"), MetricsSnapshot({(0, 0): bad}))
     assert got.get("kvsvc_transfer_duration_seconds", []) == []
+    bad = {"send_durations": {"bounds": ["x"], "counts": [1, "two"], "total": "none"}}
+    got = samples(EngineMetrics("p", "i", "both"), MetricsSnapshot({(0, 0): bad}))
+    assert got.get("kvsvc_transfer_duration_seconds", []) == []
 
 
 def test_engines_in_one_process_have_separate_registries_and_leave_the_global_one_alone() -> None:
