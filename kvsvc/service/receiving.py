@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -82,6 +83,8 @@ class ReceivingRole:
 
     def __init__(self, ctx: ServiceContext) -> None:
         self._ctx = ctx
+        # Optional on a transport (`MooncakeTransport` has it): proves a lost P worker's process gone.
+        self._peer_gone: Callable[[str], Awaitable[bool]] | None = getattr(ctx.transport, "peer_gone", None)
         meta = ctx.metadata
         self._receiver = Receiver(recv_timeout_s=ctx.config.recv_timeout_s, abort_grace_s=ctx.config.abort_grace_s)
         self.topology = TransferTopology(
@@ -379,13 +382,13 @@ class ReceivingRole:
     def _lost(self, peer: _Outbound, reason: str) -> None:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
         self._run_recv(self._receiver.peer_lost(engine_id, src, reason, self._ctx.clock()))
-        if self._receiver.waits_on_lost(engine_id, src) and hasattr(self._ctx.transport, "peer_gone"):
-            self._ctx.spawn(self._confirm_gone(peer, reason))
+        if self._peer_gone is not None and self._receiver.waits_on_lost(engine_id, src):
+            self._ctx.spawn(self._confirm_gone(peer, reason, self._peer_gone))
 
-    async def _confirm_gone(self, peer: _Outbound, reason: str) -> None:
+    async def _confirm_gone(self, peer: _Outbound, reason: str, peer_gone: Callable[[str], Awaitable[bool]]) -> None:
         """Shorten the abort grace of the receives that lost `peer` if its transfer engine is gone: a dead
         process writes nothing more once what it had sent has landed (`gone_settle_s`)."""
-        if not await self._ctx.transport.peer_gone(peer.meta.transport_addr):  # type: ignore[attr-defined]
+        if not await peer_gone(peer.meta.transport_addr):
             return
         await asyncio.sleep(self._ctx.config.gone_settle_s)
         why = f"{reason}; its transfer engine is gone"
