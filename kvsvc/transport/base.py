@@ -73,7 +73,7 @@ class TransportStatistics:
     peers: int = 0  # peers added and not removed
     registered_bytes: int = 0  # local memory registered with the engine
     polls: int = 0  # status checks made by the completion poller
-    tail_polls: int = 0  # poller wake-ups after a sub-millisecond nap (the tail of a burst)
+    fine_polls: int = 0  # poller wake-ups after a sub-millisecond nap (while descriptors keep finishing)
 
 
 @runtime_checkable

@@ -4,8 +4,9 @@ Imports: stdlib and `kvsvc.transport.base` only; the engine is reached through t
 given (`transfer_check_status`). Invariants (MOONCAKE.md): an id is polled until it reports 1 or -1 and never again
 (that frees it); id 0 is a refusal, never enqueued nor polled; per peer, ids are polled from the oldest, stopping at
 the first still running one. One poll task, on the event loop, that parks when idle and never sleeps less than
-`LOOP_TIMER_FLOOR_S` on the loop's timers; only in the tail of a burst (few bytes in flight, progress within the
-last `TAIL_WINDOW_S`) does it take shorter naps, from a `FineTimer`, when the platform has one.
+`LOOP_TIMER_FLOOR_S` on the loop's timers; only while descriptors keep finishing (one within the last
+`PROGRESS_WINDOW_S`, and at most the configured bytes in flight) does it take shorter naps, from a `FineTimer`,
+when the platform has one.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from kvsvc.transport.finetimer import FineTimer
 # asyncio's epoll and uvloop's libuv timers both have a 1 ms floor; uvloop turns any shorter sleep into a zero
 # timeout, i.e. a busy spin of the loop (measured). So the poller never sleeps less than this.
 LOOP_TIMER_FLOOR_S: Final = 0.001
-# Short naps only while the tail is moving: a peer that finished nothing for this long is not about to, and fine
-# polls of a stalled peer would only burn CPU until its progress timeout.
-TAIL_WINDOW_S: Final = 0.002
+# Short naps only while descriptors keep finishing: a peer that finished nothing for this long is not about to, and
+# fine polls of a stalled peer would only burn CPU until its progress timeout.
+PROGRESS_WINDOW_S: Final = 0.002
 
 
 class Write:
@@ -113,8 +114,8 @@ class CompletionPoller:
         progress_timeout_s: float,
         poll_interval_min_s: float,
         poll_interval_max_s: float,
-        tail_interval_s: float | None = None,
-        tail_bytes: int = 0,
+        fine_interval_s: float | None = None,
+        fine_bytes: int | None = None,
     ) -> None:
         self.queues: dict[str, PeerQueue] = {}
         self._check_status: Callable[[int], int] | None = check_status
@@ -122,15 +123,15 @@ class CompletionPoller:
         self._progress_timeout_s = progress_timeout_s
         self._interval_min_s = poll_interval_min_s
         self._interval_max_s = poll_interval_max_s
-        self._tail_interval_s = tail_interval_s
-        self._tail_bytes = tail_bytes
+        self._fine_interval_s = fine_interval_s
+        self._fine_bytes = fine_bytes
         self._fine: FineTimer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.in_flight = 0  # descriptors submitted, not finished
         self.in_flight_bytes = 0
-        self.tail_polls = 0  # polls after a short nap
+        self.fine_polls = 0  # polls after a short nap
         self.bytes = 0  # written by descriptors that finished
         self.descriptors = 0  # finished successfully
         self.polls = 0  # `check_status` calls
@@ -139,7 +140,7 @@ class CompletionPoller:
         """Run the poll task on `loop` unless it runs already (or start it again if it ended)."""
         if self._loop is None:
             self._loop, self._wake = loop, asyncio.Event()
-            if self._tail_interval_s is not None:
+            if self._fine_interval_s is not None:
                 self._fine = FineTimer.open(loop)
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._poll_forever(), name=name)
@@ -201,13 +202,14 @@ class CompletionPoller:
             fine = self._fine
             if (
                 fine is not None
-                and self._tail_interval_s is not None
-                and 0 < self.in_flight_bytes <= self._tail_bytes
-                and now - last_progress < TAIL_WINDOW_S
+                and self._fine_interval_s is not None
+                and self.in_flight_bytes > 0
+                and (self._fine_bytes is None or self.in_flight_bytes <= self._fine_bytes)
+                and now - last_progress < PROGRESS_WINDOW_S
             ):
-                self.tail_polls += 1
+                self.fine_polls += 1
                 try:
-                    await fine.sleep(self._tail_interval_s)
+                    await fine.sleep(self._fine_interval_s)
                     continue
                 except RuntimeError:  # the timerfd refused to arm: keep polling, on the loop's timers from now on
                     fine.close()

@@ -62,10 +62,11 @@ class MooncakeConfig:
     drain_timeout_s: float = 1.0
     poll_interval_min_s: float = LOOP_TIMER_FLOOR_S
     poll_interval_max_s: float = 0.05
-    # In the tail of a burst (at most `tail_poll_bytes` in flight, about a millisecond of TCP loopback), poll every
-    # `tail_poll_interval_s` through a timerfd instead of the loop's 1 ms timers; None turns it off.
-    tail_poll_interval_s: float | None = 0.0002
-    tail_poll_bytes: int = 2 << 20
+    # While descriptors keep finishing, poll every `fine_poll_interval_s` through a timerfd instead of the loop's
+    # 1 ms timers (None turns it off); `fine_poll_bytes` limits that to the tail of a burst (at most this many bytes
+    # in flight; None: any amount). Why a whole burst: docs/decisions.md 47.
+    fine_poll_interval_s: float | None = 0.0001
+    fine_poll_bytes: int | None = None
     submit_chunk: int = 256  # descriptors submitted (about 2 us each) between yields to the event loop
     close_timeout_s: float = 60.0
 
@@ -80,10 +81,12 @@ class MooncakeConfig:
             raise ValueError("max_queued_per_peer and submit_chunk must be >= 1")
         if not 0 < self.poll_interval_min_s <= self.poll_interval_max_s:
             raise ValueError("need 0 < poll_interval_min_s <= poll_interval_max_s")
-        if self.tail_poll_interval_s is not None and not 0 < self.tail_poll_interval_s < LOOP_TIMER_FLOOR_S:
-            raise ValueError(f"tail_poll_interval_s must be in (0, {LOOP_TIMER_FLOOR_S}) or None")
-        if self.tail_poll_bytes < 0:
-            raise ValueError(f"tail_poll_bytes must be >= 0, got {self.tail_poll_bytes}")
+        if self.fine_poll_interval_s is not None and not 0 < self.fine_poll_interval_s < LOOP_TIMER_FLOOR_S:
+            raise ValueError(
+                f"fine_poll_interval_s must be in (0, {LOOP_TIMER_FLOOR_S}) or None, got {self.fine_poll_interval_s}"
+            )
+        if self.fine_poll_bytes is not None and self.fine_poll_bytes < 0:
+            raise ValueError(f"fine_poll_bytes must be >= 0 or None, got {self.fine_poll_bytes}")
         if self.drain_timeout_s <= 0 or self.close_timeout_s < 0:
             raise ValueError("drain_timeout_s must be > 0 and close_timeout_s >= 0")
 
@@ -125,8 +128,8 @@ class MooncakeTransport:
             progress_timeout_s=self.config.progress_timeout_s,
             poll_interval_min_s=self.config.poll_interval_min_s,
             poll_interval_max_s=self.config.poll_interval_max_s,
-            tail_interval_s=self.config.tail_poll_interval_s,
-            tail_bytes=self.config.tail_poll_bytes,
+            fine_interval_s=self.config.fine_poll_interval_s,
+            fine_bytes=self.config.fine_poll_bytes,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connected: set[str] = set()  # peers a submission already reached (handshake done)
@@ -361,7 +364,7 @@ class MooncakeTransport:
             peers=len(self._peers),
             registered_bytes=self._local.total_bytes,
             polls=done.polls,
-            tail_polls=done.tail_polls,
+            fine_polls=done.fine_polls,
         )
 
     async def peer_gone(self, session: str, within_s: float = 0.5) -> bool:

@@ -48,7 +48,7 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
         assert isinstance(value, int | float) and not isinstance(value, bool), key
         assert math.isfinite(value) and value > 0, (key, value)
     assert summary["verified"] is True
-    assert summary["model"] == "tiny" and summary["reps"] == summary["small_reps"] == 1
+    assert summary["model"] == "tiny" and summary["reps"] == summary["small_reps"] == summary["hetero_reps"] == 1
     assert summary["failures"] == 0
     assert set(summary["scenarios"]) == {"large", "small", "hetero_tp"}
     for name, scenario in summary["scenarios"].items():

@@ -270,21 +270,21 @@ async def test_start_write_declines_what_write_must_handle() -> None:
     assert transport.start_write("peer:1", descs(1)) is None  # closed
 
 
-# -- the tail of a burst: short naps from a timerfd --------------------------------------------------------------
+# -- short naps from a timerfd while descriptors finish --------------------------------------------------------------
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
-async def test_tail_of_a_write_is_polled_with_short_naps_while_it_moves() -> None:
-    transport, engine = make(tail_poll_bytes=1024)
-    task = asyncio.create_task(transport.write("peer:1", descs(2)))  # 512 bytes in flight: a tail
+async def test_a_write_is_polled_with_short_naps_while_it_moves() -> None:
+    transport, engine = make()  # by default whatever the bytes in flight
+    task = asyncio.create_task(transport.write("peer:1", descs(2)))
     await until(lambda: len(engine.submitted) == 2)
-    await until(lambda: transport.statistics().tail_polls > 0)
+    await until(lambda: transport.statistics().fine_polls > 0)
     engine.finish(slice(0, 2))
     assert await task == 512
     await transport.close()
 
 
-@pytest.mark.parametrize("overrides", [{"tail_poll_bytes": 256}, {"tail_poll_interval_s": None}])
+@pytest.mark.parametrize("overrides", [{"fine_poll_bytes": 256}, {"fine_poll_interval_s": None}])
 async def test_no_short_naps_with_many_bytes_in_flight_or_when_turned_off(overrides: dict[str, Any]) -> None:
     transport, engine = make(**overrides)
     task = asyncio.create_task(transport.write("peer:1", descs(2)))  # 512 bytes in flight
@@ -292,29 +292,29 @@ async def test_no_short_naps_with_many_bytes_in_flight_or_when_turned_off(overri
     await asyncio.sleep(0.02)
     engine.finish(slice(0, 2))
     assert await task == 512
-    assert transport.statistics().tail_polls == 0
+    assert transport.statistics().fine_polls == 0
     await transport.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
-async def test_short_naps_stop_when_the_tail_stops_moving() -> None:
-    transport, engine = make(tail_poll_bytes=1024)
+async def test_short_naps_stop_when_the_writes_stop_moving() -> None:
+    transport, engine = make()
     task = asyncio.create_task(transport.write("peer:1", descs(1)))
     await until(lambda: len(engine.submitted) == 1)
-    await asyncio.sleep(0.05)  # far past TAIL_WINDOW_S without progress
-    naps = transport.statistics().tail_polls
+    await asyncio.sleep(0.05)  # far past PROGRESS_WINDOW_S without progress
+    naps = transport.statistics().fine_polls
     await asyncio.sleep(0.05)
-    assert transport.statistics().tail_polls == naps  # back on the loop's timers
+    assert transport.statistics().fine_polls == naps  # back on the loop's timers
     engine.finish(0)
     assert await task == 256
     await transport.close()
 
 
-def test_tail_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="tail_poll_interval_s"):
-        MooncakeConfig(tail_poll_interval_s=0.001)
-    with pytest.raises(ValueError, match="tail_poll_bytes"):
-        MooncakeConfig(tail_poll_bytes=-1)
+def test_fine_poll_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="fine_poll_interval_s"):
+        MooncakeConfig(fine_poll_interval_s=0.001)
+    with pytest.raises(ValueError, match="fine_poll_bytes"):
+        MooncakeConfig(fine_poll_bytes=-1)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
@@ -323,9 +323,9 @@ async def test_a_timer_that_fails_leaves_the_poller_on_the_loop_timers(monkeypat
         raise RuntimeError("timerfd_settime failed: errno 9")
 
     monkeypatch.setattr(FineTimer, "sleep", broken)
-    transport, engine = make(tail_poll_bytes=1024)
-    task = asyncio.create_task(transport.write("peer:1", descs(1)))  # a tail from its first poll
-    await until(lambda: transport.statistics().tail_polls > 0)
+    transport, engine = make()
+    task = asyncio.create_task(transport.write("peer:1", descs(1)))  # short naps from its first poll
+    await until(lambda: transport.statistics().fine_polls > 0)
     assert transport._completions._fine is None  # the broken timer was dropped, not retried
     engine.finish(0)
     assert await task == 256  # still polled to completion

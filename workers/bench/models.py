@@ -45,8 +45,9 @@ class Sizes:
     """How big each scenario is; `quick` keeps the whole run under 40 s on 2 cores. Request sizes are targets in
     bytes, rounded down to whole blocks of the model (at least one)."""
 
-    reps: int  # of the large and heterogeneous-TP scenarios (a repetition takes well under a second)
+    reps: int  # of the large scenario, the one the ratio_to_raw target is read on (a repetition is under a second)
     small_reps: int
+    hetero_reps: int
     large_requests: int
     large_request_bytes: int
     hetero_requests: int
@@ -72,8 +73,9 @@ class Sizes:
 
 MiB = 1 << 20
 QUICK = Sizes(
-    reps=9,
+    reps=15,
     small_reps=5,
+    hetero_reps=9,
     large_requests=4,
     large_request_bytes=16 * MiB,
     hetero_requests=8,
@@ -83,8 +85,9 @@ QUICK = Sizes(
     layer_time_s=0.004,
 )
 FULL = Sizes(
-    reps=11,
+    reps=15,
     small_reps=7,
+    hetero_reps=11,
     large_requests=8,
     large_request_bytes=32 * MiB,
     hetero_requests=16,
@@ -97,6 +100,7 @@ _TINY_MODEL = ModelShape("tiny", num_layers=2, num_kv_heads=2, head_size=16, blo
 TINY = Sizes(  # the test's sizes: every code path, seconds of work
     reps=1,
     small_reps=1,
+    hetero_reps=1,
     large_requests=2,
     large_request_bytes=2 * _TINY_MODEL.block_bytes(),
     hetero_requests=2,

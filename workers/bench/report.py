@@ -98,6 +98,7 @@ class BenchReport:
             "failures": sum(s.failures for s in self.scenarios),
             "reps": self.sizes.reps,
             "small_reps": self.sizes.small_reps,
+            "hetero_reps": self.sizes.hetero_reps,
             "model": self.sizes.model.name,
             "scenarios": {
                 s.name: {k: v for k, v in vars(s).items() if k not in ("name", "spans", "ratio_to_peer")}

@@ -99,7 +99,7 @@ class BenchRunner:
         scenarios.append(self._scenario("small", self.px, self.dx, z.small_requests, 1, 100000, share, z.small_reps))
         self.progress("heterogeneous TP")
         scenarios.append(
-            self._scenario("hetero_tp", self.p, self.d2, z.hetero_requests, z.hetero_blocks, 2000, 1.0, z.reps)
+            self._scenario("hetero_tp", self.p, self.d2, z.hetero_requests, z.hetero_blocks, 2000, 1.0, z.hetero_reps)
         )
         self.progress("layer-wise")
         layerwise = self._layerwise()

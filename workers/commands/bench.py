@@ -73,8 +73,9 @@ def render_table(report: BenchReport) -> Table:
     """Metrics as rows, scenarios as columns."""
     z = report.sizes
     table = Table(
-        title=f"kvsvc bench: model {z.model.name}; {z.reps} repetitions ({z.small_reps} small); medians, ratios "
-        f"paired per repetition (GB = 1e9 B); startup {report.startup_s:.1f} s, total {report.total_s:.1f} s",
+        title=f"kvsvc bench: model {z.model.name}; {z.reps} repetitions (small {z.small_reps}, hetero_tp "
+        f"{z.hetero_reps}); medians, ratios paired per repetition (GB = 1e9 B); startup {report.startup_s:.1f} s, "
+        f"total {report.total_s:.1f} s",
     )
     table.add_column("metric")
     for s in report.scenarios:
