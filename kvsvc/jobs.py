@@ -102,6 +102,7 @@ class RecvEvent(Enum):
     EXPIRE = "expire"
     ABORT = "abort"
     GONE = "gone"  # the lost P worker's transfer engine is gone (its process died): nothing more can land
+    RECONNECTED = "reconnected"  # a new connection reached the same start of the lost P worker
 
 
 R, RE = RecvState, RecvEvent
@@ -130,9 +131,22 @@ _recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...
     (R.ABORTING, RE.PEER_LOST): (R.ABORTING, ()),
     (R.ABORTING, RE.EXPIRE): (R.ABORTED, ()),
     (R.ABORTING, RE.GONE): (R.ABORTED, ()),
+    # The abort (or the request) may have died with the old connection: ask again. P answers once the job's write
+    # ended, which ends the wait long before the abort grace (a fence; docs/decisions.md 49).
+    (R.ABORTING, RE.RECONNECTED): (R.ABORTING, (E.SEND_ABORT,)),
 }
 for _terminal_r in (R.DONE, R.FAILED, R.ABORTED):
-    for _event_r in (RE.CONNECTED, RE.DONE, RE.FAILED, RE.PEER_LOST, RE.EXPIRE, RE.ABORT, RE.HANDSHAKE_FAILED, RE.GONE):
+    for _event_r in (
+        RE.CONNECTED,
+        RE.DONE,
+        RE.FAILED,
+        RE.PEER_LOST,
+        RE.EXPIRE,
+        RE.ABORT,
+        RE.HANDSHAKE_FAILED,
+        RE.GONE,
+        RE.RECONNECTED,
+    ):
         _recv_rows[(_terminal_r, _event_r)] = (_terminal_r, ())
 # A handshake can fail after a job was requested when a reconnect to a restarted peer is refused.
 _recv_rows[(R.REQUESTED, RE.HANDSHAKE_FAILED)] = (R.ABORTING, ())

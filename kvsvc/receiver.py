@@ -38,7 +38,8 @@ class _Recv:
     jobs: dict[Worker, RecvJob] = field(default_factory=dict)
     sources_known: bool = False
     aborted: bool = False
-    lost: set[Worker] = field(default_factory=set)  # sources whose connection broke after they were asked
+    # sources whose connection broke after they were asked, with the start (incarnation) of P that was asked
+    lost: dict[Worker, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,10 +158,13 @@ class Receiver:
             if recv.engine_id == engine_id and not recv.sources_known:
                 self._end(recv, reason)
 
-    def peer_lost(self, engine_id: str, src: Worker, reason: str, now: float) -> list[SendToSource]:
-        """The connection to P worker `src` broke or was refused. Jobs that never asked fail; jobs that asked may
-        still be written to by that P, so their receive ends only after `abort_grace_s`, and its other sources
-        are told to stop at once (the receive is lost anyway)."""
+    def peer_lost(
+        self, engine_id: str, src: Worker, reason: str, now: float, incarnation: str = ""
+    ) -> list[SendToSource]:
+        """The connection to P worker `src` (of start `incarnation`) broke or was refused. Jobs that never asked
+        fail; jobs that asked may still be written to by that P, so their receive ends only after `abort_grace_s`
+        (or once that same start answers again, `reconnected`), and its other sources are told to stop at once
+        (the receive is lost anyway)."""
         commands: list[SendToSource] = []
         for recv in list(self._recvs.values()):
             job = recv.jobs.get(src)
@@ -171,7 +175,7 @@ class Receiver:
             if recv.transfer_id not in self._recvs:
                 continue
             if asked:
-                recv.lost.add(src)
+                recv.lost.setdefault(src, incarnation)
             if asked and not recv.aborted:
                 recv.aborted = True
                 recv.deadline = min(recv.deadline, now + self._abort_grace)
@@ -197,6 +201,18 @@ class Receiver:
             job = recv.jobs.get(src)
             if recv.engine_id == engine_id and job is not None and src in recv.lost:
                 commands += self._apply(recv, job, RecvEvent.GONE, reason)
+        return commands
+
+    def reconnected(self, engine_id: str, src: Worker, incarnation: str) -> list[SendToSource]:
+        """A new connection reached P worker `src` of the same start (`incarnation`) that receives lost: ask it
+        again to stop their jobs. Its answer comes once a job's write ended, so it frees the blocks before the
+        abort grace. Receives that lost another start of `src` are left to the grace: this one cannot speak for
+        that one's writes."""
+        commands: list[SendToSource] = []
+        for recv in list(self._recvs.values()):
+            job = recv.jobs.get(src)
+            if recv.engine_id == engine_id and job is not None and recv.lost.get(src) == incarnation:
+                commands += self._apply(recv, job, RecvEvent.RECONNECTED)
         return commands
 
     def answer(self, engine_id: str, src: Worker, transfer_id: str, error: str | None) -> bool:

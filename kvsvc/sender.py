@@ -210,6 +210,9 @@ class Sender:
     ) -> list[SendCommand]:
         """D worker `dst` aborted its receive: stop its job (after any write drained); it counts as served.
 
+        Every abort is answered once nothing of the job can be written any more: at once when no write runs (no
+        hold, no job, a job already ended: its outcome), else when the write ended. D relies on that answer to
+        free its blocks after a lost connection (a fence, docs/decisions.md 49).
         An abort for a transfer not held yet is kept like an early request, so the hold that comes later counts
         `dst` as served at once. `expected` is as for `request`; without it an abort before any request cannot tell
         P which other D workers to wait for.
@@ -232,11 +235,17 @@ class Sender:
         if job is None:
             # D gave up before asking: record the D worker as served so the hold can finish.
             job = SendJob(transfer_id, dst.worker, [], 0)
-            job.state, job.reason = SendState.ABORTED, reason
+            job.state, job.reason = SendState.ABORTED, reason or "aborted by D"
             hold.jobs[dst.worker] = job
             hold.refs[dst.worker] = dst
             self._maybe_finish(hold)
-            return []
+            return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=job.reason))]
+        if job.terminal:
+            # Its write (if any) ended: repeat the outcome, which tells D nothing more will land.
+            if job.state is SendState.DONE:
+                nbytes, descriptors = hold.results.get(dst.worker, (0, 0))
+                return [Reply(dst, TransferDone(transfer_id=transfer_id, bytes=nbytes, descriptors=descriptors))]
+            return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=job.reason or job.state.value))]
         return self._apply(hold, job, SendEvent.ABORT, reason or "aborted by D")
 
     def refuse(

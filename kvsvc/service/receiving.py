@@ -6,7 +6,8 @@ remote engines (metadata, routes, topology) and drops it when a connection to th
 a connection wait in its outbox. Shares only a `ServiceContext`; never imports the P role; never waits in start_recv.
 When a connection breaks after asking, the receive's blocks stay held for the abort grace, unless the transport can
 prove the P worker's process gone (an optional `peer_gone(session)`, as `MooncakeTransport` has): then only for
-`gone_settle_s`.
+`gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
+receives wait) and P answers their aborts, which it does once their writes ended.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ from kvsvc.service.context import EngineMetadata, ServiceContext, Worker, check_
 from kvsvc.topology import EngineTransferInfo, TransferTopology
 
 log = logging.getLogger(__name__)
+
+# Reconnects to a lost P worker that receives still wait on: first try, and the cap of the doubling delay.
+RECONNECT_FIRST_S = 0.05
+RECONNECT_MAX_S = 2.0
 
 
 @dataclass(slots=True)
@@ -103,6 +108,9 @@ class ReceivingRole:
         self._remotes: dict[str, _RemoteEngine] = {}
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
         self._http: aiohttp.ClientSession | None = None
+        self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
+        self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
+        self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -119,6 +127,7 @@ class ReceivingRole:
         self._engine = dict(metas)
 
     def close_connections(self) -> None:
+        self._closing = True
         for peer in list(self._outbound.values()):
             if peer.channel is not None:
                 peer.channel.close()
@@ -278,7 +287,9 @@ class ReceivingRole:
             for message in peer.outbox or []:
                 channel.send(message)
             peer.outbox = None
+            self._reconnect_delay.pop((engine_id, src), None)
             self._run_recv(self._receiver.connected(engine_id, src))
+            self._run_recv(self._receiver.reconnected(engine_id, src, peer.ref.incarnation))
             while True:
                 self._on_p_message(peer, await channel.receive())
         except (PeerLost, MalformedFrame, HandshakeError) as exc:
@@ -381,14 +392,36 @@ class ReceivingRole:
 
     def _lost(self, peer: _Outbound, reason: str) -> None:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
-        self._run_recv(self._receiver.peer_lost(engine_id, src, reason, self._ctx.clock()))
-        if self._peer_gone is not None and self._receiver.waits_on_lost(engine_id, src):
+        now = self._ctx.clock()
+        self._run_recv(self._receiver.peer_lost(engine_id, src, reason, now, peer.ref.incarnation))
+        if self._closing or not self._receiver.waits_on_lost(engine_id, src):
+            return
+        if self._peer_gone is not None and peer.meta.transport_addr not in self._probing:
             self._ctx.spawn(self._confirm_gone(peer, reason, self._peer_gone))
+        self._ctx.spawn(self._reconnect(peer))
+
+    async def _reconnect(self, peer: _Outbound) -> None:
+        """Reach the lost P worker again while receives hold blocks only because of it: its answers to their
+        aborts (`Receiver.reconnected`) end the wait. A failed try loses the connection again, which schedules the
+        next try after twice the delay; the receives' abort grace bounds it all."""
+        key = (peer.ref.engine_id, peer.ref.worker)
+        delay = self._reconnect_delay.get(key, RECONNECT_FIRST_S)
+        self._reconnect_delay[key] = min(2 * delay, RECONNECT_MAX_S)
+        await asyncio.sleep(delay)
+        if self._closing or key in self._outbound or not self._receiver.waits_on_lost(*key):
+            return  # closed, already reconnecting (or to a newer start), or nothing waits any more
+        self._ensure_outbound(peer.meta)
 
     async def _confirm_gone(self, peer: _Outbound, reason: str, peer_gone: Callable[[str], Awaitable[bool]]) -> None:
         """Shorten the abort grace of the receives that lost `peer` if its transfer engine is gone: a dead
         process writes nothing more once what it had sent has landed (`gone_settle_s`)."""
-        if not await peer_gone(peer.meta.transport_addr):
+        session = peer.meta.transport_addr
+        self._probing.add(session)
+        try:
+            gone = await peer_gone(session)
+        finally:
+            self._probing.discard(session)
+        if not gone:
             return
         await asyncio.sleep(self._ctx.config.gone_settle_s)
         why = f"{reason}; its transfer engine is gone"

@@ -52,7 +52,7 @@ from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig, Executor, start_all
-from workers.process import GetFinished, Prefill, Recv, Verify
+from workers.process import ForgetEngine, GetFinished, Prefill, Recv, Verify
 from workers.synthetic import VerifyResult
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -537,6 +537,29 @@ def test_a_prefill_worker_killed_after_d_asked_fails_the_receive_without_waiting
         assert _stat(d, "holds") == [0]
     p.restart()
     _transfer(p, engines["d"], "after-gone", seed=62)
+
+
+def test_a_cut_connection_to_a_live_prefill_worker_ends_the_receive_once_p_confirms_its_write_stopped(
+    engines: dict[str, Executor],
+) -> None:
+    """Bound: SETTLE_S after the cut, with D's abort grace and receive timeout at 600 s. D forgets P mid-write
+    (its connection closes), reconnects to the same start of P and asks again; P answers once the write it was
+    doing has ended, and only that answer can end the receive this soon. P's hold ends too (reported once)."""
+    p = engines["p_fault"]
+    long_wait = dataclasses.replace(CONFIGS["d"].service, abort_grace_s=600.0, recv_timeout_s=600.0)
+    config = dataclasses.replace(CONFIGS["d"], engine_id="faults-d-fence", service=long_wait)
+    with Executor(config).start() as d:
+        d_reports, p_reports = Reports(d), Reports(p)
+        req_id, d_blocks = _start_big_write(p, d, "fence", seed=63)
+        d.broadcast(ForgetEngine(p.engine_id))
+        _until(lambda: d_reports.poll().ended(req_id), SETTLE_S, lambda: "the receive did not end")
+        d_reports.assert_failed_once(req_id, d_blocks)
+        assert _stat(d, "holds") == [0]
+        p_req = "p-" + req_id.removeprefix("d-")
+        _until(lambda: p_reports.poll().sent(p_req), SETTLE_S, lambda: f"P did not end {p_req}")
+        p_reports.poll()
+        p_reports.assert_sent_once(p_req)
+        _transfer(p, d, "after-fence", seed=64)
 
 
 def test_a_frozen_prefill_worker_fails_the_receive_in_time_and_leaks_nothing_once_it_resumes(

@@ -207,6 +207,25 @@ def test_gone_touches_only_receives_whose_connection_to_that_source_broke() -> N
     assert receiver.drain().failed == {"r1"}
 
 
+def test_a_reconnect_to_the_same_start_asks_again_and_its_answer_ends_the_wait() -> None:
+    receiver, clock, _ = started(sources=[P0])
+    receiver.peer_lost("P", P0, "connection reset", clock(), incarnation="inc-1")
+    assert receiver.reconnected("P", P0, "inc-2") == []  # another start cannot speak for inc-1's writes
+    assert kinds(receiver.reconnected("P", P0, "inc-1")) == [(P0, Abort)]
+    assert receiver.drain().failed == set()  # asked, not answered: P may still be writing
+    receiver.answer("P", P0, "t1", "connection lost")  # P answers once the job's write ended
+    report = receiver.drain()  # long before the abort grace
+    assert report.failed == {"r1"} and not receiver.waits_on_lost("P", P0)
+    assert receiver.reconnected("P", P0, "inc-1") == []  # ended: nothing more to ask
+
+
+def test_a_reconnect_leaves_receives_that_never_lost_that_source_alone() -> None:
+    receiver, clock, _ = started(sources=[P0])
+    assert receiver.reconnected("P", P0, "") == []  # connected all along: nothing to fence
+    receiver.peer_lost("P", P1, "reset", clock(), incarnation="")  # not a source of r1
+    assert receiver.reconnected("P", P1, "") == [] and receiver.drain().failed == set()
+
+
 def test_a_lost_connection_before_the_request_fails_the_job_at_once() -> None:
     receiver, clock, _ = started(sources=[P0], connected=set())
     assert receiver.peer_lost("P", P0, "connection refused", clock()) == []

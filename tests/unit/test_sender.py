@@ -224,8 +224,34 @@ def test_d_abort_before_asking_counts_that_d_worker_as_served() -> None:
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
     sender.write_result("t1", D0.worker, None)
-    assert sender.remote_abort(D1, "t1", "aborted by D") == []
+    # Answered at once: no write for D1 ever ran, so D may free its blocks (the fence of decision 49).
+    assert replies(sender.remote_abort(D1, "t1", "aborted by D")) == [(D1, TransferFailed)]
     assert sender.drain_finished() == {"r1"}
+
+
+def test_an_abort_of_an_ended_job_repeats_its_outcome() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    sender.request(D0, BOTH, request(), clock())
+    sender.write_result("t1", D0.worker, None, 64, 2)
+    (reply,) = sender.remote_abort(D0, "t1", "connection lost")
+    assert isinstance(reply, Reply) and reply.dst == D0
+    assert reply.message == TransferDone(transfer_id="t1", bytes=64, descriptors=2)
+    assert submits(sender.request(D1, BOTH, request(), clock()))
+    sender.peer_lost(D1)  # D1's write drains, then fails; D1 reconnects and aborts its job
+    sender.write_result("t1", D1.worker, "connection reset")
+    assert replies(sender.remote_abort(D1, "t1", "connection lost")) == [(D1, TransferFailed)]
+
+
+def test_an_abort_after_a_lost_connection_is_answered_only_once_the_write_drained() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 4, clock())
+    sender.ready("t1")
+    assert submits(sender.request(D0, ONLY_D0, request(), clock()))
+    sender.peer_lost(D0)
+    assert sender.remote_abort(D0, "t1", "connection lost") == []  # still writing: no answer yet
+    assert replies(sender.write_result("t1", D0.worker, "cancelled")) == [(D0, TransferFailed)]
 
 
 def test_d_abort_of_a_writing_job_answers_failed_after_the_write_drained() -> None:
