@@ -408,8 +408,11 @@ class ReceivingRole:
         delay = self._reconnect_delay.get(key, RECONNECT_FIRST_S)
         self._reconnect_delay[key] = min(2 * delay, RECONNECT_MAX_S)
         await asyncio.sleep(delay)
-        if self._closing or key in self._outbound or not self._receiver.waits_on_lost(*key):
-            return  # closed, already reconnecting (or to a newer start), or nothing waits any more
+        if not self._receiver.waits_on_lost(*key):
+            self._reconnect_delay.pop(key, None)  # nothing waits any more
+            return
+        if self._closing or key in self._outbound:
+            return  # closed, or already connecting (maybe to a newer start, which `reconnected` tells apart)
         self._ensure_outbound(peer.meta)
 
     async def _confirm_gone(self, peer: _Outbound, reason: str, peer_gone: Callable[[str], Awaitable[bool]]) -> None:
