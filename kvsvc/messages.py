@@ -62,7 +62,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     """D to P, first frame of a control connection: who D is and which P worker it expects to reach.
 
     `stage_layers` is D's engine split, `[start, end)` per PP stage, so P can work out which D workers it
-    sources and therefore how many requests to expect for each transfer.
+    sources and therefore how many requests to expect for each transfer. `token` is the deployment's control
+    token (`ServiceConfig.control_token`); "" when none is configured, and from peers that predate it.
     """
 
     version: int
@@ -72,6 +73,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     expect_incarnation: str
     expect_pp_rank: int
     expect_tp_rank: int
+    token: str = ""
 
 
 class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):

@@ -10,6 +10,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
+    """One worker's service settings.
+
+    Raises (constructor):
+        ValueError: an empty `control_token` (it would let every hello in).
+    """
+
     control_host: str = "127.0.0.1"
     """Address the control server binds; loopback by default."""
     control_port: int = 0
@@ -33,3 +39,10 @@ class ServiceConfig:
     """`close` waits this long for in-flight writes before it cancels what is left."""
     max_early_requests: int = 65536
     """Requests for transfers not held yet that P buffers; past it, new ones are answered busy."""
+    control_token: str | None = None
+    """A secret shared by the deployment's engines: D sends it in every hello, and P refuses a hello without it.
+    None (the default) accepts any hello, as when the control ports are reachable only from trusted hosts."""
+
+    def __post_init__(self) -> None:
+        if self.control_token == "":
+            raise ValueError("control_token must be a non-empty secret, or None for no token")

@@ -330,6 +330,7 @@ class ReceivingRole:
                 expect_incarnation=p.incarnation,
                 expect_pp_rank=p.pp_rank,
                 expect_tp_rank=p.tp_rank,
+                token=self._ctx.config.control_token or "",
             )
         )
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -242,6 +243,10 @@ class SendingRole:
         if not isinstance(first, Hello):
             self._ctx.counts["protocol_errors"] += 1
             channel.send(ErrorMessage(reason=f"expected hello as the first frame, got {type(first).__name__}"))
+            return None
+        token = self._ctx.config.control_token
+        if token is not None and not hmac.compare_digest(first.token.encode(), token.encode()):
+            self._refuse(channel, "the hello does not carry this deployment's control token")
             return None
         try:
             check_version(first.version)

@@ -562,6 +562,29 @@ def test_a_cut_connection_to_a_live_prefill_worker_ends_the_receive_once_p_confi
         _transfer(p, d, "after-fence", seed=64)
 
 
+def test_a_control_token_lets_in_only_the_hellos_that_carry_it(engines: dict[str, Executor]) -> None:
+    """A P engine that requires a control token refuses the hello of a D engine without it: that receive fails
+    (its blocks invalid), P counts the refusal and holds nothing for it. A D engine with the token transfers."""
+    secret = "control-" + uuid.uuid4().hex
+    p_config = dataclasses.replace(
+        CONFIGS["p_fault"], engine_id="faults-p-token", service=dataclasses.replace(P_SERVICE, control_token=secret)
+    )
+    d_config = dataclasses.replace(
+        CONFIGS["d"],
+        engine_id="faults-d-token",
+        service=dataclasses.replace(CONFIGS["d"].service, control_token=secret),
+    )
+    no_token = engines["d"]
+    with Executor(p_config) as p, Executor(d_config) as d:
+        reports = Reports(no_token)
+        blocks = _blocks(800, TOKENS)
+        _recv(no_token, "d-no-token", "no-token", p, blocks, TOKENS)
+        _until(lambda: reports.poll().ended("d-no-token"), SETTLE_S, lambda: "the receive without the token went on")
+        reports.assert_failed_once("d-no-token", blocks)
+        assert _stat(p, "protocol_errors")[0] >= 1 and _stat(p, "holds") == [0]
+        _transfer(p, d, "with-token", seed=71)
+
+
 def test_a_frozen_prefill_worker_fails_the_receive_in_time_and_leaks_nothing_once_it_resumes(
     engines: dict[str, Executor],
 ) -> None:

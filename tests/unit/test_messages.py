@@ -203,3 +203,19 @@ def test_worker_ref_identifies_one_engine_start() -> None:
     assert a.worker == (1, 0)
     assert str(a) == "prefill[pp1,tp0]"
     assert a != WorkerRef.of(meta(1, 0, incarnation="other"))
+
+
+def test_a_hello_from_a_peer_without_control_tokens_decodes_with_an_empty_token() -> None:
+    hello = Hello(
+        version=PROTOCOL_VERSION,
+        sender=meta(),
+        stage_layers=[(0, 4)],
+        expect_engine_id="P",
+        expect_incarnation="1",
+        expect_pp_rank=0,
+        expect_tp_rank=0,
+    )
+    fields = msgspec.to_builtins(hello)
+    del fields["token"]  # what a peer that predates the field sends
+    assert decode(msgspec.msgpack.encode(fields)) == hello
+    assert hello.token == ""

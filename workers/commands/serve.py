@@ -2,8 +2,10 @@
 
 Imports argparse and the standard library at module level; the runtime (`workers.executor`, torch, mooncake) and
 `kvsvc.engine.admin` inside the functions. Invariants: the endpoint binds loopback unless told otherwise; POST
-endpoints need the bearer token (`--token-file` or `KVSVC_ADMIN_TOKEN`) and are refused (403) without one; SIGINT
-and SIGTERM stop the engine and reap every worker; `ServedEngine` is the code path of both the command and the tests.
+endpoints need the bearer token (`--token-file` or `KVSVC_ADMIN_TOKEN`) and are refused (403) without one; with a
+control token (`--control-token-file` or `KVSVC_CONTROL_TOKEN`, the same on every engine of the deployment) the
+workers' control ports refuse hellos without it; SIGINT and SIGTERM stop the engine and reap every worker;
+`ServedEngine` is the code path of both the command and the tests.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from workers.view import ExecutorView
 
 TOKEN_ENV: Final = "KVSVC_ADMIN_TOKEN"
+CONTROL_TOKEN_ENV: Final = "KVSVC_CONTROL_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = None
+    control_token: str | None = None  # ServiceConfig.control_token of every worker
 
 
 class ServedEngine:
@@ -78,7 +82,7 @@ class ServedEngine:
             pp_size=options.pp,
             tp_size=options.tp,
             dtype=options.dtype,
-            service=ServiceConfig(),
+            service=ServiceConfig(control_token=options.control_token),
             transport=MooncakeConfig(),
             bootstrap_host=options.host,
             bootstrap_port=options.port,
@@ -113,8 +117,9 @@ class ServedEngine:
         self.close()
 
 
-def read_token(token_file: str | None) -> str | None:
-    """The admin token: the first line of `token_file`, else `$KVSVC_ADMIN_TOKEN`, else None (POSTs disabled).
+def read_token(token_file: str | None, env: str = TOKEN_ENV, what: str = "admin") -> str | None:
+    """A token: the first line of `token_file`, else `$env`, else None (for the admin token: POSTs disabled; for
+    the control token: any hello accepted).
 
     Raises:
         OSError: `token_file` cannot be read. ValueError: the token found is empty.
@@ -123,12 +128,12 @@ def read_token(token_file: str | None) -> str | None:
         with open(token_file, encoding="utf-8") as handle:
             token = handle.readline().strip()
         source = token_file
-    elif TOKEN_ENV in os.environ:
-        token, source = os.environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}"
+    elif env in os.environ:
+        token, source = os.environ[env].strip(), f"${env}"
     else:
         return None
     if not token:
-        raise ValueError(f"the admin token from {source} is empty")
+        raise ValueError(f"the {what} token from {source} is empty")
     return token
 
 
@@ -156,6 +161,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--host", default=defaults.host, help="address of the HTTP endpoint (default 127.0.0.1: loopback only)")
     add("--port", type=int, default=defaults.port, help="port of the HTTP endpoint (default 0: a free one)")
     add("--token-file", default=None, help=f"file whose first line is the admin bearer token (else ${TOKEN_ENV})")
+    add(
+        "--control-token-file",
+        default=None,
+        help=f"file whose first line is the control token that every engine of the deployment shares; workers "
+        f"refuse hellos without it (else ${CONTROL_TOKEN_ENV}; neither: any hello is accepted)",
+    )
     parser.set_defaults(func=main_with_args)
 
 
@@ -165,6 +176,7 @@ def main_with_args(args: argparse.Namespace) -> int:
 
     try:
         token = read_token(args.token_file)
+        control_token = read_token(args.control_token_file, CONTROL_TOKEN_ENV, "control")
     except (OSError, ValueError) as exc:
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 2
@@ -182,6 +194,7 @@ def main_with_args(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         token=token,
+        control_token=control_token,
     )
     # Mooncake's native INFO lines (one set per worker start) drown the URLs; an operator's own setting wins.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -206,6 +219,8 @@ def main_with_args(args: argparse.Namespace) -> int:
             print(f"admin URL:     {engine.url}   (/healthz /readyz /metrics /v1/topology /v1/peers /v1/statistics)")
             if token is None:
                 print(f"POST endpoints disabled: no admin token (--token-file or ${TOKEN_ENV})")
+            if control_token is None:
+                print(f"control ports accept any hello: no token (--control-token-file or ${CONTROL_TOKEN_ENV})")
             print("Ctrl-C or SIGTERM stops it.", flush=True)
             # wait() in slices: a bare wait() on an Event is not interrupted by signals on every platform.
             while not stop.wait(0.5):
