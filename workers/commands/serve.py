@@ -221,6 +221,8 @@ def main_with_args(args: argparse.Namespace) -> int:
                 print(f"POST endpoints disabled: no admin token (--token-file or ${TOKEN_ENV})")
             if control_token is None:
                 print(f"control ports accept any hello: no token (--control-token-file or ${CONTROL_TOKEN_ENV})")
+            else:
+                print("control ports accept only hellos with the control token")
             print("Ctrl-C or SIGTERM stops it.", flush=True)
             # wait() in slices: a bare wait() on an Event is not interrupted by signals on every platform.
             while not stop.wait(0.5):
