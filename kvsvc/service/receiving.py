@@ -1,9 +1,10 @@
 """The D role of a worker's service, `ReceivingRole`: fetching from P workers, driving the sans-IO `Receiver`.
 
 Rules: protocol decisions live in `Receiver`; this module carries out its commands on the control connections it
-opens to P workers, and feeds it events (routes found, connections opened or lost, answers). It owns what D knows of
-remote engines (metadata, routes, topology) and drops it when a connection to them breaks. Commands for a peer without
-a connection wait in its outbox. Shares only a `ServiceContext`; never imports the P role; never waits in start_recv.
+opens to P workers, and feeds it events (routes found, connections opened or lost, answers). What D knows of remote
+engines (metadata, routes, topology) lives in its `RemoteEngines`, dropped when a connection breaks. Commands for a
+peer without a connection wait in its outbox. Shares only a `ServiceContext`; never imports the P role; never waits
+in start_recv.
 When a connection breaks after asking, the receive's blocks stay held for the abort grace, unless the transport can
 prove the P worker's process gone (an optional `peer_gone(session)`, as `MooncakeTransport` has): then only for
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
@@ -18,12 +19,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from msgspec.structs import replace
 
-from kvsvc.engine.bootstrap import fetch_engine_metadata
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost, PeerMismatch
-from kvsvc.layout import block_bytes
 from kvsvc.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
@@ -37,38 +35,16 @@ from kvsvc.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.planner import check_compatible, release_notifier, sources_of
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvReport, SendToSource
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, Worker, check_blocks
-from kvsvc.topology import EngineTransferInfo, TransferTopology
+from kvsvc.service.remotes import RemoteEngines, Routes
 
 log = logging.getLogger(__name__)
 
 # Reconnects to a lost P worker that receives still wait on: first try, and the cap of the doubling delay.
 RECONNECT_FIRST_S = 0.05
 RECONNECT_MAX_S = 2.0
-
-
-@dataclass(slots=True)
-class _RemoteEngine:
-    """D's view of one P engine start: its published workers, fetched once and shared by concurrent receives."""
-
-    engine_id: str
-    url: str
-    fetch: asyncio.Task[EngineMetadata]
-    # Once fetched: which P workers this D worker needs and must release, so later receives skip the task and the
-    # computation (`ReceivingRole._route_known`); None until then. Valid for `routes_engine` only (own engine).
-    routes: _Routes | None = None
-    routes_engine: EngineMetadata | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Routes:
-    p_engine: EngineMetadata
-    sources: list[Worker]
-    releases: list[Worker]
-    peers: list[Worker]  # sorted union of both
 
 
 @dataclass(slots=True)
@@ -90,24 +66,11 @@ class ReceivingRole:
         self._ctx = ctx
         # Optional on a transport (`MooncakeTransport` has it): proves a lost P worker's process gone.
         self._peer_gone: Callable[[str], Awaitable[bool]] | None = getattr(ctx.transport, "peer_gone", None)
-        meta = ctx.metadata
         self._receiver = Receiver(recv_timeout_s=ctx.config.recv_timeout_s, abort_grace_s=ctx.config.abort_grace_s)
-        self.topology = TransferTopology(
-            tp_rank=meta.tp_rank,
-            tp_size=meta.tp_size,
-            block_size=meta.block_size,
-            engine_id=meta.engine_id,
-            is_mla=meta.is_mla,
-            total_num_kv_heads=meta.num_kv_heads,
-            pp_rank=meta.pp_rank,
-            pp_size=meta.pp_size,
-            start_layer=meta.start_layer,
-            end_layer=meta.end_layer,
-        )
+        self._remotes = RemoteEngines(ctx)
+        self.topology = self._remotes.topology
         self._engine: EngineMetadata | None = None
-        self._remotes: dict[str, _RemoteEngine] = {}
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
-        self._http: aiohttp.ClientSession | None = None
         self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._closing = False
@@ -116,7 +79,7 @@ class ReceivingRole:
 
     def start(self) -> None:
         """Open the HTTP session that fetches remote engines' metadata (needs the running loop)."""
-        self._http = aiohttp.ClientSession()
+        self._remotes.start()
 
     def set_own_engine(self, metas: EngineMetadata) -> None:
         """As `KVTransferService.set_engine_metadata`."""
@@ -133,8 +96,7 @@ class ReceivingRole:
                 peer.channel.close()
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
+        await self._remotes.close()
 
     # -- the engine's calls ------------------------------------------------------------------------------------
 
@@ -165,11 +127,10 @@ class ReceivingRole:
 
     def forget_engine(self, engine_id: str) -> None:
         """As `KVTransferService.forget_engine`."""
-        self._remotes.pop(engine_id, None)
         for key, peer in list(self._outbound.items()):
             if key[0] == engine_id:
                 self._drop_outbound(peer, f"engine {engine_id!r} forgotten by the operator")
-        self.topology.unregister_remote_engine(engine_id)
+        self._remotes.forget(engine_id)
 
     # -- how full it is ----------------------------------------------------------------------------------------
 
@@ -195,7 +156,7 @@ class ReceivingRole:
                 "peer_tp_rank": peer.ref.tp_rank,
                 "incarnation": peer.ref.incarnation,
                 "state": "connected" if peer.channel is not None else ("failed" if peer.last_error else "connecting"),
-                "describe": self._describe(peer.ref),
+                "describe": self._remotes.describe(peer.ref),
                 "last_error": peer.last_error,
             }
             for peer in self._outbound.values()
@@ -205,65 +166,29 @@ class ReceivingRole:
 
     async def _resolve_sources(self, transfer_id: str, engine_id: str, url: str) -> None:
         try:
-            p_engine = await self._remote_engine(engine_id, url)
-            sources = sources_of(self._ctx.metadata, p_engine)
-            own = self._own_engine()
-            me = self._ctx.metadata.worker
-            releases = [w for w, p in sorted(p_engine.items()) if release_notifier(p, own) == me]
+            routes = await self._remotes.routes(engine_id, url, self._own_engine, self._engine)
         except (KVSvcError, ValueError, KeyError) as exc:  # unreachable, malformed or incompatible: all fail now
-            self._remotes.pop(engine_id, None)
             self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}")
             self._ctx.reports.set()
             return
-        routes = _Routes(p_engine, sources, releases, sorted({*sources, *releases}))
-        remote = self._remotes.get(engine_id)
-        if remote is not None and remote.url == url and _fetched(remote) is p_engine:
-            remote.routes, remote.routes_engine = routes, self._engine  # this very fetch: later receives reuse it
         self._route(transfer_id, engine_id, routes)
 
     def _route_known(self, transfer_id: str, engine_id: str, url: str) -> bool:
-        """`_resolve_sources` at once, when an earlier receive from the same start of `engine_id` (same URL, same
-        metadata fetch, same own engine) computed its routes; False, having done nothing, otherwise."""
-        remote = self._remotes.get(engine_id)
-        if remote is None or remote.routes is None or remote.url != url or remote.routes_engine is not self._engine:
+        """`_resolve_sources` at once, when an earlier receive from the same start of `engine_id` computed its
+        routes (`RemoteEngines.known_routes`); False, having done nothing, otherwise."""
+        routes = self._remotes.known_routes(engine_id, url, self._engine)
+        if routes is None:
             return False
-        self._route(transfer_id, engine_id, remote.routes)
+        self._route(transfer_id, engine_id, routes)
         return True
 
-    def _route(self, transfer_id: str, engine_id: str, routes: _Routes) -> None:
+    def _route(self, transfer_id: str, engine_id: str, routes: Routes) -> None:
         # Peers first: commands for a peer without a connection wait in its outbox (Releases, early Aborts).
         for worker in routes.peers:
             self._ensure_outbound(routes.p_engine[worker])
         outbound = self._outbound
         connected = {src for src in routes.sources if (peer := outbound.get((engine_id, src))) and peer.channel}
         self._run_recv(self._receiver.sources_known(transfer_id, routes.sources, routes.releases, connected))
-
-    async def _remote_engine(self, engine_id: str, url: str) -> EngineMetadata:
-        remote = self._remotes.get(engine_id)
-        if remote is None or remote.url != url or (remote.fetch.done() and remote.fetch.exception() is not None):
-            assert self._http is not None
-            fetch = asyncio.create_task(self._fetch_engine(engine_id, url))
-            remote = self._remotes[engine_id] = _RemoteEngine(engine_id, url, fetch)
-        return await asyncio.shield(remote.fetch)
-
-    async def _fetch_engine(self, engine_id: str, url: str) -> EngineMetadata:
-        assert self._http is not None
-        me = self._ctx.metadata
-        metas = await fetch_engine_metadata(self._http, url, timeout_s=self._ctx.config.handshake_timeout_s)
-        found = next(iter(metas.values())).engine_id
-        if found != engine_id:
-            raise HandshakeError(f"{url} serves engine {found!r}, not {engine_id!r}")
-        for src in sources_of(me, metas):
-            check_compatible(metas[src], me)
-        # A refetch means a new start of the engine: what was registered for the old one must go.
-        self.topology.unregister_remote_engine(engine_id)
-        for p in metas.values():
-            if p.tp_rank == 0 and p.start_layer < me.end_layer and me.start_layer < p.end_layer:
-                info = EngineTransferInfo(
-                    p.tp_size, block_bytes(p), p.block_size, 1, p.pp_rank, p.start_layer, p.end_layer
-                )
-                self.topology.register_remote_engine(engine_id, info)
-        return metas
 
     # -- control connections to P workers ----------------------------------------------------------------------
 
@@ -301,7 +226,7 @@ class ReceivingRole:
             if current:
                 del self._outbound[(engine_id, src)]
                 # A lost connection may mean a restart: fetch the engine's metadata again next time.
-                self._remotes.pop(engine_id, None)
+                self._remotes.drop(engine_id)
             if current:  # else `_drop_outbound` already reported it, and a newer connection may own the jobs
                 reason = peer.last_error or f"connection to {peer.ref} closed"
                 self._lost(peer, reason)
@@ -449,17 +374,3 @@ class ReceivingRole:
                 "receive"
             )
         return {(0, tp): replace(meta, tp_rank=tp) for tp in range(meta.tp_size)}
-
-    def _describe(self, ref: WorkerRef) -> str:
-        try:
-            return self.topology.describe(ref.engine_id, ref.pp_rank)
-        except KeyError:
-            return ""
-
-
-def _fetched(remote: _RemoteEngine) -> EngineMetadata | None:
-    """The metadata `remote`'s fetch returned, or None while it runs or when it failed."""
-    fetch = remote.fetch
-    if not fetch.done() or fetch.cancelled() or fetch.exception() is not None:
-        return None
-    return fetch.result()

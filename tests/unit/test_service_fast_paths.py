@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import kvsvc.service.receiving as receiving_module
+import kvsvc.service.remotes as remotes_module
 from kvsvc import planner
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
@@ -141,7 +141,7 @@ async def test_d_computes_a_p_engines_routes_once_per_start(
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(receiving_module, "sources_of", counting)
+    monkeypatch.setattr(remotes_module, "sources_of", counting)
     p.service.start_send("p0", "t0", [0], BLOCK)
     d.service.start_recv("d0", "t0", "prefill", url, [0], BLOCK)
     await wait_output(d.service, "finished_recving", "d0")

@@ -1,0 +1,164 @@
+"""What a D worker knows of remote P engines, `RemoteEngines`: their published metadata, the transfer topology
+registered from it, and this worker's routes to each (which P workers it fetches from, which it must release).
+
+Rules: one metadata fetch per engine start, shared by the receives that wait on it; a failed fetch is forgotten so
+that the next receive fetches again; a refetch unregisters what the old start registered. Routes are cached per
+fetch and per own-engine layout, so a new start of either side computes them again. Part of the D role
+(`kvsvc.service.receiving` owns it): no connections, no receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvsvc.engine.bootstrap import fetch_engine_metadata
+from kvsvc.errors import HandshakeError, KVSvcError
+from kvsvc.layout import block_bytes
+from kvsvc.messages import WorkerRef
+from kvsvc.planner import check_compatible, release_notifier, sources_of
+from kvsvc.service.context import EngineMetadata, ServiceContext, Worker
+from kvsvc.topology import EngineTransferInfo, TransferTopology
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """This D worker's routes to one start of a P engine."""
+
+    p_engine: EngineMetadata
+    sources: list[Worker]  # the P workers it fetches from
+    releases: list[Worker]  # the P workers it tells that nobody needs their hold (`planner.release_notifier`)
+    peers: list[Worker]  # sorted union of both: the control connections it needs
+
+
+@dataclass(slots=True)
+class _RemoteEngine:
+    """One P engine start: its published workers, fetched once and shared by concurrent receives."""
+
+    engine_id: str
+    url: str
+    fetch: asyncio.Task[EngineMetadata]
+    # Once computed: the routes, valid for the own engine they were computed for (`own_key`); None until then.
+    routes: Routes | None = None
+    own_key: EngineMetadata | None = None
+
+
+class RemoteEngines:
+    """The remote P engines of one D worker (see module docstring). `topology` is the worker's `TransferTopology`."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self._ctx = ctx
+        meta = ctx.metadata
+        self.topology = TransferTopology(
+            tp_rank=meta.tp_rank,
+            tp_size=meta.tp_size,
+            block_size=meta.block_size,
+            engine_id=meta.engine_id,
+            is_mla=meta.is_mla,
+            total_num_kv_heads=meta.num_kv_heads,
+            pp_rank=meta.pp_rank,
+            pp_size=meta.pp_size,
+            start_layer=meta.start_layer,
+            end_layer=meta.end_layer,
+        )
+        self._remotes: dict[str, _RemoteEngine] = {}
+        self._http: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        """Open the HTTP session that fetches remote engines' metadata (needs the running loop)."""
+        self._http = aiohttp.ClientSession()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    def __len__(self) -> int:
+        return len(self._remotes)
+
+    def known_routes(self, engine_id: str, url: str, own_key: EngineMetadata | None) -> Routes | None:
+        """The routes an earlier receive from the same start of `engine_id` computed (same URL, same metadata fetch,
+        same own engine `own_key`), or None: then `routes` must run."""
+        remote = self._remotes.get(engine_id)
+        if remote is None or remote.routes is None or remote.url != url or remote.own_key is not own_key:
+            return None
+        return remote.routes
+
+    async def routes(
+        self, engine_id: str, url: str, own: Callable[[], EngineMetadata], own_key: EngineMetadata | None
+    ) -> Routes:
+        """This worker's routes to `engine_id` as `url` publishes it, fetching its metadata unless a fetch of that
+        start is done or running. `own` builds this worker's engine; `own_key` is what `known_routes` checks.
+
+        Raises:
+            KVSvcError: the engine is unreachable, malformed, not `engine_id`, or incompatible with this worker
+                (`own` may raise `LocalProtocolError`). ValueError / KeyError: its layout cannot be routed.
+            The fetch is forgotten in every case, so the next receive fetches again.
+        """
+        try:
+            p_engine = await self._engine(engine_id, url)
+            me = self._ctx.metadata
+            sources = sources_of(me, p_engine)
+            own_engine = own()
+            releases = [w for w, p in sorted(p_engine.items()) if release_notifier(p, own_engine) == me.worker]
+        except (KVSvcError, ValueError, KeyError):
+            self._remotes.pop(engine_id, None)
+            raise
+        routes = Routes(p_engine, sources, releases, sorted({*sources, *releases}))
+        remote = self._remotes.get(engine_id)
+        if remote is not None and remote.url == url and _fetched(remote) is p_engine:
+            remote.routes, remote.own_key = routes, own_key  # this very fetch: later receives reuse it
+        return routes
+
+    def drop(self, engine_id: str) -> None:
+        """Forget `engine_id`'s metadata (a lost connection may mean a restart): the next receive fetches again."""
+        self._remotes.pop(engine_id, None)
+
+    def forget(self, engine_id: str) -> None:
+        """Forget `engine_id` entirely: its metadata and what the topology registered for it."""
+        self._remotes.pop(engine_id, None)
+        self.topology.unregister_remote_engine(engine_id)
+
+    def describe(self, ref: WorkerRef) -> str:
+        """The topology's description of `ref`'s stage, or "" for an engine it does not know."""
+        try:
+            return self.topology.describe(ref.engine_id, ref.pp_rank)
+        except KeyError:
+            return ""
+
+    async def _engine(self, engine_id: str, url: str) -> EngineMetadata:
+        remote = self._remotes.get(engine_id)
+        if remote is None or remote.url != url or (remote.fetch.done() and remote.fetch.exception() is not None):
+            assert self._http is not None
+            fetch = asyncio.create_task(self._fetch(engine_id, url))
+            remote = self._remotes[engine_id] = _RemoteEngine(engine_id, url, fetch)
+        return await asyncio.shield(remote.fetch)
+
+    async def _fetch(self, engine_id: str, url: str) -> EngineMetadata:
+        assert self._http is not None
+        me = self._ctx.metadata
+        metas = await fetch_engine_metadata(self._http, url, timeout_s=self._ctx.config.handshake_timeout_s)
+        found = next(iter(metas.values())).engine_id
+        if found != engine_id:
+            raise HandshakeError(f"{url} serves engine {found!r}, not {engine_id!r}")
+        for src in sources_of(me, metas):
+            check_compatible(metas[src], me)
+        # A refetch means a new start of the engine: what was registered for the old one must go.
+        self.topology.unregister_remote_engine(engine_id)
+        for p in metas.values():
+            if p.tp_rank == 0 and p.start_layer < me.end_layer and me.start_layer < p.end_layer:
+                info = EngineTransferInfo(
+                    p.tp_size, block_bytes(p), p.block_size, 1, p.pp_rank, p.start_layer, p.end_layer
+                )
+                self.topology.register_remote_engine(engine_id, info)
+        return metas
+
+
+def _fetched(remote: _RemoteEngine) -> EngineMetadata | None:
+    """The metadata `remote`'s fetch returned, or None while it runs or when it failed."""
+    fetch = remote.fetch
+    if not fetch.done() or fetch.cancelled() or fetch.exception() is not None:
+        return None
+    return fetch.result()
