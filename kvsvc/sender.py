@@ -242,10 +242,7 @@ class Sender:
             return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=job.reason))]
         if job.terminal:
             # Its write (if any) ended: repeat the outcome, which tells D nothing more will land.
-            if job.state is SendState.DONE:
-                nbytes, descriptors = hold.results.get(dst.worker, (0, 0))
-                return [Reply(dst, TransferDone(transfer_id=transfer_id, bytes=nbytes, descriptors=descriptors))]
-            return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=job.reason or job.state.value))]
+            return [Reply(dst, _outcome(hold, job))]
         return self._apply(hold, job, SendEvent.ABORT, reason or "aborted by D")
 
     def refuse(
@@ -437,12 +434,14 @@ class Sender:
         while len(self._closed) > self._remembered:
             self._closed.popitem(last=False)
         for worker, job in hold.jobs.items():
-            outcome: TransferDone | TransferFailed
-            if job.state is SendState.DONE:
-                nbytes, descriptors = hold.results.get(worker, (0, 0))
-                outcome = TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors)
-            else:
-                outcome = TransferFailed(transfer_id=hold.transfer_id, reason=job.reason or job.state.value)
-            self._outcomes[(hold.transfer_id, hold.refs[worker])] = outcome
+            self._outcomes[(hold.transfer_id, hold.refs[worker])] = _outcome(hold, job)
         while len(self._outcomes) > self._remembered:
             self._outcomes.popitem(last=False)
+
+
+def _outcome(hold: _Hold, job: SendJob) -> TransferDone | TransferFailed:
+    """What D hears of `job` (terminal) of `hold`: done with its byte and descriptor counts, or failed and why."""
+    if job.state is SendState.DONE:
+        nbytes, descriptors = hold.results.get(job.dst, (0, 0))
+        return TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors)
+    return TransferFailed(transfer_id=hold.transfer_id, reason=job.reason or job.state.value)
