@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from workers.bench.report import TARGETS
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 NUMBERS = (
@@ -51,6 +53,11 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
     assert summary["model"] == "tiny" and summary["reps"] == summary["small_reps"] == summary["hetero_reps"] == 1
     assert summary["failures"] == 0
     assert set(summary["scenarios"]) == {"large", "small", "hetero_tp"}
+    targets = summary["targets"]
+    assert set(targets) == {name for name, _, _ in TARGETS}
+    assert all(isinstance(t["met"], bool) and math.isfinite(t["value"]) for t in targets.values())
+    assert targets["descriptors_per_request"]["bound"] == summary["scenarios"]["large"]["run_bound_per_request"]
+    assert summary["targets_met"] is all(t["met"] for t in targets.values())
     for name, scenario in summary["scenarios"].items():
         for key in SCENARIO_NUMBERS:
             assert isinstance(scenario[key], float) and math.isfinite(scenario[key]), (name, key)

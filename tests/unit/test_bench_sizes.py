@@ -15,6 +15,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import plan_transfer
 from workers.bench.measure import RAW_METHODS, paired_ratio, run_orders, split_per_half
 from workers.bench.models import DEFAULT_MODEL, MODELS, QUICK, TINY, ModelShape
+from workers.bench.report import Target
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -82,3 +83,9 @@ def test_run_orders_start_with_kvsvc_hold_every_run_once_and_vary_who_follows_wh
     assert all(sorted(o) == sorted(["kvsvc", *RAW_METHODS, "peer"]) for o in orders)
     after_peer = {o[o.index("peer") + 1] for o in orders if o[-1] != "peer"}
     assert len(after_peer) > 1  # kvsvc does not always run right after the peers' way
+
+
+def test_a_target_is_met_on_its_side_of_the_bound() -> None:
+    assert Target("ratio_to_raw", 0.9, 0.9, True).met and not Target("ratio_to_raw", 0.89, 0.9, True).met
+    assert Target("descriptors_per_request", 28, 28, False).met
+    assert not Target("descriptors_per_request", 29, 28, False).met

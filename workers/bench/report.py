@@ -5,9 +5,29 @@ summary `--json` ends with. Plain dataclasses; filled in by `workers.bench.runne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 from workers.bench.models import Sizes
+
+# The performance targets (issue 6, for a 2-core machine): key of the summary, the bound, and whether it is a floor.
+TARGETS: Final = (
+    ("ratio_to_raw", 0.9, True),  # large scenario
+    ("ratio_to_peer_style", 2.0, True),  # large scenario
+    ("small_requests_per_s", 5000.0, True),
+    ("small_ratio_to_raw", 0.5, True),
+    ("descriptors_per_request", "run_bound_per_request", False),  # large: no more than block runs x layers
+)
+
+
+class Target(NamedTuple):
+    name: str
+    value: float
+    bound: float
+    floor: bool  # the value must be >= bound (else <=)
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.bound if self.floor else self.value <= self.bound
 
 
 @dataclass
@@ -73,8 +93,25 @@ class BenchReport:
     def scenario(self, name: str) -> ScenarioResult:
         return next(s for s in self.scenarios if s.name == name)
 
+    def targets(self) -> list[Target]:
+        """Each of `TARGETS` against this run's figure. Informative: one noisy run can miss one."""
+        summary = self._headline()
+        large = self.scenario("large")
+        found = []
+        for name, bound, floor in TARGETS:
+            limit = float(getattr(large, bound)) if isinstance(bound, str) else bound
+            found.append(Target(name, float(summary[name]), limit, floor))
+        return found
+
     def summary(self) -> dict[str, Any]:
         """The JSON object `kvsvc bench --json` ends with."""
+        targets = self.targets()
+        return self._headline() | {
+            "targets": {t.name: {"value": t.value, "bound": t.bound, "met": t.met} for t in targets},
+            "targets_met": all(t.met for t in targets),
+        }
+
+    def _headline(self) -> dict[str, Any]:
         large, small = self.scenario("large"), self.scenario("small")
         return {
             "ratio_to_raw": large.ratio_to_raw,

@@ -103,10 +103,14 @@ def render_table(report: BenchReport) -> Table:
     row("CPU s/GB peers' way", "{:.2f}", lambda s: s.peer_cpu_s_per_gb)
     row("verified / failures", "{}", lambda s: f"{s.verified} / {s.failures}")
     lw = report.layerwise
+    targets = "; ".join(
+        f"{t.name} {t.value:,.2f} {'>=' if t.floor else '<='} {t.bound:,.2f} {'met' if t.met else 'MISSED'}"
+        for t in report.targets()
+    )
     table.caption = (
         f"layer-wise: last layer's compute end -> complete on D {lw.layer_ms:.2f} ms vs whole-request "
         f"{lw.whole_ms:.2f} ms (ratio {lw.ratio:.2f}; {lw.layers} layers x {lw.layer_time_ms:g} ms, "
-        f"{lw.request_bytes / 2**20:.0f} MiB)"
+        f"{lw.request_bytes / 2**20:.0f} MiB)\ntargets (a 2-core machine): {targets}"
     )
     return table
 
