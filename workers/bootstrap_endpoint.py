@@ -13,7 +13,7 @@ import threading
 
 from aiohttp import web
 
-from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata
+from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata, serve_app
 from kvsvc.messages import WorkerMetadata
 
 
@@ -42,14 +42,8 @@ class BootstrapEndpoint:
             if self._app is not None:
                 publish_metadata(self._app, metas)
                 if self._runner is None:
-                    runner = web.AppRunner(self._app, access_log=None)
-                    await runner.setup()
-                    try:
-                        await web.TCPSite(runner, self._host, self._port).start()
-                    except BaseException:
-                        await runner.cleanup()
-                        raise
-                    self._runner, self._port = runner, int(runner.addresses[0][1])
+                    self._runner = await serve_app(self._app, self._host, self._port)
+                    self._port = int(self._runner.addresses[0][1])
                 return f"http://{self._host}:{self._port}"
             # A new server per publication: aiohttp apps must not change after they started.
             if self._server is not None:

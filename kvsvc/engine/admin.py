@@ -19,7 +19,7 @@ from typing import Final, Protocol
 import msgspec
 from aiohttp import web
 
-from kvsvc.engine.bootstrap import add_metadata_route, published_metadata
+from kvsvc.engine.bootstrap import add_metadata_route, published_metadata, serve_app
 from kvsvc.engine.metrics import EngineMetrics, MetricsSnapshot, PeerRow, StatsDict, Worker
 from kvsvc.messages import WorkerMetadata
 
@@ -367,14 +367,7 @@ class AdminServer:
         """
         if self._runner is not None:
             raise RuntimeError(f"admin server already serving at {self.url}")
-        runner = web.AppRunner(self.app, access_log=None)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, self._host, self._port).start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
+        self._runner = runner = await serve_app(self.app, self._host, self._port)
         host, port = runner.addresses[0][:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         return self.url

@@ -21,6 +21,23 @@ MAX_METADATA_BYTES: Final = 8 * 1024 * 1024
 METADATA_KEY: Final = web.AppKey("kvsvc_metadata", list[bytes])
 
 
+async def serve_app(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Bind `app` on `host:port` (0: a free port) and serve it; returns its runner (`cleanup()` stops it;
+    `addresses[0]` is the bound address). Nothing is left behind when the bind fails.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
 async def _handle_metadata(request: web.Request) -> web.Response:
     # A one-slot list, filled on publish: aiohttp forbids changing a started application's own state.
     body = published_metadata(request.app)
@@ -76,12 +93,8 @@ class BootstrapServer:
         Raises:
             OSError: the address cannot be bound.
         """
-        self._runner = web.AppRunner(self.app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://{self._host}:{port}"
+        self._runner = await serve_app(self.app, self._host, self._port)
+        self.url = f"http://{self._host}:{self._runner.addresses[0][1]}"
         return self.url
 
     async def close(self) -> None:
