@@ -220,12 +220,15 @@ class PeerPair:
         self._wire = [e for e in self._wire if (e.d, e.p) != (d, p)]
         self._held = [e for e in self._held if (e.d, e.p) != (d, p)]
         self._run_p(p, self.senders[p].peer_lost(self.d.ref(d)))
-        self._run_d(d, self.receivers[d].peer_lost(self.p.engine_id, p, f"connection to P{p} lost", self.clock()))
+        receiver, reason = self.receivers[d], f"connection to P{p} lost"
+        self._run_d(d, receiver.peer_lost(self.p.engine_id, p, reason, self.clock(), self.p.incarnation))
 
     def reconnect(self, d: Worker, p: Worker) -> None:
-        """The link comes back; D sends the requests that waited for it."""
+        """The link comes back; D sends the requests that waited for it, and asks again the jobs the lost link
+        left waiting (as `ReceivingRole` does on a new connection to the same start of P)."""
         self._down.discard((d, p))
         self._run_d(d, self.receivers[d].connected(self.p.engine_id, p))
+        self._run_d(d, self.receivers[d].reconnected(self.p.engine_id, p, self.p.incarnation))
 
     def release_held(self, match: Callable[[Envelope], bool] | None = None) -> int:
         """Put held-back envelopes (those `match` accepts, or all) on the wire, in order; returns how many."""

@@ -331,6 +331,40 @@ def test_a_connection_lost_while_writing_fails_that_receive_and_frees_the_hold_a
     assert_clean(pair)
 
 
+def test_after_a_reconnect_d_frees_its_blocks_once_the_write_the_lost_link_left_has_ended() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2))
+    pair.stall_write = lambda w: w.d == (0, 1)
+    transfer(pair)
+    pair.run_until_idle()
+    pair.lose_connection((0, 1), (0, 0))
+    pair.run_until_idle()
+    pair.reconnect((0, 1), (0, 0))
+    pair.run_until_idle()
+    pair.drain()
+    assert ("D", (0, 1)) not in pair.outcomes("d-t1")  # asked again, but the write may still move: no answer yet
+    pair.finish_stalled()
+    pair.run_until_idle()
+    pair.drain()  # long before the abort grace; `violations` would list a report while the write could move
+    assert pair.outcomes("d-t1")[("D", (0, 1))] == ["failed"]
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert_clean(pair)
+
+
+def test_after_a_reconnect_a_request_that_never_arrived_fails_at_once() -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2))
+    pair.hold_back = lambda e: e.d == (0, 1)
+    transfer(pair)
+    pair.run_until_idle()
+    pair.lose_connection((0, 1), (0, 0))
+    pair.hold_back = None
+    pair.reconnect((0, 1), (0, 0))
+    pair.run_until_idle()
+    pair.drain()  # P never had a job for (0, 1): its answer frees D's blocks without the abort grace
+    assert pair.outcomes("d-t1") == {("D", (0, 0)): ["finished"], ("D", (0, 1)): ["failed"]}
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert_clean(pair)
+
+
 def test_a_connection_lost_before_the_request_fails_that_receive_and_ends_the_hold_without_expiry() -> None:
     pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=2))
     pair.hold_back = lambda e: e.d == (0, 1)
