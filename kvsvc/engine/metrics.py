@@ -35,6 +35,11 @@ COUNTERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
     ("kvsvc_write_failures", "Writes to a D worker that failed (transport, plan or lost peer).", ("write_failures",)),
     ("kvsvc_protocol_errors", "Malformed or unexpected control frames and refused hellos.", ("protocol_errors",)),
     (
+        "kvsvc_reconnects",
+        "D's tries to reach a lost P worker again while receives waited on it (to end their wait early).",
+        ("reconnects",),
+    ),
+    (
         "kvsvc_expired_holds",
         "P holds released by their deadline (D never asked for them).",
         ("sender", "expired_holds"),

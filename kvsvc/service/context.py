@@ -20,7 +20,7 @@ from kvsvc.transport.base import Transport
 Worker = tuple[int, int]
 EngineMetadata = dict[Worker, WorkerMetadata]
 
-COUNTERS = ("bytes", "descriptors", "transfers", "write_failures", "protocol_errors")
+COUNTERS = ("bytes", "descriptors", "transfers", "write_failures", "protocol_errors", "reconnects")
 """The service's monotonic counters (`ServiceContext.counts`), reported as deltas by `get_finished`."""
 
 

@@ -339,6 +339,7 @@ class ReceivingRole:
             return
         if self._closing or key in self._outbound:
             return  # closed, or already connecting (maybe to a newer start, which `reconnected` tells apart)
+        self._ctx.counts["reconnects"] += 1
         self._ensure_outbound(peer.meta)
 
     async def _confirm_gone(self, peer: _Outbound, reason: str, peer_gone: Callable[[str], Awaitable[bool]]) -> None:

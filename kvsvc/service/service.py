@@ -51,6 +51,7 @@ class ServiceStatistics:
     transfers_sent: int
     write_failures: int
     protocol_errors: int
+    reconnects: int  # D: tries to reach a lost P worker again while receives waited on it (decision 49)
     transport: TransportStatistics
     send_durations: HistogramStatistics  # P: write start to last byte landed, per write to one D worker
     recv_durations: HistogramStatistics  # D: start_recv to KV landed, per receive
@@ -254,6 +255,7 @@ class KVTransferService:
             transfers_sent=counts["transfers"],
             write_failures=counts["write_failures"],
             protocol_errors=counts["protocol_errors"],
+            reconnects=counts["reconnects"],
             transport=self._ctx.transport.statistics(),
             send_durations=self._ctx.send_durations.statistics(),
             recv_durations=self._ctx.recv_durations.statistics(),

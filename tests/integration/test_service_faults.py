@@ -554,7 +554,7 @@ def test_a_cut_connection_to_a_live_prefill_worker_ends_the_receive_once_p_confi
         d.broadcast(ForgetEngine(p.engine_id))
         _until(lambda: d_reports.poll().ended(req_id), SETTLE_S, lambda: "the receive did not end")
         d_reports.assert_failed_once(req_id, d_blocks)
-        assert _stat(d, "holds") == [0]
+        assert _stat(d, "holds") == [0] and _stat(d, "reconnects")[0] >= 1
         p_req = "p-" + req_id.removeprefix("d-")
         _until(lambda: p_reports.poll().sent(p_req), SETTLE_S, lambda: f"P did not end {p_req}")
         p_reports.poll()

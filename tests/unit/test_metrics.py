@@ -49,6 +49,7 @@ class _Stats:
     transfers_sent: int = 8
     write_failures: int = 1
     protocol_errors: int = 2
+    reconnects: int = 3
     transport: dict[str, int] = field(default_factory=dict)
 
 
