@@ -1,13 +1,25 @@
 """KV-cache geometry of one worker: which heads and layers it holds and where each byte of a block lives.
 
 Pure module: imports only the standard library and `kvsvc.errors`/`kvsvc.messages` (no numpy, torch, asyncio).
-Invariants: head ownership follows DESIGN §2 (`H_local = max(1, K // tp)`, replicated when `tp > K`); byte offsets
-match C-contiguous torch tensors. Per-layer layouts have one tensor per local layer (`base_addrs` holds one address
-per layer): HND `(num_blocks, 2, H_local, block_size, head_size)`, NHD `(num_blocks, 2, block_size, H_local,
-head_size)`, MLA `(num_blocks, block_size, head_size)`. The cross-layer layout `CROSS_LAYER` ("HND_CROSS_LAYER")
-has one tensor per worker with every local layer inside each block, `(num_blocks, local_layers, 2, H_local,
-block_size, head_size)`, or `(num_blocks, local_layers, block_size, head_size)` for MLA; `base_addrs` then holds
-one address, the tensor's start. Inside a block of one layer the cross-layer pool orders bytes as HND does.
+Invariants: head ownership follows docs/design.md (`H_local = max(1, K // tp)`, replicated when `tp > K`); byte
+offsets match C-contiguous torch tensors. Per-layer layouts have one tensor per local layer (`base_addrs` holds one
+address per layer):
+
+| layout        | one layer's tensor                              | who uses it                                    |
+|---------------|-------------------------------------------------|------------------------------------------------|
+| `HND`         | `(num_blocks, 2, H_local, block_size, head)`    | FlashInfer (HND), kvsvc's own workers          |
+| `NHD`         | `(num_blocks, 2, block_size, H_local, head)`    | FlashInfer (NHD)                               |
+| `KV_HND`      | `(2, num_blocks, H_local, block_size, head)`    | FlashAttention with the HND stride order       |
+| `KV_NHD`      | `(2, num_blocks, block_size, H_local, head)`    | FlashAttention (vLLM's default on GPU)         |
+| `HND_FUSED`   | `(num_blocks, H_local, block_size, 2 * head)`   | vLLM's CPU backend                             |
+| MLA           | `(num_blocks, block_size, head)`                | any MLA backend (`is_mla`; the layout is unused)|
+
+`HND_FUSED` keeps K and V of one (block, head) together in an order of its own (it depends on the CPU's
+instruction set), so such a chunk is opaque: it is only ever copied whole, into the same layout with the same
+block size. The cross-layer layout `CROSS_LAYER` ("HND_CROSS_LAYER") has one tensor per worker with every local
+layer inside each block, `(num_blocks, local_layers, 2, H_local, block_size, head_size)`, or `(num_blocks,
+local_layers, block_size, head_size)` for MLA; `base_addrs` then holds one address, the tensor's start. Inside a
+block of one layer the cross-layer pool orders bytes as HND does.
 """
 
 from __future__ import annotations
@@ -28,8 +40,11 @@ DTYPE_SIZES: Final[dict[str, int]] = {
     "uint8": 1,
 }
 CROSS_LAYER: Final = "HND_CROSS_LAYER"
-PER_LAYER_LAYOUTS: Final = ("HND", "NHD")
+FUSED: Final = "HND_FUSED"
+PER_LAYER_LAYOUTS: Final = ("HND", "NHD", "KV_HND", "KV_NHD", FUSED)
 LAYOUTS: Final = (*PER_LAYER_LAYOUTS, CROSS_LAYER)
+# Layouts whose K and V planes are the outermost axis of a layer's tensor: a block's K and V halves lie apart.
+KV_FIRST_LAYOUTS: Final = ("KV_HND", "KV_NHD")
 
 
 def is_cross_layer(meta: WorkerMetadata) -> bool:
@@ -37,12 +52,18 @@ def is_cross_layer(meta: WorkerMetadata) -> bool:
     return meta.layout == CROSS_LAYER
 
 
+def is_fused(meta: WorkerMetadata) -> bool:
+    """Whether the worker's (block, head) chunks are opaque (`HND_FUSED`): copied whole or not at all."""
+    return meta.layout == FUSED and not meta.is_mla
+
+
 def head_order(meta: WorkerMetadata) -> str:
-    """How a block of one layer orders heads and tokens: "HND" (also the cross-layer pool's order) or "NHD".
+    """How a block of one layer orders heads and tokens: "HND" (heads outer: HND, KV_HND, the fused and the
+    cross-layer layouts) or "NHD" (tokens outer: NHD, KV_NHD).
 
     MLA has one latent per token, so its order is "HND" whatever the layout says.
     """
-    return "NHD" if meta.layout == "NHD" and not meta.is_mla else "HND"
+    return "NHD" if meta.layout in ("NHD", "KV_NHD") and not meta.is_mla else "HND"
 
 
 def dtype_size(dtype: str) -> int:
@@ -149,17 +170,22 @@ def check_layer_split(split: Sequence[tuple[int, int]], num_layers: int) -> None
 
 
 class BlockGeometry(NamedTuple):
-    """Byte strides inside one layer's KV tensor of one worker; an element is one token of one head of one half."""
+    """Byte strides inside one layer's KV tensor of one worker; an element is one token of one head of one half.
 
-    halves: int  # 2 (K and V), or 1 for MLA
+    Every layout is the same four axes (block, half, head, token) with its own strides, so block b, half s,
+    local head h, slot t of a layer starts at `layer_base + b*block_stride + s*half_stride + h*head_stride +
+    t*token_stride` and is `element_bytes` long.
+    """
+
+    halves: int  # 2 (K and V), or 1 for MLA and for the fused layout (K and V inside one opaque element)
     local_heads: int
     block_size: int
-    element_bytes: int  # head_size * dtype size
-    block_bytes: int
-    half_stride: int
+    element_bytes: int  # head_size * dtype size; twice that in the fused layout
+    block_bytes: int  # K and V of one block of one layer (vLLM's block_len)
+    half_stride: int  # K to V: inside the block, or a whole K plane away in the KV_* layouts
     head_stride: int
     token_stride: int
-    block_stride: int  # bytes from block b to block b + 1 of one layer: block_bytes, or layers x that cross-layer
+    block_stride: int  # block b to b + 1 of one layer: block_bytes (half of it KV_*), layers x that cross-layer
 
 
 def kv_cache_shape(meta: WorkerMetadata) -> tuple[int, ...]:
@@ -179,10 +205,18 @@ def kv_cache_shape(meta: WorkerMetadata) -> tuple[int, ...]:
         return (meta.num_blocks, *layers, meta.block_size, meta.head_size)
     check_kv_heads(meta.num_kv_heads, meta.tp_size)
     heads = kv_heads_per_rank(meta.num_kv_heads, meta.tp_size)
-    if meta.layout in ("HND", CROSS_LAYER):
-        return (meta.num_blocks, *layers, 2, heads, meta.block_size, meta.head_size)
-    if meta.layout == "NHD":
-        return (meta.num_blocks, 2, meta.block_size, heads, meta.head_size)
+    nb, bs, hs = meta.num_blocks, meta.block_size, meta.head_size
+    shapes = {
+        "HND": (nb, *layers, 2, heads, bs, hs),
+        CROSS_LAYER: (nb, *layers, 2, heads, bs, hs),
+        "NHD": (nb, 2, bs, heads, hs),
+        "KV_HND": (2, nb, heads, bs, hs),
+        "KV_NHD": (2, nb, bs, heads, hs),
+        FUSED: (nb, heads, bs, 2 * hs),
+    }
+    shape = shapes.get(meta.layout)
+    if shape is not None:
+        return shape
     raise TopologyError(f"unknown KV layout {meta.layout!r}; known: {', '.join(LAYOUTS)}")
 
 
@@ -202,9 +236,16 @@ def block_geometry(meta: WorkerMetadata) -> BlockGeometry:
         return BlockGeometry(1, 1, bs, element, block, block, block, element, layers * block)
     heads = kv_heads_per_rank(meta.num_kv_heads, meta.tp_size)
     half = heads * bs * element
-    if head_order(meta) == "HND":
-        return BlockGeometry(2, heads, bs, element, 2 * half, half, bs * element, element, layers * 2 * half)
-    return BlockGeometry(2, heads, bs, element, 2 * half, half, element, heads * element, 2 * half)
+    if meta.layout == FUSED:
+        fused = 2 * element
+        return BlockGeometry(1, heads, bs, fused, 2 * half, 2 * half, bs * fused, fused, 2 * half)
+    hnd = head_order(meta) == "HND"
+    head_stride, token_stride = (bs * element, element) if hnd else (element, heads * element)
+    if meta.layout in KV_FIRST_LAYOUTS:
+        half_stride, block_stride = meta.num_blocks * half, half
+    else:
+        half_stride, block_stride = half, layers * 2 * half
+    return BlockGeometry(2, heads, bs, element, 2 * half, half_stride, head_stride, token_stride, block_stride)
 
 
 def block_bytes(meta: WorkerMetadata) -> int:

@@ -5,7 +5,8 @@ asyncio, mooncake). Invariants (DESIGN §2): every (D worker, layer, head) has e
 writes only inside the listed D blocks and the (layer, head) slots its P worker sources; plans are maximal runs
 sorted by source address; incompatibility is a `TopologyError` that names both sides' values. Any mix of
 per-layer layouts (HND, NHD) and the cross-layer pool (`kvsvc.layout.CROSS_LAYER`) on the two sides is planned the
-same way: each layer is a base address plus a block stride, and merging finds whatever is contiguous.
+same way: each layer is a base address plus a block stride, and merging finds whatever is contiguous. The fused
+layout (`kvsvc.layout.FUSED`) pairs only with itself at one block size, and its (block, head) chunks are copied whole.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from kvsvc.coalesce import Int64Array, plan_runs
 from kvsvc.errors import TopologyError
 from kvsvc.layout import (
+    FUSED,
     LAYOUTS,
     block_geometry,
     check_base_addrs,
@@ -28,6 +30,7 @@ from kvsvc.layout import (
     heads_of_rank,
     holders_of_head,
     is_cross_layer,
+    is_fused,
     kv_heads_per_rank,
     layer_addrs,
 )
@@ -98,6 +101,18 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
         raise TopologyError(f"P tp_size {src.tp_size} and D tp_size {dst.tp_size} do not divide one another")
     if src.is_mla:
         return
+    if is_fused(src) or is_fused(dst):
+        # A fused chunk orders K and V in a way of its own: only the same layout at the same block size can take it.
+        if src.layout != dst.layout:
+            raise TopologyError(
+                f"P layout {src.layout} cannot be copied into D layout {dst.layout}: {FUSED} keeps K and V of a"
+                " (block, head) in an opaque order of its own, so both sides need it"
+            )
+        if src.block_size != dst.block_size:
+            raise TopologyError(
+                f"P block_size {src.block_size} != D block_size {dst.block_size}: layout {FUSED} is copied in whole"
+                " (block, head) chunks, which needs one block size on both sides"
+            )
     heads_p = kv_heads_per_rank(src.num_kv_heads, src.tp_size)
     heads_d = kv_heads_per_rank(dst.num_kv_heads, dst.tp_size)
     sizes = f"P tp_size {src.tp_size} holds {heads_p} heads per rank, D tp_size {dst.tp_size} holds {heads_d}"
@@ -180,7 +195,8 @@ def plan_transfer(
     blocks contiguous on both sides is one descriptor for all layers; otherwise the layers both hold that lie next
     to one another inside a block on both sides still share one. With `whole_blocks`, a partial last block is
     completed up to the end of the current P and D blocks when every head of both blocks is copied, which lets
-    K and V merge; those extra slots lie inside the listed D block and hold sourced heads only.
+    K and V merge; those extra slots lie inside the listed D block and hold sourced heads only. The fused layout's
+    last block is always completed, for the sourced heads, since its chunks cannot be cut.
     `plan_transfer_arrays` gives the same plan as arrays, which is several times cheaper when the plan has
     thousands of runs.
 
@@ -233,7 +249,8 @@ def plan_transfer_arrays(
         local_src = [h - first_src for h in heads]
         local_dst = [h - first_dst for h in heads]
     every_head = len(heads) == gs.local_heads == gd.local_heads
-    if whole_blocks and every_head and not src.is_mla:
+    # A fused chunk is opaque: it goes whole, whatever `whole_blocks` says (one block size on both sides).
+    if is_fused(src) or (whole_blocks and every_head and not src.is_mla):
         last = tokens - 1
         tokens = min((last // gd.block_size + 1) * gd.block_size, (last // gs.block_size + 1) * gs.block_size)
     # Cross-layer pools become per-layer bases with a wider block stride; merging then joins the layers that

@@ -1,5 +1,6 @@
-"""One worker's KV pool: a torch tensor per local layer, HND `(num_blocks, 2, H_local, block_size, head_size)` or NHD,
-or one cross-layer pool `(num_blocks, local_layers, 2, H_local, block_size, head_size)` (`HND_CROSS_LAYER`).
+"""One worker's KV pool: a torch tensor per local layer in any per-layer layout of `kvsvc.layout` (HND `(num_blocks, 2,
+H_local, block_size, head_size)`, NHD, KV_HND, KV_NHD, HND_FUSED), or one cross-layer pool `(num_blocks,
+local_layers, 2, H_local, block_size, head_size)` (`HND_CROSS_LAYER`).
 
 Imports torch and the pure core (`kvsvc.layout`, `kvsvc.messages`) only. Invariants: the layers are views of one
 contiguous buffer whenever it can be allocated, so the transport registers a single region; `base_addrs` of the
@@ -17,6 +18,7 @@ import torch
 
 from kvsvc.layout import (
     CROSS_LAYER,
+    FUSED,
     LAYOUTS,
     check_kv_heads,
     check_layer_split,
@@ -177,5 +179,26 @@ class KVPool:
 
     def hnd(self, local_layer: int) -> torch.Tensor:
         """Layer `local_layer` as an HND view `(num_blocks, 2, H_local, block_size, head_size)`, whatever the layout."""
-        layer = self.layers[local_layer]
-        return layer.transpose(2, 3) if self.shape.layout == "NHD" else layer
+        return hnd_view(self.layers[local_layer], self.shape.layout)
+
+
+def hnd_view(layer: torch.Tensor, layout: str) -> torch.Tensor:
+    """One layer's tensor (or a cross-layer pool's per-layer view) as `(num_blocks, 2, H_local, block_size,
+    head_size)`. The fused layout's (block, head) chunk is opaque to kvsvc; the synthetic workers store each token
+    as its K then its V there, which this view exposes as the two halves.
+
+    Raises:
+        ValueError: an unknown layout.
+    """
+    if layout in ("HND", CROSS_LAYER):
+        return layer
+    if layout == "NHD":
+        return layer.transpose(2, 3)
+    if layout == "KV_HND":
+        return layer.transpose(0, 1)
+    if layout == "KV_NHD":
+        return layer.permute(1, 0, 3, 2, 4)
+    if layout == FUSED:
+        blocks, heads, block_size, fused = layer.shape
+        return layer.view(blocks, heads, block_size, 2, fused // 2).permute(0, 3, 1, 2, 4)
+    raise ValueError(f"no HND view of layout {layout!r}; known: {', '.join(LAYOUTS)}")

@@ -1,9 +1,9 @@
 """A synthetic model: KV as a known function of (request seed, layer, K/V half, head, token, dim), and its checker.
 
-Imports torch and the pure core only. Invariants: every value is a small integer (|v| <= 125), exact in bf16, fp16
-and fp32, so a byte-exact comparison is meaningful; values depend on the token's index in the request, never on
-block size or block ids, so P and D with different layouts agree on what each token's KV must be; a value is
-`pattern[head_code(seed, layer, half, head) + token_code(seed, token), dim]`: one gather from a fixed table.
+Imports torch, the pure core and `workers.kv_pool` only. Invariants: every value is a small integer (|v| <= 125),
+exact in bf16, fp16 and fp32, so a byte-exact comparison is meaningful; values depend on the token's index in the
+request, never on block size or block ids, so P and D with different layouts agree on what each token's KV must be;
+a value is `pattern[head_code(seed, layer, half, head) + token_code(seed, token), dim]`: one gather from a fixed table.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Final
 
 import torch
 
-from kvsvc.layout import CROSS_LAYER, heads_of_rank
+from kvsvc.layout import heads_of_rank
 from kvsvc.messages import WorkerMetadata
 from kvsvc.streams import completion_future, record_event
+from workers.kv_pool import hnd_view
 
 _MASK31: Final = (1 << 31) - 1
 # A row's code is head_code + token_code, each in [0, _CODES): a row written to the wrong (layer, half, head, token)
@@ -92,13 +93,10 @@ def expected_kv(
 
 
 def _hnd(layer: torch.Tensor, meta: WorkerMetadata) -> torch.Tensor:
-    """One layer as an HND view; a layer of the cross-layer pool is a strided view that is HND inside a block."""
-    if meta.is_mla or meta.layout not in ("HND", "NHD", CROSS_LAYER):
-        raise ValueError(
-            f"the synthetic model writes HND, NHD or {CROSS_LAYER} KV, not layout {meta.layout!r} "
-            f"(is_mla={meta.is_mla})"
-        )
-    return layer.transpose(2, 3) if meta.layout == "NHD" else layer
+    """One layer as an HND view (`workers.kv_pool.hnd_view`); MLA has no synthetic model."""
+    if meta.is_mla:
+        raise ValueError(f"the synthetic model writes K and V heads, not an MLA latent (layout {meta.layout!r})")
+    return hnd_view(layer, meta.layout)
 
 
 def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -147,7 +145,7 @@ def fill(
 
     Raises:
         ValueError: layers and metadata disagree, the blocks cannot hold the tokens (or repeat one), or the layout
-            is not HND, NHD or the cross-layer pool.
+            is MLA or unknown.
     """
     ids = _check_request(layers, meta, block_ids, num_tokens)
     if not ids:
@@ -178,7 +176,7 @@ def verify(
 
     Raises:
         ValueError: layers and metadata disagree, the blocks cannot hold the tokens (or repeat one), or the layout
-            is not HND, NHD or the cross-layer pool.
+            is MLA or unknown.
     """
     ids = _check_request(layers, meta, block_ids, num_tokens)
     if not ids:

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.layout import block_geometry, even_layer_split, heads_of_rank, kv_cache_shape, layer_bytes
+from kvsvc.layout import block_geometry, even_layer_split, heads_of_rank, is_cross_layer, layer_addrs, layer_bytes
 from kvsvc.messages import WorkerMetadata, WorkerRef
 
 Worker = tuple[int, int]
@@ -80,7 +80,7 @@ class SimEngine:
                     raise ValueError(f"simulated pool of {size * (end - start)} bytes is too large")
                 arena = np.zeros(size * (end - start), dtype=np.uint8)
                 base = arena.ctypes.data if base_addr is None else base_addr + index * _WORKER_STRIDE
-                addrs = [base + i * size for i in range(end - start)]
+                addrs = [base] if is_cross_layer(meta) else [base + i * size for i in range(end - start)]
                 self.metas[(pp, tp)] = msgspec.structs.replace(meta, base_addrs=addrs)
                 self.arenas[(pp, tp)] = arena
                 self.bases[(pp, tp)] = base
@@ -119,16 +119,17 @@ class SimEngine:
         return np.asarray(block_ids, dtype=np.int64)[tokens // bs], tokens % bs
 
     def _view(self, worker: Worker, layer: int) -> ByteArray:
-        """Layer `layer`'s tensor as bytes, axes (block, half, head, slot, byte) whatever the layout."""
+        """Layer `layer`'s tensor as bytes, axes (block, half, head, slot, byte) whatever the layout: a strided
+        view built from the planner's own block geometry."""
         meta = self.metas[worker]
-        size = layer_bytes(meta)
-        offset = (layer - meta.start_layer) * size
-        geometry = block_geometry(meta)
-        shape = (*kv_cache_shape(meta)[:-1], geometry.element_bytes)
-        raw = self.arenas[worker][offset : offset + size].reshape(shape)
-        if meta.is_mla:
-            return raw.reshape(meta.num_blocks, 1, 1, meta.block_size, geometry.element_bytes)
-        return raw if meta.layout == "HND" else raw.transpose(0, 1, 3, 2, 4)
+        g = block_geometry(meta)
+        start = layer_addrs(meta)[layer - meta.start_layer] - self.bases[worker]
+        shape = (meta.num_blocks, g.halves, g.local_heads, g.block_size, g.element_bytes)
+        strides = (g.block_stride, g.half_stride, g.head_stride, g.token_stride, 1)
+        view: ByteArray = np.lib.stride_tricks.as_strided(
+            self.arenas[worker][start:], shape=shape, strides=strides, writeable=True
+        )
+        return view
 
     def heads(self, worker: Worker) -> list[int]:
         meta = self.metas[worker]

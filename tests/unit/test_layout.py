@@ -140,6 +140,35 @@ def test_strides_match_c_contiguous_tensor(layout: str) -> None:
     assert (g.head_stride, g.token_stride) == (strides[head_axis], strides[token_axis])
 
 
+# Axes of (block, half, head, token) in each per-layer layout's tensor (None: that axis does not exist).
+AXES = {
+    "HND": (0, 1, 2, 3),
+    "NHD": (0, 1, 3, 2),
+    "KV_HND": (1, 0, 2, 3),
+    "KV_NHD": (1, 0, 3, 2),
+    "HND_FUSED": (0, None, 1, 2),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(AXES))
+def test_every_per_layer_layout_geometry_matches_its_c_contiguous_tensor(layout: str) -> None:
+    m = meta(layout=layout)
+    g = block_geometry(m)
+    shape = kv_cache_shape(m)
+    # Byte strides of a C-contiguous tensor of that shape, its last axis (head_size elements) kept whole.
+    strides = [2 * math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    block, half, head, token = AXES[layout]
+    assert g.block_stride == strides[block]
+    assert g.head_stride == strides[head] and g.token_stride == strides[token]
+    assert g.element_bytes == strides[-2]  # one token of one head (of one half)
+    if half is None:  # fused: K and V share one opaque element of 2 x head_size
+        assert g.halves == 1 and g.element_bytes == 2 * m.head_size * 2
+    else:
+        assert g.halves == 2 and g.half_stride == strides[half]
+    assert layer_bytes(m) == math.prod(shape) * 2 == m.num_blocks * g.block_bytes
+    assert head_order(m) == ("NHD" if layout.endswith("NHD") else "HND")
+
+
 def test_cross_layer_pool_shape_and_sizes() -> None:
     pool = meta(layout=CROSS_LAYER, start_layer=2, end_layer=5)
     assert CROSS_LAYER == "HND_CROSS_LAYER" and CROSS_LAYER in LAYOUTS

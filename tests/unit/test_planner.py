@@ -168,6 +168,39 @@ def test_different_head_order_with_several_heads_is_refused() -> None:
     check_compatible(one("P", tp_size=8, layout="NHD"), one("D", tp_size=8, layout="HND"))
 
 
+def test_the_fused_layout_pairs_only_with_itself_at_one_block_size() -> None:
+    _refused(one("P", layout="HND_FUSED"), one("D", layout="HND"), "P layout HND_FUSED", "D layout HND", "opaque")
+    _refused(one("P", layout="HND"), one("D", layout="HND_FUSED"), "P layout HND", "D layout HND_FUSED")
+    _refused(
+        one("P", layout="HND_FUSED", block_size=32),
+        one("D", layout="HND_FUSED", block_size=64),
+        "P block_size 32",
+        "D block_size 64",
+    )
+    check_compatible(one("P", layout="HND_FUSED", tp_size=1), one("D", layout="HND_FUSED", tp_size=2))
+
+
+def test_fused_chunks_go_whole_even_for_a_head_split_and_a_partial_block() -> None:
+    p, d = one("P", layout="HND_FUSED"), one("D", layout="HND_FUSED", tp_size=2)
+    plan = plan_transfer(p, d, [0, 1], [4, 5], 17, whole_blocks=False)
+    # D's four heads of each of the two blocks, one (block, head-run) chunk each: 16 tokens x 2 x 64 x 2 bytes.
+    chunk = 16 * 2 * 64 * 2
+    assert sorted({x.length for x in plan}) == [4 * chunk]
+    assert len(plan) == 4 * 2
+
+
+def test_kv_first_layouts_write_k_and_v_planes_apart() -> None:
+    p, d = one("P", layout="KV_NHD"), one("D", layout="KV_NHD")
+    plan = plan_transfer(p, d, [2, 3, 4], [7, 8, 9])
+    half = 16 * 8 * 64 * 2  # one block of K (or of V)
+    plane = 64 * half  # the K plane of a layer: every block of it
+    assert len(plan) == 4 * 2
+    assert {x.length for x in plan} == {3 * half}
+    k, v = plan[0], plan[1]
+    assert (v.src_addr - k.src_addr, v.dst_addr - k.dst_addr) == (plane, plane)
+    assert k.src_addr == p.base_addrs[0] + 2 * half and k.dst_addr == d.base_addrs[0] + 7 * half
+
+
 def test_malformed_metadata_is_refused_naming_the_side() -> None:
     d = one("D")
     _refused(msgspec.structs.replace(one("P"), base_addrs=[1]), d, "P worker", "1 base_addrs for 4 layers")

@@ -20,12 +20,11 @@ from hypothesis import strategies as st
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.layout import (
     CROSS_LAYER,
+    FUSED,
     block_geometry,
-    head_order,
     heads_of_rank,
-    is_cross_layer,
-    kv_cache_shape,
-    layer_bytes,
+    is_fused,
+    layer_addrs,
     pool_regions,
 )
 from kvsvc.messages import WorkerMetadata
@@ -92,16 +91,14 @@ def _engine(
 
 
 def _bytes(arena: U8, meta: WorkerMetadata, local_layer: int) -> U8:
-    """One layer's KV as a view of `arena` shaped like a per-layer tensor, head_size axis replaced by bytes."""
-    shape = kv_cache_shape(meta)
-    element = block_geometry(meta).element_bytes
-    if is_cross_layer(meta):
-        ((start, size),) = pool_regions(meta)
-        # The pool's layer axis comes right after the block axis; picking one layer leaves a strided view.
-        pool: U8 = arena[start : start + size].reshape(*shape[:-1], element)
-        return pool[:, local_layer]
-    start = meta.base_addrs[local_layer]
-    return arena[start : start + layer_bytes(meta)].reshape(*shape[:-1], element)
+    """One layer's KV as a strided view of `arena` with axes (block, half, head, slot, byte), whatever the layout:
+    the strides are the planner's own geometry, so every layout is read the way the tensors hold it."""
+    g = block_geometry(meta)
+    base = layer_addrs(meta)[local_layer]
+    shape = (meta.num_blocks, g.halves, g.local_heads, g.block_size, g.element_bytes)
+    strides = (g.block_stride, g.half_stride, g.head_stride, g.token_stride, 1)
+    view: U8 = np.lib.stride_tricks.as_strided(arena[base:], shape=shape, strides=strides, writeable=True)
+    return view
 
 
 def _view(arena: U8, meta: WorkerMetadata, local_layer: int) -> I64:
@@ -121,15 +118,14 @@ def _slot_index(meta: WorkerMetadata, ids: list[int]) -> I64:
 
 
 def _codes(meta: WorkerMetadata, ids: list[int], layer: int, heads: int) -> I64:
-    """Code of every element of one layer tensor, shaped like the tensor without its head_size axis."""
-    token = _slot_index(meta, ids)  # (nb, bs)
+    """Code of every element of one layer, axes (block, half, head, slot) as `_bytes` has them."""
+    token = _slot_index(meta, ids)[:, None, None, :]  # (nb, 1, 1, bs)
     if meta.is_mla:
-        return code(layer, 0, 0, token, 1)
-    local = np.asarray(heads_of_rank(meta.tp_rank, meta.tp_size, heads), dtype=np.int64)
-    half = np.arange(2)[None, :, None, None]
-    if head_order(meta) == "HND":
-        return code(layer, half, local[None, None, :, None], token[:, None, None, :], heads)
-    return code(layer, half, local[None, None, None, :], token[:, None, :, None], heads)
+        return np.asarray(code(layer, 0, 0, token, 1), dtype=np.int64)
+    local = np.asarray(heads_of_rank(meta.tp_rank, meta.tp_size, heads), dtype=np.int64)[None, None, :, None]
+    half = np.arange(block_geometry(meta).halves)[None, :, None, None]
+    shape = (token.shape[0], half.size, local.size, token.shape[-1])
+    return np.broadcast_to(code(layer, half, local, token, heads), shape)
 
 
 def simulate(s: Layouts) -> int:
@@ -147,7 +143,7 @@ def simulate(s: Layouts) -> int:
             codes = _codes(meta, p_ids, layer, heads)
             view = _view(p_arena, meta, i)
             view[..., 0] = np.where(codes >= 0, codes, JUNK)
-            view[..., 1] = view[..., 0] ^ MAGIC
+            view[..., 1:] = (view[..., 0] ^ MAGIC)[..., None]
     d_arena = np.full(_arena_size(d_engine), SENTINEL, dtype=np.uint8)
     writes = np.zeros(d_arena.size, dtype=np.uint8)
 
@@ -190,14 +186,17 @@ def simulate(s: Layouts) -> int:
             optional = listed & (token >= s.tokens) & (token < last_end)
             untouched = ~(required | optional)
             assert (got[..., 0][required] == expected[required]).all(), f"D layer {layer}: wrong or missing KV"
-            assert (got[..., 1][required] == expected[required] ^ MAGIC).all()
+            assert (got[..., 1:][required] == (expected[required] ^ MAGIC)[:, None]).all()
             assert (count[required] == 1).all(), f"D layer {layer}: required byte written != once"
             tail_written = (count[optional] == 1).all(axis=-1)
             tail_clean = (count[optional] == 0).all(axis=-1)
             assert (tail_written | tail_clean).all()
             assert (got[..., 0][optional][tail_written] == expected[optional][tail_written]).all()
             assert (count[untouched] == 0).all(), f"D layer {layer}: wrote a slot it must not"
-            assert (got.view(np.uint8).reshape(count.shape)[untouched] == SENTINEL).all()
+            assert (_bytes(d_arena, d_meta, i)[untouched] == SENTINEL).all()
+            if is_fused(d_meta):  # an opaque chunk is written whole: every slot of a listed block, or none
+                slots = (count > 0).all(axis=-1)
+                assert (slots.all(axis=-1) == slots.any(axis=-1))[listed.any(axis=-1)].all(), "a fused chunk was cut"
     assert (writes[~checked] == 0).all() and (d_arena[~checked] == SENTINEL).all(), "wrote between tensors"
     _check_routing(p_engine, d_engine)
     return descriptors
@@ -276,6 +275,19 @@ CASES = {
     "MLA cross-layer both, PP": Layouts(mla=True, layout=CROSS_LAYER, p_tp=4, d_tp=2, d_pp=2, layers=5),
     "MLA cross-layer P -> per-layer D": Layouts(mla=True, p_layout=CROSS_LAYER, p_block=32, d_block=16, tokens=50),
     "cross-layer pools touching": Layouts(layout=CROSS_LAYER, layer_gap=0, extra_blocks=0, p_tp=2, d_tp=2),
+    "KV_NHD (FlashAttention), no head split": Layouts(layout="KV_NHD", p_tp=2, d_tp=2, tokens=45),
+    "KV_NHD P -> NHD D, replicated": Layouts(p_layout="KV_NHD", d_layout="NHD", heads=2, p_tp=2, d_tp=4),
+    "KV_HND head split P tp1 -> D tp2": Layouts(layout="KV_HND", p_tp=1, d_tp=2, tokens=37),
+    "KV_HND P -> HND D, block 16 -> 32": Layouts(p_layout="KV_HND", d_layout="HND", d_block=32, tokens=50),
+    "HND P -> KV_HND D, head gather": Layouts(p_layout="HND", d_layout="KV_HND", p_tp=4, d_tp=1, tokens=61),
+    "cross-layer P -> KV_HND D": Layouts(p_layout=CROSS_LAYER, d_layout="KV_HND", p_tp=2, d_tp=4, tokens=33),
+    "fused (vLLM CPU)": Layouts(layout=FUSED, tokens=64),
+    "fused, partial last block": Layouts(layout=FUSED, tokens=37, whole_blocks=False),
+    "fused head split P tp1 -> D tp2, partial": Layouts(layout=FUSED, p_tp=1, d_tp=2, tokens=37),
+    "fused head gather P tp4 -> D tp1, scattered": Layouts(
+        layout=FUSED, p_tp=4, d_tp=1, tokens=70, p_ids=[9, 3, 4, 5, 0], d_ids=[2, 7, 8, 1, 0]
+    ),
+    "fused, replicated heads, PP change": Layouts(layout=FUSED, heads=2, p_tp=1, d_tp=4, d_pp=2, layers=5, tokens=20),
 }
 
 
@@ -321,14 +333,19 @@ def layouts(draw: st.DrawFn) -> Layouts:
     p_block = draw(st.sampled_from([4, 8, 16, 12]))
     d_block = draw(st.sampled_from([4, 8, 16, 12]))
     tokens = draw(st.integers(0, 70))
-    choices = ["HND", CROSS_LAYER] if mla else ["HND", "NHD", CROSS_LAYER]
+    hnd_order = ["HND", "KV_HND", CROSS_LAYER]
+    choices = ["HND", CROSS_LAYER] if mla else [*hnd_order, "NHD", "KV_NHD"]
     p_layout, d_layout = draw(st.sampled_from(choices)), draw(st.sampled_from(choices))
     if not mla:
         per_p, per_d = max(1, heads // p_tp), max(1, heads // d_tp)
-        nhd_p, nhd_d = p_layout == "NHD", d_layout == "NHD"
+        nhd_p, nhd_d = p_layout.endswith("NHD"), d_layout.endswith("NHD")
         # NHD only where check_compatible allows it: no head split on its side, same head order when several.
         if (per_p > per_d and nhd_p) or (per_d > per_p and nhd_d) or (per_p == per_d > 1 and nhd_p != nhd_d):
-            p_layout, d_layout = [CROSS_LAYER if x == "NHD" else x for x in (p_layout, d_layout)]
+            replace = draw(st.sampled_from(hnd_order))
+            p_layout, d_layout = [replace if x.endswith("NHD") else x for x in (p_layout, d_layout)]
+        if draw(st.integers(0, 5)) == 0:  # the fused layout pairs only with itself, at one block size
+            p_layout = d_layout = FUSED
+            d_block = p_block
     p_need, d_need = -(-tokens // p_block), -(-tokens // d_block)
     p_pool = p_need + draw(st.integers(0, 4))
     d_pool = d_need + draw(st.integers(0, 4))
