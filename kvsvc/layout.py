@@ -11,6 +11,8 @@ address per layer):
 | `NHD`         | `(num_blocks, 2, block_size, H_local, head)`    | FlashInfer (NHD)                               |
 | `KV_HND`      | `(2, num_blocks, H_local, block_size, head)`    | FlashAttention with the HND stride order       |
 | `KV_NHD`      | `(2, num_blocks, block_size, H_local, head)`    | FlashAttention (vLLM's default on GPU)         |
+| `HNC`         | `(num_blocks, H_local, block_size, 2 * head)`   | vLLM 0.32+ on GPU, `LBHNC`: K then V per cell  |
+| `NHC`         | `(num_blocks, block_size, H_local, 2 * head)`   | vLLM 0.32+ on GPU, `LBNHC`                     |
 | `HND_FUSED`   | `(num_blocks, H_local, block_size, 2 * head)`   | vLLM's CPU backend                             |
 | MLA           | `(num_blocks, block_size, head)`                | any MLA backend (`is_mla`; the layout is unused)|
 
@@ -41,10 +43,14 @@ DTYPE_SIZES: Final[dict[str, int]] = {
 }
 CROSS_LAYER: Final = "HND_CROSS_LAYER"
 FUSED: Final = "HND_FUSED"
-PER_LAYER_LAYOUTS: Final = ("HND", "NHD", "KV_HND", "KV_NHD", FUSED)
+PER_LAYER_LAYOUTS: Final = ("HND", "NHD", "KV_HND", "KV_NHD", "HNC", "NHC", FUSED)
 LAYOUTS: Final = (*PER_LAYER_LAYOUTS, CROSS_LAYER)
 # Layouts whose K and V planes are the outermost axis of a layer's tensor: a block's K and V halves lie apart.
 KV_FIRST_LAYOUTS: Final = ("KV_HND", "KV_NHD")
+# Layouts that keep a token's K and V of one head side by side (a "cell" of 2 x head_size).
+KV_CELL_LAYOUTS: Final = ("HNC", "NHC")
+# Layouts with tokens outside heads inside a block.
+_NHD_ORDER: Final = ("NHD", "KV_NHD", "NHC")
 
 
 def is_cross_layer(meta: WorkerMetadata) -> bool:
@@ -58,12 +64,12 @@ def is_fused(meta: WorkerMetadata) -> bool:
 
 
 def head_order(meta: WorkerMetadata) -> str:
-    """How a block of one layer orders heads and tokens: "HND" (heads outer: HND, KV_HND, the fused and the
-    cross-layer layouts) or "NHD" (tokens outer: NHD, KV_NHD).
+    """How a block of one layer orders heads and tokens: "HND" (heads outer: HND, KV_HND, HNC, the fused and the
+    cross-layer layouts) or "NHD" (tokens outer: NHD, KV_NHD, NHC).
 
     MLA has one latent per token, so its order is "HND" whatever the layout says.
     """
-    return "NHD" if meta.layout in ("NHD", "KV_NHD") and not meta.is_mla else "HND"
+    return "NHD" if meta.layout in _NHD_ORDER and not meta.is_mla else "HND"
 
 
 def dtype_size(dtype: str) -> int:
@@ -212,6 +218,8 @@ def kv_cache_shape(meta: WorkerMetadata) -> tuple[int, ...]:
         "NHD": (nb, 2, bs, heads, hs),
         "KV_HND": (2, nb, heads, bs, hs),
         "KV_NHD": (2, nb, bs, heads, hs),
+        "HNC": (nb, heads, bs, 2 * hs),
+        "NHC": (nb, bs, heads, 2 * hs),
         FUSED: (nb, heads, bs, 2 * hs),
     }
     shape = shapes.get(meta.layout)
@@ -240,6 +248,10 @@ def block_geometry(meta: WorkerMetadata) -> BlockGeometry:
         fused = 2 * element
         return BlockGeometry(1, heads, bs, fused, 2 * half, 2 * half, bs * fused, fused, 2 * half)
     hnd = head_order(meta) == "HND"
+    if meta.layout in KV_CELL_LAYOUTS:
+        cell = 2 * element
+        head_stride, token_stride = (bs * cell, cell) if hnd else (cell, heads * cell)
+        return BlockGeometry(2, heads, bs, element, 2 * half, element, head_stride, token_stride, 2 * half)
     head_stride, token_stride = (bs * element, element) if hnd else (element, heads * element)
     if meta.layout in KV_FIRST_LAYOUTS:
         half_stride, block_stride = meta.num_blocks * half, half

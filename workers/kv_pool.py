@@ -1,5 +1,5 @@
 """One worker's KV pool: a torch tensor per local layer in any per-layer layout of `kvsvc.layout` (HND `(num_blocks, 2,
-H_local, block_size, head_size)`, NHD, KV_HND, KV_NHD, HND_FUSED), or one cross-layer pool `(num_blocks,
+H_local, block_size, head_size)`, NHD, KV_HND, KV_NHD, HNC, NHC, HND_FUSED), or one cross-layer pool `(num_blocks,
 local_layers, 2, H_local, block_size, head_size)` (`HND_CROSS_LAYER`).
 
 Imports torch and the pure core (`kvsvc.layout`, `kvsvc.messages`) only. Invariants: the layers are views of one
@@ -198,7 +198,10 @@ def hnd_view(layer: torch.Tensor, layout: str) -> torch.Tensor:
         return layer.transpose(0, 1)
     if layout == "KV_NHD":
         return layer.permute(1, 0, 3, 2, 4)
-    if layout == FUSED:
-        blocks, heads, block_size, fused = layer.shape
-        return layer.view(blocks, heads, block_size, 2, fused // 2).permute(0, 3, 1, 2, 4)
+    if layout in (FUSED, "HNC"):
+        blocks, heads, block_size, cell = layer.shape
+        return layer.view(blocks, heads, block_size, 2, cell // 2).permute(0, 3, 1, 2, 4)
+    if layout == "NHC":
+        blocks, block_size, heads, cell = layer.shape
+        return layer.view(blocks, block_size, heads, 2, cell // 2).permute(0, 3, 2, 1, 4)
     raise ValueError(f"no HND view of layout {layout!r}; known: {', '.join(LAYOUTS)}")

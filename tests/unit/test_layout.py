@@ -147,6 +147,8 @@ AXES = {
     "KV_HND": (1, 0, 2, 3),
     "KV_NHD": (1, 0, 3, 2),
     "HND_FUSED": (0, None, 1, 2),
+    "HNC": (0, None, 1, 2),
+    "NHC": (0, None, 2, 1),
 }
 
 
@@ -160,13 +162,17 @@ def test_every_per_layer_layout_geometry_matches_its_c_contiguous_tensor(layout:
     block, half, head, token = AXES[layout]
     assert g.block_stride == strides[block]
     assert g.head_stride == strides[head] and g.token_stride == strides[token]
-    assert g.element_bytes == strides[-2]  # one token of one head (of one half)
-    if half is None:  # fused: K and V share one opaque element of 2 x head_size
+    if layout not in ("HNC", "NHC"):
+        assert g.element_bytes == strides[-2]  # one token of one head (of one half)
+    if layout in ("HNC", "NHC"):  # a cell of K then V: the last axis holds both halves
+        assert g.halves == 2 and g.half_stride == g.element_bytes == m.head_size * 2
+        assert g.head_stride == strides[head] and g.token_stride == strides[token]
+    elif half is None:  # fused: K and V share one opaque element of 2 x head_size
         assert g.halves == 1 and g.element_bytes == 2 * m.head_size * 2
     else:
         assert g.halves == 2 and g.half_stride == strides[half]
     assert layer_bytes(m) == math.prod(shape) * 2 == m.num_blocks * g.block_bytes
-    assert head_order(m) == ("NHD" if layout.endswith("NHD") else "HND")
+    assert head_order(m) == ("NHD" if layout in ("NHD", "KV_NHD", "NHC") else "HND")
 
 
 def test_cross_layer_pool_shape_and_sizes() -> None:

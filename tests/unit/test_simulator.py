@@ -281,6 +281,10 @@ CASES = {
     "KV_HND P -> HND D, block 16 -> 32": Layouts(p_layout="KV_HND", d_layout="HND", d_block=32, tokens=50),
     "HND P -> KV_HND D, head gather": Layouts(p_layout="HND", d_layout="KV_HND", p_tp=4, d_tp=1, tokens=61),
     "cross-layer P -> KV_HND D": Layouts(p_layout=CROSS_LAYER, d_layout="KV_HND", p_tp=2, d_tp=4, tokens=33),
+    "HNC (vLLM 0.32 GPU) head split": Layouts(layout="HNC", p_tp=1, d_tp=2, tokens=37),
+    "HNC P -> HND D, block 16 -> 32": Layouts(p_layout="HNC", d_layout="HND", d_block=32, tokens=50, p_tp=2),
+    "NHC, no head split, partial": Layouts(layout="NHC", p_tp=2, d_tp=2, tokens=45),
+    "NHC P -> KV_NHD D, replicated": Layouts(p_layout="NHC", d_layout="KV_NHD", heads=2, p_tp=2, d_tp=4),
     "fused (vLLM CPU)": Layouts(layout=FUSED, tokens=64),
     "fused, partial last block": Layouts(layout=FUSED, tokens=37, whole_blocks=False),
     "fused head split P tp1 -> D tp2, partial": Layouts(layout=FUSED, p_tp=1, d_tp=2, tokens=37),
@@ -333,16 +337,17 @@ def layouts(draw: st.DrawFn) -> Layouts:
     p_block = draw(st.sampled_from([4, 8, 16, 12]))
     d_block = draw(st.sampled_from([4, 8, 16, 12]))
     tokens = draw(st.integers(0, 70))
-    hnd_order = ["HND", "KV_HND", CROSS_LAYER]
-    choices = ["HND", CROSS_LAYER] if mla else [*hnd_order, "NHD", "KV_NHD"]
+    hnd_order = ["HND", "KV_HND", "HNC", CROSS_LAYER]
+    choices = ["HND", CROSS_LAYER] if mla else [*hnd_order, "NHD", "KV_NHD", "NHC"]
     p_layout, d_layout = draw(st.sampled_from(choices)), draw(st.sampled_from(choices))
     if not mla:
         per_p, per_d = max(1, heads // p_tp), max(1, heads // d_tp)
-        nhd_p, nhd_d = p_layout.endswith("NHD"), d_layout.endswith("NHD")
+        nhd_order = ("NHD", "KV_NHD", "NHC")
+        nhd_p, nhd_d = p_layout in nhd_order, d_layout in nhd_order
         # NHD only where check_compatible allows it: no head split on its side, same head order when several.
         if (per_p > per_d and nhd_p) or (per_d > per_p and nhd_d) or (per_p == per_d > 1 and nhd_p != nhd_d):
             replace = draw(st.sampled_from(hnd_order))
-            p_layout, d_layout = [replace if x.endswith("NHD") else x for x in (p_layout, d_layout)]
+            p_layout, d_layout = [replace if x in nhd_order else x for x in (p_layout, d_layout)]
         if draw(st.integers(0, 5)) == 0:  # the fused layout pairs only with itself, at one block size
             p_layout = d_layout = FUSED
             d_block = p_block

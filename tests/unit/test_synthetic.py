@@ -34,7 +34,7 @@ def test_pool_is_one_contiguous_region_with_one_address_per_layer() -> None:
     assert pool.meta.base_addrs[1] - pool.meta.base_addrs[0] == length // 3
 
 
-@pytest.mark.parametrize("layout", ["HND", "NHD", "KV_HND", "KV_NHD", "HND_FUSED"])
+@pytest.mark.parametrize("layout", ["HND", "NHD", "KV_HND", "KV_NHD", "HNC", "NHC", "HND_FUSED"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_filled_request_verifies_including_a_partial_last_block(layout: str, dtype: str) -> None:
     pool = _pool(layout=layout, dtype=dtype)
