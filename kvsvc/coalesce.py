@@ -61,12 +61,20 @@ def _segment_runs(
     return merge_runs(src.ravel(), dst.ravel(), length)
 
 
-def _segments(bs_s: int, bs_d: int, num_tokens: int) -> tuple[Int64Array, Int64Array]:
-    """Start token and token count of each segment: a token range inside one P block and one D block."""
-    if bs_s == bs_d:
-        starts = np.arange(0, num_tokens, bs_s, dtype=np.int64)
+def _segments(bs_s: int, bs_d: int, num_tokens: int, first_token: int = 0) -> tuple[Int64Array, Int64Array]:
+    """Start token and token count of each segment of `[first_token, num_tokens)`: a token range inside one P
+    block and one D block."""
+    if first_token >= num_tokens:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if bs_s == bs_d and first_token % bs_s == 0:
+        starts = np.arange(first_token, num_tokens, bs_s, dtype=np.int64)
     else:
-        starts = np.union1d(np.arange(0, num_tokens, bs_s), np.arange(0, num_tokens, bs_d)).astype(np.int64)
+        # Every block boundary of either side after `first_token`, and `first_token` itself.
+        inner = np.union1d(
+            np.arange(-(-first_token // bs_s) * bs_s, num_tokens, bs_s),
+            np.arange(-(-first_token // bs_d) * bs_d, num_tokens, bs_d),
+        )
+        starts = np.union1d([first_token], inner).astype(np.int64)
     return starts, np.diff(np.append(starts, num_tokens))
 
 
@@ -103,10 +111,12 @@ def plan_runs(
     dst_block_ids: Sequence[int],
     num_tokens: int,
     *,
+    first_token: int = 0,
     src_one_region: bool = False,
     dst_one_region: bool = False,
 ) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """Maximal runs copying tokens `[0, num_tokens)` of the given local heads (paired by position) of every layer.
+    """Maximal runs copying tokens `[first_token, num_tokens)` of the given local heads (paired by position) of
+    every layer; token t lies in block `ids[t // block_size]` of each side's list.
 
     `src_layer_bases[i]` and `dst_layer_bases[i]` are the two sides' addresses of block 0 of the same global layer;
     block b of a layer lies `b * block_stride` after it (a cross-layer pool interleaves layers that way). A token
@@ -116,7 +126,9 @@ def plan_runs(
     (`*_one_region`: a cross-layer pool).
     """
     bs_s, bs_d = gs.block_size, gd.block_size
-    starts, counts = _segments(bs_s, bs_d, num_tokens)
+    starts, counts = _segments(bs_s, bs_d, num_tokens, first_token)
+    if starts.size == 0:
+        return starts, starts.copy(), starts.copy()
     block_src, slot_src = np.divmod(starts, bs_s)
     block_dst, slot_dst = np.divmod(starts, bs_d)
     block_off_src = np.asarray(src_block_ids, dtype=np.int64)[block_src] * gs.block_stride

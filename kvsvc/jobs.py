@@ -162,13 +162,16 @@ RECV_TERMINAL: Final = frozenset({R.DONE, R.FAILED, R.ABORTED})
 class SendJob:
     """P's job for one (transfer, D worker): from D's request to the outcome D is told."""
 
-    __slots__ = ("block_ids", "dst", "num_tokens", "reason", "state", "transfer_id")
+    __slots__ = ("block_ids", "dst", "first_token", "num_tokens", "reason", "state", "transfer_id")
 
-    def __init__(self, transfer_id: str, dst: tuple[int, int], block_ids: list[int], num_tokens: int) -> None:
+    def __init__(
+        self, transfer_id: str, dst: tuple[int, int], block_ids: list[int], num_tokens: int, first_token: int = 0
+    ) -> None:
         self.transfer_id = transfer_id
         self.dst = dst
         self.block_ids = block_ids
         self.num_tokens = num_tokens
+        self.first_token = first_token
         self.state = SendState.REQUESTED
         self.reason = ""
 

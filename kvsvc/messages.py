@@ -91,11 +91,14 @@ class HelloRefused(msgspec.Struct, tag="hello_refused", frozen=True, kw_only=Tru
 
 
 class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True):
-    """D to P: write your share of `transfer_id`'s first `num_tokens` tokens into these D blocks."""
+    """D to P: write your share of `transfer_id`'s tokens `[first_token, num_tokens)` into these D blocks (token t
+    goes to block `block_ids[t // block_size]`). `first_token` > 0 skips a prefix D holds already; peers that
+    predate it send and read 0."""
 
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
+    first_token: int = 0
 
 
 class Release(msgspec.Struct, tag="release", frozen=True, kw_only=True):

@@ -186,10 +186,13 @@ def plan_transfer(
     num_tokens: int | None = None,
     *,
     whole_blocks: bool = True,
+    first_token: int = 0,
 ) -> list[Descriptor]:
-    """The writes P worker `src` makes into D worker `dst` for tokens `[0, num_tokens)` of one request.
+    """The writes P worker `src` makes into D worker `dst` for tokens `[first_token, num_tokens)` of one request.
 
-    `num_tokens` defaults to every slot of `dst_block_ids`. Covers every layer both hold, for the heads
+    `num_tokens` defaults to every slot of `dst_block_ids`. Token t lies in block `ids[t // block_size]` of each
+    side's list; `first_token` > 0 skips a prefix D holds already (its own prefix cache), so the blocks before
+    `first_token // block_size` are never written. Covers every layer both hold, for the heads
     `source_heads(src, dst)`; `[]` when `src` is no source of `dst`. Runs are maximal and sorted by source
     address. When both sides are cross-layer pools with the same block size, heads and layer range, a run of
     blocks contiguous on both sides is one descriptor for all layers; otherwise the layers both hold that lie next
@@ -202,11 +205,12 @@ def plan_transfer(
 
     Raises:
         TopologyError: `check_compatible` refuses the pair.
-        ValueError: `num_tokens` is negative, a block id list is too short or outside the pool, or a D block
-            id repeats.
+        ValueError: `num_tokens` is negative, `first_token` lies outside `[0, num_tokens]` (or inside a block of
+            the fused layout, whose chunks cannot be cut), a block id list is too short or outside the pool, or a
+            D block id repeats.
     """
     src_addrs, dst_addrs, lengths = plan_transfer_arrays(
-        src, dst, src_block_ids, dst_block_ids, num_tokens, whole_blocks=whole_blocks
+        src, dst, src_block_ids, dst_block_ids, num_tokens, whole_blocks=whole_blocks, first_token=first_token
     )
     return list(map(_new_descriptor, zip(src_addrs.tolist(), dst_addrs.tolist(), lengths.tolist(), strict=True)))
 
@@ -219,6 +223,7 @@ def plan_transfer_arrays(
     num_tokens: int | None = None,
     *,
     whole_blocks: bool = True,
+    first_token: int = 0,
 ) -> tuple[Int64Array, Int64Array, Int64Array]:
     """`plan_transfer` as three int64 arrays (source addresses, destination addresses, lengths).
 
@@ -227,18 +232,23 @@ def plan_transfer_arrays(
 
     Raises:
         TopologyError: `check_compatible` refuses the pair.
-        ValueError: `num_tokens` is negative, a block id list is too short or outside the pool, or a D block
-            id repeats.
+        ValueError: `num_tokens` is negative, `first_token` lies outside `[0, num_tokens]` (or inside a block of
+            the fused layout, whose chunks cannot be cut), a block id list is too short or outside the pool, or a
+            D block id repeats.
     """
     check_compatible(src, dst)
     tokens = len(dst_block_ids) * dst.block_size if num_tokens is None else num_tokens
     if tokens < 0:
         raise ValueError(f"num_tokens {tokens} is negative")
+    if not 0 <= first_token <= tokens:
+        raise ValueError(f"first_token {first_token} outside [0, num_tokens {tokens}]")
+    if is_fused(src) and first_token % src.block_size:
+        raise ValueError(f"first_token {first_token} cuts a block of {src.block_size} tokens of layout {FUSED}")
     _check_block_ids("P", src, src_block_ids, tokens)
     _check_block_ids("D", dst, dst_block_ids, tokens)
     layers = _layer_overlap(src, dst)
     heads = _source_heads(src, dst)
-    if not layers or not heads or tokens == 0:
+    if not layers or not heads or tokens == first_token:
         return _EMPTY, _EMPTY, _EMPTY
     gs, gd = block_geometry(src), block_geometry(dst)
     if src.is_mla:
@@ -268,6 +278,7 @@ def plan_transfer_arrays(
         src_block_ids,
         dst_block_ids,
         tokens,
+        first_token=first_token,
         src_one_region=is_cross_layer(src),
         dst_one_region=is_cross_layer(dst),
     )

@@ -35,6 +35,7 @@ class _Recv:
     num_tokens: int
     deadline: float
     started: float
+    first_token: int = 0
     jobs: dict[Worker, RecvJob] = field(default_factory=dict)
     sources_known: bool = False
     aborted: bool = False
@@ -79,9 +80,17 @@ class Receiver:
     # -- events from the engine --------------------------------------------------------------------------------
 
     def start(
-        self, req_id: str, transfer_id: str, engine_id: str, block_ids: list[int], num_tokens: int, now: float
+        self,
+        req_id: str,
+        transfer_id: str,
+        engine_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        now: float,
+        first_token: int = 0,
     ) -> bool:
-        """Begin receiving `transfer_id` from engine `engine_id` into `block_ids`.
+        """Begin receiving tokens `[first_token, num_tokens)` of `transfer_id` from engine `engine_id` into
+        `block_ids`.
 
         Returns False (and changes nothing) when the transfer is already being received: repeats are no-ops.
 
@@ -96,7 +105,14 @@ class Receiver:
                 )
             return False
         self._recvs[transfer_id] = _Recv(
-            req_id, transfer_id, engine_id, block_ids, num_tokens, now + self._timeout, started=now
+            req_id,
+            transfer_id,
+            engine_id,
+            block_ids,
+            num_tokens,
+            now + self._timeout,
+            started=now,
+            first_token=first_token,
         )
         self._by_req[req_id] = transfer_id
         return True
@@ -297,7 +313,10 @@ class Receiver:
         for effect in effects:
             if effect is Effect.SEND_REQUEST:
                 request = TransferRequest(
-                    transfer_id=recv.transfer_id, block_ids=recv.block_ids, num_tokens=recv.num_tokens
+                    transfer_id=recv.transfer_id,
+                    block_ids=recv.block_ids,
+                    num_tokens=recv.num_tokens,
+                    first_token=recv.first_token,
                 )
                 commands.append(SendToSource(recv.engine_id, job.src, request))
             elif effect is Effect.SEND_ABORT:

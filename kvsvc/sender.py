@@ -27,6 +27,7 @@ class Submit:
     src_block_ids: list[int]
     dst_block_ids: list[int]
     num_tokens: int
+    first_token: int = 0  # tokens before it D holds already
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +179,7 @@ class Sender:
             return [refused]
         job = hold.jobs.get(dst.worker)
         if job is None:
-            job = SendJob(message.transfer_id, dst.worker, message.block_ids, message.num_tokens)
+            job = SendJob(message.transfer_id, dst.worker, message.block_ids, message.num_tokens, message.first_token)
             hold.jobs[dst.worker] = job
             hold.refs[dst.worker] = dst
             if hold.ended:
@@ -406,7 +407,9 @@ class Sender:
         commands: list[SendCommand] = []
         for effect in effects:
             if effect is Effect.SUBMIT:
-                commands.append(Submit(hold.transfer_id, dst, hold.block_ids, job.block_ids, job.num_tokens))
+                commands.append(
+                    Submit(hold.transfer_id, dst, hold.block_ids, job.block_ids, job.num_tokens, job.first_token)
+                )
             elif effect is Effect.REPLY_DONE:
                 nbytes, descriptors = hold.results.get(job.dst, (0, 0))
                 commands.append(

@@ -101,12 +101,20 @@ class ReceivingRole:
     # -- the engine's calls ------------------------------------------------------------------------------------
 
     def start_recv(
-        self, req_id: str, transfer_id: str, engine_id: str, url: str, block_ids: list[int], num_tokens: int
+        self,
+        req_id: str,
+        transfer_id: str,
+        engine_id: str,
+        url: str,
+        block_ids: list[int],
+        num_tokens: int,
+        first_token: int = 0,
     ) -> None:
         """As `KVTransferService.start_recv`, once the service is known open."""
-        check_blocks(self._ctx.metadata, block_ids, num_tokens, "D")
+        check_blocks(self._ctx.metadata, block_ids, num_tokens, "D", first_token)
         self._own_engine()
-        if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, self._ctx.clock()):
+        now = self._ctx.clock()
+        if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token):
             return
         self._ctx.wake.set()
         if not self._route_known(transfer_id, engine_id, url):

@@ -317,7 +317,7 @@ class SendingRole:
         now = self._ctx.clock()
         if isinstance(message, TransferRequest):
             try:
-                check_blocks(inbound.meta, message.block_ids, message.num_tokens, "D")
+                check_blocks(inbound.meta, message.block_ids, message.num_tokens, "D", message.first_token)
             except ValueError as exc:
                 refused = self._sender.refuse(inbound.ref, message.transfer_id, str(exc), now, inbound.expected)
                 self._run_send(refused)

@@ -188,18 +188,24 @@ class KVTransferService:
         remote_url: str,
         block_ids: list[int],
         num_tokens: int,
+        first_token: int = 0,
     ) -> None:
-        """Receive `transfer_id` from engine `remote_engine_id` (bootstrap endpoint `remote_url`) into
-        `block_ids`. The outcome appears once in `get_finished` (finished, or failed with its blocks invalid).
-        A repeat of a transfer being received is a no-op. Never waits on the handshake.
+        """Receive tokens `[first_token, num_tokens)` of `transfer_id` from engine `remote_engine_id` (bootstrap
+        endpoint `remote_url`) into `block_ids`, where token t goes to block `block_ids[t // block_size]`: a
+        `first_token` > 0 leaves the prefix this engine holds already (its prefix cache) untouched. The outcome
+        appears once in `get_finished` (finished, or failed with its blocks invalid). A repeat of a transfer being
+        received is a no-op. Never waits on the handshake.
 
         Raises:
             ServiceClosed: `close` was called.
-            ValueError: a block id is outside this worker's pool, or the blocks cannot hold `num_tokens`.
+            ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`, or
+                `first_token` lies outside `[0, num_tokens]`.
             LocalProtocolError: this engine has several PP stages and `set_engine_metadata` was not called.
         """
         self._check_open()
-        self._receiving.start_recv(req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens)
+        self._receiving.start_recv(
+            req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens, first_token
+        )
 
     def abort(self, req_id: str) -> None:
         """Abort `req_id` on whichever side holds it. Its blocks are reported (finished_sending on P, failed on D)

@@ -121,8 +121,13 @@ class ServiceThread:
         remote_url: str,
         block_ids: list[int],
         num_tokens: int,
+        first_token: int = 0,
     ) -> None:
-        self.call(lambda s: s.start_recv(req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens))
+        self.call(
+            lambda s: s.start_recv(
+                req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens, first_token
+            )
+        )
 
     def abort(self, req_id: str) -> None:
         self.call(lambda s: s.abort(req_id))

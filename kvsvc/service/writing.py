@@ -109,7 +109,7 @@ class BlockWriter:
         try:
             if target is None:
                 raise PeerLost(f"control connection to {command.dst} lost before the write")
-            descriptors = self._plan(target, command.src_block_ids, command.dst_block_ids, command.num_tokens)
+            descriptors = self._plan(target, command)
             ndesc = len(descriptors)
             layers = self._layer_ready.get(command.transfer_id)
             if layers is None:
@@ -154,7 +154,7 @@ class BlockWriter:
         if target is None:
             return False
         try:
-            descriptors = self._plan(target, command.src_block_ids, command.dst_block_ids, command.num_tokens)
+            descriptors = self._plan(target, command)
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
         result = self._start_write(target.meta.transport_addr, descriptors)
@@ -188,10 +188,9 @@ class BlockWriter:
 
         drained.add_done_callback(after_drain)
 
-    def _plan(
-        self, target: WriteTarget, src_ids: list[int], dst_ids: list[int], num_tokens: int
-    ) -> Sequence[tuple[int, int, int]]:
-        """`plan_transfer`, from `target`'s cache when the used P and D blocks are each one run of consecutive ids.
+    def _plan(self, target: WriteTarget, command: Submit) -> Sequence[tuple[int, int, int]]:
+        """`plan_transfer`, from `target`'s cache when the used P and D blocks are each one run of consecutive ids
+        and D holds no prefix already (`first_token` 0).
 
         Such a plan is the plan of the runs starting at block 0, shifted by each side's first block times its
         block stride: merging depends only on which ranges touch, and a shift keeps that (a run touches the next
@@ -202,6 +201,9 @@ class BlockWriter:
             TopologyError / ValueError: as `plan_transfer` (the uncached path runs every check).
         """
         src, dst = self._ctx.metadata, target.meta
+        src_ids, dst_ids, num_tokens = command.src_block_ids, command.dst_block_ids, command.num_tokens
+        if command.first_token:
+            return plan_transfer(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token)
         n_src, n_dst = -(-num_tokens // src.block_size), -(-num_tokens // dst.block_size)
         if not (
             0 < n_src <= len(src_ids)

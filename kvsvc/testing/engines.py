@@ -92,11 +92,18 @@ class LoopbackEngine:
             service.start_send(req_id, transfer_id, block_ids, num_tokens)
 
     def start_recv(
-        self, req_id: str, transfer_id: str, source: LoopbackEngine, block_ids: list[int], num_tokens: int
+        self,
+        req_id: str,
+        transfer_id: str,
+        source: LoopbackEngine,
+        block_ids: list[int],
+        num_tokens: int,
+        first_token: int = 0,
     ) -> None:
-        """Receive `transfer_id` from `source` into `block_ids` on every worker."""
+        """Receive tokens `[first_token, num_tokens)` of `transfer_id` from `source` into `block_ids` on every
+        worker."""
         for service in self.services.values():
-            service.start_recv(req_id, transfer_id, source.engine_id, source.url, block_ids, num_tokens)
+            service.start_recv(req_id, transfer_id, source.engine_id, source.url, block_ids, num_tokens, first_token)
 
     def abort(self, req_id: str) -> None:
         for service in self.services.values():
@@ -135,8 +142,9 @@ class LoopbackEngine:
             await asyncio.sleep(0.005)
         return self._outcomes[req_id]
 
-    def check_received(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
-        """Every byte of tokens `[0, num_tokens)` of every layer and head this engine holds is `transfer_id`'s.
+    def check_received(self, transfer_id: str, block_ids: list[int], num_tokens: int, first_token: int = 0) -> None:
+        """Every byte of tokens `[first_token, num_tokens)` of every layer and head this engine holds is
+        `transfer_id`'s.
 
         Raises:
             AssertionError: naming the worker, layer and first wrong token.
@@ -144,9 +152,9 @@ class LoopbackEngine:
         for worker in self.workers:
             meta = self.sim.metas[worker]
             for layer in range(meta.start_layer, meta.end_layer):
-                got = self.sim.tokens(worker, layer, block_ids, num_tokens)
-                want = self._pattern(worker, transfer_id, layer, num_tokens)
-                bad = (got != want).any(axis=(1, 2, 3)).nonzero()[0]
+                got = self.sim.tokens(worker, layer, block_ids, num_tokens)[first_token:]
+                want = self._pattern(worker, transfer_id, layer, num_tokens)[first_token:]
+                bad = (got != want).any(axis=(1, 2, 3)).nonzero()[0] + first_token
                 if bad.size:
                     raise AssertionError(
                         f"{self.engine_id}{worker} layer {layer}: token {int(bad[0])} of {transfer_id!r} is wrong "

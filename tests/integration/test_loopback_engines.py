@@ -34,6 +34,22 @@ async def test_loopback_engines_move_every_byte_over_mooncake(
     assert p.holds() == 0 and d.holds() == 0
 
 
+async def test_a_prefix_d_holds_already_is_left_as_it_is(loopback_engines: LoopbackFactory) -> None:
+    p, d = await loopback_engines(EngineSpec(block_size=4), EngineSpec(tp_size=2, block_size=4))
+    d_blocks = [7, 1, 9, 12]
+    for worker in d.workers:  # D's own prefix (its prefix cache) in the first two blocks
+        d.sim.arenas[worker][:] = 0x3C
+    p.start_send("p1", "t1", [2, 3, 4, 5], 14)
+    d.start_recv("d1", "t1", p, d_blocks, 14, first_token=8)
+    assert await d.wait("d1") == "finished"
+    assert await p.wait("p1") == "finished_sending"
+    d.check_received("t1", d_blocks, 14, first_token=8)
+    for worker in d.workers:
+        prefix = d.sim.tokens(worker, 0, d_blocks, 8)
+        assert (prefix == 0x3C).all(), "a block D held already was written"
+    assert p.holds() == 0 and d.holds() == 0
+
+
 async def test_a_decode_abort_reaches_the_prefill_engine(loopback_engines: LoopbackFactory) -> None:
     p, d = await loopback_engines(config=ServiceConfig(hold_timeout_s=30, early_request_timeout_s=30))
     d.start_recv("d1", "never-sent", p, [1], 4)

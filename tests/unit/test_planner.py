@@ -224,6 +224,20 @@ def test_bad_requests_are_value_errors(src_ids: list[int], dst_ids: list[int], t
     assert not isinstance(info.value, TopologyError)
 
 
+def test_a_prefix_d_holds_already_is_skipped_and_bad_first_tokens_refused() -> None:
+    p, d = one("P"), one("D")
+    whole = plan_transfer(p, d, [0, 1, 2], [5, 6, 7], 48)
+    tail = plan_transfer(p, d, [0, 1, 2], [5, 6, 7], 48, first_token=16)
+    bb = block_bytes(p)
+    assert tail == [Descriptor(x.src_addr + bb, x.dst_addr + bb, x.length - bb) for x in whole]
+    assert plan_transfer(p, d, [0, 1, 2], [5, 6, 7], 48, first_token=48) == []
+    with pytest.raises(ValueError, match="first_token 49 outside"):
+        plan_transfer(p, d, [0, 1, 2], [5, 6, 7], 48, first_token=49)
+    fused_p, fused_d = one("P", layout="HND_FUSED"), one("D", layout="HND_FUSED")
+    with pytest.raises(ValueError, match="first_token 8 cuts a block of 16 tokens"):
+        plan_transfer(fused_p, fused_d, [0, 1], [0, 1], 32, first_token=8)
+
+
 def test_whole_blocks_only_completes_the_current_blocks() -> None:
     p, d = one("P"), one("D", block_size=32)
     plan = plan_transfer(p, d, [0, 1], [0], 20)

@@ -55,6 +55,7 @@ class Layouts:
     p_block: int = 16
     d_block: int = 16
     tokens: int = 64
+    first: int = 0  # D holds tokens [0, first) already (its prefix cache): they must stay untouched
     mla: bool = False
     layout: str = "HND"  # both sides, unless p_layout or d_layout says otherwise
     p_layout: str | None = None
@@ -151,8 +152,10 @@ def simulate(s: Layouts) -> int:
     for p_key, p_meta in sorted(p_engine.items()):
         regions = [(b, b + size) for b, size in pool_regions(p_meta)]
         for d_key, d_meta in sorted(d_engine.items()):
-            plan = plan_transfer(p_meta, d_meta, p_ids, d_ids, s.tokens, whole_blocks=s.whole_blocks)
-            assert bool(plan) == (is_source(p_meta, d_meta) and s.tokens > 0), (p_key, d_key)
+            plan = plan_transfer(
+                p_meta, d_meta, p_ids, d_ids, s.tokens, whole_blocks=s.whole_blocks, first_token=s.first
+            )
+            assert bool(plan) == (is_source(p_meta, d_meta) and s.tokens > s.first), (p_key, d_key)
             assert plan == sorted(plan), "plans are sorted by source address"
             d_regions = [(b, b + size) for b, size in pool_regions(d_meta)]
             for a, b in itertools.pairwise(plan):
@@ -182,7 +185,7 @@ def simulate(s: Layouts) -> int:
             got = _view(d_arena, d_meta, i)
             count = _bytes(writes, d_meta, i)
             listed = expected >= 0
-            required = listed & (token < s.tokens)
+            required = listed & (token >= s.first) & (token < s.tokens)
             optional = listed & (token >= s.tokens) & (token < last_end)
             untouched = ~(required | optional)
             assert (got[..., 0][required] == expected[required]).all(), f"D layer {layer}: wrong or missing KV"
@@ -285,6 +288,13 @@ CASES = {
     "HNC P -> HND D, block 16 -> 32": Layouts(p_layout="HNC", d_layout="HND", d_block=32, tokens=50, p_tp=2),
     "NHC, no head split, partial": Layouts(layout="NHC", p_tp=2, d_tp=2, tokens=45),
     "NHC P -> KV_NHD D, replicated": Layouts(p_layout="NHC", d_layout="KV_NHD", heads=2, p_tp=2, d_tp=4),
+    "D holds a prefix already": Layouts(tokens=61, first=32, p_tp=2, d_tp=4),
+    "D holds a prefix, blocks 16 -> 24": Layouts(tokens=61, first=24, p_block=16, d_block=24),
+    "D holds a prefix, cross-layer, scattered": Layouts(
+        layout=CROSS_LAYER, tokens=80, first=48, p_ids=[9, 3, 4, 5, 0], d_ids=[2, 7, 8, 1, 0]
+    ),
+    "D holds every token": Layouts(tokens=48, first=48),
+    "fused, D holds a prefix": Layouts(layout=FUSED, tokens=50, first=32, p_tp=1, d_tp=2),
     "fused (vLLM CPU)": Layouts(layout=FUSED, tokens=64),
     "fused, partial last block": Layouts(layout=FUSED, tokens=37, whole_blocks=False),
     "fused head split P tp1 -> D tp2, partial": Layouts(layout=FUSED, p_tp=1, d_tp=2, tokens=37),
@@ -374,6 +384,12 @@ def layouts(draw: st.DrawFn) -> Layouts:
         layer_gap=draw(st.sampled_from([0, 32])),
         extra_blocks=draw(st.integers(0, 2)),
         whole_blocks=draw(st.booleans()),
+        # A prefix D holds already: whole D blocks (as a prefix cache hit is), or any token off the fused layout.
+        first=draw(
+            st.sampled_from(range(0, tokens + 1, d_block))
+            if p_layout == FUSED
+            else st.one_of(st.just(0), st.integers(0, tokens), st.sampled_from(range(0, tokens + 1, d_block)))
+        ),
     )
 
 
