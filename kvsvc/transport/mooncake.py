@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -398,7 +398,7 @@ class MooncakeTransport:
                 await asyncio.wait_for(self.drained(), self.config.close_timeout_s)
         await self._completions.stop()
         if self._probes is not None:  # a probe uses the engine: let it return (at most ~5 s) before destroying it
-            await asyncio.to_thread(self._probes.shutdown)
+            await _off_loop(self._probes.shutdown)
         if self._completions.in_flight:
             log.warning(
                 "closing Mooncake transport %s with %d descriptor(s) in flight: leaking its engine",
@@ -420,4 +420,15 @@ class MooncakeTransport:
                 box[0].batch_unregister_memory([a for a, _ in regions])
             box.clear()  # the last reference: the engine's destructor runs here, off the loop
 
-        await asyncio.to_thread(destroy)
+        await _off_loop(destroy)
+
+
+async def _off_loop(fn: Callable[[], None]) -> None:
+    """Run `fn` in a thread; in this thread when the interpreter is exiting and refuses new ones (an engine that
+    closes its transport from an `atexit` hook, as vLLM does)."""
+    try:
+        done = asyncio.get_running_loop().run_in_executor(None, fn)
+    except RuntimeError:  # the executor refused the job (it never ran): run it here
+        fn()
+        return
+    await done

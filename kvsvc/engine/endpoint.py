@@ -1,7 +1,8 @@
 """`BootstrapEndpoint`: an engine's handshake endpoint, served over HTTP from a private event loop thread.
 
-Imports aiohttp and `kvsvc.engine.bootstrap` (server, metadata route); used by `workers.executor`, whose blocking
-calls reach the loop thread through `run_coroutine_threadsafe` with a timeout. Invariants: once bound, the URL (host
+Imports aiohttp and `kvsvc.engine.bootstrap` (server, metadata route); for engine cores that are not asyncio
+programs (`workers.executor`, the vLLM connector's scheduler side), whose blocking calls reach the loop thread
+through `run_coroutine_threadsafe` with a timeout. Invariants: once bound, the URL (host
 and port) stays the same across `serve` calls; `withdraw` stops handing out the old metadata before a restart.
 """
 
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata, serve_app
 from kvsvc.messages import WorkerMetadata
+from kvsvc.service.threaded import new_event_loop
 
 
 class BootstrapEndpoint:
@@ -22,7 +24,7 @@ class BootstrapEndpoint:
 
     def __init__(self, host: str, port: int, app: web.Application | None = None) -> None:
         self._host, self._port = host, port
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bootstrap", daemon=True)
         self._thread.start()
         self._server: BootstrapServer | None = None

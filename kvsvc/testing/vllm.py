@@ -1,0 +1,354 @@
+"""Real vLLM engines for tests, examples and benchmarks: a tiny random-weight Llama written locally, and one engine per
+child process, driven over a pipe.
+
+Imports the standard library only at module level (torch and safetensors inside `write_tiny_llama`; vllm only in the
+child, `kvsvc.testing.vllm_engine`). Rules: every call has a deadline and raises `EngineError` with the tail of the
+engine's log when the child errs, dies or stalls; `close` always reaps the child. The model's weights are random
+with a fixed seed, so its greedy tokens depend on every bit of the prompt's KV (vLLM's "dummy" weights do not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The tiny Llama: 4 layers, 8 query heads over 4 KV heads of 32, vocabulary 1024.
+TINY_LLAMA = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "vocab_size": 1024,
+}
+REPLY = "KVSVC-ENGINE-REPLY "
+
+
+class EngineError(RuntimeError):
+    """A vLLM engine child failed, died or did not answer in time; the message ends with its log's tail."""
+
+
+def write_tiny_llama(path: Path | str, *, seed: int = 0, std: float = 0.05) -> Path:
+    """Write a Llama config and seeded random float32 weights (no tokenizer) into `path`; returns it.
+
+    Raises:
+        ImportError: torch or safetensors is missing.
+        OSError: `path` cannot be written.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    c = TINY_LLAMA
+    hidden, inter, heads, kv_heads, head_dim = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    )
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    weights = {
+        "model.embed_tokens.weight": rand(c["vocab_size"], hidden),
+        "lm_head.weight": rand(c["vocab_size"], hidden),
+    }
+    weights["model.norm.weight"] = torch.ones(hidden)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
+        weights[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        weights[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        weights[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
+        weights[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = rand(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = rand(hidden, inter)
+        weights[p + "input_layernorm.weight"] = torch.ones(hidden)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **c,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine child. `kv_role` None starts a plain engine (no connector); otherwise kvsvc's connector."""
+
+    model: str
+    kv_role: str | None = None  # "kv_producer", "kv_consumer", "kv_both"
+    kv_load_failure_policy: str = "recompute"
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    connector: str = "KvsvcConnector"
+    connector_module: str = "kvsvc.vllm"
+    block_size: int = 32
+    tensor_parallel_size: int = 1
+    max_model_len: int = 4096
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    kv_cache_bytes: int = 128 * 1024 * 1024
+    engine_id: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Output:
+    """One request's result as `LLM.generate` returned it."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+class VllmEngine:
+    """A vLLM engine (`LLM`, one process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) in a child process.
+
+    `start()` returns once the engine is ready. Calls block until the child answers or their deadline passes;
+    `submit` starts a generation and returns at once (collect it with `result`), so stats and signals can be sent
+    while it runs.
+    """
+
+    def __init__(self, config: EngineConfig, *, name: str = "engine", log_dir: Path | str | None = None) -> None:
+        self.config = config
+        self.name = name
+        self._log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvsvc-vllm-"))
+        self.log_path = self._log_dir / f"{name}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buffer = b""
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._next_id = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 180.0) -> VllmEngine:
+        """Start the child and wait for its engine (`launch` then `wait_ready`).
+
+        Raises:
+            EngineError: the engine did not come up (its log's tail is in the message).
+        """
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> VllmEngine:
+        """Wait for a `launch`ed child's engine: several engines start side by side this way.
+
+        Raises:
+            EngineError: the engine did not come up (its log's tail is in the message).
+        """
+        self._wait_reply(-1, timeout_s)  # the child answers id -1 once its engine is ready
+        return self
+
+    def launch(self) -> None:
+        """Start the child process; its engine comes up in the background."""
+        env = dict(os.environ)
+        env.update(
+            {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.config.env)
+        config = json.dumps({**asdict(self.config), "extra_config": dict(self.config.extra_config)})
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsvc.testing.vllm_engine", config, str(self.log_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise EngineError(f"{self.name} is not started")
+        return self._proc.pid
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Ask the child to exit (the connector closes), then kill what is left. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGCONT)
+                assert proc.stdin is not None
+                proc.stdin.write(b'{"op": "exit", "id": 0}\n')
+                proc.stdin.flush()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+    def kill(self) -> None:
+        """SIGKILL the child (a crashed engine) and reap it."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP the child: the engine and its kvsvc threads stop answering."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a frozen child."""
+        os.kill(self.pid, signal.SIGCONT)
+
+    def __enter__(self) -> VllmEngine:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # -- calls -------------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        params: Sequence[Mapping[str, Any] | None] | None = None,
+        timeout_s: float = 300.0,
+    ) -> list[Output]:
+        """Greedy generation of `max_tokens` tokens per prompt (EOS ignored), each with its `kv_transfer_params`.
+
+        Raises:
+            EngineError: the child failed or did not answer within `timeout_s`.
+        """
+        return self.result(self.submit(prompts, max_tokens=max_tokens, params=params), timeout_s)
+
+    def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        params: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> int:
+        """Start `generate` in the child and return its call id (for `result`)."""
+        chosen = list(params) if params is not None else [None] * len(prompts)
+        return self._send(
+            {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "params": chosen}
+        )
+
+    def result(self, call_id: int, timeout_s: float = 300.0) -> list[Output]:
+        """The outputs of the `submit` call `call_id`, in prompt order.
+
+        Raises:
+            EngineError: the child failed or did not answer within `timeout_s`.
+        """
+        reply = self._wait_reply(call_id, timeout_s)
+        return [Output(**o) for o in reply["outputs"]]
+
+    def abort(self, call_id: int, indexes: Sequence[int], timeout_s: float = 30.0) -> None:
+        """Abort requests `indexes` (positions in its prompts) of the running `submit` call `call_id`; they end with
+        finish reason "abort" (the engine applies it between two steps)."""
+        self._wait_reply(self._send({"op": "abort", "call": call_id, "indexes": list(indexes)}), timeout_s)
+
+    def stats(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The engine's connector and scheduler figures (see `kvsvc.testing.vllm_engine`); answered even while a
+        generation runs."""
+        stats: dict[str, Any] = self._wait_reply(self._send({"op": "stats"}), timeout_s)["stats"]
+        return stats
+
+    def settle(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Step the engine until its scheduler holds no request (P's held blocks reported sent), then `stats`.
+
+        Raises:
+            EngineError: something is still held after `timeout_s`.
+        """
+        stats: dict[str, Any] = self._wait_reply(self._send({"op": "settle", "timeout_s": timeout_s}), timeout_s + 30)[
+            "stats"
+        ]
+        return stats
+
+    def corrupt_kv(self, timeout_s: float = 30.0) -> None:
+        """Overwrite every KV cache tensor of the engine with random values (a negative control)."""
+        self._wait_reply(self._send({"op": "corrupt"}), timeout_s)
+
+    # -- the pipe ----------------------------------------------------------------------------------------------
+
+    def _send(self, message: dict[str, Any]) -> int:
+        proc = self._running()
+        self._next_id += 1
+        message["id"] = self._next_id
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(message).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError as exc:
+            raise self._error(f"cannot write to it: {exc}") from None
+        return self._next_id
+
+    def _wait_reply(self, call_id: int, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while call_id not in self._replies:
+            proc = self._running()
+            assert proc.stdout is not None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._error(f"no answer to call {call_id} within {timeout_s:g} s")
+            ready, _, _ = select.select([proc.stdout], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                proc.wait()
+                raise self._error(f"exited with code {proc.returncode}")
+            self._buffer += chunk
+            *lines, self._buffer = self._buffer.split(b"\n")
+            for line in lines:
+                if line.startswith(REPLY.encode()):
+                    reply = json.loads(line[len(REPLY) :])
+                    self._replies[reply["id"]] = reply
+        reply = self._replies.pop(call_id)
+        if "error" in reply:
+            raise self._error(reply["error"])
+        return reply
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        if self._proc is None:
+            raise EngineError(f"{self.name} is not running")
+        return self._proc
+
+    def _error(self, what: str) -> EngineError:
+        tail = ""
+        with contextlib.suppress(OSError):
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
+        return EngineError(f"vLLM engine {self.name} (log {self.log_path}): {what}\n--- log tail ---\n{tail}")

@@ -1,0 +1,202 @@
+"""The child of `kvsvc.testing.vllm.VllmEngine`: one vLLM `LLM` engine, driven by JSON lines on stdin.
+
+Run as `python -m kvsvc.testing.vllm_engine CONFIG_JSON LOG_PATH`. Imports vllm. Rules: the engine's own output (vLLM
+logs to stdout) goes to LOG_PATH; replies go to the original stdout, one line each, prefixed with
+`kvsvc.testing.vllm.REPLY`; every engine call runs on one engine thread, in order, while `stats` is answered at
+once from the reader thread (the figures it reads are counters; a torn read is harmless in a test); an exception
+in a call is answered as `{"error": ...}`, never kills the child.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any, TextIO, cast
+
+from kvsvc.testing.vllm import REPLY
+
+_EMPTY: dict[str, Any] = {"token_ids": [], "finish_reason": None, "num_cached_tokens": 0, "kv_transfer_params": None}
+
+
+class _Engine:
+    def __init__(self, config: dict[str, Any], out: TextIO) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self._out = out
+        self._lock = threading.Lock()
+        self.aborts: queue.Queue[list[str]] = queue.Queue()  # request ids to abort between two engine steps
+        transfer = None
+        if config["kv_role"] is not None:
+            transfer = KVTransferConfig(
+                kv_connector=config["connector"],
+                kv_connector_module_path=config["connector_module"],
+                kv_role=config["kv_role"],
+                kv_load_failure_policy=config["kv_load_failure_policy"],
+                kv_connector_extra_config=config["extra_config"],
+                engine_id=config["engine_id"],
+            )
+        self.llm = LLM(
+            model=config["model"],
+            skip_tokenizer_init=True,
+            dtype="float32",
+            seed=0,
+            enforce_eager=True,
+            block_size=config["block_size"],
+            tensor_parallel_size=config["tensor_parallel_size"],
+            max_model_len=config["max_model_len"],
+            max_num_seqs=config["max_num_seqs"],
+            max_num_batched_tokens=config["max_num_batched_tokens"],
+            kv_cache_memory_bytes=config["kv_cache_bytes"],
+            kv_transfer_config=transfer,
+        )
+        # In one process the client holds the engine core itself (its scheduler, executor and connector).
+        self.core: Any = cast(Any, self.llm.llm_engine.engine_core).engine_core
+
+    def reply(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            self._out.write(REPLY + json.dumps(message) + "\n")
+            self._out.flush()
+
+    def generate(
+        self, call_id: int, prompts: list[list[int]], max_tokens: int, params: list[Any]
+    ) -> list[dict[str, Any]]:
+        """`LLM.generate`'s loop, written out so aborts (`abort`) land between two steps; request `i` of this call
+        is named `f"{call_id}-{i}"`."""
+        from vllm import RequestOutput, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        names = [f"{call_id}-{i}" for i in range(len(prompts))]
+        for name, prompt, p in zip(names, prompts, params, strict=True):
+            sampling = SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": p} if p is not None else None,
+            )
+            engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), sampling)
+        done: dict[str, dict[str, Any]] = {}
+        while engine.has_unfinished_requests():
+            while not self.aborts.empty():
+                aborted = [name for name in self.aborts.get() if name in names and name not in done]
+                engine.abort_request(aborted)
+                # An aborted request yields no output of its own.
+                done.update({name: {**_EMPTY, "finish_reason": "abort"} for name in aborted})
+            for o in engine.step():
+                if isinstance(o, RequestOutput) and o.finished:
+                    done[o.request_id] = {
+                        "token_ids": list(o.outputs[0].token_ids),
+                        "finish_reason": o.outputs[0].finish_reason,
+                        "num_cached_tokens": o.num_cached_tokens or 0,
+                        "kv_transfer_params": o.kv_transfer_params,
+                    }
+        return [done[name] for name in names]
+
+    def settle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.core.scheduler.has_requests():
+            if time.monotonic() > deadline:
+                held = sorted(self.core.scheduler.requests)[:8]
+                raise TimeoutError(f"requests {held} still held after {timeout_s:g} s")
+            self.llm.llm_engine.step()
+            time.sleep(0.005)
+
+    def corrupt(self) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(1234)
+        for cache in self._kv_caches():
+            cache.copy_(torch.randn(cache.shape, generator=gen, dtype=cache.dtype))
+        self.llm.reset_prefix_cache()  # later requests must not reuse the corrupted blocks
+
+    def stats(self) -> dict[str, Any]:
+        scheduler = self.core.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        figures: dict[str, Any] = {
+            "scheduler_requests": len(scheduler.requests),
+            "free_blocks": pool.get_num_free_blocks(),
+            "total_blocks": pool.num_gpu_blocks,
+        }
+        connector = scheduler.connector
+        if connector is not None and getattr(connector, "_scheduler", None) is not None:
+            figures["flow"] = dataclasses.asdict(connector._scheduler.flow.statistics())
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            worker = getattr(get_kv_transfer_group(), "_worker", None)
+            if worker is not None:
+                service = worker.statistics()
+                figures["service"] = dataclasses.asdict(service)
+                figures["holds"] = service.holds
+        return figures
+
+    def _kv_caches(self) -> list[Any]:
+        runner = self.core.model_executor.driver_worker.worker.model_runner
+        return list(runner.kv_caches)
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    log_path = sys.argv[2]
+    out = os.fdopen(os.dup(1), "w")
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        engine = _Engine(config, out)
+    except BaseException as exc:
+        out.write(REPLY + json.dumps({"id": -1, "error": f"engine did not start: {type(exc).__name__}: {exc}"}) + "\n")
+        out.flush()
+        raise
+    engine.reply({"id": -1})
+    calls: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def run_calls() -> None:
+        while (call := calls.get()) is not None:
+            try:
+                if call["op"] == "generate":
+                    outputs = engine.generate(call["id"], call["prompts"], call["max_tokens"], call["params"])
+                    engine.reply({"id": call["id"], "outputs": outputs})
+                elif call["op"] == "settle":
+                    engine.settle(call["timeout_s"])
+                    engine.reply({"id": call["id"], "stats": engine.stats()})
+                elif call["op"] == "corrupt":
+                    engine.corrupt()
+                    engine.reply({"id": call["id"]})
+            except Exception as exc:
+                logging.exception("call %s failed", call["op"])
+                engine.reply({"id": call["id"], "error": f"{call['op']} failed: {type(exc).__name__}: {exc}"})
+
+    runner = threading.Thread(target=run_calls, name="engine-calls")
+    runner.start()
+    for line in sys.__stdin__ or ():
+        call = json.loads(line)
+        if call["op"] == "exit":
+            break
+        if call["op"] == "stats":
+            try:
+                engine.reply({"id": call["id"], "stats": engine.stats()})
+            except Exception as exc:
+                engine.reply({"id": call["id"], "error": f"stats failed: {type(exc).__name__}: {exc}"})
+        elif call["op"] == "abort":
+            engine.aborts.put([f"{call['call']}-{i}" for i in call["indexes"]])
+            engine.reply({"id": call["id"]})
+        else:
+            calls.put(call)
+    calls.put(None)
+    runner.join()
+    engine.llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()

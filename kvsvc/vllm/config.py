@@ -1,0 +1,119 @@
+"""`kv_connector_extra_config` of the kvsvc vLLM connector: every key, its default, and the checks on it.
+
+Pure module: standard library, msgspec and kvsvc's service config only. Rules: no key is required, so a connector
+with no extra config works on one host (loopback addresses, free ports); an unknown key or a value of the wrong type
+is a `ValueError` naming it, at engine start; a control port reachable beyond loopback needs a control token
+(docs/decisions.md); the defaults of the timeouts are `kvsvc.service.config.ServiceConfig`'s.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvsvc.service.config import ServiceConfig
+
+_SERVICE = ServiceConfig()
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The connector's settings (docs/vllm.md explains each)."""
+
+    bootstrap_host: str = "127.0.0.1"
+    """Address the engine core serves the handshake endpoint on (P engines)."""
+    bootstrap_port: int = 0
+    """Port of the handshake endpoint; 0 picks a free one."""
+    advertise_host: str = ""
+    """Host D is told to reach the handshake endpoint at; empty means `bootstrap_host`."""
+    control_host: str = "127.0.0.1"
+    """Address each worker's control server binds (D workers connect to it)."""
+    transport_host: str = "127.0.0.1"
+    """Address peers reach this worker's Mooncake transfer engine at."""
+    protocol: str = "tcp"
+    """Mooncake transport: "tcp" or "rdma"."""
+    device_name: str = ""
+    """RDMA devices for Mooncake ("" lets it discover them)."""
+    control_token: str | None = None
+    """Secret every engine of the deployment shares; needed when `control_host` is not a loopback address."""
+    control_token_file: str | None = None
+    """File holding the control token (read at start), instead of `control_token`."""
+    hold_timeout_s: float = _SERVICE.hold_timeout_s
+    recv_timeout_s: float = _SERVICE.recv_timeout_s
+    handshake_timeout_s: float = _SERVICE.handshake_timeout_s
+    abort_grace_s: float = _SERVICE.abort_grace_s
+    call_timeout_s: float = 30.0
+    """How long a vLLM hook waits for the worker's kvsvc loop before it gives up (a wedged loop never hangs vLLM)."""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"kv_connector_extra_config['protocol'] is {self.protocol!r}; expected 'tcp' or 'rdma'")
+        if not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"kv_connector_extra_config['bootstrap_port'] {self.bootstrap_port} is not a port")
+        for name in ("hold_timeout_s", "recv_timeout_s", "handshake_timeout_s", "abort_grace_s", "call_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {getattr(self, name)}")
+        if self.control_token is not None and self.control_token_file is not None:
+            raise ValueError("kv_connector_extra_config: give control_token or control_token_file, not both")
+
+    @property
+    def advertised_host(self) -> str:
+        """The host in the bootstrap address P hands to D.
+
+        Raises:
+            ValueError: the endpoint binds every interface and no `advertise_host` says which one D should use.
+        """
+        host = self.advertise_host or self.bootstrap_host
+        if host in ("0.0.0.0", "::", ""):
+            raise ValueError(
+                f"kv_connector_extra_config: bootstrap_host {self.bootstrap_host!r} binds every interface; set "
+                "advertise_host to the address D engines reach this host at"
+            )
+        return host
+
+    def service_config(self, control_token: str | None) -> ServiceConfig:
+        """The worker service's settings, with the token read from wherever it was configured.
+
+        Raises:
+            ValueError: the control port is reachable beyond loopback and there is no token, or the token is empty.
+        """
+        if control_token is None and not is_loopback(self.control_host):
+            raise ValueError(
+                f"kv_connector_extra_config: control_host {self.control_host!r} is reachable beyond loopback, so "
+                "the control port needs control_token or control_token_file (every engine of the deployment "
+                "shares it)"
+            )
+        return ServiceConfig(
+            control_host=self.control_host,
+            hold_timeout_s=self.hold_timeout_s,
+            recv_timeout_s=self.recv_timeout_s,
+            handshake_timeout_s=self.handshake_timeout_s,
+            abort_grace_s=self.abort_grace_s,
+            control_token=control_token,
+        )
+
+
+def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    """The connector's settings from vLLM's `kv_connector_extra_config` (None or {} gives the defaults).
+
+    Raises:
+        ValueError: an unknown key, a value of the wrong type, or one of `ConnectorConfig`'s checks; the message
+            names the key.
+    """
+    try:
+        return msgspec.convert(dict(extra or {}), ConnectorConfig)
+    except msgspec.ValidationError as exc:
+        known = ", ".join(ConnectorConfig.__struct_fields__)
+        raise ValueError(f"kv_connector_extra_config: {exc} (known keys: {known})") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address or `localhost` (a name that may resolve elsewhere is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

