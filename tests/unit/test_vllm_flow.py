@@ -1,0 +1,216 @@
+"""The vLLM connector's scheduler-side decisions (`SchedulerFlow`), its params and its config, with no vLLM at all."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsvc.vllm.config import ConnectorConfig, is_loopback, parse_config
+from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec
+from kvsvc.vllm.params import ParamsError, RemotePrefill, parse_remote_prefill, producer_params, prompt_hash
+
+BS = 16
+PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks
+
+
+def flow() -> SchedulerFlow:
+    return SchedulerFlow(engine_id="P-engine", bootstrap_addr="http://10.0.0.1:8998", block_size=BS)
+
+
+def p_params(prompt: list[int] = PROMPT, transfer_id: str = "t1") -> dict[str, object]:
+    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", transfer_id, len(prompt), prompt_hash(prompt))
+    return producer_params(remote)
+
+
+# -- P -----------------------------------------------------------------------------------------------------------
+
+
+def test_p_holds_a_one_token_request_from_the_step_that_ends_its_prompt() -> None:
+    f = flow()
+    f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    assert f.wants_blocks("r1")
+    f.scheduled("r1", 0, 32, [7, 8, 9, 10])  # a first chunk: the prompt is not done
+    assert f.build().sends == ()
+    f.scheduled("r1", 32, 8, [7, 8, 9, 10])
+    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9), 40),)  # only the prompt's blocks
+    assert not f.wants_blocks("r1")
+    keep, params = f.finished("r1", [7, 8, 9, 10], completed=True)
+    assert keep and params == p_params(transfer_id="r1")
+    assert f.build().sends == ()  # held once
+
+
+def test_p_holds_a_request_that_decodes_on_p_only_when_it_finishes() -> None:
+    f = flow()
+    f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=5)
+    assert not f.wants_blocks("r1")  # its blocks may still move (preemption): not before the end
+    f.scheduled("r1", 0, 40, [1, 2, 3])
+    assert f.build().sends == ()
+    keep, params = f.finished("r1", [4, 5, 6], completed=True)
+    assert keep and params is not None
+    assert f.build().sends == (SendSpec("r1", "r1", (4, 5, 6), 40),)
+
+
+def test_an_aborted_p_request_is_freed_at_once_unless_held_then_its_hold_is_aborted() -> None:
+    f = flow()
+    f.on_new_request("early", PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    assert f.finished("early", [1], completed=False) == (False, None)
+    f.on_new_request("held", PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    f.scheduled("held", 0, 40, [1, 2, 3])
+    f.build()
+    assert f.finished("held", [1, 2, 3], completed=False) == (True, None)  # blocks kept until the abort drained
+    assert f.build().aborts == ("held",)
+
+
+def test_requests_without_transfer_params_are_left_alone() -> None:
+    f = flow()
+    f.on_new_request("plain", PROMPT, None)
+    f.on_new_request("plain2", PROMPT, {"something": "else"})
+    assert f.matched_tokens("plain", 40, 0) == (0, False)
+    f.scheduled("plain", 0, 40, [1, 2, 3])
+    assert f.finished("plain", [1, 2, 3], completed=True) == (False, None)
+    assert f.build() == type(f.build())()
+
+
+# -- D -----------------------------------------------------------------------------------------------------------
+
+
+def test_d_loads_every_prompt_token_its_prefix_cache_lacks_once() -> None:
+    f = flow()
+    f.on_new_request("d1", PROMPT, p_params())
+    assert f.matched_tokens("d1", 40, 16) == (24, True)
+    assert f.matched_tokens("d1", 40, 16) == (24, True)  # no side effect: vLLM may ask again
+    f.after_alloc("d1", [3, 4, 5, 6], 24, 40)
+    step = f.build()
+    assert step.recvs == (RecvSpec("d1", "t1", "P-engine", "http://10.0.0.1:8998", (3, 4, 5), 40, 16),)
+    f.after_alloc("d1", [3, 4, 5, 6], 0, 40)  # vLLM's second call, once loaded
+    assert f.matched_tokens("d1", 40, 0) == (0, False)  # a failed load is recomputed, never fetched again
+    assert f.build().recvs == ()
+    assert f.statistics().recent_loads == {"d1": (16, 40)}
+
+
+def test_a_d_request_aborted_while_loading_is_aborted_on_the_workers() -> None:
+    f = flow()
+    f.on_new_request("d1", PROMPT, p_params())
+    f.after_alloc("d1", [3, 4, 5], 40, 40)
+    f.build()
+    assert f.finished("d1", [3, 4, 5], completed=False) == (False, None)
+    assert f.build().aborts == ("d1",)
+    f.on_new_request("d2", PROMPT, p_params())
+    f.after_alloc("d2", [3, 4, 5], 40, 40)
+    f.recvs_reported({"d2"})
+    assert f.finished("d2", [3, 4, 5], completed=False) == (False, None)
+    assert f.build().aborts == ()  # it ended already
+
+
+def test_d_with_nothing_to_load_never_loads() -> None:
+    f = flow()
+    f.on_new_request("d1", PROMPT, p_params())
+    f.after_alloc("d1", [3, 4, 5], 0, 40)
+    assert f.matched_tokens("d1", 40, 0) == (0, False)
+    assert f.build().recvs == ()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"kvsvc_params_version": 7}, "version 7"),
+        ({"transfer_id": ""}, "'transfer_id'.*''"),
+        ({"remote_num_tokens": "40"}, "'remote_num_tokens'.*'40'"),
+        ({"remote_engine_id": None}, "'remote_engine_id'.*None"),
+        ({"remote_prompt_hash": "0" * 16}, "another request's params"),
+        ({"remote_num_tokens": 41}, "prompt of 41 tokens"),
+    ],
+)
+def test_d_params_it_cannot_use_are_refused_naming_the_key(change: dict[str, object], match: str) -> None:
+    f = flow()
+    with pytest.raises(ParamsError, match=match):
+        f.on_new_request("d1", PROMPT, {**p_params(), **change})
+    assert f.matched_tokens("d1", 40, 0) == (0, False)  # computed locally
+    assert f.statistics().params_refused == 1
+
+
+def test_params_are_msgpack_native_and_round_trip() -> None:
+    params = p_params()
+    assert all(isinstance(v, str | int | bool) for v in params.values())
+    assert parse_remote_prefill(params) == RemotePrefill(
+        "P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT)
+    )
+    assert params is not p_params()  # a fresh dict each time: vLLM adds keys to it
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["new_p", "new_p_long", "new_d", "sched", "alloc", "finish_ok", "finish_abort"]),
+            st.integers(0, 3),
+        ),
+        max_size=40,
+    )
+)
+def test_each_request_is_held_or_loaded_at_most_once_and_kept_exactly_when_held(
+    events: list[tuple[str, int]],
+) -> None:
+    f = flow()
+    held: set[str] = set()
+    kept: set[str] = set()
+    loads: list[str] = []
+    alive: set[str] = set()
+    seen: set[str] = set()  # vLLM never reuses a request id
+    for what, n in events:
+        req = f"r{n}"
+        if what.startswith("new") and req not in seen:
+            alive.add(req)
+            seen.add(req)
+            if what == "new_d":
+                f.on_new_request(req, PROMPT, p_params(transfer_id=req))
+            else:
+                f.on_new_request(req, PROMPT, {"do_remote_decode": True}, max_tokens=1 if what == "new_p" else 9)
+        elif what == "sched":
+            f.scheduled(req, 0, 40, [1, 2, 3])
+        elif what == "alloc":
+            f.after_alloc(req, [1, 2, 3], 40, 40)
+        elif what.startswith("finish") and req in alive:
+            alive.discard(req)
+            keep, _ = f.finished(req, [1, 2, 3], completed=what == "finish_ok")
+            if keep:
+                kept.add(req)
+        step = f.build()
+        for send in step.sends:
+            assert send.req_id not in held, "held twice"
+            held.add(send.req_id)
+        loads += [r.req_id for r in step.recvs]
+        assert set(step.aborts) <= held | set(loads)
+    assert len(loads) == len(set(loads)), "loaded twice"
+    assert kept <= held, "vLLM keeps blocks that no hold will ever report"
+
+
+# -- config ------------------------------------------------------------------------------------------------------
+
+
+def test_no_extra_config_means_one_host_on_loopback() -> None:
+    config = parse_config(None)
+    assert config == ConnectorConfig()
+    assert (config.bootstrap_host, config.bootstrap_port, config.control_host) == ("127.0.0.1", 0, "127.0.0.1")
+    assert config.service_config(None).control_token is None
+
+
+def test_bad_extra_config_is_refused_naming_the_key() -> None:
+    with pytest.raises(ValueError, match=r"unknown field `bootstrap_prot`.*known keys: bootstrap_host"):
+        parse_config({"bootstrap_prot": 1})
+    with pytest.raises(ValueError, match=r"hold_timeout_s"):
+        parse_config({"hold_timeout_s": "soon"})
+    with pytest.raises(ValueError, match="'tcp' or 'rdma'"):
+        parse_config({"protocol": "udp"})
+
+
+def test_a_control_port_beyond_loopback_needs_a_token() -> None:
+    config = parse_config({"control_host": "0.0.0.0"})
+    with pytest.raises(ValueError, match=r"control_host '0\.0\.0\.0' is reachable beyond loopback"):
+        config.service_config(None)
+    assert config.service_config("s3cret").control_token == "s3cret"
+    with pytest.raises(ValueError, match="advertise_host"):
+        _ = parse_config({"bootstrap_host": "0.0.0.0"}).advertised_host
+    assert parse_config({"bootstrap_host": "0.0.0.0", "advertise_host": "10.1.2.3"}).advertised_host == "10.1.2.3"
+    assert is_loopback("127.0.0.5") and is_loopback("::1") and not is_loopback("10.0.0.1")

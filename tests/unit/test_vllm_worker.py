@@ -1,0 +1,236 @@
+"""The worker side of the vLLM connector: vLLM's KV cache tensors, built on the CPU in every shape the connector
+accepts, mapped to kvsvc layouts; and the reporting rules vLLM's scheduler asserts on (against a fake service).
+
+Each accepted tensor is checked byte for byte: the planner's geometry of the detected layout must name the very
+element the tensor holds for (block, K/V, head, token). Unknown shapes and strides are refused with both named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from kvsvc.errors import TopologyError
+from kvsvc.layout import block_geometry
+from kvsvc.messages import WorkerMetadata
+from kvsvc.outputs import KVConnectorOutput
+from kvsvc.service.config import ServiceConfig
+from kvsvc.vllm.config import ConnectorConfig
+from kvsvc.vllm.flow import RecvSpec, SendSpec, StepMetadata
+from kvsvc.vllm.kv_layout import TensorView, UnknownKVLayout, detect_layout, layer_index, merge_regions
+from kvsvc.vllm.worker import WorkerIdentity, WorkerSide, describe_kv_caches
+
+NB, BS, H, D = 6, 4, 2, 8  # blocks, block size, KV heads (this worker's), head size
+
+
+def view(t: torch.Tensor, device: str = "cpu") -> TensorView:
+    return TensorView(tuple(t.shape), tuple(t.stride()), device)
+
+
+def canonical() -> torch.Tensor:
+    """Distinct values per (block, half, head, token, dim): the truth every layout is checked against."""
+    return torch.arange(NB * 2 * H * BS * D, dtype=torch.float32).view(NB, 2, H, BS, D)
+
+
+def in_layout(layout: str) -> torch.Tensor:
+    """`canonical()`'s values as vLLM would lay them out (dense, or with the strides vLLM gives such a view)."""
+    c = canonical()
+    if layout == "HND":  # FlashInfer HND: logical [B, 2, N, H, D] with HND strides
+        return c.clone().permute(0, 1, 3, 2, 4)
+    if layout == "NHD":  # FlashInfer NHD
+        return c.permute(0, 1, 3, 2, 4).contiguous()
+    if layout == "KV_NHD":  # FlashAttention [2, B, N, H, D]
+        return c.permute(1, 0, 3, 2, 4).contiguous()
+    if layout == "KV_HND":  # FlashAttention with the HND stride order: logical [2, B, N, H, D]
+        return c.permute(1, 0, 2, 3, 4).contiguous().permute(0, 1, 3, 2, 4)
+    if layout in ("HNC", "HND_FUSED"):  # [B, H, N, K|V]
+        return c.permute(0, 2, 3, 1, 4).contiguous().view(NB, H, BS, 2 * D)
+    if layout == "NHC":  # 0.32's 4-D view [B, H, N, C] over LBNHC memory
+        return c.permute(0, 3, 2, 1, 4).contiguous().view(NB, BS, H, 2 * D).transpose(1, 2)
+    raise AssertionError(layout)
+
+
+def meta_of(layout: str, t: torch.Tensor) -> WorkerMetadata:
+    return WorkerMetadata(
+        engine_id="E", incarnation="i", pp_rank=0, pp_size=1, tp_rank=0, tp_size=1, start_layer=0, end_layer=1,
+        num_kv_heads=H, head_size=D, dtype="float32", block_size=BS, num_blocks=NB, layout=layout, is_mla=False,
+        base_addrs=[t.data_ptr()],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("layout", "device"),
+    [
+        ("HND", "cpu"),
+        ("NHD", "cpu"),
+        ("KV_NHD", "cpu"),
+        ("KV_HND", "cpu"),
+        ("HND_FUSED", "cpu"),
+        ("HNC", "cuda"),
+        ("NHC", "cuda"),
+    ],
+)
+def test_each_vllm_layout_is_detected_and_its_geometry_names_every_element(layout: str, device: str) -> None:
+    t = in_layout(layout)
+    found = detect_layout(view(t, device), head_size=D, local_heads=H, is_mla=False)
+    assert (found.layout, found.num_blocks, found.block_size, found.local_heads) == (layout, NB, BS, H)
+    g = block_geometry(meta_of(layout, t))
+    flat = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())  # the tensor's memory in address order
+    truth = canonical()
+    for b, s, h, tok in [(0, 0, 0, 0), (5, 1, 1, 3), (2, 1, 0, 1), (3, 0, 1, 2)]:
+        if g.halves == 1:  # fused: K and V of a token together in one opaque element
+            offset = b * g.block_stride + h * g.head_stride + tok * g.token_stride
+            got = flat[offset // 4 : offset // 4 + 2 * D]
+            assert sorted(got.tolist()) == sorted(torch.cat([truth[b, 0, h, tok], truth[b, 1, h, tok]]).tolist())
+        else:
+            offset = b * g.block_stride + s * g.half_stride + h * g.head_stride + tok * g.token_stride
+            assert torch.equal(flat[offset // 4 : offset // 4 + D], truth[b, s, h, tok])
+
+
+def test_mla_latent_in_three_or_four_dimensions() -> None:
+    three = torch.zeros(NB, BS, 576)
+    four = three.view(NB, 1, BS, 576)
+    for t in (three, four):
+        found = detect_layout(view(t), head_size=576, local_heads=1, is_mla=True)
+        assert (found.is_mla, found.num_blocks, found.block_size) == (True, NB, BS)
+    with pytest.raises(UnknownKVLayout, match=r"MLA KV cache tensor with shape \[6, 4, 512\]"):
+        detect_layout(view(torch.zeros(NB, BS, 512)), head_size=576, local_heads=1, is_mla=True)
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides", "device"),
+    [
+        ((NB, H, BS, 3 * D), None, "cpu"),  # not K and V of this head size
+        ((NB, H + 1, BS, 2 * D), None, "cpu"),  # another number of heads than this worker holds
+        ((NB, 3, BS, H, D), None, "cpu"),  # no K/V axis
+        ((NB, H, BS, 2 * D), (H * BS * 2 * D + 16, BS * 2 * D, 2 * D, 1), "cpu"),  # padded blocks
+        ((NB, H, BS, 2 * D), (BS * H * 2 * D, 2 * D, H * 2 * D, 1), "cpu"),  # token-major on the CPU: not vLLM's
+    ],
+)
+def test_unknown_layouts_are_refused_naming_shape_and_strides(
+    shape: tuple[int, ...], strides: tuple[int, ...] | None, device: str
+) -> None:
+    t = torch.zeros(shape) if strides is None else torch.empty_strided(shape, strides)
+    with pytest.raises(UnknownKVLayout) as info:
+        detect_layout(view(t, device), head_size=D, local_heads=H, is_mla=False)
+    assert f"shape {list(t.shape)}" in str(info.value) and f"strides {list(t.stride())}" in str(info.value)
+    assert isinstance(info.value, TopologyError)
+
+
+def identity(**kw: object) -> WorkerIdentity:
+    base: dict[str, object] = dict(
+        engine_id="E", incarnation="1", pp_rank=0, pp_size=1, tp_rank=0, tp_size=2, total_kv_heads=4,
+        head_size=D, is_mla=False, block_size=BS,
+    )  # fmt: skip
+    base.update(kw)
+    return WorkerIdentity(**base)  # type: ignore[arg-type]
+
+
+def cpu_caches(layers: list[int], blocks: int = NB) -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout: one buffer, a [B, H, N, 2D] view per layer, back to back."""
+    buffer = torch.zeros(len(layers), blocks, H, BS, 2 * D)
+    return {f"model.layers.{layer}.self_attn.attn": buffer[i] for i, layer in enumerate(layers)}
+
+
+def test_vllm_cpu_caches_describe_one_worker_and_register_one_region() -> None:
+    caches = cpu_caches([4, 5, 6])
+    meta, regions = describe_kv_caches(caches, identity(pp_rank=1, pp_size=2))
+    assert (meta.layout, meta.start_layer, meta.end_layer, meta.num_blocks) == ("HND_FUSED", 4, 7, NB)
+    assert (meta.num_kv_heads, meta.head_size, meta.dtype, meta.pp_rank) == (4, D, "float32", 1)
+    assert meta.base_addrs == [caches[f"model.layers.{i}.self_attn.attn"].data_ptr() for i in (4, 5, 6)]
+    first = caches["model.layers.4.self_attn.attn"]
+    assert regions == [(first.data_ptr(), 3 * first.numel() * 4)]
+
+
+def test_worker_caches_that_cannot_be_moved_are_refused_at_start() -> None:
+    with pytest.raises(TopologyError, match=r"layers \[0, 2\] are not one range"):
+        describe_kv_caches(cpu_caches([0, 2]), identity())
+    with pytest.raises(TopologyError, match="blocks of 4 tokens, vLLM schedules blocks of 16"):
+        describe_kv_caches(cpu_caches([0, 1]), identity(block_size=16))
+    shared = torch.zeros(NB, H, BS, 2 * D)
+    with pytest.raises(TopologyError, match="share one KV cache tensor"):
+        describe_kv_caches({"layers.0.attn": shared, "layers.1.attn": shared}, identity())
+    mixed = {**cpu_caches([0]), "model.layers.1.self_attn.attn": torch.zeros(NB + 1, H, BS, 2 * D)}
+    with pytest.raises(TopologyError, match="disagree"):
+        describe_kv_caches(mixed, identity())
+    with pytest.raises(UnknownKVLayout, match=r"shape \[6, 2, 4, 16\]"):
+        describe_kv_caches(cpu_caches([0]), identity(total_kv_heads=8))  # 4 heads per rank expected, 2 found
+    with pytest.raises(TopologyError, match="no KV cache tensors"):
+        describe_kv_caches({}, identity())
+
+
+def test_layer_names_and_region_merging() -> None:
+    assert layer_index("model.layers.12.self_attn.attn") == 12
+    with pytest.raises(ValueError, match="one integer"):
+        layer_index("model.decoder.attn")
+    assert merge_regions([(100, 10), (0, 50), (50, 10), (200, 5), (104, 2)]) == [(0, 60), (100, 10), (200, 5)]
+
+
+def test_the_metadata_of_a_detected_worker_round_trips_the_wire() -> None:
+    meta, _ = describe_kv_caches(cpu_caches([0, 1]), identity())
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=WorkerMetadata) == meta
+
+
+class FakeService:
+    """Stands in for the worker's `ServiceThread`: what its `get_finished` reports next, and what it was asked."""
+
+    def __init__(self) -> None:
+        self.next = KVConnectorOutput()
+        self.calls: list[str] = []
+        self.refuse_recv: set[str] = set()
+
+    def get_finished(self) -> KVConnectorOutput:
+        report, self.next = self.next, KVConnectorOutput()
+        return report
+
+    def call(self, fn: Any) -> Any:
+        return fn(self)
+
+    def start_recv(self, req_id: str, *args: object) -> None:
+        if req_id in self.refuse_recv:
+            raise ValueError(f"block ids of {req_id} outside the pool")
+        self.calls.append(f"recv {req_id}")
+
+    def start_send(self, req_id: str, *args: object) -> None:
+        self.calls.append(f"send {req_id}")
+
+    def abort(self, req_id: str) -> None:
+        self.calls.append(f"abort {req_id}")
+
+
+def worker_with(service: FakeService) -> WorkerSide:
+    side = WorkerSide(ConnectorConfig(), ServiceConfig(), identity())
+    side._thread = service  # type: ignore[assignment]
+    return side
+
+
+def test_a_send_is_reported_only_once_vllm_saw_its_request_finish() -> None:
+    service = FakeService()
+    side = worker_with(service)
+    side.end_step(StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40),)))
+    service.next = KVConnectorOutput(finished_sending={"p1"})  # D fetched it before vLLM finished the request
+    assert side.transfer_results(set()).finished_sending == set()
+    assert side.transfer_results({"p1", "other"}).finished_sending == {"p1"}
+    assert side.transfer_results({"p1"}).finished_sending == set()  # once
+
+
+def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step() -> None:
+    service = FakeService()
+    service.refuse_recv = {"d3"}
+    side = worker_with(service)
+    recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0) for i in (1, 2, 3))
+    side.begin_step(StepMetadata(recvs=recvs))
+    assert service.calls == ["recv d1", "recv d2"]
+    service.next = KVConnectorOutput(
+        finished_recving={"d1"}, failed_recving={"d2"}, invalid_block_ids={2, 12}, kv_connector_stats={"bytes": 5}
+    )
+    results = side.transfer_results(set())
+    assert results.finished_recving == {"d1", "d2", "d3"} and results.failed_recving == {"d2", "d3"}
+    assert side.load_errors() == {2, 12, 3, 13}
+    assert side.load_errors() == set()
+    assert side.take_stats() == {"bytes": 5, "received": 1, "receive_failures": 2}
+    service.next = KVConnectorOutput(finished_recving={"d1", "stranger"})  # a repeat, and an id never started
+    assert side.transfer_results(set()).finished_recving == set()
