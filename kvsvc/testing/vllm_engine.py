@@ -116,7 +116,9 @@ class _Engine:
             cache.copy_(torch.randn(cache.shape, generator=gen, dtype=cache.dtype))
         self.llm.reset_prefix_cache()  # later requests must not reuse the corrupted blocks
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, workers: bool = False) -> dict[str, Any]:
+        """The figures of `VllmEngine.stats`. The kvsvc service's are read in this process when the worker lives
+        here (one worker), else, with `workers`, asked of each worker process (only between engine steps)."""
         scheduler = self.core.scheduler
         pool = scheduler.kv_cache_manager.block_pool
         figures: dict[str, Any] = {
@@ -127,19 +129,31 @@ class _Engine:
         connector = scheduler.connector
         if connector is not None and getattr(connector, "_scheduler", None) is not None:
             figures["flow"] = dataclasses.asdict(connector._scheduler.flow.statistics())
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        if has_kv_transfer_group():
-            worker = getattr(get_kv_transfer_group(), "_worker", None)
-            if worker is not None:
-                service = worker.statistics()
-                figures["service"] = dataclasses.asdict(service)
-                figures["holds"] = service.holds
+        found: list[dict[str, Any] | None] = []
+        if self.llm.llm_engine.vllm_config.parallel_config.world_size == 1:
+            found = [_worker_statistics(None)]
+        elif workers:
+            found = self.llm.collective_rpc(_worker_statistics)
+        services = [s for s in found if s is not None]
+        if services:
+            figures["service"] = services[0]
+            figures["workers"] = services
+            figures["holds"] = sum(s["sender"]["holds"] + s["receiver"]["receives"] for s in services)
         return figures
 
     def _kv_caches(self) -> list[Any]:
         runner = self.core.model_executor.driver_worker.worker.model_runner
         return list(runner.kv_caches)
+
+
+def _worker_statistics(_worker: Any) -> dict[str, Any] | None:
+    """The kvsvc service statistics of the worker-side connector of this process (run in each worker)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    side = getattr(get_kv_transfer_group(), "_worker", None)
+    return dataclasses.asdict(side.statistics()) if side is not None else None
 
 
 def main() -> None:
@@ -169,7 +183,7 @@ def main() -> None:
                     engine.reply({"id": call["id"], "outputs": outputs})
                 elif call["op"] == "settle":
                     engine.settle(call["timeout_s"])
-                    engine.reply({"id": call["id"], "stats": engine.stats()})
+                    engine.reply({"id": call["id"], "stats": engine.stats(workers=True)})
                 elif call["op"] == "corrupt":
                     engine.corrupt()
                     engine.reply({"id": call["id"]})

@@ -20,6 +20,7 @@ from kvsvc.testing.vllm import EngineConfig, Output, VllmEngine, write_tiny_llam
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BLOCK = 32
+KV_BYTES_PER_BLOCK = 4 * 4 * BLOCK * 2 * 32 * 4  # layers x KV heads x tokens x (K and V) x head size x float32
 REMOTE_DECODE = {"do_remote_decode": True}
 
 
@@ -36,8 +37,8 @@ LENGTHS = [1, BLOCK, BLOCK + 1, 11, 2 * BLOCK, 100, 257, 500]
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
-    """A baseline engine (no connector), two P engines and two D engines (failure policies recompute and fail),
-    started side by side. P2 holds for 5 s only, and is the one the fault tests kill."""
+    """A baseline engine (no connector), two P engines and three D engines (failure policies recompute and fail, and
+    one of TP 2), started side by side. P2 holds for 5 s only, and is the one the fault tests kill."""
     root = tmp_path_factory.mktemp("vllm")
     model = str(write_tiny_llama(root / "tiny-llama", seed=0))
     configs = {
@@ -46,6 +47,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         "P2": EngineConfig(model, "kv_producer", extra_config={"hold_timeout_s": 5}),
         "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute"),
         "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail"),
+        # TP 2 on vLLM's CPU backend: one OpenMP thread per rank, each on its own core; the test reads the two
+        # workers' kvsvc statistics through vLLM's collective RPC, which sends a function.
+        "D_tp2": EngineConfig(
+            model,
+            "kv_consumer",
+            tensor_parallel_size=2,
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+        ),
     }
     started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
     try:
@@ -106,22 +115,22 @@ def test_d_generates_what_a_single_engine_generates_from_the_kv_p_computed(engin
     assert loads == [[0, len(x)] for x in batch]
     assert stats["service"]["receiver"]["failed"] == 0
     p_stats = assert_clean(p)
-    kv_bytes_per_block = 4 * 4 * BLOCK * 2 * 32 * 4  # layers x KV heads x tokens x (K and V) x head x float32
-    assert p_stats["service"]["bytes_sent"] - sent_before == kv_bytes_per_block * sum(-(-n // BLOCK) for n in LENGTHS)
+    assert p_stats["service"]["bytes_sent"] - sent_before == KV_BYTES_PER_BLOCK * sum(-(-n // BLOCK) for n in LENGTHS)
 
 
 def test_corrupting_p_kv_before_the_send_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
-    """The negative control: the comparison above fails when D gets the wrong KV."""
-    p, d = engines["P"], engines["D"]
-    batch = prompts(40, LENGTHS, seed=2)
-    want = baseline(engines, batch)
-    params = prefill(p, batch)
+    """The negative control of the comparisons here: D's tokens (of TP 1 and TP 2) change when P's KV is wrong."""
+    p = engines["P"]
+    batches = {"D": prompts(40, LENGTHS, seed=2), "D_tp2": prompts(50, [BLOCK + 1, 100, 257], seed=12)}
+    want = {name: baseline(engines, batch) for name, batch in batches.items()}
+    params = {name: prefill(p, batch) for name, batch in batches.items()}
     p.corrupt_kv()
-    got = d.generate(batch, max_tokens=8, params=params)
-    for prompt, expected, output in zip(batch, want, got, strict=True):
-        if len(prompt) > 1:  # D recomputes the last prompt token itself: a one-token prompt loads nothing it uses
-            assert output.token_ids != expected, f"corrupted KV of a {len(prompt)}-token prompt went unnoticed"
-    assert_clean(d)
+    for name, batch in batches.items():
+        got = engines[name].generate(batch, max_tokens=8, params=params[name])
+        for prompt, expected, output in zip(batch, want[name], got, strict=True):
+            if len(prompt) > 1:  # D recomputes the last prompt token itself: one token loads nothing it uses
+                assert output.token_ids != expected, f"{name}: corrupted KV of {len(prompt)} tokens went unnoticed"
+        assert_clean(engines[name])
     assert_clean(p)
 
 
@@ -131,10 +140,25 @@ def test_d_fetches_only_what_its_prefix_cache_lacks(engines: dict[str, VllmEngin
     want = baseline(engines, [prompt])
     d.generate([prompt[: 2 * BLOCK + 5]], max_tokens=1)  # D computes (and caches) the first two blocks itself
     params = prefill(p, [prompt])
+    sent_before = p.stats()["service"]["bytes_sent"]
     got = d.generate([prompt], max_tokens=8, params=params)
     assert [o.token_ids for o in got] == want
     stats = assert_clean(d)
     assert list(stats["flow"]["recent_loads"].values())[-1] == [2 * BLOCK, 150]
+    # P wrote the three blocks past D's two, never into the two D held.
+    assert assert_clean(p)["service"]["bytes_sent"] - sent_before == 3 * KV_BYTES_PER_BLOCK
+
+
+def test_heterogeneous_tp_p_tp1_to_d_tp2_gives_the_same_tokens(engines: dict[str, VllmEngine]) -> None:
+    p, d2 = engines["P"], engines["D_tp2"]
+    batch = prompts(60, [1, BLOCK + 1, 100, 257], seed=9)
+    want = baseline(engines, batch)
+    before = [w["receiver"]["finished"] for w in assert_clean(d2)["workers"]]
+    got = d2.generate(batch, max_tokens=8, params=prefill(p, batch))
+    assert [o.token_ids for o in got] == want
+    after = [w["receiver"]["finished"] for w in assert_clean(d2)["workers"]]
+    # Each D rank fetched its two KV heads of every request from P's one worker.
+    assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]
     assert_clean(p)
 
 
