@@ -40,11 +40,13 @@ class EngineError(RuntimeError):
     """A vLLM engine child failed, died or did not answer in time; the message ends with its log's tail."""
 
 
-def write_tiny_llama(path: Path | str, *, seed: int = 0, std: float = 0.05) -> Path:
-    """Write a Llama config and seeded random float32 weights (no tokenizer) into `path`; returns it.
+def write_tiny_llama(path: Path | str, *, seed: int = 0, std: float = 0.05, tokenizer: bool = False) -> Path:
+    """Write a Llama config and seeded random float32 weights into `path`; returns it. With `tokenizer`, also a
+    word-level tokenizer whose token i is the word `w{i}` (0-2 are `<unk>`, `<s>`, `</s>`), for servers that take
+    text: "w5 w77" is the prompt [5, 77].
 
     Raises:
-        ImportError: torch or safetensors is missing.
+        ImportError: torch or safetensors (or, with `tokenizer`, tokenizers) is missing.
         OSError: `path` cannot be written.
     """
     import torch
@@ -99,7 +101,26 @@ def write_tiny_llama(path: Path | str, *, seed: int = 0, std: float = 0.05) -> P
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    if tokenizer:
+        _write_word_tokenizer(out, c["vocab_size"])
     return out
+
+
+def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": 4096,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 @dataclass(frozen=True)
