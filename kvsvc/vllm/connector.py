@@ -218,6 +218,15 @@ class KvsvcConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().finished(request, block_ids)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Heads outermost inside a block (`LBHNC`, kvsvc's `HNC`; the CPU backend's only layout): a head split
+        between P and D of different TP sizes is then one run per (block, head range), not one per token. MLA has
+        one latent per token: any layout."""
+        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
+            return None
+        return "LBHNC"
+
     # -- stats -------------------------------------------------------------------------------------------------
 
     @classmethod

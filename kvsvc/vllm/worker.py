@@ -253,15 +253,25 @@ class WorkerSide:
         """`wait_for_save`: hold this step's sends (their forward is over on CPU, enqueued on GPU)."""
         if not step.sends:
             return
-        events = self._events
-        num_layers = len(self._layer_of)
-        layered = [events[i] for i in range(num_layers)] if len(events) == num_layers else None
-
+        events: list[Any] | Any | None = None
+        if self._device == "cuda":
+            num_layers = len(self._layer_of)
+            if len(self._events) == num_layers:
+                events = [self._events[i] for i in range(num_layers)]
+            else:
+                # No per-layer events (a CUDA graph replayed the layers, or the KV was computed in an earlier step):
+                # one event after everything enqueued so far, so no byte is read before the forward wrote it.
+                events = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                events.record()
         refused: list[str] = []
 
         def run(service: Any) -> None:
             for spec in step.sends:
-                ready: Any = [completion_future(e) for e in layered] if layered else None
+                ready: Any = None
+                if isinstance(events, list):
+                    ready = [completion_future(e) for e in events]
+                elif events is not None:
+                    ready = completion_future(events)
                 try:
                     service.start_send(spec.req_id, spec.transfer_id, list(spec.block_ids), spec.num_tokens, ready)
                 except (KVSvcError, ValueError) as exc:

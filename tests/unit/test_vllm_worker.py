@@ -7,6 +7,7 @@ element the tensor holds for (block, K/V, head, token). Unknown shapes and strid
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -187,7 +188,10 @@ class FakeService:
         return report
 
     def call(self, fn: Any) -> Any:
-        return fn(self)
+        async def on_loop() -> Any:  # the real service runs `fn` on its event loop
+            return fn(self)
+
+        return asyncio.run(on_loop())
 
     def start_recv(self, req_id: str, *args: object) -> None:
         if req_id in self.refuse_recv:
@@ -196,6 +200,7 @@ class FakeService:
 
     def start_send(self, req_id: str, *args: object) -> None:
         self.calls.append(f"send {req_id}")
+        self.ready = args[-1]
 
     def abort(self, req_id: str) -> None:
         self.calls.append(f"abort {req_id}")
@@ -215,6 +220,37 @@ def test_a_send_is_reported_only_once_vllm_saw_its_request_finish() -> None:
     assert side.transfer_results(set()).finished_sending == set()
     assert side.transfer_results({"p1", "other"}).finished_sending == {"p1"}
     assert side.transfer_results({"p1"}).finished_sending == set()  # once
+
+
+class FakeEvent:
+    recorded = 0
+
+    def record(self) -> None:
+        FakeEvent.recorded += 1
+
+    def query(self) -> bool:
+        return True
+
+
+def test_on_gpu_a_send_waits_for_each_layer_event_or_for_one_after_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    service = FakeService()
+    side = worker_with(service)
+    side._device = "cuda"
+    side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
+    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40),))
+    for i in range(3):
+        side.layer_saved(f"model.layers.{i}.attn", step)
+    side.end_step(step)
+    assert isinstance(service.ready, list) and len(service.ready) == 3  # layer-wise: one future per layer
+    side.begin_step(StepMetadata())
+    side.layer_saved("model.layers.0.attn", step)  # a CUDA graph replayed the other layers: no event of theirs
+    recorded = FakeEvent.recorded
+    side.end_step(step)
+    assert FakeEvent.recorded == recorded + 1 and not isinstance(service.ready, list)  # one event after it all
+    side._device = "cpu"
+    side.end_step(step)
+    assert service.ready is None  # the CPU forward is over when the hook runs
 
 
 def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step() -> None:
