@@ -449,6 +449,7 @@ class PeerPair:
                     submit.src_block_ids,
                     submit.dst_block_ids,
                     submit.num_tokens,
+                    first_token=submit.first_token,
                 )
             except (TopologyError, ValueError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
