@@ -15,6 +15,9 @@ import msgspec
 
 from kvsvc.errors import MalformedFrame, VersionMismatch
 
+Worker = tuple[int, int]
+"""A worker's `(pp_rank, tp_rank)` in its engine."""
+
 PROTOCOL_VERSION: Final = 1
 # A frame holds at most one request's block ids (8 bytes each at worst): 4 MiB is >500k blocks.
 MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
@@ -53,7 +56,7 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
         return self.end_layer - self.start_layer
 
     @property
-    def worker(self) -> tuple[int, int]:
+    def worker(self) -> Worker:
         """The `(pp_rank, tp_rank)` key of this worker in its engine."""
         return (self.pp_rank, self.tp_rank)
 
@@ -256,12 +259,12 @@ class FrameReader:
             raise MalformedFrame("stream already broken by an earlier malformed frame")
 
 
-def encode_engine_metadata(metas: dict[tuple[int, int], WorkerMetadata]) -> bytes:
+def encode_engine_metadata(metas: dict[Worker, WorkerMetadata]) -> bytes:
     """The body the handshake endpoint serves: msgpack of `{"pp,tp": WorkerMetadata}`."""
     return _encoder.encode({f"{pp},{tp}": m for (pp, tp), m in sorted(metas.items())})
 
 
-def decode_engine_metadata(body: bytes) -> dict[tuple[int, int], WorkerMetadata]:
+def decode_engine_metadata(body: bytes) -> dict[Worker, WorkerMetadata]:
     """Inverse of `encode_engine_metadata`.
 
     Raises:
@@ -271,7 +274,7 @@ def decode_engine_metadata(body: bytes) -> dict[tuple[int, int], WorkerMetadata]
         raw = _metadata_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"malformed engine metadata ({len(body)} bytes): {exc}") from None
-    result: dict[tuple[int, int], WorkerMetadata] = {}
+    result: dict[Worker, WorkerMetadata] = {}
     for key, meta in raw.items():
         try:
             pp_s, tp_s = key.split(",")
@@ -293,7 +296,7 @@ class WorkerRef(NamedTuple):
     tp_rank: int
 
     @property
-    def worker(self) -> tuple[int, int]:
+    def worker(self) -> Worker:
         return (self.pp_rank, self.tp_rank)
 
     def __str__(self) -> str:

@@ -34,9 +34,8 @@ from kvsvc.layout import (
     kv_heads_per_rank,
     layer_addrs,
 )
-from kvsvc.messages import WorkerMetadata
+from kvsvc.messages import Worker, WorkerMetadata
 
-Worker = tuple[int, int]
 _EMPTY: Int64Array = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 

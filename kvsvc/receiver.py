@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvsvc.jobs import Effect, RecvEvent, RecvJob, RecvState
-from kvsvc.messages import Abort, Release, TransferRequest
-
-Worker = tuple[int, int]
+from kvsvc.messages import Abort, Release, TransferRequest, Worker
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvsvc.jobs import Effect, SendEvent, SendJob, SendState
-from kvsvc.messages import Abort, ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest, WorkerRef
-
-Worker = tuple[int, int]
+from kvsvc.messages import (
+    Abort,
+    ErrorMessage,
+    Release,
+    TransferDone,
+    TransferFailed,
+    TransferRequest,
+    Worker,
+    WorkerRef,
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Final, TypeVar
 
 from kvsvc.engine.admin import tag_worker
-from kvsvc.engine.metrics import PeerRow, StatsDict, Worker
-from kvsvc.messages import WorkerMetadata
+from kvsvc.engine.metrics import PeerRow, StatsDict
+from kvsvc.messages import Worker, WorkerMetadata
 from workers.executor import Executor
 from workers.process import ForgetEngine, Peers, Transfers
 

@@ -32,8 +32,8 @@ from kvsvc.layout import (
     layer_bytes,
     pool_bytes,
 )
-from kvsvc.messages import WorkerMetadata
-from kvsvc.planner import Worker, plan_transfer_arrays, source_heads
+from kvsvc.messages import Worker, WorkerMetadata
+from kvsvc.planner import plan_transfer_arrays, source_heads
 
 _ALIGN = 2 * 1024 * 1024
 P_BASE = 0x7F00_0000_0000

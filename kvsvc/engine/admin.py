@@ -20,8 +20,8 @@ import msgspec
 from aiohttp import web
 
 from kvsvc.engine.bootstrap import add_metadata_route, published_metadata, serve_app
-from kvsvc.engine.metrics import EngineMetrics, MetricsSnapshot, PeerRow, StatsDict, Worker
-from kvsvc.messages import WorkerMetadata
+from kvsvc.engine.metrics import EngineMetrics, MetricsSnapshot, PeerRow, StatsDict
+from kvsvc.messages import Worker, WorkerMetadata
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,7 @@ from aiohttp import web
 from kvsvc.connector import KVConnectorBase
 from kvsvc.engine.bootstrap import publish_metadata
 from kvsvc.handshake import merge_handshake_metadata
-from kvsvc.messages import WorkerMetadata
-
-Worker = tuple[int, int]
+from kvsvc.messages import Worker, WorkerMetadata
 
 
 def check_engine_metadata(metadata: Mapping[Worker, WorkerMetadata]) -> None:

@@ -19,8 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvsvc.histogram import TRANSFER_BUCKETS
+from kvsvc.messages import Worker
 
-Worker = tuple[int, int]
 StatsDict = Mapping[str, object]
 PeerRow = Mapping[str, object]
 TransferRole = Literal["P", "D"]

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsvc.histogram import LatencyHistogram
-from kvsvc.messages import WorkerMetadata
+from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.transport.base import Transport
 
-Worker = tuple[int, int]
 EngineMetadata = dict[Worker, WorkerMetadata]
 
 COUNTERS = ("bytes", "descriptors", "transfers", "write_failures", "protocol_errors", "reconnects")

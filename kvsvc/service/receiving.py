@@ -32,12 +32,13 @@ from kvsvc.messages import (
     Pong,
     TransferDone,
     TransferFailed,
+    Worker,
     WorkerMetadata,
     WorkerRef,
 )
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvReport, SendToSource
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext, Worker, check_blocks
+from kvsvc.service.context import EngineMetadata, ServiceContext, check_blocks
 from kvsvc.service.remotes import RemoteEngines, Routes
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import aiohttp
 from kvsvc.engine.bootstrap import fetch_engine_metadata
 from kvsvc.errors import HandshakeError, KVSvcError
 from kvsvc.layout import block_bytes
-from kvsvc.messages import WorkerRef
+from kvsvc.messages import Worker, WorkerRef
 from kvsvc.planner import check_compatible, release_notifier, sources_of
-from kvsvc.service.context import EngineMetadata, ServiceContext, Worker
+from kvsvc.service.context import EngineMetadata, ServiceContext
 from kvsvc.topology import EngineTransferInfo, TransferTopology
 
 

@@ -38,6 +38,7 @@ from kvsvc.messages import (
     Pong,
     Release,
     TransferRequest,
+    Worker,
     WorkerMetadata,
     WorkerRef,
     check_version,
@@ -45,7 +46,7 @@ from kvsvc.messages import (
 from kvsvc.planner import check_compatible, expected_destinations
 from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext, Worker, check_blocks
+from kvsvc.service.context import EngineMetadata, ServiceContext, check_blocks
 from kvsvc.service.writing import BlockWriter, WriteTarget
 
 log = logging.getLogger(__name__)

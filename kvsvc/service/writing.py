@@ -16,10 +16,10 @@ from typing import Any
 
 from kvsvc.errors import PeerLost, TopologyError
 from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs
-from kvsvc.messages import WorkerMetadata, WorkerRef
+from kvsvc.messages import Worker, WorkerMetadata, WorkerRef
 from kvsvc.planner import plan_transfer
 from kvsvc.sender import Submit
-from kvsvc.service.context import ServiceContext, Worker
+from kvsvc.service.context import ServiceContext
 from kvsvc.transport.base import WriteFailed
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection

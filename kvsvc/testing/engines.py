@@ -16,9 +16,10 @@ from typing import Literal
 
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.layout import block_geometry
+from kvsvc.messages import Worker
 from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
-from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, Worker, kv_pattern
+from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport
 
 Outcome = Literal["finished_sending", "finished", "failed"]

@@ -26,6 +26,7 @@ from kvsvc.messages import (
     TransferDone,
     TransferFailed,
     TransferRequest,
+    Worker,
 )
 from kvsvc.planner import expected_destinations, plan_transfer, release_notifier, sources_of
 from kvsvc.receiver import Receiver, SendToSource
@@ -33,7 +34,6 @@ from kvsvc.sender import Reply, SendCommand, Sender, Submit
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
 
-Worker = tuple[int, int]
 ByteArray = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]
 ToP = TransferRequest | Release | Abort

@@ -16,9 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsvc.layout import block_geometry, even_layer_split, heads_of_rank, is_cross_layer, layer_addrs, layer_bytes
-from kvsvc.messages import WorkerMetadata, WorkerRef
+from kvsvc.messages import Worker, WorkerMetadata, WorkerRef
 
-Worker = tuple[int, int]
 ByteArray = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]
 _WORKER_STRIDE = 1 << 36  # fake address distance between two workers' arenas
