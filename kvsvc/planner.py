@@ -164,17 +164,34 @@ def is_source(src: WorkerMetadata, dst: WorkerMetadata) -> bool:
     return bool(_layer_overlap(src, dst)) and bool(source_heads(src, dst))
 
 
-def _check_block_ids(side: str, meta: WorkerMetadata, ids: Sequence[int], tokens: int) -> None:
-    needed = -(-tokens // meta.block_size)
-    if len(ids) < needed:
+def check_block_ids(
+    meta: WorkerMetadata, block_ids: Sequence[int], num_tokens: int, side: str, first_token: int = 0
+) -> None:
+    """Check one side's request before anything is planned or written: every listed block id lies in `meta`'s
+    pool, D's ids are distinct (two token ranges must never share a block), the blocks can hold `num_tokens`, and
+    `first_token` (the prefix D holds already) lies in `[0, num_tokens]`. The engine's calls, a D worker's request
+    and the planner all check this one way.
+
+    Raises:
+        ValueError: naming `side` ("P" or "D") and the offending ids or counts.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"{side}: num_tokens {num_tokens} is negative")
+    bad = [b for b in block_ids if not 0 <= b < meta.num_blocks]
+    if bad:
+        raise ValueError(f"{side} block ids {bad[:8]} outside the pool of {meta.num_blocks} blocks")
+    if side == "D" and len(set(block_ids)) != len(block_ids):
+        repeated = sorted({b for b in block_ids if block_ids.count(b) > 1})[:8]
         raise ValueError(
-            f"{side}: {len(ids)} block ids hold fewer than {tokens} tokens of block_size {meta.block_size}"
+            f"D block ids {repeated} appear more than once (repeated block id): two token ranges would share a block"
         )
-    used = ids[:needed]
-    if used and (min(used) < 0 or max(used) >= meta.num_blocks):
-        raise ValueError(f"{side}: block id outside [0, {meta.num_blocks}) in {list(used)}")
-    if side == "D" and len(set(used)) != len(used):
-        raise ValueError(f"D: repeated block id in {list(used)} would write one slot twice")
+    if num_tokens > len(block_ids) * meta.block_size:
+        raise ValueError(
+            f"{side}: {len(block_ids)} block ids hold fewer than {num_tokens} tokens of block_size {meta.block_size} "
+            f"({num_tokens} tokens do not fit them)"
+        )
+    if not 0 <= first_token <= num_tokens:
+        raise ValueError(f"{side}: first_token {first_token} outside [0, num_tokens {num_tokens}]")
 
 
 def plan_transfer(
@@ -237,14 +254,10 @@ def plan_transfer_arrays(
     """
     check_compatible(src, dst)
     tokens = len(dst_block_ids) * dst.block_size if num_tokens is None else num_tokens
-    if tokens < 0:
-        raise ValueError(f"num_tokens {tokens} is negative")
-    if not 0 <= first_token <= tokens:
-        raise ValueError(f"first_token {first_token} outside [0, num_tokens {tokens}]")
+    check_block_ids(src, src_block_ids, tokens, "P")
+    check_block_ids(dst, dst_block_ids, tokens, "D", first_token)
     if is_fused(src) and first_token % src.block_size:
         raise ValueError(f"first_token {first_token} cuts a block of {src.block_size} tokens of layout {FUSED}")
-    _check_block_ids("P", src, src_block_ids, tokens)
-    _check_block_ids("D", dst, dst_block_ids, tokens)
     layers = _layer_overlap(src, dst)
     heads = _source_heads(src, dst)
     if not layers or not heads or tokens == first_token:

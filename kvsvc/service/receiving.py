@@ -36,9 +36,10 @@ from kvsvc.messages import (
     WorkerMetadata,
     WorkerRef,
 )
+from kvsvc.planner import check_block_ids
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvReport, SendToSource
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext, check_blocks
+from kvsvc.service.context import EngineMetadata, ServiceContext
 from kvsvc.service.remotes import RemoteEngines, Routes
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class ReceivingRole:
         first_token: int = 0,
     ) -> None:
         """As `KVTransferService.start_recv`, once the service is known open."""
-        check_blocks(self._ctx.metadata, block_ids, num_tokens, "D", first_token)
+        check_block_ids(self._ctx.metadata, block_ids, num_tokens, "D", first_token)
         self._own_engine()
         now = self._ctx.clock()
         if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token):

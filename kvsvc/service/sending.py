@@ -43,10 +43,10 @@ from kvsvc.messages import (
     WorkerRef,
     check_version,
 )
-from kvsvc.planner import check_compatible, expected_destinations
+from kvsvc.planner import check_block_ids, check_compatible, expected_destinations
 from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext, check_blocks
+from kvsvc.service.context import EngineMetadata, ServiceContext
 from kvsvc.service.writing import BlockWriter, WriteTarget
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class SendingRole:
     ) -> None:
         """As `KVTransferService.start_send`, once the service is known open."""
         meta = self._ctx.metadata
-        check_blocks(meta, block_ids, num_tokens, "P")
+        check_block_ids(meta, block_ids, num_tokens, "P")
         layered = isinstance(ready, Sequence)
         if layered and len(ready) != meta.num_layers:  # type: ignore[arg-type]
             raise ValueError(f"layer-wise ready has {len(ready)} futures for {meta.num_layers} local layers")  # type: ignore[arg-type]
@@ -318,7 +318,7 @@ class SendingRole:
         now = self._ctx.clock()
         if isinstance(message, TransferRequest):
             try:
-                check_blocks(inbound.meta, message.block_ids, message.num_tokens, "D", message.first_token)
+                check_block_ids(inbound.meta, message.block_ids, message.num_tokens, "D", message.first_token)
             except ValueError as exc:
                 refused = self._sender.refuse(inbound.ref, message.transfer_id, str(exc), now, inbound.expected)
                 self._run_send(refused)

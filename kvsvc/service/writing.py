@@ -205,11 +205,11 @@ class BlockWriter:
         if command.first_token:
             return plan_transfer(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token)
         n_src, n_dst = -(-num_tokens // src.block_size), -(-num_tokens // dst.block_size)
+        # Both id lists passed `check_block_ids` on their way in (the engine's call, D's request), so a run of
+        # consecutive ids lies inside its pool; anything the cache cannot take is planned, and checked, in full.
         if not (
             0 < n_src <= len(src_ids)
             and 0 < n_dst <= len(dst_ids)
-            and 0 <= src_ids[0] <= src.num_blocks - n_src
-            and 0 <= dst_ids[0] <= dst.num_blocks - n_dst
             and _is_run(src_ids, n_src)
             and _is_run(dst_ids, n_dst)
         ):
