@@ -11,6 +11,7 @@ standard library only.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 from typing import Final
@@ -19,6 +20,7 @@ from kvsvc.errors import LocalProtocolError
 
 
 class SendState(Enum):
+    UNASKED = "unasked"  # just made: the D worker has not asked (it asks, aborts first, or its connection broke)
     REQUESTED = "requested"  # D asked; waiting for the KV to be ready
     WRITING = "writing"  # descriptors submitted to the transport
     DRAINING = "draining"  # aborted while writing; waiting for the writes to stop touching memory
@@ -37,6 +39,17 @@ class SendEvent(Enum):
     PEER_LOST = "peer_lost"  # the control connection to D broke
 
 
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A command of either protocol object: log `text` at `level` ("debug" or "warning"), and count a protocol error
+    when `protocol_error` (the peer broke the protocol). The protocol decides what is worth saying; the driver
+    says it."""
+
+    text: str
+    level: str = "warning"
+    protocol_error: bool = False
+
+
 class Effect(Enum):
     SUBMIT = "submit"  # plan and hand descriptors to the transport
     REPLY_DONE = "reply_done"  # P -> D TransferDone
@@ -48,6 +61,11 @@ class Effect(Enum):
 S, SE, E = SendState, SendEvent, Effect
 
 _send_rows: dict[tuple[SendState, SendEvent], tuple[SendState, tuple[Effect, ...]]] = {
+    (S.UNASKED, SE.REQUEST): (S.REQUESTED, ()),
+    # D gave up before it asked: nothing was written, and D hears so at once.
+    (S.UNASKED, SE.ABORT): (S.ABORTED, (E.REPLY_FAILED,)),
+    # The connection broke before D asked: its receive fails with it, so it will never ask.
+    (S.UNASKED, SE.PEER_LOST): (S.FAILED, ()),
     (S.REQUESTED, SE.REQUEST): (S.REQUESTED, ()),
     (S.REQUESTED, SE.READY): (S.WRITING, (E.SUBMIT,)),
     (S.REQUESTED, SE.ABORT): (S.ABORTED, (E.REPLY_FAILED,)),
@@ -72,10 +90,13 @@ _send_rows: dict[tuple[SendState, SendEvent], tuple[SendState, tuple[Effect, ...
     (S.DONE, SE.REQUEST): (S.DONE, (E.REPLY_DONE,)),
     (S.FAILED, SE.REQUEST): (S.FAILED, (E.REPLY_FAILED,)),
     (S.ABORTED, SE.REQUEST): (S.ABORTED, (E.REPLY_FAILED,)),
+    # A job that ended stays as it is, whatever else happens to its hold.
+    **{
+        (terminal, event): (terminal, ())
+        for terminal in (S.DONE, S.FAILED, S.ABORTED)
+        for event in (SE.READY, SE.ABORT, SE.EXPIRE, SE.PEER_LOST)
+    },
 }
-for _terminal in (S.DONE, S.FAILED, S.ABORTED):
-    for _event in (SE.READY, SE.ABORT, SE.EXPIRE, SE.PEER_LOST):
-        _send_rows[(_terminal, _event)] = (_terminal, ())
 
 SEND_TABLE: Final[Mapping[tuple[SendState, SendEvent], tuple[SendState, tuple[Effect, ...]]]] = MappingProxyType(
     _send_rows
@@ -134,23 +155,12 @@ _recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...
     # The abort (or the request) may have died with the old connection: ask again. P answers once the job's write
     # ended, which ends the wait long before the abort grace (a fence; docs/decisions.md 49).
     (R.ABORTING, RE.RECONNECTED): (R.ABORTING, (E.SEND_ABORT,)),
+    # A handshake can fail after a job was requested when a reconnect to a restarted peer is refused.
+    (R.REQUESTED, RE.HANDSHAKE_FAILED): (R.ABORTING, ()),
+    (R.ABORTING, RE.HANDSHAKE_FAILED): (R.ABORTED, ()),
+    # A job that ended stays as it is.
+    **{(terminal, event): (terminal, ()) for terminal in (R.DONE, R.FAILED, R.ABORTED) for event in RecvEvent},
 }
-for _terminal_r in (R.DONE, R.FAILED, R.ABORTED):
-    for _event_r in (
-        RE.CONNECTED,
-        RE.DONE,
-        RE.FAILED,
-        RE.PEER_LOST,
-        RE.EXPIRE,
-        RE.ABORT,
-        RE.HANDSHAKE_FAILED,
-        RE.GONE,
-        RE.RECONNECTED,
-    ):
-        _recv_rows[(_terminal_r, _event_r)] = (_terminal_r, ())
-# A handshake can fail after a job was requested when a reconnect to a restarted peer is refused.
-_recv_rows[(R.REQUESTED, RE.HANDSHAKE_FAILED)] = (R.ABORTING, ())
-_recv_rows[(R.ABORTING, RE.HANDSHAKE_FAILED)] = (R.ABORTED, ())
 
 RECV_TABLE: Final[Mapping[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...]]]] = MappingProxyType(
     _recv_rows
@@ -172,7 +182,7 @@ class SendJob:
         self.block_ids = block_ids
         self.num_tokens = num_tokens
         self.first_token = first_token
-        self.state = SendState.REQUESTED
+        self.state = SendState.UNASKED
         self.reason = ""
 
     @property

@@ -2,7 +2,7 @@
 
 Rules: `Receiver` takes events (a receive from the engine, the sources the handshake found, a connection that
 opened or broke, P's answers, the clock) and returns commands (`SendToSource`); it never does I/O. Each receive
-is reported exactly once, in `drain()`: finished when every P worker it needs answered done; failed, with its
+is reported exactly once, in `take_report()`: finished when every P worker it needs answered done; failed, with its
 blocks invalid, on any failure, expiry or abort. An aborted receive is reported only after every P worker it asked
 confirmed its writes stopped, or the abort grace passed. Pure module: standard library and kvsvc's pure core only.
 """
@@ -10,9 +10,20 @@ confirmed its writes stopped, or the abort grace passed. Pure module: standard l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
-from kvsvc.jobs import Effect, RecvEvent, RecvJob, RecvState
-from kvsvc.messages import Abort, Release, TransferRequest, Worker
+from kvsvc.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
+from kvsvc.messages import (
+    Abort,
+    ErrorMessage,
+    Message,
+    Pong,
+    Release,
+    TransferDone,
+    TransferFailed,
+    TransferRequest,
+    Worker,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +32,19 @@ class SendToSource:
 
     engine_id: str
     src: Worker
-    message: TransferRequest | Release | Abort
+    message: TransferRequest | Release | Abort | ErrorMessage
+
+
+RecvCommand = SendToSource | Notice
+
+
+class RecvEnding(Enum):
+    """Why a receive is on its way to failing. It is reported only once no P worker can still write into its blocks
+    (every asked source confirmed, or the abort grace passed), so the blocks stay held until then."""
+
+    ABORTED = "aborted"  # by D's engine
+    PEER_LOST = "peer_lost"  # a connection to an asked source broke: that P may still be writing
+    EXPIRED = "expired"  # the receive deadline passed; its sources were told to stop
 
 
 @dataclass(slots=True)
@@ -36,7 +59,7 @@ class _Recv:
     first_token: int = 0
     jobs: dict[Worker, RecvJob] = field(default_factory=dict)
     sources_known: bool = False
-    aborted: bool = False
+    ending: RecvEnding | None = None
     # sources whose connection broke after they were asked, with the start (incarnation) of P that was asked
     lost: dict[Worker, str] = field(default_factory=dict)
 
@@ -119,9 +142,9 @@ class Receiver:
         """The engine aborted `req_id`: ask P workers to stop; report failed once they confirmed or grace passed."""
         transfer_id = self._by_req.get(req_id)
         recv = self._recvs.get(transfer_id) if transfer_id is not None else None
-        if recv is None or recv.aborted:
+        if recv is None or recv.ending is not None:
             return []
-        recv.aborted = True
+        recv.ending = RecvEnding.ABORTED
         recv.deadline = min(recv.deadline, now + self._abort_grace)
         commands: list[SendToSource] = []
         for job in list(recv.jobs.values()):
@@ -141,7 +164,7 @@ class Receiver:
             return []
         recv.sources_known = True
         commands = [SendToSource(recv.engine_id, src, Release(transfer_id=transfer_id)) for src in releases]
-        if recv.aborted:
+        if recv.ending is not None:
             # Nothing was asked yet, so nothing can be written; still tell the sources, so a P that holds the
             # transfer later frees it at once instead of at its hold expiry.
             abort = Abort(transfer_id=transfer_id, reason="aborted by D before the handshake completed")
@@ -190,8 +213,8 @@ class Receiver:
                 continue
             if asked:
                 recv.lost.setdefault(src, incarnation)
-            if asked and not recv.aborted:
-                recv.aborted = True
+            if asked and recv.ending is None:
+                recv.ending = RecvEnding.PEER_LOST
                 recv.deadline = min(recv.deadline, now + self._abort_grace)
             for other in list(recv.jobs.values()):
                 if other is not job and not other.terminal:
@@ -229,16 +252,34 @@ class Receiver:
                 commands += self._apply(recv, job, RecvEvent.RECONNECTED)
         return commands
 
-    def answer(self, engine_id: str, src: Worker, transfer_id: str, error: str | None) -> bool:
-        """P worker `src` answered done (`error` None) or failed. Returns False for an unknown transfer or
-        source (the caller answers the peer with an error), True otherwise, repeats included."""
+    def receive(self, engine_id: str, src: Worker, message: Message) -> list[RecvCommand]:
+        """A frame from P worker `src` of `engine_id` on an open connection: every driver hands each frame here.
+        Anything that is not a P-to-D message is answered with an error and noticed as a protocol error."""
+        if isinstance(message, TransferDone | TransferFailed):
+            error = message.reason if isinstance(message, TransferFailed) else None
+            commands = self.answer(engine_id, src, message.transfer_id, error)
+            if commands is None:
+                return [Notice(f"late or unknown answer for {message.transfer_id!r} from P{src}", level="debug")]
+            return list(commands)
+        if isinstance(message, ErrorMessage):
+            notice = Notice(f"P worker {src} of {engine_id!r} reports a protocol error: {message.reason}")
+            if not message.transfer_id:
+                return [notice]
+            return [notice, *(self.answer(engine_id, src, message.transfer_id, f"P error: {message.reason}") or [])]
+        if isinstance(message, Pong):
+            return []
+        what = f"unexpected {type(message).__name__} from P worker {src} of {engine_id!r}"
+        return [Notice(what, protocol_error=True), SendToSource(engine_id, src, ErrorMessage(reason=what))]
+
+    def answer(self, engine_id: str, src: Worker, transfer_id: str, error: str | None) -> list[SendToSource] | None:
+        """P worker `src` answered done (`error` None) or failed; returns the commands that follow (repeats
+        included), or None for an unknown transfer or source."""
         recv = self._recvs.get(transfer_id)
         job = recv.jobs.get(src) if recv is not None and recv.engine_id == engine_id else None
         if recv is None or job is None:
-            return False
+            return None
         event = RecvEvent.DONE if error is None else RecvEvent.FAILED
-        self._apply(recv, job, event, error or "")
-        return True
+        return self._apply(recv, job, event, error or "")
 
     # -- the clock and reporting -------------------------------------------------------------------------------
 
@@ -248,13 +289,13 @@ class Receiver:
         for recv in list(self._recvs.values()):
             if recv.deadline > now:
                 continue
-            if recv.aborted:
+            if recv.ending is not None:
                 cause = next((f"P{j.src}: {j.reason}" for j in recv.jobs.values() if j.reason), "aborted")
                 reason = f"{cause}; its writes were not confirmed stopped within {self._abort_grace:g} s"
             else:
                 # First expiry: abort the sources still asked, and wait (bounded) for them to stop writing.
                 self._counts["expired"] += 1
-                recv.aborted = True
+                recv.ending = RecvEnding.EXPIRED
                 recv.deadline = now + self._abort_grace
                 reason = f"receive of {recv.transfer_id!r} from {recv.engine_id!r} timed out after {self._timeout:g} s"
             for job in list(recv.jobs.values()):
@@ -266,7 +307,7 @@ class Receiver:
     def next_deadline(self) -> float | None:
         return min((r.deadline for r in self._recvs.values()), default=None)
 
-    def drain(self) -> RecvReport:
+    def take_report(self) -> RecvReport:
         """Receives that ended since the last call; each req_id appears exactly once over the Receiver's life."""
         report = RecvReport(self._finished, set(self._failed), self._invalid, self._failed)
         self._finished, self._failed, self._invalid = set(), {}, set()
@@ -329,7 +370,7 @@ class Receiver:
         if any(not job.terminal for job in recv.jobs.values()):
             return
         failed = [job for job in recv.jobs.values() if job.state is not RecvState.DONE]
-        if not failed and not recv.aborted:
+        if not failed and recv.ending is None:
             del self._recvs[recv.transfer_id]
             self._by_req.pop(recv.req_id, None)
             self._finished.add(recv.req_id)

@@ -2,7 +2,7 @@
 
 Rules: `Sender` takes events (a hold from the engine, a request or abort from a D worker, a write's result, the
 clock) and returns commands (`Submit`, `Reply`); it never touches a socket, a transport or a clock itself. Each
-held request is reported in `drain_finished()` exactly once: when every D worker that needs it was served, when it
+held request is reported in `take_finished()` exactly once: when every D worker that needs it was served, when it
 expired, or when it was aborted, and never while a write may still touch its blocks. Requests that arrive before
 the hold wait a bounded time, then are answered failed. Pure module: standard library and kvsvc's pure core only.
 """
@@ -11,18 +11,24 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 
-from kvsvc.jobs import Effect, SendEvent, SendJob, SendState
+from kvsvc.jobs import Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.messages import (
     Abort,
     ErrorMessage,
+    Message,
+    Ping,
+    Pong,
     Release,
     TransferDone,
     TransferFailed,
     TransferRequest,
     Worker,
+    WorkerMetadata,
     WorkerRef,
 )
+from kvsvc.planner import check_block_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +48,17 @@ class Reply:
     """Send `message` to D worker `dst` on its control connection."""
 
     dst: WorkerRef
-    message: TransferDone | TransferFailed | ErrorMessage
+    message: TransferDone | TransferFailed | ErrorMessage | Pong
 
 
-SendCommand = Submit | Reply
+SendCommand = Submit | Reply | Notice
+
+
+class HoldEnd(Enum):
+    """Why a hold stopped waiting for more D workers (it is reported once no write of it can touch its blocks)."""
+
+    ABORTED = "aborted"  # by P's engine, or by the worker shutting down
+    EXPIRED = "expired"  # the hold deadline passed
 
 
 @dataclass(slots=True)
@@ -61,7 +74,7 @@ class _Hold:
     jobs: dict[Worker, SendJob] = field(default_factory=dict)
     refs: dict[Worker, WorkerRef] = field(default_factory=dict)
     results: dict[Worker, tuple[int, int]] = field(default_factory=dict)
-    ended: str = ""  # "aborted" or "expired" once the hold stops waiting for more D workers
+    ended: HoldEnd | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +183,29 @@ class Sender:
 
     # -- events from D workers ---------------------------------------------------------------------------------
 
+    def receive(
+        self, dst: WorkerRef, dst_meta: WorkerMetadata, expected: frozenset[Worker], message: Message, now: float
+    ) -> list[SendCommand]:
+        """A frame from D worker `dst` (whose hello published `dst_meta`) on its accepted connection: every driver
+        hands each frame here. A request whose block ids D's pool cannot hold is refused (`refuse`); anything
+        that is not a D-to-P message is answered with an error and noticed as a protocol error."""
+        if isinstance(message, TransferRequest):
+            try:
+                check_block_ids(dst_meta, message.block_ids, message.num_tokens, "D", message.first_token)
+            except ValueError as exc:
+                return self.refuse(dst, message.transfer_id, str(exc), now, expected)
+            return self.request(dst, expected, message, now)
+        if isinstance(message, Release):
+            return self.release(dst, expected, message, now)
+        if isinstance(message, Abort):
+            return self.remote_abort(dst, message.transfer_id, message.reason, now, expected)
+        if isinstance(message, Ping):
+            return [Reply(dst, Pong(nonce=message.nonce))]
+        if isinstance(message, ErrorMessage):
+            return [Notice(f"D worker {dst} reports a protocol error: {message.reason}")]
+        what = f"unexpected {type(message).__name__} from D worker {dst}"
+        return [Notice(what, protocol_error=True), Reply(dst, ErrorMessage(reason=what))]
+
     def request(
         self, dst: WorkerRef, expected: frozenset[Worker], message: TransferRequest, now: float
     ) -> list[SendCommand]:
@@ -185,14 +221,13 @@ class Sender:
         if refused:
             return [refused]
         job = hold.jobs.get(dst.worker)
-        if job is None:
-            job = SendJob(message.transfer_id, dst.worker, message.block_ids, message.num_tokens, message.first_token)
-            hold.jobs[dst.worker] = job
-            hold.refs[dst.worker] = dst
-            if hold.ended:
-                return self._apply(hold, job, SendEvent.ABORT if hold.ended == "aborted" else SendEvent.EXPIRE)
-            return self._apply(hold, job, SendEvent.READY) if hold.ready else []
-        return self._apply(hold, job, SendEvent.REQUEST)
+        if job is not None:
+            return self._apply(hold, job, SendEvent.REQUEST)
+        job = self._new_job(hold, dst, message)
+        commands = self._apply(hold, job, SendEvent.REQUEST)
+        if hold.ended is not None:
+            return commands + self._apply(hold, job, _END_EVENTS[hold.ended])
+        return commands + (self._apply(hold, job, SendEvent.READY) if hold.ready else [])
 
     def release(self, dst: WorkerRef, expected: frozenset[Worker], message: Release, now: float) -> list[SendCommand]:
         """D's designated worker says no D worker needs data from this P worker: finish the hold now."""
@@ -241,13 +276,8 @@ class Sender:
             return [Reply(dst, ErrorMessage(reason=reason, transfer_id=transfer_id))]
         job = hold.jobs.get(dst.worker)
         if job is None:
-            # D gave up before asking: record the D worker as served so the hold can finish.
-            job = SendJob(transfer_id, dst.worker, [], 0)
-            job.state, job.reason = SendState.ABORTED, reason or "aborted by D"
-            hold.jobs[dst.worker] = job
-            hold.refs[dst.worker] = dst
-            self._maybe_finish(hold)
-            return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=job.reason))]
+            # D gave up before asking: the job ends at once, and the D worker counts as served.
+            return self._apply(hold, self._new_job(hold, dst), SendEvent.ABORT, reason or "aborted by D")
         if job.terminal:
             # Its write (if any) ended: repeat the outcome, which tells D nothing more will land.
             return [Reply(dst, _outcome(hold, job))]
@@ -280,11 +310,7 @@ class Sender:
                 and dst.worker in (hold.expected or ())
             ):
                 # D's receive fails with the connection, so it will never ask: count it served now, not at expiry.
-                job = SendJob(hold.transfer_id, dst.worker, [], 0)
-                job.state, job.reason = SendState.FAILED, reason
-                hold.jobs[dst.worker] = job
-                hold.refs[dst.worker] = dst
-                self._maybe_finish(hold)
+                commands += self._apply(hold, self._new_job(hold, dst), SendEvent.PEER_LOST, reason)
         for key in [k for k, v in self._early.items() if v[1] == dst]:
             del self._early[key]
         return commands
@@ -308,8 +334,8 @@ class Sender:
         """Apply every deadline that passed at `now`: holds nobody fully fetched, early requests never held."""
         commands: list[SendCommand] = []
         for hold in list(self._holds.values()):
-            if hold.deadline <= now and not hold.ended:
-                hold.ended = "expired"
+            if hold.deadline <= now and hold.ended is None:
+                hold.ended = HoldEnd.EXPIRED
                 self._expired_count += 1
                 reason = f"hold of transfer {hold.transfer_id!r} expired after {self._hold_timeout:g} s"
                 for job in list(hold.jobs.values()):
@@ -327,12 +353,12 @@ class Sender:
 
     def next_deadline(self) -> float | None:
         """The earliest time at which `expire` has something to do, or None."""
-        deadlines = [h.deadline for h in self._holds.values() if not h.ended]
+        deadlines = [h.deadline for h in self._holds.values() if h.ended is None]
         if self._early:
             deadlines.append(next(iter(self._early.values()))[0])
         return min(deadlines, default=None)
 
-    def drain_finished(self) -> set[str]:
+    def take_finished(self) -> set[str]:
         """The req_ids whose holds ended since the last call; each appears exactly once over the Sender's life."""
         finished, self._finished = self._finished, set()
         return finished
@@ -385,9 +411,19 @@ class Sender:
         self._early[key] = (now + self._early_timeout, dst, message, expected)
         return []
 
+    def _new_job(self, hold: _Hold, dst: WorkerRef, request: TransferRequest | None = None) -> SendJob:
+        """The job of D worker `dst` in `hold` (UNASKED: the caller's first event says what happened)."""
+        if request is None:
+            job = SendJob(hold.transfer_id, dst.worker, [], 0)
+        else:
+            job = SendJob(hold.transfer_id, dst.worker, request.block_ids, request.num_tokens, request.first_token)
+        hold.jobs[dst.worker] = job
+        hold.refs[dst.worker] = dst
+        return job
+
     def _abort_hold(self, hold: _Hold, reason: str) -> list[SendCommand]:
-        if not hold.ended:
-            hold.ended = "aborted"
+        if hold.ended is None:
+            hold.ended = HoldEnd.ABORTED
             self._aborted_count += 1
         commands: list[SendCommand] = []
         for job in list(hold.jobs.values()):
@@ -417,14 +453,8 @@ class Sender:
                 commands.append(
                     Submit(hold.transfer_id, dst, hold.block_ids, job.block_ids, job.num_tokens, job.first_token)
                 )
-            elif effect is Effect.REPLY_DONE:
-                nbytes, descriptors = hold.results.get(job.dst, (0, 0))
-                commands.append(
-                    Reply(dst, TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors))
-                )
-            elif effect is Effect.REPLY_FAILED:
-                why = job.reason or "failed"
-                commands.append(Reply(dst, TransferFailed(transfer_id=hold.transfer_id, reason=why)))
+            elif effect in (Effect.REPLY_DONE, Effect.REPLY_FAILED):
+                commands.append(Reply(dst, _outcome(hold, job)))
         if job.terminal:
             self._maybe_finish(hold)
         return commands
@@ -435,12 +465,12 @@ class Sender:
         if any(not job.terminal for job in hold.jobs.values()):
             return  # a write may still touch the blocks
         served = all(w in hold.jobs for w in hold.expected) if hold.expected is not None else False
-        if not (hold.ended or served):
+        if hold.ended is None and not served:
             return
         del self._holds[hold.transfer_id]
         self._by_req.pop(hold.req_id, None)
         self._finished.add(hold.req_id)
-        self._closed[hold.transfer_id] = hold.ended or "every D worker that needed it was served"
+        self._closed[hold.transfer_id] = hold.ended.value if hold.ended else "every D worker that needed it was served"
         while len(self._closed) > self._remembered:
             self._closed.popitem(last=False)
         for worker, job in hold.jobs.items():
@@ -449,8 +479,12 @@ class Sender:
             self._outcomes.popitem(last=False)
 
 
+_END_EVENTS = {HoldEnd.ABORTED: SendEvent.ABORT, HoldEnd.EXPIRED: SendEvent.EXPIRE}
+
+
 def _outcome(hold: _Hold, job: SendJob) -> TransferDone | TransferFailed:
-    """What D hears of `job` (terminal) of `hold`: done with its byte and descriptor counts, or failed and why."""
+    """What D hears of `job` (terminal) of `hold`: done with its byte and descriptor counts, or failed and why (the
+    reason of the event that ended it, else its state)."""
     if job.state is SendState.DONE:
         nbytes, descriptors = hold.results.get(job.dst, (0, 0))
         return TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors)

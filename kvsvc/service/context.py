@@ -8,16 +8,20 @@ Only `metadata` ever changes, once, when `start` fills in the bound addresses. I
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from kvsvc.histogram import LatencyHistogram
+from kvsvc.jobs import Notice
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.transport.base import Transport
 
 EngineMetadata = dict[Worker, WorkerMetadata]
+
+log = logging.getLogger("kvsvc.service")
 
 COUNTERS = ("bytes", "descriptors", "transfers", "write_failures", "protocol_errors", "reconnects")
 """The service's monotonic counters (`ServiceContext.counts`), reported as deltas by `get_finished`."""
@@ -45,3 +49,10 @@ class ServiceContext:
     the wait for their layers."""
     recv_durations: LatencyHistogram
     """D: from `start_recv` to the receive finished with its KV landed."""
+
+
+def notice(ctx: ServiceContext, what: Notice) -> None:
+    """Carry out a protocol object's `Notice`: log it, and count a protocol error if it is one."""
+    if what.protocol_error:
+        ctx.counts["protocol_errors"] += 1
+    log.log(logging.DEBUG if what.level == "debug" else logging.WARNING, "%s", what.text)

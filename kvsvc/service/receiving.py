@@ -16,30 +16,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from msgspec.structs import replace
 
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost, PeerMismatch
+from kvsvc.jobs import Notice
 from kvsvc.messages import (
     PROTOCOL_VERSION,
-    ErrorMessage,
     Hello,
     HelloOk,
     HelloRefused,
     Message,
-    Pong,
-    TransferDone,
-    TransferFailed,
     Worker,
     WorkerMetadata,
     WorkerRef,
 )
 from kvsvc.planner import check_block_ids
-from kvsvc.receiver import Receiver, ReceiverStatistics, RecvReport, SendToSource
+from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext
+from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.remotes import RemoteEngines, Routes
 
 log = logging.getLogger(__name__)
@@ -131,9 +128,9 @@ class ReceivingRole:
     def next_deadline(self) -> float | None:
         return self._receiver.next_deadline()
 
-    def drain(self) -> RecvReport:
-        """Receives that ended since the last call (see `Receiver.drain`)."""
-        return self._receiver.drain()
+    def take_report(self) -> RecvReport:
+        """Receives that ended since the last call (see `Receiver.take_report`)."""
+        return self._receiver.take_report()
 
     def forget_engine(self, engine_id: str) -> None:
         """As `KVTransferService.forget_engine`."""
@@ -287,26 +284,17 @@ class ReceivingRole:
         return channel
 
     def _on_p_message(self, peer: _Outbound, message: Message) -> None:
-        engine_id, src = peer.ref.engine_id, peer.ref.worker
+        self._run_recv(self._receiver.receive(peer.ref.engine_id, peer.ref.worker, message))
+        now = self._ctx.clock()
+        for started in self._receiver.take_landed():
+            self._ctx.recv_durations.observe(now - started)
         self._ctx.reports.set()
-        if isinstance(message, TransferDone | TransferFailed):
-            error = message.reason if isinstance(message, TransferFailed) else None
-            if not self._receiver.answer(engine_id, src, message.transfer_id, error):
-                log.debug("late or unknown answer for %r from %s", message.transfer_id, peer.ref)
-            now = self._ctx.clock()
-            for started in self._receiver.take_landed():
-                self._ctx.recv_durations.observe(now - started)
-        elif isinstance(message, ErrorMessage):
-            log.warning("P worker %s reports a protocol error: %s", peer.ref, message.reason)
-            if message.transfer_id:
-                self._receiver.answer(engine_id, src, message.transfer_id, f"P error: {message.reason}")
-        elif not isinstance(message, Pong):
-            self._ctx.counts["protocol_errors"] += 1
-            if peer.channel is not None:
-                peer.channel.send(ErrorMessage(reason=f"unexpected {type(message).__name__} from a P worker"))
 
-    def _run_recv(self, commands: list[SendToSource]) -> None:
+    def _run_recv(self, commands: Sequence[RecvCommand]) -> None:
         for command in commands:
+            if isinstance(command, Notice):
+                notice(self._ctx, command)
+                continue
             peer = self._outbound.get((command.engine_id, command.src))
             if peer is None:
                 continue

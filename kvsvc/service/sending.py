@@ -25,19 +25,15 @@ from kvsvc.errors import (
     TransportError,
     VersionMismatch,
 )
+from kvsvc.jobs import Notice
 from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import (
     PROTOCOL_VERSION,
-    Abort,
     ErrorMessage,
     Hello,
     HelloOk,
     HelloRefused,
     Message,
-    Ping,
-    Pong,
-    Release,
-    TransferRequest,
     Worker,
     WorkerMetadata,
     WorkerRef,
@@ -46,7 +42,7 @@ from kvsvc.messages import (
 from kvsvc.planner import check_block_ids, check_compatible, expected_destinations
 from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext
+from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.writing import BlockWriter, WriteTarget
 
 log = logging.getLogger(__name__)
@@ -101,9 +97,9 @@ class SendingRole:
         if self._server is not None:
             self._server.close()
 
-    async def drain_writes(self) -> None:
+    async def wait_writes(self) -> None:
         """Wait up to `close_drain_timeout_s` for the writes in flight, then cancel the write tasks left."""
-        await self._writer.drain()
+        await self._writer.wait_writes()
 
     def shut_down(self) -> None:
         """Answer failed what D workers still wait for (see `Sender.shut_down`), before the connections close."""
@@ -157,9 +153,9 @@ class SendingRole:
     def next_deadline(self) -> float | None:
         return self._sender.next_deadline()
 
-    def drain_finished(self) -> set[str]:
-        """The req_ids whose holds ended since the last call (see `Sender.drain_finished`)."""
-        sent = self._sender.drain_finished()
+    def take_finished(self) -> set[str]:
+        """The req_ids whose holds ended since the last call (see `Sender.take_finished`)."""
+        sent = self._sender.take_finished()
         self._writer.forget_layers(lambda transfer_id: not self._sender.holds(transfer_id))
         return sent
 
@@ -316,34 +312,16 @@ class SendingRole:
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
         now = self._ctx.clock()
-        if isinstance(message, TransferRequest):
-            try:
-                check_block_ids(inbound.meta, message.block_ids, message.num_tokens, "D", message.first_token)
-            except ValueError as exc:
-                refused = self._sender.refuse(inbound.ref, message.transfer_id, str(exc), now, inbound.expected)
-                self._run_send(refused)
-                return
-            self._run_send(self._sender.request(inbound.ref, inbound.expected, message, now))
-        elif isinstance(message, Release):
-            self._run_send(self._sender.release(inbound.ref, inbound.expected, message, now))
-        elif isinstance(message, Abort):
-            self._run_send(
-                self._sender.remote_abort(inbound.ref, message.transfer_id, message.reason, now, inbound.expected)
-            )
-        elif isinstance(message, Ping):
-            inbound.channel.send(Pong(nonce=message.nonce))
-        elif isinstance(message, ErrorMessage):
-            log.warning("D worker %s reports a protocol error: %s", inbound.ref, message.reason)
-        else:
-            self._ctx.counts["protocol_errors"] += 1
-            inbound.channel.send(ErrorMessage(reason=f"unexpected {type(message).__name__} from a D worker"))
+        self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))
         self._ctx.wake.set()
 
     # -- carrying out the Sender's commands --------------------------------------------------------------------
 
     def _run_send(self, commands: list[SendCommand]) -> None:
         for command in commands:
-            if isinstance(command, Submit):
+            if isinstance(command, Notice):
+                notice(self._ctx, command)
+            elif isinstance(command, Submit):
                 self._writer.submit(command)
             elif isinstance(command, Reply):
                 inbound = self._inbound.get(_inbound_key(command.dst))

@@ -146,7 +146,7 @@ class KVTransferService:
             return
         self._closing = True
         self._sending.stop_accepting()
-        await self._sending.drain_writes()
+        await self._sending.wait_writes()
         self._sending.shut_down()  # D's waiting receives fail now, not at their deadlines
         for task in [*self._tasks, *([self._deadline_task] if self._deadline_task else [])]:
             task.cancel()
@@ -217,8 +217,8 @@ class KVTransferService:
     def get_finished(self) -> KVConnectorOutput:
         """Drain what ended since the last call: each req_id appears exactly once over the service's life."""
         self._reports.clear()
-        sent = self._sending.drain_finished()
-        report = self._receiving.drain()
+        sent = self._sending.take_finished()
+        report = self._receiving.take_report()
         counts = self._ctx.counts
         deltas = {k: v - self._reported[k] for k, v in counts.items()}
         self._reported = dict(counts)

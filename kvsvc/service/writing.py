@@ -94,7 +94,7 @@ class BlockWriter:
         """Writes running as tasks (`close` awaits them after cancelling)."""
         return self._writes
 
-    async def drain(self) -> None:
+    async def wait_writes(self) -> None:
         """Wait up to `close_drain_timeout_s` for the writes in flight, then cancel the write tasks left."""
         if self._writes or self._started:
             waits: set[asyncio.Future[Any]] = {*self._writes, *self._started}

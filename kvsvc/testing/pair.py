@@ -10,7 +10,7 @@ rule "never report a send while a write may touch its blocks" as it goes. Pure: 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,10 +18,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsvc.errors import TopologyError
+from kvsvc.jobs import Notice
 from kvsvc.layout import block_geometry
 from kvsvc.messages import (
     Abort,
     ErrorMessage,
+    Pong,
     Release,
     TransferDone,
     TransferFailed,
@@ -29,15 +31,15 @@ from kvsvc.messages import (
     Worker,
 )
 from kvsvc.planner import expected_destinations, plan_transfer, release_notifier, sources_of
-from kvsvc.receiver import Receiver, SendToSource
+from kvsvc.receiver import Receiver, RecvCommand
 from kvsvc.sender import Reply, SendCommand, Sender, Submit
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
 
 ByteArray = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]
-ToP = TransferRequest | Release | Abort
-ToD = TransferDone | TransferFailed | ErrorMessage
+ToP = TransferRequest | Release | Abort | ErrorMessage
+ToD = TransferDone | TransferFailed | ErrorMessage | Pong
 _P_BASE, _D_BASE = 1 << 44, 1 << 45
 
 
@@ -109,7 +111,7 @@ class PeerPair:
         pair.start_send("p-req", "t1", [0, 1], num_tokens=7)
         pair.start_recv("d-req", "t1", [3, 4], num_tokens=7)
         pair.run_until_idle()
-        pair.drain()
+        pair.take_reports()
         pair.assert_received("t1")
 
     Faults (each None or a predicate; applied until reset): `drop`, `duplicate` and `hold_back` look at an
@@ -143,6 +145,7 @@ class PeerPair:
         self.history: list[ReportEntry] = []
         self.violations: list[str] = []
         self.undeliverable: list[Reply] = []
+        self.notices: list[Notice] = []  # what the protocol objects asked their drivers to log
         self._wire: list[Envelope] = []
         self._held: list[Envelope] = []
         self._writes: list[Write] = []
@@ -277,11 +280,11 @@ class PeerPair:
 
     # -- reports and checks ------------------------------------------------------------------------------------
 
-    def drain(self) -> list[ReportEntry]:
+    def take_reports(self) -> list[ReportEntry]:
         """Drain every worker's report (as `get_finished` does), append it to `history` and return it."""
         entries: list[ReportEntry] = []
         for worker, sender in self.senders.items():
-            for req_id in sorted(sender.drain_finished()):
+            for req_id in sorted(sender.take_finished()):
                 transfer_id = self._sends[req_id][0] if req_id in self._sends else None
                 busy = [
                     w for w in [*self._writes, *self._stalled] if (w.p, w.submit.transfer_id) == (worker, transfer_id)
@@ -290,7 +293,7 @@ class PeerPair:
                     self.violations.append(f"P{worker} reported {req_id!r} while {len(busy)} write(s) may touch it")
                 entries.append(ReportEntry("P", worker, req_id, "finished_sending"))
         for worker, receiver in self.receivers.items():
-            report = receiver.drain()
+            report = receiver.take_report()
             for req_id in report.finished | report.failed:
                 transfer_id = self._recvs[req_id][0] if req_id in self._recvs else None
                 busy = [
@@ -398,9 +401,11 @@ class PeerPair:
             held = self.hold_back is not None and self.hold_back(envelope)
             (self._held if held else self._wire).append(envelope)
 
-    def _run_p(self, worker: Worker, commands: list[SendCommand]) -> None:
+    def _run_p(self, worker: Worker, commands: Sequence[SendCommand]) -> None:
         for command in commands:
-            if isinstance(command, Submit):
+            if isinstance(command, Notice):
+                self.notices.append(command)
+            elif isinstance(command, Submit):
                 self._seq += 1
                 self._writes.append(Write(worker, command, self._seq))
             elif (command.dst.engine_id, command.dst.incarnation) == (self.d.engine_id, self.d.incarnation):
@@ -408,29 +413,22 @@ class PeerPair:
             else:
                 self.undeliverable.append(command)
 
-    def _run_d(self, worker: Worker, commands: list[SendToSource]) -> None:
+    def _run_d(self, worker: Worker, commands: Sequence[RecvCommand]) -> None:
         for command in commands:
-            self._post("P", worker, command.src, command.message)
+            if isinstance(command, Notice):
+                self.notices.append(command)
+            else:
+                self._post("P", worker, command.src, command.message)
 
     def _deliver(self, envelope: Envelope) -> None:
+        """Hand a message to its protocol object, as the service's drivers do: `Sender.receive`, `Receiver.receive`."""
         self._counts.delivered += 1
-        message, now = envelope.message, self.clock()
         if envelope.to == "P":
-            sender, ref, expected = self.senders[envelope.p], self.d.ref(envelope.d), self._expected[envelope.p]
-            if isinstance(message, TransferRequest):
-                self._run_p(envelope.p, sender.request(ref, expected, message, now))
-            elif isinstance(message, Release):
-                self._run_p(envelope.p, sender.release(ref, expected, message, now))
-            elif isinstance(message, Abort):
-                self._run_p(envelope.p, sender.remote_abort(ref, message.transfer_id, message.reason, now, expected))
-            return
-        receiver, engine = self.receivers[envelope.d], self.p.engine_id
-        if isinstance(message, TransferDone):
-            receiver.answer(engine, envelope.p, message.transfer_id, None)
-        elif isinstance(message, TransferFailed):
-            receiver.answer(engine, envelope.p, message.transfer_id, message.reason)
-        elif isinstance(message, ErrorMessage) and message.transfer_id:
-            receiver.answer(engine, envelope.p, message.transfer_id, f"P error: {message.reason}")
+            ref, meta = self.d.ref(envelope.d), self.d.metas[envelope.d]
+            sender, expected = self.senders[envelope.p], self._expected[envelope.p]
+            self._run_p(envelope.p, sender.receive(ref, meta, expected, envelope.message, self.clock()))
+        else:
+            self._run_d(envelope.d, self.receivers[envelope.d].receive(self.p.engine_id, envelope.p, envelope.message))
 
     def _run_write(self, write: Write) -> None:
         if self.stall_write is not None and self.stall_write(write):

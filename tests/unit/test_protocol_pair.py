@@ -63,7 +63,7 @@ def test_a_transfer_lands_byte_exact_and_each_side_reports_it_once_without_any_d
     pair = PeerPair(p, d)
     transfer(pair)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_received("t1")
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert d_outcomes(pair, "d-t1") == {"finished"}
@@ -78,7 +78,7 @@ def test_p_workers_that_source_nothing_for_replicated_kv_are_released_and_finish
     assert idle  # the case needs P workers with nothing to send
     transfer(pair)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     releases = [e for e in pair.history if e.side == "P" and e.worker in idle]
     assert len(releases) == len(idle)
     assert pair.clock() == 0
@@ -92,11 +92,11 @@ def test_a_release_is_what_frees_a_p_worker_that_sources_nothing() -> None:
     pair.drop = lambda e: isinstance(e.message, Release)
     transfer(pair)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     idle = [w for w, m in pair.p.metas.items() if not expected_destinations(m, pair.d.metas)]
     assert all(("P", w) not in pair.outcomes("p-t1") for w in idle)
     pair.advance(60)
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
 
 
@@ -109,10 +109,10 @@ def test_duplicated_messages_repeated_calls_and_stray_aborts_change_nothing() ->
     pair.abort_send("unknown")
     pair.abort_recv("unknown")
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.ready("t1")
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     assert pair.statistics().duplicated > 0
     pair.assert_received("t1")
     pair.assert_reported_once(["p-t1"], ["d-t1"])
@@ -130,7 +130,7 @@ def test_repeated_aborts_report_once() -> None:
         pair.abort_recv("d-t1")
         pair.abort_send("p-t1")
         pair.run_until_idle()
-        pair.drain()
+        pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert_clean(pair)
 
@@ -140,10 +140,10 @@ def test_a_request_that_arrives_before_p_holds_is_served_once_p_holds() -> None:
     pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
     pair.run_until_idle()
     pair.advance(9)
-    assert pair.drain() == []
+    assert pair.take_reports() == []
     pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_received("t1")
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert_clean(pair)
@@ -155,10 +155,10 @@ def test_a_request_for_a_transfer_p_never_holds_is_answered_failed_after_the_ear
     pair.run_until_idle()
     pair.advance(9.9)
     pair.run_until_idle()
-    assert pair.drain() == []
+    assert pair.take_reports() == []
     pair.advance(0.1)  # early_request_timeout_s = 10, well before D's own 60 s timeout
     pair.run_until_idle()
-    [entry] = pair.drain()
+    [entry] = pair.take_reports()
     assert (entry.outcome, "not held" in entry.reason) == ("failed", True)
     assert_clean(pair)
 
@@ -169,13 +169,13 @@ def test_hold_expiry_reports_once_and_answers_waiting_d_workers_failed() -> None
     pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
     pair.run_until_idle()
     pair.advance(59)
-    assert pair.drain() == []
+    assert pair.take_reports() == []
     pair.advance(1)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.advance(600)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert d_outcomes(pair, "d-t1") == {"failed"}
     assert all("expired" in e.reason for e in pair.history if e.side == "D")
@@ -195,10 +195,10 @@ def test_a_write_in_flight_at_hold_expiry_delays_the_report_until_the_write_resu
     pair = stalled_pair()
     pair.advance(60)
     pair.run_until_idle()
-    assert pair.drain() == []
+    assert pair.take_reports() == []
     pair.finish_stalled()
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert d_outcomes(pair, "d-t1") == {"failed"}
     assert_clean(pair)
@@ -208,10 +208,10 @@ def test_a_write_in_flight_at_p_abort_delays_the_report_until_the_write_result()
     pair = stalled_pair()
     pair.abort_send("p-t1")
     pair.run_until_idle()
-    assert pair.drain() == []
+    assert pair.take_reports() == []
     pair.finish_stalled(error="cancelled")
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert d_outcomes(pair, "d-t1") == {"failed"}
     assert_clean(pair)
@@ -221,10 +221,10 @@ def test_a_write_in_flight_at_d_abort_delays_both_reports_until_the_write_result
     pair = stalled_pair()
     pair.abort_recv("d-t1")
     pair.run_until_idle()
-    assert pair.drain() == []
+    assert pair.take_reports() == []
     pair.finish_stalled()
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert d_outcomes(pair, "d-t1") == {"failed"}
     assert_clean(pair)
@@ -237,7 +237,7 @@ def test_d_abort_aborts_the_p_job_which_counts_as_served() -> None:
     pair.run_until_idle()
     pair.abort_recv("d-t1")
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     assert all(s.statistics().holds == 0 for s in pair.senders.values())
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert d_outcomes(pair, "d-t1") == {"failed"}
@@ -254,7 +254,7 @@ def test_a_d_abort_that_reaches_p_before_p_holds_still_counts_that_d_worker_as_s
     pair.run_until_idle()
     pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
 
 
@@ -265,7 +265,7 @@ def test_p_abort_fails_the_receive_on_d() -> None:
     pair.run_until_idle()
     pair.abort_send("p-t1")
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert d_outcomes(pair, "d-t1") == {"failed"}
     assert_clean(pair)
@@ -278,19 +278,19 @@ def test_a_receive_whose_p_never_answers_times_out_failed_with_all_its_blocks_in
     pair.run_until_idle()
     pair.advance(60)
     pair.run_until_idle()
-    entries = pair.drain()
+    entries = pair.take_reports()
     # P was told to stop and ends its hold; D waits for P's answer (held back here), bounded by the abort grace.
     assert [e.side for e in entries] == ["P"]
     pair.advance(35)
     pair.run_until_idle()
-    entries = pair.drain()
+    entries = pair.take_reports()
     assert {e.outcome for e in entries if e.side == "D"} == {"failed"}
     assert all("timed out" in e.reason for e in entries if e.side == "D")
     assert pair.violations == []  # the harness checked invalid_block_ids covered every block
     pair.hold_back = None
     pair.release_held()
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert_clean(pair)
 
@@ -300,7 +300,7 @@ def test_a_failed_write_fails_the_receive_and_finishes_the_send() -> None:
     pair.fail_write = lambda w: w.p == (0, 1)
     transfer(pair)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     [entry] = [e for e in pair.history if e.side == "D"]
     assert entry.outcome == "failed" and "injected write failure" in entry.reason
@@ -315,15 +315,15 @@ def test_a_connection_lost_while_writing_fails_that_receive_and_frees_the_hold_a
     pair.lose_connection((0, 1), (0, 0))
     pair.run_until_idle()
     # Neither side may give the blocks back while the write may still move: P drains, D waits its abort grace.
-    assert [e.worker for e in pair.drain()] == [(0, 0)]
+    assert [e.worker for e in pair.take_reports()] == [(0, 0)]
     pair.finish_stalled()
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     assert pair.outcomes("p-t1") == {("P", (0, 0)): ["finished_sending"]}
     assert ("D", (0, 1)) not in pair.outcomes("d-t1")
     pair.advance(35)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert pair.outcomes("d-t1")[("D", (0, 1))] == ["failed"]
     assert pair.outcomes("d-t1")[("D", (0, 0))] == ["finished"]
@@ -340,11 +340,11 @@ def test_after_a_reconnect_d_frees_its_blocks_once_the_write_the_lost_link_left_
     pair.run_until_idle()
     pair.reconnect((0, 1), (0, 0))
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     assert ("D", (0, 1)) not in pair.outcomes("d-t1")  # asked again, but the write may still move: no answer yet
     pair.finish_stalled()
     pair.run_until_idle()
-    pair.drain()  # long before the abort grace; `violations` would list a report while the write could move
+    pair.take_reports()  # long before the abort grace; `violations` would list a report while the write could move
     assert pair.outcomes("d-t1")[("D", (0, 1))] == ["failed"]
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert_clean(pair)
@@ -359,7 +359,7 @@ def test_after_a_reconnect_a_request_that_never_arrived_fails_at_once() -> None:
     pair.hold_back = None
     pair.reconnect((0, 1), (0, 0))
     pair.run_until_idle()
-    pair.drain()  # P never had a job for (0, 1): its answer frees D's blocks without the abort grace
+    pair.take_reports()  # P never had a job for (0, 1): its answer frees D's blocks without the abort grace
     assert pair.outcomes("d-t1") == {("D", (0, 0)): ["finished"], ("D", (0, 1)): ["failed"]}
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert_clean(pair)
@@ -372,14 +372,14 @@ def test_a_connection_lost_before_the_request_fails_that_receive_and_ends_the_ho
     pair.run_until_idle()
     pair.lose_connection((0, 1), (0, 0))
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     # P knows from the other D worker's request that (0, 1) would ask; its lost connection means it never will.
     assert pair.outcomes("p-t1") == {("P", (0, 0)): ["finished_sending"]}
     # D cannot tell that its request never arrived: it holds the blocks for the abort grace.
     assert pair.outcomes("d-t1") == {("D", (0, 0)): ["finished"]}
     pair.advance(35)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     assert pair.outcomes("d-t1") == {("D", (0, 0)): ["finished"], ("D", (0, 1)): ["failed"]}
     pair.assert_reported_once(["p-t1"], ["d-t1"])
     assert_clean(pair)
@@ -390,10 +390,10 @@ def test_a_source_reached_after_a_reconnect_serves_the_receive() -> None:
     pair.lose_connection((0, 0), (0, 0))
     transfer(pair)
     pair.run_until_idle()
-    assert pair.drain() == []
+    assert pair.take_reports() == []
     pair.reconnect((0, 0), (0, 0))
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_received("t1")
     pair.assert_reported_once(["p-t1"], ["d-t1"])
 
@@ -409,21 +409,21 @@ def test_a_second_d_engine_asking_for_a_transfer_in_progress_gets_an_error_and_c
     assert isinstance(reply, Reply) and isinstance(reply.message, ErrorMessage) and reply.dst == stranger
     pair.ready("t1")
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_received("t1")
     pair.assert_reported_once(["p-t1"], ["d-t1"])
 
 
 def test_the_harness_flags_a_send_reported_while_its_write_may_touch_the_blocks() -> None:
     class EagerSender(Sender):
-        def drain_finished(self) -> set[str]:
+        def take_finished(self) -> set[str]:
             return {"p-t1"}
 
     pair = PeerPair(EngineSpec(), EngineSpec(), sender=EagerSender)
     pair.stall_write = lambda w: True
     transfer(pair)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     assert pair.violations and "p-t1" in pair.violations[0]
 
 
@@ -492,15 +492,15 @@ def test_any_delivery_order_with_duplicates_and_aborts_ends_clean_with_every_req
             else:
                 pair.abort_recv(f"d-{tid}")
         if rng.random() < 0.1:
-            pair.drain()
+            pair.take_reports()
     pair.run_until_idle(rng)
-    pair.drain()
+    pair.take_reports()
     for t in set(tids) - aborted:  # no deadline is needed to finish a transfer nobody aborted
         assert len(pair.outcomes(f"p-{t}")) == len(pair.senders)
         assert len(pair.outcomes(f"d-{t}")) == len(pair.receivers)
     pair.advance(600)  # every deadline passes: nothing may be left behind
     pair.run_until_idle(rng)
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once([f"p-{t}" for t in tids], [f"d-{t}" for t in tids])
     for t in tids:
         for (side, worker), outcomes in pair.outcomes(f"d-{t}").items():

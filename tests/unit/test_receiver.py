@@ -51,12 +51,12 @@ def test_a_source_not_yet_connected_is_asked_once_its_connection_opens() -> None
 
 def test_a_receive_finishes_once_every_source_answered_done_and_is_reported_once() -> None:
     receiver, _, _ = started()
-    assert receiver.answer("P", P0, "t1", None)
-    assert receiver.drain().finished == set()
-    assert receiver.answer("P", P1, "t1", None)
-    report = receiver.drain()
+    assert receiver.answer("P", P0, "t1", None) == []
+    assert receiver.take_report().finished == set()
+    assert receiver.answer("P", P1, "t1", None) == []
+    report = receiver.take_report()
     assert (report.finished, report.failed, report.invalid_block_ids) == ({"r1"}, set(), set())
-    assert receiver.drain().finished == set()
+    assert receiver.take_report().finished == set()
     assert receiver.statistics().receives == 0
 
 
@@ -64,7 +64,7 @@ def test_one_failed_source_fails_the_receive_with_every_block_invalid() -> None:
     receiver, _, _ = started()
     receiver.answer("P", P0, "t1", None)
     receiver.answer("P", P1, "t1", "TransportError: -1")
-    report = receiver.drain()
+    report = receiver.take_report()
     assert report.failed == {"r1"} and report.finished == set()
     assert report.invalid_block_ids == set(BLOCKS)
     assert "TransportError" in report.reasons["r1"]
@@ -75,17 +75,17 @@ def test_repeated_starts_and_answers_change_nothing() -> None:
     assert not receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
     assert receiver.sources_known("t1", [P0, P1], [], {P0, P1}) == []
     receiver.answer("P", P0, "t1", None)
-    assert receiver.answer("P", P0, "t1", None)
-    assert receiver.answer("P", P0, "t1", "late failure")
+    assert receiver.answer("P", P0, "t1", None) == []
+    assert receiver.answer("P", P0, "t1", "late failure") == []
     receiver.answer("P", P1, "t1", None)
-    assert receiver.drain().finished == {"r1"}
+    assert receiver.take_report().finished == {"r1"}
 
 
 def test_an_answer_for_an_unknown_transfer_or_source_is_refused() -> None:
     receiver, _, _ = started(sources=[P0])
-    assert not receiver.answer("P", P0, "nope", None)
-    assert not receiver.answer("P", P2, "t1", None)
-    assert not receiver.answer("other", P0, "t1", None)
+    assert receiver.answer("P", P0, "nope", None) is None
+    assert receiver.answer("P", P2, "t1", None) is None
+    assert receiver.answer("other", P0, "t1", None) is None
 
 
 def test_a_receive_times_out_failed_with_all_its_blocks_invalid_and_tells_p_to_stop() -> None:
@@ -95,13 +95,13 @@ def test_a_receive_times_out_failed_with_all_its_blocks_invalid_and_tells_p_to_s
     assert receiver.expire(clock.advance(59.9)) == []
     out = receiver.expire(clock.advance(0.1))
     assert kinds(out) == [(P1, Abort)]
-    assert receiver.drain().failed == set()  # until P1 confirms or the abort grace (30 s) passed
+    assert receiver.take_report().failed == set()  # until P1 confirms or the abort grace (30 s) passed
     receiver.expire(clock.advance(30))
-    report = receiver.drain()
+    report = receiver.take_report()
     assert report.failed == {"r1"} and report.invalid_block_ids == set(BLOCKS)
     assert "timed out" in report.reasons["r1"]
     assert receiver.expire(clock.advance(100)) == []
-    assert receiver.drain().failed == set()
+    assert receiver.take_report().failed == set()
     assert receiver.statistics().expired == 1
 
 
@@ -110,7 +110,7 @@ def test_a_receive_still_waiting_for_its_handshake_times_out_failed() -> None:
     receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
     assert receiver.statistics().waiting_for_handshake == 1
     receiver.expire(clock.advance(5))
-    assert receiver.drain().failed == {"r1"}
+    assert receiver.take_report().failed == {"r1"}
 
 
 def test_d_abort_asks_p_to_stop_and_reports_failed_only_after_p_confirmed() -> None:
@@ -119,9 +119,9 @@ def test_d_abort_asks_p_to_stop_and_reports_failed_only_after_p_confirmed() -> N
     assert kinds(out) == [(P0, Abort), (P1, Abort)]
     assert receiver.abort("r1", clock()) == []
     receiver.answer("P", P0, "t1", "aborted by D")
-    assert receiver.drain().failed == set()
+    assert receiver.take_report().failed == set()
     receiver.answer("P", P1, "t1", None)
-    report = receiver.drain()
+    report = receiver.take_report()
     assert report.failed == {"r1"} and report.invalid_block_ids == set(BLOCKS)
 
 
@@ -130,9 +130,9 @@ def test_d_abort_ends_after_the_grace_when_p_never_confirms() -> None:
     receiver.abort("r1", clock())
     assert receiver.next_deadline() == 30
     receiver.expire(clock.advance(29))
-    assert receiver.drain().failed == set()
+    assert receiver.take_report().failed == set()
     receiver.expire(clock.advance(1))
-    assert receiver.drain().failed == {"r1"}
+    assert receiver.take_report().failed == {"r1"}
     assert receiver.statistics().expired == 0
 
 
@@ -141,16 +141,16 @@ def test_d_abort_of_a_receive_whose_sources_are_not_connected_ends_at_once_and_s
     assert out == []
     # Queued until connected: nothing was asked, but a P that holds the transfer can free it at once.
     assert kinds(receiver.abort("r1", clock())) == [(P0, Abort), (P1, Abort)]
-    assert receiver.drain().failed == {"r1"}
+    assert receiver.take_report().failed == {"r1"}
 
 
 def test_d_abort_before_the_handshake_ends_the_receive_when_the_sources_are_known() -> None:
     receiver, clock = Receiver(), FakeClock()
     receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
     receiver.abort("r1", clock())
-    assert receiver.drain().failed == set()
+    assert receiver.take_report().failed == set()
     assert kinds(receiver.sources_known("t1", [P0], [], {P0})) == [(P0, Abort)]
-    assert receiver.drain().failed == {"r1"}
+    assert receiver.take_report().failed == {"r1"}
 
 
 def test_d_abort_before_a_handshake_that_never_ends_is_reported_after_the_abort_grace() -> None:
@@ -159,7 +159,7 @@ def test_d_abort_before_a_handshake_that_never_ends_is_reported_after_the_abort_
     receiver.abort("r1", clock())
     clock.advance(5)
     receiver.expire(clock())
-    assert receiver.drain().failed == {"r1"}
+    assert receiver.take_report().failed == {"r1"}
 
 
 def test_d_abort_before_the_handshake_still_releases_the_p_workers_it_must_release() -> None:
@@ -175,9 +175,9 @@ def test_a_lost_connection_stops_the_other_sources_and_holds_the_blocks_for_the_
     out = receiver.peer_lost("P", P1, "connection reset", clock())
     assert kinds(out) == [(P0, Abort)]  # the receive is lost: P0 need not keep writing
     receiver.answer("P", P0, "t1", "aborted by D")
-    assert receiver.drain().failed == set()  # P1 may still be writing into these blocks
+    assert receiver.take_report().failed == set()  # P1 may still be writing into these blocks
     receiver.expire(clock.advance(30))
-    report = receiver.drain()
+    report = receiver.take_report()
     assert report.failed == {"r1"} and "connection reset" in report.reasons["r1"]
     assert report.invalid_block_ids == set(BLOCKS)
 
@@ -188,9 +188,9 @@ def test_a_lost_source_proven_gone_ends_the_wait_once_the_other_sources_stopped(
     receiver.peer_lost("P", P1, "connection reset", clock())
     assert receiver.waits_on_lost("P", P1) and not receiver.waits_on_lost("P", P0)
     assert receiver.source_gone("P", P1, "connection reset; its transfer engine is gone") == []
-    assert receiver.drain().failed == set()  # P0 was told to abort and has not confirmed: it may still write
+    assert receiver.take_report().failed == set()  # P0 was told to abort and has not confirmed: it may still write
     receiver.answer("P", P0, "t1", "aborted by D")
-    report = receiver.drain()  # long before the abort grace
+    report = receiver.take_report()  # long before the abort grace
     assert report.failed == {"r1"} and "connection reset" in report.reasons["r1"]
     assert not receiver.waits_on_lost("P", P1)
 
@@ -200,11 +200,11 @@ def test_gone_touches_only_receives_whose_connection_to_that_source_broke() -> N
     receiver.start("r2", "t2", "P", [9], 1, clock())
     receiver.sources_known("t2", [P0], [], set())  # not asked yet: its connection never broke after asking
     receiver.source_gone("P", P0, "gone")  # nothing was lost yet: no-op
-    assert receiver.drain().failed == set() and receiver.statistics().receives == 2
+    assert receiver.take_report().failed == set() and receiver.statistics().receives == 2
     receiver.peer_lost("P", P0, "reset", clock())  # r1 asked (held for the grace), r2 had not (fails at once)
-    assert receiver.drain().failed == {"r2"}
+    assert receiver.take_report().failed == {"r2"}
     receiver.source_gone("P", P0, "gone")
-    assert receiver.drain().failed == {"r1"}
+    assert receiver.take_report().failed == {"r1"}
 
 
 def test_a_reconnect_to_the_same_start_asks_again_and_its_answer_ends_the_wait() -> None:
@@ -212,9 +212,9 @@ def test_a_reconnect_to_the_same_start_asks_again_and_its_answer_ends_the_wait()
     receiver.peer_lost("P", P0, "connection reset", clock(), incarnation="inc-1")
     assert receiver.reconnected("P", P0, "inc-2") == []  # another start cannot speak for inc-1's writes
     assert kinds(receiver.reconnected("P", P0, "inc-1")) == [(P0, Abort)]
-    assert receiver.drain().failed == set()  # asked, not answered: P may still be writing
+    assert receiver.take_report().failed == set()  # asked, not answered: P may still be writing
     receiver.answer("P", P0, "t1", "connection lost")  # P answers once the job's write ended
-    report = receiver.drain()  # long before the abort grace
+    report = receiver.take_report()  # long before the abort grace
     assert report.failed == {"r1"} and not receiver.waits_on_lost("P", P0)
     assert receiver.reconnected("P", P0, "inc-1") == []  # ended: nothing more to ask
 
@@ -223,13 +223,13 @@ def test_a_reconnect_leaves_receives_that_never_lost_that_source_alone() -> None
     receiver, clock, _ = started(sources=[P0])
     assert receiver.reconnected("P", P0, "") == []  # connected all along: nothing to fence
     receiver.peer_lost("P", P1, "reset", clock(), incarnation="")  # not a source of r1
-    assert receiver.reconnected("P", P1, "") == [] and receiver.drain().failed == set()
+    assert receiver.reconnected("P", P1, "") == [] and receiver.take_report().failed == set()
 
 
 def test_a_lost_connection_before_the_request_fails_the_job_at_once() -> None:
     receiver, clock, _ = started(sources=[P0], connected=set())
     assert receiver.peer_lost("P", P0, "connection refused", clock()) == []
-    report = receiver.drain()
+    report = receiver.take_report()
     assert report.failed == {"r1"} and "connection refused" in report.reasons["r1"]
 
 
@@ -237,9 +237,9 @@ def test_a_lost_connection_during_an_abort_still_waits_for_the_abort_grace() -> 
     receiver, clock, _ = started(sources=[P0])
     receiver.abort("r1", clock())
     receiver.peer_lost("P", P0, "connection reset", clock())
-    assert receiver.drain().failed == set()
+    assert receiver.take_report().failed == set()
     receiver.expire(clock.advance(30))
-    assert receiver.drain().failed == {"r1"}
+    assert receiver.take_report().failed == {"r1"}
 
 
 def test_an_incompatible_or_unreachable_engine_fails_the_receives_that_wait_for_its_handshake() -> None:
@@ -249,7 +249,7 @@ def test_an_incompatible_or_unreachable_engine_fails_the_receives_that_wait_for_
     receiver.start("r3", "t3", "other", [8], 1, 0.0)
     receiver.sources_known("t2", [P0], [], set())  # routed already: its connection decides its fate
     receiver.engine_failed("P", "P tp_size 3 does not divide D tp_size 4")
-    report = receiver.drain()
+    report = receiver.take_report()
     assert report.failed == {"r1"} and report.invalid_block_ids == {4, 5, 6}
     assert receiver.engine_of("t2") == "P" and receiver.engine_of("t3") == "other"
 
@@ -264,10 +264,10 @@ def test_a_timed_out_receive_keeps_its_blocks_until_the_sources_confirm_they_sto
     receiver, clock, _ = started()
     out = receiver.expire(clock.advance(60))
     assert sorted(kinds(out)) == [(P0, Abort), (P1, Abort)]
-    assert receiver.drain().failed == set()  # a frozen P could still land bytes in these blocks
+    assert receiver.take_report().failed == set()  # a frozen P could still land bytes in these blocks
     receiver.answer("P", P0, "t1", "aborted by D")
     receiver.answer("P", P1, "t1", None)
-    report = receiver.drain()
+    report = receiver.take_report()
     assert report.failed == {"r1"} and report.invalid_block_ids == set(BLOCKS)
     assert "timed out after 60 s" in report.reasons["r1"]
 
@@ -275,9 +275,9 @@ def test_a_timed_out_receive_keeps_its_blocks_until_the_sources_confirm_they_sto
 def test_a_timed_out_receive_whose_sources_never_confirm_ends_after_the_abort_grace() -> None:
     receiver, clock, _ = started()
     receiver.expire(clock.advance(60))
-    assert receiver.expire(clock.advance(29)) == [] and receiver.drain().failed == set()
+    assert receiver.expire(clock.advance(29)) == [] and receiver.take_report().failed == set()
     receiver.expire(clock.advance(1))
-    assert receiver.drain().failed == {"r1"}
+    assert receiver.take_report().failed == {"r1"}
     assert receiver.statistics().expired == 1
 
 
@@ -285,3 +285,19 @@ def test_receiving_a_transfer_twice_for_another_request_is_refused() -> None:
     receiver, clock, _ = started()
     with pytest.raises(ValueError, match="'t1' is already received for request 'r1', not 'r2'"):
         receiver.start("r2", "t1", "P", [9], 1, clock())
+
+
+def test_every_frame_from_p_goes_through_receive() -> None:
+    from kvsvc.jobs import Notice
+    from kvsvc.messages import ErrorMessage, Pong, TransferDone, TransferFailed
+
+    receiver, _, _ = started()
+    assert receiver.receive("P", P0, TransferDone(transfer_id="t1", bytes=1, descriptors=1)) == []
+    assert receiver.receive("P", P1, TransferFailed(transfer_id="t1", reason="no")) == []
+    assert receiver.take_report().failed == {"r1"}
+    late = receiver.receive("P", P1, TransferDone(transfer_id="t1", bytes=1, descriptors=1))
+    assert late == [Notice("late or unknown answer for 't1' from P(0, 1)", level="debug")]
+    assert receiver.receive("P", P0, Pong(nonce=1)) == []
+    odd = receiver.receive("P", P0, TransferRequest(transfer_id="t9", block_ids=[], num_tokens=0))
+    assert isinstance(odd[0], Notice) and odd[0].protocol_error
+    assert kinds([c for c in odd if isinstance(c, SendToSource)]) == [(P0, ErrorMessage)]

@@ -50,11 +50,11 @@ def test_a_landed_write_answers_done_with_its_figures_and_reports_the_send_once(
     sender.hold("r1", "t1", [1, 2], 6, clock())
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     out = sender.write_result("t1", D0.worker, None, nbytes=4096, descriptors=3)
     assert out == [Reply(D0, TransferDone(transfer_id="t1", bytes=4096, descriptors=3))]
-    assert sender.drain_finished() == {"r1"}
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == {"r1"}
+    assert sender.take_finished() == set()
     assert not sender.holds("t1")
 
 
@@ -64,10 +64,10 @@ def test_the_send_is_reported_only_after_every_expected_d_worker_was_served() ->
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
     sender.write_result("t1", D0.worker, None)
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     sender.request(D1, BOTH, request(), clock())
     sender.write_result("t1", D1.worker, None)
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_a_failed_write_answers_failed_with_the_transport_error() -> None:
@@ -77,7 +77,7 @@ def test_a_failed_write_answers_failed_with_the_transport_error() -> None:
     sender.request(D0, ONLY_D0, request(), clock())
     out = sender.write_result("t1", D0.worker, "TransportError: -1")
     assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason="TransportError: -1"))]
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_repeated_holds_ready_and_requests_change_nothing() -> None:
@@ -96,10 +96,10 @@ def test_a_repeated_request_after_the_outcome_gets_the_outcome_again_and_no_seco
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     sender.write_result("t1", D0.worker, None, 10, 1)
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
     again = sender.request(D0, ONLY_D0, request(), clock())
     assert again == [Reply(D0, TransferDone(transfer_id="t1", bytes=10, descriptors=1))]
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     assert sender.write_result("t1", D0.worker, None) == []
 
 
@@ -141,9 +141,9 @@ def test_hold_expiry_reports_once_and_answers_waiting_d_workers_failed() -> None
     out = sender.expire(clock.advance(1))
     assert replies(out) == [(D0, TransferFailed)]
     assert "expired" in out[0].message.reason  # type: ignore[union-attr]
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
     assert sender.expire(clock.advance(60)) == []
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     assert sender.statistics().expired_holds == 1
 
 
@@ -151,7 +151,7 @@ def test_a_hold_nobody_asks_for_expires_and_is_reported_once() -> None:
     sender, clock = make()
     sender.hold("r1", "t1", [1], 4, clock())
     sender.expire(clock.advance(60))
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
     assert sender.held_blocks() == 0
 
 
@@ -161,11 +161,11 @@ def test_a_write_in_flight_at_expiry_delays_the_report_until_its_result() -> Non
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.expire(clock.advance(60)) == []
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     assert sender.holds("t1")
     out = sender.write_result("t1", D0.worker, None)
     assert replies(out) == [(D0, TransferFailed)]
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_a_write_in_flight_at_p_abort_delays_the_report_until_its_result() -> None:
@@ -174,9 +174,9 @@ def test_a_write_in_flight_at_p_abort_delays_the_report_until_its_result() -> No
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.abort("r1") == []
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     assert replies(sender.write_result("t1", D0.worker, "cancelled")) == [(D0, TransferFailed)]
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_p_abort_answers_waiting_d_workers_failed_and_reports_at_once() -> None:
@@ -184,9 +184,9 @@ def test_p_abort_answers_waiting_d_workers_failed_and_reports_at_once() -> None:
     sender.hold("r1", "t1", [1], 4, clock())
     sender.request(D0, BOTH, request(), clock())
     assert replies(sender.abort("r1")) == [(D0, TransferFailed)]
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
     assert sender.abort("r1") == []
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     assert sender.statistics().aborted_holds == 1
 
 
@@ -203,9 +203,9 @@ def test_shutting_down_answers_every_waiting_d_request_failed_and_reports_every_
     failed = {(c.dst, c.message.transfer_id) for c in out if isinstance(c, Reply)}
     assert failed == {(D0, "t1"), (D1, "t2")}
     assert all(isinstance(c, Reply) and "shutting down" in c.message.reason for c in out)  # type: ignore[union-attr]
-    assert sender.drain_finished() == {"r1", "r3"}
+    assert sender.take_finished() == {"r1", "r3"}
     assert replies(sender.write_result("t4", D0.worker, "cancelled")) == [(D0, TransferFailed)]
-    assert sender.drain_finished() == {"r4"}
+    assert sender.take_finished() == {"r4"}
     assert sender.statistics().early_requests == 0
     assert sender.shut_down("again") == []
 
@@ -226,7 +226,7 @@ def test_d_abort_before_asking_counts_that_d_worker_as_served() -> None:
     sender.write_result("t1", D0.worker, None)
     # Answered at once: no write for D1 ever ran, so D may free its blocks (the fence of decision 49).
     assert replies(sender.remote_abort(D1, "t1", "aborted by D")) == [(D1, TransferFailed)]
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_an_abort_of_an_ended_job_repeats_its_outcome() -> None:
@@ -260,9 +260,9 @@ def test_d_abort_of_a_writing_job_answers_failed_after_the_write_drained() -> No
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.remote_abort(D0, "t1", "aborted by D") == []
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     assert replies(sender.write_result("t1", D0.worker, None)) == [(D0, TransferFailed)]
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_d_abort_of_an_early_request_is_answered_at_once_and_counts_d_as_served_later() -> None:
@@ -270,7 +270,7 @@ def test_d_abort_of_an_early_request_is_answered_at_once_and_counts_d_as_served_
     sender.request(D0, ONLY_D0, request(), clock())
     assert replies(sender.remote_abort(D0, "t1", "aborted by D", clock(), ONLY_D0)) == [(D0, TransferFailed)]
     sender.hold("r1", "t1", [1], 4, clock())
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
     assert sender.statistics().early_requests == 0
 
 
@@ -285,16 +285,16 @@ def test_a_release_finishes_a_hold_this_p_worker_sources_nothing_for_at_once() -
     sender, clock = make()
     sender.hold("r1", "t1", [1], 4, clock())
     assert sender.release(D0, frozenset(), Release(transfer_id="t1"), clock()) == []
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
     assert sender.release(D0, frozenset(), Release(transfer_id="t1"), clock()) == []
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
 
 
 def test_an_early_release_finishes_the_hold_when_it_arrives() -> None:
     sender, clock = make()
     sender.release(D0, frozenset(), Release(transfer_id="t1"), clock())
     sender.hold("r1", "t1", [1], 4, clock.advance(1))
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_a_request_from_a_second_d_engine_for_the_same_transfer_gets_an_error_message() -> None:
@@ -321,7 +321,7 @@ def test_peer_lost_fails_a_waiting_job_and_the_hold_can_finish() -> None:
     sender.hold("r1", "t1", [1], 4, clock())
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.peer_lost(D0) == []
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_peer_lost_during_a_write_waits_for_the_write_to_drain() -> None:
@@ -330,9 +330,9 @@ def test_peer_lost_during_a_write_waits_for_the_write_to_drain() -> None:
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     sender.peer_lost(D0)
-    assert sender.drain_finished() == set()
+    assert sender.take_finished() == set()
     sender.write_result("t1", D0.worker, None)
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_peer_lost_of_another_incarnation_leaves_the_job_alone() -> None:
@@ -389,7 +389,7 @@ def test_a_request_p_cannot_serve_is_answered_failed_once_and_counts_d_as_served
     assert replies(sender.refuse(D0, "t1", "block ids [99] outside the pool", clock(), ONLY_D0)) == [
         (D0, TransferFailed)
     ]
-    assert sender.drain_finished() == {"r1"}
+    assert sender.take_finished() == {"r1"}
 
 
 def test_a_bad_repeat_of_a_request_leaves_the_running_job_alone() -> None:
@@ -401,3 +401,25 @@ def test_a_bad_repeat_of_a_request_leaves_the_running_job_alone() -> None:
     assert sender.write_result("t1", D0.worker, None) == [
         Reply(D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0))
     ]
+
+
+def test_every_frame_from_d_goes_through_receive_which_refuses_blocks_outside_d_pool() -> None:
+    from kvsvc.jobs import Notice
+    from kvsvc.messages import Ping, Pong, WorkerMetadata
+
+    sender, clock = make()
+    d_meta = WorkerMetadata(
+        engine_id="D", incarnation="1", pp_rank=0, pp_size=1, tp_rank=0, tp_size=1, start_layer=0, end_layer=1,
+        num_kv_heads=1, head_size=8, dtype="float16", block_size=4, num_blocks=16, layout="HND", is_mla=False,
+        base_addrs=[0],
+    )  # fmt: skip
+    sender.hold("p1", "t1", [1, 2], 6, clock())
+    sender.ready("t1")
+    assert submits(sender.receive(D0, d_meta, ONLY_D0, request(), clock())) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
+    bad = sender.receive(D1, d_meta, BOTH, request(blocks=(7, 99)), clock())
+    assert replies(bad) == [(D1, TransferFailed)] and "99" in bad[0].message.reason  # type: ignore[union-attr]
+    assert sender.receive(D0, d_meta, ONLY_D0, Ping(nonce=5), clock()) == [Reply(D0, Pong(nonce=5))]
+    odd = sender.receive(D0, d_meta, ONLY_D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0), clock())
+    assert isinstance(odd[0], Notice) and odd[0].protocol_error and replies(odd) == [(D0, ErrorMessage)]
+    told = sender.receive(D0, d_meta, ONLY_D0, ErrorMessage(reason="bad frame"), clock())
+    assert told == [Notice("D worker D[pp0,tp0] reports a protocol error: bad frame")]

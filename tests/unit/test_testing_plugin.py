@@ -16,7 +16,7 @@ def test_p_tp2_to_d_tp1_moves_every_byte(peer_pair: Callable[..., PeerPair]) -> 
     pair.start_send("p-1", "t1", [0, 1, 2], 10)
     pair.start_recv("d-1", "t1", [5, 6, 7], 10)
     pair.run_until_idle()
-    pair.drain()
+    pair.take_reports()
     pair.assert_reported_once(["p-1"], ["d-1"])
     pair.assert_received("t1")
 
