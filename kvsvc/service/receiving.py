@@ -21,13 +21,10 @@ from dataclasses import dataclass
 
 from msgspec.structs import replace
 
-from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost, PeerMismatch
+from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
+from kvsvc.hello import check_hello_reply, make_hello
 from kvsvc.jobs import Notice
 from kvsvc.messages import (
-    PROTOCOL_VERSION,
-    Hello,
-    HelloOk,
-    HelloRefused,
     Message,
     Worker,
     WorkerMetadata,
@@ -251,36 +248,17 @@ class ReceivingRole:
         p = peer.meta
         timeout_s = self._ctx.config.handshake_timeout_s
         channel = await ControlChannel.connect(p.control_addr, timeout_s=timeout_s)
-        own = self._own_engine()
-        stage_layers = sorted({(m.pp_rank, m.start_layer, m.end_layer) for m in own.values()})
-        channel.send(
-            Hello(
-                version=PROTOCOL_VERSION,
-                sender=self._ctx.metadata,
-                stage_layers=[(start, end) for _, start, end in stage_layers],
-                expect_engine_id=p.engine_id,
-                expect_incarnation=p.incarnation,
-                expect_pp_rank=p.pp_rank,
-                expect_tp_rank=p.tp_rank,
-                token=self._ctx.config.control_token or "",
-            )
-        )
+        channel.send(make_hello(self._ctx.metadata, self._own_engine(), p, self._ctx.config.control_token))
         try:
             reply = await asyncio.wait_for(channel.receive(), timeout_s)
         except TimeoutError:
             channel.close()
             raise HandshakeError(f"{peer.ref} did not answer the hello within {timeout_s:g} s") from None
-        if isinstance(reply, HelloRefused):
+        try:
+            check_hello_reply(p, reply)
+        except HandshakeError:
             channel.close()
-            raise HandshakeError(f"{peer.ref} refused the hello: {reply.reason}")
-        if not isinstance(reply, HelloOk):
-            channel.close()
-            raise HandshakeError(f"{peer.ref} answered the hello with {type(reply).__name__}")
-        if reply.sender != p:
-            channel.close()
-            raise PeerMismatch(
-                f"{peer.ref} says it is {WorkerRef.of(reply.sender)} with other metadata than its engine published"
-            )
+            raise
         return channel
 
     def _on_p_message(self, peer: _Outbound, message: Message) -> None:

@@ -10,39 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
-from msgspec.structs import replace
-
 from kvsvc.errors import (
     MalformedFrame,
     PeerLost,
-    PeerMismatch,
-    TopologyError,
     TransportError,
-    VersionMismatch,
 )
+from kvsvc.hello import HelloRefusal, accept_hello
 from kvsvc.jobs import Notice
 from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
-    Hello,
-    HelloOk,
     HelloRefused,
     Message,
     Worker,
     WorkerMetadata,
     WorkerRef,
-    check_version,
 )
-from kvsvc.planner import check_block_ids, check_compatible, expected_destinations
+from kvsvc.planner import check_block_ids
 from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext, notice
+from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.writing import BlockWriter, WriteTarget
 
 log = logging.getLogger(__name__)
@@ -235,24 +227,13 @@ class SendingRole:
         try:
             first = await asyncio.wait_for(channel.receive(), timeout_s)
         except TimeoutError:
-            self._refuse(channel, f"no hello within {timeout_s:g} s")
+            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=f"no hello within {timeout_s:g} s"))
             return None
-        if not isinstance(first, Hello):
-            self._ctx.counts["protocol_errors"] += 1
-            channel.send(ErrorMessage(reason=f"expected hello as the first frame, got {type(first).__name__}"))
+        decision = accept_hello(self._ctx.metadata, first, self._ctx.config.control_token)
+        if isinstance(decision, HelloRefusal):
+            self._refuse(channel, decision.reply)
             return None
-        token = self._ctx.config.control_token
-        if token is not None and not hmac.compare_digest(first.token.encode(), token.encode()):
-            self._refuse(channel, "the hello does not carry this deployment's control token")
-            return None
-        try:
-            check_version(first.version)
-            d_engine = self._check_hello(first)
-        except (VersionMismatch, PeerMismatch, TopologyError) as exc:
-            self._refuse(channel, str(exc))
-            return None
-        d = first.sender
-        ref = WorkerRef.of(d)
+        d, ref = decision.peer_meta, decision.peer
         key = _inbound_key(ref)
         old = self._inbound.pop(key, None)
         if old is not None:  # a reconnect, or a restarted D engine: the old connection's jobs are gone
@@ -261,54 +242,21 @@ class SendingRole:
         try:
             self._ctx.transport.add_peer(d.transport_addr, pool_regions(d))
         except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
-            self._refuse(channel, f"D worker {ref} publishes an impossible KV pool: {exc}")
+            reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
+            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
         me = self._ctx.metadata
         target = WriteTarget(ref, d, strides=(block_geometry(me).block_stride, block_geometry(d).block_stride))
-        inbound = _Inbound(ref, d, channel, frozenset(expected_destinations(me, d_engine)), target)
+        inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
-        channel.send(HelloOk(version=PROTOCOL_VERSION, sender=me))
+        channel.send(decision.reply)
         return inbound
 
-    def _check_hello(self, hello: Hello) -> EngineMetadata:
-        """The D engine's layout rebuilt from the hello, after checking it is meant for us and compatible.
-
-        Raises:
-            PeerMismatch: the hello expects another engine, start or worker, or its layer split is inconsistent.
-            TopologyError: D's layout cannot be served from ours.
-        """
-        me, d = self._ctx.metadata, hello.sender
-        expected = (hello.expect_engine_id, hello.expect_incarnation, hello.expect_pp_rank, hello.expect_tp_rank)
-        actual = (me.engine_id, me.incarnation, me.pp_rank, me.tp_rank)
-        if expected != actual:
-            raise PeerMismatch(f"hello expects engine/incarnation/pp/tp {expected}, this worker is {actual}")
-        if not (1 <= d.tp_size <= MAX_PARALLEL and 1 <= d.pp_size <= MAX_PARALLEL):
-            # Bounded before anything is built from them: the layout below has pp_size x tp_size entries.
-            raise PeerMismatch(f"D worker {WorkerRef.of(d)} claims tp_size {d.tp_size}, pp_size {d.pp_size}")
-        stages = [tuple(s) for s in hello.stage_layers]
-        if (
-            len(stages) != d.pp_size
-            or not (0 <= d.pp_rank < d.pp_size)
-            or stages[d.pp_rank] != (d.start_layer, d.end_layer)
-        ):
-            raise PeerMismatch(
-                f"D worker {WorkerRef.of(d)} layers [{d.start_layer}, {d.end_layer}) disagree with its engine's "
-                f"stage split {stages} (pp_size {d.pp_size})"
-            )
-        check_compatible(me, d)
-        return {
-            (pp, tp): replace(
-                d, pp_rank=pp, tp_rank=tp, start_layer=start, end_layer=end, base_addrs=_placeholder(d, end - start)
-            )
-            for pp, (start, end) in enumerate(stages)
-            for tp in range(d.tp_size)
-        }
-
-    def _refuse(self, channel: ControlChannel, reason: str) -> None:
+    def _refuse(self, channel: ControlChannel, reply: HelloRefused | ErrorMessage) -> None:
         self._ctx.counts["protocol_errors"] += 1
-        log.warning("refusing hello from %s: %s", channel.peer, reason)
+        log.warning("refusing hello from %s: %s", channel.peer, reply.reason)
         with contextlib.suppress(PeerLost):
-            channel.send(HelloRefused(version=PROTOCOL_VERSION, reason=reason))
+            channel.send(reply)
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
         now = self._ctx.clock()
@@ -348,8 +296,3 @@ class SendingRole:
 
 def _inbound_key(ref: WorkerRef) -> tuple[str, Worker]:
     return (ref.engine_id, ref.worker)
-
-
-def _placeholder(meta: WorkerMetadata, layers: int) -> list[int]:
-    """Base addresses for a D worker known only by layout (P never writes to it, it only plans who it sources)."""
-    return [0] * (1 if meta.layout == "HND_CROSS_LAYER" else layers)
