@@ -19,6 +19,10 @@ Worker = tuple[int, int]
 """A worker's `(pp_rank, tp_rank)` in its engine."""
 
 PROTOCOL_VERSION: Final = 1
+# The handshake endpoint: where an engine serves its workers' metadata (`encode_engine_metadata`), and its limits.
+METADATA_PATH: Final = "/kvsvc/v1/metadata"
+METADATA_CONTENT_TYPE: Final = "application/msgpack"
+MAX_METADATA_BYTES: Final = 8 * 1024 * 1024
 # A frame holds at most one request's block ids (8 bytes each at worst): 4 MiB is >500k blocks.
 MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 _HEADER = struct.Struct(">I")

@@ -1,4 +1,4 @@
-"""The handshake endpoint an engine serves, and the client side that fetches a remote engine's metadata.
+"""The handshake endpoint an engine serves (D workers fetch it with `kvsvc.service.remotes.fetch_engine_metadata`).
 
 Rules: the body is `kvsvc.messages.encode_engine_metadata` (msgpack), served read-only at `METADATA_PATH`, and 503
 until the engine published it. Binds loopback by default; `port=0` picks a free port, readable from
@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from typing import Final
 
-import aiohttp
 from aiohttp import web
 
-from kvsvc.errors import HandshakeError, MalformedFrame
-from kvsvc.messages import WorkerMetadata, decode_engine_metadata, encode_engine_metadata
+from kvsvc.messages import METADATA_CONTENT_TYPE as CONTENT_TYPE
+from kvsvc.messages import METADATA_PATH, WorkerMetadata, encode_engine_metadata
 
-METADATA_PATH: Final = "/kvsvc/v1/metadata"
-CONTENT_TYPE: Final = "application/msgpack"
-MAX_METADATA_BYTES: Final = 8 * 1024 * 1024
 METADATA_KEY: Final = web.AppKey("kvsvc_metadata", list[bytes])
 
 
@@ -101,38 +97,3 @@ class BootstrapServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-
-
-async def fetch_engine_metadata(
-    session: aiohttp.ClientSession, url: str, *, timeout_s: float
-) -> dict[tuple[int, int], WorkerMetadata]:
-    """GET a remote engine's merged worker metadata from its bootstrap `url`.
-
-    Raises:
-        HandshakeError: unreachable, not ready (non-200), too large, malformed, or empty; the message names the URL.
-    """
-    target = url.rstrip("/") + METADATA_PATH
-    try:
-        async with session.get(target, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-            if response.status != 200:
-                text = (await response.text())[:200]
-                raise HandshakeError(f"GET {target}: HTTP {response.status}: {text}")
-            # `content.read(n)` returns what is buffered, not the whole body: read to the end, with a cap.
-            buffer = bytearray()
-            async for chunk in response.content.iter_chunked(64 * 1024):
-                buffer += chunk
-                if len(buffer) > MAX_METADATA_BYTES:
-                    raise HandshakeError(f"GET {target}: body larger than {MAX_METADATA_BYTES} bytes")
-            body = bytes(buffer)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise HandshakeError(f"GET {target}: {type(exc).__name__}: {exc}") from None
-    try:
-        metas = decode_engine_metadata(body)
-    except MalformedFrame as exc:
-        raise HandshakeError(f"GET {target}: {exc}") from None
-    if not metas:
-        raise HandshakeError(f"GET {target}: the engine published no workers")
-    engines = {(m.engine_id, m.incarnation) for m in metas.values()}
-    if len(engines) != 1:
-        raise HandshakeError(f"GET {target}: workers of several engine starts in one document: {sorted(engines)}")
-    return metas

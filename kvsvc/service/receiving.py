@@ -6,7 +6,7 @@ engines (metadata, routes, topology) lives in its `RemoteEngines`, dropped when 
 peer without a connection wait in its outbox. Shares only a `ServiceContext`; never imports the P role; never waits
 in start_recv.
 When a connection breaks after asking, the receive's blocks stay held for the abort grace, unless the transport can
-prove the P worker's process gone (an optional `peer_gone(session)`, as `MooncakeTransport` has): then only for
+prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTransport` can tell): then only for
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
 receives wait) and P answers their aborts, which it does once their writes ended.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from msgspec.structs import replace
@@ -60,8 +60,6 @@ class ReceivingRole:
 
     def __init__(self, ctx: ServiceContext) -> None:
         self._ctx = ctx
-        # Optional on a transport (`MooncakeTransport` has it): proves a lost P worker's process gone.
-        self._peer_gone: Callable[[str], Awaitable[bool]] | None = getattr(ctx.transport, "peer_gone", None)
         self._receiver = Receiver(recv_timeout_s=ctx.config.recv_timeout_s, abort_grace_s=ctx.config.abort_grace_s)
         self._remotes = RemoteEngines(ctx)
         self.topology = self._remotes.topology
@@ -230,7 +228,7 @@ class ReceivingRole:
             if current:
                 del self._outbound[(engine_id, src)]
                 # A lost connection may mean a restart: fetch the engine's metadata again next time.
-                self._remotes.drop(engine_id)
+                self._remotes.invalidate(engine_id)
             if current:  # else `_drop_outbound` already reported it, and a newer connection may own the jobs
                 reason = peer.last_error or f"connection to {peer.ref} closed"
                 self._lost(peer, reason)
@@ -298,8 +296,8 @@ class ReceivingRole:
         self._run_recv(self._receiver.peer_lost(engine_id, src, reason, now, peer.ref.incarnation))
         if self._closing or not self._receiver.waits_on_lost(engine_id, src):
             return
-        if self._peer_gone is not None and peer.meta.transport_addr not in self._probing:
-            self._ctx.spawn(self._confirm_gone(peer, reason, self._peer_gone))
+        if peer.meta.transport_addr not in self._probing:
+            self._ctx.spawn(self._confirm_gone(peer, reason))
         self._ctx.spawn(self._reconnect(peer))
 
     async def _reconnect(self, peer: _Outbound) -> None:
@@ -318,13 +316,13 @@ class ReceivingRole:
         self._ctx.counts["reconnects"] += 1
         self._ensure_outbound(peer.meta)
 
-    async def _confirm_gone(self, peer: _Outbound, reason: str, peer_gone: Callable[[str], Awaitable[bool]]) -> None:
+    async def _confirm_gone(self, peer: _Outbound, reason: str) -> None:
         """Shorten the abort grace of the receives that lost `peer` if its transfer engine is gone: a dead
         process writes nothing more once what it had sent has landed (`gone_settle_s`)."""
         session = peer.meta.transport_addr
         self._probing.add(session)
         try:
-            gone = await peer_gone(session)
+            gone = await self._ctx.transport.peer_gone(session)
         finally:
             self._probing.discard(session)
         if not gone:

@@ -4,7 +4,8 @@ registered from it, and this worker's routes to each (which P workers it fetches
 Rules: one metadata fetch per engine start, shared by the receives that wait on it; a failed fetch is forgotten so
 that the next receive fetches again; a refetch unregisters what the old start registered. Routes are cached per
 fetch and per own-engine layout, so a new start of either side computes them again. Part of the D role
-(`kvsvc.service.receiving` owns it): no connections, no receives.
+(`kvsvc.service.receiving` owns it): no connections, no receives. The metadata client
+(`fetch_engine_metadata`, against the endpoint of `kvsvc.engine.bootstrap`) lives here.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvsvc.engine.bootstrap import fetch_engine_metadata
-from kvsvc.errors import HandshakeError, KVSvcError
+from kvsvc.errors import HandshakeError, KVSvcError, MalformedFrame
 from kvsvc.layout import block_bytes
-from kvsvc.messages import Worker, WorkerRef
+from kvsvc.messages import MAX_METADATA_BYTES, METADATA_PATH, Worker, WorkerRef, decode_engine_metadata
 from kvsvc.planner import check_compatible, release_notifier, sources_of
 from kvsvc.service.context import EngineMetadata, ServiceContext
 from kvsvc.topology import EngineTransferInfo, TransferTopology
@@ -112,12 +112,14 @@ class RemoteEngines:
             remote.routes, remote.own_key = routes, own_key  # this very fetch: later receives reuse it
         return routes
 
-    def drop(self, engine_id: str) -> None:
-        """Forget `engine_id`'s metadata (a lost connection may mean a restart): the next receive fetches again."""
+    def invalidate(self, engine_id: str) -> None:
+        """Mark `engine_id`'s metadata out of date (a lost connection may mean a restart): the next receive fetches
+        it again. What the topology registered stays until that fetch (`forget` drops everything at once)."""
         self._remotes.pop(engine_id, None)
 
     def forget(self, engine_id: str) -> None:
-        """Forget `engine_id` entirely: its metadata and what the topology registered for it."""
+        """Forget `engine_id` entirely, at once: its metadata and what the topology registered for it (the
+        operator's `forget_engine`)."""
         self._remotes.pop(engine_id, None)
         self.topology.unregister_remote_engine(engine_id)
 
@@ -162,3 +164,36 @@ def _fetched(remote: _RemoteEngine) -> EngineMetadata | None:
     if not fetch.done() or fetch.cancelled() or fetch.exception() is not None:
         return None
     return fetch.result()
+
+
+async def fetch_engine_metadata(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> EngineMetadata:
+    """GET a remote engine's merged worker metadata from its bootstrap `url`.
+
+    Raises:
+        HandshakeError: unreachable, not ready (non-200), too large, malformed, or empty; the message names the URL.
+    """
+    target = url.rstrip("/") + METADATA_PATH
+    try:
+        async with session.get(target, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                text = (await response.text())[:200]
+                raise HandshakeError(f"GET {target}: HTTP {response.status}: {text}")
+            # `content.read(n)` returns what is buffered, not the whole body: read to the end, with a cap.
+            buffer = bytearray()
+            async for chunk in response.content.iter_chunked(64 * 1024):
+                buffer += chunk
+                if len(buffer) > MAX_METADATA_BYTES:
+                    raise HandshakeError(f"GET {target}: body larger than {MAX_METADATA_BYTES} bytes")
+            body = bytes(buffer)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise HandshakeError(f"GET {target}: {type(exc).__name__}: {exc}") from None
+    try:
+        metas = decode_engine_metadata(body)
+    except MalformedFrame as exc:
+        raise HandshakeError(f"GET {target}: {exc}") from None
+    if not metas:
+        raise HandshakeError(f"GET {target}: the engine published no workers")
+    engines = {(m.engine_id, m.incarnation) for m in metas.values()}
+    if len(engines) != 1:
+        raise HandshakeError(f"GET {target}: workers of several engine starts in one document: {sorted(engines)}")
+    return metas

@@ -2,8 +2,8 @@
 
 Rules: each `Submit` is planned (from a per-D-worker cache when it can be), written, and its result handed back once
 through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
-its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport
-has `start_write`. Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
+its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport's
+`start_write` takes them. Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
 from __future__ import annotations
@@ -63,9 +63,7 @@ class BlockWriter:
         # ones whose descriptors may still move (their blocks stay held until these resolve).
         self._started: set[asyncio.Future[Any]] = set()
         self._began: dict[int, float] = {}  # id(Submit) -> when its write started, for the latency histogram
-        self._start_write: Callable[..., asyncio.Future[int] | None] | None = getattr(
-            ctx.transport, "start_write", None
-        )
+        self._start_write = ctx.transport.start_write
 
     def submit(self, command: Submit) -> None:
         """Start the write `command` asks for; its end reaches `write_result` later, never from this call."""
@@ -103,7 +101,6 @@ class BlockWriter:
                 task.cancel()
 
     async def _write(self, command: Submit) -> None:
-        error: str | None = None
         nbytes = ndesc = 0
         target = self._target(command.dst)
         try:
@@ -124,13 +121,9 @@ class BlockWriter:
             )
             raise
         except Exception as exc:  # a transport failure, a plan refused, a layer's compute that failed: all end the job
-            error = f"{type(exc).__name__}: {exc}"
-            self._ctx.counts["write_failures"] += 1
-            drained = exc.drained if isinstance(exc, WriteFailed) else None
-            if drained is not None:
-                # The peer stopped making progress: the blocks stay held until Mooncake gave up on every descriptor.
-                await asyncio.shield(drained)
-        self._write_ended(command, error, nbytes, ndesc)
+            self._write_failed(command, exc, ndesc)
+            return
+        self._write_ended(command, None, nbytes, ndesc)
 
     def _write_ended(self, command: Submit, error: str | None, nbytes: int, ndesc: int) -> None:
         counts = self._ctx.counts
@@ -148,7 +141,7 @@ class BlockWriter:
         """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can
         (`start_write`); the outcome arrives in `_started_write_done`. False, having done nothing, in any other
         case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then."""
-        if self._start_write is None or command.transfer_id in self._layer_ready:
+        if command.transfer_id in self._layer_ready:
             return False
         target = self._target(command.dst)
         if target is None:
@@ -172,15 +165,19 @@ class BlockWriter:
         exc = result.exception()
         if exc is None:
             self._write_ended(command, None, result.result(), ndesc)
-            return
+        else:
+            self._write_failed(command, exc, ndesc)
+
+    def _write_failed(self, command: Submit, exc: BaseException, ndesc: int) -> None:
+        """A write failed (either path): it ends once the peer can no longer make progress on it, so the request's
+        blocks stay held until then (a failure whose `drained` is pending)."""
         self._ctx.counts["write_failures"] += 1
         error = f"{type(exc).__name__}: {exc}"
         drained = exc.drained if isinstance(exc, WriteFailed) else None
         if drained is None or drained.done():
             self._write_ended(command, error, 0, ndesc)
             return
-        # The peer stopped making progress: the blocks stay held until Mooncake gave up on every descriptor.
-        self._started.add(drained)
+        self._started.add(drained)  # `wait_writes` and `in_flight` see it until it drained
 
         def after_drain(_: asyncio.Future[None]) -> None:
             self._started.discard(drained)

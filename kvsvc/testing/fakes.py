@@ -124,6 +124,14 @@ class LoopbackTransport:
     async def drained(self, peer: str | None = None) -> None:
         """Nothing ever moves in the background here: returns at once."""
 
+    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+        """No fast path: every write goes through `write` (the service then runs it as a task)."""
+        return None
+
+    async def peer_gone(self, session: str) -> bool:
+        """Cannot tell: a lost peer keeps its receives waiting for the abort grace."""
+        return False
+
     def statistics(self) -> TransportStatistics:
         return TransportStatistics(
             bytes_written=self._bytes,

@@ -132,6 +132,19 @@ class Transport(Protocol):
         """Return once no descriptor to `peer` (to any peer when None) is in flight. Cancellation-safe."""
         ...
 
+    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+        """Optional fast path for small writes: submit now, from the running loop, without a task, and return a
+        future that ends as `write` would (bytes written, `WriteFailed`, `TransportClosed`); or return None, having
+        submitted nothing, whenever `write` would do anything but submit at once. A transport without the fast
+        path always returns None. Raises nothing; cancelling the future cancels nothing."""
+        ...
+
+    async def peer_gone(self, session: str) -> bool:
+        """Optional proof of death: True only when the transfer engine at `session` is certainly gone (its process
+        died), so nothing it sent can still land once what was in flight settled. False when alive, frozen,
+        unreachable or unknown, and always for a transport that cannot tell. Raises nothing."""
+        ...
+
     def statistics(self) -> TransportStatistics:
         """A snapshot of the counters and levels."""
         ...

@@ -216,34 +216,23 @@ class MooncakeTransport:
             # An earlier write gave up on this peer with descriptors stuck behind it: fail fast, submit nothing.
             self._counts["refused"] += 1
             raise WriteFailed(f"peer {peer} has descriptors stuck from a failed write", ERR_FAILED, peer=peer)
-        op = Write(queue, loop)
-        queue.writes.add(op)
-        self._counts["writes"] += 1
+        op = self._start_op(queue, loop)
+        cancelled = False
         try:
             await self._submit(op, descriptors)
             op.submitting = False
             op.settle()
-            nbytes = await asyncio.shield(op.result)
+            return await asyncio.shield(op.result)
         except asyncio.CancelledError:
+            cancelled = True
             op.submitting = False
             if op.cancelled_at is None:
                 op.cancelled_at = loop.time()
             op.settle()
             await wait_uncancellable(op.result)
             raise
-        except WriteFailed:
-            self._counts["failures"] += 1
-            raise
         finally:
-            self._counts["writes"] -= 1
-            if op.drained.done():
-                queue.writes.discard(op)
-            else:
-                op.drained.add_done_callback(lambda _: queue.writes.discard(op))
-            if op.result.done() and not op.result.cancelled():
-                op.result.exception()  # mark retrieved: a cancelled write's failure is not news
-        self._counts["completed"] += 1
-        return nbytes
+            self._end_op(op, counted=not cancelled)
 
     def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
         """Submit a small write at once, from the running loop, without a task: the many-small-requests path.
@@ -273,10 +262,7 @@ class MooncakeTransport:
         except TransportError:
             return None
         loop = self._bind_loop()
-        queue = self._completions.queue(peer, loop.time())
-        op = Write(queue, loop)
-        queue.writes.add(op)
-        self._counts["writes"] += 1
+        op = self._start_op(self._completions.queue(peer, loop.time()), loop)
         submit = self._engine.transfer_submit_write
         for src, dst, length in descriptors:
             self._completions.enqueue(op, submit(peer, src, dst, length), length)
@@ -284,20 +270,30 @@ class MooncakeTransport:
                 break
         op.submitting = False
         op.settle()
-        op.result.add_done_callback(lambda _: self._started_write_done(op))
+        op.result.add_done_callback(lambda _: self._end_op(op))
         return op.result
 
-    def _started_write_done(self, op: Write) -> None:
-        """Bookkeeping of a `start_write` once its result is decided (what `write`'s epilogue does)."""
+    def _start_op(self, queue: Any, loop: asyncio.AbstractEventLoop) -> Write:
+        """A write's bookkeeping from its first submission (`write` and `start_write` alike)."""
+        op = Write(queue, loop)
+        queue.writes.add(op)
+        self._counts["writes"] += 1
+        return op
+
+    def _end_op(self, op: Write, *, counted: bool = True) -> None:
+        """A write's bookkeeping once its caller has its outcome: it stays in its queue until its descriptors
+        drained; `counted` False for a cancelled `write`, whose outcome is nobody's news."""
         self._counts["writes"] -= 1
         queue = op.queue
         if op.drained.done():
             queue.writes.discard(op)
         else:
             op.drained.add_done_callback(lambda _: queue.writes.discard(op))
-        if op.result.cancelled():
+        if not op.result.done() or op.result.cancelled():
             return
-        exc = op.result.exception()
+        exc = op.result.exception()  # also marks it retrieved
+        if not counted:
+            return
         if exc is None:
             self._counts["completed"] += 1
         elif isinstance(exc, WriteFailed):

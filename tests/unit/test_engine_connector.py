@@ -8,9 +8,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvsvc.connector import MultiConnector
-from kvsvc.engine.bootstrap import METADATA_PATH, add_metadata_route, published_metadata
+from kvsvc.engine.bootstrap import add_metadata_route, published_metadata
 from kvsvc.engine.connector import KVSvcConnector, check_engine_metadata
-from kvsvc.messages import Worker, WorkerMetadata, decode_engine_metadata
+from kvsvc.messages import METADATA_PATH, Worker, WorkerMetadata, decode_engine_metadata
 
 
 def meta(pp: int, tp: int, *, pp_size: int = 2, tp_size: int = 2, **changes: object) -> WorkerMetadata:

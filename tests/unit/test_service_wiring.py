@@ -302,7 +302,7 @@ async def test_a_hello_claiming_an_absurd_tp_size_is_refused_before_anything_is_
 async def test_engine_metadata_larger_than_one_read_is_fetched_whole() -> None:
     import aiohttp
 
-    from kvsvc.engine.bootstrap import fetch_engine_metadata
+    from kvsvc.service.remotes import fetch_engine_metadata
 
     base = make_side("big", ServiceConfig(), 3).service.metadata
     metas = {
