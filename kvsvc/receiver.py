@@ -188,12 +188,14 @@ class Receiver:
                 commands += self._apply(recv, job, RecvEvent.CONNECTED)
         return commands
 
-    def engine_failed(self, engine_id: str, reason: str) -> None:
+    def engine_failed(self, engine_id: str, reason: str) -> list[SendToSource]:
         """Engine `engine_id`'s metadata cannot be fetched or is incompatible: fail every receive from it that still
-        waits for the handshake. Receives already routed keep their connections (and their own failures)."""
+        waits for the handshake (nothing was asked, so nothing is to be said). Receives already routed keep their
+        connections (and their own failures)."""
         for recv in list(self._recvs.values()):
             if recv.engine_id == engine_id and not recv.sources_known:
                 self._end(recv, reason)
+        return []
 
     def peer_lost(
         self, engine_id: str, src: Worker, reason: str, now: float, incarnation: str = ""

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvsvc.histogram import LatencyHistogram
 from kvsvc.jobs import Notice
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.service.config import ServiceConfig
+from kvsvc.service.tasks import TaskGroup
 from kvsvc.transport.base import Transport
 
 EngineMetadata = dict[Worker, WorkerMetadata]
@@ -36,19 +36,23 @@ class ServiceContext:
     clock: Callable[[], float]
     counts: dict[str, int]
     """The counters named in `COUNTERS`, bumped by either role."""
-    spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
-    """Run a background task that `close` cancels and whose failure is logged."""
-    tasks: set[asyncio.Task[Any]]
-    """The tasks `close` cancels: spawned ones, and connection handlers that register themselves."""
+    tasks: TaskGroup
+    """Every task either role starts (connections, fetches, writes, timers): `close` cancels what is left."""
     wake: asyncio.Event
-    """Set when a deadline may have moved: the deadline timer re-reads them."""
+    """Set by `changed`: the deadline timer re-reads the deadlines."""
     reports: asyncio.Event
-    """Set when `get_finished` may have something new."""
+    """Set by `changed`: `wait_for_reports` wakes, `get_finished` may have something new."""
     send_durations: LatencyHistogram
     """P: from a write's start (D's request met the held KV) to its last byte landed; layer-wise writes include
     the wait for their layers."""
     recv_durations: LatencyHistogram
     """D: from `start_recv` to the receive finished with its KV landed."""
+
+    def changed(self) -> None:
+        """A protocol object took an event: a deadline may have moved and a transfer may have ended. Each role
+        calls this where it carries out its protocol object's commands (the one place that signals)."""
+        self.wake.set()
+        self.reports.set()
 
 
 def notice(ctx: ServiceContext, what: Notice) -> None:

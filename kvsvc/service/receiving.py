@@ -110,9 +110,9 @@ class ReceivingRole:
         now = self._ctx.clock()
         if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token):
             return
-        self._ctx.wake.set()
+        self._ctx.changed()  # a new receive deadline
         if not self._route_known(transfer_id, engine_id, url):
-            self._ctx.spawn(self._resolve_sources(transfer_id, engine_id, url))
+            self._ctx.tasks.spawn(self._resolve_sources(transfer_id, engine_id, url), name=f"kvsvc-route-{req_id}")
 
     def abort(self, req_id: str) -> None:
         self._run_recv(self._receiver.abort(req_id, self._ctx.clock()))
@@ -170,8 +170,7 @@ class ReceivingRole:
         try:
             routes = await self._remotes.routes(engine_id, url, self._own_engine, self._engine)
         except (KVSvcError, ValueError, KeyError) as exc:  # unreachable, malformed or incompatible: all fail now
-            self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}")
-            self._ctx.reports.set()
+            self._run_recv(self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}"))
             return
         self._route(transfer_id, engine_id, routes)
 
@@ -203,7 +202,7 @@ class ReceivingRole:
             self._drop_outbound(peer, f"P engine {p.engine_id!r} restarted (incarnation {p.incarnation})")
         peer = _Outbound(WorkerRef.of(p), p, outbox=[])
         self._outbound[key] = peer
-        peer.task = self._ctx.spawn(self._run_outbound(peer))
+        peer.task = self._ctx.tasks.spawn(self._run_outbound(peer), name=f"kvsvc-to-{peer.ref}")
 
     async def _run_outbound(self, peer: _Outbound) -> None:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
@@ -232,7 +231,6 @@ class ReceivingRole:
             if current:  # else `_drop_outbound` already reported it, and a newer connection may own the jobs
                 reason = peer.last_error or f"connection to {peer.ref} closed"
                 self._lost(peer, reason)
-            self._ctx.reports.set()
             if channel is not None:
                 await channel.wait_closed()
 
@@ -264,9 +262,10 @@ class ReceivingRole:
         now = self._ctx.clock()
         for started in self._receiver.take_landed():
             self._ctx.recv_durations.observe(now - started)
-        self._ctx.reports.set()
 
     def _run_recv(self, commands: Sequence[RecvCommand]) -> None:
+        """Carry out what the `Receiver` decided on its last event (the one place the D role signals a change)."""
+        self._ctx.changed()
         for command in commands:
             if isinstance(command, Notice):
                 notice(self._ctx, command)
@@ -288,7 +287,6 @@ class ReceivingRole:
             peer.task.cancel()
         self._outbound.pop((peer.ref.engine_id, peer.ref.worker), None)
         self._lost(peer, reason)
-        self._ctx.reports.set()
 
     def _lost(self, peer: _Outbound, reason: str) -> None:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
@@ -297,8 +295,8 @@ class ReceivingRole:
         if self._closing or not self._receiver.waits_on_lost(engine_id, src):
             return
         if peer.meta.transport_addr not in self._probing:
-            self._ctx.spawn(self._confirm_gone(peer, reason))
-        self._ctx.spawn(self._reconnect(peer))
+            self._ctx.tasks.spawn(self._confirm_gone(peer, reason), name=f"kvsvc-probe-{peer.ref}")
+        self._ctx.tasks.spawn(self._reconnect(peer), name=f"kvsvc-reconnect-{peer.ref}")
 
     async def _reconnect(self, peer: _Outbound) -> None:
         """Reach the lost P worker again while receives hold blocks only because of it: its answers to their
@@ -330,7 +328,6 @@ class ReceivingRole:
         await asyncio.sleep(self._ctx.config.gone_settle_s)
         why = f"{reason}; its transfer engine is gone"
         self._run_recv(self._receiver.source_gone(peer.ref.engine_id, peer.ref.worker, why))
-        self._ctx.reports.set()
 
     # -- helpers -----------------------------------------------------------------------------------------------
 

@@ -134,7 +134,7 @@ class RemoteEngines:
         remote = self._remotes.get(engine_id)
         if remote is None or remote.url != url or (remote.fetch.done() and remote.fetch.exception() is not None):
             assert self._http is not None
-            fetch = asyncio.create_task(self._fetch(engine_id, url))
+            fetch = self._ctx.tasks.spawn(self._fetch(engine_id, url), name=f"kvsvc-fetch-{engine_id}")
             remote = self._remotes[engine_id] = _RemoteEngine(engine_id, url, fetch)
         return await asyncio.shield(remote.fetch)
 

@@ -97,11 +97,6 @@ class SendingRole:
         """Answer failed what D workers still wait for (see `Sender.shut_down`), before the connections close."""
         self._run_send(self._sender.shut_down("P worker shutting down"))
 
-    @property
-    def write_tasks(self) -> set[asyncio.Task[None]]:
-        """Writes running as tasks (`close` awaits them after cancelling)."""
-        return self._writer.tasks
-
     def close_connections(self) -> None:
         for inbound in list(self._inbound.values()):
             inbound.channel.close()
@@ -127,14 +122,13 @@ class SendingRole:
         if layered and len(ready) != meta.num_layers:  # type: ignore[arg-type]
             raise ValueError(f"layer-wise ready has {len(ready)} futures for {meta.num_layers} local layers")  # type: ignore[arg-type]
         self._run_send(self._sender.hold(req_id, transfer_id, block_ids, num_tokens, self._ctx.clock()))
-        self._ctx.wake.set()
         if ready is None:
             self._run_send(self._sender.ready(transfer_id))
         elif isinstance(ready, Sequence):
             self._writer.layer_wise(transfer_id, ready)
             self._run_send(self._sender.ready(transfer_id))
         else:
-            self._ctx.spawn(self._await_ready(req_id, transfer_id, ready))
+            self._ctx.tasks.spawn(self._await_ready(req_id, transfer_id, ready), name=f"kvsvc-ready-{req_id}")
 
     def abort(self, req_id: str) -> None:
         self._run_send(self._sender.abort(req_id))
@@ -188,8 +182,8 @@ class SendingRole:
             channel.close()
             return
         task = asyncio.current_task()
-        if task is not None:
-            self._ctx.tasks.add(task)
+        if task is not None:  # asyncio made this handler's task: the service's group owns it too
+            self._ctx.tasks.adopt(task)
         inbound: _Inbound | None = None
         try:
             inbound = await self._accept_hello(channel)
@@ -219,8 +213,6 @@ class SendingRole:
                     # Forget the D worker's regions (a restart publishes new ones); writes in flight still finish.
                     self._ctx.transport.remove_peer(addr)
             await channel.wait_closed()
-            if task is not None:
-                self._ctx.tasks.discard(task)
 
     async def _accept_hello(self, channel: ControlChannel) -> _Inbound | None:
         timeout_s = self._ctx.config.handshake_timeout_s
@@ -261,11 +253,12 @@ class SendingRole:
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
         now = self._ctx.clock()
         self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))
-        self._ctx.wake.set()
 
     # -- carrying out the Sender's commands --------------------------------------------------------------------
 
     def _run_send(self, commands: list[SendCommand]) -> None:
+        """Carry out what the `Sender` decided on its last event (the one place the P role signals a change)."""
+        self._ctx.changed()
         for command in commands:
             if isinstance(command, Notice):
                 notice(self._ctx, command)

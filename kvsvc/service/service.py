@@ -14,9 +14,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from msgspec.structs import replace
 
@@ -30,6 +29,7 @@ from kvsvc.service.config import ServiceConfig
 from kvsvc.service.context import COUNTERS, EngineMetadata, ServiceContext
 from kvsvc.service.receiving import ReceivingRole
 from kvsvc.service.sending import SendingRole
+from kvsvc.service.tasks import TaskGroup
 from kvsvc.topology import TransferTopology
 from kvsvc.transport.base import Transport, TransportStatistics
 
@@ -52,6 +52,7 @@ class ServiceStatistics:
     write_failures: int
     protocol_errors: int
     reconnects: int  # D: tries to reach a lost P worker again while receives waited on it (decision 49)
+    tasks: int  # tasks the service runs now (connections, fetches, writes, timers): 0 once closed
     transport: TransportStatistics
     send_durations: HistogramStatistics  # P: write start to last byte landed, per write to one D worker
     recv_durations: HistogramStatistics  # D: start_recv to KV landed, per receive
@@ -79,26 +80,21 @@ class KVTransferService:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or ServiceConfig()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._wake = asyncio.Event()
-        self._reports = asyncio.Event()  # set when `get_finished` may have something new
         self._ctx = ServiceContext(
             metadata=metadata,
             config=self.config,
             transport=transport,
             clock=clock,
             counts=dict.fromkeys(COUNTERS, 0),
-            spawn=self._spawn,
-            tasks=self._tasks,
-            wake=self._wake,
-            reports=self._reports,
+            tasks=TaskGroup(),
+            wake=asyncio.Event(),
+            reports=asyncio.Event(),
             send_durations=LatencyHistogram(),
             recv_durations=LatencyHistogram(),
         )
         self._sending = SendingRole(self._ctx)
         self._receiving = ReceivingRole(self._ctx)
-        self._deadline_task: asyncio.Task[None] | None = None
-        self._closing = False
+        self._closed: asyncio.Future[None] | None = None  # the one close, which every `close()` call awaits
         self._reported = dict(self._ctx.counts)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -126,7 +122,7 @@ class KVTransferService:
             control_addr=f"{self.config.control_host}:{port}",
         )
         self._receiving.start()
-        self._deadline_task = asyncio.create_task(self._deadline_loop(), name="kvsvc-deadlines")
+        self._ctx.tasks.spawn(self._deadline_loop(), name="kvsvc-deadlines")
         return self._ctx.metadata
 
     def set_engine_metadata(self, metas: EngineMetadata) -> None:
@@ -140,19 +136,27 @@ class KVTransferService:
 
     async def close(self) -> None:
         """Stop accepting work, let in-flight writes drain (up to `close_drain_timeout_s`), answer failed every D
-        request still waiting (so D need not wait for its deadlines), then close connections, timers and the
-        transport. Idempotent. What was not reported (every hold ends, as aborted) stays in `get_finished`."""
-        if self._closing:
-            return
-        self._closing = True
-        self._sending.stop_accepting()
+        request still waiting (so D need not wait for its deadlines), then cancel every task the service started
+        and close its connections and the transport. What was not reported (every hold ends, as aborted) stays in
+        `get_finished`.
+
+        Idempotent: every call, concurrent or later, waits for the one close to end. Cancelling a caller does not
+        cancel the close: it runs on to its end (its waits are bounded: the writes' drain, then the transport's
+        close), and only that caller gets `CancelledError`; call `close` again to wait for the end. New calls
+        raise `ServiceClosed` from the moment the first `close` is called.
+        """
+        if self._closed is None:
+            self._sending.stop_accepting()  # no new work from here on (`_check_open`)
+            self._closed = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closed)
+
+    async def _close(self) -> None:
         await self._sending.wait_writes()
         self._sending.shut_down()  # D's waiting receives fail now, not at their deadlines
-        for task in [*self._tasks, *([self._deadline_task] if self._deadline_task else [])]:
-            task.cancel()
+        self._ctx.tasks.cancel()
         self._receiving.close_connections()
         self._sending.close_connections()
-        await asyncio.gather(*self._tasks, *self._sending.write_tasks, return_exceptions=True)
+        await self._ctx.tasks.wait()
         await self._sending.wait_closed()
         await self._receiving.close()
         await self._ctx.transport.close()
@@ -212,11 +216,10 @@ class KVTransferService:
         only once no write can touch them any more. Unknown ids are ignored."""
         self._sending.abort(req_id)
         self._receiving.abort(req_id)
-        self._wake.set()
 
     def get_finished(self) -> KVConnectorOutput:
         """Drain what ended since the last call: each req_id appears exactly once over the service's life."""
-        self._reports.clear()
+        self._ctx.reports.clear()
         sent = self._sending.take_finished()
         report = self._receiving.take_report()
         counts = self._ctx.counts
@@ -237,7 +240,8 @@ class KVTransferService:
         ended, a deadline), or after `timeout_s`; wake-ups may be spurious. Lets an embedder wake on completions
         instead of polling."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._reports.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._ctx.reports.wait()
 
     def check_deadlines(self) -> None:
         """Apply every deadline that passed by the clock now (the timer does this by itself; tests with a fake
@@ -245,7 +249,6 @@ class KVTransferService:
         now = self._ctx.clock()
         self._sending.expire(now)
         self._receiving.expire(now)
-        self._reports.set()
 
     def statistics(self) -> ServiceStatistics:
         counts = self._ctx.counts
@@ -262,6 +265,7 @@ class KVTransferService:
             write_failures=counts["write_failures"],
             protocol_errors=counts["protocol_errors"],
             reconnects=counts["reconnects"],
+            tasks=len(self._ctx.tasks),
             transport=self._ctx.transport.statistics(),
             send_durations=self._ctx.send_durations.statistics(),
             recv_durations=self._ctx.recv_durations.statistics(),
@@ -278,19 +282,8 @@ class KVTransferService:
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closing:
+        if self._closed is not None:
             raise ServiceClosed(f"transfer service of worker {self._ctx.metadata.worker} is closed")
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("kvsvc task %s failed", task.get_name(), exc_info=exc)
 
     async def _deadline_loop(self) -> None:
         while True:
@@ -298,9 +291,12 @@ class KVTransferService:
             deadlines = [d for d in (self._sending.next_deadline(), self._receiving.next_deadline()) if d is not None]
             # Re-check at least every second so a fake or jumping clock is never missed for long.
             timeout = min([1.0, *(d - self._ctx.clock() for d in deadlines)])
-            self._wake.clear()
+            self._ctx.wake.clear()
+            # `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancellation that arrives as
+            # the event is set, and the wake event is set all the time (`ServiceContext.changed`).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
+                async with asyncio.timeout(max(timeout, 0.001)):
+                    await self._ctx.wake.wait()
 
 
 def new_incarnation() -> str:

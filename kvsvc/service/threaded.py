@@ -21,6 +21,9 @@ from kvsvc.service.service import KVTransferService, ServiceStatistics
 from kvsvc.transport.base import Transport
 
 _T = TypeVar("_T")
+# What a close may take past the writes' drain: the transport's own close (Mooncake waits up to 60 s for descriptors
+# in flight), a peer probe it lets finish (up to about 5 s) and the engine's destruction (about 1 s), and slack.
+CLOSE_SLACK_S = 90.0
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -47,11 +50,14 @@ class ServiceThread:
         config: ServiceConfig | None = None,
         *,
         call_timeout_s: float = 30.0,
+        close_timeout_s: float | None = None,
     ) -> None:
         self._metadata = metadata
         self._factory = transport_factory
         self._config = config
         self._timeout = call_timeout_s
+        drain = (config or ServiceConfig()).close_drain_timeout_s
+        self._close_timeout = close_timeout_s if close_timeout_s is not None else drain + CLOSE_SLACK_S
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvsvc-loop", daemon=True)
         self._service: KVTransferService | None = None
@@ -158,12 +164,25 @@ class ServiceThread:
         return self.call(lambda s: s.statistics())
 
     def close(self) -> None:
-        """Close the service (draining in-flight writes) and stop the loop thread. Idempotent."""
+        """Close the service (`KVTransferService.close`: writes drain, then the transport closes) and stop the loop
+        thread. Idempotent.
+
+        Waits at most `close_timeout_s`: the service's own bounds (`close_drain_timeout_s` for the writes, then
+        the transport's close timeout, Mooncake's 60 s by default, plus a probe and the engine's destruction) and
+        some slack; a close that takes longer means a wedged loop, which is then stopped where it stands.
+
+        Raises:
+            KVSvcTimeout: the close did not end within `close_timeout_s` (the loop thread is stopped anyway).
+        """
         if not self._thread.is_alive():
             return
-        if self._service is not None:
-            drain = self._config.close_drain_timeout_s if self._config else ServiceConfig().close_drain_timeout_s
-            self._run(self._service.close(), timeout=drain + self._timeout)
+        try:
+            if self._service is not None:
+                self._run(self._service.close(), timeout=self._close_timeout)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=self._timeout)
         if not self._thread.is_alive():

@@ -70,7 +70,7 @@ class BlockWriter:
         self._began[id(command)] = self._ctx.clock()
         if self._submit_now(command):
             return
-        write = asyncio.create_task(self._write(command), name=f"kvsvc-write-{command.transfer_id}")
+        write = self._ctx.tasks.spawn(self._write(command), name=f"kvsvc-write-{command.transfer_id}")
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
 
@@ -86,11 +86,6 @@ class BlockWriter:
     @property
     def in_flight(self) -> int:
         return len(self._writes) + len(self._started)
-
-    @property
-    def tasks(self) -> set[asyncio.Task[None]]:
-        """Writes running as tasks (`close` awaits them after cancelling)."""
-        return self._writes
 
     async def wait_writes(self) -> None:
         """Wait up to `close_drain_timeout_s` for the writes in flight, then cancel the write tasks left."""
@@ -135,7 +130,6 @@ class BlockWriter:
             counts["descriptors"] += ndesc
             counts["transfers"] += 1
         self._write_result(command.transfer_id, command.dst.worker, error, nbytes, ndesc)
-        self._ctx.reports.set()
 
     def _submit_now(self, command: Submit) -> bool:
         """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can

@@ -134,7 +134,8 @@ class MooncakeTransport:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connected: set[str] = set()  # peers a submission already reached (handshake done)
         self._connect_locks: dict[str, asyncio.Lock] = {}
-        self._closed = False
+        self._closed = False  # writes refused from the first `close` on
+        self._closing: asyncio.Future[None] | None = None
         self._counts = dict.fromkeys(("completed", "failures", "refused", "writes"), 0)
         self._probes: ThreadPoolExecutor | None = None  # one thread: a probe of a frozen peer blocks ~5 s
 
@@ -383,12 +384,19 @@ class MooncakeTransport:
 
     async def close(self) -> None:
         """Refuse new writes, wait up to `close_timeout_s` for in-flight descriptors, then unregister the memory
-        and destroy the engine (off the loop: it takes ~0.7 s). Idempotent. If descriptors are still in flight at
-        the bound, their writes raise `TransportClosed` and the engine is deliberately leaked (never unregistered
-        nor destroyed) so nothing frees memory a late transfer could touch."""
-        if self._closed:
-            return
-        self._closed = True
+        and destroy the engine (off the loop: it takes ~0.7 s). If descriptors are still in flight at the bound,
+        their writes raise `TransportClosed` and the engine is deliberately leaked (never unregistered nor
+        destroyed) so nothing frees memory a late transfer could touch.
+
+        Idempotent: every call waits for the one close. Cancelling a caller leaves the close running to its end
+        (bounded as above); writes are refused from the first call on.
+        """
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         if self._completions.in_flight:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.drained(), self.config.close_timeout_s)
