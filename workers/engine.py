@@ -15,7 +15,7 @@ from kvsvc.engine.scheduler import RequestTracker
 from kvsvc.outputs import KVConnectorOutput
 from workers.blocks import BlockAllocator
 from workers.executor import Executor
-from workers.process import AbortRequest, Prefill, Recv, Verify
+from workers.process import AbortRequest, FailureReasons, Prefill, Recv, Verify
 from workers.synthetic import VerifyResult
 
 
@@ -38,6 +38,7 @@ class DecodeRequest:
     num_tokens: int
     seed: int | None  # the prefill's seed, to verify the KV; None skips verification
     state: str = "waiting"  # "waiting", "finished" or "failed"
+    reason: str = ""  # why it failed, as the first D worker that knows says
     needs_recompute: bool = False
     invalid_block_ids: set[int] = field(default_factory=set)
     verified: list[VerifyResult] = field(default_factory=list)  # one per D worker, once finished
@@ -162,9 +163,15 @@ class DecodeEngine(_Engine):
         output = self.executor.step()
         update = self.tracker.update(output)
         done: list[DecodeRequest] = []
+        reasons: dict[str, str] = {}
+        if update.recvs_failed:
+            for answer in self.executor.broadcast(FailureReasons(sorted(update.recvs_failed))):
+                if isinstance(answer, dict):
+                    reasons = {**answer, **reasons}
         for req_id, blocks in sorted(update.recvs_failed.items()):
             req = self.requests.pop(req_id)
             req.state, req.needs_recompute = "failed", True
+            req.reason = reasons.get(req_id, "no D worker remembers why")
             # What the workers reported invalid (the tracker recomputes all of a failed request's blocks anyway).
             req.invalid_block_ids = output.invalid_block_ids & set(blocks)
             self.allocator.free(blocks)

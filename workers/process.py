@@ -121,6 +121,13 @@ class ForgetEngine:
 
 
 @dataclass(frozen=True, slots=True)
+class FailureReasons:
+    """Why these receives failed, as this worker's service remembers it: `{req_id: reason}`."""
+
+    req_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class Transfers:
     """Rows of the requests this worker started (`Prefill`/`Recv`) and has not reported finished yet."""
 
@@ -137,6 +144,7 @@ Command = (
     | Peers
     | ForgetEngine
     | Transfers
+    | FailureReasons
     | BenchCommand
 )
 
@@ -231,6 +239,9 @@ class WorkerRuntime:
         if isinstance(command, ForgetEngine):
             service.forget_engine(command.engine_id)
             return None
+        if isinstance(command, FailureReasons):
+            reasons = {r: service.failure_reason(r) for r in command.req_ids}
+            return {r: why for r, why in reasons.items() if why}
         if isinstance(command, Transfers):
             now = time.monotonic()
             return [

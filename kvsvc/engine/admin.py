@@ -133,7 +133,8 @@ def _guard(token: str | None, max_body_bytes: int) -> Callable[..., Awaitable[we
                 return _error(
                     403,
                     "state-changing admin endpoints are disabled: no admin token is configured on this engine;"
-                    " configure one (build_admin_app(token=...)) and send it as 'Authorization: Bearer <token>'",
+                    " start it with `kvsvc serve --token-file FILE` (or $KVSVC_ADMIN_TOKEN; an embedding passes"
+                    " build_admin_app(token=...)) and send the token as 'Authorization: Bearer <token>'",
                 )
             if not _bearer_matches(request.headers.get("Authorization", ""), token):
                 return _error(401, "missing or wrong bearer token", **{"WWW-Authenticate": 'Bearer realm="kvsvc"'})

@@ -148,8 +148,9 @@ class ReceivingRole:
         return len(self._remotes)
 
     def peer_rows(self) -> list[dict[str, object]]:
-        """One row per control connection to a P worker, for the admin endpoint."""
-        return [
+        """One row per control connection to a P worker, and one per P engine start refused when they met (its
+        layout does not fit), for the admin endpoint."""
+        rows: list[dict[str, object]] = [
             {
                 "direction": "to_p",
                 "peer": str(peer.ref),
@@ -162,6 +163,17 @@ class ReceivingRole:
                 "last_error": peer.last_error,
             }
             for peer in self._outbound.values()
+        ]
+        return rows + [
+            {
+                "direction": "to_p",
+                "peer": refusal.engine_id,
+                "peer_engine_id": refusal.engine_id,
+                "incarnation": refusal.incarnation,
+                "state": "refused",
+                "last_error": refusal.reason,
+            }
+            for refusal in self._remotes.refusals()
         ]
 
     # -- remote engines and routes -----------------------------------------------------------------------------

@@ -11,17 +11,20 @@ fetch and per own-engine layout, so a new start of either side computes them aga
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
-from kvsvc.errors import HandshakeError, KVSvcError, MalformedFrame
+from kvsvc.errors import HandshakeError, KVSvcError, MalformedFrame, TopologyError
 from kvsvc.layout import block_bytes
 from kvsvc.messages import MAX_METADATA_BYTES, METADATA_PATH, Worker, WorkerRef, decode_engine_metadata
-from kvsvc.planner import check_compatible, release_notifier, sources_of
+from kvsvc.planner import release_notifier, sources_of
 from kvsvc.service.context import EngineMetadata, ServiceContext
 from kvsvc.topology import EngineTransferInfo, TransferTopology
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,16 @@ class Routes:
     peers: list[Worker]  # sorted union of both: the control connections it needs
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A P engine start this worker cannot receive from (its layout does not fit), decided once when they met."""
+
+    engine_id: str
+    incarnation: str
+    reason: str
+    since: float
+
+
 @dataclass(slots=True)
 class _RemoteEngine:
     """One P engine start: its published workers, fetched once and shared by concurrent receives."""
@@ -44,6 +57,7 @@ class _RemoteEngine:
     # Once computed: the routes, valid for the own engine they were computed for (`own_key`); None until then.
     routes: Routes | None = None
     own_key: EngineMetadata | None = None
+    refused: Refusal | None = None  # the fetched start cannot be received from
 
 
 class RemoteEngines:
@@ -93,16 +107,25 @@ class RemoteEngines:
         start is done or running. `own` builds this worker's engine; `own_key` is what `known_routes` checks.
 
         Raises:
-            KVSvcError: the engine is unreachable, malformed, not `engine_id`, or incompatible with this worker
-                (`own` may raise `LocalProtocolError`). ValueError / KeyError: its layout cannot be routed.
-            The fetch is forgotten in every case, so the next receive fetches again.
+            TopologyError: the engine's layout does not fit this worker's. Decided once per engine start: the
+                refusal is logged once, listed in `refusals`, and raised at once for the receives of the next
+                `handshake_timeout_s`, after which the engine's metadata is fetched again (a restart may fit).
+            KVSvcError: the engine is unreachable, malformed or not `engine_id` (`own` may raise
+                `LocalProtocolError`). ValueError / KeyError: its layout cannot be routed. The fetch is forgotten,
+                so the next receive fetches again.
         """
+        remote = self._remotes.get(engine_id)
+        if remote is not None and remote.url == url and remote.refused is not None and not self._stale(remote):
+            raise TopologyError(remote.refused.reason)
         try:
             p_engine = await self._engine(engine_id, url)
             me = self._ctx.metadata
             sources = sources_of(me, p_engine)
             own_engine = own()
             releases = [w for w, p in sorted(p_engine.items()) if release_notifier(p, own_engine) == me.worker]
+        except TopologyError as exc:
+            self._refuse(engine_id, url, str(exc))
+            raise
         except (KVSvcError, ValueError, KeyError):
             self._remotes.pop(engine_id, None)
             raise
@@ -111,6 +134,10 @@ class RemoteEngines:
         if remote is not None and remote.url == url and _fetched(remote) is p_engine:
             remote.routes, remote.own_key = routes, own_key  # this very fetch: later receives reuse it
         return routes
+
+    def refusals(self) -> list[Refusal]:
+        """The P engine starts this worker refused to receive from, and why."""
+        return [r.refused for r in self._remotes.values() if r.refused is not None]
 
     def invalidate(self, engine_id: str) -> None:
         """Mark `engine_id`'s metadata out of date (a lost connection may mean a restart): the next receive fetches
@@ -132,11 +159,41 @@ class RemoteEngines:
 
     async def _engine(self, engine_id: str, url: str) -> EngineMetadata:
         remote = self._remotes.get(engine_id)
-        if remote is None or remote.url != url or (remote.fetch.done() and remote.fetch.exception() is not None):
+        if (
+            remote is None
+            or remote.url != url
+            or (remote.fetch.done() and remote.fetch.exception() is not None)
+            or (remote.refused is not None and self._stale(remote))
+        ):
             assert self._http is not None
             fetch = self._ctx.tasks.spawn(self._fetch(engine_id, url), name=f"kvsvc-fetch-{engine_id}")
-            remote = self._remotes[engine_id] = _RemoteEngine(engine_id, url, fetch)
+            refused = remote.refused if remote is not None and remote.url == url else None
+            remote = self._remotes[engine_id] = _RemoteEngine(engine_id, url, fetch, refused=refused)
         return await asyncio.shield(remote.fetch)
+
+    def _stale(self, remote: _RemoteEngine) -> bool:
+        """Whether a refusal is old enough to look at the engine again."""
+        assert remote.refused is not None
+        return self._ctx.clock() - remote.refused.since >= self._ctx.config.handshake_timeout_s
+
+    def _refuse(self, engine_id: str, url: str, reason: str) -> None:
+        remote = self._remotes.get(engine_id)
+        fetched = _fetched(remote) if remote is not None and remote.url == url else None
+        if remote is None or fetched is None:
+            return
+        incarnation = next(iter(fetched.values())).incarnation
+        known = remote.refused
+        if known is None or (known.incarnation, known.reason) != (incarnation, reason):
+            me = self._ctx.metadata
+            log.warning(
+                "worker %s refuses to receive from engine %r (incarnation %s) at %s: %s",
+                me.worker,
+                engine_id,
+                incarnation,
+                url,
+                reason,
+            )
+        remote.refused = Refusal(engine_id, incarnation, reason, self._ctx.clock())
 
     async def _fetch(self, engine_id: str, url: str) -> EngineMetadata:
         assert self._http is not None
@@ -145,8 +202,6 @@ class RemoteEngines:
         found = next(iter(metas.values())).engine_id
         if found != engine_id:
             raise HandshakeError(f"{url} serves engine {found!r}, not {engine_id!r}")
-        for src in sources_of(me, metas):
-            check_compatible(metas[src], me)
         # A refetch means a new start of the engine: what was registered for the old one must go.
         self.topology.unregister_remote_engine(engine_id)
         for p in metas.values():

@@ -34,6 +34,7 @@ from kvsvc.topology import TransferTopology
 from kvsvc.transport.base import Transport, TransportStatistics
 
 log = logging.getLogger(__name__)
+REMEMBERED_REASONS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ class KVTransferService:
         self._sending = SendingRole(self._ctx)
         self._receiving = ReceivingRole(self._ctx)
         self._closed: asyncio.Future[None] | None = None  # the one close, which every `close()` call awaits
+        self._reasons: dict[str, str] = {}  # why recent receives failed, oldest first
         self._reported = dict(self._ctx.counts)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -227,6 +229,9 @@ class KVTransferService:
         self._reported = dict(counts)
         for req_id, reason in report.reasons.items():
             log.warning("receive %s failed: %s", req_id, reason)
+            self._reasons[req_id] = reason
+        while len(self._reasons) > REMEMBERED_REASONS:
+            del self._reasons[next(iter(self._reasons))]
         return KVConnectorOutput(
             finished_sending=sent or None,
             finished_recving=report.finished or None,
@@ -249,6 +254,11 @@ class KVTransferService:
         now = self._ctx.clock()
         self._sending.expire(now)
         self._receiving.expire(now)
+
+    def failure_reason(self, req_id: str) -> str | None:
+        """Why receive `req_id` failed, once `get_finished` reported it failed (the latest `REMEMBERED_REASONS`
+        failures are remembered); None for a receive that did not fail, or is forgotten."""
+        return self._reasons.get(req_id)
 
     def statistics(self) -> ServiceStatistics:
         counts = self._ctx.counts

@@ -316,3 +316,27 @@ async def test_engine_metadata_larger_than_one_read_is_fetched_whole() -> None:
             assert await fetch_engine_metadata(session, url, timeout_s=10) == metas
     finally:
         await server.close()
+
+
+async def test_an_engine_whose_layout_does_not_fit_is_refused_once_when_they_meet(
+    pair: tuple[Side, Side, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    p, d, _ = pair
+    # P publishes a head size D does not have: nothing can be received from it, whatever the request.
+    wider = msgspec.structs.replace(p.service.metadata, head_size=2 * HEAD)
+    bootstrap = BootstrapServer({(0, 0): wider})
+    url = await bootstrap.start()
+    try:
+        with caplog.at_level("WARNING", logger="kvsvc.service.remotes"):
+            for i in range(3):
+                d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [i], BLOCK)
+                await wait_output(d.service, "failed_recving", f"d{i}")
+        reasons = {d.service.failure_reason(f"d{i}") for i in range(3)}
+        assert len(reasons) == 1 and "P head_size 16 != D head_size 8" in reasons.pop()  # type: ignore[operator]
+        refusals = [r for r in caplog.records if "refuses to receive from engine 'prefill'" in r.getMessage()]
+        assert len(refusals) == 1, "the refusal is decided and logged once per engine start"
+        (row,) = [r for r in d.service.peers() if r["state"] == "refused"]
+        assert row["peer_engine_id"] == "prefill" and "head_size" in str(row["last_error"])
+        assert d.service.statistics().holds == 0
+    finally:
+        await bootstrap.close()

@@ -81,6 +81,12 @@ class DemoResult:
     startup_seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    failure_reasons: dict[str, int] = field(default_factory=dict)  # why receives failed, counted, first seen first
+
+    def add_failure(self, transfer_id: str, reason: str) -> None:
+        self.failed += 1
+        self.errors.append(f"{transfer_id}: receive failed: {reason}")
+        self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
 
     @property
     def ok(self) -> bool:
@@ -107,6 +113,7 @@ class DemoResult:
             "p99_ms": None if p99 is None else round(p99, 3),
             "descriptors": self.descriptors,
             "errors": self.errors[:10],
+            "failure_reasons": dict(list(self.failure_reasons.items())[:10]),
         }
         if options is not None:
             payload["layout"] = options.describe()
@@ -171,7 +178,12 @@ def summary_table(result: DemoResult) -> Table:
     for metric, value in summary_rows(result):
         table.add_row(metric, value)
     status = "[green]OK: every byte verified on every D worker[/]" if result.ok else "[red]FAILED[/]"
-    table.caption = status if not result.errors else f"{status}: {result.errors[0]}"
+    if result.failure_reasons:
+        # The first distinct reasons, so a layout the engines cannot share reads as that, not as N failures.
+        reasons = [f"{count} x {why}" for why, count in list(result.failure_reasons.items())[:3]]
+        table.caption = f"{status}: receives failed:\n" + "\n".join(reasons)
+    else:
+        table.caption = status if not result.errors else f"{status}: {result.errors[0]}"
     return table
 
 
@@ -258,8 +270,7 @@ def run_demo(
                 _, recv_started = in_flight.pop(req.req_id)
                 result.latencies_ms.append((ended_at - recv_started) * 1e3)
                 if req.state != "finished":
-                    result.failed += 1
-                    result.errors.append(f"{req.transfer_id}: receive failed (the reason is in the worker log)")
+                    result.add_failure(req.transfer_id, req.reason)
                     continue
                 result.finished += 1
                 # The blocks were freed in the step, but nothing is allocated before this check: still ours.
