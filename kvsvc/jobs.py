@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Final
+from typing import Final, TypeVar
 
 from kvsvc.errors import LocalProtocolError
 
@@ -238,3 +238,28 @@ class RecvJob:
             self.reason = reason
         self.state = next_state
         return effects
+
+
+_State = TypeVar("_State", bound=Enum)
+_Event = TypeVar("_Event", bound=Enum)
+
+
+def table_markdown(table: Mapping[tuple[_State, _Event], tuple[_State, tuple[Effect, ...]]]) -> str:
+    """A transition table as a markdown table, one row per (state, next state, effects) with its events: what
+    docs/protocol.md shows (a test checks that it matches these tables)."""
+    grouped: dict[tuple[_State, _State, tuple[Effect, ...]], list[_Event]] = {}
+    for (state, event), (next_state, effects) in table.items():
+        grouped.setdefault((state, next_state, effects), []).append(event)
+    states = list(type(next(iter(table))[0]))
+    rows = ["| state | events | next state | effects |", "|---|---|---|---|"]
+    for (state, next_state, effects), events in sorted(grouped.items(), key=lambda kv: states.index(kv[0][0])):
+        what = ", ".join(e.value for e in effects) or "—"
+        rows.append(f"| {state.value} | {', '.join(e.value for e in events)} | {next_state.value} | {what} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print("Send job (P):\n")
+    print(table_markdown(SEND_TABLE))
+    print("\nReceive job (D):\n")
+    print(table_markdown(RECV_TABLE))

@@ -90,7 +90,7 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     kv_connector_output: KVConnectorOutput | None = None
-    # After the contract's three fields, so positional construction keeps DESIGN §3's order.
+    # After the contract's three fields, so positional construction keeps the order docs/design.md gives.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
 
     @staticmethod

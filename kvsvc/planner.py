@@ -1,7 +1,8 @@
 """Transfer planning: which P worker writes which D bytes, as coalesced `(src_addr, dst_addr, length)` runs.
 
 Pure module: imports numpy, `kvsvc.layout`, `kvsvc.coalesce`, `kvsvc.messages`, `kvsvc.errors` (no torch,
-asyncio, mooncake). Invariants (DESIGN §2): every (D worker, layer, head) has exactly one source P worker; a plan
+asyncio, mooncake). Invariants (docs/design.md, "Geometry"): every (D worker, layer, head) has exactly one source
+P worker; a plan
 writes only inside the listed D blocks and the (layer, head) slots its P worker sources; plans are maximal runs
 sorted by source address; incompatibility is a `TopologyError` that names both sides' values. Any mix of
 per-layer layouts (HND, NHD) and the cross-layer pool (`kvsvc.layout.CROSS_LAYER`) on the two sides is planned the

@@ -1,4 +1,5 @@
-"""Completion futures from CUDA events (DESIGN §7): the send job awaits the compute that wrote a request's KV.
+"""Completion futures from CUDA events (docs/design.md, "Completion futures"): the send job awaits the compute
+that wrote a request's KV.
 
 Imports: stdlib only at module level; torch lazily inside `record_event` (no mooncake, never its *_on_cuda calls).
 Invariants: the event loop is never blocked (events are polled with `query()` from `call_later`, backing off from

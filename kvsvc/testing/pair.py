@@ -1,6 +1,6 @@
 """A back-to-back P/D peer pair for protocol tests with no event loop: `Sender`s and `Receiver`s wired by lists.
 
-Rules: `PeerPair` plays the asyncio service's part (DESIGN §5) without I/O: it turns `Reply`/`SendToSource`
+Rules: `PeerPair` plays the asyncio service's part (docs/protocol.md) without I/O: it turns `Reply`/`SendToSource`
 commands into envelopes on an in-memory wire, delivers them as the other side's events, and carries out `Submit`
 by `plan_transfer` plus memmove between simulated KV pools (numpy byte arenas at fake addresses). Nothing happens
 until a test calls `step`/`run_until_idle`/`advance`; faults are predicates the test sets. The pair checks the

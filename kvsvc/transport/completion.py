@@ -1,7 +1,7 @@
 """Completion of Mooncake writes: the descriptors in flight per peer, the `Write` each belongs to, and their poller.
 
 Imports: stdlib and `kvsvc.transport.base` only; the engine is reached through the `check_status` callable it is
-given (`transfer_check_status`). Invariants (MOONCAKE.md): an id is polled until it reports 1 or -1 and never again
+given (`transfer_check_status`). Invariants (docs/mooncake.md): an id is polled until it reports 1 or -1 and never again
 (that frees it); id 0 is a refusal, never enqueued nor polled; per peer, ids are polled from the oldest, stopping at
 the first still running one. One poll task, on the event loop, that parks when idle and never sleeps less than
 `LOOP_TIMER_FLOOR_S` on the loop's timers; only while descriptors keep finishing (one within the last

@@ -1,4 +1,5 @@
-"""Specification of kvsvc.engine.admin: the admin endpoints of one engine over a fake `EngineView` (DESIGN §8)."""
+"""Specification of kvsvc.engine.admin: the admin endpoints of one engine over a fake `EngineView`
+(docs/operations.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Specification of kvsvc.connector: how handshake metadata reaches a connector, PP-aware or legacy, and how
-a MultiConnector forwards it (DESIGN §3, §5 step 1)."""
+a MultiConnector forwards it (docs/design.md, docs/protocol.md §1)."""
 
 from __future__ import annotations
 

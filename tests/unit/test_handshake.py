@@ -1,5 +1,5 @@
 """Specification of kvsvc.handshake.merge_handshake_metadata: the engine core's merge of the workers'
-`{(pp_rank, tp_rank): metadata}` dicts (DESIGN §3, §5 step 1)."""
+`{(pp_rank, tp_rank): metadata}` dicts (docs/design.md, docs/protocol.md §1)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Specification of kvsvc.jobs: the send and receive state tables, what a missing row does, terminal states
-(DESIGN §5; STYLE "Transitions are data")."""
+(docs/protocol.md §3: transitions are data)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Contract tests of `kvsvc.layout`: head ownership, layer splits, byte geometry and pool regions (DESIGN §2)."""
+"""Contract tests of `kvsvc.layout`: head ownership, layer splits, byte geometry and pool regions
+(docs/design.md, "Geometry")."""
 
 from __future__ import annotations
 

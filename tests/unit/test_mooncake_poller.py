@@ -1,6 +1,7 @@
 """MooncakeTransport's submission and completion polling, against a scripted stand-in engine (no mooncake needed).
 
-The stand-in enforces MOONCAKE.md's crash rules: polling id 0, or an id after it reported 1/-1, fails the test.
+The stand-in enforces the crash rules of docs/mooncake.md: polling id 0, or an id after it reported 1/-1, fails
+the test.
 """
 
 from __future__ import annotations

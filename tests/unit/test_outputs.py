@@ -1,5 +1,5 @@
 """Specification of kvsvc.outputs: the per-worker KV report, the model runner output and its empty singleton,
-and the aggregator that combines all workers' reports (DESIGN §3, §5)."""
+and the aggregator that combines all workers' reports (docs/design.md, "Public API")."""
 
 from __future__ import annotations
 

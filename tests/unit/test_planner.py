@@ -1,4 +1,4 @@
-"""Contract tests of `kvsvc.planner` (DESIGN §2, §3): source assignment, coalescing, routing and refusals.
+"""Contract tests of `kvsvc.planner` (docs/design.md): source assignment, coalescing, routing and refusals.
 
 Byte-level correctness of plans lives in test_simulator.py; this file pins the shapes, the descriptor counts of
 the per-layer and cross-layer layouts, and the errors.

@@ -1,6 +1,6 @@
 """Specification of the P/D protocol end to end: every P worker's `Sender` and every D worker's `Receiver` talk
 back to back through `kvsvc.testing.pair.PeerPair`, with simulated KV pools, a fake clock and no event loop
-(DESIGN §5, §9)."""
+(docs/protocol.md, docs/design.md "Testing")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The pure core does no I/O: importing it loads no asyncio, torch or mooncake (DESIGN §4, STYLE)."""
+"""The pure core does no I/O: importing it loads no asyncio, torch or mooncake (docs/design.md, "The house")."""
 
 from __future__ import annotations
 

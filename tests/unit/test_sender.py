@@ -1,5 +1,5 @@
 """Specification of kvsvc.sender: P's holds, send jobs, deadlines and exactly-once reporting, driven by hand
-with a fake clock and no event loop (DESIGN §5)."""
+with a fake clock and no event loop (docs/protocol.md)."""
 
 from __future__ import annotations
 

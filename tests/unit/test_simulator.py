@@ -1,4 +1,5 @@
-"""Byte-exact simulator of DESIGN §9: apply every (P worker, D worker) plan with memmove and check every D byte.
+"""Byte-exact simulator (docs/design.md, "Testing"): apply every (P worker, D worker) plan with memmove and check
+every D byte.
 
 Each side may use per-layer tensors (HND, NHD, MLA) or the cross-layer pool, chosen per side. P pools hold a known
 code per (layer, half, head, token) in each element (two int64 words); D pools start as a sentinel. After all plans
@@ -130,7 +131,7 @@ def _codes(meta: WorkerMetadata, ids: list[int], layer: int, heads: int) -> I64:
 
 
 def simulate(s: Layouts) -> int:
-    """Run every pair's plan; assert the DESIGN §9 properties; return the number of descriptors."""
+    """Run every pair's plan; assert the simulator's properties; return the number of descriptors."""
     p_need = -(-s.tokens // s.p_block)
     d_need = -(-s.tokens // s.d_block)
     p_ids = s.p_ids if s.p_ids is not None else list(range(p_need))

@@ -1,4 +1,5 @@
-"""Contract tests of `kvsvc.topology` (DESIGN §3): vLLM's TP ratio semantics and per-stage registration."""
+"""Contract tests of `kvsvc.topology` (docs/design.md, "Public API"): vLLM's TP ratio semantics and per-stage
+registration."""
 
 from __future__ import annotations
 

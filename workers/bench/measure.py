@@ -45,7 +45,7 @@ def _to_cut(addr: int, bases: Sequence[int], half: int) -> int:
 
 
 def run_bound(blocks: Sequence[int], layers: int) -> int:
-    """Contiguous block runs times layers: the descriptor count DESIGN's target allows per request."""
+    """Contiguous block runs times layers: the descriptor count the target allows per request."""
     runs = sum(1 for i, b in enumerate(blocks) if i == 0 or b != blocks[i - 1] + 1)
     return runs * layers
 

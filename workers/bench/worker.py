@@ -216,7 +216,7 @@ def _timed(run: Any) -> BenchResult:
 
 
 def _raw_write(engine: Any, command: RawWrite) -> int:
-    """The best way MOONCAKE.md allows to move a descriptor list: returns how many descriptors failed."""
+    """The best way docs/mooncake.md allows to move a descriptor list: returns how many descriptors failed."""
     failures = 0
     if command.method == "batch":
         ids = []
