@@ -1,6 +1,7 @@
 # Two commands set up and run everything on a fresh machine: `make demo` and `make test`.
-# Both create .venv at the repository root, install the libibverbs1 system package when it is
-# missing (Mooncake's engine links it even for TCP), then the right torch and Mooncake builds.
+# Both create .venv at the repository root, install the libibverbs1 and iptables system packages when they are
+# missing (Mooncake's engine links libibverbs even for TCP; the two-host tests use iptables), then the right torch
+# and Mooncake builds.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -28,7 +29,7 @@ endif
 	@touch $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
-	@bash scripts/ensure-libibverbs.sh
+	@bash scripts/ensure-system-packages.sh
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),1)

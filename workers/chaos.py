@@ -1,11 +1,11 @@
 """`ChaosRun`: load with random aborts and injected faults through a prefill and a decode engine, fully audited.
 
 Imports `workers.engine`, `workers.executor`, `workers.process`, `workers.chaos_spec` (options and results, re-exported
-here) and `kvsvc` (admin app). Drives a P
-engine and a D engine (separate worker processes, real Mooncake over loopback) from one thread, the way an engine
-core would: submit, step, abort. Every request is tracked until both engines reported it; the audit at the end
-checks what issue 4 promises: every finished receive verified byte for byte on every D worker, every failed one
-reported with all its blocks invalid, no request lost (each reported exactly once per engine), both block
+here) and `kvsvc` (admin app, test hosts). Drives a P engine and a D engine (separate worker processes, real
+Mooncake over loopback, or over a link between two network hosts with `hosts="netns"`) from one thread, the way an
+engine core would: submit, step, abort. Every request is tracked until both engines reported it; the audit at the
+end checks the reliability contract: every finished receive verified byte for byte on every D worker, every failed
+one reported with all its blocks invalid, no request lost (each reported exactly once per engine), both block
 allocators full again, no hold left on any worker.
 
 Faults (one per phase, injected once half the phase's requests were submitted, after `probes` parked receives were
@@ -17,12 +17,22 @@ started: receives of transfers P never holds, so each fault has requests it must
 - `cut`: D's control connections to P are cut through the admin endpoint `POST /v1/peers/{engine}/forget`
   (bearer token); the next receive reconnects.
 
+Link faults, on the P host's link (`hosts="netns"`):
+
+- `partition`: every packet to and from P dropped for `outage_s`, then healed (no reset reaches either side).
+- `loss1`, `loss5`: 1 % or 5 % of the packets both ways dropped for `loss_s` while load goes on.
+- `linkdown`: P's link down for `outage_s`, then up.
+- `hostgone`: P's host drops off the network for good and its workers die; D fails what waited on it and the run
+  goes on with a new P engine (another engine id) on a third host.
+
 Nothing here sleeps on a fixed schedule except the freeze; every wait has a deadline and is recorded, never
 asserted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import heapq
 import json
 import random
@@ -31,10 +41,11 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from kvsvc.engine.admin import build_admin_app, random_token
-from workers.chaos_spec import FAULTS, ChaosOptions, ChaosResult, PhaseResult, default_service
+from kvsvc.testing.hosts import NetnsHosts, in_netns
+from workers.chaos_spec import FAULTS, NET_FAULTS, ChaosOptions, ChaosResult, PhaseResult, default_service
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine, PrefillRequest
 from workers.executor import Executor, start_all
 from workers.view import ExecutorView
@@ -65,7 +76,17 @@ class ChaosRun:
         admin_url: str = "",
         admin_token: str = "",
         on_progress: Callable[[ChaosResult], None] | None = None,
+        net: NetnsHosts | None = None,
     ) -> None:
+        """`net`: the hosts the engines run on (`start_chaos_engines`); needed by the link faults.
+
+        Raises:
+            ValueError: `options` asks for link faults and `net` is None.
+        """
+        if net is None and any(f in NET_FAULTS for f in options.faults):
+            raise ValueError(f"faults {options.faults} need the engines on network hosts (net=NetnsHosts)")
+        self.net = net
+        self._p_host = "prefill"
         self.options = options
         self.prefill, self.decode = prefill, decode
         self.admin_url, self.admin_token = admin_url, admin_token
@@ -104,14 +125,14 @@ class ChaosRun:
             if self._expired(f"phase {name}"):
                 break
             if name != "load" and fault_at is None and phase.requests >= count // 2:
-                fault_at = self._inject(phase)
+                fault_at = self._inject(phase, count)
             while phase.requests < count and self._can_submit():
                 self._submit(phase, fault_at)
             if not self._pump():
                 time.sleep(_IDLE_SLEEP_S)
         phase.seconds = time.monotonic() - begin
 
-    def _inject(self, phase: PhaseResult) -> float:
+    def _inject(self, phase: PhaseResult, count: int) -> float:
         fault, opts = phase.name, self.options
         phase.bound_s = opts.fault_bound_s(fault)
         for _ in range(opts.probes):
@@ -140,7 +161,79 @@ class ChaosRun:
             self._restart_p(phase)
         elif fault == "cut":
             self._forget_p()
+        elif fault in NET_FAULTS:
+            self._inject_net(phase, fault, at, count)
         return at
+
+    def _inject_net(self, phase: PhaseResult, fault: str, at: float, count: int) -> None:
+        net, opts, host = self.net, self.options, self._p_host
+        assert net is not None  # checked in __init__
+        if fault == "partition":
+            net.partition(host)
+            try:
+                self._pump_for(opts.outage_s)
+            finally:
+                net.heal(host)
+        elif fault == "linkdown":
+            net.link(host, up=False)
+            try:
+                self._pump_for(opts.outage_s)
+            finally:
+                net.link(host, up=True)
+        elif fault in ("loss1", "loss5"):
+            net.loss(host, 0.01 if fault == "loss1" else 0.05)
+            try:
+                self._load_for(phase, opts.loss_s, at, (count - phase.requests) // 2)
+            finally:
+                net.heal(host)
+        elif fault == "hostgone":
+            net.partition(host)  # never healed: the host is gone
+            old = self.prefill.executor
+            for index in range(old.num_workers):
+                old.kill(index)
+            self._p_up = False
+            self._wait_affected(at + opts.fault_bound_s(fault))
+            old.close()
+            for req in self.prefill.requests.values():
+                track = self._by_p.pop(req.req_id, None)
+                if track is not None:
+                    track.phase.p_lost_in_restart += 1
+            self._replace_p(net)
+
+    def _load_for(self, phase: PhaseResult, seconds: float, at: float, most: int) -> None:
+        """Keep submitting (at most `most` requests, each counted as hit by the fault at `at`) for `seconds`."""
+        until, submitted = time.monotonic() + seconds, 0
+        while time.monotonic() < until:
+            while submitted < most and self._can_submit():
+                track = self._submit(phase, None)
+                track.affected_at = at
+                phase.affected += 1
+                submitted += 1
+            if not self._pump():
+                time.sleep(_IDLE_SLEEP_S)
+
+    def _replace_p(self, net: NetnsHosts) -> None:
+        """Start a P engine with a new engine id on the spare host, D stepped meanwhile; the run goes on with it."""
+        self._p_host = "spare"
+        config = dataclasses.replace(self.prefill.executor.config, engine_id="chaos-p-spare")
+        executor = Executor(config.on_host(net.address("spare"), net.netns("spare")))
+        errors: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                executor.start()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=start, name="chaos-spare", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            self._pump_d()
+            thread.join(0.01)
+        if errors:
+            raise errors[0]
+        self.prefill = PrefillEngine(executor)
+        self._p_up = True
 
     def _restart_p(self, phase: PhaseResult) -> None:
         """Restart the P engine in a thread while D keeps being stepped (D must notice by itself)."""
@@ -179,8 +272,15 @@ class ChaosRun:
             method="POST",
             headers={"Authorization": f"Bearer {self.admin_token}"},
         )
-        with urllib.request.urlopen(request, timeout=self.decode.executor.config.call_timeout_s) as response:
-            answer = json.loads(response.read())
+        timeout_s = self.decode.executor.config.call_timeout_s
+
+        def call() -> object:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return json.loads(response.read())
+
+        # The admin endpoint listens on D's host: reach it from there.
+        netns = self.decode.executor.config.netns
+        answer: Any = call() if netns is None else in_netns(netns, call, timeout_s + 5)
         if answer.get("forgotten") != p_id:
             self.result.errors.append(f"forget answered {answer}")
 
@@ -194,7 +294,7 @@ class ChaosRun:
         worst_d = -(-opts.max_tokens // opts.decode_block_size)
         return self.prefill.allocator.num_free >= worst_p and self.decode.allocator.num_free >= worst_d
 
-    def _submit(self, phase: PhaseResult, fault_at: float | None) -> None:
+    def _submit(self, phase: PhaseResult, fault_at: float | None) -> _Track:
         opts, rng = self.options, self._rng
         tokens, seed = rng.randint(1, opts.max_tokens), rng.randrange(1 << 30)
         transfer_id = f"{phase.name}-{self._count}"
@@ -210,6 +310,7 @@ class ChaosRun:
         if rng.random() < opts.abort_rate:
             when = time.monotonic() + rng.uniform(0, opts.abort_window_s)
             heapq.heappush(self._aborts, (when, self._count, transfer_id))
+        return track
 
     def _probe(self, phase: PhaseResult) -> None:
         """A receive of a transfer P never holds: it waits on P until the fault (or P's early-request timeout)."""
@@ -300,6 +401,11 @@ class ChaosRun:
             phase.probes_failed += 1
         if track.affected_at is not None:
             phase.affected_failed += 1
+            if not track.abort_side and track.p_req is not None:
+                phase.hit_failed_not_aborted += 1
+                reason = req.reason.replace(track.transfer_id, "<id>")
+                if reason in phase.reasons or len(phase.reasons) < 5:
+                    phase.reasons[reason] = phase.reasons.get(reason, 0) + 1
             took = now - track.affected_at
             phase.fail_s = took if phase.fail_s is None else max(phase.fail_s, took)
         elif not track.abort_side:
@@ -368,17 +474,34 @@ class ChaosRun:
                 result.errors.append(f"{phase.name}: no request finished after the fault (D did not recover)")
 
 
-def start_chaos_engines(options: ChaosOptions) -> tuple[PrefillEngine, DecodeEngine, str, str]:
-    """Start the P engine and the D engine (D's endpoint also serves the admin app, with a fresh token).
+def chaos_hosts() -> NetnsHosts:
+    """The network hosts of a `hosts="netns"` run: the P engine's, the D engine's and a spare for `hostgone`.
+    Not entered yet (a context manager)."""
+    return NetnsHosts(["prefill", "decode", "spare"])
+
+
+def start_chaos_engines(
+    options: ChaosOptions, net: NetnsHosts | None = None
+) -> tuple[PrefillEngine, DecodeEngine, str, str]:
+    """Start the P engine and the D engine (D's endpoint also serves the admin app, with a fresh token). With `net`
+    (entered `chaos_hosts()`), each engine runs on its own host, every listener on its address, with a control
+    token shared by the engines.
 
     Returns (prefill, decode, D admin URL, token).
 
     Raises:
-        WorkerError: an engine failed to start (both are closed then).
+        WorkerError: an engine failed to start (both are closed then). ValueError: `options.hosts` is "netns" and
+            `net` is None.
     """
     from workers.commands.common import sigint_ignored_by_children
 
     p_config, d_config = options.engine_configs()
+    if options.hosts == "netns":
+        if net is None:
+            raise ValueError("hosts='netns' needs the hosts: start_chaos_engines(options, net=chaos_hosts())")
+        service = dataclasses.replace(options.service, control_token=random_token())
+        p_config = dataclasses.replace(p_config, service=service).on_host(net.address("prefill"), net.netns("prefill"))
+        d_config = dataclasses.replace(d_config, service=service).on_host(net.address("decode"), net.netns("decode"))
     p_exec, d_exec = Executor(p_config), Executor(d_config)
     try:
         with sigint_ignored_by_children():
@@ -401,22 +524,28 @@ def run_chaos(options: ChaosOptions, on_progress: Callable[[ChaosResult], None] 
         WorkerError: an engine failed to start or a worker failed a command.
     """
     started = time.monotonic()
-    prefill, decode, url, token = start_chaos_engines(options)
-    try:
-        run = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token, on_progress=on_progress)
-        run.result.startup_seconds = time.monotonic() - started
-        return run.run()
-    finally:
-        decode.executor.close()
-        prefill.executor.close()
+    with contextlib.ExitStack() as stack:
+        net = stack.enter_context(chaos_hosts()) if options.hosts == "netns" else None
+        prefill, decode, url, token = start_chaos_engines(options, net)
+        run = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token, on_progress=on_progress, net=net)
+        try:
+            run.result.startup_seconds = time.monotonic() - started
+            return run.run()
+        finally:
+            decode.executor.close()
+            run.prefill.executor.close()
+            if run.prefill is not prefill:
+                prefill.executor.close()
 
 
 __all__ = [
     "FAULTS",
+    "NET_FAULTS",
     "ChaosOptions",
     "ChaosResult",
     "ChaosRun",
     "PhaseResult",
+    "chaos_hosts",
     "default_service",
     "run_chaos",
     "start_chaos_engines",

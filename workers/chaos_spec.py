@@ -12,6 +12,10 @@ from kvsvc.service import ServiceConfig
 from workers.executor import EngineConfig
 
 FAULTS: Final = ("kill", "freeze", "restart", "cut")
+# Faults of the link between two network hosts (`hosts="netns"` only). `hostgone` must come last: it retires the P
+# host for good and the run goes on with a replacement P engine on a third host.
+NET_FAULTS: Final = ("partition", "loss1", "loss5", "linkdown", "hostgone")
+HOSTS: Final = ("local", "netns")
 
 
 def default_service() -> ServiceConfig:
@@ -38,6 +42,9 @@ class ChaosOptions:
     abort_window_s: float = 0.02  # an abort is issued at a uniformly random moment this long after the submit
     probes: int = 4  # parked receives started just before each fault
     freeze_s: float = 6.0
+    outage_s: float = 4.0  # how long a partition or a link down lasts before it heals
+    loss_s: float = 6.0  # how long packet loss lasts, load going on meanwhile
+    hosts: str = "local"  # "netns": P and D on separate network hosts (`kvsvc.testing.hosts`), for NET_FAULTS
     fault_worker: int = 1  # index of the P worker killed or frozen
     prefill_tp: int = 2
     decode_tp: int = 1
@@ -49,9 +56,16 @@ class ChaosOptions:
     service: ServiceConfig = field(default_factory=default_service)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.faults) - set(FAULTS))
+        unknown = sorted(set(self.faults) - set(FAULTS) - set(NET_FAULTS))
         if unknown:
-            raise ValueError(f"unknown faults {unknown}; known: {list(FAULTS)}")
+            raise ValueError(f"unknown faults {unknown}; known: {list(FAULTS + NET_FAULTS)}")
+        if self.hosts not in HOSTS:
+            raise ValueError(f"hosts must be one of {HOSTS}, got {self.hosts!r}")
+        net = [f for f in self.faults if f in NET_FAULTS]
+        if net and self.hosts != "netns":
+            raise ValueError(f"faults {net} act on a network link: they need hosts='netns' (--hosts netns)")
+        if "hostgone" in self.faults and self.faults.index("hostgone") != len(self.faults) - 1:
+            raise ValueError("hostgone retires the P host for good: it must be the last fault")
         if not 0 <= self.abort_rate <= 1:
             raise ValueError(f"abort_rate must be in [0, 1], got {self.abort_rate}")
         if self.requests < 1 or self.concurrency < 1 or self.max_tokens < 1:
@@ -61,11 +75,14 @@ class ChaosOptions:
 
     def fault_bound_s(self, fault: str) -> float:
         """The longest a request hit by `fault` may take to be reported failed, from the fault: the receive
-        deadline, then the abort grace (a frozen P cannot confirm), then a handshake; the freeze itself for a
-        freeze (P confirms the abort once it runs again)."""
+        deadline, then the abort grace (a frozen or unreachable P cannot confirm), then a handshake; plus the
+        outage itself for a freeze, a partition or a link down (P confirms the abort once it is back), and the
+        loss window for packet loss (requests submitted during it count as hit)."""
         service = self.service
         bound = service.recv_timeout_s + service.abort_grace_s + service.handshake_timeout_s
-        return bound + (self.freeze_s if fault == "freeze" else 0.0)
+        extra = {"freeze": self.freeze_s, "partition": self.outage_s, "linkdown": self.outage_s}
+        extra |= {"loss1": self.loss_s, "loss5": self.loss_s}
+        return bound + extra.get(fault, 0.0)
 
     def engine_configs(self) -> tuple[EngineConfig, EngineConfig]:
         common: dict[str, Any] = dict(num_layers=4, num_kv_heads=4, head_size=16, num_blocks=self.num_blocks)
@@ -108,6 +125,8 @@ class PhaseResult:
     after_fault: int = 0  # regular requests submitted once the fault was over
     after_fault_finished: int = 0
     p_lost_in_restart: int = 0
+    hit_failed_not_aborted: int = 0  # regular receives the fault made fail (no abort asked, not a probe)
+    reasons: dict[str, int] = field(default_factory=dict)  # why those failed, counted (the first few reasons)
     fail_s: float | None = None
     bound_s: float | None = None
     recovery_s: float | None = None  # from the fault to the first later request that finished verified
@@ -155,4 +174,4 @@ class ChaosResult:
         }
 
 
-__all__ = ["FAULTS", "ChaosOptions", "ChaosResult", "PhaseResult", "default_service"]
+__all__ = ["FAULTS", "HOSTS", "NET_FAULTS", "ChaosOptions", "ChaosResult", "PhaseResult", "default_service"]

@@ -10,6 +10,7 @@ errors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -83,6 +84,18 @@ class EngineConfig:
     log_level: str = "WARNING"
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0  # 0: a free port, kept across `restart()`
+    netns: str | None = None  # a network namespace the workers and the endpoint join (`kvsvc.testing.hosts`)
+
+    def on_host(self, address: str, netns: str | None = None) -> EngineConfig:
+        """This engine with every listener (endpoint, control servers, Mooncake) bound to `address`, the one
+        address its peers reach it at, and placed in `netns` when given."""
+        return dataclasses.replace(
+            self,
+            bootstrap_host=address,
+            service=dataclasses.replace(self.service, control_host=address),
+            transport=dataclasses.replace(self.transport, host=address),
+            netns=netns,
+        )
 
 
 @dataclass
@@ -189,6 +202,7 @@ class Executor:
                     service=self.config.service,
                     transport=self.config.transport,
                     log_level=self.config.log_level,
+                    netns=self.config.netns,
                 )
                 parent, child = self._ctx.Pipe(duplex=True)
                 process = self._ctx.Process(
@@ -222,7 +236,9 @@ class Executor:
             self.metas = merge_handshake_metadata({h.worker: h.meta} for h in self.workers if h.meta is not None)
             self.broadcast(SetEngineMetadata(self.metas))
             if self._bootstrap is None:
-                self._bootstrap = BootstrapEndpoint(self.config.bootstrap_host, self.config.bootstrap_port, self._app)
+                self._bootstrap = BootstrapEndpoint(
+                    self.config.bootstrap_host, self.config.bootstrap_port, self._app, netns=self.config.netns
+                )
             self._bootstrap.serve(self.metas, self.config.call_timeout_s)
         except BaseException:
             self.close()

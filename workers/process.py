@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import uvloop
 
+from kvsvc import netns
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
@@ -50,6 +51,7 @@ class WorkerOptions:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     transport: MooncakeConfig = field(default_factory=MooncakeConfig)
     log_level: str = "WARNING"
+    netns: str | None = None  # joined before anything binds: the worker runs on that namespace's network
 
 
 # -- commands (parent to worker) ------------------------------------------------------------------------------
@@ -349,6 +351,8 @@ def worker_main(options: WorkerOptions, conn: Connection) -> None:
     )
     code = 1
     try:
+        if options.netns is not None:
+            netns.join(options.netns)  # before Mooncake and the loop start threads: they inherit it
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             code = runner.run(_serve(options, conn))
     except BaseException:

@@ -14,6 +14,7 @@ import threading
 
 from aiohttp import web
 
+import kvsvc.netns
 from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata, serve_app
 from kvsvc.messages import WorkerMetadata
 from kvsvc.service.threaded import new_event_loop
@@ -22,11 +23,35 @@ from kvsvc.service.threaded import new_event_loop
 class BootstrapEndpoint:
     """The engine's handshake endpoint, served from a private event loop thread of the parent process."""
 
-    def __init__(self, host: str, port: int, app: web.Application | None = None) -> None:
+    def __init__(self, host: str, port: int, app: web.Application | None = None, *, netns: str | None = None) -> None:
+        """`netns`: a network namespace the loop thread joins before it binds (a test host); None stays here.
+
+        Raises:
+            NetnsError: `netns` cannot be joined.
+        """
         self._host, self._port = host, port
         self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="bootstrap", daemon=True)
+        joined: list[BaseException | None] = []
+        started = threading.Event()
+
+        def run() -> None:
+            try:
+                if netns is not None:
+                    kvsvc.netns.join(netns)
+                joined.append(None)
+            except BaseException as exc:
+                joined.append(exc)
+                return
+            finally:
+                started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="bootstrap", daemon=True)
         self._thread.start()
+        started.wait()
+        if joined[0] is not None:
+            self._loop.close()
+            raise joined[0]
         self._server: BootstrapServer | None = None
         # `app` (e.g. the admin app, which carries the handshake route): bound once, metadata published in place.
         self._app = app

@@ -1,11 +1,24 @@
 """Settings of one worker's transfer service, with the defaults an operator would expect on one host.
 
-Rules: every hold and wait has a deadline here; none is infinite. Values are seconds unless named otherwise.
+Rules: every hold and wait has a deadline here; none is infinite. Values are seconds unless named otherwise. A
+control server that listens beyond loopback needs a control token: a hello makes P write KV wherever the caller's
+metadata points, so an open control port would hand the KV to anyone who can reach it (docs/decisions.md).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address or `localhost` (a name that may resolve elsewhere is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,7 +26,8 @@ class ServiceConfig:
     """One worker's service settings.
 
     Raises (constructor):
-        ValueError: an empty `control_token` (it would let every hello in).
+        ValueError: an empty `control_token` (it would let every hello in), or a `control_host` beyond loopback
+            without a `control_token`.
     """
 
     control_host: str = "127.0.0.1"
@@ -46,3 +60,8 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.control_token == "":
             raise ValueError("control_token must be a non-empty secret, or None for no token")
+        if self.control_token is None and not is_loopback(self.control_host):
+            raise ValueError(
+                f"control_host {self.control_host!r} is reachable beyond loopback, so the control server needs a "
+                "control_token (the same secret on every engine of the deployment)"
+            )

@@ -8,13 +8,12 @@ is a `ValueError` naming it, at engine start; a control port reachable beyond lo
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from kvsvc.service.config import ServiceConfig
+from kvsvc.service.config import ServiceConfig, is_loopback
 
 _SERVICE = ServiceConfig()
 
@@ -107,13 +106,3 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     except msgspec.ValidationError as exc:
         known = ", ".join(ConnectorConfig.__struct_fields__)
         raise ValueError(f"kv_connector_extra_config: {exc} (known keys: {known})") from None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is a loopback address or `localhost` (a name that may resolve elsewhere is not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -73,7 +73,11 @@ def test_summary_rows_name_every_figure_of_the_table() -> None:
         "latency p50",
         "latency p99",
         "descriptors",
+        "hosts",
     ]
+    assert rows["hosts"] == "-"
+    result.hosts = {"prefill": "10.213.0.1", "decode": "10.213.0.2"}
+    assert dict(summary_rows(result))["hosts"] == "prefill 10.213.0.1, decode 10.213.0.2"
     assert rows["verified"] == "4 / 4"
     assert rows["bytes"] == "1 MiB (1,048,576)"
     assert rows["descriptors"] == "1,234"

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.vllm.config import ConnectorConfig, is_loopback, parse_config
+from kvsvc.service.config import is_loopback
+from kvsvc.vllm.config import ConnectorConfig, parse_config
 from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec
 from kvsvc.vllm.params import ParamsError, RemotePrefill, parse_remote_prefill, producer_params, prompt_hash
 

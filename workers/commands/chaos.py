@@ -1,4 +1,4 @@
-"""`kvsvc chaos`: load with random aborts plus injected faults (kill, freeze, restart, cut) on a P and a D engine.
+"""`kvsvc chaos`: load with random aborts plus injected faults (process faults; link faults across two network hosts).
 
 Imports argparse and the standard library at module level; rich and the runtime (`workers.chaos`) only inside
 `main_with_args`, so `kvsvc --help` stays fast. Invariants: the run stops by itself (every wait has a deadline,
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from workers.chaos import ChaosResult
 
 _FAULT_NAMES: Final = ("kill", "freeze", "restart", "cut")
+_NET_FAULT_NAMES: Final = ("partition", "loss1", "loss5", "linkdown", "hostgone")  # workers.chaos_spec.NET_FAULTS
 
 
 def _positive(text: str) -> int:
@@ -30,15 +31,17 @@ def _positive(text: str) -> int:
     return value
 
 
-def _faults(text: str) -> tuple[str, ...]:
+def _faults(text: str) -> tuple[str, ...] | None:
+    """None for "all" (which faults depends on --hosts)."""
     if text in ("", "none"):
         return ()
     if text == "all":
-        return _FAULT_NAMES
+        return None
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in _FAULT_NAMES]
+    known = _FAULT_NAMES + _NET_FAULT_NAMES
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown faults {unknown}; choose from {', '.join(_FAULT_NAMES)}")
+        raise argparse.ArgumentTypeError(f"unknown faults {unknown}; choose from {', '.join(known)}")
     return names
 
 
@@ -49,7 +52,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Starts a P engine and a D engine (worker processes, real Mooncake over loopback), pushes "
         "--requests requests of random sizes through them with --abort-rate of them aborted at random moments on "
         "either side, and injects each of --faults during the load: kill a P worker, freeze one (SIGSTOP) and "
-        "resume it, restart the P engine, cut D's control connections through the admin endpoint. Verifies every "
+        "resume it, restart the P engine, cut D's control connections through the admin endpoint; with --hosts netns "
+        "also partition P's link, drop 1 %% or 5 %% of its packets, take its link down, and retire the P host for "
+        "good (a replacement P on a third host takes over). Verifies every "
         "finished request byte for byte, checks every failed one has all its blocks invalid, and that no request "
         "was lost, no hold and no block leaked. Exit code 0 iff all of that holds.",
     )
@@ -60,7 +65,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--requests", type=_positive, default=10_000, help="requests over the whole run (default 10000)")
-    add("--faults", type=_faults, default=_FAULT_NAMES, help="comma list of kill,freeze,restart,cut; all; none")
+    add(
+        "--faults",
+        type=_faults,
+        default=None,
+        help="comma list of kill,freeze,restart,cut and, with --hosts netns, partition,loss1,loss5,linkdown,hostgone "
+        "(hostgone last); all (default: every fault the hosts allow); none",
+    )
+    add(
+        "--hosts",
+        choices=("local", "netns"),
+        default="local",
+        help="local (default): both engines on loopback; netns: P and D on two network hosts (namespaces joined "
+        "by a private link; needs root), which allows the link faults",
+    )
+    add("--outage", type=float, default=4.0, help="seconds a partition or a link down lasts (default 4)")
+    add("--loss-seconds", type=float, default=6.0, help="seconds packet loss lasts, under load (default 6)")
     add("--concurrency", type=_positive, default=16, help="receives in flight (default 16)")
     add("--max-tokens", type=_positive, default=64, help="request sizes are uniform in [1, this] (default 64)")
     add("--abort-rate", type=float, default=0.10, help="fraction of requests aborted (default 0.10)")
@@ -80,7 +100,7 @@ def summary_tables(result: ChaosResult) -> tuple[Table, Table]:
         return "-" if value is None else f"{value:.2f}"
 
     phases = Table(title="kvsvc chaos: phases", title_justify="left")
-    for column in ("phase", "requests", "verified", "failed", "aborted P/D", "hit", "hit failed", "probes failed"):
+    for column in ("phase", "requests", "verified", "failed", "aborted P/D", "hit", "hit failed (unaborted)", "probes"):
         phases.add_column(column, justify="right" if column != "phase" else "left")
     for column in ("fail s (bound)", "recovery s", "P lost", "seconds"):
         phases.add_column(column, justify="right")
@@ -92,8 +112,8 @@ def summary_tables(result: ChaosResult) -> tuple[Table, Table]:
             str(p.failed),
             f"{p.aborted_p}/{p.aborted_d}",
             str(p.affected),
-            str(p.affected_failed),
-            f"{p.probes_failed}/{p.probes}",
+            f"{p.affected_failed} ({p.hit_failed_not_aborted})",
+            f"{p.probes_failed}/{p.probes} failed",
             f"{secs(p.fail_s)} ({secs(p.bound_s)})",
             secs(p.recovery_s),
             str(p.p_lost_in_restart),
@@ -128,7 +148,12 @@ def main_with_args(args: argparse.Namespace) -> int:
     try:
         options = ChaosOptions(
             requests=args.requests,
-            faults=tuple(args.faults),
+            faults=tuple(args.faults)
+            if args.faults is not None
+            else _FAULT_NAMES + (_NET_FAULT_NAMES if args.hosts == "netns" else ()),
+            hosts=args.hosts,
+            outage_s=args.outage,
+            loss_s=args.loss_seconds,
             concurrency=args.concurrency,
             max_tokens=args.max_tokens,
             abort_rate=args.abort_rate,

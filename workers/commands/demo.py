@@ -9,6 +9,8 @@ finished and every D worker verified every byte of it; with `--json` the last st
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -25,8 +27,9 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from workers.engine import DecodeRequest
-    from workers.executor import Executor
+    from workers.executor import EngineConfig, Executor
 
+HOSTS: Final = ("local", "netns")
 DEFAULT_REQUESTS: Final = 64
 DEFAULT_TOKENS: Final = 512
 _IDLE_SLEEP_S: Final = 0.0005  # between polls when nothing finished: short, so latency is not the poll period
@@ -51,6 +54,11 @@ class DemoOptions:
     layout: str = "HND"
     concurrency: int = 8
     timeout_s: float = 120.0
+    hosts: str = "local"  # "local": both engines on this host's loopback; "netns": each on its own network host
+
+    def __post_init__(self) -> None:
+        if self.hosts not in HOSTS:
+            raise ValueError(f"hosts must be one of {HOSTS}, got {self.hosts!r}")
 
     def describe(self) -> str:
         return (
@@ -82,6 +90,7 @@ class DemoResult:
     latencies_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # why receives failed, counted, first seen first
+    hosts: dict[str, str] = field(default_factory=dict)  # role -> the address its engine listened on
 
     def add_failure(self, transfer_id: str, reason: str) -> None:
         self.failed += 1
@@ -114,6 +123,7 @@ class DemoResult:
             "descriptors": self.descriptors,
             "errors": self.errors[:10],
             "failure_reasons": dict(list(self.failure_reasons.items())[:10]),
+            "hosts": self.hosts,
         }
         if options is not None:
             payload["layout"] = options.describe()
@@ -165,6 +175,7 @@ def summary_rows(result: DemoResult) -> list[tuple[str, str]]:
         ("latency p50", ms(50)),
         ("latency p99", ms(99)),
         ("descriptors", f"{result.descriptors:,}"),
+        ("hosts", ", ".join(f"{role} {address}" for role, address in result.hosts.items()) or "-"),
     ]
 
 
@@ -232,16 +243,58 @@ def run_demo(
     Raises:
         WorkerError: an engine failed to start or a worker failed a command (every process is reaped first).
         ValueError / TopologyError: the layouts cannot work together.
+        HostsError: `options.hosts` is "netns" and the namespaces cannot be made here (the reason).
     """
+    from workers.executor import Executor
+
+    p_config, d_config = _engine_configs(options)
+    Executor(p_config), Executor(d_config)  # validates the geometry before anything starts
+    result = DemoResult(requests=options.requests)
+    with contextlib.ExitStack() as stack:
+        if options.hosts == "netns":
+            p_config, d_config = _on_netns_hosts(stack, p_config, d_config)
+        p_exec, d_exec = Executor(p_config), Executor(d_config)
+        result.hosts = {"prefill": p_config.bootstrap_host, "decode": d_config.bootstrap_host}
+        _run_engines(options, p_exec, d_exec, result, on_progress, worker_log)
+    return result
+
+
+def _on_netns_hosts(stack: contextlib.ExitStack, p_config: EngineConfig, d_config: EngineConfig) -> tuple[Any, Any]:
+    """Both engines on their own network hosts (namespaces removed when `stack` closes), with a control token,
+    since their control ports now listen beyond loopback.
+
+    Raises:
+        HostsError: the namespaces could not be made (their reason; `skip_reason` when this machine cannot).
+    """
+    from kvsvc.engine.admin import random_token
+    from kvsvc.testing.hosts import HostsError, NetnsHosts, skip_reason
+
+    why = skip_reason()
+    if why is not None:
+        raise HostsError(f"--hosts netns: {why}")
+    net = stack.enter_context(NetnsHosts(["prefill", "decode"]))
+    token = random_token()
+
+    def place(config: EngineConfig, role: str) -> EngineConfig:
+        tokened = dataclasses.replace(config, service=dataclasses.replace(config.service, control_token=token))
+        return tokened.on_host(net.address(role), net.netns(role))
+
+    return place(p_config, "prefill"), place(d_config, "decode")
+
+
+def _run_engines(
+    options: DemoOptions,
+    p_exec: Executor,
+    d_exec: Executor,
+    result: DemoResult,
+    on_progress: Callable[[DemoResult], None] | None,
+    worker_log: str | None,
+) -> None:
     from workers.commands.common import start_engines
     from workers.engine import DecodeEngine, PrefillEngine
-    from workers.executor import Executor
     from workers.process import Verify
     from workers.synthetic import VerifyResult
 
-    p_config, d_config = _engine_configs(options)
-    p_exec, d_exec = Executor(p_config), Executor(d_config)  # validates the geometry before anything starts
-    result = DemoResult(requests=options.requests)
     started = time.monotonic()
     start_engines([p_exec, d_exec], worker_log)
     try:
@@ -298,7 +351,6 @@ def run_demo(
     finally:
         d_exec.close()
         p_exec.close()
-    return result
 
 
 # -- the command ------------------------------------------------------------------------------------------------
@@ -345,6 +397,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LAYOUTS,
         help="KV layout of both engines (default HND); HND_CROSS_LAYER puts every local layer in each block",
     )
+    add(
+        "--hosts",
+        default=defaults.hosts,
+        choices=HOSTS,
+        help="local (default): both engines on loopback; netns: P and D on two network hosts (namespaces on a "
+        "private link, non-loopback addresses, a control token; needs root)",
+    )
     add("--concurrency", type=_positive, default=defaults.concurrency, help="requests in flight (default 8)")
     add("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds (default 120)")
     add("--json", action="store_true", help="print one JSON object (the last stdout line) instead of the table")
@@ -374,6 +433,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         layout=args.layout,
         concurrency=args.concurrency,
         timeout_s=args.timeout,
+        hosts=args.hosts,
     )
 
 

@@ -1,11 +1,13 @@
 """`kvsvc serve`: one synthetic engine whose handshake and admin endpoints share one aiohttp app and port.
 
 Imports argparse and the standard library at module level; the runtime (`workers.executor`, torch, mooncake) and
-`kvsvc.engine.admin` inside the functions. Invariants: the endpoint binds loopback unless told otherwise; POST
-endpoints need the bearer token (`--token-file` or `KVSVC_ADMIN_TOKEN`) and are refused (403) without one; with a
-control token (`--control-token-file` or `KVSVC_CONTROL_TOKEN`, the same on every engine of the deployment) the
-workers' control ports refuse hellos without it; SIGINT and SIGTERM stop the engine and reap every worker;
-`ServedEngine` is the code path of both the command and the tests.
+`kvsvc.engine.admin` inside the functions. Invariants: `--host` is the one address every listener
+binds (the HTTP endpoint, each worker's control server and Mooncake engine), loopback unless told otherwise, and never
+a wildcard, because the workers publish it to their peers; POST endpoints need the bearer token (`--token-file` or
+`KVSVC_ADMIN_TOKEN`) and are refused (403) without one; with a control token (`--control-token-file` or
+`KVSVC_CONTROL_TOKEN`, the same on every engine of the deployment) the workers' control ports refuse hellos without
+it, and a `--host` beyond loopback refuses to start without one; SIGINT and SIGTERM stop the engine and reap every
+worker; `ServedEngine` is the code path of both the command and the tests.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ class ServedEngine:
 
         Raises:
             WorkerError: a worker failed to start (every process is reaped first). OSError: the port is taken.
-            ValueError / TopologyError: impossible geometry, or an empty token.
+            ValueError / TopologyError: impossible geometry, an empty token, a wildcard host, or a host beyond
+                loopback without a control token.
         """
+        check_host(options.host, options.control_token)
         from kvsvc.engine.admin import build_admin_app
         from kvsvc.service import ServiceConfig
         from kvsvc.transport.mooncake import MooncakeConfig
@@ -84,9 +88,8 @@ class ServedEngine:
             dtype=options.dtype,
             service=ServiceConfig(control_token=options.control_token),
             transport=MooncakeConfig(),
-            bootstrap_host=options.host,
             bootstrap_port=options.port,
-        )
+        ).on_host(options.host)
         executor = Executor(config)
         try:
             with sigint_ignored_by_children():
@@ -115,6 +118,26 @@ class ServedEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_host(host: str, control_token: str | None) -> None:
+    """Refuse a host the workers cannot publish, and an open control port beyond loopback.
+
+    Raises:
+        ValueError: `host` is a wildcard, or not loopback while `control_token` is None (the message names the flags).
+    """
+    from kvsvc.service.config import is_loopback
+
+    if host in ("", "0.0.0.0", "::"):
+        raise ValueError(
+            f"--host {host!r} binds every interface, but the workers publish this address to their peers: pass the "
+            "address the other engines reach this host at"
+        )
+    if control_token is None and not is_loopback(host):
+        raise ValueError(
+            f"--host {host} is reachable beyond loopback, so the workers' control ports need a token: pass "
+            f"--control-token-file (or ${CONTROL_TOKEN_ENV}) with the secret every engine of the deployment shares"
+        )
 
 
 def read_token(token_file: str | None, env: str = TOKEN_ENV, what: str = "admin") -> str | None:
@@ -158,7 +181,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--block-size", type=int, default=defaults.block_size)
     add("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks per worker (default 1024)")
     add("--dtype", default=defaults.dtype, choices=("bfloat16", "float16", "float32"))
-    add("--host", default=defaults.host, help="address of the HTTP endpoint (default 127.0.0.1: loopback only)")
+    add(
+        "--host",
+        default=defaults.host,
+        help="the address other engines reach this host at; the HTTP endpoint, the control servers and Mooncake "
+        "all bind it (default 127.0.0.1: loopback only; beyond loopback a control token is required)",
+    )
     add("--port", type=int, default=defaults.port, help="port of the HTTP endpoint (default 0: a free one)")
     add("--token-file", default=None, help=f"file whose first line is the admin bearer token (else ${TOKEN_ENV})")
     add(
@@ -177,6 +205,7 @@ def main_with_args(args: argparse.Namespace) -> int:
     try:
         token = read_token(args.token_file)
         control_token = read_token(args.control_token_file, CONTROL_TOKEN_ENV, "control")
+        check_host(args.host, control_token)
     except (OSError, ValueError) as exc:
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 2
