@@ -170,20 +170,26 @@ class ChaosRun:
         assert net is not None  # checked in __init__
         if fault == "partition":
             net.partition(host)
+            sent = net.link_bytes(host)[1]
             try:
                 self._pump_for(opts.outage_s)
+                phase.link_bytes_during = net.link_bytes(host)[1] - sent
+                phase.packets_dropped = net.dropped(host)
             finally:
                 net.heal(host)
         elif fault == "linkdown":
             net.link(host, up=False)
+            sent = net.link_bytes(host)[1]
             try:
                 self._pump_for(opts.outage_s)
+                phase.link_bytes_during = net.link_bytes(host)[1] - sent
             finally:
                 net.link(host, up=True)
         elif fault in ("loss1", "loss5"):
             net.loss(host, 0.01 if fault == "loss1" else 0.05)
             try:
                 self._load_for(phase, opts.loss_s, at, (count - phase.requests) // 2)
+                phase.packets_dropped = net.dropped(host)
             finally:
                 net.heal(host)
         elif fault == "hostgone":
@@ -225,6 +231,10 @@ class ChaosRun:
             except BaseException as exc:
                 errors.append(exc)
 
+        from workers.commands.common import sigint_ignored_by_children
+
+        with sigint_ignored_by_children():
+            executor.launch()  # Ctrl-C reaches the parent only, which stops the workers in order
         thread = threading.Thread(target=start, name="chaos-spare", daemon=True)
         thread.start()
         while thread.is_alive():
@@ -518,24 +528,31 @@ def start_chaos_engines(
 
 
 def run_chaos(options: ChaosOptions, on_progress: Callable[[ChaosResult], None] | None = None) -> ChaosResult:
-    """Start both engines, run `options`, close them (every process reaped, also on errors).
+    """Start both engines, run `options`, close them (every process reaped, every namespace removed, also on
+    errors).
 
     Raises:
-        WorkerError: an engine failed to start or a worker failed a command.
+        WorkerError: an engine failed to start or a worker failed a command. HostsError: `hosts="netns"` and the
+            namespaces cannot be made here (the reason), or a fault's command failed.
     """
+    from kvsvc.testing.hosts import HostsError, skip_reason
+
+    if options.hosts == "netns" and (why := skip_reason()) is not None:
+        raise HostsError(f"hosts netns: {why}")
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         net = stack.enter_context(chaos_hosts()) if options.hosts == "netns" else None
         prefill, decode, url, token = start_chaos_engines(options, net)
-        run = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token, on_progress=on_progress, net=net)
+        run: ChaosRun | None = None
         try:
+            run = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token, on_progress=on_progress, net=net)
             run.result.startup_seconds = time.monotonic() - started
             return run.run()
         finally:
             decode.executor.close()
-            run.prefill.executor.close()
-            if run.prefill is not prefill:
-                prefill.executor.close()
+            prefill.executor.close()
+            if run is not None and run.prefill is not prefill:
+                run.prefill.executor.close()
 
 
 __all__ = [

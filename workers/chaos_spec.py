@@ -45,6 +45,7 @@ class ChaosOptions:
     outage_s: float = 4.0  # how long a partition or a link down lasts before it heals
     loss_s: float = 6.0  # how long packet loss lasts, load going on meanwhile
     hosts: str = "local"  # "netns": P and D on separate network hosts (`kvsvc.testing.hosts`), for NET_FAULTS
+    staging_bytes: int = 0  # P's staging region: writes its rule picks are gathered (D tp > P tp gives such writes)
     fault_worker: int = 1  # index of the P worker killed or frozen
     prefill_tp: int = 2
     decode_tp: int = 1
@@ -70,6 +71,10 @@ class ChaosOptions:
             raise ValueError(f"abort_rate must be in [0, 1], got {self.abort_rate}")
         if self.requests < 1 or self.concurrency < 1 or self.max_tokens < 1:
             raise ValueError("requests, concurrency and max_tokens must be >= 1")
+        if self.outage_s <= 0 or self.loss_s <= 0 or self.freeze_s <= 0:
+            raise ValueError(
+                f"outage_s, loss_s and freeze_s must be > 0, got {self.outage_s}, {self.loss_s}, {self.freeze_s}"
+            )
         if not 0 <= self.fault_worker < self.prefill_tp:
             raise ValueError(f"fault_worker {self.fault_worker} is not a P worker (prefill_tp {self.prefill_tp})")
 
@@ -93,6 +98,7 @@ class ChaosOptions:
                 tp_size=self.prefill_tp,
                 block_size=self.prefill_block_size,
                 service=self.service,
+                staging_bytes=self.staging_bytes,
                 **common,
             ),
             EngineConfig(
@@ -125,6 +131,8 @@ class PhaseResult:
     after_fault: int = 0  # regular requests submitted once the fault was over
     after_fault_finished: int = 0
     p_lost_in_restart: int = 0
+    packets_dropped: int | None = None  # partition, loss: what the fault's firewall rules dropped
+    link_bytes_during: int | None = None  # partition, linkdown: bytes P's link sent while the fault lasted
     hit_failed_not_aborted: int = 0  # regular receives the fault made fail (no abort asked, not a probe)
     reasons: dict[str, int] = field(default_factory=dict)  # why those failed, counted (the first few reasons)
     fail_s: float | None = None

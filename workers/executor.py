@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import multiprocessing
 import os
 import signal
@@ -85,10 +86,22 @@ class EngineConfig:
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0  # 0: a free port, kept across `restart()`
     netns: str | None = None  # a network namespace the workers and the endpoint join (`kvsvc.testing.hosts`)
+    staging_bytes: int = 0  # each worker's staging region for staged writes (0: none, every plan goes direct)
 
     def on_host(self, address: str, netns: str | None = None) -> EngineConfig:
         """This engine with every listener (endpoint, control servers, Mooncake) bound to `address`, the one
-        address its peers reach it at, and placed in `netns` when given."""
+        address its peers reach it at, and placed in `netns` when given.
+
+        Raises:
+            ValueError: `address` is a wildcard (the workers publish it: a peer could not use it), or it lies
+                beyond loopback while the service has no control token.
+        """
+        try:
+            unspecified = ipaddress.ip_address(address).is_unspecified
+        except ValueError:
+            unspecified = address == ""  # a host name is fine as it is
+        if unspecified:
+            raise ValueError(f"{address!r} binds every interface: give the address peers reach this host at")
         return dataclasses.replace(
             self,
             bootstrap_host=address,
@@ -203,6 +216,7 @@ class Executor:
                     transport=self.config.transport,
                     log_level=self.config.log_level,
                     netns=self.config.netns,
+                    staging_bytes=self.config.staging_bytes,
                 )
                 parent, child = self._ctx.Pipe(duplex=True)
                 process = self._ctx.Process(

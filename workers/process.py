@@ -25,9 +25,11 @@ from typing import Any, Final
 import uvloop
 
 from kvsvc import netns
+from kvsvc.gather import TorchGather
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
+from kvsvc.service.staging import StagingArea
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 from workers.bench.worker import BenchCommand, BenchState, handle_bench
 from workers.kv_pool import KVPool, WorkerShape
@@ -52,6 +54,7 @@ class WorkerOptions:
     transport: MooncakeConfig = field(default_factory=MooncakeConfig)
     log_level: str = "WARNING"
     netns: str | None = None  # joined before anything binds: the worker runs on that namespace's network
+    staging_bytes: int = 0  # a staging region of this size for staged writes (`kvsvc.service.staging`); 0: none
 
 
 # -- commands (parent to worker) ------------------------------------------------------------------------------
@@ -262,12 +265,26 @@ class WorkerRuntime:
         return result
 
 
+def _staging_area(options: WorkerOptions, pool: KVPool, transport: MooncakeTransport) -> StagingArea | None:
+    """The worker's staging region, registered with the transport, when `options.staging_bytes` asks for one."""
+    if not options.staging_bytes:
+        return None
+    import torch
+
+    region = torch.empty(options.staging_bytes, dtype=torch.uint8, device=pool.device)
+    transport.register([(region.data_ptr(), region.numel())])
+    sources = [pool.buffer] if pool.buffer is not None else pool.layers
+    # The area's gather keeps `region` alive for as long as the service holds the area.
+    return StagingArea(region.data_ptr(), region.numel(), TorchGather(sources, region))
+
+
 async def _serve(options: WorkerOptions, conn: Connection) -> int:
     try:
         pool = KVPool(options.shape, options.incarnation, options.device)
         transport = MooncakeTransport(options.transport)
         transport.register(pool.regions())
-        service = KVTransferService(pool.meta, transport, options.service)
+        staging = _staging_area(options, pool, transport)
+        service = KVTransferService(pool.meta, transport, options.service, staging=staging)
         meta = await service.start()
     except Exception as exc:
         log.exception("worker failed to start")

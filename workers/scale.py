@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvsvc.engine.admin import random_token
+from kvsvc.layout import dtype_size
 from kvsvc.service import ServiceConfig
 from workers.engine import DecodeEngine, PrefillEngine
 from workers.executor import EngineConfig, Executor
@@ -158,10 +159,14 @@ def measure(options: ScaleOptions, peers: int, worker_log: str | None = None) ->
 
     Raises:
         WorkerError: an engine failed to start (every process is reaped first). HostsError: namespaces cannot be
-            made (with hosts="netns").
+            made (with hosts="netns": the reason). ValueError: more than 249 P engines on network hosts.
+            OSError: a worker was gone when its figures were read.
     """
-    from kvsvc.testing.hosts import NetnsHosts
+    from kvsvc.testing.hosts import HostsError, NetnsHosts, skip_reason
     from workers.commands.common import start_engines
+
+    if options.hosts == "netns" and (why := skip_reason()) is not None:
+        raise HostsError(f"hosts netns: {why}")
 
     row = ScaleRow(peers)
     p_configs, d_config = _configs(options, peers)
@@ -186,8 +191,10 @@ def _load(options: ScaleOptions, row: ScaleRow, decode: DecodeEngine, prefills: 
     d_pid, p_pid = decode.executor.workers[0].pid, prefills[0].executor.workers[0].pid
     assert d_pid is not None and p_pid is not None
     config = decode.executor.config
-    row.d_pool_mib = config.num_blocks * config.num_layers * 2 * config.num_kv_heads * 16 * config.head_size * 2 / 2**20
-    request_bytes = options.tokens * options.layers * 2 * options.kv_heads * options.head_size * 2
+    element = dtype_size(config.dtype)
+    pool_bytes = config.num_blocks * config.num_layers * 2 * config.num_kv_heads * config.block_size * config.head_size
+    row.d_pool_mib = pool_bytes * element / 2**20
+    request_bytes = options.tokens * options.layers * 2 * options.kv_heads * options.head_size * element
     total = options.requests_per_peer * len(prefills)
     d_cpu0, p_cpu0 = _cpu_s(d_pid), _cpu_s(p_pid)
     begin = time.monotonic()

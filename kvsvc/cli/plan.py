@@ -34,6 +34,7 @@ from kvsvc.layout import (
 )
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.planner import plan_transfer_arrays, source_heads
+from kvsvc.staging import StagingRule, count_runs
 
 _ALIGN = 2 * 1024 * 1024
 P_BASE = 0x7F00_0000_0000
@@ -200,13 +201,16 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
     # The first plan pays numpy's one-off set-up; keep it out of the timings.
     plan_transfer_arrays(p_engine[(0, 0)], d_engine[(0, 0)], p_ids, d_ids, args.tokens)
     pairs: list[dict[str, Any]] = []
+    rule = StagingRule()
     for p_key, p_meta in sorted(p_engine.items()):
         for d_key, d_meta in sorted(d_engine.items()):
             start = time.perf_counter()
-            _, _, lengths = plan_transfer_arrays(p_meta, d_meta, p_ids, d_ids, args.tokens)
+            _, dsts, lengths = plan_transfer_arrays(p_meta, d_meta, p_ids, d_ids, args.tokens)
             elapsed = time.perf_counter() - start
             if lengths.size == 0:
                 continue
+            runs = count_runs(dsts, lengths)
+            staged = rule.stage(int(lengths.size), runs, int(lengths.sum()))
             heads = source_heads(p_meta, d_meta)
             hnd: int | None = None
             if per_layer is not None:
@@ -219,6 +223,8 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
                     "layers": [max(p_meta.start_layer, d_meta.start_layer), min(p_meta.end_layer, d_meta.end_layer)],
                     "heads": "latent" if args.mla else [heads[0], heads[-1] + 1],
                     "descriptors": int(lengths.size),
+                    "staged_descriptors": runs,
+                    "way": "staged" if staged else "direct",
                     "bytes": int(lengths.sum()),
                     "naive_descriptors": naive_descriptor_count(p_meta, d_meta, args.tokens),
                     "per_layer_hnd_descriptors": hnd,
@@ -246,6 +252,8 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
         "pairs": pairs,
         "idle_pairs": len(p_engine) * len(d_engine) - len(pairs),
         "descriptors": sum(p["descriptors"] for p in pairs),
+        "staged_descriptors": sum(p["staged_descriptors"] for p in pairs),
+        "chosen_descriptors": sum(p["staged_descriptors" if p["way"] == "staged" else "descriptors"] for p in pairs),
         "bytes": sum(p["bytes"] for p in pairs),
         "naive_descriptors": sum(p["naive_descriptors"] for p in pairs),
         "per_layer_hnd_descriptors": sum(p["per_layer_hnd_descriptors"] for p in pairs) if cross else None,
@@ -274,10 +282,23 @@ def _render(report: dict[str, Any]) -> None:
     )
     table = Table(
         title=title,
-        caption=f"P block ids contiguous, D block ids {d['block_ids']}; naive: no merging across blocks",
+        caption=f"P block ids contiguous, D block ids {d['block_ids']}; naive: no merging across blocks; staged: one "
+        "write per contiguous D run after a gather on P; way: what the staging rule picks (total: its descriptors)",
         box=box.SIMPLE,
     )
-    for name in ("P (pp,tp)", "D (pp,tp)", "layers", "heads", "descriptors", "bytes", "naive", "avg size"):
+    columns = (
+        "P (pp,tp)",
+        "D (pp,tp)",
+        "layers",
+        "heads",
+        "descriptors",
+        "staged",
+        "way",
+        "bytes",
+        "naive",
+        "avg size",
+    )
+    for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
     for pair in report["pairs"]:
         heads = pair["heads"] if isinstance(pair["heads"], str) else "{}-{}".format(*pair["heads"])
@@ -287,6 +308,8 @@ def _render(report: dict[str, Any]) -> None:
             "{}-{}".format(*pair["layers"]),
             heads,
             f"{pair['descriptors']:,}",
+            f"{pair['staged_descriptors']:,}",
+            pair["way"],
             _size(pair["bytes"]),
             f"{pair['naive_descriptors']:,}",
             _size(pair["bytes"] // pair["descriptors"]),
@@ -299,6 +322,8 @@ def _render(report: dict[str, Any]) -> None:
         "",
         "",
         f"{total:,}",
+        f"{report['staged_descriptors']:,}",
+        f"{report['chosen_descriptors']:,}",
         _size(report["bytes"]),
         f"{report['naive_descriptors']:,}",
         _size(report["bytes"] // total) if total else "-",

@@ -19,6 +19,8 @@ from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metada
 from kvsvc.messages import WorkerMetadata
 from kvsvc.service.threaded import new_event_loop
 
+_START_TIMEOUT_S = 10.0
+
 
 class BootstrapEndpoint:
     """The engine's handshake endpoint, served from a private event loop thread of the parent process."""
@@ -27,7 +29,7 @@ class BootstrapEndpoint:
         """`netns`: a network namespace the loop thread joins before it binds (a test host); None stays here.
 
         Raises:
-            NetnsError: `netns` cannot be joined.
+            NetnsError: `netns` cannot be joined. TimeoutError: the loop thread did not start.
         """
         self._host, self._port = host, port
         self._loop = new_event_loop()
@@ -48,7 +50,9 @@ class BootstrapEndpoint:
 
         self._thread = threading.Thread(target=run, name="bootstrap", daemon=True)
         self._thread.start()
-        started.wait()
+        started.wait(_START_TIMEOUT_S)  # joining is one syscall: the bound only keeps the rule that every wait has one
+        if not joined:
+            raise TimeoutError(f"the endpoint thread did not start within {_START_TIMEOUT_S:g} s")
         if joined[0] is not None:
             self._loop.close()
             raise joined[0]

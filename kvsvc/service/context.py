@@ -16,6 +16,7 @@ from kvsvc.histogram import LatencyHistogram
 from kvsvc.jobs import Notice
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.service.config import ServiceConfig
+from kvsvc.service.staging import StagingArea
 from kvsvc.service.tasks import TaskGroup
 from kvsvc.transport.base import Transport
 
@@ -23,7 +24,7 @@ EngineMetadata = dict[Worker, WorkerMetadata]
 
 log = logging.getLogger("kvsvc.service")
 
-COUNTERS = ("bytes", "descriptors", "transfers", "write_failures", "protocol_errors", "reconnects")
+COUNTERS = ("bytes", "descriptors", "transfers", "write_failures", "protocol_errors", "reconnects", "staged")
 """The service's monotonic counters (`ServiceContext.counts`), reported as deltas by `get_finished`."""
 
 
@@ -47,6 +48,8 @@ class ServiceContext:
     the wait for their layers."""
     recv_durations: LatencyHistogram
     """D: from `start_recv` to the receive finished with its KV landed."""
+    staging: StagingArea | None = None
+    """P: the staging region writes gather into when `StagingArea.rule` picks it; None writes every plan direct."""
 
     def changed(self) -> None:
         """A protocol object took an event: a deadline may have moved and a transfer may have ended. Each role

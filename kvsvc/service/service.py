@@ -29,6 +29,7 @@ from kvsvc.service.config import ServiceConfig
 from kvsvc.service.context import COUNTERS, EngineMetadata, ServiceContext
 from kvsvc.service.receiving import ReceivingRole
 from kvsvc.service.sending import SendingRole
+from kvsvc.service.staging import StagingArea
 from kvsvc.service.tasks import TaskGroup
 from kvsvc.topology import TransferTopology
 from kvsvc.transport.base import Transport, TransportStatistics
@@ -57,6 +58,7 @@ class ServiceStatistics:
     transport: TransportStatistics
     send_durations: HistogramStatistics  # P: write start to last byte landed, per write to one D worker
     recv_durations: HistogramStatistics  # D: start_recv to KV landed, per receive
+    staged_writes: int = 0  # P: writes to one D worker that went through the staging region
 
     @property
     def holds(self) -> int:
@@ -79,7 +81,9 @@ class KVTransferService:
         config: ServiceConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        staging: StagingArea | None = None,
     ) -> None:
+        """`staging`: a staging region registered with `transport`, for writes the staging rule picks (P side)."""
         self.config = config or ServiceConfig()
         self._ctx = ServiceContext(
             metadata=metadata,
@@ -92,6 +96,7 @@ class KVTransferService:
             reports=asyncio.Event(),
             send_durations=LatencyHistogram(),
             recv_durations=LatencyHistogram(),
+            staging=staging,
         )
         self._sending = SendingRole(self._ctx)
         self._receiving = ReceivingRole(self._ctx)
@@ -279,6 +284,7 @@ class KVTransferService:
             transport=self._ctx.transport.statistics(),
             send_durations=self._ctx.send_durations.statistics(),
             recv_durations=self._ctx.recv_durations.statistics(),
+            staged_writes=counts["staged"],
         )
 
     def peers(self) -> list[dict[str, object]]:

@@ -3,7 +3,9 @@
 Rules: each `Submit` is planned (from a per-D-worker cache when it can be), written, and its result handed back once
 through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
 its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport's
-`start_write` takes them. Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
+`start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written
+one descriptor per destination run (`kvsvc.service.staging`). Part of the P role (`kvsvc.service.sending` owns it);
+imports kvsvc's core, never the D role.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvsvc.errors import PeerLost, TopologyError
 from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs
 from kvsvc.messages import Worker, WorkerMetadata, WorkerRef
 from kvsvc.planner import plan_transfer
 from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext
+from kvsvc.staging import StagedChunk, count_runs, plan_staged
 from kvsvc.transport.base import WriteFailed
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
@@ -104,7 +109,10 @@ class BlockWriter:
             descriptors = self._plan(target, command)
             ndesc = len(descriptors)
             layers = self._layer_ready.get(command.transfer_id)
-            if layers is None:
+            chunks = self._staged(descriptors) if layers is None else None
+            if chunks is not None:
+                nbytes, ndesc = await self._write_staged(target.meta.transport_addr, chunks)
+            elif layers is None:
                 nbytes = await self._ctx.transport.write(target.meta.transport_addr, descriptors)
             else:
                 nbytes = await self._write_layerwise(target.meta.transport_addr, descriptors, layers)
@@ -144,6 +152,8 @@ class BlockWriter:
             descriptors = self._plan(target, command)
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
+        if self._ctx.staging is not None and len(descriptors) > 1 and self._staged(descriptors) is not None:
+            return False  # a staged write waits for room and for its gather: it needs the task
         result = self._start_write(target.meta.transport_addr, descriptors)
         if result is None:
             return False
@@ -217,6 +227,66 @@ class BlockWriter:
             target.strides = (block_geometry(src).block_stride, block_geometry(dst).block_stride)
         shift_src, shift_dst = src_ids[0] * target.strides[0], dst_ids[0] * target.strides[1]
         return [(s + shift_src, d + shift_dst, n) for s, d, n in unit]
+
+    def _staged(self, descriptors: Sequence[tuple[int, int, int]]) -> list[StagedChunk] | None:
+        """The chunks of `descriptors` staged, when there is a staging region and its rule picks staging."""
+        area = self._ctx.staging
+        if area is None or len(descriptors) < 2:
+            return None
+        table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
+        src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+        if not area.rule.stage(len(descriptors), count_runs(dst, length), int(length.sum())):
+            return None
+        return plan_staged(src, dst, length, area.chunk_bytes)
+
+    async def _write_staged(self, peer: str, chunks: list[StagedChunk]) -> tuple[int, int]:
+        """Write `chunks` through the staging region, each as soon as it has room; returns (bytes, descriptors).
+
+        Raises:
+            WriteFailed / StagingFull / what the gather raises: the first failure, once no chunk of the write can
+                move any more bytes.
+        """
+        results = await asyncio.gather(*(self._write_chunk(peer, chunk) for chunk in chunks), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        drains = [f.drained for f in failures if isinstance(f, WriteFailed) and f.drained is not None]
+        if drains:
+            await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
+        if failures:
+            raise failures[0]
+        self._ctx.counts["staged"] += 1
+        done = [r for r in results if isinstance(r, tuple)]
+        return sum(n for n, _ in done), sum(d for _, d in done)
+
+    async def _write_chunk(self, peer: str, chunk: StagedChunk) -> tuple[int, int]:
+        """Lend room for `chunk`, gather its pieces there, write its runs; the room goes back once nothing can read
+        it any more (after a failed write's drain). A cancelled chunk keeps its room: only `close` cancels."""
+        area = self._ctx.staging
+        assert area is not None
+        addr = await area.lend(chunk.nbytes, self._ctx.config.hold_timeout_s)
+        try:
+            await area.gather(chunk.gather_src, addr + chunk.gather_offset, chunk.gather_length)
+        except asyncio.CancelledError:
+            raise  # the copy may still be running into the room
+        except BaseException:
+            area.give_back(addr)
+            raise
+        columns = ((addr + chunk.write_offset).tolist(), chunk.write_dst.tolist(), chunk.write_length.tolist())
+        descriptors = list(zip(*columns, strict=True))
+        try:
+            nbytes = await self._ctx.transport.write(peer, descriptors)
+        except asyncio.CancelledError:
+            raise
+        except WriteFailed as exc:
+            if exc.drained is not None and not exc.drained.done():
+                exc.drained.add_done_callback(lambda _: area.give_back(addr))
+            else:
+                area.give_back(addr)
+            raise
+        except BaseException:
+            area.give_back(addr)
+            raise
+        area.give_back(addr)
+        return nbytes, len(descriptors)
 
     async def _write_layerwise(
         self, peer: str, descriptors: Sequence[tuple[int, int, int]], layers: list[asyncio.Future[None]]

@@ -41,7 +41,7 @@ def skip_reason() -> str | None:
         return "network namespaces need root (CI runs as root)"
     for tool, package in (("ip", "iproute2"), ("iptables", "iptables")):
         if shutil.which(tool) is None:
-            return f"`{tool}` is missing (Debian package {package}; `make test` installs it)"
+            return f"`{tool}` is missing (Debian package {package})"
     return None
 
 
@@ -50,6 +50,8 @@ def _run(*argv: str) -> str:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         raise HostsError(f"`{' '.join(argv)}` did not finish within {_COMMAND_TIMEOUT_S:g} s") from None
+    except FileNotFoundError:
+        raise HostsError(f"`{argv[0]}` is not installed ({skip_reason()})") from None
     if done.returncode != 0:
         raise HostsError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr.strip()}")
     return done.stdout
@@ -135,7 +137,7 @@ class NetnsHosts:
         """Build the switch and the hosts.
 
         Raises:
-            HostsError: a command failed (whatever was made is removed first).
+            HostsError: a command failed or `ip` is missing (whatever was made is removed first).
         """
         remove_stale()
         try:
@@ -217,10 +219,28 @@ class NetnsHosts:
         self._add_rules(host, ["-m", "statistic", "--mode", "random", "--probability", f"{probability:g}"])
 
     def heal(self, host: str) -> None:
-        """Remove the rules `partition` and `loss` added on `host`. Raises: KeyError. HostsError."""
+        """Remove the rules `partition` and `loss` added on `host`, each on its own, so one failure leaves no other
+        rule behind. Raises: KeyError. HostsError: the first rule that could not be removed (after trying all)."""
         ns = self.netns(host)
+        failures: list[HostsError] = []
         while self._rules[host]:
-            _run("ip", "netns", "exec", ns, "iptables", "-D", *self._rules[host].pop())
+            try:
+                _run("ip", "netns", "exec", ns, "iptables", "-w", "5", "-D", *self._rules[host].pop())
+            except HostsError as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    def dropped(self, host: str) -> int:
+        """Packets the rules of `partition` and `loss` dropped on `host` so far. Raises: KeyError. HostsError."""
+        ns, count = self.netns(host), 0
+        for chain in ("INPUT", "OUTPUT"):
+            out = _run("ip", "netns", "exec", ns, "iptables", "-w", "5", "-nvxL", chain)
+            for line in out.splitlines()[2:]:
+                cols = line.split()
+                if len(cols) > 2 and cols[2] == "DROP":
+                    count += int(cols[0])
+        return count
 
     def link(self, host: str, up: bool) -> None:
         """Set `host`'s link down (as a pulled cable: the address stays, nothing passes) or up again.
@@ -232,7 +252,7 @@ class NetnsHosts:
     def _add_rules(self, host: str, match: list[str]) -> None:
         ns = self.netns(host)
         for rule in (["INPUT", "-i", "eth0", *match, "-j", "DROP"], ["OUTPUT", "-o", "eth0", *match, "-j", "DROP"]):
-            _run("ip", "netns", "exec", ns, "iptables", "-A", *rule)
+            _run("ip", "netns", "exec", ns, "iptables", "-w", "5", "-A", *rule)
             self._rules[host].append(rule)
 
 

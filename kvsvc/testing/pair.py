@@ -30,9 +30,10 @@ from kvsvc.messages import (
     TransferRequest,
     Worker,
 )
-from kvsvc.planner import expected_destinations, plan_transfer, release_notifier, sources_of
+from kvsvc.planner import Descriptor, expected_destinations, plan_transfer, release_notifier, sources_of
 from kvsvc.receiver import Receiver, RecvCommand
 from kvsvc.sender import Reply, SendCommand, Sender, Submit
+from kvsvc.staging import StagingRule, count_runs, plan_staged
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
 
@@ -91,6 +92,8 @@ class PairStatistics:
     writes_failed: int
     holds: int
     receives: int
+    writes_staged: int = 0  # writes that went through the staging buffer
+    descriptors: int = 0  # what the writes submitted (a staged write: one per run part)
 
 
 @dataclass(slots=True)
@@ -100,6 +103,8 @@ class _Counts:
     duplicated: int = 0
     writes_done: int = 0
     writes_failed: int = 0
+    writes_staged: int = 0
+    descriptors: int = 0  # what the writes submitted: planned descriptors, or a staged write's run parts
 
 
 class PeerPair:
@@ -130,8 +135,13 @@ class PeerPair:
         clock: FakeClock | None = None,
         sender: Callable[[], Sender] = Sender,
         receiver: Callable[[], Receiver] = Receiver,
+        staging: StagingRule | None = None,
+        staging_bytes: int = 1 << 20,
     ) -> None:
+        """`staging`: stage the writes this rule picks, through a staging buffer of `staging_bytes` (in chunks of
+        half of it, as the service does), instead of writing every planned descriptor."""
         self.clock = clock or FakeClock()
+        self.staging, self.staging_bytes = staging, staging_bytes
         self.p = SimEngine("P", p, _P_BASE)
         self.d = SimEngine("D", d, _D_BASE)
         self.senders = {w: sender() for w in self.p.metas}
@@ -373,6 +383,8 @@ class PeerPair:
             writes_failed=c.writes_failed,
             holds=sum(s.statistics().holds for s in self.senders.values()),
             receives=sum(r.statistics().receives for r in self.receivers.values()),
+            writes_staged=c.writes_staged,
+            descriptors=c.descriptors,
         )
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -437,6 +449,39 @@ class PeerPair:
         failed = self.fail_write is not None and self.fail_write(write)
         self._complete(write, "injected write failure" if failed else None)
 
+    def _copy(self, write: Write, plan: list[Descriptor]) -> tuple[int, int]:
+        """Move `plan`'s bytes from P's arena to D's, directly or through a staging buffer when the rule says so;
+        returns (bytes, descriptors submitted)."""
+        src_arena, dst_arena = self.p.arenas[write.p], self.d.arenas[write.d]
+        src = np.fromiter((d.src_addr for d in plan), dtype=np.int64, count=len(plan))
+        dst = np.fromiter((d.dst_addr for d in plan), dtype=np.int64, count=len(plan))
+        length = np.fromiter((d.length for d in plan), dtype=np.int64, count=len(plan))
+        nbytes = int(length.sum())
+        if self.staging is None or not self.staging.stage(len(plan), count_runs(dst, length), nbytes):
+            for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+                span = self.d.span(write.d, d, n)
+                dst_arena[span] = src_arena[self.p.span(write.p, s, n)]
+                self._write_counts[write.d][span] += 1
+            return nbytes, len(plan)
+        self._counts.writes_staged += 1
+        count = 0
+        for chunk in plan_staged(src, dst, length, max(1, self.staging_bytes // 2)):
+            buffer = np.zeros(chunk.nbytes, dtype=np.uint8)
+            gathers = zip(
+                chunk.gather_src.tolist(), chunk.gather_offset.tolist(), chunk.gather_length.tolist(), strict=True
+            )
+            for s, o, n in gathers:
+                buffer[o : o + n] = src_arena[self.p.span(write.p, s, n)]
+            writes = zip(
+                chunk.write_offset.tolist(), chunk.write_dst.tolist(), chunk.write_length.tolist(), strict=True
+            )
+            for o, d, n in writes:
+                span = self.d.span(write.d, d, n)
+                dst_arena[span] = buffer[o : o + n]
+                self._write_counts[write.d][span] += 1
+            count += chunk.write_dst.size
+        return nbytes, count
+
     def _complete(self, write: Write, error: str | None) -> None:
         submit, nbytes, count = write.submit, 0, 0
         if error is None:
@@ -452,14 +497,8 @@ class PeerPair:
             except (TopologyError, ValueError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
             else:
-                src_arena, dst_arena = self.p.arenas[write.p], self.d.arenas[write.d]
-                for src_addr, dst_addr, length in plan:
-                    src = self.p.span(write.p, src_addr, length)
-                    dst = self.d.span(write.d, dst_addr, length)
-                    dst_arena[dst] = src_arena[src]
-                    self._write_counts[write.d][dst] += 1
-                    nbytes += length
-                count = len(plan)
+                nbytes, count = self._copy(write, plan)
+                self._counts.descriptors += count
         if error is None:
             self._counts.writes_done += 1
         else:

@@ -66,20 +66,30 @@ def test_a_link_fault_fails_only_within_the_bound_and_d_recovers(engines: Engine
     result, phase = _run(engines, fault, seed=NET_FAULTS.index(fault))
     _assert_contract(result, phase, fault)
     assert [h.pid for h in engines[1].executor.workers] == pids  # D never restarted
+    # The fault acted: its rules dropped packets, and no KV left P's link while it was cut or down (ARP frames are
+    # not IP, so a few hundred bytes of them may).
+    if fault in ("partition", "loss1", "loss5"):
+        assert phase.packets_dropped is not None and phase.packets_dropped > 0
+    if fault in ("partition", "linkdown"):
+        assert phase.link_bytes_during is not None and phase.link_bytes_during < 1024
 
 
 def test_the_p_host_gone_for_good_fails_its_receives_and_a_new_p_host_takes_over() -> None:
     with chaos_hosts() as net:
         prefill, decode, url, token = start_chaos_engines(BASE, net)
         options = dataclasses.replace(BASE, faults=("hostgone",), seed=7)
-        run = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token, net=net)
+        pids = [h.pid for h in decode.executor.workers]
+        run: ChaosRun | None = None
         try:
+            run = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token, net=net)
             result = run.run()
             _assert_contract(result, result.phases[-1], "hostgone")
             assert not any(prefill.executor.alive())  # the old host's workers are gone
             assert run.prefill is not prefill  # the replacement, on the spare host
             assert run.prefill.executor.url.startswith(f"http://{net.address('spare')}:")
+            assert [h.pid for h in decode.executor.workers] == pids  # D never restarted
         finally:
             decode.executor.close()
-            run.prefill.executor.close()
             prefill.executor.close()
+            if run is not None:
+                run.prefill.executor.close()

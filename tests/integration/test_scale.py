@@ -27,7 +27,7 @@ def test_d_holds_connections_per_p_engine() -> None:
     one, two = run_scale(options)
     for row in (one, two):
         assert row.errors == [] and row.verified == row.requests == 4 * row.peers
-        assert row.d.fds > 0 and row.d.threads > 0 and row.d.rss_mib > 0 and row.d.cpu_s >= 0
+        assert row.d.fds > row.d.connections and row.d.threads > 1 and row.d.rss_mib > row.d_pool_mib
     for row in (one, two):
         # Per P engine, D holds at least its control connection and one Mooncake data connection; the P worker
         # holds the same pair towards its one D worker (Mooncake opens up to 4 data lanes as load needs them).

@@ -103,26 +103,28 @@ def test_a_wrong_control_token_is_refused_across_hosts(hosts: NetnsHosts) -> Non
         p_exec.close()
 
 
-def _start_serve(net: NetnsHosts, token_file: Path) -> tuple[subprocess.Popen[str], str]:
+def _start_serve(net: NetnsHosts, token_file: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
     argv = [
         *net.exec_prefix("prefill"),
         *(sys.executable, "-m", "kvsvc.cli", "serve", "--role", "prefill", "--engine-id", "served-p"),
         *("--host", net.address("prefill"), "--control-token-file", str(token_file)),
         *("--layers", "2", "--kv-heads", "4", "--head-size", "16", "--block-size", "16", "--num-blocks", "64"),
     ]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(log, "w") as stderr:  # a file, not a pipe nobody reads while the engine runs
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
     assert process.stdout is not None
     for line in process.stdout:  # ends at EOF if the command dies
         if line.startswith("bootstrap URL:"):
             return process, line.split()[2]
+    process.kill()
     process.wait(30)
-    pytest.fail(f"kvsvc serve did not start: {process.stderr.read() if process.stderr else ''}")
+    pytest.fail(f"kvsvc serve did not start: {log.read_text()[-2000:]}")
 
 
 def test_kvsvc_serve_on_one_host_answers_a_decode_engine_on_the_other(hosts: NetnsHosts, tmp_path: Path) -> None:
     token_file = tmp_path / "control-token"
     token_file.write_text(TOKEN + "\n")
-    process, url = _start_serve(hosts, token_file)
+    process, url = _start_serve(hosts, token_file, tmp_path / "serve.log")
     try:
         assert url.startswith(f"http://{hosts.address('prefill')}:")
 
@@ -147,7 +149,13 @@ def test_kvsvc_serve_on_one_host_answers_a_decode_engine_on_the_other(hosts: Net
             d_exec.close()
     finally:
         process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0
+        try:
+            code = process.wait(60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    assert code == 0
 
 
 def test_kvsvc_serve_refuses_an_address_beyond_loopback_without_a_control_token(hosts: NetnsHosts) -> None:

@@ -36,6 +36,17 @@ def test_json_totals_match_the_pairs_and_cover_the_whole_kv(capsys: pytest.Captu
     assert report["idle_pairs"] == 8
 
 
+def test_the_staged_way_is_shown_and_picked_only_where_it_saves_descriptors(capsys: pytest.CaptureFixture[str]) -> None:
+    up = run_json(capsys, "--p-tp", "1", "--d-tp", "2", "--d-ids", "contiguous", "--tokens", "1024")
+    for pair in up["pairs"]:  # D's blocks are one run per layer: a gather on P makes it one write
+        assert pair["way"] == "staged" and pair["staged_descriptors"] == 32 < pair["descriptors"]
+    assert up["chosen_descriptors"] == up["staged_descriptors"] == 64
+    down = run_json(capsys, "--p-tp", "2", "--d-tp", "1", "--d-ids", "contiguous", "--tokens", "1024")
+    for pair in down["pairs"]:  # each P worker fills every other head range of D's blocks: nothing to gather
+        assert pair["way"] == "direct" and pair["staged_descriptors"] == pair["descriptors"]
+    assert down["chosen_descriptors"] == down["descriptors"]
+
+
 def test_coalescing_beats_the_naive_count_when_blocks_are_contiguous(capsys: pytest.CaptureFixture[str]) -> None:
     report = run_json(capsys, "--p-tp", "1", "--d-tp", "1", "--d-ids", "contiguous")
     assert report["descriptors"] == 32
@@ -53,7 +64,7 @@ def test_mla_and_block_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--p-tp", "3"], ["P", "tp_size 3", "8"]),
         (["--p-tp", "4", "--d-tp", "6", "--kv-heads", "12"], ["tp_size 4", "tp_size 6"]),
-        (["--layout", "NHD"], ["NHD", "HND"]),
+        (["--p-layout", "NHD", "--d-layout", "HND"], ["NHD", "HND", "transpose"]),
         (["--dtype", "float64"], ["float64"]),
         (["--tokens", "0"], ["--tokens"]),
     ],

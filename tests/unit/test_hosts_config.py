@@ -26,6 +26,9 @@ def test_on_host_puts_every_listener_on_the_one_address() -> None:
     assert config.netns == "ns1" and config.service.control_token == "t"
     with pytest.raises(ValueError, match="control_token"):
         EngineConfig(engine_id="e").on_host("10.1.2.3")
+    with pytest.raises(ValueError, match="binds every interface"):
+        EngineConfig(engine_id="e", service=ServiceConfig(control_token="t")).on_host("0.0.0.0")
+    assert EngineConfig(engine_id="e").on_host("localhost").bootstrap_host == "localhost"
 
 
 def test_serve_refuses_wildcards_and_an_open_control_port_beyond_loopback() -> None:
@@ -35,6 +38,18 @@ def test_serve_refuses_wildcards_and_an_open_control_port_beyond_loopback() -> N
         check_host("0.0.0.0", "token")
     with pytest.raises(ValueError, match=r"--host 10\.0\.0\.1 is reachable beyond loopback.*--control-token-file"):
         check_host("10.0.0.1", None)
+    for wildcard in ("0", "::0", "0:0:0:0:0:0:0:0", ""):
+        with pytest.raises(ValueError, match="binds every interface"):
+            check_host(wildcard, "token")
+    with pytest.raises(ValueError, match="IPv6"):
+        check_host("fd00::1", "token")
+
+
+def test_the_cli_names_the_same_link_faults_as_the_runner() -> None:
+    from workers.chaos_spec import NET_FAULTS
+    from workers.commands.chaos import _NET_FAULT_NAMES
+
+    assert _NET_FAULT_NAMES == NET_FAULTS
 
 
 def test_link_faults_need_network_hosts_and_hostgone_comes_last() -> None:
@@ -47,6 +62,8 @@ def test_link_faults_need_network_hosts_and_hostgone_comes_last() -> None:
     options = ChaosOptions(faults=("partition", "loss5"), hosts="netns", outage_s=4.0, loss_s=6.0)
     base = options.fault_bound_s("kill")
     assert options.fault_bound_s("partition") == base + 4.0 and options.fault_bound_s("loss5") == base + 6.0
+    with pytest.raises(ValueError, match="must be > 0"):
+        ChaosOptions(outage_s=-1.0)
 
 
 def test_hosts_refuse_bad_names_and_unknown_hosts() -> None:

@@ -157,10 +157,12 @@ def test_uneven_heads_on_one_side_is_refused_naming_it() -> None:
     _refused(six_heads(one("P", tp_size=2)), six_heads(one("D", tp_size=4)), "D worker", "tp_size 4", "6")
 
 
-def test_head_split_needs_hnd_on_the_split_side() -> None:
-    _refused(one("P", tp_size=2, layout="NHD"), one("D", tp_size=4), "P layout NHD", "HND", "tp_size 2", "tp_size 4")
-    _refused(one("P", tp_size=4), one("D", tp_size=2, layout="NHD"), "D layout NHD", "tp_size 4", "tp_size 2")
-    check_compatible(one("P", tp_size=2, layout="NHD"), one("D", tp_size=1))
+def test_a_head_split_of_nhd_is_one_piece_per_token_and_two_head_orders_are_refused() -> None:
+    plan = plan_transfer(one("P", layout="NHD"), one("D", tp_size=2, layout="NHD"), [0], [0])
+    assert len(plan) == 4 * 2 * 16  # per layer, per K/V half, one piece per token of the block
+    check_compatible(one("P", tp_size=4, layout="NHD"), one("D", tp_size=2, layout="NHD"))
+    _refused(one("P", tp_size=2, layout="NHD"), one("D", tp_size=4), "P layout NHD", "D layout HND", "tp_size 4")
+    _refused(one("P", tp_size=2, layout="NHD"), one("D", tp_size=1), "P layout NHD", "D layout HND", "tp_size 1")
 
 
 def test_different_head_order_with_several_heads_is_refused() -> None:
@@ -290,7 +292,7 @@ def test_cross_layer_head_split_and_head_order_rules() -> None:
     check_compatible(one("P", tp_size=4), one("D", tp_size=2, layout=CROSS_LAYER))
     check_compatible(one("P", tp_size=8, layout="NHD"), one("D", tp_size=8, layout=CROSS_LAYER))
     _refused(one("P", layout="NHD"), one("D", layout=CROSS_LAYER), "P layout NHD", "D layout HND_CROSS_LAYER")
-    _refused(one("P", tp_size=4, layout=CROSS_LAYER), one("D", tp_size=2, layout="NHD"), "D layout NHD", "HND")
+    _refused(one("P", tp_size=4, layout=CROSS_LAYER), one("D", tp_size=2, layout="NHD"), "D layout NHD", "transpose")
 
 
 def test_cross_layer_needs_exactly_one_base_addr_naming_the_side() -> None:

@@ -13,6 +13,7 @@ PURE_CORE = [
     "kvsvc.layout",
     "kvsvc.coalesce",
     "kvsvc.planner",
+    "kvsvc.staging",
     "kvsvc.messages",
     "kvsvc.jobs",
     "kvsvc.sender",

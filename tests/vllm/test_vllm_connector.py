@@ -125,12 +125,18 @@ def test_corrupting_p_kv_before_the_send_changes_d_tokens(engines: dict[str, Vll
     want = {name: baseline(engines, batch) for name, batch in batches.items()}
     params = {name: prefill(p, batch) for name, batch in batches.items()}
     p.corrupt_kv()
+
+    def receive_failures(stats: dict[str, Any]) -> int:
+        return sum(int(w["receiver"]["failed"]) for w in stats["workers"])
+
     for name, batch in batches.items():
+        failed_before = receive_failures(engines[name].settle())
         got = engines[name].generate(batch, max_tokens=8, params=params[name])
+        # The corrupted KV came over: a receive that failed and recomputed would prove nothing.
+        assert receive_failures(assert_clean(engines[name])) == failed_before, f"{name}: a receive failed"
         for prompt, expected, output in zip(batch, want[name], got, strict=True):
             if len(prompt) > 1:  # D recomputes the last prompt token itself: one token loads nothing it uses
                 assert output.token_ids != expected, f"{name}: corrupted KV of {len(prompt)} tokens went unnoticed"
-        assert_clean(engines[name])
     assert_clean(p)
 
 

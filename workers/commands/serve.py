@@ -124,15 +124,24 @@ def check_host(host: str, control_token: str | None) -> None:
     """Refuse a host the workers cannot publish, and an open control port beyond loopback.
 
     Raises:
-        ValueError: `host` is a wildcard, or not loopback while `control_token` is None (the message names the flags).
+        ValueError: `host` is a wildcard or an IPv6 address (the published `host:port` forms take IPv4 or a name),
+            or not loopback while `control_token` is None (the message names the flags).
     """
+    import ipaddress
+
     from kvsvc.service.config import is_loopback
 
-    if host in ("", "0.0.0.0", "::"):
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None  # a host name
+    if host in ("", "0") or (ip is not None and ip.is_unspecified):  # "0" is what inet_aton reads as 0.0.0.0
         raise ValueError(
             f"--host {host!r} binds every interface, but the workers publish this address to their peers: pass the "
             "address the other engines reach this host at"
         )
+    if ip is not None and ip.version == 6:
+        raise ValueError(f"--host {host}: IPv6 addresses are not supported; give an IPv4 address or a host name")
     if control_token is None and not is_loopback(host):
         raise ValueError(
             f"--host {host} is reachable beyond loopback, so the workers' control ports need a token: pass "

@@ -1,0 +1,123 @@
+"""P's staging region: where a staged write gathers its pieces before one descriptor per destination run goes out.
+
+Rules: the region is registered with the transport by whoever owns its memory (the embedder), before the first
+write; the service only lends ranges of it (`kvsvc.staging.RingAllocator`) and calls the injected `Gather`. Ranges
+are lent first come, first served, so a large chunk is never starved by small ones; a wait for room has a deadline
+and fails the write (never the service) when it passes. A range goes back only once nothing can still read it: its
+gather ended and its write finished or drained. Cancellation (only `close` cancels writes) leaves the ranges of
+the cancelled writes lent: the region is not used after close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable
+from typing import Protocol
+
+from kvsvc.coalesce import Int64Array
+from kvsvc.errors import Busy
+from kvsvc.staging import RingAllocator, StagingRule
+
+
+class StagingFull(Busy):
+    """No room in the staging region within the deadline (writes ahead of this one hold it)."""
+
+
+class Gather(Protocol):
+    """Copies pieces of this worker's registered memory into its staging region."""
+
+    def __call__(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
+        """Copy `length[i]` bytes from address `src[i]` to staging address `dst[i]`, for every i; the awaitable
+        resolves once every byte landed (on GPU: once the copy stream passed the copies). Raises what the copy
+        raises; cancelling the awaitable does not stop a copy already running (the range stays lent)."""
+        ...
+
+
+class StagingArea:
+    """The staging region of one P worker: `size` bytes at `addr`, filled by `gather`, lent by a ring.
+
+    Raises (constructor):
+        ValueError: `size` < 2 (a chunk is half the region) or `addr` <= 0.
+    """
+
+    def __init__(self, addr: int, size: int, gather: Gather, rule: StagingRule | None = None) -> None:
+        if size < 2 or addr <= 0:
+            raise ValueError(f"a staging region needs an address and at least 2 bytes, got {addr:#x}, {size}")
+        self.addr, self.size, self.gather = addr, size, gather
+        self.rule = rule or StagingRule()
+        # Two chunks fit at once: one gathers while the other is on the wire.
+        self.chunk_bytes = size // 2
+        self._ring = RingAllocator(size)
+        self._waiters: deque[tuple[int, asyncio.Future[int]]] = deque()
+        self.lent_max = 0  # the most bytes lent at once, for statistics
+        self.waits = 0  # lends that had to wait for room
+
+    @property
+    def in_use(self) -> int:
+        return self._ring.in_use
+
+    async def lend(self, size: int, timeout_s: float) -> int:
+        """The address of `size` bytes of the region, lent to the caller until `give_back`.
+
+        Raises:
+            ValueError: `size` exceeds `chunk_bytes`. StagingFull: no room within `timeout_s`. Cancellation
+            withdraws the request (nothing is lent then).
+        """
+        if not 0 < size <= self.chunk_bytes:
+            raise ValueError(f"a staged chunk of {size} bytes exceeds the chunk size {self.chunk_bytes}")
+        if not self._waiters:
+            offset = self._ring.allocate(size)
+            if offset is not None:
+                return self._lent(offset)
+        self.waits += 1
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters.append((size, waiter))
+        try:
+            async with asyncio.timeout(timeout_s):
+                offset = await asyncio.shield(waiter)
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._release(waiter.result())  # granted just as this caller gave up
+            else:
+                waiter.cancel()
+                self._grant()  # it may have blocked the ones behind it
+            if isinstance(exc, TimeoutError):
+                raise StagingFull(
+                    f"no room for {size} bytes in the staging region of {self.size} within {timeout_s:g} s "
+                    f"({self._ring.in_use} bytes lent)"
+                ) from None
+            raise
+        return self._lent(offset)
+
+    def give_back(self, addr: int) -> None:
+        """Return the range lent at `addr`; the waiters next in line get room.
+
+        Raises:
+            KeyError: nothing is lent at `addr`.
+        """
+        self._release(addr - self.addr)
+
+    def _lent(self, offset: int) -> int:
+        self.lent_max = max(self.lent_max, self._ring.in_use)
+        return self.addr + offset
+
+    def _release(self, offset: int) -> None:
+        self._ring.free(offset)
+        self._grant()
+
+    def _grant(self) -> None:
+        """Lend to the waiters at the head of the line while they fit, in order."""
+        while self._waiters:
+            size, waiter = self._waiters[0]
+            if waiter.done():  # withdrawn
+                self._waiters.popleft()
+                continue
+            granted = self._ring.allocate(size)
+            if granted is None:
+                return
+            self._waiters.popleft()
+            waiter.set_result(granted)
+
+
+__all__ = ["Gather", "StagingArea", "StagingFull"]

@@ -1,0 +1,133 @@
+"""The staged form of a plan moves the same bytes to the same places in fewer writes; the ring never lends one byte
+twice. Hypothesis drives random plans, chunk sizes and lend/free sequences; the bytes are checked by copying
+through numpy arenas, as the transport would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsvc.staging import RingAllocator, StagingRule, count_runs, destination_runs, plan_staged
+
+SRC_SIZE = DST_SIZE = 4096
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Disjoint destination pieces (some touching, so runs form) fed from arbitrary disjoint source pieces."""
+    count = draw(st.integers(1, 40))
+    lengths = draw(st.lists(st.integers(1, 64), min_size=count, max_size=count))
+    gaps = draw(st.lists(st.sampled_from([0, 0, 0, 1, 7, 100]), min_size=count, max_size=count))
+    dst, at = [], 0
+    for length, gap in zip(lengths, gaps, strict=True):
+        at += gap
+        dst.append(at)
+        at += length
+    order = draw(st.permutations(range(count)))
+    src, at = [0] * count, 0
+    for i in order:  # sources in another order, with gaps: the gather must follow the destination
+        at += draw(st.integers(0, 5))
+        src[i] = at
+        at += lengths[i]
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), np.array(lengths, dtype=np.int64)
+
+
+def _direct(src: np.ndarray, dst: np.ndarray, length: np.ndarray, memory: np.ndarray) -> np.ndarray:
+    out = np.zeros(DST_SIZE, dtype=np.uint8)
+    for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+        out[d : d + n] = memory[s : s + n]
+    return out
+
+
+@given(plans(), st.integers(1, 3000))
+@settings(max_examples=200, deadline=None)
+def test_a_staged_plan_writes_the_direct_plans_bytes_in_one_write_per_run_part(
+    plan: tuple[np.ndarray, np.ndarray, np.ndarray], chunk_bytes: int
+) -> None:
+    src, dst, length = plan
+    memory = np.random.default_rng(0).integers(1, 256, SRC_SIZE, dtype=np.uint8)
+    staged_out = np.zeros(DST_SIZE, dtype=np.uint8)
+    chunks = plan_staged(src, dst, length, chunk_bytes)
+    for chunk in chunks:
+        assert 0 < chunk.nbytes <= chunk_bytes
+        staging = np.zeros(chunk.nbytes, dtype=np.uint8)
+        gathered = zip(
+            chunk.gather_src.tolist(), chunk.gather_offset.tolist(), chunk.gather_length.tolist(), strict=True
+        )
+        for s, o, n in gathered:
+            staging[o : o + n] = memory[s : s + n]
+        written = zip(chunk.write_offset.tolist(), chunk.write_dst.tolist(), chunk.write_length.tolist(), strict=True)
+        for o, d, n in written:
+            staged_out[d : d + n] = staging[o : o + n]
+        assert int(chunk.gather_length.sum()) == int(chunk.write_length.sum()) == chunk.nbytes
+    assert np.array_equal(staged_out, _direct(src, dst, length, memory))
+    writes = sum(c.write_dst.size for c in chunks)
+    runs = count_runs(dst, length)
+    assert runs <= writes <= runs + len(chunks) - 1  # each cut adds at most one write
+    if chunk_bytes >= int(length.sum()):
+        assert writes == runs and len(chunks) == 1
+
+
+def test_runs_join_touching_destinations_only_and_overlaps_are_refused() -> None:
+    src = np.array([100, 0, 50], dtype=np.int64)
+    dst = np.array([10, 0, 30], dtype=np.int64)
+    length = np.array([10, 10, 5], dtype=np.int64)
+    order, run_start, run_length = destination_runs(dst, length)
+    assert order.tolist() == [1, 0, 2] and run_start.tolist() == [0, 2] and run_length.tolist() == [20, 5]
+    with pytest.raises(ValueError, match="overlap"):
+        destination_runs(np.array([0, 5], dtype=np.int64), np.array([10, 10], dtype=np.int64))
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        plan_staged(src, dst, length, 0)
+    assert plan_staged(src[:0], dst[:0], length[:0], 10) == []
+
+
+def test_the_rule_stages_many_small_pieces_into_few_runs_and_nothing_else() -> None:
+    rule = StagingRule(descriptor_cost_s=30e-6, copy_cost_s_per_byte=0.2e-9)
+    assert rule.stage(descriptors=224, runs=28, nbytes=8 << 20)  # a head split of 8 MiB
+    assert not rule.stage(descriptors=28, runs=28, nbytes=8 << 20)  # nothing to gather
+    assert not rule.stage(descriptors=2, runs=1, nbytes=64 << 20)  # the copy costs more than one descriptor
+    assert not StagingRule(descriptor_cost_s=0.0).stage(224, 28, 1)
+    with pytest.raises(ValueError, match="costs"):
+        StagingRule(descriptor_cost_s=-1.0)
+
+
+@given(st.integers(1, 256), st.lists(st.tuples(st.booleans(), st.integers(1, 300), st.integers(0, 50)), max_size=80))
+@settings(max_examples=300, deadline=None)
+def test_the_ring_never_lends_a_byte_twice_and_is_whole_again_when_all_is_freed(
+    capacity: int, ops: list[tuple[bool, int, int]]
+) -> None:
+    ring = RingAllocator(capacity)
+    lent: dict[int, int] = {}
+    for lend, size, pick in ops:
+        if lend or not lent:
+            size = min(size, capacity)
+            offset = ring.allocate(size)
+            if offset is None:
+                continue
+            assert offset >= 0 and offset + size <= capacity
+            for other, other_size in lent.items():
+                assert offset + size <= other or other + other_size <= offset
+            lent[offset] = size
+        else:
+            offset = sorted(lent)[pick % len(lent)]
+            ring.free(offset)
+            del lent[offset]
+        assert ring.in_use == sum(lent.values())
+    for offset in list(lent):
+        ring.free(offset)
+    assert ring.in_use == 0 and ring.allocate(capacity) == 0
+
+
+def test_the_ring_refuses_impossible_sizes_and_unknown_frees() -> None:
+    ring = RingAllocator(100)
+    with pytest.raises(ValueError, match="cannot lend 101"):
+        ring.allocate(101)
+    with pytest.raises(KeyError, match="offset 5"):
+        ring.free(5)
+    assert ring.allocate(60) == 0 and ring.allocate(60) is None and ring.allocate(40) == 60
+    ring.free(0)
+    assert ring.allocate(50) == 0  # wrapped: the freed head is reused
+    with pytest.raises(ValueError, match=">= 1 byte"):
+        RingAllocator(0)
