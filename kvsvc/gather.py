@@ -3,8 +3,9 @@ tensor; on GPU on a side CUDA stream whose event completes the returned future, 
 
 Imports torch lazily (at construction), `kvsvc.streams` for the CUDA completion future. Rules: every source piece
 lies inside one of the registered tensors given (an address outside them is a `ValueError` before any copy); a
-call's pieces tile one range of the staging tensor in order, which one `torch.cat` fills, so a chunk costs one
-kernel (GPU) or one call (CPU) whatever its piece count; the loop is never blocked by a copy.
+call's pieces tile one range of the staging tensor in order, which one `index_select` fills when the pieces are
+rows of one length (the layouts' usual case), else one `torch.cat`, so a chunk costs one kernel (GPU) or one call
+(CPU) whatever its piece count; the loop is never blocked by a copy.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class TorchGather:
         ends = dst[:-1] + length[:-1]
         if first < 0 or first + total > self._staging.numel() or bool(np.any(ends != dst[1:])):
             raise ValueError(f"gather pieces must tile one range of the staging tensor in order, from {first}")
+        if self._gather_rows(src, length, first, total):
+            return
         pieces = []
         for addr, n in zip(src.tolist(), length.tolist(), strict=True):
             i = bisect_right(self._starts, addr) - 1
@@ -79,6 +82,27 @@ class TorchGather:
                 raise ValueError(f"gather source [{addr:#x}, +{n}) lies outside the registered tensors")
             pieces.append(view[offset : offset + n])
         self._torch.cat(pieces, out=self._staging[first : first + total])
+
+    def _gather_rows(self, src: Int64Array, length: Int64Array, first: int, total: int) -> bool:
+        """The common case in one kernel: pieces of one length `n` inside one source tensor, each starting at a
+        multiple of `n` from its start, are rows of that tensor seen as `(-1, n)`: one `index_select`. False, having
+        copied nothing, when the pieces are not so."""
+        n = int(length[0])
+        if bool(np.any(length != n)):
+            return False
+        i = bisect_right(self._starts, int(src.min())) - 1
+        if i < 0:
+            return False
+        offsets = src - self._starts[i]
+        view = self._bytes[i]
+        rows = view.numel() // n
+        if bool(np.any(offsets % n)) or int(offsets.max()) + n > rows * n:
+            return False
+        table = view[: rows * n].view(rows, n)
+        index = self._torch.from_numpy(offsets // n).to(table.device, non_blocking=True)
+        out = self._staging[first : first + total].view(-1, n)
+        self._torch.index_select(table, 0, index, out=out)
+        return True
 
 
 __all__ = ["TorchGather"]

@@ -52,9 +52,18 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
     assert summary["verified"] is True
     assert summary["model"] == "tiny" and summary["reps"] == summary["small_reps"] == summary["hetero_reps"] == 1
     assert summary["failures"] == 0
-    assert set(summary["scenarios"]) == {"large", "small", "hetero_tp"}
+    layouts = {"hetero_tp_up", "hetero_tp_down", "block_mismatch", "nhd_hetero_tp"}
+    assert set(summary["scenarios"]) == {"large", "small", "hetero_tp"} | layouts
     targets = summary["targets"]
-    assert set(targets) == {name for name, _, _ in TARGETS}
+    layout_targets = {f"{n}.{k}" for n in layouts for k in ("ratio_to_homogeneous", "descriptors_per_request")}
+    assert set(targets) == {name for name, _, _ in TARGETS} | layout_targets
+    for name in layouts:
+        layout = summary["scenarios"].pop(name)
+        assert layout["verified"] is True and layout["failures"] == 0, name
+        for key in ("ratio_to_homogeneous", "descriptors_per_request", "descriptor_bound_per_request", "cpu_s_per_gb"):
+            assert math.isfinite(layout[key]) and layout[key] > 0, (name, key)
+        assert layout["descriptors_per_request"] <= layout["direct_descriptors_per_request"], name
+        assert targets[f"{name}.descriptors_per_request"]["bound"] == layout["descriptor_bound_per_request"]
     assert all(isinstance(t["met"], bool) and math.isfinite(t["value"]) for t in targets.values())
     assert targets["descriptors_per_request"]["bound"] == summary["scenarios"]["large"]["run_bound_per_request"]
     assert summary["targets_met"] is all(t["met"] for t in targets.values())

@@ -12,12 +12,13 @@ byte on D (a sample of the requests in the small scenario) before a baseline wri
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvsvc.planner import plan_transfer
+from kvsvc.planner import plan_transfer, plan_transfer_arrays
 from workers.bench.measure import (
     GB,
     RAW_METHODS,
@@ -29,7 +30,7 @@ from workers.bench.measure import (
     split_per_half,
 )
 from workers.bench.models import Sizes
-from workers.bench.report import BenchReport, LayerwiseResult, ScenarioResult
+from workers.bench.report import BenchReport, LayerwiseResult, LayoutResult, ScenarioResult
 from workers.bench.worker import (
     BenchRequest,
     Collect,
@@ -46,6 +47,7 @@ from workers.process import Verify
 from workers.synthetic import VerifyResult
 
 PEER_MAX_REQUESTS = 400  # requests the peers' way is timed on (a prefix of the scenario's)
+STAGING_BYTES = 64 << 20  # the staging region of the layout scenarios' P workers
 
 
 # -- the runner -----------------------------------------------------------------------------------------------
@@ -58,7 +60,9 @@ class BenchRunner:
         self.sizes = sizes
         self.progress = progress
         z, m = sizes, sizes.model
-        hnd = dict(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_size=m.head_size, block_size=m.block_size)
+        hnd: dict[str, Any] = dict(
+            num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_size=m.head_size, block_size=m.block_size
+        )
         hnd_blocks = max(z.large_requests * z.large_blocks, z.hetero_requests * z.hetero_blocks) + 4
         small = dict(
             num_layers=z.small_layers,
@@ -68,14 +72,27 @@ class BenchRunner:
             layout="HND_CROSS_LAYER",
             num_blocks=z.small_requests + 4,
         )
-        self.p = Executor(EngineConfig(engine_id="bench-p", role="prefill", num_blocks=hnd_blocks, **hnd))  # type: ignore[arg-type]
-        self.d = Executor(EngineConfig(engine_id="bench-d", role="decode", num_blocks=hnd_blocks, **hnd))  # type: ignore[arg-type]
+        self.p = Executor(EngineConfig(engine_id="bench-p", role="prefill", num_blocks=hnd_blocks, **hnd))
+        self.d = Executor(EngineConfig(engine_id="bench-d", role="decode", num_blocks=hnd_blocks, **hnd))
         self.d2 = Executor(
-            EngineConfig(engine_id="bench-d-tp2", role="decode", num_blocks=hnd_blocks, tp_size=2, **hnd)  # type: ignore[arg-type]
+            EngineConfig(engine_id="bench-d-tp2", role="decode", num_blocks=hnd_blocks, tp_size=2, **hnd)
         )
         self.px = Executor(EngineConfig(engine_id="bench-px", role="prefill", **small))  # type: ignore[arg-type]
         self.dx = Executor(EngineConfig(engine_id="bench-dx", role="decode", **small))  # type: ignore[arg-type]
+        # The layout scenarios: P engines with a staging region, D engines that split heads or blocks differently.
+        lay: dict[str, Any] = dict(hnd, num_blocks=z.hetero_requests * z.hetero_blocks + 4)
+        staged = STAGING_BYTES
+        self.ps = Executor(EngineConfig(engine_id="bench-ps", staging_bytes=staged, **lay))
+        self.ps2 = Executor(EngineConfig(engine_id="bench-ps2", tp_size=2, staging_bytes=staged, **lay))
+        self.dh = Executor(EngineConfig(engine_id="bench-dh", role="decode", **lay))
+        self.dh2 = Executor(EngineConfig(engine_id="bench-dh2", role="decode", tp_size=2, **lay))
+        wide = dict(lay, block_size=2 * m.block_size)
+        self.dwide = Executor(EngineConfig(engine_id="bench-dwide", role="decode", **wide))
+        nhd = dict(lay, layout="NHD")
+        self.pn = Executor(EngineConfig(engine_id="bench-pn", staging_bytes=staged, **nhd))
+        self.dn2 = Executor(EngineConfig(engine_id="bench-dn2", role="decode", tp_size=2, **nhd))
         self.executors = [self.p, self.d, self.d2, self.px, self.dx]
+        self.executors += [self.ps, self.ps2, self.dh, self.dh2, self.dwide, self.pn, self.dn2]
 
     def start(self) -> None:
         start_all(self.executors)
@@ -103,7 +120,107 @@ class BenchRunner:
         )
         self.progress("layer-wise")
         layerwise = self._layerwise()
-        return BenchReport(z, scenarios, layerwise, startup, time.perf_counter() - began)
+        layouts = []
+        for name, p, d, layout in (
+            ("hetero_tp_up", self.ps, self.dh2, "HND, P tp1 -> D tp2"),
+            ("hetero_tp_down", self.ps2, self.dh, "HND, P tp2 -> D tp1"),
+            ("block_mismatch", self.ps, self.dwide, "HND, P block b -> D block 2b"),
+            ("nhd_hetero_tp", self.pn, self.dn2, "NHD, P tp1 -> D tp2"),
+        ):
+            self.progress(name)
+            layouts.append(self._layout(name, layout, p, d, z.hetero_requests, z.hetero_blocks, z.hetero_reps))
+        return BenchReport(z, scenarios, layerwise, startup, time.perf_counter() - began, layouts)
+
+    # -- layouts that split heads or blocks -----------------------------------------------------------------
+
+    def _layout(
+        self, name: str, layout: str, p: Executor, d: Executor, count: int, blocks: int, reps: int
+    ) -> LayoutResult:
+        """`count` requests of `blocks` P blocks from `p` to `d`, each repetition paired with the same bytes moved
+        P tp1 -> D tp1 (HND, one block size: `ps` -> `dh`)."""
+        bs_p, bs_d = p.config.block_size, d.config.block_size
+        tokens = blocks * bs_p
+        d_blocks = -(-tokens // bs_d)
+        reqs = [
+            (list(range(i * blocks, (i + 1) * blocks)), list(range(i * d_blocks, (i + 1) * d_blocks)), 3000 + i)
+            for i in range(count)
+        ]
+        homo = [(pb, pb, seed) for pb, _, seed in reqs]
+        # The bound: contiguous runs of D blocks x layers, for each (P worker, D worker) pair that carries data;
+        # what a write into contiguous destination memory needs, D-side staging included where D's is strided.
+        direct = bound = 0
+        for pm in p.metas.values():
+            for dm in d.metas.values():
+                layers = min(pm.end_layer, dm.end_layer) - max(pm.start_layer, dm.start_layer)
+                for pb, db, _ in reqs:
+                    _, _, length = plan_transfer_arrays(pm, dm, pb, db, tokens)
+                    direct += int(length.size)
+                    bound += run_bound(db, layers) if length.size else 0
+        total_bytes = count * tokens * 2 * p.config.num_layers * p.config.num_kv_heads * p.config.head_size * 2
+        self._round(p, d, f"{name}-warm", reqs[:1], tokens, fill=True)
+        self._round(self.ps, self.dh, f"{name}-hwarm", homo[:1], tokens, fill=True)
+        runs: dict[str, list[dict[str, float]]] = {"layout": [], "homogeneous": []}
+        verified = True
+        rng = random.Random(4000)
+        for rep in range(reps):
+            order = ["layout", "homogeneous"] if rep == 0 or rng.random() < 0.5 else ["homogeneous", "layout"]
+            for which in order:  # a seeded coin decides which goes first, so neither always follows the other
+                if which == "layout":
+                    runs[which].append(self._round(p, d, f"{name}-{rep}", reqs, tokens, fill=rep == 0))
+                    if rep == 0:
+                        verified = self._verify(d, [(pb, db, seed) for pb, db, seed in reqs], tokens, 1.0)
+                else:
+                    runs[which].append(self._round(self.ps, self.dh, f"{name}-h{rep}", homo, tokens, fill=rep == 0))
+        gb = total_bytes / GB
+        lay, hom = runs["layout"], runs["homogeneous"]
+        return LayoutResult(
+            name=name,
+            layout=layout,
+            reps=reps,
+            requests=count,
+            bytes_per_rep=total_bytes,
+            gbps=gb / statistics.median(r["span"] for r in lay),
+            homogeneous_gbps=gb / statistics.median(r["span"] for r in hom),
+            ratio_to_homogeneous=statistics.median(h["span"] / x["span"] for x, h in zip(lay, hom, strict=True)),
+            descriptors_per_request=statistics.median(r["descriptors"] for r in lay) / count,
+            direct_descriptors_per_request=direct / count,
+            descriptor_bound_per_request=bound / count,
+            staged_writes_per_request=statistics.median(r["staged"] for r in lay) / count,
+            cpu_s_per_gb=statistics.median(r["cpu"] for r in lay) / gb,
+            homogeneous_cpu_s_per_gb=statistics.median(r["cpu"] for r in hom) / gb,
+            verified=verified,
+            failures=int(sum(r["failed"] for r in lay + hom)),
+        )
+
+    def _round(
+        self, p: Executor, d: Executor, tag: str, reqs: Sequence[tuple[list[int], list[int], int]], tokens: int, *,
+        fill: bool,
+    ) -> dict[str, float]:  # fmt: skip
+        """Hold every request on every P worker (untimed), receive them all on D at once; the span from the first
+        start_recv to the last completion, the CPU of every worker of both engines, P's descriptors and staged
+        writes."""
+        p_reqs: list[BenchRequest] = [
+            (f"p-{tag}-{i}", f"{tag}-{i}", pb, tokens, seed) for i, (pb, _, seed) in enumerate(reqs)
+        ]
+        d_reqs: list[BenchRequest] = [
+            (f"d-{tag}-{i}", f"{tag}-{i}", db, tokens, seed) for i, (_, db, seed) in enumerate(reqs)
+        ]
+        p.broadcast(HoldMany(p_reqs, fill=fill), timeout_s=120)
+        before = p.statistics()
+        p_cpu0 = sum(_cpu(r) for r in p.broadcast(CpuTime()))
+        d_cpu0 = [_cpu(r) for r in d.broadcast(RecvMany(p.engine_id, p.url, d_reqs))]
+        outs = d.broadcast(Collect([r[0] for r in d_reqs], timeout_s=120), timeout_s=150)
+        p_cpu1 = sum(_cpu(r) for r in p.broadcast(CpuTime()))
+        started = min(min(_field(o, "started").values()) for o in outs)
+        ended = max(max(_field(o, "ended").values(), default=started) for o in outs)
+        after = _settled(p, before)
+        return {
+            "span": ended - started,
+            "cpu": sum(_cpu(o) - c for o, c in zip(outs, d_cpu0, strict=True)) + p_cpu1 - p_cpu0,
+            "failed": float(sum(len(_field(o, "failed")) for o in outs)),
+            "descriptors": float(sum(int(a["descriptors_sent"]) - int(b["descriptors_sent"]) for a, b in after)),
+            "staged": float(sum(int(a["staged_writes"]) - int(b["staged_writes"]) for a, b in after)),
+        }
 
     # -- one scenario ---------------------------------------------------------------------------------------
 
@@ -278,6 +395,22 @@ class BenchRunner:
 
 
 # -- answers ----------------------------------------------------------------------------------------------
+
+
+def _settled(p: Executor, before: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """P's statistics once its counters stopped moving (a write's counters land a step after D saw it end),
+    paired with `before`; gives up after 5 s."""
+    deadline = time.monotonic() + 5.0
+    last = p.statistics()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = p.statistics()
+        if [s["descriptors_sent"] for s in now] == [s["descriptors_sent"] for s in last] and not any(
+            s["writes_in_flight"] for s in now
+        ):
+            break
+        last = now
+    return list(zip(last, before, strict=True))
 
 
 def _cpu(result: object) -> float:

@@ -72,10 +72,37 @@ def run(args: argparse.Namespace) -> int:
     finally:
         runner.close()
     console.print(render_table(report))
+    if report.layouts:
+        console.print(render_layouts(report))
     summary = report.summary()
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     return 0 if summary["verified"] and not summary["failures"] else 1
+
+
+def render_layouts(report: BenchReport) -> Table:
+    """The layout scenarios: metrics as rows, one column per layout pair."""
+    table = Table(
+        title="layouts that split heads or blocks, each paired per repetition with P tp1 -> D tp1 (HND) moving the "
+        "same bytes; staging: P gathers into its staging region, one descriptor per contiguous D run"
+    )
+    table.add_column("metric")
+    for x in report.layouts:
+        table.add_column(f"{x.name} ({x.layout})", justify="right")
+
+    def row(label: str, fmt: str, get: Any) -> None:
+        table.add_row(label, *(fmt.format(get(x)) for x in report.layouts))
+
+    row("GB/s", "{:.2f}", lambda x: x.gbps)
+    row("homogeneous GB/s", "{:.2f}", lambda x: x.homogeneous_gbps)
+    row("ratio to homogeneous", "{:.2f}", lambda x: x.ratio_to_homogeneous)
+    row("descriptors/request", "{:.1f}", lambda x: x.descriptors_per_request)
+    row("  direct plan", "{:.1f}", lambda x: x.direct_descriptors_per_request)
+    row("  bound (destination runs)", "{:.1f}", lambda x: x.descriptor_bound_per_request)
+    row("staged writes/request", "{:.1f}", lambda x: x.staged_writes_per_request)
+    row("CPU s/GB (homogeneous)", "{}", lambda x: f"{x.cpu_s_per_gb:.2f} ({x.homogeneous_cpu_s_per_gb:.2f})")
+    row("verified / failures", "{}", lambda x: f"{x.verified} / {x.failures}")
+    return table
 
 
 def render_table(report: BenchReport) -> Table:
