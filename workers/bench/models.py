@@ -42,7 +42,7 @@ DEFAULT_MODEL: Final = "qwen2.5-7b"
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each scenario is; `quick` keeps the whole run under 40 s on 2 cores. Request sizes are targets in
+    """How big each scenario is; `quick` keeps the whole run near a minute on 2 cores. Request sizes are targets in
     bytes, rounded down to whole blocks of the model (at least one)."""
 
     reps: int  # of the large scenario, the one the ratio_to_raw target is read on (a repetition is under a second)
