@@ -39,9 +39,9 @@ import random
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from kvsvc.engine.admin import build_admin_app, random_token
 from kvsvc.testing.hosts import NetnsHosts, in_netns
@@ -51,6 +51,7 @@ from workers.executor import Executor, start_all
 from workers.view import ExecutorView
 
 _IDLE_SLEEP_S: Final = 0.001
+T = TypeVar("T")
 
 
 @dataclass
@@ -200,10 +201,7 @@ class ChaosRun:
             self._p_up = False
             self._wait_affected(at + opts.fault_bound_s(fault))
             old.close()
-            for req in self.prefill.requests.values():
-                track = self._by_p.pop(req.req_id, None)
-                if track is not None:
-                    track.phase.p_lost_in_restart += 1
+            self._lost_with_p(list(self.prefill.requests.values()))
             self._replace_p(net)
 
     def _load_for(self, phase: PhaseResult, seconds: float, at: float, most: int) -> None:
@@ -223,51 +221,45 @@ class ChaosRun:
         self._p_host = "spare"
         config = dataclasses.replace(self.prefill.executor.config, engine_id="chaos-p-spare")
         executor = Executor(config.on_host(net.address("spare"), net.netns("spare")))
-        errors: list[BaseException] = []
-
-        def start() -> None:
-            try:
-                executor.start()
-            except BaseException as exc:
-                errors.append(exc)
-
         from workers.commands.common import sigint_ignored_by_children
 
         with sigint_ignored_by_children():
             executor.launch()  # Ctrl-C reaches the parent only, which stops the workers in order
-        thread = threading.Thread(target=start, name="chaos-spare", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            self._pump_d()
-            thread.join(0.01)
-        if errors:
-            raise errors[0]
+        self._while_stepping_d(executor.start, "chaos-spare")
         self.prefill = PrefillEngine(executor)
         self._p_up = True
 
     def _restart_p(self, phase: PhaseResult) -> None:
         """Restart the P engine in a thread while D keeps being stepped (D must notice by itself)."""
-        lost: list[PrefillRequest] = []
+        self._lost_with_p(self._while_stepping_d(self.prefill.restart, "chaos-restart"))
+        self._p_up = True
+
+    def _while_stepping_d(self, work: Callable[[], T], name: str) -> T:
+        """`work()` in a thread named `name` while D keeps being stepped; its result, or what it raised."""
+        outcome: list[T] = []
         errors: list[BaseException] = []
 
-        def restart() -> None:
+        def run() -> None:
             try:
-                lost.extend(self.prefill.restart())
+                outcome.append(work())
             except BaseException as exc:
                 errors.append(exc)
 
-        thread = threading.Thread(target=restart, name="chaos-restart", daemon=True)
+        thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()
         while thread.is_alive():
             self._pump_d()
             thread.join(0.01)
         if errors:
             raise errors[0]
+        return outcome[0]
+
+    def _lost_with_p(self, lost: Iterable[PrefillRequest]) -> None:
+        """Count the requests a P engine held when it went away (a restart, a host gone) as lost with it."""
         for req in lost:
             track = self._by_p.pop(req.req_id, None)
             if track is not None:
                 track.phase.p_lost_in_restart += 1
-        self._p_up = True
 
     def _forget_p(self) -> None:
         """Cut D's control connections to P through the admin endpoint (or the worker command without one)."""
