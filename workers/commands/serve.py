@@ -48,6 +48,7 @@ class ServeOptions:
     port: int = 0
     token: str | None = None
     control_token: str | None = None  # ServiceConfig.control_token of every worker
+    staging_mib: int = 64  # each worker's staging region for staged writes when it sends (0: every write direct)
 
 
 class ServedEngine:
@@ -89,6 +90,7 @@ class ServedEngine:
             service=ServiceConfig(control_token=options.control_token),
             transport=MooncakeConfig(),
             bootstrap_port=options.port,
+            staging_bytes=options.staging_mib << 20 if options.role == "prefill" else 0,
         ).on_host(options.host)
         executor = Executor(config)
         try:
@@ -197,6 +199,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "all bind it (default 127.0.0.1: loopback only; beyond loopback a control token is required)",
     )
     add("--port", type=int, default=defaults.port, help="port of the HTTP endpoint (default 0: a free one)")
+    add(
+        "--staging-mib",
+        type=int,
+        default=defaults.staging_mib,
+        help="a prefill worker's staging region in MiB, where writes of many small pieces are gathered (default 64; "
+        "0: every write direct)",
+    )
     add("--token-file", default=None, help=f"file whose first line is the admin bearer token (else ${TOKEN_ENV})")
     add(
         "--control-token-file",
@@ -231,6 +240,7 @@ def main_with_args(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         host=args.host,
         port=args.port,
+        staging_mib=args.staging_mib,
         token=token,
         control_token=control_token,
     )
