@@ -55,12 +55,18 @@ class TorchGather:
             ValueError: a piece lies outside the sources or the staging tensor, or the pieces do not tile one range
                 in order.
         """
+        loop = asyncio.get_running_loop()
         if self._stream is None:
-            return asyncio.get_running_loop().run_in_executor(None, self._copy, src, dst, length)
-        with self._torch.cuda.stream(self._stream):
-            self._copy(src, dst, length)
-            event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self._stream)
+            return loop.run_in_executor(None, self._copy, src, dst, length)
+        try:
+            with self._torch.cuda.stream(self._stream):
+                self._copy(src, dst, length)
+                event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self._stream)
+        except Exception as exc:  # raised in the awaitable, as on CPU
+            failed: asyncio.Future[None] = loop.create_future()
+            failed.set_exception(exc)
+            return failed
         return completion_future(event)
 
     def _copy(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:

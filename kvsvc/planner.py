@@ -84,8 +84,8 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     Raises:
         TopologyError: a malformed side (the message names it: wrong count of base_addrs for its layout, unknown
             layout or dtype...), or dtype, head_size, num_kv_heads or is_mla differ, or the TP sizes do not divide
-            one another, or the two sides order a block's heads differently (NHD against HND or the cross-layer
-            pool, with several heads on each). The message names both values.
+            one another, or the two sides hold the same several heads per rank in different orders (NHD against
+            HND or the cross-layer pool). The message names both values.
     """
     _check_worker("P", src)
     _check_worker("D", dst)
@@ -116,13 +116,13 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     heads_d = kv_heads_per_rank(dst.num_kv_heads, dst.tp_size)
     sizes = f"P tp_size {src.tp_size} holds {heads_p} heads per rank, D tp_size {dst.tp_size} holds {heads_d}"
     order_p, order_d = head_order(src), head_order(dst)
-    # A head split of NHD cuts every token into its own piece, which a staged write gathers into whole runs; two
-    # head orders would need one piece per (token, head), a transposition no write should carry.
-    copied = min(heads_p, heads_d)
-    if copied > 1 and order_p != order_d:
+    # A head split of NHD cuts every token into its own piece, and a split across two head orders every (token,
+    # head): a staged write gathers either into whole runs. The same heads in two orders are refused: every byte of
+    # every block would move as its own piece, a transposition no write should carry.
+    if heads_p == heads_d > 1 and order_p != order_d:
         raise TopologyError(
-            f"P layout {src.layout} and D layout {dst.layout} order the {copied} heads each pair copies "
-            f"differently ({sizes}); copying would transpose every token"
+            f"P layout {src.layout} and D layout {dst.layout} order {heads_p} heads per block differently "
+            f"({sizes}); copying would transpose every token"
         )
 
 

@@ -1,17 +1,17 @@
 """Staged writes: gather many small source pieces into a staging region and write each contiguous destination run
-with one descriptor, and the ring that lends the region out.
+with one descriptor, and the allocator that lends the region out.
 
 Pure module: numpy and `kvsvc.coalesce` only (no torch, asyncio, mooncake, no I/O). Rules: a staged plan moves
 exactly the bytes of the direct plan it comes from, to the same destination addresses (only the sources change);
 pieces keep their order inside each destination run, so a run's staging bytes are its destination bytes in order;
-no chunk exceeds the chunk size the caller gives, so every chunk fits the ring; whether to stage is `StagingRule`'s
-decision alone, from descriptor and byte counts. `RingAllocator` lends contiguous ranges of one region, never two
-overlapping ones, and frees them in any order.
+no chunk exceeds the chunk size the caller gives, so every chunk fits the region; a run never crosses from one
+destination region into another; whether to stage is `StagingRule`'s decision alone, from descriptor and byte counts.
+`RangeAllocator` lends contiguous ranges of one region, never two overlapping ones, and takes them back in any order.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,7 +53,7 @@ class StagedChunk:
     """One piece of a staged write: copy `gathers` into the staging range lent for it, then write `writes`.
 
     `gathers` are (source address, offset in the chunk, length); `writes` (offset in the chunk, destination address,
-    length). `nbytes` is the chunk's size: what the ring must lend.
+    length). `nbytes` is the chunk's size: what the staging region must lend.
     """
 
     gather_src: Int64Array
@@ -65,8 +65,17 @@ class StagedChunk:
     nbytes: int
 
 
-def destination_runs(dst: Int64Array, length: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """The maximal contiguous destination runs of a plan's writes.
+def region_ids(addrs: Int64Array, region_starts: Sequence[int]) -> Int64Array:
+    """For each address, the index of the region (given by its start address) it lies in, in start order."""
+    return np.searchsorted(np.sort(np.asarray(region_starts, dtype=np.int64)), addrs, side="right").astype(np.int64)
+
+
+def destination_runs(
+    dst: Int64Array, length: Int64Array, region: Int64Array | None = None
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """The maximal contiguous destination runs of a plan's writes. `region`, when given, is each write's destination
+    region (`region_ids`): a run never crosses from one region into the next, even where they touch, since a
+    descriptor must lie inside one registered region.
 
     Returns (order, run_start, run_length): `order` sorts the writes by destination address; `run_start[i]` is the
     index, in that order, of run i's first write.
@@ -83,31 +92,37 @@ def destination_runs(dst: Int64Array, length: Int64Array) -> tuple[Int64Array, I
         raise ValueError("destination ranges overlap")
     starts = np.ones(d.size, dtype=bool)
     starts[1:] = ends != d[1:]
+    if region is not None:
+        r = region[order]
+        starts[1:] |= r[:-1] != r[1:]
     run_start = np.flatnonzero(starts)
     return order, run_start, np.add.reduceat(n, run_start)
 
 
-def count_runs(dst: Int64Array, length: Int64Array) -> int:
+def count_runs(dst: Int64Array, length: Int64Array, region: Int64Array | None = None) -> int:
     """How many contiguous destination runs a plan's writes form: the fewest descriptors a staged write needs.
 
     Raises:
         ValueError: two writes overlap in the destination.
     """
-    return int(destination_runs(dst, length)[1].size)
+    return int(destination_runs(dst, length, region)[1].size)
 
 
-def plan_staged(src: Int64Array, dst: Int64Array, length: Int64Array, chunk_bytes: int) -> list[StagedChunk]:
+def plan_staged(
+    src: Int64Array, dst: Int64Array, length: Int64Array, chunk_bytes: int, region: Int64Array | None = None
+) -> list[StagedChunk]:
     """The staged form of a direct plan `(src, dst, length)`: chunks of at most `chunk_bytes`, in destination order.
 
-    Each destination run is laid out in a byte stream one after the other; the stream is cut every `chunk_bytes`
-    bytes, cutting a run (and a gather piece) where a cut falls. A chunk writes one descriptor per run part it holds.
+    Each destination run (`destination_runs`, with `region`) is laid out in a byte stream one after the other; the
+    stream is cut every `chunk_bytes` bytes, cutting a run (and a gather piece) where a cut falls. A chunk writes one
+    descriptor per run part it holds.
 
     Raises:
         ValueError: `chunk_bytes` < 1, or two writes overlap in the destination.
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    order, run_start, run_length = destination_runs(dst, length)
+    order, run_start, run_length = destination_runs(dst, length, region)
     if order.size == 0:
         return []
     p_src, p_dst, p_len = src[order], dst[order], length[order]
@@ -142,10 +157,11 @@ def _clip(offset: Int64Array, length: Int64Array, begin: int, end: int) -> tuple
     return index, (lo - offset)[index], (hi - lo)[index]
 
 
-class RingAllocator:
-    """Lends contiguous ranges of a region of `capacity` bytes, in a ring: each range starts after the last one
-    lent (or at 0 when it does not fit before the end); a freed range is reused once every range lent before it
-    was freed too. Pure bookkeeping: the service waits for room, this only says where there is some.
+class RangeAllocator:
+    """Lends contiguous ranges of a region of `capacity` bytes, first fit: the lowest free gap that holds the size.
+    A range comes back whenever it is freed, in any order, so one range held long (a write to a frozen peer,
+    waiting for its drain) keeps only its own bytes. Pure bookkeeping: the service waits for room, this only says
+    where there is some.
 
     Raises (constructor):
         ValueError: `capacity` < 1.
@@ -155,30 +171,28 @@ class RingAllocator:
         if capacity < 1:
             raise ValueError(f"staging capacity must be >= 1 byte, got {capacity}")
         self.capacity = capacity
-        self._lent: deque[list[int]] = deque()  # [offset, size, freed], in lending order
+        self._lent: dict[int, int] = {}  # offset -> size
         self.in_use = 0
 
     def allocate(self, size: int) -> int | None:
-        """The offset of a free range of `size` bytes, now lent; None when there is no room yet.
+        """The offset of a free range of `size` bytes, now lent; None when no gap holds it yet.
 
         Raises:
             ValueError: `size` < 1 or larger than the region (it would never fit).
         """
         if not 0 < size <= self.capacity:
             raise ValueError(f"cannot lend {size} bytes from a staging region of {self.capacity}")
-        if not self._lent:
-            offset: int | None = 0
+        at = 0
+        for offset in sorted(self._lent):
+            if offset - at >= size:
+                break
+            at = offset + self._lent[offset]
         else:
-            first = self._lent[0][0]
-            end = self._lent[-1][0] + self._lent[-1][1]
-            if end > first:  # lent ranges lie in [first, end)
-                offset = end if end + size <= self.capacity else (0 if size <= first else None)
-            else:  # wrapped: lent ranges lie in [first, capacity) and [0, end)
-                offset = end if end + size <= first else None
-        if offset is not None:
-            self._lent.append([offset, size, 0])
-            self.in_use += size
-        return offset
+            if self.capacity - at < size:
+                return None
+        self._lent[at] = size
+        self.in_use += size
+        return at
 
     def free(self, offset: int) -> None:
         """Give back the range lent at `offset`.
@@ -186,22 +200,18 @@ class RingAllocator:
         Raises:
             KeyError: nothing is lent at `offset` (or it was freed already).
         """
-        for entry in self._lent:
-            if entry[0] == offset and not entry[2]:
-                entry[2] = 1
-                self.in_use -= entry[1]
-                break
-        else:
+        size = self._lent.pop(offset, None)
+        if size is None:
             raise KeyError(f"no staging range lent at offset {offset}")
-        while self._lent and self._lent[0][2]:
-            self._lent.popleft()
+        self.in_use -= size
 
 
 __all__ = [
-    "RingAllocator",
+    "RangeAllocator",
     "StagedChunk",
     "StagingRule",
     "count_runs",
     "destination_runs",
     "plan_staged",
+    "region_ids",
 ]

@@ -31,10 +31,11 @@ from kvsvc.layout import (
     is_cross_layer,
     layer_bytes,
     pool_bytes,
+    pool_regions,
 )
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.planner import plan_transfer_arrays, source_heads
-from kvsvc.staging import StagingRule, count_runs
+from kvsvc.staging import StagingRule, count_runs, region_ids
 
 _ALIGN = 2 * 1024 * 1024
 P_BASE = 0x7F00_0000_0000
@@ -209,7 +210,7 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
             elapsed = time.perf_counter() - start
             if lengths.size == 0:
                 continue
-            runs = count_runs(dsts, lengths)
+            runs = count_runs(dsts, lengths, region_ids(dsts, [start for start, _ in pool_regions(d_meta)]))
             staged = rule.stage(int(lengths.size), runs, int(lengths.sum()))
             heads = source_heads(p_meta, d_meta)
             hnd: int | None = None
@@ -283,7 +284,8 @@ def _render(report: dict[str, Any]) -> None:
     table = Table(
         title=title,
         caption=f"P block ids contiguous, D block ids {d['block_ids']}; naive: no merging across blocks; staged: one "
-        "write per contiguous D run after a gather on P; way: what the staging rule picks (total: its descriptors)",
+        "write per contiguous D run after a gather on P (before a small staging region cuts runs into chunks); way: "
+        "what the staging rule picks (total: its descriptors)",
         box=box.SIMPLE,
     )
     columns = (

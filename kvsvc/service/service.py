@@ -59,6 +59,8 @@ class ServiceStatistics:
     send_durations: HistogramStatistics  # P: write start to last byte landed, per write to one D worker
     recv_durations: HistogramStatistics  # D: start_recv to KV landed, per receive
     staged_writes: int = 0  # P: writes to one D worker that went through the staging region
+    staging_in_use: int = 0  # P: bytes of the staging region lent now (0 when idle: anything else is a leak)
+    staging_waits: int = 0  # P: lends that had to wait for room
 
     @property
     def holds(self) -> int:
@@ -285,6 +287,8 @@ class KVTransferService:
             send_durations=self._ctx.send_durations.statistics(),
             recv_durations=self._ctx.recv_durations.statistics(),
             staged_writes=counts["staged"],
+            staging_in_use=self._ctx.staging.in_use if self._ctx.staging is not None else 0,
+            staging_waits=self._ctx.staging.waits if self._ctx.staging is not None else 0,
         )
 
     def peers(self) -> list[dict[str, object]]:

@@ -1,7 +1,7 @@
 """P's staging region: where a staged write gathers its pieces before one descriptor per destination run goes out.
 
 Rules: the region is registered with the transport by whoever owns its memory (the embedder), before the first
-write; the service only lends ranges of it (`kvsvc.staging.RingAllocator`) and calls the injected `Gather`. Ranges
+write; the service only lends ranges of it (`kvsvc.staging.RangeAllocator`) and calls the injected `Gather`. Ranges
 are lent first come, first served, so a large chunk is never starved by small ones; a wait for room has a deadline
 and fails the write (never the service) when it passes. A range goes back only once nothing can still read it: its
 gather ended and its write finished or drained. Cancellation (only `close` cancels writes) leaves the ranges of
@@ -17,7 +17,7 @@ from typing import Protocol
 
 from kvsvc.coalesce import Int64Array
 from kvsvc.errors import Busy
-from kvsvc.staging import RingAllocator, StagingRule
+from kvsvc.staging import RangeAllocator, StagingRule
 
 
 class StagingFull(Busy):
@@ -25,7 +25,8 @@ class StagingFull(Busy):
 
 
 class Gather(Protocol):
-    """Copies pieces of this worker's registered memory into its staging region."""
+    """Copies pieces of this worker's registered memory into its staging region. The service calls it only for KV
+    whose compute has finished (the send job awaited it), so the copy needs no ordering of its own."""
 
     def __call__(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
         """Copy `length[i]` bytes from address `src[i]` to staging address `dst[i]`, for every i; the awaitable
@@ -35,7 +36,7 @@ class Gather(Protocol):
 
 
 class StagingArea:
-    """The staging region of one P worker: `size` bytes at `addr`, filled by `gather`, lent by a ring.
+    """The staging region of one P worker: `size` bytes at `addr`, filled by `gather`, lent first fit.
 
     Raises (constructor):
         ValueError: `size` < 2 (a chunk is half the region) or `addr` <= 0.
@@ -46,28 +47,30 @@ class StagingArea:
             raise ValueError(f"a staging region needs an address and at least 2 bytes, got {addr:#x}, {size}")
         self.addr, self.size, self.gather = addr, size, gather
         self.rule = rule or StagingRule()
-        # Two chunks fit at once: one gathers while the other is on the wire.
+        # Half the region per chunk, so a large write can gather one chunk while another is on the wire.
         self.chunk_bytes = size // 2
-        self._ring = RingAllocator(size)
+        self._ranges = RangeAllocator(size)
         self._waiters: deque[tuple[int, asyncio.Future[int]]] = deque()
         self.lent_max = 0  # the most bytes lent at once, for statistics
         self.waits = 0  # lends that had to wait for room
 
     @property
     def in_use(self) -> int:
-        return self._ring.in_use
+        return self._ranges.in_use
 
     async def lend(self, size: int, timeout_s: float) -> int:
         """The address of `size` bytes of the region, lent to the caller until `give_back`.
 
         Raises:
-            ValueError: `size` exceeds `chunk_bytes`. StagingFull: no room within `timeout_s`. Cancellation
-            withdraws the request (nothing is lent then).
+            ValueError: `size` exceeds `chunk_bytes`.
+            StagingFull: no room within `timeout_s`.
+
+        Cancellation withdraws the request: nothing is lent then.
         """
         if not 0 < size <= self.chunk_bytes:
             raise ValueError(f"a staged chunk of {size} bytes exceeds the chunk size {self.chunk_bytes}")
         if not self._waiters:
-            offset = self._ring.allocate(size)
+            offset = self._ranges.allocate(size)
             if offset is not None:
                 return self._lent(offset)
         self.waits += 1
@@ -85,7 +88,7 @@ class StagingArea:
             if isinstance(exc, TimeoutError):
                 raise StagingFull(
                     f"no room for {size} bytes in the staging region of {self.size} within {timeout_s:g} s "
-                    f"({self._ring.in_use} bytes lent)"
+                    f"({self._ranges.in_use} bytes lent)"
                 ) from None
             raise
         return self._lent(offset)
@@ -99,11 +102,11 @@ class StagingArea:
         self._release(addr - self.addr)
 
     def _lent(self, offset: int) -> int:
-        self.lent_max = max(self.lent_max, self._ring.in_use)
+        self.lent_max = max(self.lent_max, self._ranges.in_use)
         return self.addr + offset
 
     def _release(self, offset: int) -> None:
-        self._ring.free(offset)
+        self._ranges.free(offset)
         self._grant()
 
     def _grant(self) -> None:
@@ -113,7 +116,7 @@ class StagingArea:
             if waiter.done():  # withdrawn
                 self._waiters.popleft()
                 continue
-            granted = self._ring.allocate(size)
+            granted = self._ranges.allocate(size)
             if granted is None:
                 return
             self._waiters.popleft()

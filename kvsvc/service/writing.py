@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from kvsvc.errors import PeerLost, TopologyError
-from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs
+from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs, pool_regions
 from kvsvc.messages import Worker, WorkerMetadata, WorkerRef
 from kvsvc.planner import plan_transfer
 from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext
-from kvsvc.staging import StagedChunk, count_runs, plan_staged
+from kvsvc.staging import StagedChunk, count_runs, plan_staged, region_ids
 from kvsvc.transport.base import WriteFailed
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
@@ -109,7 +109,7 @@ class BlockWriter:
             descriptors = self._plan(target, command)
             ndesc = len(descriptors)
             layers = self._layer_ready.get(command.transfer_id)
-            chunks = self._staged(descriptors) if layers is None else None
+            chunks = self._staged(target, descriptors) if layers is None else None
             if chunks is not None:
                 nbytes, ndesc = await self._write_staged(target.meta.transport_addr, chunks)
             elif layers is None:
@@ -150,10 +150,10 @@ class BlockWriter:
             return False
         try:
             descriptors = self._plan(target, command)
+            if self._ctx.staging is not None and self._staged(target, descriptors) is not None:
+                return False  # a staged write waits for room and for its gather: it needs the task
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
-        if self._ctx.staging is not None and len(descriptors) > 1 and self._staged(descriptors) is not None:
-            return False  # a staged write waits for room and for its gather: it needs the task
         result = self._start_write(target.meta.transport_addr, descriptors)
         if result is None:
             return False
@@ -228,16 +228,22 @@ class BlockWriter:
         shift_src, shift_dst = src_ids[0] * target.strides[0], dst_ids[0] * target.strides[1]
         return [(s + shift_src, d + shift_dst, n) for s, d, n in unit]
 
-    def _staged(self, descriptors: Sequence[tuple[int, int, int]]) -> list[StagedChunk] | None:
-        """The chunks of `descriptors` staged, when there is a staging region and its rule picks staging."""
+    def _staged(self, target: WriteTarget, descriptors: Sequence[tuple[int, int, int]]) -> list[StagedChunk] | None:
+        """The chunks of `descriptors` staged, when there is a staging region and its rule picks staging.
+
+        Raises:
+            ValueError: two descriptors overlap in the destination (a planner bug).
+        """
         area = self._ctx.staging
         if area is None or len(descriptors) < 2:
             return None
         table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
         src, dst, length = table[:, 0], table[:, 1], table[:, 2]
-        if not area.rule.stage(len(descriptors), count_runs(dst, length), int(length.sum())):
+        # A run must stay inside one of D's registered tensors, even where two of them touch.
+        region = region_ids(dst, [start for start, _ in pool_regions(target.meta)])
+        if not area.rule.stage(len(descriptors), count_runs(dst, length, region), int(length.sum())):
             return None
-        return plan_staged(src, dst, length, area.chunk_bytes)
+        return plan_staged(src, dst, length, area.chunk_bytes, region)
 
     async def _write_staged(self, peer: str, chunks: list[StagedChunk]) -> tuple[int, int]:
         """Write `chunks` through the staging region, each as soon as it has room; returns (bytes, descriptors).

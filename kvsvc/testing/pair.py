@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from kvsvc.errors import TopologyError
 from kvsvc.jobs import Notice
-from kvsvc.layout import block_geometry
+from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import (
     Abort,
     ErrorMessage,
@@ -33,7 +33,7 @@ from kvsvc.messages import (
 from kvsvc.planner import Descriptor, expected_destinations, plan_transfer, release_notifier, sources_of
 from kvsvc.receiver import Receiver, RecvCommand
 from kvsvc.sender import Reply, SendCommand, Sender, Submit
-from kvsvc.staging import StagingRule, count_runs, plan_staged
+from kvsvc.staging import StagingRule, count_runs, plan_staged, region_ids
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
 
@@ -457,7 +457,9 @@ class PeerPair:
         dst = np.fromiter((d.dst_addr for d in plan), dtype=np.int64, count=len(plan))
         length = np.fromiter((d.length for d in plan), dtype=np.int64, count=len(plan))
         nbytes = int(length.sum())
-        if self.staging is None or not self.staging.stage(len(plan), count_runs(dst, length), nbytes):
+        regions = pool_regions(self.d.metas[write.d])
+        region = region_ids(dst, [start for start, _ in regions])
+        if self.staging is None or not self.staging.stage(len(plan), count_runs(dst, length, region), nbytes):
             for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
                 span = self.d.span(write.d, d, n)
                 dst_arena[span] = src_arena[self.p.span(write.p, s, n)]
@@ -465,7 +467,7 @@ class PeerPair:
             return nbytes, len(plan)
         self._counts.writes_staged += 1
         count = 0
-        for chunk in plan_staged(src, dst, length, max(1, self.staging_bytes // 2)):
+        for chunk in plan_staged(src, dst, length, max(1, self.staging_bytes // 2), region):
             buffer = np.zeros(chunk.nbytes, dtype=np.uint8)
             gathers = zip(
                 chunk.gather_src.tolist(), chunk.gather_offset.tolist(), chunk.gather_length.tolist(), strict=True
@@ -476,6 +478,8 @@ class PeerPair:
                 chunk.write_offset.tolist(), chunk.write_dst.tolist(), chunk.write_length.tolist(), strict=True
             )
             for o, d, n in writes:
+                if not any(start <= d and d + n <= start + size for start, size in regions):
+                    self.violations.append(f"staged write [{d:#x}, +{n}) crosses D{write.d}'s registered tensors")
                 span = self.d.span(write.d, d, n)
                 dst_arena[span] = buffer[o : o + n]
                 self._write_counts[write.d][span] += 1

@@ -62,9 +62,10 @@ def test_staged_chunked_writes_land_byte_exact_with_one_descriptor_per_run_part(
     assert all(r.verified_ok for r in ended), [(r.transfer_id, r.state, r.reason) for r in ended]
     (stats,) = p.statistics()
     assert stats["staged_writes"] >= 12
+    assert stats["staging_waits"] > 0  # the region was full: chunks waited for room
     # Per D worker and request: 4 layers, each one contiguous run of D blocks, cut into 4 chunks: at most 4 + 3.
     assert 6 * 2 * 4 <= descriptors <= 6 * 2 * (4 + 3)
-    assert stats["holds"] == 0 and stats["writes_in_flight"] == 0
+    assert stats["holds"] == 0 and stats["writes_in_flight"] == 0 and stats["staging_in_use"] == 0
 
 
 def test_without_a_staging_region_the_same_requests_take_a_descriptor_per_block_and_half() -> None:
@@ -98,7 +99,9 @@ def test_aborts_and_a_killed_p_worker_during_staged_writes_lose_and_leak_nothing
     prefill, decode, url, token = start_chaos_engines(options)
     try:
         result = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token).run()
-        staged = sum(int(s["staged_writes"]) for s in prefill.executor.statistics())
+        p_stats = prefill.executor.statistics()
+        staged = sum(int(s["staged_writes"]) for s in p_stats)
+        lent = sum(int(s["staging_in_use"]) for s in p_stats)
     finally:
         decode.executor.close()
         prefill.executor.close()
@@ -108,3 +111,4 @@ def test_aborts_and_a_killed_p_worker_during_staged_writes_lose_and_leak_nothing
     phase = result.phases[-1]
     assert phase.probes_failed == phase.probes and phase.after_fault_finished > 0
     assert staged > 0  # after the restart, the new P engine staged writes too
+    assert lent == 0  # no room of the staging region is left lent

@@ -64,7 +64,7 @@ def test_mla_and_block_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--p-tp", "3"], ["P", "tp_size 3", "8"]),
         (["--p-tp", "4", "--d-tp", "6", "--kv-heads", "12"], ["tp_size 4", "tp_size 6"]),
-        (["--p-layout", "NHD", "--d-layout", "HND"], ["NHD", "HND", "transpose"]),
+        (["--p-tp", "2", "--d-tp", "2", "--p-layout", "NHD", "--d-layout", "HND"], ["NHD", "HND", "transpose"]),
         (["--dtype", "float64"], ["float64"]),
         (["--tokens", "0"], ["--tokens"]),
     ],

@@ -48,3 +48,15 @@ def test_a_piece_outside_the_registered_tensors_is_refused() -> None:
         _run(gather, [pool.data_ptr()], [staging.data_ptr() + 250], [64])
     with pytest.raises(ValueError, match="1-D uint8"):
         TorchGather([pool], torch.zeros(4, dtype=torch.float32))
+
+
+def test_pieces_from_two_tensors_and_at_odd_offsets_take_the_general_way() -> None:
+    first = torch.arange(256, dtype=torch.int32).view(torch.uint8)  # 1 KiB
+    second = torch.arange(1000, 1256, dtype=torch.int32).view(torch.uint8)
+    staging = torch.zeros(256, dtype=torch.uint8)
+    gather = TorchGather([first, second], staging)
+    pieces = [(first.data_ptr() + 3, 64), (second.data_ptr() + 64, 64), (first.data_ptr() + 200, 64)]
+    dst = [staging.data_ptr() + 64 * i for i in range(3)]
+    _run(gather, [a for a, _ in pieces], dst, [n for _, n in pieces])
+    want = np.concatenate([first.numpy()[3:67], second.numpy()[64:128], first.numpy()[200:264]])
+    assert np.array_equal(staging.numpy()[:192], want)

@@ -355,9 +355,8 @@ def layouts(draw: st.DrawFn) -> Layouts:
         per_p, per_d = max(1, heads // p_tp), max(1, heads // d_tp)
         nhd_order = ("NHD", "KV_NHD", "NHC")
         nhd_p, nhd_d = p_layout in nhd_order, d_layout in nhd_order
-        # Two head orders only where check_compatible allows them: a pair that copies one head (head splits of NHD
-        # are fine on their own).
-        if min(per_p, per_d) > 1 and nhd_p != nhd_d:
+        # Two head orders only where check_compatible allows them: not the same several heads on both sides.
+        if per_p == per_d > 1 and nhd_p != nhd_d:
             replace = draw(st.sampled_from(hnd_order))
             p_layout, d_layout = [replace if x in nhd_order else x for x in (p_layout, d_layout)]
         if draw(st.integers(0, 5)) == 0:  # the fused layout pairs only with itself, at one block size

@@ -1,6 +1,6 @@
-"""The staged form of a plan moves the same bytes to the same places in fewer writes; the ring never lends one byte
-twice. Hypothesis drives random plans, chunk sizes and lend/free sequences; the bytes are checked by copying
-through numpy arenas, as the transport would."""
+"""The staged form of a plan moves the same bytes to the same places in fewer writes, never a run across two
+destination regions; the allocator never lends one byte twice. Hypothesis drives random plans, chunk sizes and
+lend/free sequences; the bytes are checked by copying through numpy arenas, as the transport would."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.staging import RingAllocator, StagingRule, count_runs, destination_runs, plan_staged
+from kvsvc.staging import RangeAllocator, StagingRule, count_runs, destination_runs, plan_staged, region_ids
 
 SRC_SIZE = DST_SIZE = 4096
 
@@ -70,6 +70,16 @@ def test_a_staged_plan_writes_the_direct_plans_bytes_in_one_write_per_run_part(
         assert writes == runs and len(chunks) == 1
 
 
+def test_a_run_never_crosses_from_one_destination_region_into_the_next() -> None:
+    dst = np.array([0, 100, 200], dtype=np.int64)
+    length = np.array([100, 100, 100], dtype=np.int64)
+    assert count_runs(dst, length) == 1
+    region = region_ids(dst, [0, 200])  # two layer tensors that touch at 200
+    assert region.tolist() == [1, 1, 2] and count_runs(dst, length, region) == 2
+    chunks = plan_staged(dst + 1000, dst, length, 1000, region)
+    assert [(c.write_dst.tolist(), c.write_length.tolist()) for c in chunks] == [([0, 200], [200, 100])]
+
+
 def test_runs_join_touching_destinations_only_and_overlaps_are_refused() -> None:
     src = np.array([100, 0, 50], dtype=np.int64)
     dst = np.array([10, 0, 30], dtype=np.int64)
@@ -95,10 +105,10 @@ def test_the_rule_stages_many_small_pieces_into_few_runs_and_nothing_else() -> N
 
 @given(st.integers(1, 256), st.lists(st.tuples(st.booleans(), st.integers(1, 300), st.integers(0, 50)), max_size=80))
 @settings(max_examples=300, deadline=None)
-def test_the_ring_never_lends_a_byte_twice_and_is_whole_again_when_all_is_freed(
+def test_the_allocator_never_lends_a_byte_twice_and_is_whole_again_when_all_is_freed(
     capacity: int, ops: list[tuple[bool, int, int]]
 ) -> None:
-    ring = RingAllocator(capacity)
+    ring = RangeAllocator(capacity)
     lent: dict[int, int] = {}
     for lend, size, pick in ops:
         if lend or not lent:
@@ -120,14 +130,15 @@ def test_the_ring_never_lends_a_byte_twice_and_is_whole_again_when_all_is_freed(
     assert ring.in_use == 0 and ring.allocate(capacity) == 0
 
 
-def test_the_ring_refuses_impossible_sizes_and_unknown_frees() -> None:
-    ring = RingAllocator(100)
+def test_the_allocator_refuses_impossible_sizes_and_unknown_frees_and_reuses_any_freed_gap() -> None:
+    ring = RangeAllocator(100)
     with pytest.raises(ValueError, match="cannot lend 101"):
         ring.allocate(101)
     with pytest.raises(KeyError, match="offset 5"):
         ring.free(5)
-    assert ring.allocate(60) == 0 and ring.allocate(60) is None and ring.allocate(40) == 60
-    ring.free(0)
-    assert ring.allocate(50) == 0  # wrapped: the freed head is reused
+    assert ring.allocate(30) == 0 and ring.allocate(30) == 30 and ring.allocate(30) == 60
+    assert ring.allocate(30) is None
+    ring.free(30)  # freed out of order: its gap is lent again at once
+    assert ring.allocate(20) == 30 and ring.allocate(10) == 50 and ring.allocate(10) == 90
     with pytest.raises(ValueError, match=">= 1 byte"):
-        RingAllocator(0)
+        RangeAllocator(0)

@@ -19,7 +19,7 @@ ALWAYS = StagingRule(copy_cost_s_per_byte=0.0)  # stage whenever it saves a desc
 
 @st.composite
 def layout_pairs(draw: st.DrawFn) -> tuple[EngineSpec, EngineSpec]:
-    mla = draw(st.booleans().filter(lambda _: True)) and draw(st.integers(0, 5)) == 0
+    mla = draw(st.integers(0, 5)) == 0
     heads = draw(st.sampled_from([2, 4]))
 
     def spec(layout: str) -> EngineSpec:
@@ -71,9 +71,9 @@ def test_a_staged_transfer_lands_byte_exact_in_no_more_writes_than_the_direct_on
         assert pair.violations == []
     s_direct, s_staged = direct.statistics(), staged.statistics()
     assert s_staged.writes_done == s_direct.writes_done and s_staged.writes_failed == 0
-    if staging_bytes == 1 << 20:  # one chunk each: never more writes than the direct plan
+    if staging_bytes == 1 << 20:  # one chunk per write: staged exactly where it saves descriptors
         assert s_staged.descriptors <= s_direct.descriptors
-    assert (s_staged.writes_staged > 0) == (s_staged.descriptors < s_direct.descriptors) or staging_bytes < 1 << 20
+        assert (s_staged.writes_staged > 0) == (s_staged.descriptors < s_direct.descriptors)
 
 
 def test_a_head_split_is_staged_into_one_write_per_layer_and_block_run() -> None:
@@ -83,3 +83,17 @@ def test_a_head_split_is_staged_into_one_write_per_layer_and_block_run() -> None
     # Direct: per D worker, one descriptor per (layer, block, K/V half); staged: per (layer, run of D blocks).
     assert direct.descriptors == 2 * 4 * 4 * 2
     assert staged.descriptors == 2 * 4 and staged.writes_staged == 2
+
+
+def test_a_staged_run_stops_where_one_layer_tensor_ends_and_the_next_begins() -> None:
+    # D's last block of layer L and block 0 of layer L+1 touch in memory; a run across them would leave the
+    # registered tensor (the transport refuses such a descriptor).
+    p, d = EngineSpec(tp_size=1, num_blocks=16), EngineSpec(tp_size=2, num_blocks=16)
+    pair = PeerPair(p, d, staging=ALWAYS)
+    pair.start_send("p-t", "t", [0, 1], 8)
+    pair.start_recv("d-t", "t", [15, 0], 8)
+    pair.run_until_idle()
+    pair.take_reports()
+    pair.assert_received("t")
+    assert pair.violations == []
+    assert pair.statistics().writes_staged == 2
