@@ -18,6 +18,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.service import KVTransferService, ServiceStatistics
+from kvsvc.service.staging import StagingArea
 from kvsvc.transport.base import Transport
 
 _T = TypeVar("_T")
@@ -51,8 +52,11 @@ class ServiceThread:
         *,
         call_timeout_s: float = 30.0,
         close_timeout_s: float | None = None,
+        staging: StagingArea | None = None,
     ) -> None:
+        """`staging`: a staging region the transport factory registers, for the writes its rule picks (P side)."""
         self._metadata = metadata
+        self._staging = staging
         self._factory = transport_factory
         self._config = config
         self._timeout = call_timeout_s
@@ -75,7 +79,7 @@ class ServiceThread:
         self._thread.start()
 
         async def boot() -> WorkerMetadata:
-            self._service = KVTransferService(self._metadata, self._factory(), self._config)
+            self._service = KVTransferService(self._metadata, self._factory(), self._config, staging=self._staging)
             return await self._service.start()
 
         self.metadata = self._run(boot())

@@ -45,6 +45,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     abort_grace_s: float = _SERVICE.abort_grace_s
     call_timeout_s: float = 30.0
     """How long a vLLM hook waits for the worker's kvsvc loop before it gives up (a wedged loop never hangs vLLM)."""
+    staging_bytes: int = 0
+    """Each worker's staging region (on the KV cache's device), where writes of many small pieces are gathered and
+    sent as one descriptor per contiguous run; 0 (the default, until it is measured with vLLM): every write direct."""
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
@@ -54,6 +57,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         for name in ("hold_timeout_s", "recv_timeout_s", "handshake_timeout_s", "abort_grace_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {getattr(self, name)}")
+        if self.staging_bytes < 0:
+            raise ValueError(f"kv_connector_extra_config['staging_bytes'] must be >= 0, got {self.staging_bytes}")
         if self.control_token is not None and self.control_token_file is not None:
             raise ValueError("kv_connector_extra_config: give control_token or control_token_file, not both")
 

@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from kvsvc.errors import KVSvcError, TopologyError
+from kvsvc.gather import TorchGather
 from kvsvc.layout import check_kv_heads, kv_heads_per_rank, layer_bytes
 from kvsvc.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
+from kvsvc.service.staging import StagingArea
 from kvsvc.service.threaded import ServiceThread
 from kvsvc.streams import completion_future
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
@@ -161,12 +163,16 @@ class WorkerSide:
             host=self._config.transport_host, protocol=self._config.protocol, device_name=self._config.device_name
         )
 
+        staging, staging_region = self._staging_area(kv_caches)
+
         def transport() -> MooncakeTransport:
             engine = MooncakeTransport(mooncake)
-            engine.register(regions)
+            engine.register(regions + staging_region)
             return engine
 
-        thread = ServiceThread(draft, transport, self._service_config, call_timeout_s=self._config.call_timeout_s)
+        thread = ServiceThread(
+            draft, transport, self._service_config, call_timeout_s=self._config.call_timeout_s, staging=staging
+        )
         meta = thread.start()
         self._thread = thread
         log.info(
@@ -184,6 +190,21 @@ class WorkerSide:
             meta.transport_addr,
         )
         return meta
+
+    def _staging_area(self, kv_caches: Mapping[str, torch.Tensor]) -> tuple[StagingArea | None, list[tuple[int, int]]]:
+        """The worker's staging region on the KV cache's device, and the region to register; none when the config
+        asks for none or a KV tensor is not contiguous (the gather reads whole tensors as bytes)."""
+        if not self._config.staging_bytes:
+            return None, []
+        tensors = list({t.data_ptr(): t for t in kv_caches.values()}.values())
+        first = tensors[0]
+        region = torch.empty(self._config.staging_bytes, dtype=torch.uint8, device=first.device)
+        try:
+            gather = TorchGather(tensors, region)
+        except ValueError as exc:
+            log.warning("kvsvc: no staging region, every write goes direct: %s", exc)
+            return None, []
+        return StagingArea(region.data_ptr(), region.numel(), gather), [(region.data_ptr(), region.numel())]
 
     @property
     def metadata(self) -> WorkerMetadata | None:

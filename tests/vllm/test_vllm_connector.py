@@ -83,6 +83,7 @@ def assert_clean(engine: VllmEngine) -> dict[str, Any]:
     """Step `engine` until vLLM holds nothing, then check that kvsvc holds nothing and every block is free."""
     stats = engine.settle(timeout_s=60)
     assert stats["holds"] == 0, stats["service"]
+    assert all(w["staging_in_use"] == 0 for w in stats["workers"])  # no staging room left lent
     assert stats["scheduler_requests"] == 0
     assert stats["free_blocks"] == stats["total_blocks"] - 1  # vLLM keeps one null block
     return stats
