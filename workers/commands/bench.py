@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -80,18 +81,30 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["verified"] and not summary["failures"] else 1
 
 
+def _by_column(
+    title: str, items: Sequence[Any], header: Callable[[Any], str]
+) -> tuple[Table, Callable[[str, str, Callable[[Any], Any]], None]]:
+    """A table of metrics as rows and one column per item, and `row(label, fmt, get)`, which adds one metric:
+    `fmt.format(get(item))` for each item."""
+    table = Table(title=title)
+    table.add_column("metric")
+    for item in items:
+        table.add_column(header(item), justify="right")
+
+    def row(label: str, fmt: str, get: Callable[[Any], Any]) -> None:
+        table.add_row(label, *(fmt.format(get(item)) for item in items))
+
+    return table, row
+
+
 def render_layouts(report: BenchReport) -> Table:
     """The layout scenarios: metrics as rows, one column per layout pair."""
-    table = Table(
-        title="layouts that split heads or blocks, each paired per repetition with P tp1 -> D tp1 (HND) moving the "
-        "same bytes; staging: P gathers into its staging region, one descriptor per contiguous D run"
+    table, row = _by_column(
+        "layouts that split heads or blocks, each paired per repetition with P tp1 -> D tp1 (HND) moving the "
+        "same bytes; staging: P gathers into its staging region, one descriptor per contiguous D run",
+        report.layouts,
+        lambda x: f"{x.name} ({x.layout})",
     )
-    table.add_column("metric")
-    for x in report.layouts:
-        table.add_column(f"{x.name} ({x.layout})", justify="right")
-
-    def row(label: str, fmt: str, get: Any) -> None:
-        table.add_row(label, *(fmt.format(get(x)) for x in report.layouts))
 
     row("GB/s", "{:.2f}", lambda x: x.gbps)
     row("homogeneous GB/s", "{:.2f}", lambda x: x.homogeneous_gbps)
@@ -108,17 +121,13 @@ def render_layouts(report: BenchReport) -> Table:
 def render_table(report: BenchReport) -> Table:
     """Metrics as rows, scenarios as columns."""
     z = report.sizes
-    table = Table(
-        title=f"kvsvc bench: model {z.model.name}; {z.reps} repetitions (small {z.small_reps}, hetero_tp "
+    table, row = _by_column(
+        f"kvsvc bench: model {z.model.name}; {z.reps} repetitions (small {z.small_reps}, hetero_tp "
         f"{z.hetero_reps}); medians, ratios paired per repetition (GB = 1e9 B); startup {report.startup_s:.1f} s, "
         f"total {report.total_s:.1f} s",
+        report.scenarios,
+        lambda s: f"{s.name} ({s.requests} req, {s.bytes_per_rep / 2**20:.1f} MiB)",
     )
-    table.add_column("metric")
-    for s in report.scenarios:
-        table.add_column(f"{s.name} ({s.requests} req, {s.bytes_per_rep / 2**20:.1f} MiB)", justify="right")
-
-    def row(label: str, fmt: str, get: Any) -> None:
-        table.add_row(label, *(fmt.format(get(s)) for s in report.scenarios))
 
     row("kvsvc GB/s", "{:.2f}", lambda s: s.kvsvc_gbps)
     row("raw Mooncake GB/s", "{}", lambda s: f"{s.raw_gbps:.2f} ({s.raw_method})")
