@@ -172,7 +172,7 @@ RECV_TERMINAL: Final = frozenset({R.DONE, R.FAILED, R.ABORTED})
 class SendJob:
     """P's job for one (transfer, D worker): from D's request to the outcome D is told."""
 
-    __slots__ = ("block_ids", "dst", "first_token", "num_tokens", "reason", "state", "transfer_id")
+    __slots__ = ("block_ids", "dst", "first_token", "num_tokens", "reason", "state", "transfer_id", "window")
 
     def __init__(
         self, transfer_id: str, dst: tuple[int, int], block_ids: list[int], num_tokens: int, first_token: int = 0
@@ -182,6 +182,7 @@ class SendJob:
         self.block_ids = block_ids
         self.num_tokens = num_tokens
         self.first_token = first_token
+        self.window = (0, 0)  # D's window (address, bytes) for the share; no bytes: write the blocks
         self.state = SendState.UNASKED
         self.reason = ""
 

@@ -54,6 +54,10 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     base_addrs: list[int]
     transport_addr: str = ""
     control_addr: str = ""
+    # The worker's registered staging region (`kvsvc.service.staging`), 0 and 0 when it has none: P writes into
+    # windows of it that D lends in a `TransferRequest`.
+    staging_addr: int = 0
+    staging_size: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -100,12 +104,17 @@ class HelloRefused(msgspec.Struct, tag="hello_refused", frozen=True, kw_only=Tru
 class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True):
     """D to P: write your share of `transfer_id`'s tokens `[first_token, num_tokens)` into these D blocks (token t
     goes to block `block_ids[t // block_size]`). `first_token` > 0 skips a prefix D holds already; peers that
-    predate it send and read 0."""
+    predate it send and read 0.
+
+    `window_bytes` > 0: write the share instead as one stream into D's staging region at `window_addr`
+    (`kvsvc.staging.window_plan`); D scatters it into the blocks before it reports. 0: write the blocks."""
 
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
     first_token: int = 0
+    window_addr: int = 0
+    window_bytes: int = 0
 
 
 class Release(msgspec.Struct, tag="release", frozen=True, kw_only=True):

@@ -193,6 +193,23 @@ def check_block_ids(
         raise ValueError(f"{side}: first_token {first_token} outside [0, num_tokens {num_tokens}]")
 
 
+def check_window(meta: WorkerMetadata, window_addr: int, window_bytes: int) -> None:
+    """Check a request's window (`TransferRequest.window_addr`, `window_bytes`): none (both 0), or a range inside
+    the staging region D worker `meta` published.
+
+    Raises:
+        ValueError: naming the window and the region.
+    """
+    if window_bytes == 0 and window_addr == 0:
+        return
+    end = meta.staging_addr + meta.staging_size
+    if window_bytes < 1 or not meta.staging_addr <= window_addr <= end - window_bytes:
+        raise ValueError(
+            f"D window [{window_addr:#x}, +{window_bytes}) lies outside D's staging region "
+            f"[{meta.staging_addr:#x}, +{meta.staging_size})"
+        )
+
+
 def plan_transfer(
     src: WorkerMetadata,
     dst: WorkerMetadata,

@@ -328,6 +328,13 @@ class Receiver:
             return []
         return [src for src, job in recv.jobs.items() if job.state is RecvState.PENDING]
 
+    def waits_on(self, transfer_id: str, engine_id: str, src: Worker) -> bool:
+        """Whether `transfer_id`'s receive from P worker `src` of `engine_id` has not ended (its blocks, and any
+        window lent for it, may still be written)."""
+        recv = self._recvs.get(transfer_id)
+        job = recv.jobs.get(src) if recv is not None and recv.engine_id == engine_id else None
+        return job is not None and not job.terminal
+
     def engine_of(self, transfer_id: str) -> str | None:
         recv = self._recvs.get(transfer_id)
         return recv.engine_id if recv is not None else None

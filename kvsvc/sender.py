@@ -28,7 +28,7 @@ from kvsvc.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.planner import check_block_ids
+from kvsvc.planner import check_block_ids, check_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,8 @@ class Submit:
     dst_block_ids: list[int]
     num_tokens: int
     first_token: int = 0  # tokens before it D holds already
+    window_addr: int = 0  # D's window for the share (`TransferRequest.window_bytes`); 0 bytes: write the blocks
+    window_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +194,7 @@ class Sender:
         if isinstance(message, TransferRequest):
             try:
                 check_block_ids(dst_meta, message.block_ids, message.num_tokens, "D", message.first_token)
+                check_window(dst_meta, message.window_addr, message.window_bytes)
             except ValueError as exc:
                 return self.refuse(dst, message.transfer_id, str(exc), now, expected)
             return self.request(dst, expected, message, now)
@@ -417,6 +420,7 @@ class Sender:
             job = SendJob(hold.transfer_id, dst.worker, [], 0)
         else:
             job = SendJob(hold.transfer_id, dst.worker, request.block_ids, request.num_tokens, request.first_token)
+            job.window = (request.window_addr, request.window_bytes)
         hold.jobs[dst.worker] = job
         hold.refs[dst.worker] = dst
         return job
@@ -451,7 +455,15 @@ class Sender:
         for effect in effects:
             if effect is Effect.SUBMIT:
                 commands.append(
-                    Submit(hold.transfer_id, dst, hold.block_ids, job.block_ids, job.num_tokens, job.first_token)
+                    Submit(
+                        hold.transfer_id,
+                        dst,
+                        hold.block_ids,
+                        job.block_ids,
+                        job.num_tokens,
+                        job.first_token,
+                        *job.window,
+                    )
                 )
             elif effect in (Effect.REPLY_DONE, Effect.REPLY_FAILED):
                 commands.append(Reply(dst, _outcome(hold, job)))

@@ -1,24 +1,48 @@
 """Staged writes: gather many small source pieces into a staging region and write each contiguous destination run
-with one descriptor, and the allocator that lends the region out.
+with one descriptor; or write into a window of D's staging region that D scatters from; and the allocator that
+lends a region out.
 
-Pure module: numpy and `kvsvc.coalesce` only (no torch, asyncio, mooncake, no I/O). Rules: a staged plan moves
-exactly the bytes of the direct plan it comes from, to the same destination addresses (only the sources change);
-pieces keep their order inside each destination run, so a run's staging bytes are its destination bytes in order;
-no chunk exceeds the chunk size the caller gives, so every chunk fits the region; a run never crosses from one
+Pure module: numpy, `kvsvc.coalesce` and the planner only (no torch, asyncio, mooncake, no I/O). Rules: a staged
+plan moves exactly the bytes of the direct plan it comes from, to the same destination addresses (only the sources
+change); pieces keep their order inside each destination run, so a run's staging bytes are its destination bytes in
+order; no chunk exceeds the chunk size the caller gives, so every chunk fits the region; a run never crosses from one
 destination region into another; whether to stage is `StagingRule`'s decision alone, from descriptor and byte counts.
 `RangeAllocator` lends contiguous ranges of one region, never two overlapping ones, and takes them back in any order.
+
+A window (D-side staging) holds one P worker's share of a request as a stream: the destination bytes that P worker
+writes, in destination address order, packed. Both sides derive it from the set of destination bytes alone, which
+does not depend on P's block ids, so P (`window_plan`) and D (`scatter_plan`) agree on every byte's place without
+sending any layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
 from kvsvc.coalesce import Int64Array
+from kvsvc.errors import TopologyError
+from kvsvc.layout import pool_regions
+from kvsvc.messages import WorkerMetadata
+from kvsvc.planner import plan_transfer
 
 _EMPTY: Int64Array = np.zeros(0, dtype=np.int64)
+
+
+class Way(Enum):
+    """How one P worker's share for one D worker moves (`StagingRule.way`)."""
+
+    DIRECT = "direct"  # one descriptor per piece contiguous on both sides
+    GATHER = "gather"  # P gathers into its region; one descriptor per contiguous D run
+    SCATTER = "scatter"  # P writes its source runs into D's window; D scatters into its blocks
+    BOTH = "gather+scatter"  # P gathers into its region and writes D's window in one descriptor per chunk
+
+    @property
+    def scatters(self) -> bool:
+        return self in (Way.SCATTER, Way.BOTH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,15 +50,17 @@ class StagingRule:
     """When a plan is staged: when its estimated cost is lower that way.
 
     Direct: `descriptors × descriptor_cost_s`. Staged: `runs × descriptor_cost_s + bytes × copy_cost_s_per_byte`
-    (the gather copies every byte once). The defaults are TCP's measured cost of a descriptor (about 30 us) and a
-    memcpy of about 5 GB/s; on RDMA a descriptor costs a few microseconds, so fewer plans are worth staging.
+    (the gather copies every byte once). The defaults are TCP's measured cost of a descriptor (about 30 us) and the
+    measured CPU cost of a staged byte on CPU engines (about 1 ns: the copy itself is ten times cheaper, the rest is
+    the copy thread competing with the transport's for cores; docs/performance.md); on RDMA a descriptor costs a
+    few microseconds, so fewer plans are worth staging.
 
     Raises (constructor):
         ValueError: a negative cost.
     """
 
     descriptor_cost_s: float = 30e-6
-    copy_cost_s_per_byte: float = 0.2e-9
+    copy_cost_s_per_byte: float = 1e-9
 
     def __post_init__(self) -> None:
         if self.descriptor_cost_s < 0 or self.copy_cost_s_per_byte < 0:
@@ -46,6 +72,24 @@ class StagingRule:
             return False  # nothing to gather
         direct = descriptors * self.descriptor_cost_s
         return runs * self.descriptor_cost_s + nbytes * self.copy_cost_s_per_byte < direct
+
+    def way(self, descriptors: int, dst_runs: int, src_runs: int, nbytes: int, *, gather: bool, scatter: bool) -> Way:
+        """The cheapest way for a share of `nbytes` that goes in `descriptors` direct, in `dst_runs` after a gather
+        on P, and in `src_runs` into a window of D's region. `gather` / `scatter`: whether P / D have a region.
+
+        Each copy (gather, scatter) costs every byte once; a gather into a window costs one descriptor. A tie keeps
+        the way with fewer copies, direct first.
+        """
+        copy = nbytes * self.copy_cost_s_per_byte
+        costs = [(descriptors * self.descriptor_cost_s, Way.DIRECT)]
+        if gather:
+            costs.append((dst_runs * self.descriptor_cost_s + copy, Way.GATHER))
+        if scatter:
+            costs.append((src_runs * self.descriptor_cost_s + copy, Way.SCATTER))
+        if gather and scatter:
+            costs.append((self.descriptor_cost_s + 2 * copy, Way.BOTH))
+        best = min(cost for cost, _ in costs)
+        return next(way for cost, way in costs if cost == best)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +193,101 @@ def plan_staged(
     return chunks
 
 
+def stream_offsets(dst: Int64Array, length: Int64Array) -> tuple[Int64Array, Int64Array]:
+    """The window stream of a share: (order, offset), `order` sorting the pieces by destination address and
+    `offset[i]` the stream offset of piece `order[i]`."""
+    order = np.argsort(dst, kind="stable")
+    n = length[order]
+    return order, np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64) if n.size else _EMPTY
+
+
+def window_plan(
+    src: Int64Array, dst: Int64Array, length: Int64Array, window: int, src_region: Int64Array | None = None
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """P's side of a window: the plan `(src, dst, length)` rewritten to write each piece at its stream offset in
+    the window at address `window`, pieces that follow each other in both P's memory and the stream merged into one
+    descriptor (never across P's registered tensors, given as `src_region`, see `region_ids`).
+
+    Returns the merged (src, window address, length) columns, in stream order.
+    """
+    if src.size == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    order, offset = stream_offsets(dst, length)
+    s, n = src[order], length[order]
+    starts = np.ones(s.size, dtype=bool)
+    starts[1:] = s[:-1] + n[:-1] != s[1:]
+    if src_region is not None:
+        r = src_region[order]
+        starts[1:] |= r[:-1] != r[1:]
+    first = np.flatnonzero(starts)
+    return s[first], window + offset[first], np.add.reduceat(n, first)
+
+
+def scatter_plan(
+    dst: Int64Array, length: Int64Array, region: Int64Array | None = None
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """D's side of a window: (stream offset, destination address, length) of each contiguous destination run the
+    share's pieces form (inside one of D's registered tensors, `region`), in stream order; the scatter copies
+    each from the window to its place.
+
+    Raises:
+        ValueError: two pieces overlap in the destination.
+    """
+    order, run_start, run_length = destination_runs(dst, length, region)
+    if order.size == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    offset = np.concatenate(([0], np.cumsum(length[order])[:-1])).astype(np.int64)
+    return offset[run_start], dst[order][run_start], run_length
+
+
+@dataclass(frozen=True, slots=True)
+class WindowPlan:
+    """What D needs to lend a window for one P worker's share: its size, and the scatter that empties it, as
+    (stream offset, destination address, length) columns (`scatter_plan`)."""
+
+    nbytes: int
+    offset: Int64Array
+    dst: Int64Array
+    length: Int64Array
+    way: Way
+
+
+def plan_window(
+    p: WorkerMetadata,
+    d: WorkerMetadata,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    first_token: int,
+    rule: StagingRule,
+    max_bytes: int,
+) -> WindowPlan | None:
+    """D's decision for one request to P worker `p`: the window to lend when `rule` sends the share through D
+    (`Way.scatters`) and it fits in `max_bytes`; None when P should write the blocks (or will refuse the request,
+    which it does with the reason). P's gather is counted on when `p` published a staging region.
+
+    P's block ids do not change which of D's bytes it writes, so D plans with any `num_tokens` of them.
+    """
+    n_src = -(-num_tokens // p.block_size)
+    try:
+        plan = plan_transfer(p, d, range(n_src), block_ids, num_tokens, first_token=first_token)
+    except (TopologyError, ValueError):
+        return None
+    if len(plan) < 2:
+        return None
+    table = np.asarray(plan, dtype=np.int64).reshape(-1, 3)
+    src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+    nbytes = int(length.sum())
+    if nbytes > max_bytes:
+        return None
+    dst_region = region_ids(dst, [start for start, _ in pool_regions(d)])
+    src_runs = window_plan(src, dst, length, 0, region_ids(src, [start for start, _ in pool_regions(p)]))[0].size
+    dst_runs = count_runs(dst, length, dst_region)
+    way = rule.way(len(plan), dst_runs, src_runs, nbytes, gather=p.staging_size > 0, scatter=True)
+    if not way.scatters:
+        return None
+    return WindowPlan(nbytes, *scatter_plan(dst, length, dst_region), way)
+
+
 def _clip(offset: Int64Array, length: Int64Array, begin: int, end: int) -> tuple[Int64Array, Int64Array, Int64Array]:
     """(index, skip, kept length) of the intervals `[offset, offset + length)` that meet `[begin, end)`."""
     lo = np.maximum(offset, begin)
@@ -210,8 +349,14 @@ __all__ = [
     "RangeAllocator",
     "StagedChunk",
     "StagingRule",
+    "Way",
+    "WindowPlan",
     "count_runs",
     "destination_runs",
     "plan_staged",
+    "plan_window",
     "region_ids",
+    "scatter_plan",
+    "stream_offsets",
+    "window_plan",
 ]

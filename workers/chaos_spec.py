@@ -45,7 +45,7 @@ class ChaosOptions:
     outage_s: float = 4.0  # how long a partition or a link down lasts before it heals
     loss_s: float = 6.0  # how long packet loss lasts, load going on meanwhile
     hosts: str = "local"  # "netns": P and D on separate network hosts (`kvsvc.testing.hosts`), for NET_FAULTS
-    staging_bytes: int = 0  # P's staging region: writes its rule picks are gathered (D tp > P tp gives such writes)
+    staging_bytes: int = 0  # each worker's staging region: P gathers there, D lends windows (a TP change uses them)
     fault_worker: int = 1  # index of the P worker killed or frozen
     prefill_tp: int = 2
     decode_tp: int = 1
@@ -107,6 +107,7 @@ class ChaosOptions:
                 tp_size=self.decode_tp,
                 block_size=self.decode_block_size,
                 service=self.service,
+                staging_bytes=self.staging_bytes,
                 **common,
             ),
         )

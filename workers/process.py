@@ -275,7 +275,8 @@ def _staging_area(options: WorkerOptions, pool: KVPool, transport: MooncakeTrans
     transport.register([(region.data_ptr(), region.numel())])
     sources = [pool.buffer] if pool.buffer is not None else pool.layers
     # The area's gather keeps `region` alive for as long as the service holds the area.
-    return StagingArea(region.data_ptr(), region.numel(), TorchGather(sources, region))
+    copies = TorchGather(sources, region)
+    return StagingArea(region.data_ptr(), region.numel(), copies, scatter=copies.scatter)
 
 
 async def _serve(options: WorkerOptions, conn: Connection) -> int:

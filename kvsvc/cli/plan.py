@@ -35,7 +35,7 @@ from kvsvc.layout import (
 )
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.planner import plan_transfer_arrays, source_heads
-from kvsvc.staging import StagingRule, count_runs, region_ids
+from kvsvc.staging import StagingRule, Way, count_runs, region_ids, window_plan
 
 _ALIGN = 2 * 1024 * 1024
 P_BASE = 0x7F00_0000_0000
@@ -206,12 +206,14 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
     for p_key, p_meta in sorted(p_engine.items()):
         for d_key, d_meta in sorted(d_engine.items()):
             start = time.perf_counter()
-            _, dsts, lengths = plan_transfer_arrays(p_meta, d_meta, p_ids, d_ids, args.tokens)
+            srcs, dsts, lengths = plan_transfer_arrays(p_meta, d_meta, p_ids, d_ids, args.tokens)
             elapsed = time.perf_counter() - start
             if lengths.size == 0:
                 continue
             runs = count_runs(dsts, lengths, region_ids(dsts, [start for start, _ in pool_regions(d_meta)]))
-            staged = rule.stage(int(lengths.size), runs, int(lengths.sum()))
+            src_region = region_ids(srcs, [start for start, _ in pool_regions(p_meta)])
+            window = int(window_plan(srcs, dsts, lengths, 0, src_region)[0].size)
+            way = rule.way(int(lengths.size), runs, window, int(lengths.sum()), gather=True, scatter=True)
             heads = source_heads(p_meta, d_meta)
             hnd: int | None = None
             if per_layer is not None:
@@ -225,7 +227,14 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
                     "heads": "latent" if args.mla else [heads[0], heads[-1] + 1],
                     "descriptors": int(lengths.size),
                     "staged_descriptors": runs,
-                    "way": "staged" if staged else "direct",
+                    "window_descriptors": window,
+                    "way": way.value,
+                    "chosen_descriptors": {
+                        Way.DIRECT: int(lengths.size),
+                        Way.GATHER: runs,
+                        Way.SCATTER: window,
+                        Way.BOTH: 1,
+                    }[way],
                     "bytes": int(lengths.sum()),
                     "naive_descriptors": naive_descriptor_count(p_meta, d_meta, args.tokens),
                     "per_layer_hnd_descriptors": hnd,
@@ -254,7 +263,8 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
         "idle_pairs": len(p_engine) * len(d_engine) - len(pairs),
         "descriptors": sum(p["descriptors"] for p in pairs),
         "staged_descriptors": sum(p["staged_descriptors"] for p in pairs),
-        "chosen_descriptors": sum(p["staged_descriptors" if p["way"] == "staged" else "descriptors"] for p in pairs),
+        "window_descriptors": sum(p["window_descriptors"] for p in pairs),
+        "chosen_descriptors": sum(p["chosen_descriptors"] for p in pairs),
         "bytes": sum(p["bytes"] for p in pairs),
         "naive_descriptors": sum(p["naive_descriptors"] for p in pairs),
         "per_layer_hnd_descriptors": sum(p["per_layer_hnd_descriptors"] for p in pairs) if cross else None,
@@ -283,9 +293,10 @@ def _render(report: dict[str, Any]) -> None:
     )
     table = Table(
         title=title,
-        caption=f"P block ids contiguous, D block ids {d['block_ids']}; naive: no merging across blocks; staged: one "
-        "write per contiguous D run after a gather on P (before a small staging region cuts runs into chunks); way: "
-        "what the staging rule picks (total: its descriptors)",
+        caption=f"P block ids contiguous, D block ids {d['block_ids']}; naive: no merging across blocks; gather: one "
+        "write per contiguous D run after a gather on P; window: one write per P run into a window of D's region "
+        "that D scatters (both: one write); way: what the staging rule picks with a region on each side (total: its "
+        "descriptors; a small region cuts runs into chunks)",
         box=box.SIMPLE,
     )
     columns = (
@@ -294,7 +305,8 @@ def _render(report: dict[str, Any]) -> None:
         "layers",
         "heads",
         "descriptors",
-        "staged",
+        "gather",
+        "window",
         "way",
         "bytes",
         "naive",
@@ -311,6 +323,7 @@ def _render(report: dict[str, Any]) -> None:
             heads,
             f"{pair['descriptors']:,}",
             f"{pair['staged_descriptors']:,}",
+            f"{pair['window_descriptors']:,}",
             pair["way"],
             _size(pair["bytes"]),
             f"{pair['naive_descriptors']:,}",
@@ -325,6 +338,7 @@ def _render(report: dict[str, Any]) -> None:
         "",
         f"{total:,}",
         f"{report['staged_descriptors']:,}",
+        f"{report['window_descriptors']:,}",
         f"{report['chosen_descriptors']:,}",
         _size(report["bytes"]),
         f"{report['naive_descriptors']:,}",

@@ -24,7 +24,16 @@ EngineMetadata = dict[Worker, WorkerMetadata]
 
 log = logging.getLogger("kvsvc.service")
 
-COUNTERS = ("bytes", "descriptors", "transfers", "write_failures", "protocol_errors", "reconnects", "staged")
+COUNTERS = (
+    "bytes",
+    "descriptors",
+    "transfers",
+    "write_failures",
+    "protocol_errors",
+    "reconnects",
+    "staged",
+    "scattered",
+)
 """The service's monotonic counters (`ServiceContext.counts`), reported as deltas by `get_finished`."""
 
 
@@ -49,7 +58,8 @@ class ServiceContext:
     recv_durations: LatencyHistogram
     """D: from `start_recv` to the receive finished with its KV landed."""
     staging: StagingArea | None = None
-    """P: the staging region writes gather into when `StagingArea.rule` picks it; None writes every plan direct."""
+    """The staging region: P's writes gather into it when `StagingArea.rule` picks it, D lends windows of it; None
+    writes every plan direct."""
 
     def changed(self) -> None:
         """A protocol object took an event: a deadline may have moved and a transfer may have ended. Each role

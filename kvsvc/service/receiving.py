@@ -9,6 +9,10 @@ When a connection breaks after asking, the receive's blocks stay held for the ab
 prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTransport` can tell): then only for
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
 receives wait) and P answers their aborts, which it does once their writes ended.
+With a staging region that can scatter, a request whose share the staging rule sends through D (`Way.scatters`)
+carries a window lent at once (never waited for: without room it goes without one); P's done answer reaches the
+`Receiver` only after the scatter copied the window into the blocks, and the window goes back once the receive
+from that P worker ended and no scatter reads it.
 """
 
 from __future__ import annotations
@@ -17,15 +21,20 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec.structs import replace
 
+from kvsvc.coalesce import Int64Array
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
 from kvsvc.hello import check_hello_reply, make_hello
 from kvsvc.jobs import Notice
 from kvsvc.messages import (
+    ErrorMessage,
     Message,
+    TransferDone,
+    TransferFailed,
+    TransferRequest,
     Worker,
     WorkerMetadata,
     WorkerRef,
@@ -35,6 +44,7 @@ from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.remotes import RemoteEngines, Routes
+from kvsvc.staging import plan_window
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,21 @@ class _Outbound:
     last_error: str = ""
 
 
+@dataclass(slots=True)
+class _Window:
+    """A window of D's staging region lent for one (transfer, P worker): where P writes the share, and the scatter
+    that copies it into the blocks, as (window address, block address, length) columns."""
+
+    addr: int
+    nbytes: int
+    scatter: tuple[Int64Array, Int64Array, Int64Array]
+    scattering: bool = False
+    held: list[Message] = field(default_factory=list)  # answers that came while it scattered
+
+
+_WindowKey = tuple[str, str, Worker]  # (transfer_id, P engine, P worker)
+
+
 class ReceivingRole:
     """D's side of one worker's service (see module docstring): remote engines, connections to P, receives."""
 
@@ -67,6 +92,7 @@ class ReceivingRole:
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
         self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
+        self._windows: dict[_WindowKey, _Window] = {}
         self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -270,6 +296,8 @@ class ReceivingRole:
         return channel
 
     def _on_p_message(self, peer: _Outbound, message: Message) -> None:
+        if self._windows and self._scatter_first(peer.ref.engine_id, peer.ref.worker, message):
+            return
         self._run_recv(self._receiver.receive(peer.ref.engine_id, peer.ref.worker, message))
         now = self._ctx.clock()
         for started in self._receiver.take_landed():
@@ -285,11 +313,90 @@ class ReceivingRole:
             peer = self._outbound.get((command.engine_id, command.src))
             if peer is None:
                 continue
+            message = command.message
+            if isinstance(message, TransferRequest) and self._ctx.staging is not None:
+                message = self._windowed(peer, message)
             if peer.channel is not None:
                 with contextlib.suppress(PeerLost):
-                    peer.channel.send(command.message)
+                    peer.channel.send(message)
             elif peer.outbox is not None:
-                peer.outbox.append(command.message)
+                peer.outbox.append(message)
+        if self._windows:
+            self._free_windows()
+
+    # -- windows (D-side staging) ------------------------------------------------------------------------------
+
+    def _windowed(self, peer: _Outbound, request: TransferRequest) -> TransferRequest:
+        """`request` with a window of the staging region, when the staging rule sends P's share through one and
+        there is room now; else `request` as it is (P writes the blocks, directly or gathered)."""
+        key = (request.transfer_id, peer.ref.engine_id, peer.ref.worker)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._lend_window(peer.meta, request)
+            if window is None:
+                return request
+            self._windows[key] = window
+        return replace(request, window_addr=window.addr, window_bytes=window.nbytes)
+
+    def _lend_window(self, p: WorkerMetadata, request: TransferRequest) -> _Window | None:
+        area = self._ctx.staging
+        if area is None or area.scatter is None:
+            return None
+        args = (request.block_ids, request.num_tokens, request.first_token, area.rule, area.chunk_bytes)
+        plan = plan_window(p, self._ctx.metadata, *args)
+        if plan is None:
+            return None
+        addr = area.try_lend(plan.nbytes)
+        if addr is None:
+            return None
+        return _Window(addr, plan.nbytes, (addr + plan.offset, plan.dst, plan.length))
+
+    def _scatter_first(self, engine_id: str, src: Worker, message: Message) -> bool:
+        """Hold P's answer about a windowed share until the window was scattered into the blocks (a done answer
+        starts the scatter); True when the answer was held, False when it goes to the `Receiver` now."""
+        if not isinstance(message, TransferDone | TransferFailed | ErrorMessage):
+            return False
+        window = self._windows.get((message.transfer_id, engine_id, src))
+        if window is None:
+            return False
+        if window.scattering:
+            window.held.append(message)
+            return True
+        if not isinstance(message, TransferDone):
+            return False
+        area = self._ctx.staging
+        assert area is not None and area.scatter is not None
+        window.scattering = True
+        copy = asyncio.ensure_future(area.scatter(*window.scatter))
+        copy.add_done_callback(lambda done: self._scattered(engine_id, src, message, window, done))
+        return True
+
+    def _scattered(
+        self, engine_id: str, src: Worker, done: TransferDone, window: _Window, copy: asyncio.Future[None]
+    ) -> None:
+        """The scatter of `window` ended: P's done answer goes on, or a failure in its place."""
+        window.scattering = False
+        if copy.cancelled():
+            return  # the service closed
+        exc = copy.exception()
+        if exc is None:
+            self._ctx.counts["scattered"] += 1
+            message: Message = done
+        else:
+            reason = f"scatter of D's window into its blocks failed: {type(exc).__name__}: {exc}"
+            message = TransferFailed(transfer_id=done.transfer_id, reason=reason)
+        held, window.held = window.held, []
+        for answer in (message, *held):
+            self._run_recv(self._receiver.receive(engine_id, src, answer))
+
+    def _free_windows(self) -> None:
+        """Give back every window whose receive from its P worker ended and that no scatter reads."""
+        area = self._ctx.staging
+        assert area is not None
+        for key, window in list(self._windows.items()):
+            if not window.scattering and not self._receiver.waits_on(*key):
+                del self._windows[key]
+                area.give_back(window.addr)
 
     def _drop_outbound(self, peer: _Outbound, reason: str) -> None:
         peer.last_error = reason

@@ -232,7 +232,9 @@ class SendingRole:
             old.channel.close()
             self._run_send(self._sender.peer_lost(old.ref))
         try:
-            self._ctx.transport.add_peer(d.transport_addr, pool_regions(d))
+            # D's staging region too: P writes the windows D lends there.
+            staging = [(d.staging_addr, d.staging_size)] if d.staging_size else []
+            self._ctx.transport.add_peer(d.transport_addr, pool_regions(d) + staging)
         except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))

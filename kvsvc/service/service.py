@@ -59,6 +59,7 @@ class ServiceStatistics:
     send_durations: HistogramStatistics  # P: write start to last byte landed, per write to one D worker
     recv_durations: HistogramStatistics  # D: start_recv to KV landed, per receive
     staged_writes: int = 0  # P: writes to one D worker that went through the staging region
+    scattered_receives: int = 0  # D: shares from one P worker that came through a window and were scattered
     staging_in_use: int = 0  # P: bytes of the staging region lent now (0 when idle: anything else is a leak)
     staging_waits: int = 0  # P: lends that had to wait for room
 
@@ -125,10 +126,14 @@ class KVTransferService:
             OSError: the control address cannot be bound.
         """
         port = await self._sending.listen()
+        staging = self._ctx.staging
         self._ctx.metadata = replace(
             self._ctx.metadata,
             transport_addr=self._ctx.transport.session_id,
             control_addr=f"{self.config.control_host}:{port}",
+            # P writes windows only into the region D published, and only a region D can scatter from.
+            staging_addr=staging.addr if staging is not None and staging.scatter is not None else 0,
+            staging_size=staging.size if staging is not None and staging.scatter is not None else 0,
         )
         self._receiving.start()
         self._ctx.tasks.spawn(self._deadline_loop(), name="kvsvc-deadlines")
@@ -287,6 +292,7 @@ class KVTransferService:
             send_durations=self._ctx.send_durations.statistics(),
             recv_durations=self._ctx.recv_durations.statistics(),
             staged_writes=counts["staged"],
+            scattered_receives=counts["scattered"],
             staging_in_use=self._ctx.staging.in_use if self._ctx.staging is not None else 0,
             staging_waits=self._ctx.staging.waits if self._ctx.staging is not None else 0,
         )

@@ -1,10 +1,12 @@
-"""P's staging region: where a staged write gathers its pieces before one descriptor per destination run goes out.
+"""A worker's staging region: where P gathers a staged write's pieces before one descriptor per destination run goes
+out, and where D lends windows that P writes a share into and D scatters from.
 
 Rules: the region is registered with the transport by whoever owns its memory (the embedder), before the first
 write; the service only lends ranges of it (`kvsvc.staging.RangeAllocator`) and calls the injected `Gather`. Ranges
 are lent first come, first served, so a large chunk is never starved by small ones; a wait for room has a deadline
 and fails the write (never the service) when it passes. A range goes back only once nothing can still read it: its
-gather ended and its write finished or drained. Cancellation (only `close` cancels writes) leaves the ranges of
+gather ended and its write finished or drained. D never waits for a window (`try_lend`): without room at once its
+request goes without one, and P writes the blocks. Cancellation (only `close` cancels writes) leaves the ranges of
 the cancelled writes lent: the region is not used after close.
 """
 
@@ -36,16 +38,19 @@ class Gather(Protocol):
 
 
 class StagingArea:
-    """The staging region of one P worker: `size` bytes at `addr`, filled by `gather`, lent first fit.
+    """The staging region of one worker: `size` bytes at `addr`, lent first fit; P fills it by `gather`, D empties
+    windows by `scatter` (the same kind of copy, from the region into the KV tensors; None: D lends no windows).
 
     Raises (constructor):
         ValueError: `size` < 2 (a chunk is half the region) or `addr` <= 0.
     """
 
-    def __init__(self, addr: int, size: int, gather: Gather, rule: StagingRule | None = None) -> None:
+    def __init__(
+        self, addr: int, size: int, gather: Gather, rule: StagingRule | None = None, scatter: Gather | None = None
+    ) -> None:
         if size < 2 or addr <= 0:
             raise ValueError(f"a staging region needs an address and at least 2 bytes, got {addr:#x}, {size}")
-        self.addr, self.size, self.gather = addr, size, gather
+        self.addr, self.size, self.gather, self.scatter = addr, size, gather, scatter
         self.rule = rule or StagingRule()
         # Half the region per chunk, so a large write can gather one chunk while another is on the wire.
         self.chunk_bytes = size // 2
@@ -92,6 +97,19 @@ class StagingArea:
                 ) from None
             raise
         return self._lent(offset)
+
+    def try_lend(self, size: int) -> int | None:
+        """The address of `size` bytes lent now, or None (no room without waiting, or writes wait ahead of it).
+
+        Raises:
+            ValueError: `size` exceeds `chunk_bytes`.
+        """
+        if not 0 < size <= self.chunk_bytes:
+            raise ValueError(f"a window of {size} bytes exceeds the chunk size {self.chunk_bytes}")
+        if self._waiters:
+            return None
+        offset = self._ranges.allocate(size)
+        return None if offset is None else self._lent(offset)
 
     def give_back(self, addr: int) -> None:
         """Return the range lent at `addr`; the waiters next in line get room.

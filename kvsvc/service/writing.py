@@ -4,8 +4,9 @@ Rules: each `Submit` is planned (from a per-D-worker cache when it can be), writ
 through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
 its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport's
 `start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written
-one descriptor per destination run (`kvsvc.service.staging`). Part of the P role (`kvsvc.service.sending` owns it);
-imports kvsvc's core, never the D role.
+one descriptor per destination run (`kvsvc.service.staging`). A request with a window of D's staging region is
+written there as one stream (`kvsvc.staging.window_plan`), gathered too when the rule picks it; D scatters it.
+Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvsvc.messages import Worker, WorkerMetadata, WorkerRef
 from kvsvc.planner import plan_transfer
 from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext
-from kvsvc.staging import StagedChunk, count_runs, plan_staged, region_ids
+from kvsvc.staging import StagedChunk, count_runs, plan_staged, region_ids, window_plan
 from kvsvc.transport.base import WriteFailed
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
@@ -44,6 +45,7 @@ class WriteTarget:
     # on both sides, keyed (P blocks, D blocks, tokens): see `BlockWriter._plan`.
     plans: dict[tuple[int, int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
     strides: tuple[int, int] = (0, 0)  # block strides of P (this worker) and of this D worker
+    src_regions: list[int] = field(default_factory=list)  # start addresses of this P worker's registered tensors
 
 
 class BlockWriter:
@@ -106,10 +108,10 @@ class BlockWriter:
         try:
             if target is None:
                 raise PeerLost(f"control connection to {command.dst} lost before the write")
-            descriptors = self._plan(target, command)
+            descriptors = self._descriptors(target, command)
             ndesc = len(descriptors)
             layers = self._layer_ready.get(command.transfer_id)
-            chunks = self._staged(target, descriptors) if layers is None else None
+            chunks = self._staged(target, descriptors, command.window_bytes > 0) if layers is None else None
             if chunks is not None:
                 nbytes, ndesc = await self._write_staged(target.meta.transport_addr, chunks)
             elif layers is None:
@@ -149,8 +151,8 @@ class BlockWriter:
         if target is None:
             return False
         try:
-            descriptors = self._plan(target, command)
-            if self._ctx.staging is not None and self._staged(target, descriptors) is not None:
+            descriptors = self._descriptors(target, command)
+            if self._staged(target, descriptors, command.window_bytes > 0) is not None:
                 return False  # a staged write waits for room and for its gather: it needs the task
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
@@ -188,6 +190,28 @@ class BlockWriter:
             self._write_ended(command, error, 0, ndesc)
 
         drained.add_done_callback(after_drain)
+
+    def _descriptors(self, target: WriteTarget, command: Submit) -> Sequence[tuple[int, int, int]]:
+        """The descriptors of `command`: its plan, or, with a window, the plan's stream into that window.
+
+        Raises:
+            TopologyError / ValueError: as `_plan`, or the window does not hold exactly the share's bytes.
+        """
+        descriptors = self._plan(target, command)
+        if not command.window_bytes:
+            return descriptors
+        table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
+        src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+        nbytes = int(length.sum())
+        if nbytes != command.window_bytes:
+            raise ValueError(
+                f"D's window of {command.window_bytes} bytes for {command.transfer_id!r} does not match the "
+                f"{nbytes} bytes this P worker writes it"
+            )
+        if not target.src_regions:
+            target.src_regions = [start for start, _ in pool_regions(self._ctx.metadata)]
+        columns = window_plan(src, dst, length, command.window_addr, region_ids(src, target.src_regions))
+        return list(zip(*(c.tolist() for c in columns), strict=True))
 
     def _plan(self, target: WriteTarget, command: Submit) -> Sequence[tuple[int, int, int]]:
         """`plan_transfer`, from `target`'s cache when the used P and D blocks are each one run of consecutive ids
@@ -228,8 +252,11 @@ class BlockWriter:
         shift_src, shift_dst = src_ids[0] * target.strides[0], dst_ids[0] * target.strides[1]
         return [(s + shift_src, d + shift_dst, n) for s, d, n in unit]
 
-    def _staged(self, target: WriteTarget, descriptors: Sequence[tuple[int, int, int]]) -> list[StagedChunk] | None:
+    def _staged(
+        self, target: WriteTarget, descriptors: Sequence[tuple[int, int, int]], windowed: bool = False
+    ) -> list[StagedChunk] | None:
         """The chunks of `descriptors` staged, when there is a staging region and its rule picks staging.
+        `windowed`: they write one window of D's region (one destination region), not D's blocks.
 
         Raises:
             ValueError: two descriptors overlap in the destination (a planner bug).
@@ -240,7 +267,7 @@ class BlockWriter:
         table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
         src, dst, length = table[:, 0], table[:, 1], table[:, 2]
         # A run must stay inside one of D's registered tensors, even where two of them touch.
-        region = region_ids(dst, [start for start, _ in pool_regions(target.meta)])
+        region = None if windowed else region_ids(dst, [start for start, _ in pool_regions(target.meta)])
         if not area.rule.stage(len(descriptors), count_runs(dst, length, region), int(length.sum())):
             return None
         return plan_staged(src, dst, length, area.chunk_bytes, region)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -33,7 +34,16 @@ from kvsvc.messages import (
 from kvsvc.planner import Descriptor, expected_destinations, plan_transfer, release_notifier, sources_of
 from kvsvc.receiver import Receiver, RecvCommand
 from kvsvc.sender import Reply, SendCommand, Sender, Submit
-from kvsvc.staging import StagingRule, count_runs, plan_staged, region_ids
+from kvsvc.staging import (
+    RangeAllocator,
+    StagingRule,
+    WindowPlan,
+    count_runs,
+    plan_staged,
+    plan_window,
+    region_ids,
+    window_plan,
+)
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
 
@@ -41,7 +51,7 @@ ByteArray = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]
 ToP = TransferRequest | Release | Abort | ErrorMessage
 ToD = TransferDone | TransferFailed | ErrorMessage | Pong
-_P_BASE, _D_BASE = 1 << 44, 1 << 45
+_P_BASE, _D_BASE, _WINDOW_BASE = 1 << 44, 1 << 45, 1 << 46
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,8 @@ class PairStatistics:
     receives: int
     writes_staged: int = 0  # writes that went through the staging buffer
     descriptors: int = 0  # what the writes submitted (a staged write: one per run part)
+    scatters: int = 0  # windows D scattered into its blocks
+    windows_lent: int = 0  # windows lent now (0 when idle: anything else is a leak)
 
 
 @dataclass(slots=True)
@@ -105,6 +117,7 @@ class _Counts:
     writes_failed: int = 0
     writes_staged: int = 0
     descriptors: int = 0  # what the writes submitted: planned descriptors, or a staged write's run parts
+    scatters: int = 0
 
 
 class PeerPair:
@@ -137,13 +150,31 @@ class PeerPair:
         receiver: Callable[[], Receiver] = Receiver,
         staging: StagingRule | None = None,
         staging_bytes: int = 1 << 20,
+        windows: bool = False,
     ) -> None:
         """`staging`: stage the writes this rule picks, through a staging buffer of `staging_bytes` (in chunks of
-        half of it, as the service does), instead of writing every planned descriptor."""
+        half of it, as the service does), instead of writing every planned descriptor. `windows`: each D worker
+        also has a staging region of `staging_bytes` and lends windows of it (`plan_window`), scattered when P's
+        done answer is delivered, as the D service does."""
         self.clock = clock or FakeClock()
         self.staging, self.staging_bytes = staging, staging_bytes
         self.p = SimEngine("P", p, _P_BASE)
         self.d = SimEngine("D", d, _D_BASE)
+        # D's windows: a region per D worker, and the window lent per (transfer, D worker, P worker).
+        self._window_arenas: dict[Worker, ByteArray] = {}
+        self._window_ranges: dict[Worker, RangeAllocator] = {}
+        self._windows: dict[tuple[str, Worker, Worker], tuple[int, WindowPlan]] = {}
+        if windows:
+            if staging is None:
+                raise ValueError("windows need a staging rule")
+            for i, (w, meta) in enumerate(sorted(self.d.metas.items())):
+                addr = _WINDOW_BASE + i * staging_bytes
+                self.d.metas[w] = msgspec.structs.replace(meta, staging_addr=addr, staging_size=staging_bytes)
+                self._window_arenas[w] = np.zeros(staging_bytes, dtype=np.uint8)
+                self._window_ranges[w] = RangeAllocator(staging_bytes)
+            for i, (w, meta) in enumerate(sorted(self.p.metas.items())):  # P's region: P gathers too
+                addr = _WINDOW_BASE - (i + 1) * staging_bytes
+                self.p.metas[w] = msgspec.structs.replace(meta, staging_addr=addr, staging_size=staging_bytes)
         self.senders = {w: sender() for w in self.p.metas}
         self.receivers = {w: receiver() for w in self.d.metas}
         self._expected = {w: frozenset(expected_destinations(m, self.d.metas)) for w, m in self.p.metas.items()}
@@ -385,6 +416,8 @@ class PeerPair:
             receives=sum(r.statistics().receives for r in self.receivers.values()),
             writes_staged=c.writes_staged,
             descriptors=c.descriptors,
+            scatters=c.scatters,
+            windows_lent=len(self._windows),
         )
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -429,8 +462,45 @@ class PeerPair:
         for command in commands:
             if isinstance(command, Notice):
                 self.notices.append(command)
+            elif isinstance(command.message, TransferRequest) and self._window_ranges:
+                self._post("P", worker, command.src, self._windowed(worker, command.src, command.message))
             else:
                 self._post("P", worker, command.src, command.message)
+        if self._windows:
+            self._free_windows(worker)
+
+    def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
+        """As the D service: a window for the share when the rule sends it through D and there is room."""
+        key = (request.transfer_id, d, p)
+        if key not in self._windows:
+            assert self.staging is not None
+            args = (request.block_ids, request.num_tokens, request.first_token, self.staging, self.staging_bytes // 2)
+            plan = plan_window(self.p.metas[p], self.d.metas[d], *args)
+            offset = self._window_ranges[d].allocate(plan.nbytes) if plan is not None else None
+            if plan is None or offset is None:
+                return request
+            self._windows[key] = (self.d.metas[d].staging_addr + offset, plan)
+        addr, plan = self._windows[key]
+        return msgspec.structs.replace(request, window_addr=addr, window_bytes=plan.nbytes)
+
+    def _scatter(self, d: Worker, p: Worker, transfer_id: str) -> None:
+        """D's scatter of a window into its blocks, before P's done answer reaches the `Receiver`."""
+        window = self._windows.get((transfer_id, d, p))
+        if window is None:
+            return
+        addr, plan = window
+        arena, base = self._window_arenas[d], self.d.metas[d].staging_addr
+        for o, dst, n in zip(plan.offset.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True):
+            span = self.d.span(d, dst, n)
+            self.d.arenas[d][span] = arena[addr - base + o : addr - base + o + n]
+            self._write_counts[d][span] += 1
+        self._counts.scatters += 1
+
+    def _free_windows(self, d: Worker) -> None:
+        for key, (addr, _) in list(self._windows.items()):
+            if key[1] == d and not self.receivers[d].waits_on(key[0], self.p.engine_id, key[2]):
+                del self._windows[key]
+                self._window_ranges[d].free(addr - self.d.metas[d].staging_addr)
 
     def _deliver(self, envelope: Envelope) -> None:
         """Hand a message to its protocol object, as the service's drivers do: `Sender.receive`, `Receiver.receive`."""
@@ -440,6 +510,8 @@ class PeerPair:
             sender, expected = self.senders[envelope.p], self._expected[envelope.p]
             self._run_p(envelope.p, sender.receive(ref, meta, expected, envelope.message, self.clock()))
         else:
+            if isinstance(envelope.message, TransferDone):
+                self._scatter(envelope.d, envelope.p, envelope.message.transfer_id)
             self._run_d(envelope.d, self.receivers[envelope.d].receive(self.p.engine_id, envelope.p, envelope.message))
 
     def _run_write(self, write: Write) -> None:
@@ -457,6 +529,8 @@ class PeerPair:
         dst = np.fromiter((d.dst_addr for d in plan), dtype=np.int64, count=len(plan))
         length = np.fromiter((d.length for d in plan), dtype=np.int64, count=len(plan))
         nbytes = int(length.sum())
+        if write.submit.window_bytes:
+            return self._copy_window(write, src, dst, length)
         regions = pool_regions(self.d.metas[write.d])
         region = region_ids(dst, [start for start, _ in regions])
         if self.staging is None or not self.staging.stage(len(plan), count_runs(dst, length, region), nbytes):
@@ -485,6 +559,28 @@ class PeerPair:
                 self._write_counts[write.d][span] += 1
             count += chunk.write_dst.size
         return nbytes, count
+
+    def _copy_window(self, write: Write, src: IntArray, dst: IntArray, length: IntArray) -> tuple[int, int]:
+        """P's write of its share into D's window, as `BlockWriter` does: one descriptor per source run in the
+        stream, or one per chunk when P's rule gathers it."""
+        submit, nbytes = write.submit, int(length.sum())
+        if nbytes != submit.window_bytes:
+            self.violations.append(f"window of {submit.window_bytes} bytes for a share of {nbytes}")
+            return nbytes, 0
+        src_region = region_ids(src, [start for start, _ in pool_regions(self.p.metas[write.p])])
+        w_src, w_dst, w_len = window_plan(src, dst, length, submit.window_addr, src_region)
+        arena, base = self._window_arenas[write.d], self.d.metas[write.d].staging_addr
+        for s, o, n in zip(w_src.tolist(), (w_dst - base).tolist(), w_len.tolist(), strict=True):
+            if o < 0 or o + n > arena.size:
+                self.violations.append(f"window write [{o}, +{n}) outside D{write.d}'s staging region")
+                continue
+            arena[o : o + n] = self.p.arenas[write.p][self.p.span(write.p, s, n)]
+        assert self.staging is not None
+        chunk = max(1, self.staging_bytes // 2)
+        if self.staging.stage(w_src.size, -(-nbytes // chunk), nbytes):
+            self._counts.writes_staged += 1
+            return nbytes, -(-nbytes // chunk)
+        return nbytes, int(w_src.size)
 
     def _complete(self, write: Write, error: str | None) -> None:
         submit, nbytes, count = write.submit, 0, 0

@@ -204,7 +204,8 @@ class WorkerSide:
         except ValueError as exc:
             log.warning("kvsvc: no staging region, every write goes direct: %s", exc)
             return None, []
-        return StagingArea(region.data_ptr(), region.numel(), gather), [(region.data_ptr(), region.numel())]
+        area = StagingArea(region.data_ptr(), region.numel(), gather, scatter=gather.scatter)
+        return area, [(region.data_ptr(), region.numel())]
 
     @property
     def metadata(self) -> WorkerMetadata | None:

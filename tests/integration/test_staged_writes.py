@@ -112,3 +112,62 @@ def test_aborts_and_a_killed_p_worker_during_staged_writes_lose_and_leak_nothing
     assert phase.probes_failed == phase.probes and phase.after_fault_finished > 0
     assert staged > 0  # after the restart, the new P engine staged writes too
     assert lent == 0  # no room of the staging region is left lent
+
+
+def _down(staging_bytes: int) -> tuple[Executor, Executor]:
+    """P tp2 -> D tp1: each P worker's heads are every other half of D's blocks, strided in D."""
+    p = Executor(EngineConfig(engine_id="down-p", tp_size=2, staging_bytes=8 << 20, **GEOMETRY))  # type: ignore[arg-type]
+    d = Executor(EngineConfig(engine_id="down-d", role="decode", staging_bytes=staging_bytes, **GEOMETRY))  # type: ignore[arg-type]
+    start_all([p, d])
+    return p, d
+
+
+@pytest.mark.parametrize("windows", [True, False], ids=["windows", "negative control: no D region"])
+def test_p_writes_each_share_into_a_window_that_d_scatters_byte_exact(windows: bool) -> None:
+    p, d = _down(staging_bytes=32 << 20 if windows else 0)  # room for every share of the 4 requests at once
+    try:
+        ended, descriptors = _move(p, d, 4)
+        assert all(r.verified_ok for r in ended), [(r.transfer_id, r.state, r.reason) for r in ended]
+        (d_stats,) = d.statistics()
+        assert d_stats["staging_in_use"] == 0
+        if windows:
+            # Per request and P worker: 4 layers, each one run of P's consecutive blocks, into one window.
+            assert d_stats["scattered_receives"] == 4 * 2
+            assert descriptors == 4 * 2 * 4
+        else:
+            assert d_stats["scattered_receives"] == 0
+            assert descriptors == 4 * 2 * 4 * (TOKENS // 16) * 2  # requests x P workers x layers x blocks x K/V
+    finally:
+        d.close()
+        p.close()
+
+
+def test_aborts_and_a_killed_p_worker_during_windowed_transfers_lose_and_leak_nothing() -> None:
+    options = ChaosOptions(
+        requests=80,
+        faults=("kill",),
+        concurrency=8,
+        max_tokens=256,
+        abort_rate=0.2,
+        prefill_tp=2,
+        decode_tp=1,
+        prefill_block_size=8,
+        decode_block_size=8,
+        fault_worker=0,
+        staging_bytes=256 << 10,  # small: some shares find no window and go direct
+        timeout_s=150.0,
+    )
+    prefill, decode, url, token = start_chaos_engines(options)
+    try:
+        result = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token).run()
+        d_stats = decode.executor.statistics()
+        scattered = sum(int(s["scattered_receives"]) for s in d_stats)
+        lent = sum(int(s["staging_in_use"]) for s in d_stats + prefill.executor.statistics())
+    finally:
+        decode.executor.close()
+        prefill.executor.close()
+    assert not result.errors, result.errors[:5]
+    assert result.ok and result.requests_lost == 0 and result.holds_leaked == 0
+    assert result.p_blocks_leaked == 0 and result.d_blocks_leaked == 0
+    assert scattered > 0
+    assert lent == 0  # no window and no gather room is left lent

@@ -36,15 +36,20 @@ def test_json_totals_match_the_pairs_and_cover_the_whole_kv(capsys: pytest.Captu
     assert report["idle_pairs"] == 8
 
 
-def test_the_staged_way_is_shown_and_picked_only_where_it_saves_descriptors(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_staged_ways_are_shown_and_picked_only_where_they_save_descriptors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     up = run_json(capsys, "--p-tp", "1", "--d-tp", "2", "--d-ids", "contiguous", "--tokens", "1024")
     for pair in up["pairs"]:  # D's blocks are one run per layer: a gather on P makes it one write
-        assert pair["way"] == "staged" and pair["staged_descriptors"] == 32 < pair["descriptors"]
+        assert pair["way"] == "gather" and pair["staged_descriptors"] == 32 < pair["descriptors"]
     assert up["chosen_descriptors"] == up["staged_descriptors"] == 64
     down = run_json(capsys, "--p-tp", "2", "--d-tp", "1", "--d-ids", "contiguous", "--tokens", "1024")
-    for pair in down["pairs"]:  # each P worker fills every other head range of D's blocks: nothing to gather
-        assert pair["way"] == "direct" and pair["staged_descriptors"] == pair["descriptors"]
-    assert down["chosen_descriptors"] == down["descriptors"]
+    for pair in down["pairs"]:  # each P worker fills every other head range of D's blocks: only a window helps
+        assert pair["staged_descriptors"] == pair["descriptors"] == 4096
+        assert pair["way"] == "scatter" and pair["window_descriptors"] == pair["chosen_descriptors"] == 32
+    same = run_json(capsys, "--p-tp", "1", "--d-tp", "1", "--d-ids", "contiguous", "--tokens", "1024")
+    for pair in same["pairs"]:  # already one write per layer: no copy pays
+        assert pair["way"] == "direct" and pair["chosen_descriptors"] == pair["descriptors"] == 32
 
 
 def test_coalescing_beats_the_naive_count_when_blocks_are_contiguous(capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,7 +47,7 @@ from workers.process import Verify
 from workers.synthetic import VerifyResult
 
 PEER_MAX_REQUESTS = 400  # requests the peers' way is timed on (a prefix of the scenario's)
-STAGING_BYTES = 64 << 20  # the staging region of the layout scenarios' P workers
+STAGING_BYTES = 64 << 20  # the staging region of the layout scenarios' workers
 
 
 # -- the runner -----------------------------------------------------------------------------------------------
@@ -79,18 +79,18 @@ class BenchRunner:
         )
         self.px = Executor(EngineConfig(engine_id="bench-px", role="prefill", **small))  # type: ignore[arg-type]
         self.dx = Executor(EngineConfig(engine_id="bench-dx", role="decode", **small))  # type: ignore[arg-type]
-        # The layout scenarios: P engines with a staging region, D engines that split heads or blocks differently.
+        # The layout scenarios: engines with a staging region, D engines that split heads or blocks differently.
         lay: dict[str, Any] = dict(hnd, num_blocks=z.hetero_requests * z.hetero_blocks + 4)
         staged = STAGING_BYTES
         self.ps = Executor(EngineConfig(engine_id="bench-ps", staging_bytes=staged, **lay))
         self.ps2 = Executor(EngineConfig(engine_id="bench-ps2", tp_size=2, staging_bytes=staged, **lay))
-        self.dh = Executor(EngineConfig(engine_id="bench-dh", role="decode", **lay))
-        self.dh2 = Executor(EngineConfig(engine_id="bench-dh2", role="decode", tp_size=2, **lay))
+        self.dh = Executor(EngineConfig(engine_id="bench-dh", role="decode", staging_bytes=staged, **lay))
+        self.dh2 = Executor(EngineConfig(engine_id="bench-dh2", role="decode", tp_size=2, staging_bytes=staged, **lay))
         wide = dict(lay, block_size=2 * m.block_size)
-        self.dwide = Executor(EngineConfig(engine_id="bench-dwide", role="decode", **wide))
+        self.dwide = Executor(EngineConfig(engine_id="bench-dwide", role="decode", staging_bytes=staged, **wide))
         nhd = dict(lay, layout="NHD")
         self.pn = Executor(EngineConfig(engine_id="bench-pn", staging_bytes=staged, **nhd))
-        self.dn2 = Executor(EngineConfig(engine_id="bench-dn2", role="decode", tp_size=2, **nhd))
+        self.dn2 = Executor(EngineConfig(engine_id="bench-dn2", role="decode", tp_size=2, staging_bytes=staged, **nhd))
         self.executors = [self.p, self.d, self.d2, self.px, self.dx]
         self.executors += [self.ps, self.ps2, self.dh, self.dh2, self.dwide, self.pn, self.dn2]
 

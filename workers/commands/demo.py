@@ -55,7 +55,7 @@ class DemoOptions:
     concurrency: int = 8
     timeout_s: float = 120.0
     hosts: str = "local"  # "local": both engines on this host's loopback; "netns": each on its own network host
-    staging_mib: int = 64  # each P worker's staging region for staged writes (0: every write direct)
+    staging_mib: int = 64  # each worker's staging region for staged writes and windows (0: every write direct)
 
     def __post_init__(self) -> None:
         if self.hosts not in HOSTS:
@@ -222,7 +222,7 @@ def _engine_configs(options: DemoOptions) -> tuple[Any, Any]:
             dtype=options.dtype,
             layout=options.layout,
             service=ServiceConfig(recv_timeout_s=min(60.0, options.timeout_s)),
-            staging_bytes=options.staging_mib << 20 if role == "prefill" else 0,
+            staging_bytes=options.staging_mib << 20,
         )
 
     return (
@@ -410,8 +410,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--staging-mib",
         type=int,
         default=defaults.staging_mib,
-        help="each P worker's staging region in MiB: writes of many small pieces are gathered there and sent as "
-        "one descriptor per contiguous run (default 64; 0: every write direct)",
+        help="each worker's staging region in MiB: P gathers writes of many small pieces there, D lends windows "
+        "of it that P writes in one stream and D scatters (default 64; 0: every write direct)",
     )
     add("--concurrency", type=_positive, default=defaults.concurrency, help="requests in flight (default 8)")
     add("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds (default 120)")

@@ -48,7 +48,7 @@ class ServeOptions:
     port: int = 0
     token: str | None = None
     control_token: str | None = None  # ServiceConfig.control_token of every worker
-    staging_mib: int = 64  # each worker's staging region for staged writes when it sends (0: every write direct)
+    staging_mib: int = 64  # each worker's staging region for staged writes and windows (0: every write direct)
 
 
 class ServedEngine:
@@ -90,7 +90,7 @@ class ServedEngine:
             service=ServiceConfig(control_token=options.control_token),
             transport=MooncakeConfig(),
             bootstrap_port=options.port,
-            staging_bytes=options.staging_mib << 20 if options.role == "prefill" else 0,
+            staging_bytes=options.staging_mib << 20,
         ).on_host(options.host)
         executor = Executor(config)
         try:
@@ -203,8 +203,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--staging-mib",
         type=int,
         default=defaults.staging_mib,
-        help="a prefill worker's staging region in MiB, where writes of many small pieces are gathered (default 64; "
-        "0: every write direct)",
+        help="each worker's staging region in MiB: a prefill worker gathers writes of many small pieces there, a "
+        "decode worker lends windows of it that P writes in one stream (default 64; 0: every write direct)",
     )
     add("--token-file", default=None, help=f"file whose first line is the admin bearer token (else ${TOKEN_ENV})")
     add(

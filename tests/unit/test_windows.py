@@ -1,0 +1,186 @@
+"""D-side staging, pure and simulated: P's stream into a window (`window_plan`) and D's scatter out of it
+(`scatter_plan`) put every byte where the direct plan would, D working from the destination bytes alone (not P's
+block ids); the rule picks the cheapest way; and through the byte-exact simulator, for generated layout pairs, a
+transfer through windows lands the same bytes as a direct one, reports once, and gives every window back, also
+under aborts, expiry and failed writes. A pair whose scatter is skipped is the negative control."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from kvsvc.errors import TopologyError
+from kvsvc.messages import TransferRequest
+from kvsvc.planner import check_compatible, check_window
+from kvsvc.staging import StagingRule, Way, scatter_plan, window_plan
+from kvsvc.testing.pair import PeerPair
+from kvsvc.testing.sim import EngineSpec
+
+from .test_staging import DST_SIZE, SRC_SIZE, _direct, plans
+from .test_staging_pair import layout_pairs
+
+ALWAYS = StagingRule(copy_cost_s_per_byte=0.0)  # any way that saves a descriptor
+
+
+@given(plans(), st.integers(0, 1000))
+@settings(max_examples=200, deadline=None)
+def test_the_window_stream_and_its_scatter_put_every_byte_where_the_direct_plan_does(
+    plan: tuple[np.ndarray, np.ndarray, np.ndarray], window: int
+) -> None:
+    src, dst, length = plan
+    memory = np.random.default_rng(1).integers(1, 256, SRC_SIZE, dtype=np.uint8)
+    staging = np.zeros(window + int(length.sum()), dtype=np.uint8)
+    w_src, w_dst, w_len = window_plan(src, dst, length, window)
+    for s, d, n in zip(w_src.tolist(), w_dst.tolist(), w_len.tolist(), strict=True):
+        staging[d : d + n] = memory[s : s + n]
+    out = np.zeros(DST_SIZE, dtype=np.uint8)
+    offset, s_dst, s_len = scatter_plan(dst, length)  # D knows the destination bytes only
+    for o, d, n in zip(offset.tolist(), s_dst.tolist(), s_len.tolist(), strict=True):
+        out[d : d + n] = staging[window + o : window + o + n]
+    assert np.array_equal(out, _direct(src, dst, length, memory))
+    assert int(w_len.sum()) == int(s_len.sum()) == int(length.sum())
+    assert w_src.size <= src.size  # pieces next to each other in P and in the stream share a descriptor
+
+
+def test_pieces_from_two_source_tensors_never_share_a_window_descriptor() -> None:
+    src = np.array([0, 100], dtype=np.int64)
+    dst = np.array([0, 100], dtype=np.int64)
+    length = np.array([100, 100], dtype=np.int64)
+    assert window_plan(src, dst, length, 0)[0].size == 1
+    assert window_plan(src, dst, length, 0, np.array([0, 1], dtype=np.int64))[0].size == 2
+
+
+def test_the_rule_picks_the_cheapest_way_and_only_ways_the_regions_allow() -> None:
+    rule = StagingRule(descriptor_cost_s=30e-6, copy_cost_s_per_byte=1e-9)
+    # A head split into fewer D processes (P tp2 -> D tp1): strided in D, contiguous in P.
+    assert rule.way(448, 448, 56, 2 << 20, gather=True, scatter=True) is Way.SCATTER
+    assert rule.way(448, 448, 56, 2 << 20, gather=True, scatter=False) is Way.DIRECT
+    # The other way round (P tp1 -> D tp2): strided in P, contiguous in D.
+    assert rule.way(224, 56, 224, 2 << 20, gather=True, scatter=True) is Way.GATHER
+    # Strided on both sides, small: both copies.
+    assert rule.way(4096, 4096, 4096, 64 << 10, gather=True, scatter=True) is Way.BOTH
+    # Already few descriptors: direct, with or without regions.
+    assert rule.way(28, 28, 28, 16 << 20, gather=True, scatter=True) is Way.DIRECT
+    assert Way.SCATTER.scatters and Way.BOTH.scatters and not Way.GATHER.scatters
+
+
+def _pair(p: EngineSpec, d: EngineSpec, tokens: int, windows: bool, staging_bytes: int = 1 << 20) -> PeerPair:
+    pair = PeerPair(p, d, staging=ALWAYS if windows else None, staging_bytes=staging_bytes, windows=windows)
+    pair.start_send("p-t", "t", list(range(2, 2 + -(-tokens // p.block_size))), tokens)
+    pair.start_recv("d-t", "t", list(range(5, 5 + -(-tokens // d.block_size))), tokens)
+    return pair
+
+
+@given(layout_pairs(), st.integers(1, 40), st.sampled_from([256, 4096, 1 << 20]))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_transfer_through_windows_lands_byte_exact_and_gives_every_window_back(
+    pair_specs: tuple[EngineSpec, EngineSpec], tokens: int, staging_bytes: int
+) -> None:
+    p, d = pair_specs
+    try:
+        probe = PeerPair(p, d)
+        for src in probe.p.metas.values():
+            for dst in probe.d.metas.values():
+                check_compatible(src, dst)
+    except TopologyError:
+        assume(False)
+    direct = _pair(p, d, tokens, windows=False)
+    windowed = _pair(p, d, tokens, windows=True, staging_bytes=staging_bytes)
+    for pair in (direct, windowed):
+        pair.run_until_idle()
+        pair.take_reports()
+        pair.assert_received("t")
+        pair.assert_reported_once(["p-t"], ["d-t"])
+        assert all(pair.bytes_written_twice(w) == 0 for w in pair.receivers)
+        assert pair.violations == []
+    s_direct, s_windowed = direct.statistics(), windowed.statistics()
+    assert s_windowed.windows_lent == 0 and s_windowed.writes_failed == 0
+    if staging_bytes == 1 << 20:  # every share fits a window: never more descriptors than direct
+        assert s_windowed.descriptors <= s_direct.descriptors
+
+
+def test_a_head_split_into_fewer_processes_goes_through_windows_in_one_write_per_layer() -> None:
+    p, d = EngineSpec(tp_size=2, num_layers=4), EngineSpec(tp_size=1, num_layers=4)
+    direct = _pair(p, d, 16, windows=False)
+    direct.run_until_idle()
+    scattered = _pair(p, d, 16, windows=True)
+    scattered.run_until_idle()
+    scattered.assert_received("t")
+    s_direct, s_scattered = direct.statistics(), scattered.statistics()
+    # Direct: per P worker, one descriptor per (layer, block, K/V) half of D's block; through a window, each P
+    # worker's blocks are one run per layer (K and V together), or one gathered chunk.
+    assert s_direct.descriptors == 2 * 4 * 4 * 2
+    assert s_scattered.scatters == 2 and s_scattered.descriptors <= 2 * 4
+    assert s_scattered.windows_lent == 0
+
+
+def test_negative_control_a_window_never_scattered_leaves_d_without_the_kv() -> None:
+    pair = _pair(EngineSpec(tp_size=2), EngineSpec(tp_size=1), 16, windows=True)
+    pair._scatter = lambda *args: None  # type: ignore[method-assign]
+    pair.run_until_idle()
+    pair.take_reports()
+    with pytest.raises(AssertionError):
+        pair.assert_received("t")
+
+
+@pytest.mark.parametrize("fault", ["abort", "expire", "failed write", "lost answer"])
+def test_faults_during_a_windowed_transfer_report_once_and_give_the_window_back(fault: str) -> None:
+    pair = _pair(EngineSpec(tp_size=2), EngineSpec(tp_size=1), 16, windows=True)
+    if fault == "failed write":
+        pair.fail_write = lambda write: write.p == (0, 0)
+    elif fault == "lost answer":
+        pair.drop = lambda envelope: envelope.to == "D" and envelope.p == (0, 1)
+    elif fault == "abort":
+        pair.stall_write = lambda write: True  # the writes into the windows are in flight
+    pair.step()
+    pair.run_until_idle()
+    if fault == "abort":
+        pair.abort_recv("d-t")
+        pair.finish_stalled()  # P's writes end; P answers D's abort
+    if fault in ("expire", "lost answer"):
+        pair.stall_write = None
+        pair.advance(1000.0)
+        pair.expire()
+    pair.run_until_idle()
+    pair.advance(1000.0)
+    pair.expire()
+    pair.run_until_idle()
+    pair.take_reports()
+    pair.assert_reported_once(["p-t"], ["d-t"])
+    assert pair.violations == []
+    assert pair.statistics().windows_lent == 0
+    if fault != "expire":
+        assert pair.outcomes("d-t")
+
+
+def test_a_window_outside_ds_published_region_is_refused_with_both_ranges() -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=1), staging=ALWAYS, windows=True)
+    lend = pair._windowed
+
+    def outside(d: tuple[int, int], p: tuple[int, int], request: TransferRequest) -> TransferRequest:
+        request = lend(d, p, request)
+        return msgspec.structs.replace(request, window_addr=request.window_addr + (1 << 30))
+
+    pair._windowed = outside  # type: ignore[method-assign]
+    pair.start_send("p-t", "t", [0, 1, 2, 3], 16)
+    pair.start_recv("d-t", "t", [4, 5, 6, 7], 16)
+    pair.run_until_idle()
+    pair.advance(1000.0)
+    pair.expire()
+    pair.run_until_idle()
+    reports = pair.take_reports()
+    reasons = " ".join(r.reason for r in reports if r.reason)
+    assert "outside D's staging region" in reasons, reports
+    assert pair.statistics().windows_lent == 0
+
+
+def test_check_window_takes_none_or_a_range_inside_the_region() -> None:
+    meta = PeerPair(EngineSpec(), EngineSpec(), staging=ALWAYS, windows=True).d.metas[(0, 0)]
+    check_window(meta, 0, 0)
+    check_window(meta, meta.staging_addr, meta.staging_size)
+    for addr, size in ((meta.staging_addr, 0), (meta.staging_addr - 1, 8), (meta.staging_addr + 1, meta.staging_size)):
+        with pytest.raises(ValueError, match="outside D's staging region"):
+            check_window(meta, addr, size)
