@@ -112,7 +112,7 @@ def render_layouts(report: BenchReport) -> Table:
     row("descriptors/request", "{:.1f}", lambda x: x.descriptors_per_request)
     row("  direct plan", "{:.1f}", lambda x: x.direct_descriptors_per_request)
     row("  bound (destination runs)", "{:.1f}", lambda x: x.descriptor_bound_per_request)
-    row("staged writes/request", "{:.1f}", lambda x: x.staged_writes_per_request)
+    row("gathered writes/request (P)", "{:.1f}", lambda x: x.staged_writes_per_request)
     row("CPU s/GB (homogeneous)", "{}", lambda x: f"{x.cpu_s_per_gb:.2f} ({x.homogeneous_cpu_s_per_gb:.2f})")
     row("verified / failures", "{}", lambda x: f"{x.verified} / {x.failures}")
     return table
