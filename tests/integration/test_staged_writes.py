@@ -1,8 +1,9 @@
 """Staged writes between processes over real Mooncake: P tp1 gathers what each D worker of a tp2 engine needs into
 its staging region and writes one descriptor per contiguous run, in chunks when the region is smaller than a
 request, waiting for room when it is full; every byte is verified on D. A run without a staging region is the
-negative control of the descriptor counts. Faults: aborts on both sides and a P worker killed while staged writes
-are in flight lose and leak nothing.
+negative control of the descriptor counts. P tp2 writes into windows of a tp1 D engine's region that D scatters, with
+a D engine without a region as the negative control. Faults: aborts on both sides and a P worker killed while
+staged writes or windowed transfers are in flight lose and leak nothing.
 """
 
 from __future__ import annotations
@@ -81,27 +82,37 @@ def test_without_a_staging_region_the_same_requests_take_a_descriptor_per_block_
         p.close()
 
 
-def test_aborts_and_a_killed_p_worker_during_staged_writes_lose_and_leak_nothing() -> None:
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "staging_bytes", "counter"),
+    [
+        (1, 2, 64 << 10, "staged_writes"),  # small: gathers wait for room and are chunked
+        (2, 1, 256 << 10, "scattered_receives"),  # small: some shares find no window and go direct
+    ],
+    ids=["gathers on P", "windows on D"],
+)
+def test_aborts_and_a_killed_p_worker_during_staged_transfers_lose_and_leak_nothing(
+    prefill_tp: int, decode_tp: int, staging_bytes: int, counter: str
+) -> None:
     options = ChaosOptions(
         requests=80,
         faults=("kill",),
         concurrency=8,
         max_tokens=256,
         abort_rate=0.2,
-        prefill_tp=1,
-        decode_tp=2,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
         prefill_block_size=8,
         decode_block_size=8,
         fault_worker=0,
-        staging_bytes=64 << 10,  # small: writes wait for room and are chunked
+        staging_bytes=staging_bytes,
         timeout_s=150.0,
     )
     prefill, decode, url, token = start_chaos_engines(options)
     try:
         result = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token).run()
-        p_stats = prefill.executor.statistics()
-        staged = sum(int(s["staged_writes"]) for s in p_stats)
-        lent = sum(int(s["staging_in_use"]) for s in p_stats)
+        stats = prefill.executor.statistics() + decode.executor.statistics()
+        staged = sum(int(s[counter]) for s in stats)
+        lent = sum(int(s["staging_in_use"]) for s in stats)
     finally:
         decode.executor.close()
         prefill.executor.close()
@@ -110,8 +121,8 @@ def test_aborts_and_a_killed_p_worker_during_staged_writes_lose_and_leak_nothing
     assert result.p_blocks_leaked == 0 and result.d_blocks_leaked == 0
     phase = result.phases[-1]
     assert phase.probes_failed == phase.probes and phase.after_fault_finished > 0
-    assert staged > 0  # after the restart, the new P engine staged writes too
-    assert lent == 0  # no room of the staging region is left lent
+    assert staged > 0  # staged transfers ran (after the restart too, for gathers: the new P engine's)
+    assert lent == 0  # no gather room and no window is left lent
 
 
 def _down(staging_bytes: int) -> tuple[Executor, Executor]:
@@ -140,34 +151,3 @@ def test_p_writes_each_share_into_a_window_that_d_scatters_byte_exact(windows: b
     finally:
         d.close()
         p.close()
-
-
-def test_aborts_and_a_killed_p_worker_during_windowed_transfers_lose_and_leak_nothing() -> None:
-    options = ChaosOptions(
-        requests=80,
-        faults=("kill",),
-        concurrency=8,
-        max_tokens=256,
-        abort_rate=0.2,
-        prefill_tp=2,
-        decode_tp=1,
-        prefill_block_size=8,
-        decode_block_size=8,
-        fault_worker=0,
-        staging_bytes=256 << 10,  # small: some shares find no window and go direct
-        timeout_s=150.0,
-    )
-    prefill, decode, url, token = start_chaos_engines(options)
-    try:
-        result = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token).run()
-        d_stats = decode.executor.statistics()
-        scattered = sum(int(s["scattered_receives"]) for s in d_stats)
-        lent = sum(int(s["staging_in_use"]) for s in d_stats + prefill.executor.statistics())
-    finally:
-        decode.executor.close()
-        prefill.executor.close()
-    assert not result.errors, result.errors[:5]
-    assert result.ok and result.requests_lost == 0 and result.holds_leaked == 0
-    assert result.p_blocks_leaked == 0 and result.d_blocks_leaked == 0
-    assert scattered > 0
-    assert lent == 0  # no window and no gather room is left lent
