@@ -182,7 +182,7 @@ class SendJob:
         self.block_ids = block_ids
         self.num_tokens = num_tokens
         self.first_token = first_token
-        self.window = (0, 0)  # D's window (address, bytes) for the share; no bytes: write the blocks
+        self.window = (0, 0, 0)  # D's window (address, bytes, share bytes); no bytes: write the blocks
         self.state = SendState.UNASKED
         self.reason = ""
 

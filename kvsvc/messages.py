@@ -107,7 +107,9 @@ class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True)
     predate it send and read 0.
 
     `window_bytes` > 0: write the share instead as one stream into D's staging region at `window_addr`
-    (`kvsvc.staging.window_plan`); D scatters it into the blocks before it reports. 0: write the blocks."""
+    (`kvsvc.staging.window_plan`); D scatters it into the blocks before it reports. 0: write the blocks.
+    `share_bytes`: the stream's size as D planned it (0: `window_bytes`); larger than the window, it moves in rounds
+    (`kvsvc.staging.window_round_bytes`) with `WindowFilled` and `WindowEmptied`."""
 
     transfer_id: str
     block_ids: list[int]
@@ -115,6 +117,22 @@ class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True)
     first_token: int = 0
     window_addr: int = 0
     window_bytes: int = 0
+    share_bytes: int = 0
+
+
+class WindowFilled(msgspec.Struct, tag="window_filled", frozen=True, kw_only=True):
+    """P to D: round `round` of a share moving through a window in rounds has landed (every round but the last; the
+    last one's answer is `TransferDone`). Part of the write, outside the job tables."""
+
+    transfer_id: str
+    round: int
+
+
+class WindowEmptied(msgspec.Struct, tag="window_emptied", frozen=True, kw_only=True):
+    """D to P: round `round` of the share is scattered into the blocks; its half of the window may be written again."""
+
+    transfer_id: str
+    round: int
 
 
 class Release(msgspec.Struct, tag="release", frozen=True, kw_only=True):
@@ -165,6 +183,8 @@ Message = (
     | HelloOk
     | HelloRefused
     | TransferRequest
+    | WindowFilled
+    | WindowEmptied
     | Release
     | TransferDone
     | TransferFailed

@@ -193,6 +193,15 @@ def check_block_ids(
         raise ValueError(f"{side}: first_token {first_token} outside [0, num_tokens {num_tokens}]")
 
 
+def is_block_run(ids: Sequence[int], count: int) -> bool:
+    """Whether the first `count` block ids are consecutive (a plan of them is a shift of the plan of `range(count)`,
+    which the services cache)."""
+    first = ids[0]
+    return ids[count - 1] == first + count - 1 and (
+        count <= 2 or list(ids[:count]) == list(range(first, first + count))
+    )
+
+
 def check_window(meta: WorkerMetadata, window_addr: int, window_bytes: int) -> None:
     """Check a request's window (`TransferRequest.window_addr`, `window_bytes`): none (both 0), or a range inside
     the staging region D worker `meta` published.

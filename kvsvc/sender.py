@@ -43,6 +43,7 @@ class Submit:
     first_token: int = 0  # tokens before it D holds already
     window_addr: int = 0  # D's window for the share (`TransferRequest.window_bytes`); 0 bytes: write the blocks
     window_bytes: int = 0
+    share_bytes: int = 0  # the share as D planned it; above `window_bytes`, it moves in rounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +421,7 @@ class Sender:
             job = SendJob(hold.transfer_id, dst.worker, [], 0)
         else:
             job = SendJob(hold.transfer_id, dst.worker, request.block_ids, request.num_tokens, request.first_token)
-            job.window = (request.window_addr, request.window_bytes)
+            job.window = (request.window_addr, request.window_bytes, request.share_bytes)
         hold.jobs[dst.worker] = job
         hold.refs[dst.worker] = dst
         return job

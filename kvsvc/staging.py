@@ -12,7 +12,9 @@ destination region into another; whether to stage is `StagingRule`'s decision al
 A window (D-side staging) holds one P worker's share of a request as a stream: the destination bytes that P worker
 writes, in destination address order, packed. Both sides derive it from the set of destination bytes alone, which
 does not depend on P's block ids, so P (`window_plan`) and D (`scatter_plan`) agree on every byte's place without
-sending any layout.
+sending any layout. A share larger than its window moves in rounds (`window_round_bytes`): round k is stream bytes
+`[k R, (k + 1) R)` in half `k % 2` of the window; P writes round k once D emptied round k - 2 (`stream_round` cuts
+either side's columns to a round).
 """
 
 from __future__ import annotations
@@ -242,10 +244,12 @@ def scatter_plan(
 
 @dataclass(frozen=True, slots=True)
 class WindowPlan:
-    """What D needs to lend a window for one P worker's share: its size, and the scatter that empties it, as
-    (stream offset, destination address, length) columns (`scatter_plan`)."""
+    """What D needs to lend a window for one P worker's share: the share's size, the window's (smaller when the share
+    moves in rounds), and the scatter that empties it, as (stream offset, destination address, length) columns
+    (`scatter_plan`)."""
 
     nbytes: int
+    window_bytes: int
     offset: Int64Array
     dst: Int64Array
     length: Int64Array
@@ -262,8 +266,9 @@ def plan_window(
     max_bytes: int,
 ) -> WindowPlan | None:
     """D's decision for one request to P worker `p`: the window to lend when `rule` sends the share through D
-    (`Way.scatters`) and it fits in `max_bytes`; None when P should write the blocks (or will refuse the request,
-    which it does with the reason). P's gather is counted on when `p` published a staging region.
+    (`Way.scatters`), of the share's size or `max_bytes` when the share is larger (it then moves in rounds); None
+    when P should write the blocks (or will refuse the request, which it does with the reason). P's gather is
+    counted on when `p` published a staging region.
 
     P's block ids do not change which of D's bytes it writes, so D plans with any `num_tokens` of them.
     """
@@ -277,7 +282,7 @@ def plan_window(
     table = np.asarray(plan, dtype=np.int64).reshape(-1, 3)
     src, dst, length = table[:, 0], table[:, 1], table[:, 2]
     nbytes = int(length.sum())
-    if nbytes > max_bytes:
+    if nbytes > max_bytes and max_bytes < 2:
         return None
     dst_region = region_ids(dst, [start for start, _ in pool_regions(d)])
     src_runs = window_plan(src, dst, length, 0, region_ids(src, [start for start, _ in pool_regions(p)]))[0].size
@@ -285,7 +290,37 @@ def plan_window(
     way = rule.way(len(plan), dst_runs, src_runs, nbytes, gather=p.staging_size > 0, scatter=True)
     if not way.scatters:
         return None
-    return WindowPlan(nbytes, *scatter_plan(dst, length, dst_region), way)
+    return WindowPlan(nbytes, min(nbytes, max_bytes), *scatter_plan(dst, length, dst_region), way)
+
+
+def window_round_bytes(share: int, window: int) -> int:
+    """The bytes of one round of a `share`-byte stream through a `window`-byte window: the whole share when it fits,
+    else half the window (so P fills one half while D empties the other).
+
+    Raises:
+        ValueError: an empty share, or a window of under 2 bytes that does not hold the share.
+    """
+    if share < 1 or (share > window and window < 2):
+        raise ValueError(f"a share of {share} bytes cannot move through a window of {window}")
+    return share if share <= window else window // 2
+
+
+def window_rounds(share: int, window: int) -> int:
+    """How many rounds a `share`-byte stream takes through a `window`-byte window (`window_round_bytes`)."""
+    return -(-share // window_round_bytes(share, window))
+
+
+def stream_round(
+    offset: Int64Array, other: Int64Array, length: Int64Array, index: int, round_bytes: int
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """The part of a stream's pieces in round `index`: pieces at stream `offset` with `length` bytes, paired with
+    `other` addresses (P's sources, or D's destinations), cut to `[index R, (index + 1) R)`.
+
+    Returns (other address, offset in the round, length) of each part, in stream order.
+    """
+    begin = index * round_bytes
+    kept, skip, part = _clip(offset, length, begin, begin + round_bytes)
+    return other[kept] + skip, offset[kept] + skip - begin, part
 
 
 def _clip(offset: Int64Array, length: Int64Array, begin: int, end: int) -> tuple[Int64Array, Int64Array, Int64Array]:
@@ -358,5 +393,8 @@ __all__ = [
     "region_ids",
     "scatter_plan",
     "stream_offsets",
+    "stream_round",
     "window_plan",
+    "window_round_bytes",
+    "window_rounds",
 ]

@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as replace_plan
 
 from msgspec.structs import replace
 
@@ -29,28 +30,32 @@ from kvsvc.coalesce import Int64Array
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
 from kvsvc.hello import check_hello_reply, make_hello
 from kvsvc.jobs import Notice
+from kvsvc.layout import block_geometry
 from kvsvc.messages import (
     ErrorMessage,
     Message,
     TransferDone,
     TransferFailed,
     TransferRequest,
+    WindowEmptied,
+    WindowFilled,
     Worker,
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.planner import check_block_ids
+from kvsvc.planner import check_block_ids, is_block_run
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.remotes import RemoteEngines, Routes
-from kvsvc.staging import plan_window
+from kvsvc.staging import StagingRule, WindowPlan, plan_window, stream_round, window_round_bytes
 
 log = logging.getLogger(__name__)
 
 # Reconnects to a lost P worker that receives still wait on: first try, and the cap of the doubling delay.
 RECONNECT_FIRST_S = 0.05
 RECONNECT_MAX_S = 2.0
+_WINDOW_PLAN_CACHE_ENTRIES = 1024
 
 
 @dataclass(slots=True)
@@ -67,14 +72,20 @@ class _Outbound:
 
 @dataclass(slots=True)
 class _Window:
-    """A window of D's staging region lent for one (transfer, P worker): where P writes the share, and the scatter
-    that copies it into the blocks, as (window address, block address, length) columns."""
+    """A window of D's staging region lent for one (transfer, P worker): where P writes the share (`share` bytes,
+    in `rounds` rounds of `round_bytes` when it is larger than the window's `nbytes`), and the scatter that copies it
+    into the blocks, as (stream offset, block address, length) columns."""
 
     addr: int
     nbytes: int
+    share: int
     scatter: tuple[Int64Array, Int64Array, Int64Array]
+    round_bytes: int
+    rounds: int
+    next_round: int = 0  # the round P fills next
     scattering: bool = False
-    held: list[Message] = field(default_factory=list)  # answers that came while it scattered
+    failed: str = ""  # why a scatter failed: later rounds are only acknowledged, the answer becomes a failure
+    queue: list[Message] = field(default_factory=list)  # P's frames about it, handled one scatter at a time
 
 
 _WindowKey = tuple[str, str, Worker]  # (transfer_id, P engine, P worker)
@@ -93,6 +104,8 @@ class ReceivingRole:
         self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._windows: dict[_WindowKey, _Window] = {}
+        # (P engine, incarnation, P worker, D blocks, tokens) -> the window plan of D blocks 0.. (None: no window)
+        self._window_plans: dict[tuple[str, str, Worker, int, int], WindowPlan | None] = {}
         self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -296,7 +309,7 @@ class ReceivingRole:
         return channel
 
     def _on_p_message(self, peer: _Outbound, message: Message) -> None:
-        if self._windows and self._scatter_first(peer.ref.engine_id, peer.ref.worker, message):
+        if self._windows and self._through_window(peer.ref.engine_id, peer.ref.worker, message):
             return
         self._run_recv(self._receiver.receive(peer.ref.engine_id, peer.ref.worker, message))
         now = self._ctx.clock()
@@ -336,58 +349,127 @@ class ReceivingRole:
             if window is None:
                 return request
             self._windows[key] = window
-        return replace(request, window_addr=window.addr, window_bytes=window.nbytes)
+        return replace(request, window_addr=window.addr, window_bytes=window.nbytes, share_bytes=window.share)
 
     def _lend_window(self, p: WorkerMetadata, request: TransferRequest) -> _Window | None:
         area = self._ctx.staging
         if area is None or area.scatter is None:
             return None
-        args = (request.block_ids, request.num_tokens, request.first_token, area.rule, area.chunk_bytes)
-        plan = plan_window(p, self._ctx.metadata, *args)
+        plan = self._window_plan(p, request, area.rule, area.chunk_bytes)
         if plan is None:
             return None
-        addr = area.try_lend(plan.nbytes)
+        addr = area.try_lend(plan.window_bytes)
         if addr is None:
             return None
-        return _Window(addr, plan.nbytes, (addr + plan.offset, plan.dst, plan.length))
+        size = window_round_bytes(plan.nbytes, plan.window_bytes)
+        scatter = (plan.offset, plan.dst, plan.length)
+        return _Window(addr, plan.window_bytes, plan.nbytes, scatter, size, -(-plan.nbytes // size))
 
-    def _scatter_first(self, engine_id: str, src: Worker, message: Message) -> bool:
-        """Hold P's answer about a windowed share until the window was scattered into the blocks (a done answer
-        starts the scatter); True when the answer was held, False when it goes to the `Receiver` now."""
-        if not isinstance(message, TransferDone | TransferFailed | ErrorMessage):
+    def _window_plan(
+        self, p: WorkerMetadata, request: TransferRequest, rule: StagingRule, max_bytes: int
+    ) -> WindowPlan | None:
+        """`plan_window`, from a cache when D's blocks for the tokens are one run of consecutive ids and D holds no
+        prefix: the plan of the run starting at block 0, its destinations shifted (as P's plan cache does)."""
+        d, ids, tokens = self._ctx.metadata, request.block_ids, request.num_tokens
+        count = -(-tokens // d.block_size)
+        if request.first_token or not 0 < count <= len(ids) or not is_block_run(ids, count):
+            return plan_window(p, d, ids, tokens, request.first_token, rule, max_bytes)
+        key = (p.engine_id, p.incarnation, p.worker, count, tokens)
+        if key in self._window_plans:
+            unit = self._window_plans[key]
+        else:
+            unit = plan_window(p, d, list(range(count)), tokens, 0, rule, max_bytes)
+            if len(self._window_plans) < _WINDOW_PLAN_CACHE_ENTRIES:
+                self._window_plans[key] = unit
+        if unit is None or ids[0] == 0:
+            return unit
+        return replace_plan(unit, dst=unit.dst + ids[0] * block_geometry(d).block_stride)
+
+    def _through_window(self, engine_id: str, src: Worker, message: Message) -> bool:
+        """Take P's frames about a windowed share (its rounds, its answer) in order, one scatter at a time; True when
+        `message` was taken, False when it goes to the `Receiver` now."""
+        if not isinstance(message, WindowFilled | TransferDone | TransferFailed | ErrorMessage):
             return False
         window = self._windows.get((message.transfer_id, engine_id, src))
         if window is None:
             return False
-        if window.scattering:
-            window.held.append(message)
-            return True
-        if not isinstance(message, TransferDone):
-            return False
-        area = self._ctx.staging
-        assert area is not None and area.scatter is not None
-        window.scattering = True
-        copy = asyncio.ensure_future(area.scatter(*window.scatter))
-        copy.add_done_callback(lambda done: self._scattered(engine_id, src, message, window, done))
+        window.queue.append(message)
+        self._next_in_window(engine_id, src, window)
         return True
 
-    def _scattered(
-        self, engine_id: str, src: Worker, done: TransferDone, window: _Window, copy: asyncio.Future[None]
+    def _next_in_window(self, engine_id: str, src: Worker, window: _Window) -> None:
+        while window.queue and not window.scattering:
+            message = window.queue.pop(0)
+            if isinstance(message, WindowFilled):
+                self._round_filled(engine_id, src, window, message)
+            elif isinstance(message, TransferDone) and window.next_round != window.rounds - 1:
+                reason = f"P answered done after {window.next_round} of {window.rounds} rounds of its window"
+                failed = TransferFailed(transfer_id=message.transfer_id, reason=reason)
+                self._run_recv(self._receiver.receive(engine_id, src, failed))
+            elif isinstance(message, TransferDone) and not window.failed:
+                self._scatter_round(engine_id, src, window, message, window.rounds - 1)
+            else:
+                if isinstance(message, TransferDone):  # a scatter failed: the blocks are not whole
+                    message = TransferFailed(transfer_id=message.transfer_id, reason=window.failed)
+                self._run_recv(self._receiver.receive(engine_id, src, message))
+
+    def _round_filled(self, engine_id: str, src: Worker, window: _Window, message: WindowFilled) -> None:
+        index = message.round
+        if index < window.next_round:  # a repeat: it was emptied already
+            self._tell_p(engine_id, src, WindowEmptied(transfer_id=message.transfer_id, round=index))
+        elif index != window.next_round or index >= window.rounds - 1:
+            what = f"P{src} of {engine_id!r} filled round {index} of {message.transfer_id!r}'s window, "
+            notice(self._ctx, Notice(what + f"expected {window.next_round} of {window.rounds}", protocol_error=True))
+        elif window.failed:  # nothing to scatter into any more: let P finish quickly and answer
+            window.next_round += 1
+            self._tell_p(engine_id, src, WindowEmptied(transfer_id=message.transfer_id, round=index))
+        else:
+            self._scatter_round(engine_id, src, window, message, index)
+
+    def _scatter_round(
+        self, engine_id: str, src: Worker, window: _Window, message: WindowFilled | TransferDone, index: int
     ) -> None:
-        """The scatter of `window` ended: P's done answer goes on, or a failure in its place."""
+        area = self._ctx.staging
+        assert area is not None and area.scatter is not None
+        offset, dst, length = window.scatter
+        r_dst, r_offset, r_length = stream_round(offset, dst, length, index, window.round_bytes)
+        base = window.addr + (index % 2) * window.round_bytes
+        window.scattering = True
+        copy = asyncio.ensure_future(area.scatter(base + r_offset, r_dst, r_length))
+        copy.add_done_callback(lambda done: self._scattered(engine_id, src, window, message, done))
+
+    def _scattered(
+        self,
+        engine_id: str,
+        src: Worker,
+        window: _Window,
+        message: WindowFilled | TransferDone,
+        copy: asyncio.Future[None],
+    ) -> None:
+        """A round's scatter ended: P may fill its half again, or P's done answer goes on (a failure in its place
+        when a scatter failed)."""
         window.scattering = False
         if copy.cancelled():
             return  # the service closed
         exc = copy.exception()
-        if exc is None:
-            self._ctx.counts["scattered"] += 1
-            message: Message = done
+        if exc is not None and not window.failed:
+            window.failed = f"scatter of D's window into its blocks failed: {type(exc).__name__}: {exc}"
+        window.next_round += 1
+        if isinstance(message, WindowFilled):
+            self._tell_p(engine_id, src, WindowEmptied(transfer_id=message.transfer_id, round=message.round))
+        elif window.failed:
+            failed = TransferFailed(transfer_id=message.transfer_id, reason=window.failed)
+            self._run_recv(self._receiver.receive(engine_id, src, failed))
         else:
-            reason = f"scatter of D's window into its blocks failed: {type(exc).__name__}: {exc}"
-            message = TransferFailed(transfer_id=done.transfer_id, reason=reason)
-        held, window.held = window.held, []
-        for answer in (message, *held):
-            self._run_recv(self._receiver.receive(engine_id, src, answer))
+            self._ctx.counts["scattered"] += 1
+            self._run_recv(self._receiver.receive(engine_id, src, message))
+        self._next_in_window(engine_id, src, window)
+
+    def _tell_p(self, engine_id: str, src: Worker, message: Message) -> None:
+        peer = self._outbound.get((engine_id, src))
+        if peer is not None and peer.channel is not None:
+            with contextlib.suppress(PeerLost):
+                peer.channel.send(message)
 
     def _free_windows(self) -> None:
         """Give back every window whose receive from its P worker ended and that no scatter reads."""

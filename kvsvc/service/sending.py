@@ -27,6 +27,7 @@ from kvsvc.messages import (
     ErrorMessage,
     HelloRefused,
     Message,
+    WindowEmptied,
     Worker,
     WorkerMetadata,
     WorkerRef,
@@ -205,6 +206,8 @@ class SendingRole:
             self._ctx.counts["protocol_errors"] += 1
             log.exception("control connection from %s failed", channel.peer)
         finally:
+            if inbound is not None:
+                inbound.target.lose(f"control connection from {inbound.ref} closed")
             if inbound is not None and self._inbound.get(_inbound_key(inbound.ref)) is inbound:
                 del self._inbound[_inbound_key(inbound.ref)]
                 self._run_send(self._sender.peer_lost(inbound.ref))
@@ -230,6 +233,7 @@ class SendingRole:
         old = self._inbound.pop(key, None)
         if old is not None:  # a reconnect, or a restarted D engine: the old connection's jobs are gone
             old.channel.close()
+            old.target.lose(f"replaced by a new connection from {ref}")
             self._run_send(self._sender.peer_lost(old.ref))
         try:
             # D's staging region too: P writes the windows D lends there.
@@ -240,7 +244,9 @@ class SendingRole:
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
         me = self._ctx.metadata
-        target = WriteTarget(ref, d, strides=(block_geometry(me).block_stride, block_geometry(d).block_stride))
+        target = WriteTarget(
+            ref, d, channel.send, strides=(block_geometry(me).block_stride, block_geometry(d).block_stride)
+        )
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
         channel.send(decision.reply)
@@ -253,6 +259,9 @@ class SendingRole:
             channel.send(reply)
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
+        if isinstance(message, WindowEmptied):  # part of a write in rounds, not of the job tables
+            inbound.target.window_emptied(message.transfer_id, message.round)
+            return
         now = self._ctx.clock()
         self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))
 

@@ -60,8 +60,8 @@ class ServiceStatistics:
     recv_durations: HistogramStatistics  # D: start_recv to KV landed, per receive
     staged_writes: int = 0  # P: writes to one D worker that went through the staging region
     scattered_receives: int = 0  # D: shares from one P worker that came through a window and were scattered
-    staging_in_use: int = 0  # P: bytes of the staging region lent now (0 when idle: anything else is a leak)
-    staging_waits: int = 0  # P: lends that had to wait for room
+    staging_in_use: int = 0  # bytes of the staging region lent now, gathers and windows (0 when idle, else a leak)
+    staging_waits: int = 0  # P: gathers that had to wait for room
 
     @property
     def holds(self) -> int:

@@ -5,7 +5,9 @@ through the injected `write_result`, only when none of its descriptors can move 
 its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport's
 `start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written
 one descriptor per destination run (`kvsvc.service.staging`). A request with a window of D's staging region is
-written there as one stream (`kvsvc.staging.window_plan`), gathered too when the rule picks it; D scatters it.
+written there as one stream (`kvsvc.staging.window_plan`), gathered too when the rule picks it; D scatters it. A share
+larger than its window moves in rounds: round k waits until D emptied round k - 2 (`WindowEmptied`, within the hold
+timeout), and each round but the last is announced with `WindowFilled`.
 Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
@@ -19,13 +21,23 @@ from typing import Any
 
 import numpy as np
 
-from kvsvc.errors import PeerLost, TopologyError
+from kvsvc.coalesce import Int64Array
+from kvsvc.errors import KVSvcTimeout, PeerLost, TopologyError
 from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs, pool_regions
-from kvsvc.messages import Worker, WorkerMetadata, WorkerRef
-from kvsvc.planner import plan_transfer
+from kvsvc.messages import Message, WindowFilled, Worker, WorkerMetadata, WorkerRef
+from kvsvc.planner import is_block_run, plan_transfer
 from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext
-from kvsvc.staging import StagedChunk, count_runs, plan_staged, region_ids, window_plan
+from kvsvc.staging import (
+    StagedChunk,
+    count_runs,
+    plan_staged,
+    region_ids,
+    stream_round,
+    window_plan,
+    window_round_bytes,
+    window_rounds,
+)
 from kvsvc.transport.base import WriteFailed
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
@@ -35,17 +47,69 @@ WriteResult = Callable[[str, Worker, str | None, int, int], None]
 """`(transfer_id, D worker, error or None, bytes, descriptors)`: how a write's end reaches the `Sender`."""
 
 
+def _nowhere(message: Message) -> None:
+    raise PeerLost(f"no control connection to send {type(message).__name__} on")
+
+
 @dataclass(slots=True)
 class WriteTarget:
-    """A D worker this P worker writes to, as its accepted hello described it."""
+    """A D worker this P worker writes to, as its accepted hello described it, and the rounds of its windows that
+    it emptied (`window_emptied`), which writes in rounds wait for (`wait_emptied`)."""
 
     ref: WorkerRef
     meta: WorkerMetadata
+    send: Callable[[Message], None] = _nowhere
+    """Sends a frame to this D worker on its control connection; raises `PeerLost` when it is closed."""
     # Plans of requests whose P and D blocks are each one run of consecutive ids, for the run starting at block 0
     # on both sides, keyed (P blocks, D blocks, tokens): see `BlockWriter._plan`.
     plans: dict[tuple[int, int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
     strides: tuple[int, int] = (0, 0)  # block strides of P (this worker) and of this D worker
     src_regions: list[int] = field(default_factory=list)  # start addresses of this P worker's registered tensors
+    emptied: dict[str, set[int]] = field(default_factory=dict)  # per transfer writing in rounds
+    waiters: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    gone: str = ""  # why the control connection closed; "" while it is open
+
+    def window_emptied(self, transfer_id: str, index: int) -> None:
+        """D emptied round `index` of `transfer_id`'s window. One for a transfer not writing in rounds (a repeat, a
+        late one) is dropped."""
+        rounds = self.emptied.get(transfer_id)
+        if rounds is None:
+            return
+        rounds.add(index)
+        waiter = self.waiters.pop(transfer_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait_emptied(self, transfer_id: str, index: int, timeout_s: float) -> None:
+        """Return once D emptied round `index` of `transfer_id`.
+
+        Raises:
+            PeerLost: the control connection closed first.
+            KVSvcTimeout: not within `timeout_s`.
+
+        Cancellation leaves nothing behind (the waiter is replaced by the next wait).
+        """
+        rounds = self.emptied.setdefault(transfer_id, set())
+        try:
+            async with asyncio.timeout(timeout_s):
+                while index not in rounds:
+                    if self.gone:
+                        raise PeerLost(f"{self.ref}: {self.gone}")
+                    waiter = asyncio.get_running_loop().create_future()
+                    self.waiters[transfer_id] = waiter
+                    await waiter
+        except TimeoutError:
+            raise KVSvcTimeout(
+                f"{self.ref} emptied no round {index} of {transfer_id!r}'s window within {timeout_s:g} s"
+            ) from None
+
+    def lose(self, reason: str) -> None:
+        """The control connection closed: every write waiting for a round fails with `PeerLost`."""
+        self.gone = reason or "control connection closed"
+        for waiter in self.waiters.values():
+            if not waiter.done():
+                waiter.set_result(None)  # the waiting loop sees `gone`
+        self.waiters.clear()
 
 
 class BlockWriter:
@@ -108,15 +172,16 @@ class BlockWriter:
         try:
             if target is None:
                 raise PeerLost(f"control connection to {command.dst} lost before the write")
-            descriptors = self._descriptors(target, command)
-            ndesc = len(descriptors)
             layers = self._layer_ready.get(command.transfer_id)
-            chunks = self._staged(target, descriptors, command.window_bytes > 0) if layers is None else None
-            if chunks is not None:
-                nbytes, ndesc = await self._write_staged(target.meta.transport_addr, chunks)
+            if _in_rounds(command):
+                if layers is not None:  # rounds follow D's address order, not the layers: all of them first
+                    await asyncio.gather(*layers)
+                nbytes, ndesc = await self._write_rounds(target, command)
             elif layers is None:
-                nbytes = await self._ctx.transport.write(target.meta.transport_addr, descriptors)
+                nbytes, ndesc = await self._write_once(target, self._descriptors(target, command), command)
             else:
+                descriptors = self._descriptors(target, command)
+                ndesc = len(descriptors)
                 nbytes = await self._write_layerwise(target.meta.transport_addr, descriptors, layers)
         except asyncio.CancelledError:
             # Only `close` cancels, after `close_drain_timeout_s`: the engine is going away with its blocks.
@@ -145,7 +210,7 @@ class BlockWriter:
         """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can
         (`start_write`); the outcome arrives in `_started_write_done`. False, having done nothing, in any other
         case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then."""
-        if command.transfer_id in self._layer_ready:
+        if command.transfer_id in self._layer_ready or _in_rounds(command):
             return False
         target = self._target(command.dst)
         if target is None:
@@ -192,26 +257,75 @@ class BlockWriter:
         drained.add_done_callback(after_drain)
 
     def _descriptors(self, target: WriteTarget, command: Submit) -> Sequence[tuple[int, int, int]]:
-        """The descriptors of `command`: its plan, or, with a window, the plan's stream into that window.
+        """The descriptors of `command`: its plan, or, with a window that holds the whole share, the plan's stream
+        into that window.
 
         Raises:
-            TopologyError / ValueError: as `_plan`, or the window does not hold exactly the share's bytes.
+            TopologyError / ValueError: as `_plan` and `_stream`.
         """
-        descriptors = self._plan(target, command)
         if not command.window_bytes:
-            return descriptors
-        table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
+            return self._plan(target, command)
+        src, offset, length = self._stream(target, command)
+        return list(zip(src.tolist(), (command.window_addr + offset).tolist(), length.tolist(), strict=True))
+
+    def _stream(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """`command`'s share as a window stream: (source, stream offset, length) columns (`window_plan`).
+
+        Raises:
+            TopologyError / ValueError: as `_plan`, or D planned a share of another size.
+        """
+        table = np.asarray(self._plan(target, command), dtype=np.int64).reshape(-1, 3)
         src, dst, length = table[:, 0], table[:, 1], table[:, 2]
         nbytes = int(length.sum())
-        if nbytes != command.window_bytes:
+        share = command.share_bytes or command.window_bytes
+        if nbytes != share:
             raise ValueError(
-                f"D's window of {command.window_bytes} bytes for {command.transfer_id!r} does not match the "
-                f"{nbytes} bytes this P worker writes it"
+                f"D planned a share of {share} bytes for {command.transfer_id!r} (window of {command.window_bytes}); "
+                f"this P worker writes it {nbytes}"
             )
         if not target.src_regions:
             target.src_regions = [start for start, _ in pool_regions(self._ctx.metadata)]
-        columns = window_plan(src, dst, length, command.window_addr, region_ids(src, target.src_regions))
-        return list(zip(*(c.tolist() for c in columns), strict=True))
+        return window_plan(src, dst, length, 0, region_ids(src, target.src_regions))
+
+    async def _write_once(
+        self, target: WriteTarget, descriptors: Sequence[tuple[int, int, int]], command: Submit
+    ) -> tuple[int, int]:
+        """Write `descriptors`, gathered through the staging region when its rule picks it; (bytes, descriptors).
+
+        Raises:
+            WriteFailed / StagingFull / what the gather raises: as `_write_staged` or `Transport.write`.
+        """
+        chunks = self._staged(target, descriptors, command.window_bytes > 0)
+        if chunks is not None:
+            return await self._write_staged(target.meta.transport_addr, chunks)
+        return await self._ctx.transport.write(target.meta.transport_addr, descriptors), len(descriptors)
+
+    async def _write_rounds(self, target: WriteTarget, command: Submit) -> tuple[int, int]:
+        """Write a share larger than its window in rounds (module docstring); (bytes, descriptors).
+
+        Raises:
+            as `_stream` and `_write_once`; PeerLost / KVSvcTimeout: D did not empty a round in time.
+        """
+        src, offset, length = self._stream(target, command)
+        share = int(length.sum())
+        size, count = window_round_bytes(share, command.window_bytes), window_rounds(share, command.window_bytes)
+        transfer_id, nbytes, ndesc = command.transfer_id, 0, 0
+        target.emptied.setdefault(transfer_id, set())
+        try:
+            for index in range(count):
+                if index >= 2:
+                    await target.wait_emptied(transfer_id, index - 2, self._ctx.config.hold_timeout_s)
+                r_src, r_offset, r_length = stream_round(offset, src, length, index, size)
+                base = command.window_addr + (index % 2) * size
+                columns = (r_src.tolist(), (base + r_offset).tolist(), r_length.tolist())
+                written, submitted = await self._write_once(target, list(zip(*columns, strict=True)), command)
+                nbytes, ndesc = nbytes + written, ndesc + submitted
+                if index < count - 1:
+                    target.send(WindowFilled(transfer_id=transfer_id, round=index))
+        finally:
+            target.emptied.pop(transfer_id, None)
+            target.waiters.pop(transfer_id, None)
+        return nbytes, ndesc
 
     def _plan(self, target: WriteTarget, command: Submit) -> Sequence[tuple[int, int, int]]:
         """`plan_transfer`, from `target`'s cache when the used P and D blocks are each one run of consecutive ids
@@ -235,8 +349,8 @@ class BlockWriter:
         if not (
             0 < n_src <= len(src_ids)
             and 0 < n_dst <= len(dst_ids)
-            and _is_run(src_ids, n_src)
-            and _is_run(dst_ids, n_dst)
+            and is_block_run(src_ids, n_src)
+            and is_block_run(dst_ids, n_dst)
         ):
             return plan_transfer(src, dst, src_ids, dst_ids, num_tokens)
         key = (n_src, n_dst, num_tokens)
@@ -358,7 +472,6 @@ class BlockWriter:
         return sum(r for r in results if isinstance(r, int))
 
 
-def _is_run(ids: list[int], count: int) -> bool:
-    """Whether the first `count` ids are consecutive."""
-    first = ids[0]
-    return ids[count - 1] == first + count - 1 and (count <= 2 or ids[:count] == list(range(first, first + count)))
+def _in_rounds(command: Submit) -> bool:
+    """Whether `command`'s share moves through its window in rounds (D planned it larger than the window)."""
+    return command.window_bytes > 0 and command.share_bytes > command.window_bytes

@@ -5,24 +5,54 @@ transfer engine over TCP loopback and a numpy KV pool (`kvsvc.testing.sim.SimEng
 bootstrap endpoint. P fills a transfer's blocks with `kv_pattern` bytes before holding them, so `check_received`
 on D proves every byte. Reports are aggregated across workers with `KVOutputAggregator`, as an engine core would.
 Mooncake is imported only when an engine starts; `transport="fake"` swaps in `LoopbackTransport` (no Mooncake).
+With `staging_bytes`, each worker also has a staging region (numpy, registered like the pool) whose gathers and
+scatters are `MemmoveCopies`, which a test can hold in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import time
 from collections.abc import Callable
 from typing import Literal
 
+import numpy as np
+
+from kvsvc.coalesce import Int64Array
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.layout import block_geometry
 from kvsvc.messages import Worker
 from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
+from kvsvc.service.staging import StagingArea
 from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport
 
 Outcome = Literal["finished_sending", "finished", "failed"]
+
+
+class MemmoveCopies:
+    """A staging region's gather and scatter as `ctypes.memmove` of each piece on the loop, each once `gate` is set
+    (it is at first): a test clears it to hold copies in flight. Addresses are trusted (test memory only)."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.gathers = self.scatters = 0  # copies started
+
+    async def __call__(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:
+        self.gathers += 1
+        await self._copy(src, dst, length)
+
+    async def scatter(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:
+        self.scatters += 1
+        await self._copy(src, dst, length)
+
+    async def _copy(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:
+        await self.gate.wait()
+        for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+            ctypes.memmove(d, s, n)
 
 
 class LoopbackEngine:
@@ -37,6 +67,7 @@ class LoopbackEngine:
         transport: Literal["mooncake", "fake"] = "mooncake",
         transport_factory: Callable[[], Transport] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        staging_bytes: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.spec = spec
@@ -47,6 +78,10 @@ class LoopbackEngine:
         self.services: dict[Worker, KVTransferService] = {}
         self._bootstrap: BootstrapServer | None = None
         self._aggregator = KVOutputAggregator(len(self.sim.metas))
+        self.staging_bytes = staging_bytes
+        self.copies = MemmoveCopies()  # every worker's gathers and scatters
+        self.staging: dict[Worker, StagingArea] = {}
+        self._regions: list[np.ndarray] = []  # kept alive while the services may use them
         self._outcomes: dict[str, Outcome] = {}
         self.url = ""
 
@@ -65,7 +100,16 @@ class LoopbackEngine:
             transport = self._factory()
             arena = self.sim.arenas[worker]
             transport.register([(arena.ctypes.data, arena.nbytes)])
-            service = KVTransferService(self.sim.metas[worker], transport, self._config, clock=self._clock)
+            staging = None
+            if self.staging_bytes:
+                region = np.zeros(self.staging_bytes, dtype=np.uint8)
+                self._regions.append(region)
+                transport.register([(region.ctypes.data, region.nbytes)])
+                staging = StagingArea(region.ctypes.data, region.nbytes, self.copies, scatter=self.copies.scatter)
+                self.staging[worker] = staging
+            service = KVTransferService(
+                self.sim.metas[worker], transport, self._config, clock=self._clock, staging=staging
+            )
             self.sim.metas[worker] = await service.start()
             self.services[worker] = service
         for service in self.services.values():

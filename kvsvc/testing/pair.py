@@ -42,7 +42,10 @@ from kvsvc.staging import (
     plan_staged,
     plan_window,
     region_ids,
+    stream_round,
     window_plan,
+    window_round_bytes,
+    window_rounds,
 )
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
@@ -476,25 +479,33 @@ class PeerPair:
             assert self.staging is not None
             args = (request.block_ids, request.num_tokens, request.first_token, self.staging, self.staging_bytes // 2)
             plan = plan_window(self.p.metas[p], self.d.metas[d], *args)
-            offset = self._window_ranges[d].allocate(plan.nbytes) if plan is not None else None
+            offset = self._window_ranges[d].allocate(plan.window_bytes) if plan is not None else None
             if plan is None or offset is None:
                 return request
             self._windows[key] = (self.d.metas[d].staging_addr + offset, plan)
         addr, plan = self._windows[key]
-        return msgspec.structs.replace(request, window_addr=addr, window_bytes=plan.nbytes)
+        return msgspec.structs.replace(
+            request, window_addr=addr, window_bytes=plan.window_bytes, share_bytes=plan.nbytes
+        )
 
-    def _scatter(self, d: Worker, p: Worker, transfer_id: str) -> None:
-        """D's scatter of a window into its blocks, before P's done answer reaches the `Receiver`."""
+    def _scatter(self, d: Worker, p: Worker, transfer_id: str, index: int | None = None) -> None:
+        """D's scatter of round `index` of a window into its blocks (None: the last round, before P's done answer
+        reaches the `Receiver`)."""
         window = self._windows.get((transfer_id, d, p))
         if window is None:
             return
         addr, plan = window
+        size = window_round_bytes(plan.nbytes, plan.window_bytes)
+        if index is None:
+            index = -(-plan.nbytes // size) - 1
+            self._counts.scatters += 1
         arena, base = self._window_arenas[d], self.d.metas[d].staging_addr
-        for o, dst, n in zip(plan.offset.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True):
+        at = addr - base + (index % 2) * size
+        r_dst, r_offset, r_length = stream_round(plan.offset, plan.dst, plan.length, index, size)
+        for o, dst, n in zip(r_offset.tolist(), r_dst.tolist(), r_length.tolist(), strict=True):
             span = self.d.span(d, dst, n)
-            self.d.arenas[d][span] = arena[addr - base + o : addr - base + o + n]
+            self.d.arenas[d][span] = arena[at + o : at + o + n]
             self._write_counts[d][span] += 1
-        self._counts.scatters += 1
 
     def _free_windows(self, d: Worker) -> None:
         for key, (addr, _) in list(self._windows.items()):
@@ -562,25 +573,36 @@ class PeerPair:
 
     def _copy_window(self, write: Write, src: IntArray, dst: IntArray, length: IntArray) -> tuple[int, int]:
         """P's write of its share into D's window, as `BlockWriter` does: one descriptor per source run in the
-        stream, or one per chunk when P's rule gathers it."""
+        stream, or one per chunk when P's rule gathers it; a share larger than the window in rounds, each but the
+        last scattered by D at once (as if `WindowFilled` and `WindowEmptied` crossed the wire without delay)."""
         submit, nbytes = write.submit, int(length.sum())
-        if nbytes != submit.window_bytes:
-            self.violations.append(f"window of {submit.window_bytes} bytes for a share of {nbytes}")
+        share = submit.share_bytes or submit.window_bytes
+        if nbytes != share:
+            self.violations.append(f"D planned a share of {share} bytes, P writes {nbytes}")
             return nbytes, 0
         src_region = region_ids(src, [start for start, _ in pool_regions(self.p.metas[write.p])])
-        w_src, w_dst, w_len = window_plan(src, dst, length, submit.window_addr, src_region)
+        w_src, w_offset, w_len = window_plan(src, dst, length, 0, src_region)
         arena, base = self._window_arenas[write.d], self.d.metas[write.d].staging_addr
-        for s, o, n in zip(w_src.tolist(), (w_dst - base).tolist(), w_len.tolist(), strict=True):
-            if o < 0 or o + n > arena.size:
-                self.violations.append(f"window write [{o}, +{n}) outside D{write.d}'s staging region")
-                continue
-            arena[o : o + n] = self.p.arenas[write.p][self.p.span(write.p, s, n)]
+        size, rounds = window_round_bytes(share, submit.window_bytes), window_rounds(share, submit.window_bytes)
         assert self.staging is not None
-        chunk = max(1, self.staging_bytes // 2)
-        if self.staging.stage(w_src.size, -(-nbytes // chunk), nbytes):
-            self._counts.writes_staged += 1
-            return nbytes, -(-nbytes // chunk)
-        return nbytes, int(w_src.size)
+        chunk, count = max(1, self.staging_bytes // 2), 0
+        for index in range(rounds):
+            r_src, r_offset, r_len = stream_round(w_offset, w_src, w_len, index, size)
+            at = submit.window_addr - base + (index % 2) * size
+            for s, o, n in zip(r_src.tolist(), r_offset.tolist(), r_len.tolist(), strict=True):
+                if at + o < 0 or at + o + n > arena.size:
+                    self.violations.append(f"window write [{at + o}, +{n}) outside D{write.d}'s staging region")
+                    continue
+                arena[at + o : at + o + n] = self.p.arenas[write.p][self.p.span(write.p, s, n)]
+            part = int(r_len.sum())
+            if self.staging.stage(r_src.size, -(-part // chunk), part):
+                self._counts.writes_staged += 1
+                count += -(-part // chunk)
+            else:
+                count += int(r_src.size)
+            if index < rounds - 1:
+                self._scatter(write.d, write.p, submit.transfer_id, index)
+        return nbytes, count
 
     def _complete(self, write: Write, error: str | None) -> None:
         submit, nbytes, count = write.submit, 0, 0

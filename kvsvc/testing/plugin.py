@@ -4,7 +4,8 @@ Fixtures:
 - `fake_clock`: a `FakeClock` at 0, for `KVTransferService(clock=...)` or `Sender`/`Receiver` `now` values.
 - `peer_pair`: a factory `peer_pair(p_spec, d_spec, **kwargs) -> PeerPair`: protocol objects back to back.
 - `loopback_engines`: an async factory `await loopback_engines(prefill_spec, decode_spec, config=...,
-  transport="mooncake")` returning started `(P, D)` `LoopbackEngine`s on real Mooncake; all are closed at teardown.
+  transport="mooncake", staging_bytes=0)` returning started `(P, D)` `LoopbackEngine`s on real Mooncake (with a
+  staging region per worker when `staging_bytes` > 0); all are closed at teardown.
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ async def loopback_engines() -> AsyncIterator[LoopbackFactory]:
         config: ServiceConfig | None = None,
         transport: Literal["mooncake", "fake"] = "mooncake",
         clock: Callable[[], float] = time.monotonic,
+        staging_bytes: int = 0,
     ) -> tuple[LoopbackEngine, LoopbackEngine]:
-        p = LoopbackEngine("prefill", prefill or EngineSpec(), config=config, transport=transport, clock=clock)
+        options = dict(config=config, transport=transport, clock=clock, staging_bytes=staging_bytes)
+        p = LoopbackEngine("prefill", prefill or EngineSpec(), **options)  # type: ignore[arg-type]
         started.append(p)
         await p.start()
-        d = LoopbackEngine("decode", decode or EngineSpec(), config=config, transport=transport, clock=clock)
+        d = LoopbackEngine("decode", decode or EngineSpec(), **options)  # type: ignore[arg-type]
         started.append(d)
         await d.start()
         return p, d

@@ -133,18 +133,27 @@ def _down(staging_bytes: int) -> tuple[Executor, Executor]:
     return p, d
 
 
-@pytest.mark.parametrize("windows", [True, False], ids=["windows", "negative control: no D region"])
-def test_p_writes_each_share_into_a_window_that_d_scatters_byte_exact(windows: bool) -> None:
-    p, d = _down(staging_bytes=32 << 20 if windows else 0)  # room for every share of the 4 requests at once
+@pytest.mark.parametrize(
+    "d_region",
+    [32 << 20, 1 << 20, 0],
+    ids=["windows", "windows in rounds", "negative control: no D region"],
+)
+def test_p_writes_each_share_into_a_window_that_d_scatters_byte_exact(d_region: int) -> None:
+    # 32 MiB: a whole 2 MiB share per window, for 4 requests at once; 1 MiB: windows of 512 KiB, 8 rounds of 256 KiB.
+    p, d = _down(staging_bytes=d_region)
     try:
         ended, descriptors = _move(p, d, 4)
         assert all(r.verified_ok for r in ended), [(r.transfer_id, r.state, r.reason) for r in ended]
         (d_stats,) = d.statistics()
         assert d_stats["staging_in_use"] == 0
-        if windows:
+        if d_region == 32 << 20:
             # Per request and P worker: 4 layers, each one run of P's consecutive blocks, into one window.
             assert d_stats["scattered_receives"] == 4 * 2
             assert descriptors == 4 * 2 * 4
+        elif d_region:
+            assert d_stats["scattered_receives"] > 0
+            # A share without room goes direct; in rounds, each round cuts at most one more run.
+            assert descriptors < 4 * 2 * 4 * (TOKENS // 16) * 2
         else:
             assert d_stats["scattered_receives"] == 0
             assert descriptors == 4 * 2 * 4 * (TOKENS // 16) * 2  # requests x P workers x layers x blocks x K/V

@@ -9,12 +9,22 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kvsvc.layout import block_geometry
 from kvsvc.messages import TransferRequest
 from kvsvc.planner import check_window
-from kvsvc.staging import StagingRule, Way, scatter_plan, window_plan
+from kvsvc.staging import (
+    StagingRule,
+    Way,
+    plan_window,
+    scatter_plan,
+    stream_round,
+    window_plan,
+    window_round_bytes,
+    window_rounds,
+)
 from kvsvc.testing.pair import PeerPair
 from kvsvc.testing.sim import EngineSpec
 
@@ -42,6 +52,40 @@ def test_the_window_stream_and_its_scatter_put_every_byte_where_the_direct_plan_
     assert np.array_equal(out, _direct(src, dst, length, memory))
     assert int(w_len.sum()) == int(s_len.sum()) == int(length.sum())
     assert w_src.size <= src.size  # pieces next to each other in P and in the stream share a descriptor
+
+
+@given(plans(), st.integers(2, 300))
+@settings(max_examples=200, deadline=None)
+def test_a_share_through_a_smaller_window_in_rounds_lands_every_byte(
+    plan: tuple[np.ndarray, np.ndarray, np.ndarray], window: int
+) -> None:
+    src, dst, length = plan
+    memory = np.random.default_rng(2).integers(1, 256, SRC_SIZE, dtype=np.uint8)
+    share = int(length.sum())
+    size, rounds = window_round_bytes(share, window), window_rounds(share, window)
+    assert size <= window and rounds * size >= share > (rounds - 1) * size
+    staging = np.zeros(window, dtype=np.uint8)
+    out = np.zeros(DST_SIZE, dtype=np.uint8)
+    w_src, w_offset, w_len = window_plan(src, dst, length, 0)
+    s_offset, s_dst, s_len = scatter_plan(dst, length)
+    moved = 0
+    for index in range(rounds):  # P fills a half, D empties it before P fills it again
+        half = (index % 2) * size
+        staging[half : half + size] = 0  # what D left there must not matter
+        for s, o, n in zip(*(c.tolist() for c in stream_round(w_offset, w_src, w_len, index, size)), strict=True):
+            staging[half + o : half + o + n] = memory[s : s + n]
+            moved += n
+        for d, o, n in zip(*(c.tolist() for c in stream_round(s_offset, s_dst, s_len, index, size)), strict=True):
+            out[d : d + n] = staging[half + o : half + o + n]
+    assert moved == share
+    assert np.array_equal(out, _direct(src, dst, length, memory))
+
+
+def test_a_window_too_small_for_any_round_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot move"):
+        window_round_bytes(10, 1)
+    assert window_round_bytes(10, 10) == 10 and window_rounds(10, 10) == 1
+    assert window_round_bytes(10, 4) == 2 and window_rounds(10, 4) == 5
 
 
 def test_pieces_from_two_source_tensors_never_share_a_window_descriptor() -> None:
@@ -177,3 +221,27 @@ def test_check_window_takes_none_or_a_range_inside_the_region() -> None:
     for addr, size in ((meta.staging_addr, 0), (meta.staging_addr - 1, 8), (meta.staging_addr + 1, meta.staging_size)):
         with pytest.raises(ValueError, match="outside D's staging region"):
             check_window(meta, addr, size)
+
+
+@given(layout_pairs(), st.integers(1, 40), st.integers(0, 8))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_window_plan_of_a_block_run_is_the_plan_of_blocks_from_zero_shifted(
+    pair_specs: tuple[EngineSpec, EngineSpec], tokens: int, first: int
+) -> None:
+    # What D's window plan cache relies on: only the destinations move, by whole blocks.
+    p, d = pair_specs
+    assume_compatible(p, d)
+    pair = PeerPair(p, d, staging=ALWAYS, windows=True)
+    count = -(-tokens // d.block_size)
+    assume(first + count <= d.num_blocks)
+    for p_meta in pair.p.metas.values():
+        for d_meta in pair.d.metas.values():
+            unit = plan_window(p_meta, d_meta, list(range(count)), tokens, 0, ALWAYS, 1 << 20)
+            moved = plan_window(p_meta, d_meta, list(range(first, first + count)), tokens, 0, ALWAYS, 1 << 20)
+            if unit is None or moved is None:
+                assert unit is moved
+                continue
+            stride = block_geometry(d_meta).block_stride
+            assert (unit.nbytes, unit.window_bytes, unit.way) == (moved.nbytes, moved.window_bytes, moved.way)
+            assert np.array_equal(unit.offset, moved.offset) and np.array_equal(unit.length, moved.length)
+            assert np.array_equal(unit.dst + first * stride, moved.dst)

@@ -1,0 +1,129 @@
+"""Windows through the service on real Mooncake, in one process (`LoopbackEngine` with staging regions whose copies
+the test can hold): D reports a windowed share only after its scatter ended, also when the receive is aborted while
+the scatter runs, and every window goes back; a share larger than its window moves in rounds, P at most two rounds
+ahead of D's scatter, also when aborted mid-way; without room a share goes without a window; a D engine without a
+region is the negative control of the scatter count."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvsvc.service import ServiceConfig
+from kvsvc.testing.engines import LoopbackEngine
+from kvsvc.testing.plugin import LoopbackFactory
+from kvsvc.testing.sim import EngineSpec
+
+pytestmark = pytest.mark.integration
+
+# Each P worker fills every other head range of D's blocks: a share of 128 KiB in 32 pieces, or 4 runs in P.
+GEOMETRY = dict(num_layers=4, num_kv_heads=4, head_size=64, block_size=16, num_blocks=16)
+P_SPEC = EngineSpec(tp_size=2, **GEOMETRY)  # type: ignore[arg-type]
+D_SPEC = EngineSpec(tp_size=1, **GEOMETRY)  # type: ignore[arg-type]
+BLOCKS, TOKENS = [3, 4, 5, 6], 64
+
+
+def _scattered(d: LoopbackEngine) -> int:
+    return sum(s.statistics().scattered_receives for s in d.services.values())
+
+
+def _lent(*engines: LoopbackEngine) -> int:
+    return sum(s.statistics().staging_in_use for e in engines for s in e.services.values())
+
+
+async def _until(condition: object, timeout_s: float = 20.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("d_region", [True, False], ids=["windows", "negative control: no D region"])
+async def test_each_p_worker_writes_its_share_into_a_window_that_d_scatters(
+    loopback_engines: LoopbackFactory, d_region: bool
+) -> None:
+    p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=1 << 20)
+    if not d_region:
+        for service in d.services.values():
+            service._ctx.staging = None  # as a D worker built without a region
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    assert await d.wait("d1") == "finished"
+    assert await p.wait("p1") == "finished_sending"
+    d.check_received("t1", BLOCKS, TOKENS)
+    assert _scattered(d) == (2 if d_region else 0)
+    assert _lent(p, d) == 0 and p.holds() == 0 and d.holds() == 0
+
+
+async def test_an_abort_while_d_scatters_is_reported_only_after_the_scatter(loopback_engines: LoopbackFactory) -> None:
+    p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=1 << 20)
+    d.copies.gate.clear()  # D's scatters start and wait
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    await _until(lambda: d.copies.scatters == 2)  # both shares landed in their windows; P answered done
+    d.abort("d1")
+    await asyncio.sleep(0.3)  # P answers the abort meanwhile
+    kv = d.collect()
+    assert "d1" not in (kv.finished_recving or set()) | (kv.failed_recving or set())  # blocks still being written
+    assert _lent(d) > 0
+    d.copies.gate.set()
+    assert await d.wait("d1") == "failed"  # aborted by D, its blocks invalid
+    assert await p.wait("p1") == "finished_sending"
+    await _until(lambda: _lent(p, d) == 0)
+    assert p.holds() == 0 and d.holds() == 0
+
+
+async def test_a_share_larger_than_its_window_moves_in_rounds(loopback_engines: LoopbackFactory) -> None:
+    p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=64 << 10)  # windows of 32 KiB: 8 rounds of 16
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    assert await d.wait("d1") == "finished"
+    assert await p.wait("p1") == "finished_sending"
+    d.check_received("t1", BLOCKS, TOKENS)
+    assert _scattered(d) == 2 and d.copies.scatters == 2 * 8
+    assert _lent(p, d) == 0
+
+
+async def test_p_fills_at_most_two_rounds_ahead_of_ds_scatter(loopback_engines: LoopbackFactory) -> None:
+    p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=64 << 10)
+    d.copies.gate.clear()  # D's scatters start and wait: P may fill both halves, then must wait
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    await _until(lambda: d.copies.scatters == 2)  # round 0 of each P worker's share
+    windows = list(d.services[(0, 0)]._receiving._windows.values())
+    await _until(lambda: all(len(w.queue) == 1 for w in windows))  # round 1 filled, waiting behind round 0
+    await asyncio.sleep(0.3)  # room for a wrong round 2 to arrive
+    assert len(windows) == 2 and all([m.round for m in w.queue] == [1] for w in windows)  # type: ignore[attr-defined]
+    assert d.copies.scatters == 2
+    d.abort("d1")  # while rounds are in flight
+    await asyncio.sleep(0.2)
+    assert "d1" not in (d.collect().failed_recving or set())
+    d.copies.gate.set()  # D empties the rounds, P finishes its writes and answers the abort
+    assert await d.wait("d1") == "failed"
+    assert await p.wait("p1") == "finished_sending"
+    await _until(lambda: _lent(p, d) == 0)
+    assert p.holds() == 0 and d.holds() == 0
+
+
+async def test_without_room_for_a_window_the_share_goes_without_one(loopback_engines: LoopbackFactory) -> None:
+    p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=2)  # no window of 2 bytes or more can be lent
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    assert await d.wait("d1") == "finished"
+    assert await p.wait("p1") == "finished_sending"
+    d.check_received("t1", BLOCKS, TOKENS)
+    assert _scattered(d) == 0 and _lent(p, d) == 0
+
+
+async def test_a_receive_that_expires_with_its_windows_lent_gives_them_back() -> None:
+    config = ServiceConfig(recv_timeout_s=0.5, abort_grace_s=1.0, hold_timeout_s=5.0)
+    p = await LoopbackEngine("prefill", P_SPEC, config=config, staging_bytes=1 << 20).start()
+    d = await LoopbackEngine("decode", D_SPEC, config=config, staging_bytes=1 << 20).start()
+    try:
+        d.start_recv("d1", "t1", p, BLOCKS, TOKENS)  # P never holds t1: the request waits early on P
+        await _until(lambda: _lent(d) > 0)  # the windows are lent with the requests
+        assert await d.wait("d1") == "failed"
+        await _until(lambda: _lent(d) == 0)
+    finally:
+        await d.close()
+        await p.close()
