@@ -54,10 +54,13 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     base_addrs: list[int]
     transport_addr: str = ""
     control_addr: str = ""
-    # The worker's registered staging region (`kvsvc.service.staging`), 0 and 0 when it has none: P writes into
-    # windows of it that D lends in a `TransferRequest`.
+    # The worker's registered staging region (`kvsvc.service.staging`), 0 and 0 when it has none: P gathers there,
+    # and writes into windows of it that D lends in a `TransferRequest`.
     staging_addr: int = 0
     staging_size: int = 0
+    # Whether this worker, as P, writes into a window when a request carries one. False from peers that predate
+    # windows: they would ignore the fields and write the blocks, so D never lends them one.
+    accepts_windows: bool = False
 
     @property
     def num_layers(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import numpy as np
 
@@ -202,15 +202,31 @@ def is_block_run(ids: Sequence[int], count: int) -> bool:
     )
 
 
-def check_window(meta: WorkerMetadata, window_addr: int, window_bytes: int) -> None:
-    """Check a request's window (`TransferRequest.window_addr`, `window_bytes`): none (both 0), or a range inside
-    the staging region D worker `meta` published.
+# A window smaller than its share moves it in at most MAX_ROUNDS rounds of at least MIN_ROUND_BYTES, so a D worker
+# cannot make P write a share a few bytes at a time.
+MIN_ROUND_BYTES: Final = 256
+MAX_ROUNDS: Final = 1 << 16
+
+
+def check_window(meta: WorkerMetadata, window_addr: int, window_bytes: int, share_bytes: int = 0) -> None:
+    """Check a request's window (`TransferRequest.window_addr`, `window_bytes`, `share_bytes`): none (all 0), or a
+    range inside the staging region D worker `meta` published, for a share that fits it or moves through it in at
+    most `MAX_ROUNDS` rounds of at least `MIN_ROUND_BYTES`.
 
     Raises:
-        ValueError: naming the window and the region.
+        ValueError: naming the window, the share and the region or the limit.
     """
-    if window_bytes == 0 and window_addr == 0:
+    if window_bytes == 0 and window_addr == 0 and share_bytes == 0:
         return
+    if share_bytes < 0 or (share_bytes > window_bytes and not window_bytes // 2 >= MIN_ROUND_BYTES):
+        raise ValueError(
+            f"D window of {window_bytes} bytes for a share of {share_bytes}: a share larger than its window moves in "
+            f"rounds of half the window, at least {MIN_ROUND_BYTES} bytes"
+        )
+    if share_bytes > window_bytes and -(-share_bytes // (window_bytes // 2)) > MAX_ROUNDS:
+        raise ValueError(
+            f"D window of {window_bytes} bytes for a share of {share_bytes}: more than {MAX_ROUNDS} rounds"
+        )
     end = meta.staging_addr + meta.staging_size
     if window_bytes < 1 or not meta.staging_addr <= window_addr <= end - window_bytes:
         raise ValueError(

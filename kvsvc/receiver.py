@@ -335,6 +335,16 @@ class Receiver:
         job = recv.jobs.get(src) if recv is not None and recv.engine_id == engine_id else None
         return job is not None and not job.terminal
 
+    def ending(self, transfer_id: str) -> bool:
+        """Whether `transfer_id`'s receive is being aborted or expired (it will be reported failed)."""
+        recv = self._recvs.get(transfer_id)
+        return recv is not None and recv.ending is not None
+
+    def req_of(self, transfer_id: str) -> str | None:
+        """The req_id of `transfer_id`'s receive, while it has not ended."""
+        recv = self._recvs.get(transfer_id)
+        return recv.req_id if recv is not None else None
+
     def engine_of(self, transfer_id: str) -> str | None:
         recv = self._recvs.get(transfer_id)
         return recv.engine_id if recv is not None else None

@@ -195,7 +195,7 @@ class Sender:
         if isinstance(message, TransferRequest):
             try:
                 check_block_ids(dst_meta, message.block_ids, message.num_tokens, "D", message.first_token)
-                check_window(dst_meta, message.window_addr, message.window_bytes)
+                check_window(dst_meta, message.window_addr, message.window_bytes, message.share_bytes)
             except ValueError as exc:
                 return self.refuse(dst, message.transfer_id, str(exc), now, expected)
             return self.request(dst, expected, message, now)
@@ -366,6 +366,13 @@ class Sender:
         """The req_ids whose holds ended since the last call; each appears exactly once over the Sender's life."""
         finished, self._finished = self._finished, set()
         return finished
+
+    def writing(self, transfer_id: str, dst: Worker) -> bool:
+        """Whether the job of D worker `dst` in `transfer_id` still wants its write (WRITING, not aborted into
+        DRAINING): a write in rounds stops at the next round once it does not."""
+        hold = self._holds.get(transfer_id)
+        job = hold.jobs.get(dst) if hold is not None else None
+        return job is not None and job.state is SendState.WRITING
 
     def holds(self, transfer_id: str) -> bool:
         """Whether `transfer_id` is still held (its outcome not decided)."""

@@ -29,7 +29,7 @@ from kvsvc.coalesce import Int64Array
 from kvsvc.errors import TopologyError
 from kvsvc.layout import pool_regions
 from kvsvc.messages import WorkerMetadata
-from kvsvc.planner import plan_transfer
+from kvsvc.planner import MAX_ROUNDS, MIN_ROUND_BYTES, plan_transfer
 
 _EMPTY: Int64Array = np.zeros(0, dtype=np.int64)
 
@@ -270,8 +270,11 @@ def plan_window(
     when P should write the blocks (or will refuse the request, which it does with the reason). P's gather is
     counted on when `p` published a staging region.
 
-    P's block ids do not change which of D's bytes it writes, so D plans with any `num_tokens` of them.
+    P's block ids do not change which of D's bytes it writes, so D plans with any `num_tokens` of them. A P that
+    does not accept windows (`WorkerMetadata.accepts_windows`: one that predates them) gets none.
     """
+    if not p.accepts_windows:
+        return None
     n_src = -(-num_tokens // p.block_size)
     try:
         plan = plan_transfer(p, d, range(n_src), block_ids, num_tokens, first_token=first_token)
@@ -282,8 +285,8 @@ def plan_window(
     table = np.asarray(plan, dtype=np.int64).reshape(-1, 3)
     src, dst, length = table[:, 0], table[:, 1], table[:, 2]
     nbytes = int(length.sum())
-    if nbytes > max_bytes and max_bytes < 2:
-        return None
+    if nbytes > max_bytes and (max_bytes // 2 < MIN_ROUND_BYTES or -(-nbytes // (max_bytes // 2)) > MAX_ROUNDS):
+        return None  # too many rounds: P would refuse the window
     dst_region = region_ids(dst, [start for start, _ in pool_regions(d)])
     src_runs = window_plan(src, dst, length, 0, region_ids(src, [start for start, _ in pool_regions(p)]))[0].size
     dst_runs = count_runs(dst, length, dst_region)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as replace_plan
@@ -48,7 +49,7 @@ from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.remotes import RemoteEngines, Routes
-from kvsvc.staging import StagingRule, WindowPlan, plan_window, stream_round, window_round_bytes
+from kvsvc.staging import StagingRule, WindowPlan, plan_window, stream_round, window_round_bytes, window_rounds
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class _Window:
     in `rounds` rounds of `round_bytes` when it is larger than the window's `nbytes`), and the scatter that copies it
     into the blocks, as (stream offset, block address, length) columns."""
 
+    req_id: str
+    block_ids: list[int]
     addr: int
     nbytes: int
     share: int
@@ -84,8 +87,9 @@ class _Window:
     rounds: int
     next_round: int = 0  # the round P fills next
     scattering: bool = False
-    failed: str = ""  # why a scatter failed: later rounds are only acknowledged, the answer becomes a failure
-    queue: list[Message] = field(default_factory=list)  # P's frames about it, handled one scatter at a time
+    failed: str = ""  # why the rest is not scattered (a scatter failed, the receive is ending): rounds are only
+    # acknowledged, and P's done answer becomes a failure
+    queue: deque[Message] = field(default_factory=deque)  # P's frames about it, handled one scatter at a time
 
 
 _WindowKey = tuple[str, str, Worker]  # (transfer_id, P engine, P worker)
@@ -104,6 +108,7 @@ class ReceivingRole:
         self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._windows: dict[_WindowKey, _Window] = {}
+        self._deferred: dict[str, tuple[str, list[int]]] = {}  # failed receives held back: req_id -> (why, blocks)
         # (P engine, incarnation, P worker, D blocks, tokens) -> the window plan of D blocks 0.. (None: no window)
         self._window_plans: dict[tuple[str, str, Worker, int, int], WindowPlan | None] = {}
         self._closing = False
@@ -163,8 +168,22 @@ class ReceivingRole:
         return self._receiver.next_deadline()
 
     def take_report(self) -> RecvReport:
-        """Receives that ended since the last call (see `Receiver.take_report`)."""
-        return self._receiver.take_report()
+        """Receives that ended since the last call (see `Receiver.take_report`), except failed ones whose window a
+        scatter still copies into their blocks: those wait for a later call, once it ended."""
+        report = self._receiver.take_report()
+        if not self._windows and not self._deferred:
+            return report
+        busy = {w.req_id: w.block_ids for w in self._windows.values() if w.scattering}
+        for req_id in report.failed & busy.keys():
+            self._deferred[req_id] = (report.reasons.pop(req_id, ""), busy[req_id])
+            report.failed.discard(req_id)
+            report.invalid_block_ids.difference_update(busy[req_id])
+        for req_id in [r for r in self._deferred if r not in busy]:
+            reason, block_ids = self._deferred.pop(req_id)
+            report.failed.add(req_id)
+            report.reasons[req_id] = reason
+            report.invalid_block_ids.update(block_ids)
+        return report
 
     def forget_engine(self, engine_id: str) -> None:
         """As `KVTransferService.forget_engine`."""
@@ -343,27 +362,31 @@ class ReceivingRole:
         """`request` with a window of the staging region, when the staging rule sends P's share through one and
         there is room now; else `request` as it is (P writes the blocks, directly or gathered)."""
         key = (request.transfer_id, peer.ref.engine_id, peer.ref.worker)
+        req_id = self._receiver.req_of(request.transfer_id)
         window = self._windows.get(key)
-        if window is None:
-            window = self._lend_window(peer.meta, request)
+        if window is None and req_id is not None:
+            window = self._lend_window(peer.meta, request, req_id)
             if window is None:
                 return request
             self._windows[key] = window
+        if window is None or window.req_id != req_id:
+            return request  # the transfer id again while an earlier receive's window is still being scattered
         return replace(request, window_addr=window.addr, window_bytes=window.nbytes, share_bytes=window.share)
 
-    def _lend_window(self, p: WorkerMetadata, request: TransferRequest) -> _Window | None:
+    def _lend_window(self, p: WorkerMetadata, request: TransferRequest, req_id: str) -> _Window | None:
         area = self._ctx.staging
         if area is None or area.scatter is None:
             return None
         plan = self._window_plan(p, request, area.rule, area.chunk_bytes)
         if plan is None:
             return None
+        size = window_round_bytes(plan.nbytes, plan.window_bytes)
+        rounds = window_rounds(plan.nbytes, plan.window_bytes)
         addr = area.try_lend(plan.window_bytes)
         if addr is None:
             return None
-        size = window_round_bytes(plan.nbytes, plan.window_bytes)
         scatter = (plan.offset, plan.dst, plan.length)
-        return _Window(addr, plan.window_bytes, plan.nbytes, scatter, size, -(-plan.nbytes // size))
+        return _Window(req_id, request.block_ids, addr, plan.window_bytes, plan.nbytes, scatter, size, rounds)
 
     def _window_plan(
         self, p: WorkerMetadata, request: TransferRequest, rule: StagingRule, max_bytes: int
@@ -391,6 +414,9 @@ class ReceivingRole:
         if not isinstance(message, WindowFilled | TransferDone | TransferFailed | ErrorMessage):
             return False
         window = self._windows.get((message.transfer_id, engine_id, src))
+        if window is None and isinstance(message, WindowFilled):  # late: its receive ended and gave it back
+            notice(self._ctx, Notice(f"late round {message.round} of {message.transfer_id!r} from P{src}", "debug"))
+            return True
         if window is None:
             return False
         window.queue.append(message)
@@ -399,7 +425,7 @@ class ReceivingRole:
 
     def _next_in_window(self, engine_id: str, src: Worker, window: _Window) -> None:
         while window.queue and not window.scattering:
-            message = window.queue.pop(0)
+            message = window.queue.popleft()
             if isinstance(message, WindowFilled):
                 self._round_filled(engine_id, src, window, message)
             elif isinstance(message, TransferDone) and window.next_round != window.rounds - 1:
@@ -420,7 +446,10 @@ class ReceivingRole:
         elif index != window.next_round or index >= window.rounds - 1:
             what = f"P{src} of {engine_id!r} filled round {index} of {message.transfer_id!r}'s window, "
             notice(self._ctx, Notice(what + f"expected {window.next_round} of {window.rounds}", protocol_error=True))
-        elif window.failed:  # nothing to scatter into any more: let P finish quickly and answer
+        elif window.failed or self._receiver.ending(message.transfer_id):
+            # Nothing to scatter into any more (a scatter failed, or the receive is being aborted): let P's write
+            # reach its end, or its next round check, quickly.
+            window.failed = window.failed or "the receive ended before its window was scattered"
             window.next_round += 1
             self._tell_p(engine_id, src, WindowEmptied(transfer_id=message.transfer_id, round=index))
         else:
@@ -435,7 +464,12 @@ class ReceivingRole:
         r_dst, r_offset, r_length = stream_round(offset, dst, length, index, window.round_bytes)
         base = window.addr + (index % 2) * window.round_bytes
         window.scattering = True
-        copy = asyncio.ensure_future(area.scatter(base + r_offset, r_dst, r_length))
+        copy: asyncio.Future[None]
+        try:
+            copy = asyncio.ensure_future(area.scatter(base + r_offset, r_dst, r_length))
+        except Exception as exc:  # an embedder's scatter that raises at the call: as if the copy failed
+            copy = asyncio.get_running_loop().create_future()
+            copy.set_exception(exc)
         copy.add_done_callback(lambda done: self._scattered(engine_id, src, window, message, done))
 
     def _scattered(
@@ -464,6 +498,8 @@ class ReceivingRole:
             self._ctx.counts["scattered"] += 1
             self._run_recv(self._receiver.receive(engine_id, src, message))
         self._next_in_window(engine_id, src, window)
+        self._free_windows()
+        self._ctx.changed()  # a failed receive held back for this scatter may be reported now
 
     def _tell_p(self, engine_id: str, src: Worker, message: Message) -> None:
         peer = self._outbound.get((engine_id, src))

@@ -66,7 +66,7 @@ class SendingRole:
             max_early_requests=config.max_early_requests,
         )
         self._inbound: dict[tuple[str, Worker], _Inbound] = {}
-        self._writer = BlockWriter(ctx, self._write_target, self._write_result)
+        self._writer = BlockWriter(ctx, self._write_target, self._write_result, self._sender.writing)
         self._server: asyncio.Server | None = None
         self._accepting = True
 

@@ -131,9 +131,10 @@ class KVTransferService:
             self._ctx.metadata,
             transport_addr=self._ctx.transport.session_id,
             control_addr=f"{self.config.control_host}:{port}",
-            # P writes windows only into the region D published, and only a region D can scatter from.
-            staging_addr=staging.addr if staging is not None and staging.scatter is not None else 0,
-            staging_size=staging.size if staging is not None and staging.scatter is not None else 0,
+            # P writes windows only into the region D published (D lends them only where it can scatter).
+            staging_addr=staging.addr if staging is not None else 0,
+            staging_size=staging.size if staging is not None else 0,
+            accepts_windows=True,
         )
         self._receiving.start()
         self._ctx.tasks.spawn(self._deadline_loop(), name="kvsvc-deadlines")

@@ -7,7 +7,8 @@ its `drained` future, so the request's blocks stay held until then. Small writes
 one descriptor per destination run (`kvsvc.service.staging`). A request with a window of D's staging region is
 written there as one stream (`kvsvc.staging.window_plan`), gathered too when the rule picks it; D scatters it. A share
 larger than its window moves in rounds: round k waits until D emptied round k - 2 (`WindowEmptied`, within the hold
-timeout), and each round but the last is announced with `WindowFilled`.
+timeout), and each round but the last is announced with `WindowFilled`. A layer-wise write stages each layer on its
+own when the rule picks it.
 Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvsvc.coalesce import Int64Array
-from kvsvc.errors import KVSvcTimeout, PeerLost, TopologyError
+from kvsvc.errors import KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs, pool_regions
 from kvsvc.messages import Message, WindowFilled, Worker, WorkerMetadata, WorkerRef
 from kvsvc.planner import is_block_run, plan_transfer
@@ -116,7 +117,8 @@ class BlockWriter:
     """The writes of one P worker (see module docstring).
 
     `target` finds the D worker a `Submit` names (None once its connection is gone or was replaced); `write_result`
-    feeds each write's end back to the `Sender`.
+    feeds each write's end back to the `Sender`; `wanted` says whether a job still wants its write (`Sender.writing`):
+    a write in rounds stops at the next round once it does not.
     """
 
     def __init__(
@@ -124,10 +126,12 @@ class BlockWriter:
         ctx: ServiceContext,
         target: Callable[[WorkerRef], WriteTarget | None],
         write_result: WriteResult,
+        wanted: Callable[[str, Worker], bool] = lambda transfer_id, dst: True,
     ) -> None:
         self._ctx = ctx
         self._target = target
         self._write_result = write_result
+        self._wanted = wanted
         self._layer_ready: dict[str, list[asyncio.Future[None]]] = {}
         self._writes: set[asyncio.Task[None]] = set()
         # Writes submitted without a task (`_start_write`): their result futures, and `drained` futures of failed
@@ -182,7 +186,7 @@ class BlockWriter:
             else:
                 descriptors = self._descriptors(target, command)
                 ndesc = len(descriptors)
-                nbytes = await self._write_layerwise(target.meta.transport_addr, descriptors, layers)
+                nbytes, ndesc = await self._write_layerwise(target, descriptors, layers, command)
         except asyncio.CancelledError:
             # Only `close` cancels, after `close_drain_timeout_s`: the engine is going away with its blocks.
             self._began.pop(id(command), None)
@@ -304,7 +308,8 @@ class BlockWriter:
         """Write a share larger than its window in rounds (module docstring); (bytes, descriptors).
 
         Raises:
-            as `_stream` and `_write_once`; PeerLost / KVSvcTimeout: D did not empty a round in time.
+            as `_stream` and `_write_once`; PeerLost / KVSvcTimeout: D did not empty a round in time;
+            TransferAborted: the job was aborted (it stops at a round's start, once earlier rounds landed).
         """
         src, offset, length = self._stream(target, command)
         share = int(length.sum())
@@ -315,6 +320,8 @@ class BlockWriter:
             for index in range(count):
                 if index >= 2:
                     await target.wait_emptied(transfer_id, index - 2, self._ctx.config.hold_timeout_s)
+                if index and not self._wanted(transfer_id, command.dst.worker):
+                    raise TransferAborted(f"{transfer_id!r} aborted after {index} of {count} rounds of D's window")
                 r_src, r_offset, r_length = stream_round(offset, src, length, index, size)
                 base = command.window_addr + (index % 2) * size
                 columns = (r_src.tolist(), (base + r_offset).tolist(), r_length.tolist())
@@ -436,9 +443,14 @@ class BlockWriter:
         return nbytes, len(descriptors)
 
     async def _write_layerwise(
-        self, peer: str, descriptors: Sequence[tuple[int, int, int]], layers: list[asyncio.Future[None]]
-    ) -> int:
-        """Write each layer's descriptors as soon as its compute finished, later layers still computing.
+        self,
+        target: WriteTarget,
+        descriptors: Sequence[tuple[int, int, int]],
+        layers: list[asyncio.Future[None]],
+        command: Submit,
+    ) -> tuple[int, int]:
+        """Write each layer's descriptors as soon as its compute finished, later layers still computing, each
+        layer gathered through the staging region when the rule picks it for that layer; (bytes, descriptors).
 
         A cross-layer pool puts every layer inside each block, so one descriptor spans layers: it goes once the
         last layer finished (the layer-wise gain needs per-layer tensors).
@@ -454,12 +466,12 @@ class BlockWriter:
             for desc in descriptors:
                 per_layer[order[starts[bisect_right(starts, desc[0]) - 1]]].append(desc)
 
-        async def one(layer: int) -> int:
+        async def one(layer: int) -> tuple[int, int]:
             if is_cross_layer(meta):
                 await asyncio.gather(*layers)
             else:
                 await layers[layer]
-            return await self._ctx.transport.write(peer, per_layer[layer]) if per_layer[layer] else 0
+            return await self._write_once(target, per_layer[layer], command) if per_layer[layer] else (0, 0)
 
         results = await asyncio.gather(*(one(i) for i in range(len(layers))), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -469,7 +481,8 @@ class BlockWriter:
             await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
         if failures:
             raise failures[0]
-        return sum(r for r in results if isinstance(r, int))
+        done = [r for r in results if isinstance(r, tuple)]
+        return sum(n for n, _ in done), sum(d for _, d in done)
 
 
 def _in_rounds(command: Submit) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -127,14 +127,22 @@ class LoopbackEngine:
 
     # -- the engine's side of a transfer -----------------------------------------------------------------------
 
-    def start_send(self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
-        """Write `transfer_id`'s known KV into `block_ids` on every worker, then hold it for D."""
+    def start_send(
+        self,
+        req_id: str,
+        transfer_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        ready: Mapping[Worker, Sequence[Awaitable[None]]] | None = None,
+    ) -> None:
+        """Write `transfer_id`'s known KV into `block_ids` on every worker, then hold it for D; `ready`, when given,
+        holds each worker's per-layer completions (a layer-wise send: each layer goes once its own resolved)."""
         for worker, service in self.services.items():
             for layer in range(self.sim.metas[worker].start_layer, self.sim.metas[worker].end_layer):
                 self.sim.write_tokens(
                     worker, layer, block_ids, num_tokens, self._pattern(worker, transfer_id, layer, num_tokens)
                 )
-            service.start_send(req_id, transfer_id, block_ids, num_tokens)
+            service.start_send(req_id, transfer_id, block_ids, num_tokens, None if ready is None else ready[worker])
 
     def start_recv(
         self,

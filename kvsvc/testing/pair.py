@@ -177,7 +177,9 @@ class PeerPair:
                 self._window_ranges[w] = RangeAllocator(staging_bytes)
             for i, (w, meta) in enumerate(sorted(self.p.metas.items())):  # P's region: P gathers too
                 addr = _WINDOW_BASE - (i + 1) * staging_bytes
-                self.p.metas[w] = msgspec.structs.replace(meta, staging_addr=addr, staging_size=staging_bytes)
+                self.p.metas[w] = msgspec.structs.replace(
+                    meta, staging_addr=addr, staging_size=staging_bytes, accepts_windows=True
+                )
         self.senders = {w: sender() for w in self.p.metas}
         self.receivers = {w: receiver() for w in self.d.metas}
         self._expected = {w: frozenset(expected_destinations(m, self.d.metas)) for w, m in self.p.metas.items()}

@@ -98,11 +98,13 @@ async def test_p_fills_at_most_two_rounds_ahead_of_ds_scatter(loopback_engines: 
     d.abort("d1")  # while rounds are in flight
     await asyncio.sleep(0.2)
     assert "d1" not in (d.collect().failed_recving or set())
-    d.copies.gate.set()  # D empties the rounds, P finishes its writes and answers the abort
+    d.copies.gate.set()  # D ends round 0's scatter and only acknowledges the rest: P stops at its next round
     assert await d.wait("d1") == "failed"
     assert await p.wait("p1") == "finished_sending"
     await _until(lambda: _lent(p, d) == 0)
     assert p.holds() == 0 and d.holds() == 0
+    assert d.copies.scatters == 2  # nothing scattered after the abort
+    assert sum(s.statistics().write_failures for s in p.services.values()) == 2  # both writes stopped early
 
 
 async def test_without_room_for_a_window_the_share_goes_without_one(loopback_engines: LoopbackFactory) -> None:
@@ -125,5 +127,59 @@ async def test_a_receive_that_expires_with_its_windows_lent_gives_them_back() ->
         assert await d.wait("d1") == "failed"
         await _until(lambda: _lent(d) == 0)
     finally:
+        await d.close()
+        await p.close()
+
+
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 0], ids=["gathered per layer", "negative control: no region"])
+async def test_a_layer_wise_send_is_gathered_layer_by_layer(
+    loopback_engines: LoopbackFactory, staging_bytes: int
+) -> None:
+    # P tp1 -> D tp2: each D worker's heads are every other half of P's blocks, contiguous in D: a gather on P.
+    p, d = await loopback_engines(D_SPEC, P_SPEC, staging_bytes=staging_bytes)
+    loop = asyncio.get_running_loop()
+    layers = {w: [loop.create_future() for _ in range(GEOMETRY["num_layers"])] for w in p.workers}
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS, ready=layers)
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    for futures in layers.values():
+        for future in futures[:-1]:
+            future.set_result(None)
+    await asyncio.sleep(0.3)
+    assert "d1" not in (d.collect().finished_recving or set())  # the last layer is still computing
+    for futures in layers.values():
+        futures[-1].set_result(None)
+    assert await d.wait("d1") == "finished"
+    assert await p.wait("p1") == "finished_sending"
+    d.check_received("t1", BLOCKS, TOKENS)
+    (stats,) = (s.statistics() for s in p.services.values())
+    if staging_bytes:  # per D worker, one gather and one write per layer
+        assert stats.staged_writes == 2 * 4 and stats.descriptors_sent == 2 * 4
+    else:  # per D worker, per layer: a piece per block and K/V
+        assert stats.staged_writes == 0 and stats.descriptors_sent == 2 * 4 * 4 * 2
+    assert _lent(p, d) == 0 and p.holds() == 0 and d.holds() == 0
+
+
+async def test_a_receive_that_ends_while_its_window_scatters_is_reported_after_the_scatter() -> None:
+    # The receive expires and its abort grace passes while D's first scatter is held: the Receiver ends it, but the
+    # report, which frees its blocks for the engine, waits until the copy into them ended.
+    config = ServiceConfig(recv_timeout_s=1.0, abort_grace_s=0.5, hold_timeout_s=30.0)
+    p = await LoopbackEngine("prefill", P_SPEC, config=config, staging_bytes=64 << 10).start()
+    d = await LoopbackEngine("decode", D_SPEC, config=config, staging_bytes=64 << 10).start()
+    try:
+        d.copies.gate.clear()
+        p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
+        d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+        await _until(lambda: d.copies.scatters == 2)
+        receiving = d.services[(0, 0)]._receiving
+        await _until(lambda: receiving._receiver.req_of("t1") is None)  # ended: expiry, then the grace
+        for _ in range(5):
+            assert "d1" not in (d.collect().failed_recving or set())
+            await asyncio.sleep(0.05)
+        d.copies.gate.set()
+        assert await d.wait("d1") == "failed"
+        assert await p.wait("p1") == "finished_sending"
+        await _until(lambda: _lent(p, d) == 0)
+    finally:
+        d.copies.gate.set()
         await d.close()
         await p.close()

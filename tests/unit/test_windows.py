@@ -117,7 +117,7 @@ def _pair(p: EngineSpec, d: EngineSpec, tokens: int, windows: bool, staging_byte
     return pair
 
 
-@given(layout_pairs(), st.integers(1, 40), st.sampled_from([256, 4096, 1 << 20]))
+@given(layout_pairs(), st.integers(1, 40), st.sampled_from([1024, 4096, 1 << 20]))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_a_transfer_through_windows_lands_byte_exact_and_gives_every_window_back(
     pair_specs: tuple[EngineSpec, EngineSpec], tokens: int, staging_bytes: int
@@ -218,9 +218,25 @@ def test_check_window_takes_none_or_a_range_inside_the_region() -> None:
     meta = PeerPair(EngineSpec(), EngineSpec(), staging=ALWAYS, windows=True).d.metas[(0, 0)]
     check_window(meta, 0, 0)
     check_window(meta, meta.staging_addr, meta.staging_size)
+    check_window(meta, meta.staging_addr, 512, 1 << 20)  # rounds of 256 bytes
     for addr, size in ((meta.staging_addr, 0), (meta.staging_addr - 1, 8), (meta.staging_addr + 1, meta.staging_size)):
         with pytest.raises(ValueError, match="outside D's staging region"):
             check_window(meta, addr, size)
+    with pytest.raises(ValueError, match="rounds of half the window, at least 256"):
+        check_window(meta, meta.staging_addr, 2, 10)  # a P worker must not write a share two bytes at a time
+    with pytest.raises(ValueError, match="more than 65536 rounds"):
+        check_window(meta, meta.staging_addr, 512, 256 * 65537)
+    with pytest.raises(ValueError, match="share of -1"):
+        check_window(meta, meta.staging_addr, 512, -1)
+
+
+def test_a_p_worker_that_predates_windows_gets_none() -> None:
+    # It would ignore the window and write the blocks, and D would scatter an empty window over them.
+    p, d = EngineSpec(tp_size=2), EngineSpec(tp_size=1)
+    pair = PeerPair(p, d, staging=ALWAYS, windows=True)
+    old = msgspec.structs.replace(pair.p.metas[(0, 0)], accepts_windows=False)
+    assert plan_window(old, pair.d.metas[(0, 0)], [0, 1, 2, 3], 16, 0, ALWAYS, 1 << 20) is None
+    assert plan_window(pair.p.metas[(0, 0)], pair.d.metas[(0, 0)], [0, 1, 2, 3], 16, 0, ALWAYS, 1 << 20)
 
 
 @given(layout_pairs(), st.integers(1, 40), st.integers(0, 8))
