@@ -87,6 +87,9 @@ class EngineConfig:
     bootstrap_port: int = 0  # 0: a free port, kept across `restart()`
     netns: str | None = None  # a network namespace the workers and the endpoint join (`kvsvc.testing.hosts`)
     staging_bytes: int = 0  # each worker's staging region for staged writes (0: none, every plan goes direct)
+    # torch intra-op threads per worker process. One, as a real engine binds one thread group per rank: several
+    # worker processes with a thread per core each spin against each other (docs/performance.md).
+    torch_threads: int = 1
 
     def on_host(self, address: str, netns: str | None = None) -> EngineConfig:
         """This engine with every listener (endpoint, control servers, Mooncake) bound to `address`, the one
@@ -217,6 +220,7 @@ class Executor:
                     log_level=self.config.log_level,
                     netns=self.config.netns,
                     staging_bytes=self.config.staging_bytes,
+                    torch_threads=self.config.torch_threads,
                 )
                 parent, child = self._ctx.Pipe(duplex=True)
                 process = self._ctx.Process(

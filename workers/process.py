@@ -55,6 +55,7 @@ class WorkerOptions:
     log_level: str = "WARNING"
     netns: str | None = None  # joined before anything binds: the worker runs on that namespace's network
     staging_bytes: int = 0  # a staging region of this size for staged writes (`kvsvc.service.staging`); 0: none
+    torch_threads: int = 1  # torch intra-op threads (`EngineConfig.torch_threads`)
 
 
 # -- commands (parent to worker) ------------------------------------------------------------------------------
@@ -369,6 +370,10 @@ def worker_main(options: WorkerOptions, conn: Connection) -> None:
     )
     code = 1
     try:
+        import torch
+
+        if options.torch_threads:
+            torch.set_num_threads(options.torch_threads)
         if options.netns is not None:
             netns.join(options.netns)  # before Mooncake and the loop start threads: they inherit it
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
