@@ -85,7 +85,8 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
         TopologyError: a malformed side (the message names it: wrong count of base_addrs for its layout, unknown
             layout or dtype...), or dtype, head_size, num_kv_heads or is_mla differ, or the TP sizes do not divide
             one another, or the two sides hold the same several heads per rank in different orders (NHD against
-            HND or the cross-layer pool). The message names both values.
+            HND or the cross-layer pool) and P has no staging region to gather the transposition in. The message
+            names both values.
     """
     _check_worker("P", src)
     _check_worker("D", dst)
@@ -117,12 +118,13 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     sizes = f"P tp_size {src.tp_size} holds {heads_p} heads per rank, D tp_size {dst.tp_size} holds {heads_d}"
     order_p, order_d = head_order(src), head_order(dst)
     # A head split of NHD cuts every token into its own piece, and a split across two head orders every (token,
-    # head): a staged write gathers either into whole runs. The same heads in two orders are refused: every byte of
-    # every block would move as its own piece, a transposition no write should carry.
-    if heads_p == heads_d > 1 and order_p != order_d:
+    # head): a staged write gathers either into whole runs. The same heads in two orders make every (token, head) of
+    # every block a piece of its own: only a P worker with a staging region (which it publishes) gathers that
+    # transposition into D's order; written direct it would be one descriptor per head of every token.
+    if heads_p == heads_d > 1 and order_p != order_d and not src.staging_size:
         raise TopologyError(
             f"P layout {src.layout} and D layout {dst.layout} order {heads_p} heads per block differently "
-            f"({sizes}); copying would transpose every token"
+            f"({sizes}); copying would transpose every token, which needs a staging region on P"
         )
 
 

@@ -51,6 +51,9 @@ class ServiceConfig:
     """Fetching a remote engine's metadata, connecting to a worker and its hello each get this long."""
     close_drain_timeout_s: float = 30.0
     """`close` waits this long for in-flight writes before it cancels what is left."""
+    window_wait_s: float = 1.0
+    """A D worker whose staging region has no room for a window waits this long for some before it asks P without
+    one (P then writes the blocks); 0 never waits. Keep it well below P's `hold_timeout_s`."""
     max_early_requests: int = 65536
     """Requests for transfers not held yet that P buffers; past it, new ones are answered busy."""
     control_token: str | None = None

@@ -10,7 +10,7 @@ prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTranspo
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
 receives wait) and P answers their aborts, which it does once their writes ended.
 With a staging region that can scatter, a request whose share the staging rule sends through D (`Way.scatters`)
-carries a window lent at once (never waited for: without room it goes without one); P's done answer reaches the
+carries a window (without room it waits up to `window_wait_s`, then goes without one); P's done answer reaches the
 `Receiver` only after the scatter copied the window into the blocks, and the window goes back once the receive
 from that P worker ended and no scatter reads it.
 """
@@ -49,7 +49,8 @@ from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.remotes import RemoteEngines, Routes
-from kvsvc.staging import StagingRule, WindowPlan, plan_window, stream_round, window_round_bytes, window_rounds
+from kvsvc.service.staging import StagingArea, StagingFull
+from kvsvc.staging import WindowPlan, plan_window, stream_round, window_round_bytes, window_rounds
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,15 @@ class _Window:
     # acknowledged, and P's done answer becomes a failure
     queue: deque[Message] = field(default_factory=deque)  # P's frames about it, handled one scatter at a time
 
+    @classmethod
+    def lent(cls, req_id: str, block_ids: list[int], addr: int, plan: WindowPlan) -> _Window:
+        """The window lent at `addr` for `plan`."""
+        size = window_round_bytes(plan.nbytes, plan.window_bytes)
+        rounds = window_rounds(plan.nbytes, plan.window_bytes)
+        return cls(
+            req_id, block_ids, addr, plan.window_bytes, plan.nbytes, (plan.offset, plan.dst, plan.length), size, rounds
+        )
+
 
 _WindowKey = tuple[str, str, Worker]  # (transfer_id, P engine, P worker)
 
@@ -108,6 +118,7 @@ class ReceivingRole:
         self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._windows: dict[_WindowKey, _Window] = {}
+        self._waiting_room: dict[_WindowKey, asyncio.Task[None]] = {}  # requests that wait for a window
         self._deferred: dict[str, tuple[str, list[int]]] = {}  # failed receives held back: req_id -> (why, blocks)
         # (P engine, incarnation, P worker, D blocks, tokens) -> the window plan of D blocks 0.. (None: no window)
         self._window_plans: dict[tuple[str, str, Worker, int, int], WindowPlan | None] = {}
@@ -345,55 +356,81 @@ class ReceivingRole:
             peer = self._outbound.get((command.engine_id, command.src))
             if peer is None:
                 continue
-            message = command.message
+            message: Message | None = command.message
             if isinstance(message, TransferRequest) and self._ctx.staging is not None:
                 message = self._windowed(peer, message)
-            if peer.channel is not None:
-                with contextlib.suppress(PeerLost):
-                    peer.channel.send(message)
-            elif peer.outbox is not None:
-                peer.outbox.append(message)
+            if message is not None:
+                self._send(peer, message)
         if self._windows:
             self._free_windows()
 
     # -- windows (D-side staging) ------------------------------------------------------------------------------
 
-    def _windowed(self, peer: _Outbound, request: TransferRequest) -> TransferRequest:
+    def _send(self, peer: _Outbound, message: Message) -> None:
+        if peer.channel is not None:
+            with contextlib.suppress(PeerLost):
+                peer.channel.send(message)
+        elif peer.outbox is not None:
+            peer.outbox.append(message)
+
+    def _windowed(self, peer: _Outbound, request: TransferRequest) -> TransferRequest | None:
         """`request` with a window of the staging region, when the staging rule sends P's share through one and
-        there is room now; else `request` as it is (P writes the blocks, directly or gathered)."""
+        there is room now; `request` as it is when the rule does not (P writes the blocks, directly or gathered);
+        None when the request waits for room (`_ask_when_room` sends it)."""
         key = (request.transfer_id, peer.ref.engine_id, peer.ref.worker)
         req_id = self._receiver.req_of(request.transfer_id)
+        if key in self._waiting_room:
+            return None  # a repeat while the first waits for room: that one goes out
         window = self._windows.get(key)
         if window is None and req_id is not None:
-            window = self._lend_window(peer.meta, request, req_id)
-            if window is None:
+            area = self._ctx.staging
+            plan = None if area is None or area.scatter is None else self._window_plan(peer.meta, request, area)
+            if plan is None:
                 return request
-            self._windows[key] = window
+            addr = area.try_lend(plan.window_bytes) if area is not None else None
+            if addr is None and self._ctx.config.window_wait_s > 0:
+                self._waiting_room[key] = self._ctx.tasks.spawn(
+                    self._ask_when_room(peer, key, request, req_id, plan), name=f"kvsvc-window-{req_id}"
+                )
+                return None
+            if addr is None:
+                return request
+            window = self._windows[key] = _Window.lent(req_id, request.block_ids, addr, plan)
         if window is None or window.req_id != req_id:
             return request  # the transfer id again while an earlier receive's window is still being scattered
         return replace(request, window_addr=window.addr, window_bytes=window.nbytes, share_bytes=window.share)
 
-    def _lend_window(self, p: WorkerMetadata, request: TransferRequest, req_id: str) -> _Window | None:
+    async def _ask_when_room(
+        self, peer: _Outbound, key: _WindowKey, request: TransferRequest, req_id: str, plan: WindowPlan
+    ) -> None:
+        """Wait up to `window_wait_s` for room for `request`'s window, then ask P, with the window or without it.
+        Nothing is asked if the receive ended or is being aborted meanwhile (P answers its abort alone)."""
         area = self._ctx.staging
-        if area is None or area.scatter is None:
-            return None
-        plan = self._window_plan(p, request, area.rule, area.chunk_bytes)
-        if plan is None:
-            return None
-        size = window_round_bytes(plan.nbytes, plan.window_bytes)
-        rounds = window_rounds(plan.nbytes, plan.window_bytes)
-        addr = area.try_lend(plan.window_bytes)
-        if addr is None:
-            return None
-        scatter = (plan.offset, plan.dst, plan.length)
-        return _Window(req_id, request.block_ids, addr, plan.window_bytes, plan.nbytes, scatter, size, rounds)
+        assert area is not None
+        addr: int | None = None
+        try:
+            addr = await area.lend(plan.window_bytes, self._ctx.config.window_wait_s)
+        except StagingFull:
+            pass
+        finally:
+            self._waiting_room.pop(key, None)
+        transfer_id = request.transfer_id
+        if self._receiver.req_of(transfer_id) != req_id or self._receiver.ending(transfer_id):
+            if addr is not None:
+                area.give_back(addr)
+            return
+        if addr is not None:
+            window = self._windows[key] = _Window.lent(req_id, request.block_ids, addr, plan)
+            request = replace(request, window_addr=window.addr, window_bytes=window.nbytes, share_bytes=window.share)
+        current = self._outbound.get(key[1:])
+        if current is not None:
+            self._send(current, request)
 
-    def _window_plan(
-        self, p: WorkerMetadata, request: TransferRequest, rule: StagingRule, max_bytes: int
-    ) -> WindowPlan | None:
+    def _window_plan(self, p: WorkerMetadata, request: TransferRequest, area: StagingArea) -> WindowPlan | None:
         """`plan_window`, from a cache when D's blocks for the tokens are one run of consecutive ids and D holds no
         prefix: the plan of the run starting at block 0, its destinations shifted (as P's plan cache does)."""
         d, ids, tokens = self._ctx.metadata, request.block_ids, request.num_tokens
+        rule, max_bytes = area.rule, area.chunk_bytes
         count = -(-tokens // d.block_size)
         if request.first_token or not 0 < count <= len(ids) or not is_block_run(ids, count):
             return plan_window(p, d, ids, tokens, request.first_token, rule, max_bytes)

@@ -5,9 +5,9 @@ Rules: the region is registered with the transport by whoever owns its memory (t
 write; the service only lends ranges of it (`kvsvc.staging.RangeAllocator`) and calls the injected `Gather`. Ranges
 are lent first come, first served, so a large chunk is never starved by small ones; a wait for room has a deadline
 and fails the write (never the service) when it passes. A range goes back only once nothing can still read it: its
-gather ended and its write finished or drained. D never waits for a window (`try_lend`): without room at once its
-request goes without one, and P writes the blocks. Cancellation (only `close` cancels writes) leaves the ranges of
-the cancelled writes lent: the region is not used after close.
+gather ended and its write finished or drained. D's windows wait in the same line, for `window_wait_s` at most
+(then the request goes without one, and P writes the blocks). Cancellation (only `close` cancels writes) leaves the
+ranges of the cancelled writes lent: the region is not used after close.
 """
 
 from __future__ import annotations

@@ -183,3 +183,43 @@ async def test_a_receive_that_ends_while_its_window_scatters_is_reported_after_t
         d.copies.gate.set()
         await d.close()
         await p.close()
+
+
+@pytest.mark.parametrize("wait_s", [5.0, 0.0], ids=["waits for room", "negative control: never waits"])
+async def test_a_request_waits_for_room_for_its_window(loopback_engines: LoopbackFactory, wait_s: float) -> None:
+    # Room for one request's two windows of 128 KiB at a time; two requests at once.
+    config = ServiceConfig(window_wait_s=wait_s)
+    p, d = await loopback_engines(P_SPEC, D_SPEC, config=config, staging_bytes=256 << 10)
+    blocks = {"1": [0, 1, 2, 3], "2": [8, 9, 10, 11]}
+    for name, ids in blocks.items():
+        p.start_send(f"p{name}", f"t{name}", ids, TOKENS)
+    for name, ids in blocks.items():
+        d.start_recv(f"d{name}", f"t{name}", p, ids, TOKENS)
+    for name, ids in blocks.items():
+        assert await d.wait(f"d{name}") == "finished"
+        assert await p.wait(f"p{name}") == "finished_sending"
+        d.check_received(f"t{name}", ids, TOKENS)
+    assert _scattered(d) == (4 if wait_s else 2)  # without waiting, the second request's shares go direct
+    assert _lent(p, d) == 0 and p.holds() == 0 and d.holds() == 0
+
+
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 0], ids=["gathered", "negative control: refused without"])
+async def test_the_same_heads_in_two_orders_move_when_p_can_gather(
+    loopback_engines: LoopbackFactory, staging_bytes: int
+) -> None:
+    # HND on P, NHD on D, 4 heads on each: a transposition of every token, gathered into D's order on P.
+    p_spec = EngineSpec(layout="HND", **GEOMETRY)  # type: ignore[arg-type]
+    d_spec = EngineSpec(layout="NHD", **GEOMETRY)  # type: ignore[arg-type]
+    p, d = await loopback_engines(p_spec, d_spec, staging_bytes=staging_bytes)
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    if not staging_bytes:
+        assert await d.wait("d1") == "failed"  # refused when D met P's engine, with the reason
+        p.abort("p1")
+        return
+    assert await d.wait("d1") == "finished"
+    assert await p.wait("p1") == "finished_sending"
+    d.check_received("t1", BLOCKS, TOKENS)
+    (stats,) = (s.statistics() for s in p.services.values())
+    assert stats.staged_writes == 1 and stats.descriptors_sent <= 4  # one run per layer, not one per (token, head)
+    assert _lent(p, d) == 0 and p.holds() == 0 and d.holds() == 0

@@ -166,9 +166,11 @@ def test_a_head_split_of_nhd_is_one_piece_per_token_and_two_head_orders_are_refu
     _refused(one("P", tp_size=2, layout="NHD"), one("D", tp_size=2), "P layout NHD", "D layout HND", "transpose")
 
 
-def test_different_head_order_with_several_heads_is_refused() -> None:
-    _refused(one("P", layout="NHD"), one("D", layout="HND"), "P layout NHD", "D layout HND")
+def test_different_head_order_with_several_heads_needs_a_staging_region_on_p() -> None:
+    _refused(one("P", layout="NHD"), one("D", layout="HND"), "P layout NHD", "D layout HND", "staging region on P")
     check_compatible(one("P", tp_size=8, layout="NHD"), one("D", tp_size=8, layout="HND"))
+    staged = msgspec.structs.replace(one("P", layout="NHD"), staging_addr=1 << 40, staging_size=1 << 20)
+    check_compatible(staged, one("D", layout="HND"))  # P gathers the transposition into D's order
 
 
 def test_the_fused_layout_pairs_only_with_itself_at_one_block_size() -> None:

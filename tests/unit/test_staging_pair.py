@@ -40,10 +40,11 @@ def layout_pairs(draw: st.DrawFn) -> tuple[EngineSpec, EngineSpec]:
     return p, d
 
 
-def assume_compatible(p: EngineSpec, d: EngineSpec) -> None:
-    """Skip the example (hypothesis `assume`) when some P and D worker cannot pair: the hello refuses those."""
+def assume_compatible(p: EngineSpec, d: EngineSpec, *, staged: bool = False) -> None:
+    """Skip the example (hypothesis `assume`) when some P and D worker cannot pair: the hello refuses those.
+    `staged`: both sides publish staging regions (`PeerPair(windows=True)`), which lets P take a transposition."""
     try:
-        probe = PeerPair(p, d)
+        probe = PeerPair(p, d, staging=ALWAYS, windows=True) if staged else PeerPair(p, d)
         for src in probe.p.metas.values():
             for dst in probe.d.metas.values():
                 check_compatible(src, dst)
