@@ -91,6 +91,10 @@ class EngineConfig:
     # worker processes with a thread per core each spin against each other (docs/performance.md).
     torch_threads: int = 1
 
+    def __post_init__(self) -> None:
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+
     def on_host(self, address: str, netns: str | None = None) -> EngineConfig:
         """This engine with every listener (endpoint, control servers, Mooncake) bound to `address`, the one
         address its peers reach it at, and placed in `netns` when given.

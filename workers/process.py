@@ -372,8 +372,7 @@ def worker_main(options: WorkerOptions, conn: Connection) -> None:
     try:
         import torch
 
-        if options.torch_threads:
-            torch.set_num_threads(options.torch_threads)
+        torch.set_num_threads(options.torch_threads)
         if options.netns is not None:
             netns.join(options.netns)  # before Mooncake and the loop start threads: they inherit it
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+from msgspec.structs import replace
 
 from kvsvc.coalesce import unmerged_run_count
 from kvsvc.errors import TopologyError
@@ -187,6 +188,9 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
             "P", pp_size=args.p_pp, tp_size=args.p_tp, block_size=p_bs, num_blocks=p_needed, base_addr=P_BASE,
             layout=p_layout, **common,
         )  # fmt: skip
+        # Each P worker publishes a staging region, as `kvsvc serve` and `demo` give it: P may gather, which also
+        # lets it take the same heads in another order.
+        p_engine = {w: replace(m, staging_addr=1 << 60, staging_size=64 << 20) for w, m in p_engine.items()}
         d_engine = synthetic_engine(
             "D", pp_size=args.d_pp, tp_size=args.d_tp, block_size=d_bs, num_blocks=d_pool, base_addr=D_BASE,
             layout=d_layout, **common,

@@ -118,7 +118,8 @@ class ReceivingRole:
         self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._windows: dict[_WindowKey, _Window] = {}
-        self._waiting_room: dict[_WindowKey, asyncio.Task[None]] = {}  # requests that wait for a window
+        # Requests that wait for room for a window: the receive's req_id and the task that sends them.
+        self._waiting_room: dict[_WindowKey, tuple[str, asyncio.Task[None]]] = {}
         self._deferred: dict[str, tuple[str, list[int]]] = {}  # failed receives held back: req_id -> (why, blocks)
         # (P engine, incarnation, P worker, D blocks, tokens) -> the window plan of D blocks 0.. (None: no window)
         self._window_plans: dict[tuple[str, str, Worker, int, int], WindowPlan | None] = {}
@@ -361,8 +362,8 @@ class ReceivingRole:
                 message = self._windowed(peer, message)
             if message is not None:
                 self._send(peer, message)
-        if self._windows:
-            self._free_windows()
+        if self._windows or self._waiting_room:
+            self._tidy_windows()
 
     # -- windows (D-side staging) ------------------------------------------------------------------------------
 
@@ -379,8 +380,12 @@ class ReceivingRole:
         None when the request waits for room (`_ask_when_room` sends it)."""
         key = (request.transfer_id, peer.ref.engine_id, peer.ref.worker)
         req_id = self._receiver.req_of(request.transfer_id)
-        if key in self._waiting_room:
-            return None  # a repeat while the first waits for room: that one goes out
+        waiting = self._waiting_room.get(key)
+        if waiting is not None:
+            if waiting[0] == req_id:
+                return None  # a repeat while the first waits for room: that one goes out
+            waiting[1].cancel()  # an ended receive's request, the transfer id started again: this one goes
+            del self._waiting_room[key]
         window = self._windows.get(key)
         if window is None and req_id is not None:
             area = self._ctx.staging
@@ -389,9 +394,10 @@ class ReceivingRole:
                 return request
             addr = area.try_lend(plan.window_bytes) if area is not None else None
             if addr is None and self._ctx.config.window_wait_s > 0:
-                self._waiting_room[key] = self._ctx.tasks.spawn(
-                    self._ask_when_room(peer, key, request, req_id, plan), name=f"kvsvc-window-{req_id}"
+                task = self._ctx.tasks.spawn(
+                    self._ask_when_room(key, request, req_id, plan), name=f"kvsvc-window-{req_id}"
                 )
+                self._waiting_room[key] = (req_id, task)
                 return None
             if addr is None:
                 return request
@@ -400,11 +406,10 @@ class ReceivingRole:
             return request  # the transfer id again while an earlier receive's window is still being scattered
         return replace(request, window_addr=window.addr, window_bytes=window.nbytes, share_bytes=window.share)
 
-    async def _ask_when_room(
-        self, peer: _Outbound, key: _WindowKey, request: TransferRequest, req_id: str, plan: WindowPlan
-    ) -> None:
+    async def _ask_when_room(self, key: _WindowKey, request: TransferRequest, req_id: str, plan: WindowPlan) -> None:
         """Wait up to `window_wait_s` for room for `request`'s window, then ask P, with the window or without it.
-        Nothing is asked if the receive ended or is being aborted meanwhile (P answers its abort alone)."""
+        Nothing is asked if the receive ended or is being aborted meanwhile (P answers its abort alone); the wait
+        is cancelled then (`_tidy_windows`), which leaves nothing lent."""
         area = self._ctx.staging
         assert area is not None
         addr: int | None = None
@@ -413,9 +418,14 @@ class ReceivingRole:
         except StagingFull:
             pass
         finally:
-            self._waiting_room.pop(key, None)
+            if self._waiting_room.get(key, ("", None))[1] is asyncio.current_task():
+                del self._waiting_room[key]
         transfer_id = request.transfer_id
-        if self._receiver.req_of(transfer_id) != req_id or self._receiver.ending(transfer_id):
+        if (
+            self._receiver.req_of(transfer_id) != req_id
+            or self._receiver.ending(transfer_id)
+            or not self._receiver.waits_on(*key)
+        ):
             if addr is not None:
                 area.give_back(addr)
             return
@@ -543,6 +553,16 @@ class ReceivingRole:
         if peer is not None and peer.channel is not None:
             with contextlib.suppress(PeerLost):
                 peer.channel.send(message)
+
+    def _tidy_windows(self) -> None:
+        """Stop the waits for room of receives that ended or are being aborted (they would hold the region's line
+        for nothing), and give back the windows nothing needs any more."""
+        for key, (req_id, task) in list(self._waiting_room.items()):
+            if self._receiver.req_of(key[0]) != req_id or self._receiver.ending(key[0]):
+                task.cancel()
+                del self._waiting_room[key]
+        if self._windows:
+            self._free_windows()
 
     def _free_windows(self) -> None:
         """Give back every window whose receive from its P worker ended and that no scatter reads."""

@@ -167,15 +167,16 @@ class PeerPair:
         self._window_arenas: dict[Worker, ByteArray] = {}
         self._window_ranges: dict[Worker, RangeAllocator] = {}
         self._windows: dict[tuple[str, Worker, Worker], tuple[int, WindowPlan]] = {}
+        if windows and staging is None:
+            raise ValueError("windows need a staging rule")
         if windows:
-            if staging is None:
-                raise ValueError("windows need a staging rule")
             for i, (w, meta) in enumerate(sorted(self.d.metas.items())):
                 addr = _WINDOW_BASE + i * staging_bytes
                 self.d.metas[w] = msgspec.structs.replace(meta, staging_addr=addr, staging_size=staging_bytes)
                 self._window_arenas[w] = np.zeros(staging_bytes, dtype=np.uint8)
                 self._window_ranges[w] = RangeAllocator(staging_bytes)
-            for i, (w, meta) in enumerate(sorted(self.p.metas.items())):  # P's region: P gathers too
+        if staging is not None:  # P publishes its region, as the service does: it gathers there
+            for i, (w, meta) in enumerate(sorted(self.p.metas.items())):
                 addr = _WINDOW_BASE - (i + 1) * staging_bytes
                 self.p.metas[w] = msgspec.structs.replace(
                     meta, staging_addr=addr, staging_size=staging_bytes, accepts_windows=True

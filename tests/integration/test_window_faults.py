@@ -223,3 +223,25 @@ async def test_the_same_heads_in_two_orders_move_when_p_can_gather(
     (stats,) = (s.statistics() for s in p.services.values())
     assert stats.staged_writes == 1 and stats.descriptors_sent <= 4  # one run per layer, not one per (token, head)
     assert _lent(p, d) == 0 and p.holds() == 0 and d.holds() == 0
+
+
+async def test_an_aborted_request_stops_waiting_for_room(loopback_engines: LoopbackFactory) -> None:
+    config = ServiceConfig(window_wait_s=30.0)  # longer than the test: only the abort can end the wait
+    p, d = await loopback_engines(P_SPEC, D_SPEC, config=config, staging_bytes=256 << 10)
+    d.copies.gate.clear()  # the first request's windows stay lent while their scatters wait
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
+    p.start_send("p2", "t2", [8, 9, 10, 11], TOKENS)
+    d.start_recv("d1", "t1", p, [0, 1, 2, 3], TOKENS)
+    await _until(lambda: d.copies.scatters == 2)
+    d.start_recv("d2", "t2", p, [8, 9, 10, 11], TOKENS)
+    receiving = d.services[(0, 0)]._receiving
+    await _until(lambda: len(receiving._waiting_room) == 2)  # both of t2's shares wait for room
+    d.abort("d2")
+    assert await d.wait("d2") == "failed"
+    assert receiving._waiting_room == {}
+    d.copies.gate.set()
+    assert await d.wait("d1") == "finished"
+    d.check_received("t1", [0, 1, 2, 3], TOKENS)
+    await _until(lambda: _lent(p, d) == 0)
+    p.abort("p2")
+    assert await p.wait("p1") == "finished_sending"

@@ -69,7 +69,7 @@ def test_mla_and_block_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--p-tp", "3"], ["P", "tp_size 3", "8"]),
         (["--p-tp", "4", "--d-tp", "6", "--kv-heads", "12"], ["tp_size 4", "tp_size 6"]),
-        (["--p-tp", "2", "--d-tp", "2", "--p-layout", "NHD", "--d-layout", "HND"], ["NHD", "HND", "transpose"]),
+        (["--p-layout", "HND_FUSED", "--d-layout", "HND"], ["HND_FUSED", "HND", "opaque"]),
         (["--dtype", "float64"], ["float64"]),
         (["--tokens", "0"], ["--tokens"]),
     ],
@@ -125,10 +125,11 @@ def test_table_adds_the_per_layer_line_only_for_cross_layer_pools(capsys: pytest
     assert "Per-layer HND" not in capsys.readouterr().out
 
 
-def test_nhd_against_a_cross_layer_pool_with_several_heads_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--p-tp", "2", "--d-tp", "2", "--p-layout", "NHD", "--d-layout", "HND_CROSS_LAYER"]) == 2
-    err = capsys.readouterr().err
-    assert "P layout NHD" in err and "D layout HND_CROSS_LAYER" in err
+def test_nhd_against_a_cross_layer_pool_with_several_heads_is_gathered(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--p-tp", "2", "--d-tp", "2", "--p-layout", "NHD", "--d-layout", "HND_CROSS_LAYER", "--tokens", "64"]
+    report = run_json(capsys, *args)
+    assert report["layout"] == "P NHD, D HND_CROSS_LAYER"
+    assert all(pair["way"] in ("gather", "gather+scatter") for pair in report["pairs"])
 
 
 def test_synthetic_cross_layer_engines_have_one_pool_per_worker() -> None:
@@ -142,3 +143,10 @@ def test_synthetic_cross_layer_engines_have_one_pool_per_worker() -> None:
     assert [size for _, size in regions] == [3 * layer_bytes(engine[(0, 0)])] * 2 + [
         2 * layer_bytes(engine[(0, 0)])
     ] * 2
+
+
+def test_the_same_heads_in_another_order_are_gathered_on_p(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--p-tp", "2", "--d-tp", "2", "--p-layout", "NHD", "--d-layout", "HND", "--tokens", "64"]
+    report = run_json(capsys, *args, "--d-ids", "contiguous")
+    for pair in report["pairs"]:  # about one piece per (token, head); gathered into D's head order: a run per layer
+        assert pair["way"] == "gather" and pair["staged_descriptors"] == 32 and pair["descriptors"] > 16000

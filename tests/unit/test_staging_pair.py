@@ -4,6 +4,7 @@ as the direct plan, in one write per contiguous destination run, and every proto
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -103,3 +104,21 @@ def test_a_staged_run_stops_where_one_layer_tensor_ends_and_the_next_begins() ->
     pair.assert_received("t")
     assert pair.violations == []
     assert pair.statistics().writes_staged == 2
+
+
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "tp"),
+    [("HND", "NHD", 1), ("NHD", "HND", 2), ("NHD", "HND_CROSS_LAYER", 1), ("HNC", "KV_NHD", 2)],
+)
+def test_the_same_heads_in_two_orders_are_gathered_byte_exact(p_layout: str, d_layout: str, tp: int) -> None:
+    # P publishes its region (it has a staging rule), so the pair is accepted; D lends no windows.
+    pair = PeerPair(EngineSpec(tp_size=tp, layout=p_layout), EngineSpec(tp_size=tp, layout=d_layout), staging=ALWAYS)
+    pair.start_send("p-t", "t", [2, 3, 4], 11)
+    pair.start_recv("d-t", "t", [7, 5, 9], 11)
+    pair.run_until_idle()
+    pair.take_reports()
+    pair.assert_received("t")
+    pair.assert_reported_once(["p-t"], ["d-t"])
+    assert pair.violations == [] and pair.statistics().writes_staged == tp
+    with pytest.raises(TopologyError, match="needs a staging region on P"):
+        PeerPair(EngineSpec(tp_size=tp, layout=p_layout), EngineSpec(tp_size=tp, layout=d_layout))
