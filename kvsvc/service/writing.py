@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from bisect import bisect_right
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -400,16 +400,9 @@ class BlockWriter:
             WriteFailed / StagingFull / what the gather raises: the first failure, once no chunk of the write can
                 move any more bytes.
         """
-        results = await asyncio.gather(*(self._write_chunk(peer, chunk) for chunk in chunks), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        drains = [f.drained for f in failures if isinstance(f, WriteFailed) and f.drained is not None]
-        if drains:
-            await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
-        if failures:
-            raise failures[0]
+        written = await _all_written(self._write_chunk(peer, chunk) for chunk in chunks)
         self._ctx.counts["staged"] += 1
-        done = [r for r in results if isinstance(r, tuple)]
-        return sum(n for n, _ in done), sum(d for _, d in done)
+        return written
 
     async def _write_chunk(self, peer: str, chunk: StagedChunk) -> tuple[int, int]:
         """Lend room for `chunk`, gather its pieces there, write its runs; the room goes back once nothing can read
@@ -473,16 +466,25 @@ class BlockWriter:
                 await layers[layer]
             return await self._write_once(target, per_layer[layer], command) if per_layer[layer] else (0, 0)
 
-        results = await asyncio.gather(*(one(i) for i in range(len(layers))), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        # Every layer's write must have stopped moving bytes before the job may end, not only the first failure's.
-        drains = [f.drained for f in failures if isinstance(f, WriteFailed) and f.drained is not None]
-        if drains:
-            await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
-        if failures:
-            raise failures[0]
-        done = [r for r in results if isinstance(r, tuple)]
-        return sum(n for n, _ in done), sum(d for _, d in done)
+        return await _all_written(one(i) for i in range(len(layers)))
+
+
+async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int, int]:
+    """Run the writes `parts` (each returning bytes and descriptors) together; their summed counts.
+
+    Raises:
+        the first part's failure, once every failed part's descriptors stopped moving (its `drained`): the job may
+        end only then, not after the first failure's alone.
+    """
+    results = await asyncio.gather(*parts, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    drains = [f.drained for f in failures if isinstance(f, WriteFailed) and f.drained is not None]
+    if drains:
+        await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
+    if failures:
+        raise failures[0]
+    done = [r for r in results if isinstance(r, tuple)]
+    return sum(n for n, _ in done), sum(d for _, d in done)
 
 
 def _in_rounds(command: Submit) -> bool:
