@@ -4,10 +4,10 @@ stream whose event completes the returned future, on CPU in a worker thread.
 
 Imports torch lazily (at construction), `kvsvc.streams` for the CUDA completion future. Rules: every source piece
 lies inside one of the registered tensors given (an address outside them is a `ValueError` before any copy); a
-call's pieces tile one range of the staging tensor in order, which one `index_select` fills when the pieces are
-rows of one length (the layouts' usual case), else one `torch.cat`, so a chunk costs one kernel (GPU) or one call
-(CPU) whatever its piece count; a scatter is the same with the roles swapped (`index_copy_` for rows, else one
-copy per piece, which are few: a window's pieces are D's contiguous runs); the loop is never blocked by a copy.
+call's pieces tile one range of the staging tensor in order; its pieces from one tensor are one `index_select` when
+they are rows of one length (the layouts' usual case), else one `torch.cat`, so a chunk costs one kernel per
+tensor it reads (a layer's, or its K or V), whatever its piece count; a scatter is the same with the roles swapped
+(`index_copy_` for rows, else one copy per piece); the loop is never blocked by a copy.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_right
 from collections.abc import Awaitable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy.typing as npt
 from kvsvc.streams import completion_future
 
 Int64Array = npt.NDArray[np.int64]
+MIN_ROW_BYTES = 64  # below this, rows of an index kernel cost more than the per-piece copies they replace
 
 
 class TorchGather:
@@ -43,10 +45,12 @@ class TorchGather:
             raise ValueError("every source tensor must be contiguous")
         flat = sorted(((t.data_ptr(), t.reshape(-1).view(torch.uint8)) for t in sources), key=lambda p: p[0])
         self._starts = [addr for addr, _ in flat]
+        self._start_array = np.asarray(self._starts, dtype=np.int64)
         self._bytes = [view for _, view in flat]
         self._staging = staging
         self._staging_addr = staging.data_ptr()
         self._torch = torch
+        self._words = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # width in bytes -> dtype
         self._cuda = staging.is_cuda
         self._stream = torch.cuda.Stream(device=staging.device) if self._cuda else None  # type: ignore[no-untyped-call]
 
@@ -87,24 +91,34 @@ class TorchGather:
     def _copy(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:
         if src.size == 0:
             return
-        first, total = self._tiled(dst, length, "gather")
-        if self._gather_rows(src, length, first, total):
-            return
-        pieces = [self._piece(addr, n, "gather source") for addr, n in zip(src.tolist(), length.tolist(), strict=True)]
-        self._torch.cat(pieces, out=self._staging[first : first + total])
+        first, _ = self._tiled(dst, length, "gather")
+        for lo, hi, at in self._segments(src, length, first):
+            if self._gather_rows(src[lo:hi], length[lo:hi], at):
+                continue
+            where = zip(src[lo:hi].tolist(), length[lo:hi].tolist(), strict=True)
+            pieces = [self._piece(addr, n, "gather source") for addr, n in where]
+            self._torch.cat(pieces, out=self._staging[at : at + int(length[lo:hi].sum())])
 
     def _scatter(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:
         if src.size == 0:
             return
-        first, total = self._tiled(src, length, "scatter")
-        if self._scatter_rows(dst, length, first, total):
-            return
-        where = zip(dst.tolist(), length.tolist(), strict=True)
-        pieces = [self._piece(addr, n, "scatter destination") for addr, n in where]
-        at = first
-        for piece in pieces:
-            piece.copy_(self._staging[at : at + piece.numel()])
-            at += piece.numel()
+        first, _ = self._tiled(src, length, "scatter")
+        for lo, hi, at in self._segments(dst, length, first):
+            if self._scatter_rows(dst[lo:hi], length[lo:hi], at):
+                continue
+            ends = at + np.cumsum(length[lo:hi])
+            for addr, n, end in zip(dst[lo:hi].tolist(), length[lo:hi].tolist(), ends.tolist(), strict=True):
+                self._piece(addr, n, "scatter destination").copy_(self._staging[end - n : end])
+
+    def _segments(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[int, int, int]]:
+        """The pieces split where the registered tensor they lie in changes: `(lo, hi, staging offset)` for each
+        run `[lo, hi)` of pieces, so that each is one kernel when its pieces are rows (a request's pieces span
+        every layer's tensor, so the whole call rarely is)."""
+        owner = np.searchsorted(self._start_array, addrs, side="right")
+        cuts = np.flatnonzero(owner[1:] != owner[:-1]) + 1
+        bounds = [0, *cuts.tolist(), int(addrs.size)]
+        offsets = np.concatenate(([0], np.cumsum(length))).tolist()
+        return [(lo, hi, first + offsets[lo]) for lo, hi in pairwise(bounds)]
 
     def _tiled(self, addrs: Int64Array, length: Int64Array, what: str) -> tuple[int, int]:
         """(offset, bytes) of the staging range the pieces at `addrs` tile in order.
@@ -131,42 +145,51 @@ class TorchGather:
             raise ValueError(f"{what} [{addr:#x}, +{n}) lies outside the registered tensors")
         return self._bytes[i][offset : offset + n]
 
-    def _gather_rows(self, src: Int64Array, length: Int64Array, first: int, total: int) -> bool:
-        """The common case in one kernel: pieces of one length `n` inside one source tensor, each starting at a
-        multiple of `n` from its start, are rows of that tensor seen as `(-1, n)`: one `index_select`. False, having
-        copied nothing, when the pieces are not so."""
-        rows = self._rows(src, length)
+    def _gather_rows(self, src: Int64Array, length: Int64Array, at: int) -> bool:
+        """The common case in one kernel: pieces inside one source tensor that are whole rows of it (`_rows`) are
+        one `index_select` into the staging tensor from offset `at`. False, having copied nothing, when the pieces
+        are not so."""
+        rows = self._rows(src, length, at)
         if rows is None:
             return False
-        table, index, n = rows
-        self._torch.index_select(table, 0, index, out=self._staging[first : first + total].view(-1, n))
+        table, index, window = rows
+        self._torch.index_select(table, 0, index, out=window)
         return True
 
-    def _scatter_rows(self, dst: Int64Array, length: Int64Array, first: int, total: int) -> bool:
+    def _scatter_rows(self, dst: Int64Array, length: Int64Array, at: int) -> bool:
         """`_gather_rows` the other way: one `index_copy_` into the rows of one tensor."""
-        rows = self._rows(dst, length)
+        rows = self._rows(dst, length, at)
         if rows is None:
             return False
-        table, index, n = rows
-        table.index_copy_(0, index, self._staging[first : first + total].view(-1, n))
+        table, index, window = rows
+        table.index_copy_(0, index, window)
         return True
 
-    def _rows(self, addrs: Int64Array, length: Int64Array) -> tuple[Any, Any, int] | None:
-        """(the tensor as rows of `n` bytes, the row index of each piece, `n`) when the pieces at `addrs` are whole
-        rows of one tensor; None otherwise."""
-        n = int(length[0])
-        if bool(np.any(length != n)):
-            return None
+    def _rows(self, addrs: Int64Array, length: Int64Array, at: int) -> tuple[Any, Any, Any] | None:
+        """(the tensor as rows of `n` bytes, the index of each row the pieces at `addrs` cover in order, the
+        staging range from `at` as as many rows) when those pieces lie in one tensor and are whole rows of it, `n`
+        being the largest row size that makes them so (the planner merges adjacent pieces, so lengths are multiples
+        of a head's run, not one length); None when they are not, or when `n` is under `MIN_ROW_BYTES`. Rows are
+        seen as the widest machine words that divide them, because torch's index kernels copy one element at a time
+        (bytes move at a tenth of memcpy speed, 8-byte words at half)."""
         i = bisect_right(self._starts, int(addrs.min())) - 1
         if i < 0:
             return None
         offsets = addrs - self._starts[i]
+        n = int(np.gcd.reduce(np.concatenate((length, offsets))))
         view = self._bytes[i]
-        rows = view.numel() // n
-        if bool(np.any(offsets % n)) or int(offsets.max()) + n > rows * n:
+        rows = view.numel() // n if n else 0
+        if n < MIN_ROW_BYTES or int((offsets + length).max()) > rows * n:
             return None
-        table = view[: rows * n].view(rows, n)
-        return table, self._torch.from_numpy(offsets // n).to(table.device, non_blocking=True), n
+        counts = length // n
+        firsts = offsets // n - (np.cumsum(counts) - counts)  # each row's index is its position plus its piece's shift
+        index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts, counts)
+        table = view[: rows * n]
+        window = self._staging[at : at + index.size * n]
+        word = next(w for w in (8, 4, 2, 1) if (n | table.storage_offset() | window.storage_offset()) % w == 0)
+        dtype = self._words[word]
+        table, window = table.view(dtype).view(rows, n // word), window.view(dtype).view(-1, n // word)
+        return table, self._torch.from_numpy(index).to(table.device, non_blocking=True), window
 
 
 __all__ = ["TorchGather"]

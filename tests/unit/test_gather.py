@@ -1,5 +1,6 @@
 """`TorchGather` on CPU tensors: the bytes it copies are the pieces asked for, in order, by either of its two ways
-(rows of one length, or any pieces), and a piece outside the registered tensors is refused before any copy."""
+(row kernels per tensor, or any pieces), both ways round (gather and scatter), and a piece outside the registered
+tensors is refused before any copy."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsvc.gather import TorchGather
 
@@ -60,3 +63,61 @@ def test_pieces_from_two_tensors_and_at_odd_offsets_take_the_general_way() -> No
     _run(gather, [a for a, _ in pieces], dst, [n for _, n in pieces])
     want = np.concatenate([first.numpy()[3:67], second.numpy()[64:128], first.numpy()[200:264]])
     assert np.array_equal(staging.numpy()[:192], want)
+
+
+def _scatter(gather: TorchGather, src: list[int], dst: list[int], length: list[int]) -> None:
+    arrays = (np.array(x, dtype=np.int64) for x in (src, dst, length))
+
+    async def go() -> None:
+        await gather.scatter(*arrays)
+
+    asyncio.run(go())
+
+
+@st.composite
+def _pieces(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]]]:
+    """(unit, pieces as (tensor, offset, length)): pieces that do not overlap, from three tensors, in any order;
+    offsets and lengths are multiples of `unit`, which may be odd, so both the row kernels (of any word width) and
+    the per-piece way are drawn."""
+    unit = draw(st.sampled_from([1, 3, 8, 64, 96, 128]))
+    slots = draw(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 15)), min_size=1, max_size=12, unique=True))
+    pieces = [(t, slot * 4 * unit, unit * draw(st.integers(1, 4))) for t, slot in slots]
+    return unit, pieces
+
+
+@settings(max_examples=150, deadline=None)
+@given(drawn=_pieces(), at=st.integers(0, 9))
+def test_gather_then_scatter_moves_exactly_the_pieces(drawn: tuple[int, list[tuple[int, int, int]]], at: int) -> None:
+    unit, pieces = drawn
+    tensors = [torch.randint(0, 256, (64 * unit + 8,), dtype=torch.uint8) for _ in range(3)]
+    staging = torch.zeros(64 * unit + 16, dtype=torch.uint8)
+    gather = TorchGather(tensors, staging)
+    src = [tensors[t].data_ptr() + off for t, off, _ in pieces]
+    lengths = [n for _, _, n in pieces]
+    dst = (staging.data_ptr() + at + np.concatenate(([0], np.cumsum(lengths)[:-1]))).tolist()
+    _run(gather, src, dst, lengths)
+    want = np.concatenate([tensors[t].numpy()[off : off + n] for t, off, n in pieces])
+    assert np.array_equal(staging.numpy()[at : at + len(want)], want)
+
+    before = [t.clone() for t in tensors]
+    for t, off, n in pieces:
+        tensors[t][off : off + n] = 0
+    _scatter(gather, dst, src, lengths)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+
+
+def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> None:
+    """The planner merges adjacent heads, so a call's lengths are multiples of one run, not one length: they are
+    still rows (of the common run), seen as 8-byte words, since per-byte index kernels are ten times slower."""
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    staging = torch.zeros(1 << 14, dtype=torch.uint8)
+    gather = TorchGather([pool], staging)
+    addrs = pool.data_ptr() + np.array([0, 8192, 4096 * 5], dtype=np.int64)
+    rows = gather._rows(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 0)
+    assert rows is not None
+    table, index, window = rows
+    assert table.dtype == torch.int64 and table.shape[1] == 512
+    assert index.tolist() == [0, 2, 3, 5]
+    assert window.shape == (4, 512)
+    odd = gather._rows(addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0)
+    assert odd is None or odd[0].dtype == torch.uint8
