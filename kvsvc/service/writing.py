@@ -15,7 +15,6 @@ Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, neve
 from __future__ import annotations
 
 import asyncio
-from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ from kvsvc.coalesce import Int64Array
 from kvsvc.errors import KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs, pool_regions
 from kvsvc.messages import Message, WindowFilled, Worker, WorkerMetadata, WorkerRef
-from kvsvc.planner import is_block_run, plan_transfer
+from kvsvc.planner import is_block_run, plan_transfer_arrays
 from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext
 from kvsvc.staging import (
@@ -42,7 +41,7 @@ from kvsvc.staging import (
 from kvsvc.transport.base import WriteFailed
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
-_PLAN_CACHE_DESCRIPTORS = 4096  # larger plans cost more to shift than to plan
+_PLAN_CACHE_ROWS = 1 << 20  # descriptors cached per D worker connection, all plans together (24 MiB)
 
 WriteResult = Callable[[str, Worker, str | None, int, int], None]
 """`(transfer_id, D worker, error or None, bytes, descriptors)`: how a write's end reaches the `Sender`."""
@@ -63,7 +62,8 @@ class WriteTarget:
     """Sends a frame to this D worker on its control connection; raises `PeerLost` when it is closed."""
     # Plans of requests whose P and D blocks are each one run of consecutive ids, for the run starting at block 0
     # on both sides, keyed (P blocks, D blocks, tokens): see `BlockWriter._plan`.
-    plans: dict[tuple[int, int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
+    plans: dict[tuple[int, int, int], Int64Array] = field(default_factory=dict)
+    plan_rows: int = 0  # descriptors in `plans`
     strides: tuple[int, int] = (0, 0)  # block strides of P (this worker) and of this D worker
     src_regions: list[int] = field(default_factory=list)  # start addresses of this P worker's registered tensors
     emptied: dict[str, set[int]] = field(default_factory=dict)  # per transfer writing in rounds
@@ -184,9 +184,9 @@ class BlockWriter:
             elif layers is None:
                 nbytes, ndesc = await self._write_once(target, self._descriptors(target, command), command)
             else:
-                descriptors = self._descriptors(target, command)
-                ndesc = len(descriptors)
-                nbytes, ndesc = await self._write_layerwise(target, descriptors, layers, command)
+                table = self._descriptors(target, command)
+                ndesc = len(table)
+                nbytes, ndesc = await self._write_layerwise(target, table, layers, command)
         except asyncio.CancelledError:
             # Only `close` cancels, after `close_drain_timeout_s`: the engine is going away with its blocks.
             self._began.pop(id(command), None)
@@ -220,16 +220,17 @@ class BlockWriter:
         if target is None:
             return False
         try:
-            descriptors = self._descriptors(target, command)
-            if self._staged(target, descriptors, command.window_bytes > 0) is not None:
+            table = self._descriptors(target, command)
+            if self._staged(target, table, command.window_bytes > 0) is not None:
                 return False  # a staged write waits for room and for its gather: it needs the task
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
-        result = self._start_write(target.meta.transport_addr, descriptors)
+        result = self._start_write(target.meta.transport_addr, _rows(table))
         if result is None:
             return False
         self._started.add(result)
-        result.add_done_callback(lambda fut: self._started_write_done(command, len(descriptors), fut))
+        ndesc = len(table)
+        result.add_done_callback(lambda fut: self._started_write_done(command, ndesc, fut))
         return True
 
     def _started_write_done(self, command: Submit, ndesc: int, result: asyncio.Future[int]) -> None:
@@ -260,9 +261,9 @@ class BlockWriter:
 
         drained.add_done_callback(after_drain)
 
-    def _descriptors(self, target: WriteTarget, command: Submit) -> Sequence[tuple[int, int, int]]:
-        """The descriptors of `command`: its plan, or, with a window that holds the whole share, the plan's stream
-        into that window.
+    def _descriptors(self, target: WriteTarget, command: Submit) -> Int64Array:
+        """The descriptors of `command` as a `(source, destination, length)` table: its plan, or, with a window that
+        holds the whole share, the plan's stream into that window.
 
         Raises:
             TopologyError / ValueError: as `_plan` and `_stream`.
@@ -270,7 +271,7 @@ class BlockWriter:
         if not command.window_bytes:
             return self._plan(target, command)
         src, offset, length = self._stream(target, command)
-        return list(zip(src.tolist(), (command.window_addr + offset).tolist(), length.tolist(), strict=True))
+        return np.column_stack((src, command.window_addr + offset, length))
 
     def _stream(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, Int64Array, Int64Array]:
         """`command`'s share as a window stream: (source, stream offset, length) columns (`window_plan`).
@@ -278,8 +279,7 @@ class BlockWriter:
         Raises:
             TopologyError / ValueError: as `_plan`, or D planned a share of another size.
         """
-        table = np.asarray(self._plan(target, command), dtype=np.int64).reshape(-1, 3)
-        src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+        src, dst, length = self._plan(target, command).T
         nbytes = int(length.sum())
         share = command.share_bytes or command.window_bytes
         if nbytes != share:
@@ -291,18 +291,17 @@ class BlockWriter:
             target.src_regions = [start for start, _ in pool_regions(self._ctx.metadata)]
         return window_plan(src, dst, length, 0, region_ids(src, target.src_regions))
 
-    async def _write_once(
-        self, target: WriteTarget, descriptors: Sequence[tuple[int, int, int]], command: Submit
-    ) -> tuple[int, int]:
-        """Write `descriptors`, gathered through the staging region when its rule picks it; (bytes, descriptors).
+    async def _write_once(self, target: WriteTarget, table: Int64Array, command: Submit) -> tuple[int, int]:
+        """Write the descriptor table `table`, gathered through the staging region when its rule picks it; (bytes,
+        descriptors).
 
         Raises:
             WriteFailed / StagingFull / what the gather raises: as `_write_staged` or `Transport.write`.
         """
-        chunks = self._staged(target, descriptors, command.window_bytes > 0)
+        chunks = self._staged(target, table, command.window_bytes > 0)
         if chunks is not None:
             return await self._write_staged(target.meta.transport_addr, chunks)
-        return await self._ctx.transport.write(target.meta.transport_addr, descriptors), len(descriptors)
+        return await self._ctx.transport.write(target.meta.transport_addr, _rows(table)), len(table)
 
     async def _write_rounds(self, target: WriteTarget, command: Submit) -> tuple[int, int]:
         """Write a share larger than its window in rounds (module docstring); (bytes, descriptors).
@@ -324,8 +323,8 @@ class BlockWriter:
                     raise TransferAborted(f"{transfer_id!r} aborted after {index} of {count} rounds of D's window")
                 r_src, r_offset, r_length = stream_round(offset, src, length, index, size)
                 base = command.window_addr + (index % 2) * size
-                columns = (r_src.tolist(), (base + r_offset).tolist(), r_length.tolist())
-                written, submitted = await self._write_once(target, list(zip(*columns, strict=True)), command)
+                round_table = np.column_stack((r_src, base + r_offset, r_length))
+                written, submitted = await self._write_once(target, round_table, command)
                 nbytes, ndesc = nbytes + written, ndesc + submitted
                 if index < count - 1:
                     target.send(WindowFilled(transfer_id=transfer_id, round=index))
@@ -334,14 +333,16 @@ class BlockWriter:
             target.waiters.pop(transfer_id, None)
         return nbytes, ndesc
 
-    def _plan(self, target: WriteTarget, command: Submit) -> Sequence[tuple[int, int, int]]:
-        """`plan_transfer`, from `target`'s cache when the used P and D blocks are each one run of consecutive ids
-        and D holds no prefix already (`first_token` 0).
+    def _plan(self, target: WriteTarget, command: Submit) -> Int64Array:
+        """`plan_transfer` as a `(source, destination, length)` table (read-only when cached), from `target`'s
+        cache when the used P and D blocks are each one run of consecutive ids and D holds no prefix already
+        (`first_token` 0).
 
         Such a plan is the plan of the runs starting at block 0, shifted by each side's first block times its
         block stride: merging depends only on which ranges touch, and a shift keeps that (a run touches the next
-        layer's tensor only when it spans the whole pool, and then it starts at block 0). Planning thousands of
-        one-block requests a second is otherwise the P worker's main cost.
+        layer's tensor only when it spans the whole pool, and then it starts at block 0). Planning is otherwise the
+        P worker's main cost, for thousands of one-block requests a second as for a head split in NHD (thousands of
+        descriptors per request); a cached table shifts in one numpy add whatever its size.
 
         Raises:
             TopologyError / ValueError: as `plan_transfer` (the uncached path runs every check).
@@ -349,7 +350,7 @@ class BlockWriter:
         src, dst = self._ctx.metadata, target.meta
         src_ids, dst_ids, num_tokens = command.src_block_ids, command.dst_block_ids, command.num_tokens
         if command.first_token:
-            return plan_transfer(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token)
+            return _table(plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token))
         n_src, n_dst = -(-num_tokens // src.block_size), -(-num_tokens // dst.block_size)
         # Both id lists passed `check_block_ids` on their way in (the engine's call, D's request), so a run of
         # consecutive ids lies inside its pool; anything the cache cannot take is planned, and checked, in full.
@@ -359,37 +360,36 @@ class BlockWriter:
             and is_block_run(src_ids, n_src)
             and is_block_run(dst_ids, n_dst)
         ):
-            return plan_transfer(src, dst, src_ids, dst_ids, num_tokens)
+            return _table(plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens))
         key = (n_src, n_dst, num_tokens)
         unit = target.plans.get(key)
         if unit is None:
-            unit = [tuple(d) for d in plan_transfer(src, dst, range(n_src), range(n_dst), num_tokens)]  # type: ignore[misc]
-            if len(target.plans) < _PLAN_CACHE_ENTRIES and len(unit) <= _PLAN_CACHE_DESCRIPTORS:
+            unit = _table(plan_transfer_arrays(src, dst, range(n_src), range(n_dst), num_tokens))
+            unit.flags.writeable = False
+            if len(target.plans) < _PLAN_CACHE_ENTRIES and target.plan_rows + len(unit) <= _PLAN_CACHE_ROWS:
                 target.plans[key] = unit
+                target.plan_rows += len(unit)
         if src_ids[0] == dst_ids[0] == 0:
             return unit
         if not target.strides[0]:
             target.strides = (block_geometry(src).block_stride, block_geometry(dst).block_stride)
         shift_src, shift_dst = src_ids[0] * target.strides[0], dst_ids[0] * target.strides[1]
-        return [(s + shift_src, d + shift_dst, n) for s, d, n in unit]
+        return unit + np.array([shift_src, shift_dst, 0], dtype=np.int64)
 
-    def _staged(
-        self, target: WriteTarget, descriptors: Sequence[tuple[int, int, int]], windowed: bool = False
-    ) -> list[StagedChunk] | None:
-        """The chunks of `descriptors` staged, when there is a staging region and its rule picks staging.
+    def _staged(self, target: WriteTarget, table: Int64Array, windowed: bool = False) -> list[StagedChunk] | None:
+        """The chunks of the descriptor table `table` staged, when there is a staging region and its rule picks staging.
         `windowed`: they write one window of D's region (one destination region), not D's blocks.
 
         Raises:
             ValueError: two descriptors overlap in the destination (a planner bug).
         """
         area = self._ctx.staging
-        if area is None or len(descriptors) < 2:
+        if area is None or len(table) < 2:
             return None
-        table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
-        src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+        src, dst, length = table.T
         # A run must stay inside one of D's registered tensors, even where two of them touch.
         region = None if windowed else region_ids(dst, [start for start, _ in pool_regions(target.meta)])
-        if not area.rule.stage(len(descriptors), count_runs(dst, length, region), int(length.sum())):
+        if not area.rule.stage(len(table), count_runs(dst, length, region), int(length.sum())):
             return None
         return plan_staged(src, dst, length, area.chunk_bytes, region)
 
@@ -438,35 +438,46 @@ class BlockWriter:
     async def _write_layerwise(
         self,
         target: WriteTarget,
-        descriptors: Sequence[tuple[int, int, int]],
+        table: Int64Array,
         layers: list[asyncio.Future[None]],
         command: Submit,
     ) -> tuple[int, int]:
-        """Write each layer's descriptors as soon as its compute finished, later layers still computing, each
-        layer gathered through the staging region when the rule picks it for that layer; (bytes, descriptors).
+        """Write each layer's descriptors (rows of `table`) as soon as its compute finished, later layers still
+        computing, each layer gathered through the staging region when the rule picks it for that layer; (bytes,
+        descriptors).
 
         A cross-layer pool puts every layer inside each block, so one descriptor spans layers: it goes once the
         last layer finished (the layer-wise gain needs per-layer tensors).
         """
         meta = self._ctx.metadata
-        per_layer: list[list[tuple[int, int, int]]] = [[] for _ in layers]
+        per_layer = [table[:0]] * len(layers)
         if is_cross_layer(meta):
-            per_layer[-1] = list(descriptors)
+            per_layer[-1] = table
         else:
-            addrs = layer_addrs(meta)
-            starts = sorted(addrs)
-            order = {addr: i for i, addr in enumerate(addrs)}
-            for desc in descriptors:
-                per_layer[order[starts[bisect_right(starts, desc[0]) - 1]]].append(desc)
+            addrs = np.asarray(layer_addrs(meta), dtype=np.int64)
+            by_start = np.argsort(addrs)
+            layer = by_start[np.searchsorted(addrs[by_start], table[:, 0], side="right") - 1]
+            per_layer = [table[layer == i] for i in range(len(layers))]
 
         async def one(layer: int) -> tuple[int, int]:
             if is_cross_layer(meta):
                 await asyncio.gather(*layers)
             else:
                 await layers[layer]
-            return await self._write_once(target, per_layer[layer], command) if per_layer[layer] else (0, 0)
+            return await self._write_once(target, per_layer[layer], command) if len(per_layer[layer]) else (0, 0)
 
         return await _all_written(one(i) for i in range(len(layers)))
+
+
+def _table(columns: tuple[Int64Array, Int64Array, Int64Array]) -> Int64Array:
+    """Three descriptor columns (`plan_transfer_arrays`) as one `(n, 3)` table."""
+    return np.column_stack(columns).astype(np.int64, copy=False).reshape(-1, 3)
+
+
+def _rows(table: Int64Array) -> list[tuple[int, int, int]]:
+    """A descriptor table as the `(source, destination, length)` tuples the transport's writes take."""
+    src, dst, length = table.T.tolist()
+    return list(zip(src, dst, length, strict=True))
 
 
 async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int, int]:
