@@ -1,13 +1,14 @@
 """`TorchGather`: the `Gather` a staged write calls, as torch copies from a worker's KV tensors into its staging
 tensor, and its inverse `scatter`, from a window of the staging tensor into the KV tensors; on GPU on a side CUDA
-stream whose event completes the returned future, on CPU in a worker thread.
+stream whose event completes the returned future, on CPU at the call up to a bound (`INLINE_COPY_BYTES`, about half
+a millisecond of the loop) and in a worker thread above it.
 
 Imports torch lazily (at construction), `kvsvc.streams` for the CUDA completion future. Rules: every source piece
 lies inside one of the registered tensors given (an address outside them is a `ValueError` before any copy); a
 call's pieces tile one range of the staging tensor in order; its pieces from one tensor are one `index_select` when
-they are rows of one length (the layouts' usual case), else one `torch.cat`, so a chunk costs one kernel per
-tensor it reads (a layer's, or its K or V), whatever its piece count; a scatter is the same with the roles swapped
-(`index_copy_` for rows, else one copy per piece); the loop is never blocked by a copy.
+they are whole rows of it at their common size (the layouts' usual case: heads, merged or not), else one
+`torch.cat`, so a chunk costs one kernel per tensor it reads, whatever its piece count; a scatter is the same with
+the roles swapped (`index_copy_` for rows, else one copy per piece).
 """
 
 from __future__ import annotations
@@ -24,17 +25,23 @@ import numpy.typing as npt
 from kvsvc.streams import completion_future
 
 Int64Array = npt.NDArray[np.int64]
+INLINE_COPY_BYTES = 4 << 20  # CPU copies up to this run on the loop's thread: about half a millisecond here
 MIN_ROW_BYTES = 64  # below this, rows of an index kernel cost more than the per-piece copies they replace
 
 
 class TorchGather:
     """Copies pieces of `sources` (tensors whose memory is registered) into `staging` (a 1-D uint8 tensor).
 
+    On CPU a copy of up to `inline_bytes` runs at the call, on the loop's thread, and larger ones in the loop's
+    default executor. A copy in a thread costs more than the copy: every step of its Python around the kernel waits
+    for the GIL the loop holds, for up to the 5 ms switch interval, and the staged scenarios of the bench ran at
+    two thirds of their inline speed that way.
+
     Raises (constructor):
         ValueError: `staging` is not a contiguous 1-D uint8 tensor, or a source is not contiguous.
     """
 
-    def __init__(self, sources: Sequence[Any], staging: Any) -> None:
+    def __init__(self, sources: Sequence[Any], staging: Any, inline_bytes: int = INLINE_COPY_BYTES) -> None:
         import torch
 
         if staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous():
@@ -52,6 +59,7 @@ class TorchGather:
         self._torch = torch
         self._words = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # width in bytes -> dtype
         self._cuda = staging.is_cuda
+        self._inline_bytes = inline_bytes
         self._stream = torch.cuda.Stream(device=staging.device) if self._cuda else None  # type: ignore[no-untyped-call]
 
     def __call__(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
@@ -76,7 +84,16 @@ class TorchGather:
     def _launch(self, copy: Any, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
         loop = asyncio.get_running_loop()
         if self._stream is None:
-            return loop.run_in_executor(None, copy, src, dst, length)
+            if int(length.sum()) > self._inline_bytes:
+                return loop.run_in_executor(None, copy, src, dst, length)
+            done: asyncio.Future[None] = loop.create_future()
+            try:
+                copy(src, dst, length)
+            except Exception as exc:  # raised in the awaitable, as from the thread
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+            return done
         try:
             with self._torch.cuda.stream(self._stream):
                 copy(src, dst, length)

@@ -24,12 +24,13 @@ def _run(gather: TorchGather, src: list[int], dst: list[int], length: list[int])
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 20], ids=["in a thread", "at the call"])
 @pytest.mark.parametrize("lengths", [[64, 64, 64, 64], [64, 32, 128, 8]], ids=["rows", "any pieces"])
-def test_the_pieces_land_in_order_in_the_staging_tensor(lengths: list[int]) -> None:
+def test_the_pieces_land_in_order_in_the_staging_tensor(lengths: list[int], inline_bytes: int) -> None:
     pool = torch.arange(4096, dtype=torch.int32).view(torch.uint8)  # 16 KiB of distinct bytes
     other = torch.full((256,), 7, dtype=torch.uint8)
     staging = torch.zeros(1024, dtype=torch.uint8)
-    gather = TorchGather([pool, other], staging)
+    gather = TorchGather([pool, other], staging, inline_bytes)
     base = pool.data_ptr()
     offsets = [3 * 64, 0, 10 * 64, 5 * 64]
     dst = staging.data_ptr() + 100 + np.concatenate(([0], np.cumsum(lengths)[:-1]))
