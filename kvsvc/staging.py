@@ -20,7 +20,7 @@ either side's columns to a round).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
@@ -193,6 +193,15 @@ def plan_staged(
             )
         )
     return chunks
+
+
+def shift_chunks(chunks: Sequence[StagedChunk], src_shift: int, dst_shift: int) -> list[StagedChunk]:
+    """The staged form of a plan whose every source address moved by `src_shift` and destination by `dst_shift`,
+    from the staged form `chunks` of the unmoved plan: equal to `plan_staged` of the moved plan as long as no run
+    changes region (a shift keeps the destination order, which ranges touch, and every byte's stream offset)."""
+    if not (src_shift or dst_shift):
+        return list(chunks)
+    return [replace(c, gather_src=c.gather_src + src_shift, write_dst=c.write_dst + dst_shift) for c in chunks]
 
 
 def stream_offsets(dst: Int64Array, length: Int64Array) -> tuple[Int64Array, Int64Array]:
@@ -395,6 +404,7 @@ __all__ = [
     "plan_window",
     "region_ids",
     "scatter_plan",
+    "shift_chunks",
     "stream_offsets",
     "stream_round",
     "window_plan",

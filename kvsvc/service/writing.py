@@ -33,6 +33,7 @@ from kvsvc.staging import (
     count_runs,
     plan_staged,
     region_ids,
+    shift_chunks,
     stream_round,
     window_plan,
     window_round_bytes,
@@ -64,6 +65,9 @@ class WriteTarget:
     # on both sides, keyed (P blocks, D blocks, tokens): see `BlockWriter._plan`.
     plans: dict[tuple[int, int, int], Int64Array] = field(default_factory=dict)
     plan_rows: int = 0  # descriptors in `plans`
+    # The staged form (`plan_staged`) of each plan in `plans` written into D's blocks, or None where the rule
+    # writes it direct: shifted like the plan (`shift_chunks`), since staging it costs more than planning it.
+    staged: dict[tuple[int, int, int], list[StagedChunk] | None] = field(default_factory=dict)
     strides: tuple[int, int] = (0, 0)  # block strides of P (this worker) and of this D worker
     src_regions: list[int] = field(default_factory=list)  # start addresses of this P worker's registered tensors
     emptied: dict[str, set[int]] = field(default_factory=dict)  # per transfer writing in rounds
@@ -182,9 +186,10 @@ class BlockWriter:
                     await asyncio.gather(*layers)
                 nbytes, ndesc = await self._write_rounds(target, command)
             elif layers is None:
-                nbytes, ndesc = await self._write_once(target, self._descriptors(target, command), command)
+                table, unit = self._descriptors(target, command)
+                nbytes, ndesc = await self._write_once(target, table, command, unit)
             else:
-                table = self._descriptors(target, command)
+                table, _ = self._descriptors(target, command)
                 ndesc = len(table)
                 nbytes, ndesc = await self._write_layerwise(target, table, layers, command)
         except asyncio.CancelledError:
@@ -220,8 +225,8 @@ class BlockWriter:
         if target is None:
             return False
         try:
-            table = self._descriptors(target, command)
-            if self._staged(target, table, command.window_bytes > 0) is not None:
+            table, unit = self._descriptors(target, command)
+            if self._staged(target, table, command.window_bytes > 0, unit) is not None:
                 return False  # a staged write waits for room and for its gather: it needs the task
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
@@ -261,9 +266,9 @@ class BlockWriter:
 
         drained.add_done_callback(after_drain)
 
-    def _descriptors(self, target: WriteTarget, command: Submit) -> Int64Array:
+    def _descriptors(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, _Unit | None]:
         """The descriptors of `command` as a `(source, destination, length)` table: its plan, or, with a window that
-        holds the whole share, the plan's stream into that window.
+        holds the whole share, the plan's stream into that window; and the cached plan it shifts (`_plan`), if any.
 
         Raises:
             TopologyError / ValueError: as `_plan` and `_stream`.
@@ -271,7 +276,7 @@ class BlockWriter:
         if not command.window_bytes:
             return self._plan(target, command)
         src, offset, length = self._stream(target, command)
-        return np.column_stack((src, command.window_addr + offset, length))
+        return np.column_stack((src, command.window_addr + offset, length)), None
 
     def _stream(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, Int64Array, Int64Array]:
         """`command`'s share as a window stream: (source, stream offset, length) columns (`window_plan`).
@@ -279,7 +284,7 @@ class BlockWriter:
         Raises:
             TopologyError / ValueError: as `_plan`, or D planned a share of another size.
         """
-        src, dst, length = self._plan(target, command).T
+        src, dst, length = self._plan(target, command)[0].T
         nbytes = int(length.sum())
         share = command.share_bytes or command.window_bytes
         if nbytes != share:
@@ -291,14 +296,16 @@ class BlockWriter:
             target.src_regions = [start for start, _ in pool_regions(self._ctx.metadata)]
         return window_plan(src, dst, length, 0, region_ids(src, target.src_regions))
 
-    async def _write_once(self, target: WriteTarget, table: Int64Array, command: Submit) -> tuple[int, int]:
-        """Write the descriptor table `table`, gathered through the staging region when its rule picks it; (bytes,
-        descriptors).
+    async def _write_once(
+        self, target: WriteTarget, table: Int64Array, command: Submit, unit: _Unit | None = None
+    ) -> tuple[int, int]:
+        """Write the descriptor table `table` (the cached plan `unit` shifted, if given), gathered through the
+        staging region when its rule picks it; (bytes, descriptors).
 
         Raises:
             WriteFailed / StagingFull / what the gather raises: as `_write_staged` or `Transport.write`.
         """
-        chunks = self._staged(target, table, command.window_bytes > 0)
+        chunks = self._staged(target, table, command.window_bytes > 0, unit)
         if chunks is not None:
             return await self._write_staged(target.meta.transport_addr, chunks)
         return await self._ctx.transport.write(target.meta.transport_addr, _rows(table)), len(table)
@@ -333,8 +340,9 @@ class BlockWriter:
             target.waiters.pop(transfer_id, None)
         return nbytes, ndesc
 
-    def _plan(self, target: WriteTarget, command: Submit) -> Int64Array:
-        """`plan_transfer` as a `(source, destination, length)` table (read-only when cached), from `target`'s
+    def _plan(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, _Unit | None]:
+        """`plan_transfer` as a `(source, destination, length)` table (read-only when cached), and the cached plan
+        it shifts, if it is one; from `target`'s
         cache when the used P and D blocks are each one run of consecutive ids and D holds no prefix already
         (`first_token` 0).
 
@@ -350,7 +358,8 @@ class BlockWriter:
         src, dst = self._ctx.metadata, target.meta
         src_ids, dst_ids, num_tokens = command.src_block_ids, command.dst_block_ids, command.num_tokens
         if command.first_token:
-            return _table(plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token))
+            columns = plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token)
+            return _table(columns), None
         n_src, n_dst = -(-num_tokens // src.block_size), -(-num_tokens // dst.block_size)
         # Both id lists passed `check_block_ids` on their way in (the engine's call, D's request), so a run of
         # consecutive ids lies inside its pool; anything the cache cannot take is planned, and checked, in full.
@@ -360,7 +369,7 @@ class BlockWriter:
             and is_block_run(src_ids, n_src)
             and is_block_run(dst_ids, n_dst)
         ):
-            return _table(plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens))
+            return _table(plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens)), None
         key = (n_src, n_dst, num_tokens)
         unit = target.plans.get(key)
         if unit is None:
@@ -369,16 +378,21 @@ class BlockWriter:
             if len(target.plans) < _PLAN_CACHE_ENTRIES and target.plan_rows + len(unit) <= _PLAN_CACHE_ROWS:
                 target.plans[key] = unit
                 target.plan_rows += len(unit)
+        cached = key in target.plans
         if src_ids[0] == dst_ids[0] == 0:
-            return unit
+            return unit, _Unit(key, 0, 0) if cached else None
         if not target.strides[0]:
             target.strides = (block_geometry(src).block_stride, block_geometry(dst).block_stride)
         shift_src, shift_dst = src_ids[0] * target.strides[0], dst_ids[0] * target.strides[1]
-        return unit + np.array([shift_src, shift_dst, 0], dtype=np.int64)
+        table = unit + np.array([shift_src, shift_dst, 0], dtype=np.int64)
+        return table, _Unit(key, shift_src, shift_dst) if cached else None
 
-    def _staged(self, target: WriteTarget, table: Int64Array, windowed: bool = False) -> list[StagedChunk] | None:
-        """The chunks of the descriptor table `table` staged, when there is a staging region and its rule picks staging.
-        `windowed`: they write one window of D's region (one destination region), not D's blocks.
+    def _staged(
+        self, target: WriteTarget, table: Int64Array, windowed: bool = False, unit: _Unit | None = None
+    ) -> list[StagedChunk] | None:
+        """The chunks of the descriptor table `table` staged, when there is a staging region and its rule picks
+        staging. `windowed`: they write one window of D's region (one destination region), not D's blocks. `unit`:
+        `table` is that cached plan shifted, whose staged form is cached too.
 
         Raises:
             ValueError: two descriptors overlap in the destination (a planner bug).
@@ -386,6 +400,11 @@ class BlockWriter:
         area = self._ctx.staging
         if area is None or len(table) < 2:
             return None
+        if unit is not None and not windowed:
+            if unit.key not in target.staged:
+                target.staged[unit.key] = self._staged(target, target.plans[unit.key])
+            chunks = target.staged[unit.key]
+            return None if chunks is None else shift_chunks(chunks, unit.src_shift, unit.dst_shift)
         src, dst, length = table.T
         # A run must stay inside one of D's registered tensors, even where two of them touch.
         region = None if windowed else region_ids(dst, [start for start, _ in pool_regions(target.meta)])
@@ -467,6 +486,15 @@ class BlockWriter:
             return await self._write_once(target, per_layer[layer], command) if len(per_layer[layer]) else (0, 0)
 
         return await _all_written(one(i) for i in range(len(layers)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """A request's plan as a cached one (`WriteTarget.plans[key]`) shifted by `src_shift` / `dst_shift` bytes."""
+
+    key: tuple[int, int, int]
+    src_shift: int
+    dst_shift: int
 
 
 def _table(columns: tuple[Int64Array, Int64Array, Int64Array]) -> Int64Array:

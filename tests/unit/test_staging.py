@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.staging import RangeAllocator, StagingRule, count_runs, destination_runs, plan_staged, region_ids
+from kvsvc.staging import (
+    RangeAllocator,
+    StagingRule,
+    count_runs,
+    destination_runs,
+    plan_staged,
+    region_ids,
+    shift_chunks,
+)
 
 SRC_SIZE = DST_SIZE = 4096
 
@@ -68,6 +76,22 @@ def test_a_staged_plan_writes_the_direct_plans_bytes_in_one_write_per_run_part(
     assert runs <= writes <= runs + len(chunks) - 1  # each cut adds at most one write
     if chunk_bytes >= int(length.sum()):
         assert writes == runs and len(chunks) == 1
+
+
+@given(plans(), st.integers(1, 3000), st.integers(0, 1 << 40), st.integers(0, 1 << 40))
+@settings(max_examples=200, deadline=None)
+def test_a_shifted_staged_plan_is_the_staged_plan_of_the_shifted_plan(
+    plan: tuple[np.ndarray, np.ndarray, np.ndarray], chunk_bytes: int, src_shift: int, dst_shift: int
+) -> None:
+    """What lets P cache one staged plan per shape and shift it to each request's blocks."""
+    src, dst, length = plan
+    shifted = shift_chunks(plan_staged(src, dst, length, chunk_bytes), src_shift, dst_shift)
+    direct = plan_staged(src + src_shift, dst + dst_shift, length, chunk_bytes)
+    assert len(shifted) == len(direct)
+    for a, b in zip(shifted, direct, strict=True):
+        assert a.nbytes == b.nbytes
+        for name in ("gather_src", "gather_offset", "gather_length", "write_offset", "write_dst", "write_length"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
 
 
 def test_a_run_never_crosses_from_one_destination_region_into_the_next() -> None:
