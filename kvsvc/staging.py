@@ -53,9 +53,9 @@ class StagingRule:
 
     Direct: `descriptors × descriptor_cost_s`. Staged: `runs × descriptor_cost_s + bytes × copy_cost_s_per_byte`
     (the gather copies every byte once). The defaults are TCP's measured cost of a descriptor (about 30 us) and the
-    measured CPU cost of a staged byte on CPU engines (about 1 ns: the copy itself is ten times cheaper, the rest is
-    the copy thread competing with the transport's for cores; docs/performance.md); on RDMA a descriptor costs a
-    few microseconds, so fewer plans are worth staging.
+    measured end-to-end cost of a staged byte on CPU engines (about 1 ns, though the copy alone costs a tenth of
+    that: lower, the rule prefers gather-and-scatter, which ran slower; docs/decisions.md 83); on RDMA a
+    descriptor costs a few microseconds, so fewer plans are worth staging.
 
     Raises (constructor):
         ValueError: a negative cost.
