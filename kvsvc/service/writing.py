@@ -342,9 +342,8 @@ class BlockWriter:
 
     def _plan(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, _Unit | None]:
         """`plan_transfer` as a `(source, destination, length)` table (read-only when cached), and the cached plan
-        it shifts, if it is one; from `target`'s
-        cache when the used P and D blocks are each one run of consecutive ids and D holds no prefix already
-        (`first_token` 0).
+        it shifts, if it is one; from `target`'s cache when the used P and D blocks are each one run of consecutive
+        ids and D holds no prefix already (`first_token` 0).
 
         Such a plan is the plan of the runs starting at block 0, shifted by each side's first block times its
         block stride: merging depends only on which ranges touch, and a shift keeps that (a run touches the next
