@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from kvsvc.gather import TorchGather
 
 
-def _run(gather: TorchGather, src: list[int], dst: list[int], length: list[int]) -> None:
+def _run(gather: TorchGather, src: list[int], dst: list[int], length: list[int], *, scatter: bool = False) -> None:
     arrays = (np.array(x, dtype=np.int64) for x in (src, dst, length))
 
     async def go() -> None:
-        await gather(*arrays)
+        await (gather.scatter if scatter else gather)(*arrays)
 
     asyncio.run(go())
 
@@ -66,15 +66,6 @@ def test_pieces_from_two_tensors_and_at_odd_offsets_take_the_general_way() -> No
     assert np.array_equal(staging.numpy()[:192], want)
 
 
-def _scatter(gather: TorchGather, src: list[int], dst: list[int], length: list[int]) -> None:
-    arrays = (np.array(x, dtype=np.int64) for x in (src, dst, length))
-
-    async def go() -> None:
-        await gather.scatter(*arrays)
-
-    asyncio.run(go())
-
-
 @st.composite
 def _pieces(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]]]:
     """(unit, pieces as (tensor, offset, length)): pieces that do not overlap, from three tensors, in any order;
@@ -103,7 +94,7 @@ def test_gather_then_scatter_moves_exactly_the_pieces(drawn: tuple[int, list[tup
     before = [t.clone() for t in tensors]
     for t, off, n in pieces:
         tensors[t][off : off + n] = 0
-    _scatter(gather, dst, src, lengths)
+    _run(gather, dst, src, lengths, scatter=True)
     assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
 
 
