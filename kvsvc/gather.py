@@ -1,21 +1,23 @@
 """`TorchGather`: the `Gather` a staged write calls, as torch copies from a worker's KV tensors into its staging
 tensor, and its inverse `scatter`, from a window of the staging tensor into the KV tensors; on GPU on a side CUDA
-stream whose event completes the returned future, on CPU at the call up to a bound (`INLINE_COPY_BYTES`, about half
-a millisecond of the loop) and in a worker thread above it.
+stream whose event completes the returned future, on CPU at the call up to a bound (`INLINE_COPY_BYTES` and
+`INLINE_KERNELS`: about half a millisecond of the loop) and in a worker thread above it.
 
-Imports torch lazily (at construction), `kvsvc.streams` for the CUDA completion future. Rules: every source piece
-lies inside one of the registered tensors given (an address outside them is a `ValueError` before any copy); a
-call's pieces tile one range of the staging tensor in order; its pieces from one tensor are one `index_select` when
-they are whole rows of it at their common size (the layouts' usual case: heads, merged or not), else one
-`torch.cat`, so a chunk costs one kernel per tensor it reads, whatever its piece count; a scatter is the same with
-the roles swapped (`index_copy_` for rows, else one copy per piece).
+Imports torch lazily (at construction), `kvsvc.streams` for the CUDA completion future. Rules: a call is checked
+whole and its kernels prepared on the loop's thread before any byte moves, so a bad piece (outside the registered
+tensors, or pieces that do not tile one range of the staging tensor in order) is a `ValueError` that copied
+nothing; its pieces from one tensor are one `index_select` when they are whole rows of it at their common size (the
+layouts' usual case: heads, merged or not), else one `torch.cat`, so a chunk costs one kernel per tensor it reads,
+whatever its piece count; a scatter is the same with the roles swapped (numpy's indexed assignment on CPU,
+`index_copy_` on GPU, else one copy per piece).
 """
 
 from __future__ import annotations
 
 import asyncio
 from bisect import bisect_right
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from itertools import pairwise
 from typing import Any
 
@@ -26,16 +28,17 @@ from kvsvc.streams import completion_future
 
 Int64Array = npt.NDArray[np.int64]
 INLINE_COPY_BYTES = 4 << 20  # CPU copies up to this run on the loop's thread: about half a millisecond here
+INLINE_KERNELS = 64  # and at most this many kernels: a call's cost on the loop grows with them, not just its bytes
 MIN_ROW_BYTES = 64  # below this, rows of an index kernel cost more than the per-piece copies they replace
 
 
 class TorchGather:
     """Copies pieces of `sources` (tensors whose memory is registered) into `staging` (a 1-D uint8 tensor).
 
-    On CPU a copy of up to `inline_bytes` runs at the call, on the loop's thread, and larger ones in the loop's
-    default executor. A copy in a thread costs more than the copy: every step of its Python around the kernel waits
-    for the GIL the loop holds, for up to the 5 ms switch interval, and the staged scenarios of the bench ran at
-    two thirds of their inline speed that way.
+    On CPU a copy of up to `inline_bytes` and `INLINE_KERNELS` kernels runs at the call, on the loop's thread, and
+    larger ones in the loop's default executor. A copy in a thread costs more than the copy: every step of its
+    Python around the kernel waits for the GIL the loop holds, for up to the 5 ms switch interval, and the staged
+    scenarios of the bench ran at two thirds of their inline speed that way.
 
     Raises (constructor):
         ValueError: `staging` is not a contiguous 1-D uint8 tensor, or a source is not contiguous.
@@ -65,67 +68,95 @@ class TorchGather:
     def __call__(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
         """Copy each `(src, dst, length)` piece; resolves once every byte landed in the staging tensor.
 
-        Raises (in the awaitable):
+        Raises (in the awaitable, before any byte is copied):
             ValueError: a piece lies outside the sources or the staging tensor, or the pieces do not tile one range
                 in order.
         """
-        return self._launch(self._copy, src, dst, length)
+        return self._launch(self._gather_kernels, src, dst, length)
 
     def scatter(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
         """Copy each `(src, dst, length)` piece from the staging tensor (the pieces tile one range of it, in order)
         into the registered tensors; resolves once every byte landed.
 
-        Raises (in the awaitable):
+        Raises (in the awaitable, before any byte is copied):
             ValueError: a piece lies outside the tensors or the staging tensor, or the pieces do not tile one range
                 of it in order.
         """
-        return self._launch(self._scatter, src, dst, length)
+        return self._launch(self._scatter_kernels, src, dst, length)
 
-    def _launch(self, copy: Any, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
+    def _launch(self, kernels: Any, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
+        """Check and prepare the call's kernels (`kernels`) on the loop's thread, then run them: on GPU on the side
+        stream, on CPU at the call when they are few and small (`inline_bytes`, `INLINE_KERNELS`), else in the
+        loop's default executor."""
         loop = asyncio.get_running_loop()
-        if self._stream is None:
-            if int(length.sum()) > self._inline_bytes:
-                return loop.run_in_executor(None, copy, src, dst, length)
-            done: asyncio.Future[None] = loop.create_future()
-            try:
-                copy(src, dst, length)
-            except Exception as exc:  # raised in the awaitable, as from the thread
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-            return done
+        done: asyncio.Future[None] = loop.create_future()
         try:
-            with self._torch.cuda.stream(self._stream):
-                copy(src, dst, length)
-                event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self._stream)
-        except Exception as exc:  # raised in the awaitable, as on CPU
-            failed: asyncio.Future[None] = loop.create_future()
-            failed.set_exception(exc)
-            return failed
-        return completion_future(event)
+            if self._stream is not None:
+                with self._torch.cuda.stream(self._stream):
+                    _run_all(kernels(src, dst, length))
+                    event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(self._stream)
+                return completion_future(event)
+            ready = kernels(src, dst, length)
+            if int(length.sum()) > self._inline_bytes or len(ready) > INLINE_KERNELS:
+                return loop.run_in_executor(None, _run_all, ready)
+            _run_all(ready)
+        except Exception as exc:  # raised in the awaitable, as from a thread or a stream
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        return done
 
-    def _copy(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:
+    def _gather_kernels(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> list[Callable[[], object]]:
+        """The copies of a gather, checked: one per run of pieces in one source tensor (`_segments`).
+
+        Raises:
+            ValueError: as `__call__`.
+        """
         if src.size == 0:
-            return
+            return []
         first, _ = self._tiled(dst, length, "gather")
+        ready: list[Callable[[], object]] = []
         for lo, hi, at in self._segments(src, length, first):
-            if self._gather_rows(src[lo:hi], length[lo:hi], at):
+            rows = self._rows(src[lo:hi], length[lo:hi], at)
+            if rows is not None:
+                table, index, window = rows
+                ready.append(partial(self._torch.index_select, table, 0, self._on_device(index), out=window))
                 continue
             where = zip(src[lo:hi].tolist(), length[lo:hi].tolist(), strict=True)
             pieces = [self._piece(addr, n, "gather source") for addr, n in where]
-            self._torch.cat(pieces, out=self._staging[at : at + int(length[lo:hi].sum())])
+            ready.append(partial(self._torch.cat, pieces, out=self._staging[at : at + int(length[lo:hi].sum())]))
+        return ready
 
-    def _scatter(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:
+    def _scatter_kernels(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> list[Callable[[], object]]:
+        """The copies of a scatter, checked: one per run of pieces in one tensor when they are rows of it (numpy's
+        indexed assignment on CPU, four times torch's CPU `index_copy_` here), else one per piece.
+
+        Raises:
+            ValueError: as `scatter`.
+        """
         if src.size == 0:
-            return
+            return []
         first, _ = self._tiled(src, length, "scatter")
+        ready: list[Callable[[], object]] = []
         for lo, hi, at in self._segments(dst, length, first):
-            if self._scatter_rows(dst[lo:hi], length[lo:hi], at):
+            rows = self._rows(dst[lo:hi], length[lo:hi], at)
+            if rows is not None:
+                table, index, window = rows
+                if self._cuda:
+                    ready.append(partial(table.index_copy_, 0, self._on_device(index), window))
+                else:
+                    ready.append(partial(_assign_rows, table.numpy(), index, window.numpy()))
                 continue
             ends = at + np.cumsum(length[lo:hi])
             for addr, n, end in zip(dst[lo:hi].tolist(), length[lo:hi].tolist(), ends.tolist(), strict=True):
-                self._piece(addr, n, "scatter destination").copy_(self._staging[end - n : end])
+                piece = self._piece(addr, n, "scatter destination")
+                ready.append(partial(piece.copy_, self._staging[end - n : end]))
+        return ready
+
+    def _on_device(self, index: Int64Array) -> Any:
+        """A row index as a tensor where the copy runs; non-blocking, so a GPU copy waits for nothing queued."""
+        return self._torch.from_numpy(index).to(self._staging.device, non_blocking=True)
 
     def _segments(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[int, int, int]]:
         """The pieces split where the registered tensor they lie in changes: `(lo, hi, staging offset)` for each
@@ -162,30 +193,6 @@ class TorchGather:
             raise ValueError(f"{what} [{addr:#x}, +{n}) lies outside the registered tensors")
         return self._bytes[i][offset : offset + n]
 
-    def _gather_rows(self, src: Int64Array, length: Int64Array, at: int) -> bool:
-        """The common case in one kernel: pieces inside one source tensor that are whole rows of it (`_rows`) are
-        one `index_select` into the staging tensor from offset `at`. False, having copied nothing, when the pieces
-        are not so."""
-        rows = self._rows(src, length, at)
-        if rows is None:
-            return False
-        table, index, window = rows
-        self._torch.index_select(table, 0, self._torch.from_numpy(index).to(table.device), out=window)
-        return True
-
-    def _scatter_rows(self, dst: Int64Array, length: Int64Array, at: int) -> bool:
-        """`_gather_rows` the other way: one `index_copy_` into the rows of one tensor on GPU, one numpy indexed
-        assignment on CPU (memcpy speed per row, four times torch's CPU `index_copy_` here)."""
-        rows = self._rows(dst, length, at)
-        if rows is None:
-            return False
-        table, index, window = rows
-        if self._cuda:
-            table.index_copy_(0, self._torch.from_numpy(index).to(table.device), window)
-        else:
-            table.numpy()[index] = window.numpy()
-        return True
-
     def _rows(self, addrs: Int64Array, length: Int64Array, at: int) -> tuple[Any, Int64Array, Any] | None:
         """(the tensor as rows of `n` bytes, the index of each row the pieces at `addrs` cover in order, the
         staging range from `at` as as many rows) when those pieces lie in one tensor and are whole rows of it, `n`
@@ -207,10 +214,20 @@ class TorchGather:
         index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts, counts)
         table = view[: rows * n]
         window = self._staging[at : at + index.size * n]
-        word = next(w for w in (8, 4, 2, 1) if (n | table.storage_offset() | window.storage_offset()) % w == 0)
+        bases = table.storage_offset() | window.storage_offset() | table.data_ptr() | window.data_ptr()
+        word = next(w for w in (8, 4, 2, 1) if (n | bases) % w == 0)
         dtype = self._words[word]
         table, window = table.view(dtype).view(rows, n // word), window.view(dtype).view(-1, n // word)
         return table, index, window
+
+
+def _run_all(kernels: Sequence[Callable[[], object]]) -> None:
+    for kernel in kernels:
+        kernel()
+
+
+def _assign_rows(table: Any, index: Int64Array, rows: Any) -> None:
+    table[index] = rows
 
 
 __all__ = ["TorchGather"]

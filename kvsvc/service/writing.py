@@ -42,7 +42,8 @@ from kvsvc.staging import (
 from kvsvc.transport.base import WriteFailed
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
-_PLAN_CACHE_ROWS = 1 << 20  # descriptors cached per D worker connection, all plans together (24 MiB)
+# Descriptors cached per D worker connection, all plans together: 24 MiB, and their staged forms about as much again.
+_PLAN_CACHE_ROWS = 1 << 20
 
 WriteResult = Callable[[str, Worker, str | None, int, int], None]
 """`(transfer_id, D worker, error or None, bytes, descriptors)`: how a write's end reaches the `Sender`."""
@@ -230,7 +231,7 @@ class BlockWriter:
                 return False  # a staged write waits for room and for its gather: it needs the task
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
-        result = self._start_write(target.meta.transport_addr, _rows(table))
+        result = self._start_write(target.meta.transport_addr, _tuples(table))
         if result is None:
             return False
         self._started.add(result)
@@ -308,7 +309,7 @@ class BlockWriter:
         chunks = self._staged(target, table, command.window_bytes > 0, unit)
         if chunks is not None:
             return await self._write_staged(target.meta.transport_addr, chunks)
-        return await self._ctx.transport.write(target.meta.transport_addr, _rows(table)), len(table)
+        return await self._ctx.transport.write(target.meta.transport_addr, _tuples(table)), len(table)
 
     async def _write_rounds(self, target: WriteTarget, command: Submit) -> tuple[int, int]:
         """Write a share larger than its window in rounds (module docstring); (bytes, descriptors).
@@ -401,7 +402,7 @@ class BlockWriter:
             return None
         if unit is not None and not windowed:
             if unit.key not in target.staged:
-                target.staged[unit.key] = self._staged(target, target.plans[unit.key])
+                target.staged[unit.key] = _frozen(self._staged(target, target.plans[unit.key]))
             chunks = target.staged[unit.key]
             return None if chunks is None else shift_chunks(chunks, unit.src_shift, unit.dst_shift)
         src, dst, length = table.T
@@ -501,7 +502,15 @@ def _table(columns: tuple[Int64Array, Int64Array, Int64Array]) -> Int64Array:
     return np.column_stack(columns).astype(np.int64, copy=False).reshape(-1, 3)
 
 
-def _rows(table: Int64Array) -> list[tuple[int, int, int]]:
+def _frozen(chunks: list[StagedChunk] | None) -> list[StagedChunk] | None:
+    """`chunks` with their arrays read-only: a cached staged plan is handed to every request that shifts it."""
+    for c in chunks or ():
+        for column in (c.gather_src, c.gather_offset, c.gather_length, c.write_offset, c.write_dst, c.write_length):
+            column.flags.writeable = False
+    return chunks
+
+
+def _tuples(table: Int64Array) -> list[tuple[int, int, int]]:
     """A descriptor table as the `(source, destination, length)` tuples the transport's writes take."""
     src, dst, length = table.T.tolist()
     return list(zip(src, dst, length, strict=True))

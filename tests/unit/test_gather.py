@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.gather import TorchGather
+from kvsvc.gather import INLINE_KERNELS, TorchGather
 
 
 def _run(gather: TorchGather, src: list[int], dst: list[int], length: list[int], *, scatter: bool = False) -> None:
@@ -113,3 +113,32 @@ def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> 
     assert window.shape == (4, 512)
     odd = gather._rows(addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0)
     assert odd is None or odd[0].dtype == torch.uint8
+
+
+def test_a_call_with_one_bad_piece_copies_nothing() -> None:
+    """Every piece is checked before any kernel runs: D's blocks are never half scattered by a refused window."""
+    a = torch.zeros(1024, dtype=torch.uint8)
+    b = torch.zeros(1024, dtype=torch.uint8)
+    staging = torch.full((256,), 9, dtype=torch.uint8)
+    gather = TorchGather([a, b], staging)
+    with pytest.raises(ValueError, match="outside the registered tensors"):
+        _run(
+            gather,
+            [staging.data_ptr(), staging.data_ptr() + 64],
+            [a.data_ptr(), b.data_ptr() + 1000],
+            [64, 64],
+            scatter=True,
+        )
+    assert not a.any() and not b.any()
+
+
+def test_many_small_kernels_run_off_the_loop_and_land_the_same() -> None:
+    """A call of more than `INLINE_KERNELS` kernels (pieces alternating between tensors) goes to a thread."""
+    tensors = [torch.arange(64 * i, 64 * i + 4096, dtype=torch.int32).view(torch.uint8) for i in range(2)]
+    staging = torch.zeros(2 * INLINE_KERNELS * 128, dtype=torch.uint8)
+    gather = TorchGather(tensors, staging)
+    pieces = [(tensors[i % 2].data_ptr() + 128 * (i // 2), 128) for i in range(2 * INLINE_KERNELS)]
+    dst = [staging.data_ptr() + 128 * i for i in range(len(pieces))]
+    _run(gather, [a for a, _ in pieces], dst, [n for _, n in pieces])
+    want = np.concatenate([tensors[i % 2].numpy()[128 * (i // 2) : 128 * (i // 2 + 1)] for i in range(len(pieces))])
+    assert np.array_equal(staging.numpy(), want)
