@@ -9,13 +9,14 @@ verified on every D worker before its blocks are freed; a failed one is marked f
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvsvc.engine.scheduler import RequestTracker
 from kvsvc.outputs import KVConnectorOutput
-from workers.blocks import BlockAllocator
+from workers.blocks import BlockAllocator, NoFreeBlocks
 from workers.executor import Executor
-from workers.process import AbortRequest, FailureReasons, Prefill, Recv, Verify
+from workers.process import AbortRequest, Batch, FailureReasons, Prefill, Recv, Verify
 from workers.synthetic import VerifyResult
 
 
@@ -63,15 +64,37 @@ class _Engine:
     def _blocks_for(self, num_tokens: int) -> list[int]:
         return self.allocator.allocate(max(1, -(-num_tokens // self.executor.config.block_size)))
 
-    def _start(self, req_id: str, blocks: list[int], command: Prefill | Recv) -> None:
-        """Send `command` to every worker; if any fails, abort it everywhere and take the blocks back."""
+    def _start(self, started: Sequence[tuple[str, list[int], Prefill | Recv]]) -> None:
+        """Send every request's command to every worker in one `Batch`; if any worker fails, abort them all
+        everywhere and take their blocks back.
+
+        Raises:
+            WorkerError: as `Executor.broadcast`, after the abort.
+        """
         try:
-            self.executor.broadcast(command)
+            self.executor.broadcast(Batch([command for _, _, command in started]))
         except BaseException:
-            # Some workers may hold it: abort there so nothing stays held, then the blocks are ours again.
-            self.executor.broadcast(AbortRequest(req_id))
-            self.allocator.free(blocks)
+            # Some workers may hold some of them: abort there so nothing stays held, then the blocks are ours again.
+            self.executor.broadcast(Batch([AbortRequest(req_id) for req_id, _, _ in started]))
+            for _, blocks, _ in started:
+                self.allocator.free(blocks)
             raise
+
+    def _allocate(self, token_counts: Sequence[int]) -> list[list[int]]:
+        """Blocks for each request, all or none.
+
+        Raises:
+            NoFreeBlocks: the pool cannot hold them all (nothing stays allocated).
+        """
+        allocated: list[list[int]] = []
+        try:
+            for num_tokens in token_counts:
+                allocated.append(self._blocks_for(num_tokens))
+        except NoFreeBlocks:
+            for blocks in allocated:
+                self.allocator.free(blocks)
+            raise
+        return allocated
 
 
 class PrefillEngine(_Engine):
@@ -87,12 +110,27 @@ class PrefillEngine(_Engine):
         Raises:
             NoFreeBlocks: the pool is full. WorkerError: a worker failed (the blocks are freed again).
         """
-        blocks = self._blocks_for(num_tokens)
-        req = PrefillRequest(self._new_req_id(transfer_id), transfer_id, blocks, num_tokens, seed)
-        self._start(req.req_id, blocks, Prefill(req.req_id, transfer_id, blocks, num_tokens, seed))
-        self.requests[req.req_id] = req
-        self.tracker.track_send(req.req_id, blocks)
-        return req
+        return self.submit_many([(transfer_id, num_tokens, seed)])[0]
+
+    def submit_many(self, specs: Sequence[tuple[str, int, int]]) -> list[PrefillRequest]:
+        """`submit` for each `(transfer_id, num_tokens, seed)`, all in one round trip to each worker (an engine
+        step's prefills).
+
+        Raises:
+            NoFreeBlocks: the pool cannot hold them all. WorkerError: a worker failed. Either way none is started.
+        """
+        blocks = self._allocate([num_tokens for _, num_tokens, _ in specs])
+        reqs = [
+            PrefillRequest(self._new_req_id(transfer_id), transfer_id, ids, num_tokens, seed)
+            for (transfer_id, num_tokens, seed), ids in zip(specs, blocks, strict=True)
+        ]
+        self._start(
+            [(r.req_id, r.block_ids, Prefill(r.req_id, r.transfer_id, r.block_ids, r.num_tokens, r.seed)) for r in reqs]
+        )
+        for req in reqs:
+            self.requests[req.req_id] = req
+            self.tracker.track_send(req.req_id, req.block_ids)
+        return reqs
 
     def abort(self, req: PrefillRequest) -> None:
         """Abort on every worker; the blocks are freed when the workers report it finished."""
@@ -140,14 +178,36 @@ class DecodeEngine(_Engine):
         Raises:
             NoFreeBlocks: the pool is full. WorkerError: a worker refused (the blocks are freed again).
         """
-        blocks = self._blocks_for(num_tokens)
-        req = DecodeRequest(self._new_req_id(transfer_id), transfer_id, prefill_engine_id, blocks, num_tokens, seed)
+        return self.submit_many(prefill_engine_id, prefill_url, [(transfer_id, num_tokens, seed)])[0]
+
+    def submit_many(
+        self, prefill_engine_id: str, prefill_url: str, specs: Sequence[tuple[str, int, int | None]]
+    ) -> list[DecodeRequest]:
+        """`submit` for each `(transfer_id, num_tokens, seed)` from one prefill engine, in one round trip to each
+        worker (an engine step's receives).
+
+        Raises:
+            NoFreeBlocks: the pool cannot hold them all. WorkerError: a worker refused. Either way none is started.
+        """
+        blocks = self._allocate([num_tokens for _, num_tokens, _ in specs])
+        reqs = [
+            DecodeRequest(self._new_req_id(transfer_id), transfer_id, prefill_engine_id, ids, num_tokens, seed)
+            for (transfer_id, num_tokens, seed), ids in zip(specs, blocks, strict=True)
+        ]
         self._start(
-            req.req_id, blocks, Recv(req.req_id, transfer_id, prefill_engine_id, prefill_url, blocks, num_tokens)
+            [
+                (
+                    r.req_id,
+                    r.block_ids,
+                    Recv(r.req_id, r.transfer_id, prefill_engine_id, prefill_url, r.block_ids, r.num_tokens),
+                )
+                for r in reqs
+            ]
         )
-        self.requests[req.req_id] = req
-        self.tracker.track_recv(req.req_id, blocks)
-        return req
+        for req in reqs:
+            self.requests[req.req_id] = req
+            self.tracker.track_recv(req.req_id, req.block_ids)
+        return reqs
 
     def abort(self, req: DecodeRequest) -> None:
         """Abort on every worker; it is reported failed (and freed) once no write can touch its blocks."""
@@ -176,15 +236,32 @@ class DecodeEngine(_Engine):
             req.invalid_block_ids = output.invalid_block_ids & set(blocks)
             self.allocator.free(blocks)
             done.append(req)
-        for req_id, blocks in sorted(update.recvs_finished.items()):
-            req = self.requests.pop(req_id)
+        finished = [self.requests.pop(req_id) for req_id in sorted(update.recvs_finished)]
+        for req in finished:
             req.state = "finished"
-            if verify and req.seed is not None:
-                results = self.executor.broadcast(Verify(req.seed, req.block_ids, req.num_tokens))
-                req.verified = [r for r in results if isinstance(r, VerifyResult)]
-            self.allocator.free(blocks)
-            done.append(req)
-        return done
+        if verify:
+            self.verify([req for req in finished if req.seed is not None])
+        for req in finished:
+            self.allocator.free(req.block_ids)
+        return done + finished
+
+    def verify(self, reqs: Sequence[DecodeRequest]) -> None:
+        """Check every byte of each request's KV on every D worker, in one round trip to each; sets `verified`.
+        Call it before the blocks are allocated again.
+
+        Raises:
+            WorkerError: a check could not run (bad block ids, a worker gone).
+        """
+        checked = [req for req in reqs if req.seed is not None]
+        if not checked:
+            return
+        answers = self.executor.broadcast(Batch([Verify(r.seed or 0, r.block_ids, r.num_tokens) for r in checked]))
+        for position, req in enumerate(checked):
+            req.verified = [
+                result
+                for worker in answers
+                if isinstance(worker, list) and isinstance(result := worker[position], VerifyResult)
+            ]
 
     def restart(self) -> list[DecodeRequest]:
         """Restart the engine (a new incarnation); returns the receives that were lost with the old one."""

@@ -105,6 +105,16 @@ class Verify:
 
 
 @dataclass(frozen=True, slots=True)
+class Batch:
+    """Several commands in one round trip, carried out in order; the answer is the list of their answers. An engine
+    core hands a step's requests to each worker in one call; with 7-14 worker processes on two cores a round trip
+    per request cost the demo more than its transfers. A command that fails fails the batch, and the ones before it
+    have taken effect (the parent undoes them: `workers.engine`)."""
+
+    commands: list[Prefill | Recv | AbortRequest | Verify]
+
+
+@dataclass(frozen=True, slots=True)
 class Statistics:
     pass
 
@@ -145,6 +155,7 @@ Command = (
     | AbortRequest
     | GetFinished
     | Verify
+    | Batch
     | Statistics
     | Shutdown
     | Peers
@@ -183,6 +194,7 @@ Result = (
     | VerifyResult
     | dict[str, object]
     | list[dict[str, object]]
+    | list[VerifyResult | None]
     | Coroutine[Any, Any, dict[str, Any]]  # answered once it completed on the worker's loop (bench commands)
     | None
 )
@@ -235,6 +247,19 @@ class WorkerRuntime:
             return None
         if isinstance(command, Verify):
             return verify(self.pool.layers, self.pool.meta, command.seed, command.block_ids, command.num_tokens)
+        if isinstance(command, Batch):
+            answers: list[VerifyResult | None] = []
+            for position, each in enumerate(command.commands):
+                if not isinstance(each, Prefill | Recv | AbortRequest | Verify):
+                    raise TypeError(f"a batch carries Prefill, Recv, AbortRequest or Verify, not {type(each).__name__}")
+                try:
+                    answer = self.handle(each)
+                except Exception as exc:
+                    where = f"command {position} of the batch of {len(command.commands)} ({type(each).__name__})"
+                    raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
+                assert answer is None or isinstance(answer, VerifyResult)
+                answers.append(answer)
+            return answers
         if isinstance(command, Statistics):
             return self.statistics()
         if isinstance(command, SetEngineMetadata):

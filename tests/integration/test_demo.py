@@ -45,3 +45,21 @@ def test_p_tp1_to_d_tp2_with_other_block_sizes_verifies_every_request(capsys: py
         *("--prefill-block-size", "16", "--decode-block-size", "8"),
     )
     _assert_all_verified(result)
+
+
+def test_compare_runs_the_same_bytes_with_d_laid_out_as_p_and_reports_the_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    result = _run(
+        capsys,
+        *("--prefill-pp", "1", "--prefill-tp", "2", "--decode-pp", "2", "--decode-tp", "1"),
+        *("--prefill-block-size", "8", "--decode-block-size", "16", "--compare"),
+    )
+    _assert_all_verified(result)
+    base = result["homogeneous"]
+    assert isinstance(base, dict)
+    _assert_all_verified(base)
+    assert "D pp1×tp2 (block 8)" in str(base["layout"]) and "D pp2×tp1 (block 16)" in str(result["layout"])
+    assert base["kv_bytes"] == result["kv_bytes"]
+    assert isinstance(result["ratio_to_homogeneous"], float) and result["ratio_to_homogeneous"] > 0
+    assert result["transfer_seconds"] <= result["seconds"]  # type: ignore[operator]

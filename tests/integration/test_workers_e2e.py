@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine
-from workers.executor import EngineConfig, Executor, start_all
+from workers.executor import EngineConfig, Executor, WorkerError, start_all
+from workers.process import Batch, Verify
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -138,3 +139,26 @@ def test_a_killed_prefill_worker_fails_the_receive_and_a_restarted_engine_serves
     done = _finish(prefill, decode, len(TOKENS))
     assert all(req.verified_ok for req in done), [req.verified for req in done if not req.verified_ok]
     _poll(lambda: _holds(p_exec, decode.executor) == 0, lambda: "holds left after the restart")
+
+
+def test_a_batch_that_fails_part_way_is_undone_on_every_worker(
+    engines: dict[str, PrefillEngine | DecodeEngine],
+) -> None:
+    prefill = engines["p_tp2"]
+    assert isinstance(prefill, PrefillEngine)
+    p_exec = prefill.executor
+    free = prefill.allocator.num_free
+    # The first prefill starts (its KV held for D) before the second is refused: both must be gone after.
+    with pytest.raises(WorkerError, match=r"command 1 of the batch of 2 \(Prefill\).*-1 tokens"):
+        prefill.submit_many([("batch-ok", 50, 7), ("batch-bad", -1, 8)])
+    assert prefill.allocator.num_free == free and not prefill.requests
+    _poll(lambda: _holds(p_exec) == 0, lambda: f"{_holds(p_exec)} holds left after the refused batch")
+
+
+def test_a_batch_of_checks_answers_per_command_and_names_a_bad_one(
+    engines: dict[str, PrefillEngine | DecodeEngine],
+) -> None:
+    decode = engines["d_tp2"]
+    assert isinstance(decode, DecodeEngine)
+    with pytest.raises(WorkerError, match=r"command 0 of the batch of 1 \(Verify\).*outside the pool"):
+        decode.executor.broadcast(Batch([Verify(1, [10**6], 4)]))

@@ -43,16 +43,44 @@ def test_result_is_ok_only_when_every_request_finished_and_verified() -> None:
     assert not DemoResult(requests=0).ok
 
 
-def test_json_carries_the_documented_keys_and_goodput_in_gb_per_s() -> None:
-    result = DemoResult(requests=2, finished=2, verified=2, bytes=10**9, kv_bytes=2 * 10**9, seconds=4.0)
+def test_json_carries_the_documented_keys_and_goodput_over_transfer_seconds_in_gb_per_s() -> None:
+    result = DemoResult(
+        requests=2, finished=2, verified=2, bytes=10**9, kv_bytes=2 * 10**9, seconds=9.0, transfer_seconds=4.0
+    )
     result.latencies_ms.extend([10.0, 30.0])
     payload = result.to_json(DemoOptions())
-    for key in ("ok", "requests", "verified", "bytes", "seconds", "goodput_gbps", "p50_ms", "p99_ms", "descriptors"):
+    keys = ("ok", "requests", "verified", "bytes", "seconds", "transfer_seconds", "goodput_gbps", "p50_ms", "p99_ms")
+    for key in (*keys, "descriptors"):
         assert key in payload
+    assert "homogeneous" not in payload and "ratio_to_homogeneous" not in payload
     assert payload["ok"] is True
     assert payload["goodput_gbps"] == 0.5
     assert payload["p50_ms"] == 20.0
     assert "P pp2×tp1" in payload["layout"]
+
+
+def test_a_comparison_carries_the_homogeneous_run_its_layout_and_the_ratio() -> None:
+    options = DemoOptions(prefill_pp=3, prefill_tp=2, decode_pp=2, decode_tp=4, decode_block_size=32)
+    result = DemoResult(requests=2, finished=2, verified=2, kv_bytes=3 * 10**9, transfer_seconds=2.0)
+    result.homogeneous = DemoResult(requests=2, finished=2, verified=2, kv_bytes=3 * 10**9, transfer_seconds=1.5)
+    payload = result.to_json(options)
+    assert payload["ratio_to_homogeneous"] == 0.75
+    assert payload["homogeneous"]["goodput_gbps"] == 2.0
+    assert "D pp3×tp2 (block 16)" in payload["homogeneous"]["layout"]
+    rows = dict(summary_rows(result))
+    assert rows["ratio to homogeneous"] == "0.75"
+    assert rows["homogeneous goodput"].startswith("2.000 GB/s (2 / 2 verified")
+    assert result.ok
+    result.homogeneous.errors.append("a check failed")
+    assert not result.ok  # a failed comparison run fails the command
+
+
+def test_the_homogeneous_options_lay_d_out_as_p_and_keep_the_bytes() -> None:
+    options = DemoOptions(prefill_pp=1, prefill_tp=4, prefill_block_size=32, decode_pp=3, decode_tp=1)
+    mirror = options.homogeneous()
+    assert (mirror.decode_pp, mirror.decode_tp, mirror.decode_block_size) == (1, 4, 32)
+    assert mirror.request_kv_bytes() == options.request_kv_bytes()
+    assert (mirror.prefill_pp, mirror.prefill_tp, mirror.requests, mirror.tokens) == (1, 4, 64, 512)
 
 
 def test_json_latencies_are_null_when_nothing_finished() -> None:
@@ -61,7 +89,9 @@ def test_json_latencies_are_null_when_nothing_finished() -> None:
 
 
 def test_summary_rows_name_every_figure_of_the_table() -> None:
-    result = DemoResult(requests=4, finished=4, verified=4, bytes=2**20, descriptors=1234, seconds=2.0)
+    result = DemoResult(
+        requests=4, finished=4, verified=4, bytes=2**20, descriptors=1234, seconds=2.0, transfer_seconds=0.5
+    )
     result.latencies_ms.extend([1.0, 2.0, 3.0, 4.0])
     rows = dict(summary_rows(result))
     assert list(rows) == [
@@ -69,6 +99,7 @@ def test_summary_rows_name_every_figure_of_the_table() -> None:
         "verified",
         "bytes",
         "seconds",
+        "transfer seconds",
         "goodput",
         "latency p50",
         "latency p99",

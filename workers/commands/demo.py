@@ -26,7 +26,7 @@ from kvsvc.layout import LAYOUTS  # pure core: no torch, keeps `kvsvc --help` fa
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from workers.engine import DecodeRequest
+    from workers.engine import DecodeEngine, DecodeRequest
     from workers.executor import EngineConfig, Executor
 
 HOSTS: Final = ("local", "netns")
@@ -68,6 +68,12 @@ class DemoOptions:
             f"{self.layers} layers, {self.kv_heads} KV heads × {self.head_size}, {self.dtype}, {self.layout}"
         )
 
+    def homogeneous(self) -> DemoOptions:
+        """The same model, load and bytes with D laid out as P (its PP, TP and block size): the `--compare` run."""
+        return dataclasses.replace(
+            self, decode_pp=self.prefill_pp, decode_tp=self.prefill_tp, decode_block_size=self.prefill_block_size
+        )
+
     def request_kv_bytes(self) -> int:
         """The KV of one request: what a decode engine must end up holding (K and V, every layer and head)."""
         from kvsvc.layout import dtype_size
@@ -86,12 +92,14 @@ class DemoResult:
     bytes: int = 0
     kv_bytes: int = 0  # KV of the verified requests (the goodput numerator)
     descriptors: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole run: P's fill, the transfers and D's checks
+    transfer_seconds: float = 0.0  # the transfer phases: from each wave's receives started to its last one ended
     startup_seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # why receives failed, counted, first seen first
     hosts: dict[str, str] = field(default_factory=dict)  # role -> the address its engine listened on
+    homogeneous: DemoResult | None = None  # `--compare`: the same bytes with D laid out as P, run after this one
 
     def add_failure(self, transfer_id: str, reason: str) -> None:
         self.failed += 1
@@ -100,11 +108,19 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
-        return self.requests > 0 and self.finished == self.requests == self.verified and not self.errors
+        mine = self.requests > 0 and self.finished == self.requests == self.verified and not self.errors
+        return mine and (self.homogeneous is None or self.homogeneous.ok)
 
     @property
     def goodput_gbps(self) -> float:
-        return self.kv_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Verified KV bytes over the transfer phases' seconds, in 10^9 B/s."""
+        return self.kv_bytes / self.transfer_seconds / 1e9 if self.transfer_seconds > 0 else 0.0
+
+    @property
+    def ratio_to_homogeneous(self) -> float | None:
+        """This run's goodput over the homogeneous run's (`--compare`); None without one or when it moved nothing."""
+        base = self.homogeneous.goodput_gbps if self.homogeneous is not None else 0.0
+        return self.goodput_gbps / base if base > 0 else None
 
     def to_json(self, options: DemoOptions | None = None) -> dict[str, Any]:
         p50, p99 = (percentile(self.latencies_ms, q) if self.latencies_ms else None for q in (50, 99))
@@ -117,6 +133,7 @@ class DemoResult:
             "bytes": self.bytes,
             "kv_bytes": self.kv_bytes,
             "seconds": round(self.seconds, 4),
+            "transfer_seconds": round(self.transfer_seconds, 4),
             "startup_seconds": round(self.startup_seconds, 3),
             "goodput_gbps": round(self.goodput_gbps, 4),
             "p50_ms": None if p50 is None else round(p50, 3),
@@ -128,6 +145,10 @@ class DemoResult:
         }
         if options is not None:
             payload["layout"] = options.describe()
+        if self.homogeneous is not None:
+            payload["homogeneous"] = self.homogeneous.to_json(options.homogeneous() if options else None)
+            ratio = self.ratio_to_homogeneous
+            payload["ratio_to_homogeneous"] = None if ratio is None else round(ratio, 3)
         return payload
 
 
@@ -172,11 +193,25 @@ def summary_rows(result: DemoResult) -> list[tuple[str, str]]:
         ("verified", f"{result.verified} / {result.requests}"),
         ("bytes", f"{format_bytes(result.bytes)} ({result.bytes:,})"),
         ("seconds", f"{result.seconds:.2f} (engines started in {result.startup_seconds:.1f})"),
+        ("transfer seconds", f"{result.transfer_seconds:.2f}"),
         ("goodput", f"{result.goodput_gbps:.3f} GB/s"),
         ("latency p50", ms(50)),
         ("latency p99", ms(99)),
         ("descriptors", f"{result.descriptors:,}"),
         ("hosts", ", ".join(f"{role} {address}" for role, address in result.hosts.items()) or "-"),
+        *_comparison_rows(result),
+    ]
+
+
+def _comparison_rows(result: DemoResult) -> list[tuple[str, str]]:
+    base = result.homogeneous
+    if base is None:
+        return []
+    ratio = result.ratio_to_homogeneous
+    checked = f"{base.verified} / {base.requests} verified" + ("" if base.ok else ", FAILED")
+    return [
+        ("homogeneous goodput", f"{base.goodput_gbps:.3f} GB/s ({checked}; {base.descriptors:,} descriptors)"),
+        ("ratio to homogeneous", "-" if ratio is None else f"{ratio:.2f}"),
     ]
 
 
@@ -292,10 +327,12 @@ def _run_engines(
     on_progress: Callable[[DemoResult], None] | None,
     worker_log: str | None,
 ) -> None:
+    """Move the requests in waves of `options.concurrency`: P computes a wave's KV and holds it, D receives the
+    wave (timed: `transfer_seconds`), then every D worker checks it. The synthetic model's fill and check run
+    between transfers, not beside them: on a GPU they would be kernels that leave the CPU to the transfers, while
+    here they would take the same two cores, and with 7-14 worker processes they did (docs/decisions.md 84)."""
     from workers.commands.common import start_engines
     from workers.engine import DecodeEngine, PrefillEngine
-    from workers.process import Verify
-    from workers.synthetic import VerifyResult
 
     started = time.monotonic()
     start_engines([p_exec, d_exec], worker_log)
@@ -303,56 +340,71 @@ def _run_engines(
         result.startup_seconds = time.monotonic() - started
         prefill, decode = PrefillEngine(p_exec), DecodeEngine(d_exec)
         bytes0, descriptors0 = _counters(p_exec)
-        kv_bytes = options.request_kv_bytes()
-        waiting = list(range(options.requests))
-        waiting.reverse()
-        in_flight: dict[str, tuple[DecodeRequest, float]] = {}
         begin = time.monotonic()
         deadline = begin + options.timeout_s
-        while waiting or in_flight:
-            while waiting and len(in_flight) < options.concurrency and len(prefill.requests) < 2 * options.concurrency:
-                index = waiting.pop()
-                transfer_id, seed = f"demo-{index}", 1000 + index
-                prefill.submit(transfer_id, options.tokens, seed)
-                recv_started = time.monotonic()
-                req = decode.submit(transfer_id, p_exec.engine_id, p_exec.url, options.tokens, seed)
-                in_flight[req.req_id] = (req, recv_started)
-            # Verified after the step, not inside it, so a request's latency excludes checking the others'.
-            ended = decode.step(verify=False)
-            ended_at = time.monotonic()
-            prefill.step()
-            for req in ended:
-                _, recv_started = in_flight.pop(req.req_id)
-                result.latencies_ms.append((ended_at - recv_started) * 1e3)
-                if req.state != "finished":
-                    result.add_failure(req.transfer_id, req.reason)
-                    continue
-                result.finished += 1
-                # The blocks were freed in the step, but nothing is allocated before this check: still ours.
-                answers = d_exec.broadcast(Verify(req.seed or 0, req.block_ids, req.num_tokens))
-                checks = [a for a in answers if isinstance(a, VerifyResult)]
-                if len(checks) == d_exec.num_workers and all(c.ok and c.checked > 0 for c in checks):
-                    result.verified += 1
-                    result.kv_bytes += kv_bytes
-                else:
-                    bad = next((c for c in checks if not c.ok), None)
-                    result.errors.append(f"{req.transfer_id}: {bad.mismatches if bad else '?'} bytes differ: {bad}")
-            if ended and on_progress is not None:
-                on_progress(result)
-            if time.monotonic() > deadline:
-                result.errors.append(f"{len(in_flight) + len(waiting)} requests not done after {options.timeout_s} s")
+        for first in range(0, options.requests, options.concurrency):
+            wave = range(first, min(first + options.concurrency, options.requests))
+            specs = [(f"demo-{index}", options.tokens, 1000 + index) for index in wave]
+            prefill.submit_many(specs)
+            if not _transfer_wave(options, decode, p_exec, specs, result, deadline):
                 break
-            if not ended:
+            while prefill.requests and time.monotonic() < deadline:  # sends end a step after the receives
+                prefill.step()
                 time.sleep(_IDLE_SLEEP_S)
+            if on_progress is not None:
+                on_progress(result)
         result.seconds = time.monotonic() - begin
-        while prefill.requests and time.monotonic() < deadline:  # sends end a step after the receives
-            prefill.step()
-            time.sleep(_IDLE_SLEEP_S)
         bytes1, descriptors1 = _counters(p_exec)
         result.bytes, result.descriptors = bytes1 - bytes0, descriptors1 - descriptors0
     finally:
         d_exec.close()
         p_exec.close()
+
+
+def _transfer_wave(
+    options: DemoOptions,
+    decode: DecodeEngine,
+    p_exec: Executor,
+    specs: list[tuple[str, int, int]],
+    result: DemoResult,
+    deadline: float,
+) -> bool:
+    """Receive one wave on D, timed from the step that starts it to the step that saw its last receive end, then
+    check every byte of the finished ones on every D worker. False when the run is past its deadline."""
+    began = time.monotonic()
+    pending = {req.req_id for req in decode.submit_many(p_exec.engine_id, p_exec.url, specs)}
+    ended: list[DecodeRequest] = []
+    while pending:
+        got = decode.step(verify=False)
+        now = time.monotonic()
+        for req in got:
+            pending.discard(req.req_id)
+            result.latencies_ms.append((now - began) * 1e3)
+        ended += got
+        if now > deadline:
+            result.errors.append(f"{len(pending)} requests of a wave not done after {options.timeout_s} s")
+            break
+        if not got:
+            time.sleep(_IDLE_SLEEP_S)
+    result.transfer_seconds += time.monotonic() - began
+    finished = [req for req in ended if req.state == "finished"]
+    for req in ended:
+        if req.state != "finished":
+            result.add_failure(req.transfer_id, req.reason)
+    result.finished += len(finished)
+    # Their blocks were freed in the step, but nothing is allocated before this check: still ours.
+    decode.verify(finished)
+    kv_bytes = options.request_kv_bytes()
+    for req in finished:
+        if len(req.verified) == options.decode_pp * options.decode_tp and all(
+            v.ok and v.checked > 0 for v in req.verified
+        ):
+            result.verified += 1
+            result.kv_bytes += kv_bytes
+        else:
+            bad = next((v for v in req.verified if not v.ok), None)
+            result.errors.append(f"{req.transfer_id}: {bad.mismatches if bad else '?'} bytes differ: {bad}")
+    return not pending
 
 
 # -- the command ------------------------------------------------------------------------------------------------
@@ -413,7 +465,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="each worker's staging region in MiB: P gathers writes of many small pieces there, D lends windows "
         "of it that P writes in one stream and D scatters (default 64; 0: every write direct)",
     )
-    add("--concurrency", type=_positive, default=defaults.concurrency, help="requests in flight (default 8)")
+    add(
+        "--concurrency",
+        type=_positive,
+        default=defaults.concurrency,
+        help="requests per wave: P computes them, D receives them together, then checks them (default 8)",
+    )
+    add(
+        "--compare",
+        action="store_true",
+        help="then run the same bytes with D laid out as P (homogeneous) and print the ratio of the goodputs",
+    )
     add("--timeout", type=float, default=defaults.timeout_s, help="give up after this many seconds (default 120)")
     add("--json", action="store_true", help="print one JSON object (the last stdout line) instead of the table")
     add(
@@ -482,6 +544,9 @@ def main_with_args(args: argparse.Namespace) -> int:
     try:
         with progress:
             result = run_demo(options, on_progress, worker_log)
+            if args.compare:
+                progress.reset(task, description="homogeneous", total=options.requests, verified=0)
+                result.homogeneous = run_demo(options.homogeneous(), on_progress, worker_log)
     except KeyboardInterrupt:
         if worker_log and not keep_log:
             os.unlink(worker_log)
@@ -505,6 +570,8 @@ def main_with_args(args: argparse.Namespace) -> int:
     else:
         console = Console()
         console.print(options.describe())
+        if result.homogeneous is not None:
+            console.print(f"compared with {options.homogeneous().describe()}", style="dim")
         console.print(summary_table(result))
         if worker_log:
             console.print(f"worker log: {worker_log}", style="dim")
