@@ -30,6 +30,7 @@ Int64Array = npt.NDArray[np.int64]
 INLINE_COPY_BYTES = 4 << 20  # CPU copies up to this run on the loop's thread: about half a millisecond here
 INLINE_KERNELS = 64  # and at most this many kernels: a call's cost on the loop grows with them, not just its bytes
 MIN_ROW_BYTES = 64  # below this, rows of an index kernel cost more than the per-piece copies they replace
+_MAX_TABLES = 4096  # row views kept per gather: (source tensor, row size, word) triples, few in practice
 
 
 class TorchGather:
@@ -57,6 +58,12 @@ class TorchGather:
         self._starts = [addr for addr, _ in flat]
         self._start_array = np.asarray(self._starts, dtype=np.int64)
         self._bytes = [view for _, view in flat]
+        self._size_array = np.asarray([view.numel() for view in self._bytes], dtype=np.int64)
+        # Every source's and the staging tensor's address and offset: a word width must divide them all.
+        self._alignment = staging.data_ptr() | staging.storage_offset()
+        for view in self._bytes:
+            self._alignment |= view.data_ptr() | view.storage_offset()
+        self._tables: dict[tuple[int, int, int], Any] = {}  # (source, row bytes, word bytes) -> its rows
         self._staging = staging
         self._staging_addr = staging.data_ptr()
         self._torch = torch
@@ -116,13 +123,14 @@ class TorchGather:
         if src.size == 0:
             return []
         first, _ = self._tiled(dst, length, "gather")
+        rows = self._row_kernels(src, length, first)
+        if rows is not None:
+            return [
+                partial(self._torch.index_select, table, 0, self._on_device(index), out=window)
+                for table, index, window in rows
+            ]
         ready: list[Callable[[], object]] = []
         for lo, hi, at in self._segments(src, length, first):
-            rows = self._rows(src[lo:hi], length[lo:hi], at)
-            if rows is not None:
-                table, index, window = rows
-                ready.append(partial(self._torch.index_select, table, 0, self._on_device(index), out=window))
-                continue
             where = zip(src[lo:hi].tolist(), length[lo:hi].tolist(), strict=True)
             pieces = [self._piece(addr, n, "gather source") for addr, n in where]
             ready.append(partial(self._torch.cat, pieces, out=self._staging[at : at + int(length[lo:hi].sum())]))
@@ -138,16 +146,13 @@ class TorchGather:
         if src.size == 0:
             return []
         first, _ = self._tiled(src, length, "scatter")
+        rows = self._row_kernels(dst, length, first)
+        if rows is not None:
+            if self._cuda:
+                return [partial(table.index_copy_, 0, self._on_device(index), window) for table, index, window in rows]
+            return [partial(_assign_rows, table.numpy(), index, window.numpy()) for table, index, window in rows]
         ready: list[Callable[[], object]] = []
         for lo, hi, at in self._segments(dst, length, first):
-            rows = self._rows(dst[lo:hi], length[lo:hi], at)
-            if rows is not None:
-                table, index, window = rows
-                if self._cuda:
-                    ready.append(partial(table.index_copy_, 0, self._on_device(index), window))
-                else:
-                    ready.append(partial(_assign_rows, table.numpy(), index, window.numpy()))
-                continue
             ends = at + np.cumsum(length[lo:hi])
             for addr, n, end in zip(dst[lo:hi].tolist(), length[lo:hi].tolist(), ends.tolist(), strict=True):
                 piece = self._piece(addr, n, "scatter destination")
@@ -156,7 +161,8 @@ class TorchGather:
 
     def _on_device(self, index: Int64Array) -> Any:
         """A row index as a tensor where the copy runs; non-blocking, so a GPU copy waits for nothing queued."""
-        return self._torch.from_numpy(index).to(self._staging.device, non_blocking=True)
+        index_tensor = self._torch.from_numpy(index)
+        return index_tensor.to(self._staging.device, non_blocking=True) if self._cuda else index_tensor
 
     def _segments(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[int, int, int]]:
         """The pieces split where the registered tensor they lie in changes: `(lo, hi, staging offset)` for each
@@ -193,32 +199,51 @@ class TorchGather:
             raise ValueError(f"{what} [{addr:#x}, +{n}) lies outside the registered tensors")
         return self._bytes[i][offset : offset + n]
 
-    def _rows(self, addrs: Int64Array, length: Int64Array, at: int) -> tuple[Any, Int64Array, Any] | None:
-        """(the tensor as rows of `n` bytes, the index of each row the pieces at `addrs` cover in order, the
-        staging range from `at` as as many rows) when those pieces lie in one tensor and are whole rows of it, `n`
-        being the largest row size that makes them so (the planner merges adjacent pieces, so lengths are multiples
-        of a head's run, not one length); None when they are not, or when `n` is under `MIN_ROW_BYTES`. Rows are
-        seen as the widest machine words that divide them, because torch's index kernels copy one element at a time
-        (bytes move at a tenth of memcpy speed, 8-byte words at half)."""
-        i = bisect_right(self._starts, int(addrs.min())) - 1
-        if i < 0:
+    def _row_kernels(
+        self, addrs: Int64Array, length: Int64Array, first: int
+    ) -> list[tuple[Any, Int64Array, Any]] | None:
+        """The call as rows of one size: for each run of pieces in one tensor, (the tensor as rows of `n` bytes, the
+        index of each row the pieces cover in order, the staging range they tile as as many rows), `n` being the
+        largest size of which every piece's length and offset in its tensor are multiples (the planner merges
+        adjacent pieces, so lengths are multiples of a head's run, not one length). None when there is no such `n`
+        of at least `MIN_ROW_BYTES`, or a piece lies outside the tensors (the general way names it). The whole call
+        is computed at once, not per tensor: a share reads every layer's tensor, and per-tensor numpy calls had
+        cost four times the copy. Rows are seen as the widest machine words that divide them, because torch's
+        index kernels copy one element at a time (bytes move at a tenth of memcpy speed, 8-byte words at half)."""
+        owner = np.searchsorted(self._start_array, addrs, side="right") - 1
+        if int(owner.min()) < 0:
             return None
-        offsets = addrs - self._starts[i]
+        offsets = addrs - self._start_array[owner]
         n = int(np.gcd.reduce(np.concatenate((length, offsets))))
-        view = self._bytes[i]
-        rows = view.numel() // n if n else 0
-        if n < MIN_ROW_BYTES or int((offsets + length).max()) > rows * n:
+        if n < MIN_ROW_BYTES or bool(np.any(offsets + length > self._size_array[owner])):
             return None
+        word = next(w for w in (8, 4, 2, 1) if (n | first | self._alignment) % w == 0)
         counts = length // n
-        firsts = offsets // n - (np.cumsum(counts) - counts)  # each row's index is its position plus its piece's shift
-        index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts, counts)
-        table = view[: rows * n]
-        window = self._staging[at : at + index.size * n]
-        bases = table.storage_offset() | window.storage_offset() | table.data_ptr() | window.data_ptr()
-        word = next(w for w in (8, 4, 2, 1) if (n | bases) % w == 0)
+        starts = np.cumsum(counts) - counts  # each piece's first row in the staging range
+        index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(offsets // n - starts, counts)
+        row_at = [*starts.tolist(), int(index.size)]
+        cuts = [0, *(np.flatnonzero(owner[1:] != owner[:-1]) + 1).tolist(), int(addrs.size)]
+        owners = owner.tolist()
         dtype = self._words[word]
-        table, window = table.view(dtype).view(rows, n // word), window.view(dtype).view(-1, n // word)
-        return table, index, window
+        kernels = []
+        for lo, hi in pairwise(cuts):
+            table = self._table(owners[lo], n, word)
+            at = first + row_at[lo] * n
+            window = self._staging[at : at + (row_at[hi] - row_at[lo]) * n].view(dtype).view(-1, n // word)
+            kernels.append((table, index[row_at[lo] : row_at[hi]], window))
+        return kernels
+
+    def _table(self, source: int, n: int, word: int) -> Any:
+        """Source tensor `source` as rows of `n` bytes in words of `word` bytes (its tail short of a row left out)."""
+        key = (source, n, word)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) >= _MAX_TABLES:
+                self._tables.clear()
+            view = self._bytes[source]
+            rows = view.numel() // n
+            table = self._tables[key] = view[: rows * n].view(self._words[word]).view(rows, n // word)
+        return table
 
 
 def _run_all(kernels: Sequence[Callable[[], object]]) -> None:

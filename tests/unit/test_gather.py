@@ -105,14 +105,32 @@ def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> 
     staging = torch.zeros(1 << 14, dtype=torch.uint8)
     gather = TorchGather([pool], staging)
     addrs = pool.data_ptr() + np.array([0, 8192, 4096 * 5], dtype=np.int64)
-    rows = gather._rows(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 0)
-    assert rows is not None
-    table, index, window = rows
+    rows = gather._row_kernels(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 0)
+    assert rows is not None and len(rows) == 1
+    ((table, index, window),) = rows
     assert table.dtype == torch.int64 and table.shape[1] == 512
     assert index.tolist() == [0, 2, 3, 5]
     assert window.shape == (4, 512)
-    odd = gather._rows(addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0)
-    assert odd is None or odd[0].dtype == torch.uint8
+    odd = gather._row_kernels(addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0)
+    assert odd is None or odd[0][0].dtype == torch.uint8
+
+
+def test_a_call_over_many_tensors_is_one_row_kernel_per_run_of_pieces_in_one_tensor() -> None:
+    """A share reads every layer's tensor: one kernel per run of pieces in one tensor, the rows of each indexed in
+    its own tensor, and the staging rows in call order."""
+    layers = [torch.arange(1024 * i, 1024 * (i + 1), dtype=torch.int64).view(torch.uint8) for i in range(3)]
+    staging = torch.zeros(8 * 1024, dtype=torch.uint8)
+    gather = TorchGather(layers, staging)
+    pieces = [(0, 2), (0, 5), (2, 1), (1, 0), (1, 6)]  # (tensor, row of 512 bytes): tensor 0 twice, 2, then 1 twice
+    src = np.array([layers[t].data_ptr() + 512 * r for t, r in pieces], dtype=np.int64)
+    lengths = np.full(len(pieces), 512, dtype=np.int64)
+    rows = gather._row_kernels(src, lengths, 1024)
+    assert rows is not None
+    assert [index.tolist() for _, index, _ in rows] == [[2, 5], [1], [0, 6]]
+    assert [window.data_ptr() - staging.data_ptr() for _, _, window in rows] == [1024, 2048, 2560]
+    _run(gather, src.tolist(), (staging.data_ptr() + 1024 + 512 * np.arange(5)).tolist(), lengths.tolist())
+    want = np.concatenate([layers[t].numpy()[512 * r : 512 * (r + 1)] for t, r in pieces])
+    assert np.array_equal(staging.numpy()[1024 : 1024 + 5 * 512], want)
 
 
 def test_a_call_with_one_bad_piece_copies_nothing() -> None:
