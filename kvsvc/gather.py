@@ -8,8 +8,8 @@ whole and its kernels prepared on the loop's thread before any byte moves, so a 
 tensors, or pieces that do not tile one range of the staging tensor in order) is a `ValueError` that copied
 nothing; when the call's pieces are whole rows at their common size (the layouts' usual case: heads, merged or
 not), those from one tensor are one `index_select`, every index computed for the call at once, else one `torch.cat`,
-so a chunk costs one kernel per tensor it reads, whatever its piece count; a scatter is the same with the roles swapped (numpy's indexed assignment on CPU,
-`index_copy_` on GPU, else one copy per piece).
+so a chunk costs one kernel per tensor it reads, whatever its piece count; a scatter is the same with the roles
+swapped (numpy's indexed assignment on CPU, `index_copy_` on GPU, else one copy per piece).
 """
 
 from __future__ import annotations

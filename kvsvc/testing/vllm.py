@@ -375,8 +375,14 @@ class VllmEngine:
             raise EngineError(f"{self.name} is not running")
         return self._proc
 
-    def _error(self, what: str) -> EngineError:
-        tail = ""
+    def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines of the engine's log (kvsvc's warnings about failed receives included), for a
+        failing test's message: the log itself goes with the test machine. Raises nothing."""
         with contextlib.suppress(OSError):
-            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
-        return EngineError(f"vLLM engine {self.name} (log {self.log_path}): {what}\n--- log tail ---\n{tail}")
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def _error(self, what: str) -> EngineError:
+        return EngineError(
+            f"vLLM engine {self.name} (log {self.log_path}): {what}\n--- log tail ---\n{self.log_tail()}"
+        )

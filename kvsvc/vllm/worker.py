@@ -325,6 +325,8 @@ class WorkerSide:
             if self._receiving.pop(req_id, None) is not None:
                 results.finished_recving.add(req_id)
                 results.failed_recving.add(req_id)
+        if failed:
+            self._log_failures(failed)
         self._invalid |= report.invalid_block_ids
         for req_id, blocks in self._start_failures.items():
             results.finished_recving.add(req_id)
@@ -354,6 +356,13 @@ class WorkerSide:
         if self._thread is None:
             raise KVSvcError("the kvsvc worker service is not started: vLLM has not registered its KV caches")
         return self._thread
+
+    def _log_failures(self, req_ids: set[str]) -> None:
+        """One warning per failed receive with the service's reason: vLLM itself only sees the blocks invalid, and
+        recomputes them (or fails the request) without saying why."""
+        reasons = self._service().call(lambda service: {r: service.failure_reason(r) for r in req_ids})
+        for req_id in sorted(req_ids):
+            log.warning("kvsvc: receive of %s failed, its blocks are reported invalid: %s", req_id, reasons[req_id])
 
     def _count(self, deltas: object, results: TransferResults) -> None:
         if isinstance(deltas, Mapping):

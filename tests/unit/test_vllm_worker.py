@@ -8,6 +8,7 @@ element the tensor holds for (block, K/V, head, token). Unknown shapes and strid
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import msgspec
@@ -205,6 +206,9 @@ class FakeService:
     def abort(self, req_id: str) -> None:
         self.calls.append(f"abort {req_id}")
 
+    def failure_reason(self, req_id: str) -> str | None:
+        return f"P answered TransferFailed for {req_id}"
+
 
 def worker_with(service: FakeService) -> WorkerSide:
     side = WorkerSide(ConnectorConfig(), ServiceConfig(), identity())
@@ -253,7 +257,7 @@ def test_on_gpu_a_send_waits_for_each_layer_event_or_for_one_after_the_forward(m
     assert service.ready is None  # the CPU forward is over when the hook runs
 
 
-def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step() -> None:
+def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step(caplog: pytest.LogCaptureFixture) -> None:
     service = FakeService()
     service.refuse_recv = {"d3"}
     side = worker_with(service)
@@ -263,8 +267,13 @@ def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step() -
     service.next = KVConnectorOutput(
         finished_recving={"d1"}, failed_recving={"d2"}, invalid_block_ids={2, 12}, kv_connector_stats={"bytes": 5}
     )
-    results = side.transfer_results(set())
+    with caplog.at_level(logging.WARNING, logger="kvsvc.vllm.worker"):
+        results = side.transfer_results(set())
     assert results.finished_recving == {"d1", "d2", "d3"} and results.failed_recving == {"d2", "d3"}
+    # The service's reason is logged: vLLM only learns that the blocks are invalid.
+    assert [r.getMessage() for r in caplog.records if "failed, its blocks" in r.getMessage()] == [
+        "kvsvc: receive of d2 failed, its blocks are reported invalid: P answered TransferFailed for d2"
+    ]
     assert side.load_errors() == {2, 12, 3, 13}
     assert side.load_errors() == set()
     assert side.take_stats() == {"bytes": 5, "received": 1, "receive_failures": 2}
