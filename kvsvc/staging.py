@@ -49,47 +49,50 @@ class Way(Enum):
 
 @dataclass(frozen=True, slots=True)
 class StagingRule:
-    """When a plan is staged: when its estimated cost is lower that way.
+    """When a plan is staged, and how: the way whose estimated cost is lowest.
 
-    Direct: `descriptors × descriptor_cost_s`. Staged: `runs × descriptor_cost_s + bytes × copy_cost_s_per_byte`
-    (the gather copies every byte once). The defaults are TCP's measured cost of a descriptor (about 30 us) and the
-    measured end-to-end cost of a staged byte on CPU engines (about 1 ns, though the copy alone costs a tenth of
-    that: lower, the rule prefers gather-and-scatter, which ran slower; docs/decisions.md 83); on RDMA a
-    descriptor costs a few microseconds, so fewer plans are worth staging.
+    A way costs `descriptor_cost_s` per descriptor, `gather_cost_s_per_byte` per byte P gathers and
+    `scatter_cost_s_per_byte` per byte D scatters. The defaults are measured on 2-core CPU engines over TCP: a
+    descriptor about 30 us; a gathered byte 0.25 ns (the copy alone costs 0.05-0.17 ns, on P's loop beside its other
+    work); a scattered byte 1 ns, since D's scatter stands between the last byte and D's report, with a window lent
+    and given back around it (docs/decisions.md 83). With those, a head split whose D blocks are contiguous is
+    gathered on P, and one whose D blocks interleave two P workers' heads goes through a window gathered on P too,
+    in one descriptor per chunk. On RDMA a descriptor costs a few microseconds, so fewer plans are worth staging.
 
     Raises (constructor):
         ValueError: a negative cost.
     """
 
     descriptor_cost_s: float = 30e-6
-    copy_cost_s_per_byte: float = 1e-9
+    gather_cost_s_per_byte: float = 0.25e-9
+    scatter_cost_s_per_byte: float = 1e-9
 
     def __post_init__(self) -> None:
-        if self.descriptor_cost_s < 0 or self.copy_cost_s_per_byte < 0:
-            raise ValueError(f"costs must be >= 0, got {self.descriptor_cost_s}, {self.copy_cost_s_per_byte}")
+        costs = (self.descriptor_cost_s, self.gather_cost_s_per_byte, self.scatter_cost_s_per_byte)
+        if min(costs) < 0:
+            raise ValueError(f"costs must be >= 0, got {costs}")
 
     def stage(self, descriptors: int, runs: int, nbytes: int) -> bool:
-        """Whether a plan of `descriptors` writing `nbytes` into `runs` contiguous destination runs is staged."""
+        """Whether P gathers a plan of `descriptors` writing `nbytes` into `runs` contiguous destination runs."""
         if runs >= descriptors:
             return False  # nothing to gather
         direct = descriptors * self.descriptor_cost_s
-        return runs * self.descriptor_cost_s + nbytes * self.copy_cost_s_per_byte < direct
+        return runs * self.descriptor_cost_s + nbytes * self.gather_cost_s_per_byte < direct
 
     def way(self, descriptors: int, dst_runs: int, src_runs: int, nbytes: int, *, gather: bool, scatter: bool) -> Way:
         """The cheapest way for a share of `nbytes` that goes in `descriptors` direct, in `dst_runs` after a gather
         on P, and in `src_runs` into a window of D's region. `gather` / `scatter`: whether P / D have a region.
 
-        Each copy (gather, scatter) costs every byte once; a gather into a window costs one descriptor. A tie keeps
-        the way with fewer copies, direct first.
+        A gather into a window costs one descriptor. A tie keeps the way with fewer copies, direct first.
         """
-        copy = nbytes * self.copy_cost_s_per_byte
+        gathered, scattered = nbytes * self.gather_cost_s_per_byte, nbytes * self.scatter_cost_s_per_byte
         costs = [(descriptors * self.descriptor_cost_s, Way.DIRECT)]
         if gather:
-            costs.append((dst_runs * self.descriptor_cost_s + copy, Way.GATHER))
+            costs.append((dst_runs * self.descriptor_cost_s + gathered, Way.GATHER))
         if scatter:
-            costs.append((src_runs * self.descriptor_cost_s + copy, Way.SCATTER))
+            costs.append((src_runs * self.descriptor_cost_s + scattered, Way.SCATTER))
         if gather and scatter:
-            costs.append((self.descriptor_cost_s + 2 * copy, Way.BOTH))
+            costs.append((self.descriptor_cost_s + gathered + scattered, Way.BOTH))
         best = min(cost for cost, _ in costs)
         return next(way for cost, way in costs if cost == best)
 

@@ -118,7 +118,7 @@ def test_runs_join_touching_destinations_only_and_overlaps_are_refused() -> None
 
 
 def test_the_rule_stages_many_small_pieces_into_few_runs_and_nothing_else() -> None:
-    rule = StagingRule(descriptor_cost_s=30e-6, copy_cost_s_per_byte=0.2e-9)
+    rule = StagingRule(descriptor_cost_s=30e-6, gather_cost_s_per_byte=0.2e-9)
     assert rule.stage(descriptors=224, runs=28, nbytes=8 << 20)  # a head split of 8 MiB
     assert not rule.stage(descriptors=28, runs=28, nbytes=8 << 20)  # nothing to gather
     assert not rule.stage(descriptors=2, runs=1, nbytes=64 << 20)  # the copy costs more than one descriptor

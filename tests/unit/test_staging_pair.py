@@ -15,7 +15,7 @@ from kvsvc.staging import StagingRule
 from kvsvc.testing.pair import PeerPair
 from kvsvc.testing.sim import EngineSpec
 
-ALWAYS = StagingRule(copy_cost_s_per_byte=0.0)  # stage whenever it saves a descriptor
+ALWAYS = StagingRule(gather_cost_s_per_byte=0.0, scatter_cost_s_per_byte=0.0)  # stage whenever it saves a descriptor
 
 
 @st.composite

@@ -32,7 +32,7 @@ from kvsvc.testing.sim import EngineSpec
 from .test_staging import DST_SIZE, SRC_SIZE, _direct, plans
 from .test_staging_pair import assume_compatible, layout_pairs
 
-ALWAYS = StagingRule(copy_cost_s_per_byte=0.0)  # any way that saves a descriptor
+ALWAYS = StagingRule(gather_cost_s_per_byte=0.0, scatter_cost_s_per_byte=0.0)  # any way that saves a descriptor
 
 
 @given(plans(), st.integers(0, 1000))
@@ -98,7 +98,7 @@ def test_pieces_from_two_source_tensors_never_share_a_window_descriptor() -> Non
 
 
 def test_the_rule_picks_the_cheapest_way_and_only_ways_the_regions_allow() -> None:
-    rule = StagingRule(descriptor_cost_s=30e-6, copy_cost_s_per_byte=1e-9)
+    rule = StagingRule(descriptor_cost_s=30e-6, gather_cost_s_per_byte=1e-9, scatter_cost_s_per_byte=1e-9)
     # A head split into fewer D processes (P tp2 -> D tp1): strided in D, contiguous in P.
     assert rule.way(448, 448, 56, 2 << 20, gather=True, scatter=True) is Way.SCATTER
     assert rule.way(448, 448, 56, 2 << 20, gather=True, scatter=False) is Way.DIRECT
@@ -109,6 +109,16 @@ def test_the_rule_picks_the_cheapest_way_and_only_ways_the_regions_allow() -> No
     # Already few descriptors: direct, with or without regions.
     assert rule.way(28, 28, 28, 16 << 20, gather=True, scatter=True) is Way.DIRECT
     assert Way.SCATTER.scatters and Way.BOTH.scatters and not Way.GATHER.scatters
+
+
+def test_the_default_rule_gathers_a_window_share_and_leaves_contiguous_d_runs_to_a_gather_alone() -> None:
+    """The bench's head splits of 2 MiB shares, one run per layer of 28: a gather is priced below a scatter, so a
+    share strided in D goes through a window in one descriptor, and one contiguous in D is not scattered."""
+    rule = StagingRule()
+    assert rule.way(448, 448, 28, 2 << 20, gather=True, scatter=True) is Way.BOTH  # P tp2 -> D tp1
+    assert rule.way(448, 448, 28, 2 << 20, gather=False, scatter=True) is Way.SCATTER  # P has no region
+    assert rule.way(224, 28, 224, 2 << 20, gather=True, scatter=True) is Way.GATHER  # P tp1 -> D tp2
+    assert rule.way(868, 28, 868, 2 << 20, gather=True, scatter=True) is Way.GATHER  # block 16 -> 32
 
 
 def _pair(p: EngineSpec, d: EngineSpec, tokens: int, windows: bool, staging_bytes: int = 1 << 20) -> PeerPair:
