@@ -125,10 +125,7 @@ class TorchGather:
         first, _ = self._tiled(dst, length, "gather")
         rows = self._row_kernels(src, length, first)
         if rows is not None:
-            return [
-                partial(self._torch.index_select, table, 0, self._on_device(index), out=window)
-                for table, index, window in rows
-            ]
+            return [partial(self._torch.index_select, table, 0, index, out=window) for table, index, window in rows]
         ready: list[Callable[[], object]] = []
         for lo, hi, at in self._segments(src, length, first):
             where = zip(src[lo:hi].tolist(), length[lo:hi].tolist(), strict=True)
@@ -149,8 +146,10 @@ class TorchGather:
         rows = self._row_kernels(dst, length, first)
         if rows is not None:
             if self._cuda:
-                return [partial(table.index_copy_, 0, self._on_device(index), window) for table, index, window in rows]
-            return [partial(_assign_rows, table.numpy(), index, window.numpy()) for table, index, window in rows]
+                return [partial(table.index_copy_, 0, index, window) for table, index, window in rows]
+            return [
+                partial(_assign_rows, table.numpy(), index.numpy(), window.numpy()) for table, index, window in rows
+            ]
         ready: list[Callable[[], object]] = []
         for lo, hi, at in self._segments(dst, length, first):
             ends = at + np.cumsum(length[lo:hi])
@@ -160,7 +159,8 @@ class TorchGather:
         return ready
 
     def _on_device(self, index: Int64Array) -> Any:
-        """A row index as a tensor where the copy runs; non-blocking, so a GPU copy waits for nothing queued."""
+        """A row index as a tensor where the copy runs, copied once per call (non-blocking: from pageable memory
+        the host may still wait for the copy, but no kernel queued on the device waits for it)."""
         index_tensor = self._torch.from_numpy(index)
         return index_tensor.to(self._staging.device, non_blocking=True) if self._cuda else index_tensor
 
@@ -199,16 +199,15 @@ class TorchGather:
             raise ValueError(f"{what} [{addr:#x}, +{n}) lies outside the registered tensors")
         return self._bytes[i][offset : offset + n]
 
-    def _row_kernels(
-        self, addrs: Int64Array, length: Int64Array, first: int
-    ) -> list[tuple[Any, Int64Array, Any]] | None:
+    def _row_kernels(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[Any, Any, Any]] | None:
         """The call as rows of one size: for each run of pieces in one tensor, (the tensor as rows of `n` bytes, the
-        index of each row the pieces cover in order, the staging range they tile as as many rows), `n` being the
+        index of each row the pieces cover in order, as a tensor where the copy runs, the staging range they tile as
+        as many rows), `n` being the
         largest size of which every piece's length and offset in its tensor are multiples (the planner merges
         adjacent pieces, so lengths are multiples of a head's run, not one length). None when there is no such `n`
         of at least `MIN_ROW_BYTES`, or a piece lies outside the tensors (the general way names it). The whole call
-        is computed at once, not per tensor: a share reads every layer's tensor, and per-tensor numpy calls had
-        cost four times the copy. Rows are seen as the widest machine words that divide them, because torch's
+        is computed at once, not per tensor: a share reads every layer's tensor, and numpy calls per tensor would
+        cost several times the copy. Rows are seen as the widest machine words that divide them, because torch's
         index kernels copy one element at a time (bytes move at a tenth of memcpy speed, 8-byte words at half)."""
         owner = np.searchsorted(self._start_array, addrs, side="right") - 1
         if int(owner.min()) < 0:
@@ -222,6 +221,7 @@ class TorchGather:
         starts = np.cumsum(counts) - counts  # each piece's first row in the staging range
         index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(offsets // n - starts, counts)
         row_at = [*starts.tolist(), int(index.size)]
+        on_device = self._on_device(index)
         cuts = [0, *(np.flatnonzero(owner[1:] != owner[:-1]) + 1).tolist(), int(addrs.size)]
         owners = owner.tolist()
         dtype = self._words[word]
@@ -230,7 +230,7 @@ class TorchGather:
             table = self._table(owners[lo], n, word)
             at = first + row_at[lo] * n
             window = self._staging[at : at + (row_at[hi] - row_at[lo]) * n].view(dtype).view(-1, n // word)
-            kernels.append((table, index[row_at[lo] : row_at[hi]], window))
+            kernels.append((table, on_device[row_at[lo] : row_at[hi]], window))
         return kernels
 
     def _table(self, source: int, n: int, word: int) -> Any:

@@ -68,16 +68,22 @@ class _Engine:
         """Send every request's command to every worker in one `Batch`; if any worker fails, abort them all
         everywhere and take their blocks back.
 
+        The blocks come back when the abort was sent, not when the workers confirmed it, as they did for one
+        request at a time: an engine that goes on after a refused batch may hand a block to a new request while an
+        aborted write still drains into it (the runtime's callers stop, or verify what they receive).
+
         Raises:
-            WorkerError: as `Executor.broadcast`, after the abort.
+            WorkerError: as `Executor.broadcast`, after the abort (the blocks are free even if the abort failed).
         """
         try:
             self.executor.broadcast(Batch([command for _, _, command in started]))
         except BaseException:
             # Some workers may hold some of them: abort there so nothing stays held, then the blocks are ours again.
-            self.executor.broadcast(Batch([AbortRequest(req_id) for req_id, _, _ in started]))
-            for _, blocks, _ in started:
-                self.allocator.free(blocks)
+            try:
+                self.executor.broadcast(Batch([AbortRequest(req_id) for req_id, _, _ in started]))
+            finally:
+                for _, blocks, _ in started:
+                    self.allocator.free(blocks)
             raise
 
     def _allocate(self, token_counts: Sequence[int]) -> list[list[int]]:
@@ -239,10 +245,12 @@ class DecodeEngine(_Engine):
         finished = [self.requests.pop(req_id) for req_id in sorted(update.recvs_finished)]
         for req in finished:
             req.state = "finished"
-        if verify:
-            self.verify([req for req in finished if req.seed is not None])
-        for req in finished:
-            self.allocator.free(req.block_ids)
+        try:
+            if verify:
+                self.verify([req for req in finished if req.seed is not None])
+        finally:  # a check that could not run still ends the requests: their blocks must not stay allocated
+            for req in finished:
+                self.allocator.free(req.block_ids)
         return done + finished
 
     def verify(self, reqs: Sequence[DecodeRequest]) -> None:

@@ -257,7 +257,8 @@ class WorkerRuntime:
                 except Exception as exc:
                     where = f"command {position} of the batch of {len(command.commands)} ({type(each).__name__})"
                     raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
-                assert answer is None or isinstance(answer, VerifyResult)
+                if answer is not None and not isinstance(answer, VerifyResult):
+                    raise TypeError(f"batch command {position} answered {type(answer).__name__}")
                 answers.append(answer)
             return answers
         if isinstance(command, Statistics):

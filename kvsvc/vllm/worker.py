@@ -321,12 +321,11 @@ class WorkerSide:
         for req_id in report.finished_recving or ():
             if self._receiving.pop(req_id, None) is not None:
                 results.finished_recving.add(req_id)
-        for req_id in failed:
-            if self._receiving.pop(req_id, None) is not None:
-                results.finished_recving.add(req_id)
-                results.failed_recving.add(req_id)
-        if failed:
-            self._log_failures(failed)
+        ours = {req_id for req_id in failed if self._receiving.pop(req_id, None) is not None}
+        results.finished_recving |= ours
+        results.failed_recving |= ours
+        if ours:
+            self._log_failures(ours)
         self._invalid |= report.invalid_block_ids
         for req_id, blocks in self._start_failures.items():
             results.finished_recving.add(req_id)
@@ -362,7 +361,8 @@ class WorkerSide:
         recomputes them (or fails the request) without saying why."""
         reasons = self._service().call(lambda service: {r: service.failure_reason(r) for r in req_ids})
         for req_id in sorted(req_ids):
-            log.warning("kvsvc: receive of %s failed, its blocks are reported invalid: %s", req_id, reasons[req_id])
+            why = reasons[req_id] or "the service no longer remembers why"
+            log.warning("kvsvc: receive of %s failed, its blocks are reported invalid: %s", req_id, why)
 
     def _count(self, deltas: object, results: TransferResults) -> None:
         if isinstance(deltas, Mapping):

@@ -102,7 +102,7 @@ def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> 
     """The planner merges adjacent heads, so a call's lengths are multiples of one run, not one length: they are
     still rows (of the common run), seen as 8-byte words, since per-byte index kernels are ten times slower."""
     pool = torch.zeros(1 << 16, dtype=torch.uint8)
-    staging = torch.zeros(1 << 14, dtype=torch.uint8)
+    staging = torch.zeros(1 << 15, dtype=torch.uint8)
     gather = TorchGather([pool], staging)
     addrs = pool.data_ptr() + np.array([0, 8192, 4096 * 5], dtype=np.int64)
     rows = gather._row_kernels(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 0)
@@ -111,8 +111,11 @@ def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> 
     assert table.dtype == torch.int64 and table.shape[1] == 512
     assert index.tolist() == [0, 2, 3, 5]
     assert window.shape == (4, 512)
-    odd = gather._row_kernels(addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0)
-    assert odd is None or odd[0][0].dtype == torch.uint8
+    # Rows of 1 byte are below MIN_ROW_BYTES: the general way.
+    assert gather._row_kernels(addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0) is None
+    # Whole rows, but a staging range at an odd offset: rows of bytes, not words.
+    narrow = gather._row_kernels(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 1)
+    assert narrow is not None and narrow[0][0].dtype == torch.uint8 and narrow[0][0].shape[1] == 4096
 
 
 def test_a_call_over_many_tensors_is_one_row_kernel_per_run_of_pieces_in_one_tensor() -> None:
@@ -148,6 +151,23 @@ def test_a_call_with_one_bad_piece_copies_nothing() -> None:
             scatter=True,
         )
     assert not a.any() and not b.any()
+
+
+@pytest.mark.parametrize("where", ["past the end of a tensor", "below the first tensor"])
+def test_whole_rows_outside_the_tensors_are_refused_before_any_copy(where: str) -> None:
+    """Pieces at the row size (the row kernels' case) that leave the registered tensors are refused by name, and a
+    gather that holds one copies none of the others."""
+    a = torch.arange(256, dtype=torch.int32).view(torch.uint8)  # 1 KiB
+    b = torch.arange(256, 512, dtype=torch.int32).view(torch.uint8)
+    staging = torch.zeros(512, dtype=torch.uint8)
+    gather = TorchGather([a, b], staging)
+    first = min(a.data_ptr(), b.data_ptr())
+    last = max(a.data_ptr(), b.data_ptr())
+    bad = last + 1024 if where == "past the end of a tensor" else first - 4096
+    src = [a.data_ptr(), bad]
+    with pytest.raises(ValueError, match="outside the registered tensors"):
+        _run(gather, src, [staging.data_ptr(), staging.data_ptr() + 256], [256, 256])
+    assert not staging.any()
 
 
 def test_many_small_kernels_run_off_the_loop_and_land_the_same() -> None:

@@ -343,14 +343,22 @@ def _run_engines(
         begin = time.monotonic()
         deadline = begin + options.timeout_s
         for first in range(0, options.requests, options.concurrency):
+            if time.monotonic() > deadline:
+                result.errors.append(f"{options.requests - first} requests not started after {options.timeout_s} s")
+                break
             wave = range(first, min(first + options.concurrency, options.requests))
             specs = [(f"demo-{index}", options.tokens, 1000 + index) for index in wave]
             prefill.submit_many(specs)
             if not _transfer_wave(options, decode, p_exec, specs, result, deadline):
+                if options.requests > first + len(wave):
+                    result.errors.append(f"{options.requests - first - len(wave)} requests not started")
                 break
             while prefill.requests and time.monotonic() < deadline:  # sends end a step after the receives
                 prefill.step()
                 time.sleep(_IDLE_SLEEP_S)
+            if prefill.requests:
+                result.errors.append(f"P still held {len(prefill.requests)} sends after {options.timeout_s} s")
+                break
             if on_progress is not None:
                 on_progress(result)
         result.seconds = time.monotonic() - begin
@@ -369,8 +377,8 @@ def _transfer_wave(
     result: DemoResult,
     deadline: float,
 ) -> bool:
-    """Receive one wave on D, timed from the step that starts it to the step that saw its last receive end, then
-    check every byte of the finished ones on every D worker. False when the run is past its deadline."""
+    """Receive one wave on D, timed from submitting its receives to the step that saw the last one end, then check
+    every byte of the finished ones on every D worker. False when the run is past its deadline."""
     began = time.monotonic()
     pending = {req.req_id for req in decode.submit_many(p_exec.engine_id, p_exec.url, specs)}
     ended: list[DecodeRequest] = []
@@ -396,9 +404,7 @@ def _transfer_wave(
     decode.verify(finished)
     kv_bytes = options.request_kv_bytes()
     for req in finished:
-        if len(req.verified) == options.decode_pp * options.decode_tp and all(
-            v.ok and v.checked > 0 for v in req.verified
-        ):
+        if len(req.verified) == decode.executor.num_workers and all(v.ok and v.checked > 0 for v in req.verified):
             result.verified += 1
             result.kv_bytes += kv_bytes
         else:
