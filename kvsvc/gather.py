@@ -202,13 +202,13 @@ class TorchGather:
     def _row_kernels(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[Any, Any, Any]] | None:
         """The call as rows of one size: for each run of pieces in one tensor, (the tensor as rows of `n` bytes, the
         index of each row the pieces cover in order, as a tensor where the copy runs, the staging range they tile as
-        as many rows), `n` being the
-        largest size of which every piece's length and offset in its tensor are multiples (the planner merges
-        adjacent pieces, so lengths are multiples of a head's run, not one length). None when there is no such `n`
-        of at least `MIN_ROW_BYTES`, or a piece lies outside the tensors (the general way names it). The whole call
-        is computed at once, not per tensor: a share reads every layer's tensor, and numpy calls per tensor would
-        cost several times the copy. Rows are seen as the widest machine words that divide them, because torch's
-        index kernels copy one element at a time (bytes move at a tenth of memcpy speed, 8-byte words at half)."""
+        as many rows), `n` being the largest size of which every piece's length and offset in its tensor are
+        multiples (the planner merges adjacent pieces, so lengths are multiples of a head's run, not one length).
+        None when there is no such `n` of at least `MIN_ROW_BYTES`, or a piece lies outside the tensors (the general
+        way names it). The whole call is computed at once, not per tensor: a share reads every layer's tensor, and
+        numpy calls per tensor would cost several times the copy. Rows are seen as the widest machine words that
+        divide them, because torch's index kernels copy one element at a time (bytes move at a tenth of memcpy
+        speed, 8-byte words at half)."""
         owner = np.searchsorted(self._start_array, addrs, side="right") - 1
         if int(owner.min()) < 0:
             return None
