@@ -64,7 +64,7 @@ class _Engine:
     def _blocks_for(self, num_tokens: int) -> list[int]:
         return self.allocator.allocate(max(1, -(-num_tokens // self.executor.config.block_size)))
 
-    def _start(self, started: Sequence[tuple[str, list[int], Prefill | Recv]]) -> None:
+    def _start(self, started: Sequence[Prefill | Recv]) -> None:
         """Send every request's command to every worker in one `Batch`; if any worker fails, abort them all
         everywhere and take their blocks back.
 
@@ -76,14 +76,14 @@ class _Engine:
             WorkerError: as `Executor.broadcast`, after the abort (the blocks are free even if the abort failed).
         """
         try:
-            self.executor.broadcast(Batch([command for _, _, command in started]))
+            self.executor.broadcast(Batch(list(started)))
         except BaseException:
             # Some workers may hold some of them: abort there so nothing stays held, then the blocks are ours again.
             try:
-                self.executor.broadcast(Batch([AbortRequest(req_id) for req_id, _, _ in started]))
+                self.executor.broadcast(Batch([AbortRequest(command.req_id) for command in started]))
             finally:
-                for _, blocks, _ in started:
-                    self.allocator.free(blocks)
+                for command in started:
+                    self.allocator.free(command.block_ids)
             raise
 
     def _allocate(self, token_counts: Sequence[int]) -> list[list[int]]:
@@ -130,9 +130,7 @@ class PrefillEngine(_Engine):
             PrefillRequest(self._new_req_id(transfer_id), transfer_id, ids, num_tokens, seed)
             for (transfer_id, num_tokens, seed), ids in zip(specs, blocks, strict=True)
         ]
-        self._start(
-            [(r.req_id, r.block_ids, Prefill(r.req_id, r.transfer_id, r.block_ids, r.num_tokens, r.seed)) for r in reqs]
-        )
+        self._start([Prefill(r.req_id, r.transfer_id, r.block_ids, r.num_tokens, r.seed) for r in reqs])
         for req in reqs:
             self.requests[req.req_id] = req
             self.tracker.track_send(req.req_id, req.block_ids)
@@ -201,14 +199,7 @@ class DecodeEngine(_Engine):
             for (transfer_id, num_tokens, seed), ids in zip(specs, blocks, strict=True)
         ]
         self._start(
-            [
-                (
-                    r.req_id,
-                    r.block_ids,
-                    Recv(r.req_id, r.transfer_id, prefill_engine_id, prefill_url, r.block_ids, r.num_tokens),
-                )
-                for r in reqs
-            ]
+            [Recv(r.req_id, r.transfer_id, prefill_engine_id, prefill_url, r.block_ids, r.num_tokens) for r in reqs]
         )
         for req in reqs:
             self.requests[req.req_id] = req
