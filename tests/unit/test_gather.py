@@ -100,7 +100,8 @@ def test_gather_then_scatter_moves_exactly_the_pieces(drawn: tuple[int, list[tup
 
 def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> None:
     """The planner merges adjacent heads, so a call's lengths are multiples of one run, not one length: they are
-    still rows (of the common run), seen as 8-byte words, since per-byte index kernels are ten times slower."""
+    still rows (of the common run), seen as 8-byte words, since per-byte index kernels are ten times slower. On CPU
+    the rows are numpy views of the same memory (numpy's kernels)."""
     pool = torch.zeros(1 << 16, dtype=torch.uint8)
     staging = torch.zeros(1 << 15, dtype=torch.uint8)
     gather = TorchGather([pool], staging)
@@ -108,14 +109,15 @@ def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> 
     rows = gather._row_kernels(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 0)
     assert rows is not None and len(rows) == 1
     ((table, index, window),) = rows
-    assert table.dtype == torch.int64 and table.shape[1] == 512
+    assert table.dtype == np.uint64 and table.shape[1] == 512
+    assert table.ctypes.data == pool.data_ptr()
     assert index.tolist() == [0, 2, 3, 5]
     assert window.shape == (4, 512)
     # Rows of 1 byte are below MIN_ROW_BYTES: the general way.
     assert gather._row_kernels(addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0) is None
     # Whole rows, but a staging range at an odd offset: rows of bytes, not words.
     narrow = gather._row_kernels(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 1)
-    assert narrow is not None and narrow[0][0].dtype == torch.uint8 and narrow[0][0].shape[1] == 4096
+    assert narrow is not None and narrow[0][0].dtype == np.uint8 and narrow[0][0].shape[1] == 4096
 
 
 def test_a_call_over_many_tensors_is_one_row_kernel_per_run_of_pieces_in_one_tensor() -> None:
@@ -130,7 +132,7 @@ def test_a_call_over_many_tensors_is_one_row_kernel_per_run_of_pieces_in_one_ten
     rows = gather._row_kernels(src, lengths, 1024)
     assert rows is not None
     assert [index.tolist() for _, index, _ in rows] == [[2, 5], [1], [0, 6]]
-    assert [window.data_ptr() - staging.data_ptr() for _, _, window in rows] == [1024, 2048, 2560]
+    assert [window.ctypes.data - staging.data_ptr() for _, _, window in rows] == [1024, 2048, 2560]
     _run(gather, src.tolist(), (staging.data_ptr() + 1024 + 512 * np.arange(5)).tolist(), lengths.tolist())
     want = np.concatenate([layers[t].numpy()[512 * r : 512 * (r + 1)] for t, r in pieces])
     assert np.array_equal(staging.numpy()[1024 : 1024 + 5 * 512], want)
