@@ -42,7 +42,8 @@ from kvsvc.staging import (
 from kvsvc.transport.base import WriteFailed
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
-# Descriptors cached per D worker connection, all plans together: 24 MiB, and their staged forms about as much again.
+# Descriptors cached per D worker connection, all plans together: 24 MiB, and their staged forms and window streams
+# about as much again each.
 _PLAN_CACHE_ROWS = 1 << 20
 
 WriteResult = Callable[[str, Worker, str | None, int, int], None]
@@ -69,6 +70,11 @@ class WriteTarget:
     # The staged form (`plan_staged`) of each plan in `plans` written into D's blocks, or None where the rule
     # writes it direct: shifted like the plan (`shift_chunks`), since staging it costs more than planning it.
     staged: dict[tuple[int, int, int], list[StagedChunk] | None] = field(default_factory=dict)
+    # The window stream (`window_plan`: source, stream offset, length) of each plan in `plans`, and its staged form
+    # for a window at address 0, or None where the rule writes the stream as it is: both shift like the plan (the
+    # stream's order and merges depend only on which ranges touch; the window's address only moves the chunks).
+    streams: dict[tuple[int, int, int], tuple[Int64Array, Int64Array, Int64Array]] = field(default_factory=dict)
+    staged_streams: dict[tuple[int, int, int], list[StagedChunk] | None] = field(default_factory=dict)
     strides: tuple[int, int] = (0, 0)  # block strides of P (this worker) and of this D worker
     src_regions: list[int] = field(default_factory=list)  # start addresses of this P worker's registered tensors
     emptied: dict[str, set[int]] = field(default_factory=dict)  # per transfer writing in rounds
@@ -276,16 +282,26 @@ class BlockWriter:
         """
         if not command.window_bytes:
             return self._plan(target, command)
-        src, offset, length = self._stream(target, command)
-        return np.column_stack((src, command.window_addr + offset, length)), None
+        src, offset, length, unit = self._stream(target, command)
+        return np.column_stack((src, command.window_addr + offset, length)), unit
 
-    def _stream(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """`command`'s share as a window stream: (source, stream offset, length) columns (`window_plan`).
+    def _stream(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, Int64Array, Int64Array, _Unit | None]:
+        """`command`'s share as a window stream: (source, stream offset, length) columns (`window_plan`), and the
+        cached stream it shifts, if any: its `dst_shift` is the window's address, where the stream's offset 0 lies.
 
         Raises:
             TopologyError / ValueError: as `_plan`, or D planned a share of another size.
         """
-        src, dst, length = self._plan(target, command)[0].T
+        table, unit = self._plan(target, command)
+        if unit is None:
+            src, offset, length = self._window_stream(target, table)
+        else:
+            cached = target.streams.get(unit.key)
+            if cached is None:
+                cached = target.streams[unit.key] = _frozen_columns(self._window_stream(target, target.plans[unit.key]))
+            src, offset, length = cached
+            src = src + unit.src_shift if unit.src_shift else src
+            unit = _Unit(unit.key, unit.src_shift, command.window_addr)
         nbytes = int(length.sum())
         share = command.share_bytes or command.window_bytes
         if nbytes != share:
@@ -293,6 +309,11 @@ class BlockWriter:
                 f"D planned a share of {share} bytes for {command.transfer_id!r} (window of {command.window_bytes}); "
                 f"this P worker writes it {nbytes}"
             )
+        return src, offset, length, unit
+
+    def _window_stream(self, target: WriteTarget, table: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """The descriptor table `table` as a window stream at address 0 (`window_plan`)."""
+        src, dst, length = table.T
         if not target.src_regions:
             target.src_regions = [start for start, _ in pool_regions(self._ctx.metadata)]
         return window_plan(src, dst, length, 0, region_ids(src, target.src_regions))
@@ -318,7 +339,7 @@ class BlockWriter:
             as `_stream` and `_write_once`; PeerLost / KVSvcTimeout: D did not empty a round in time;
             TransferAborted: the job was aborted (it stops at a round's start, once earlier rounds landed).
         """
-        src, offset, length = self._stream(target, command)
+        src, offset, length, _ = self._stream(target, command)
         share = int(length.sum())
         size, count = window_round_bytes(share, command.window_bytes), window_rounds(share, command.window_bytes)
         transfer_id, nbytes, ndesc = command.transfer_id, 0, 0
@@ -400,10 +421,15 @@ class BlockWriter:
         area = self._ctx.staging
         if area is None or len(table) < 2:
             return None
-        if unit is not None and not windowed:
-            if unit.key not in target.staged:
-                target.staged[unit.key] = _frozen(self._staged(target, target.plans[unit.key]))
-            chunks = target.staged[unit.key]
+        if unit is not None:
+            cache = target.staged_streams if windowed else target.staged
+            if unit.key not in cache:
+                if windowed:
+                    src, offset, length = target.streams[unit.key]
+                    cache[unit.key] = _frozen(self._staged(target, np.column_stack((src, offset, length)), True))
+                else:
+                    cache[unit.key] = _frozen(self._staged(target, target.plans[unit.key]))
+            chunks = cache[unit.key]
             return None if chunks is None else shift_chunks(chunks, unit.src_shift, unit.dst_shift)
         src, dst, length = table.T
         # A run must stay inside one of D's registered tensors, even where two of them touch.
@@ -508,6 +534,15 @@ def _frozen(chunks: list[StagedChunk] | None) -> list[StagedChunk] | None:
         for column in (c.gather_src, c.gather_offset, c.gather_length, c.write_offset, c.write_dst, c.write_length):
             column.flags.writeable = False
     return chunks
+
+
+def _frozen_columns(
+    columns: tuple[Int64Array, Int64Array, Int64Array],
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """`columns` read-only: a cached stream is shifted for every request, never changed."""
+    for column in columns:
+        column.flags.writeable = False
+    return columns
 
 
 def _tuples(table: Int64Array) -> list[tuple[int, int, int]]:

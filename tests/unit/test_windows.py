@@ -13,14 +13,17 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 
-from kvsvc.layout import block_geometry
+from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import TransferRequest
-from kvsvc.planner import check_window
+from kvsvc.planner import check_window, plan_transfer_arrays
 from kvsvc.staging import (
     StagingRule,
     Way,
+    plan_staged,
     plan_window,
+    region_ids,
     scatter_plan,
+    shift_chunks,
     stream_round,
     window_plan,
     window_round_bytes,
@@ -292,3 +295,40 @@ def test_a_transposition_is_gathered_into_ds_head_order() -> None:
     # Gathered on P: at most one write per layer of D's consecutive blocks (one, when D lends a window too).
     assert stats.writes_staged == 1 and stats.descriptors <= 4
     assert pair.violations == []
+
+
+@given(layout_pairs(), st.integers(1, 40), st.integers(0, 8), st.integers(0, 8), st.sampled_from([512, 4096, 1 << 20]))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_window_stream_of_a_block_run_is_the_stream_of_blocks_from_zero_shifted(
+    pair_specs: tuple[EngineSpec, EngineSpec], tokens: int, p_first: int, d_first: int, chunk_bytes: int
+) -> None:
+    # What P's cache of window streams and their staged forms relies on (`BlockWriter._stream`): the stream of
+    # blocks from zero, its sources moved by whole P blocks, and its staged chunks moved to the window's address.
+    p, d = pair_specs
+    assume_compatible(p, d, staged=True)
+    pair = PeerPair(p, d, staging=ALWAYS, windows=True)
+    n_src, n_dst = -(-tokens // p.block_size), -(-tokens // d.block_size)
+    assume(p_first + n_src <= p.num_blocks and d_first + n_dst <= d.num_blocks)
+    window = 1 << 40
+    for p_meta in pair.p.metas.values():
+        regions = [start for start, _ in pool_regions(p_meta)]
+        for d_meta in pair.d.metas.values():
+            unit = plan_transfer_arrays(p_meta, d_meta, range(n_src), range(n_dst), tokens)
+            moved = plan_transfer_arrays(
+                p_meta, d_meta, range(p_first, p_first + n_src), range(d_first, d_first + n_dst), tokens
+            )
+            if unit[0].size == 0:
+                assert moved[0].size == 0
+                continue
+            shift = p_first * block_geometry(p_meta).block_stride
+            base = window_plan(*unit, 0, region_ids(unit[0], regions))
+            want = window_plan(*moved, 0, region_ids(moved[0], regions))
+            assert np.array_equal(base[0] + shift, want[0])
+            assert np.array_equal(base[1], want[1]) and np.array_equal(base[2], want[2])
+            staged = shift_chunks(plan_staged(*base, chunk_bytes), shift, window)
+            fresh = plan_staged(want[0], window + want[1], want[2], chunk_bytes)
+            assert len(staged) == len(fresh)
+            for a, b in zip(staged, fresh, strict=True):
+                assert a.nbytes == b.nbytes
+                for column in ("gather_src", "gather_offset", "gather_length", "write_offset", "write_dst"):
+                    assert np.array_equal(getattr(a, column), getattr(b, column))
