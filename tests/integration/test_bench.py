@@ -63,6 +63,9 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
         for key in ("ratio_to_homogeneous", "descriptors_per_request", "descriptor_bound_per_request", "cpu_s_per_gb"):
             assert math.isfinite(layout[key]) and layout[key] > 0, (name, key)
         assert layout["descriptors_per_request"] <= layout["direct_descriptors_per_request"], name
+        for split in ("cpu_split_s_per_gb", "homogeneous_cpu_split_s_per_gb"):  # every kind of thread ran
+            assert set(layout[split]) == {"p_loop", "p_threads", "d_loop", "d_threads"}, (name, split)
+            assert all(math.isfinite(v) and v > 0 for v in layout[split].values()), (name, split, layout[split])
         assert targets[f"{name}.descriptors_per_request"]["bound"] == layout["descriptor_bound_per_request"]
     assert all(isinstance(t["met"], bool) and math.isfinite(t["value"]) for t in targets.values())
     assert targets["descriptors_per_request"]["bound"] == summary["scenarios"]["large"]["run_bound_per_request"]

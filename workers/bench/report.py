@@ -92,6 +92,10 @@ class LayoutResult:
     staged_writes_per_request: float
     cpu_s_per_gb: float
     homogeneous_cpu_s_per_gb: float
+    # CPU s/GB per kind of thread of both engines (`p_loop`, `p_threads`, `d_loop`, `d_threads`): the loops run the
+    # service and the copies, the other threads are mostly Mooncake's transfer threads
+    cpu_split_s_per_gb: dict[str, float]
+    homogeneous_cpu_split_s_per_gb: dict[str, float]
     verified: bool
     failures: int
 

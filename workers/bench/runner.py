@@ -12,6 +12,7 @@ byte on D (a sample of the requests in the small scenario) before a baseline wri
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -46,6 +47,7 @@ from workers.executor import EngineConfig, Executor, start_all
 from workers.process import Verify
 from workers.synthetic import VerifyResult
 
+THREAD_ROLES = ("p_loop", "p_threads", "d_loop", "d_threads")  # `_thread_cpu`'s keys, both engines
 PEER_MAX_REQUESTS = 400  # requests the peers' way is timed on (a prefix of the scenario's)
 STAGING_BYTES = 64 << 20  # the staging region of the layout scenarios' workers
 
@@ -188,6 +190,8 @@ class BenchRunner:
             staged_writes_per_request=statistics.median(r["staged"] for r in lay) / count,
             cpu_s_per_gb=statistics.median(r["cpu"] for r in lay) / gb,
             homogeneous_cpu_s_per_gb=statistics.median(r["cpu"] for r in hom) / gb,
+            cpu_split_s_per_gb={k: statistics.median(r[k] for r in lay) / gb for k in THREAD_ROLES},
+            homogeneous_cpu_split_s_per_gb={k: statistics.median(r[k] for r in hom) / gb for k in THREAD_ROLES},
             verified=verified,
             failures=int(sum(r["failed"] for r in lay + hom)),
         )
@@ -208,8 +212,10 @@ class BenchRunner:
         p.broadcast(HoldMany(p_reqs, fill=fill), timeout_s=120)
         before = p.statistics()
         p_cpu0 = sum(_cpu(r) for r in p.broadcast(CpuTime()))
+        threads0 = _thread_cpu(p, "p") | _thread_cpu(d, "d")
         d_cpu0 = [_cpu(r) for r in d.broadcast(RecvMany(p.engine_id, p.url, d_reqs))]
         outs = d.broadcast(Collect([r[0] for r in d_reqs], timeout_s=120), timeout_s=150)
+        threads1 = _thread_cpu(p, "p") | _thread_cpu(d, "d")
         p_cpu1 = sum(_cpu(r) for r in p.broadcast(CpuTime()))
         started = min(min(_field(o, "started").values()) for o in outs)
         ended = max(max(_field(o, "ended").values(), default=started) for o in outs)
@@ -220,6 +226,7 @@ class BenchRunner:
             "failed": float(sum(len(_field(o, "failed")) for o in outs)),
             "descriptors": float(sum(int(a["descriptors_sent"]) - int(b["descriptors_sent"]) for a, b in after)),
             "staged": float(sum(int(a["staged_writes"]) - int(b["staged_writes"]) for a, b in after)),
+            **{key: threads1[key] - threads0.get(key, 0.0) for key in threads1},
         }
 
     # -- one scenario ---------------------------------------------------------------------------------------
@@ -411,6 +418,28 @@ def _settled(p: Executor, before: list[dict[str, Any]]) -> list[tuple[dict[str, 
             break
         last = now
     return list(zip(last, before, strict=True))
+
+
+def _thread_cpu(executor: Executor, side: str) -> dict[str, float]:
+    """CPU seconds so far of the engine's worker processes, summed per kind of thread: `<side>_loop` (each
+    process's main thread: its event loop, the service's Python, the gather and scatter copies on CPU) and
+    `<side>_threads` (every other thread: Mooncake's transfer threads above all). From the kernel's per-thread
+    run time (`/proc/<pid>/task/<tid>/schedstat`, in ns); zeros where there is no /proc."""
+    totals = {f"{side}_loop": 0.0, f"{side}_threads": 0.0}
+    for handle in executor.workers:
+        pid = handle.pid
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                    run_ns = int(stat.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that ended meanwhile
+            totals[f"{side}_loop" if tid == str(pid) else f"{side}_threads"] += run_ns / 1e9
+    return totals
 
 
 def _cpu(result: object) -> float:

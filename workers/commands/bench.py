@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -22,7 +23,7 @@ from rich.table import Table
 from workers.bench.models import DEFAULT_MODEL, MODELS
 
 if TYPE_CHECKING:
-    from workers.bench.report import BenchReport
+    from workers.bench.report import BenchReport, LayoutResult
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -114,8 +115,17 @@ def render_layouts(report: BenchReport) -> Table:
     row("  bound (destination runs)", "{:.1f}", lambda x: x.descriptor_bound_per_request)
     row("gathered writes/request (P)", "{:.1f}", lambda x: x.staged_writes_per_request)
     row("CPU s/GB (homogeneous)", "{}", lambda x: f"{x.cpu_s_per_gb:.2f} ({x.homogeneous_cpu_s_per_gb:.2f})")
+    for key, label in (("p", "P"), ("d", "D")):
+        row(f"  {label} loops / other threads", "{}", partial(_split, key))
     row("verified / failures", "{}", lambda x: f"{x.verified} / {x.failures}")
     return table
+
+
+def _split(side: str, x: LayoutResult) -> str:
+    """One engine's CPU s/GB by kind of thread, layout run (homogeneous run)."""
+    mine, homo = x.cpu_split_s_per_gb, x.homogeneous_cpu_split_s_per_gb
+    loop, threads = f"{side}_loop", f"{side}_threads"
+    return f"{mine[loop]:.2f} / {mine[threads]:.2f} ({homo[loop]:.2f} / {homo[threads]:.2f})"
 
 
 def render_table(report: BenchReport) -> Table:
