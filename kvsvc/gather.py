@@ -209,14 +209,14 @@ class TorchGather:
 
     def _row_kernels(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[Any, Any, Any]] | None:
         """The call as rows of one size: for each run of pieces in one tensor, (the tensor as rows of `n` bytes, the
-        index of each row the pieces cover in order, as a tensor where the copy runs, the staging range they tile as
-        as many rows), `n` being the largest size of which every piece's length and offset in its tensor are
+        index of each row the pieces cover in order, where the copy runs (`_on_device`), the staging range they tile
+        as as many rows), `n` being the largest size of which every piece's length and offset in its tensor are
         multiples (the planner merges adjacent pieces, so lengths are multiples of a head's run, not one length).
         None when there is no such `n` of at least `MIN_ROW_BYTES`, or a piece lies outside the tensors (the general
-        way names it). The whole call is computed at once, not per tensor: a share reads every layer's tensor, and
-        numpy calls per tensor would cost several times the copy. Rows are seen as the widest machine words that
-        divide them, because torch's index kernels copy one element at a time (bytes move at a tenth of memcpy
-        speed, 8-byte words at half)."""
+        way names it). The whole call is computed at once, not per tensor or per piece: a share reads every layer's
+        tensor, an NHD head split has thousands of pieces, and Python per tensor or per piece would cost several
+        times the copy. Rows are seen as the widest machine words that divide them, because torch's index kernels
+        copy one element at a time (bytes move at a tenth of memcpy speed, 8-byte words at half)."""
         owner = np.searchsorted(self._start_array, addrs, side="right") - 1
         if int(owner.min()) < 0:
             return None
@@ -226,19 +226,23 @@ class TorchGather:
             return None
         word = next(w for w in (8, 4, 2, 1) if (n | first | self._alignment) % w == 0)
         counts = length // n
-        starts = np.cumsum(counts) - counts  # each piece's first row in the staging range
-        index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(offsets // n - starts, counts)
-        row_at = [*starts.tolist(), int(index.size)]
+        cut = np.flatnonzero(owner[1:] != owner[:-1]) + 1  # where the pieces move to another tensor
+        pieces_at = [0, *cut.tolist(), int(addrs.size)]
+        if int(counts.max()) == 1:  # every piece one row (a head split's usual case): no expansion needed
+            index = offsets // n
+            row_at = pieces_at
+        else:
+            starts = np.cumsum(counts) - counts  # each piece's first row in the staging range
+            index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(offsets // n - starts, counts)
+            row_at = [0, *starts[cut].tolist(), int(index.size)]
         on_device = self._on_device(index)
-        cuts = [0, *(np.flatnonzero(owner[1:] != owner[:-1]) + 1).tolist(), int(addrs.size)]
-        owners = owner.tolist()
+        owners = owner[pieces_at[:-1]].tolist()
         dtype = self._words[word]
         kernels = []
-        for lo, hi in pairwise(cuts):
-            table = self._table(owners[lo], n, word)
-            at = first + row_at[lo] * n
-            window = self._staging_rows[at : at + (row_at[hi] - row_at[lo]) * n].view(dtype).reshape(-1, n // word)
-            kernels.append((table, on_device[row_at[lo] : row_at[hi]], window))
+        for source, (lo, hi) in zip(owners, pairwise(row_at), strict=True):
+            at = first + lo * n
+            window = self._staging_rows[at : at + (hi - lo) * n].view(dtype).reshape(-1, n // word)
+            kernels.append((self._table(source, n, word), on_device[lo:hi], window))
         return kernels
 
     def _table(self, source: int, n: int, word: int) -> Any:
