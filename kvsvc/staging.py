@@ -53,18 +53,19 @@ class StagingRule:
 
     A way costs `descriptor_cost_s` per descriptor, `gather_cost_s_per_byte` per byte P gathers and
     `scatter_cost_s_per_byte` per byte D scatters. The defaults are measured on 2-core CPU engines over TCP: a
-    descriptor about 30 us; a gathered byte 0.25 ns (the copy alone costs 0.05-0.17 ns, on P's loop beside its other
-    work); a scattered byte 1 ns, since D's scatter stands between the last byte and D's report, with a window lent
-    and given back around it (docs/decisions.md 83). With those, a head split whose D blocks are contiguous is
-    gathered on P, and one whose D blocks interleave two P workers' heads goes through a window gathered on P too,
-    in one descriptor per chunk. On RDMA a descriptor costs a few microseconds, so fewer plans are worth staging.
+    descriptor about 30 us; a gathered byte 0.5 ns (the copy alone costs 0.1-0.2 ns of P's loop, but the chunk's
+    first byte waits for its last to be gathered); a scattered byte 1 ns, since D's scatter stands between the last
+    byte and D's report, with a window lent and given back around it (docs/decisions.md 83, 88). With those, a head
+    split whose D blocks are contiguous is gathered on P, and one whose D blocks interleave two P workers' heads is
+    written into a window straight from P's blocks, one descriptor per run contiguous in P, and scattered on D. On
+    RDMA a descriptor costs a few microseconds, so fewer plans are worth staging.
 
     Raises (constructor):
         ValueError: a negative cost.
     """
 
     descriptor_cost_s: float = 30e-6
-    gather_cost_s_per_byte: float = 0.25e-9
+    gather_cost_s_per_byte: float = 0.5e-9
     scatter_cost_s_per_byte: float = 1e-9
 
     def __post_init__(self) -> None:
