@@ -67,7 +67,7 @@ class MooncakeConfig:
     # in flight; None: any amount). Why a whole burst: docs/decisions.md 47.
     fine_poll_interval_s: float | None = 0.0001
     fine_poll_bytes: int | None = None
-    submit_chunk: int = 256  # descriptors submitted (about 2 us each) between yields to the event loop
+    submit_chunk: int = 256  # descriptors submitted (12-16 us each, docs/mooncake.md) between yields to the loop
     close_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
