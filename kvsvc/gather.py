@@ -8,9 +8,10 @@ whole and its kernels prepared on the loop's thread before any byte moves, so a 
 tensors, or pieces that do not tile one range of the staging tensor in order) is a `ValueError` that copied
 nothing; when the call's pieces are whole rows at their common size (the layouts' usual case: heads, merged or
 not), those from one tensor are one row kernel (numpy's `take` on CPU, on numpy views of the same memory;
-`index_select` on GPU), every index computed for the call at once, else one `torch.cat`, so a chunk costs one
+`index_select` on a device), every index computed for the call at once, else one `torch.cat`, so a chunk costs one
 kernel per tensor it reads, whatever its piece count; a scatter is the same with the roles swapped (numpy's indexed
-assignment on CPU, `index_copy_` on GPU, else one copy per piece). numpy's kernels release the GIL, as torch's do.
+assignment on CPU, `index_copy_` on a device, else one copy per piece). A copy large enough for the executor
+(`INLINE_COPY_BYTES`) runs there without the GIL: numpy's kernels release it at that size, as torch's do.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ class TorchGather:
             self._alignment |= view.data_ptr() | view.storage_offset()
         self._tables: dict[tuple[int, int, int], Any] = {}  # (source, row bytes, word bytes) -> its rows
         self._staging = staging
-        # On CPU the row kernels are numpy's, on numpy views of the same memory (see `_row_kernels`).
-        self._staging_rows = staging if staging.is_cuda else staging.numpy()
+        # On CPU the row kernels are numpy's, on numpy views of the same memory (see `_row_kernels`); on a device,
+        # torch's.
+        self._numpy = staging.device.type == "cpu"
+        self._staging_rows = staging.numpy() if self._numpy else staging
         self._staging_addr = staging.data_ptr()
         self._torch = torch
         self._words: dict[int, Any] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-        if not staging.is_cuda:
+        if self._numpy:
             self._words = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}  # width in bytes -> dtype
         self._cuda = staging.is_cuda
         self._inline_bytes = inline_bytes
@@ -130,7 +133,7 @@ class TorchGather:
         first, _ = self._tiled(dst, length, "gather")
         rows = self._row_kernels(src, length, first)
         if rows is not None:
-            if self._cuda:
+            if not self._numpy:
                 return [partial(self._torch.index_select, table, 0, index, out=window) for table, index, window in rows]
             # "clip" skips numpy's buffered bounds check (three times slower here); every index is checked already.
             return [partial(np.take, table, index, 0, window, "clip") for table, index, window in rows]
@@ -153,7 +156,7 @@ class TorchGather:
         first, _ = self._tiled(src, length, "scatter")
         rows = self._row_kernels(dst, length, first)
         if rows is not None:
-            if self._cuda:
+            if not self._numpy:
                 return [partial(table.index_copy_, 0, index, window) for table, index, window in rows]
             return [partial(_assign_rows, table, index, window) for table, index, window in rows]
         ready: list[Callable[[], object]] = []
@@ -168,7 +171,7 @@ class TorchGather:
         """A row index where the copy runs: as it is on CPU (numpy's kernels), else as a tensor on the device,
         copied once per call (non-blocking: from pageable memory the host may still wait for the copy, but no
         kernel queued on the device waits for it)."""
-        if not self._cuda:
+        if self._numpy:
             return index
         return self._torch.from_numpy(index).to(self._staging.device, non_blocking=True)
 
@@ -216,7 +219,8 @@ class TorchGather:
         way names it). The whole call is computed at once, not per tensor or per piece: a share reads every layer's
         tensor, an NHD head split has thousands of pieces, and Python per tensor or per piece would cost several
         times the copy. Rows are seen as the widest machine words that divide them, because torch's index kernels
-        copy one element at a time (bytes move at a tenth of memcpy speed, 8-byte words at half)."""
+        (those on a device) copy one element at a time (on CPU, bytes moved at a tenth of memcpy speed, 8-byte words
+        at half); numpy's copy whole rows either way."""
         owner = np.searchsorted(self._start_array, addrs, side="right") - 1
         if int(owner.min()) < 0:
             return None
@@ -254,7 +258,7 @@ class TorchGather:
                 self._tables.clear()
             view = self._bytes[source]
             rows = view.numel() // n
-            flat = view[: rows * n] if self._cuda else view[: rows * n].numpy()
+            flat = view[: rows * n].numpy() if self._numpy else view[: rows * n]
             table = self._tables[key] = flat.view(self._words[word]).reshape(rows, n // word)
         return table
 

@@ -275,7 +275,8 @@ class BlockWriter:
 
     def _descriptors(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, _Unit | None]:
         """The descriptors of `command` as a `(source, destination, length)` table: its plan, or, with a window that
-        holds the whole share, the plan's stream into that window; and the cached plan it shifts (`_plan`), if any.
+        holds the whole share, the plan's stream into that window; and the cached plan or stream it shifts (`_plan`,
+        `_stream`), if any.
 
         Raises:
             TopologyError / ValueError: as `_plan` and `_stream`.
@@ -321,8 +322,8 @@ class BlockWriter:
     async def _write_once(
         self, target: WriteTarget, table: Int64Array, command: Submit, unit: _Unit | None = None
     ) -> tuple[int, int]:
-        """Write the descriptor table `table` (the cached plan `unit` shifted, if given), gathered through the
-        staging region when its rule picks it; (bytes, descriptors).
+        """Write the descriptor table `table` (the cached plan or window stream `unit` shifted, if given), gathered
+        through the staging region when its rule picks it; (bytes, descriptors).
 
         Raises:
             WriteFailed / StagingFull / what the gather raises: as `_write_staged` or `Transport.write`.
@@ -413,7 +414,8 @@ class BlockWriter:
     ) -> list[StagedChunk] | None:
         """The chunks of the descriptor table `table` staged, when there is a staging region and its rule picks
         staging. `windowed`: they write one window of D's region (one destination region), not D's blocks. `unit`:
-        `table` is that cached plan shifted, whose staged form is cached too.
+        `table` is that cached plan shifted (with `windowed`, that plan's cached window stream, its `dst_shift` the
+        window's address), whose staged form is cached too.
 
         Raises:
             ValueError: two descriptors overlap in the destination (a planner bug).
@@ -516,7 +518,9 @@ class BlockWriter:
 
 @dataclass(frozen=True, slots=True)
 class _Unit:
-    """A request's plan as a cached one (`WriteTarget.plans[key]`) shifted by `src_shift` / `dst_shift` bytes."""
+    """A request's plan as a cached one (`WriteTarget.plans[key]`) shifted by `src_shift` / `dst_shift` bytes; for a
+    windowed write, the cached plan's window stream (`WriteTarget.streams[key]`), `dst_shift` being the window's
+    address."""
 
     key: tuple[int, int, int]
     src_shift: int
@@ -539,9 +543,11 @@ def _frozen(chunks: list[StagedChunk] | None) -> list[StagedChunk] | None:
 def _frozen_columns(
     columns: tuple[Int64Array, Int64Array, Int64Array],
 ) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """`columns` read-only: a cached stream is shifted for every request, never changed."""
+    """`columns` read-only: a cached stream is shifted for every request, never changed. (Empty ones may be a module's
+    shared empty array: left as they are.)"""
     for column in columns:
-        column.flags.writeable = False
+        if column.size:
+            column.flags.writeable = False
     return columns
 
 

@@ -1,5 +1,6 @@
 """The arithmetic behind `kvsvc bench`: model shapes and request sizes, the peers' one-descriptor-per-(layer, block,
-K/V half) split of a plan, and the paired ratios. The measuring itself runs in tests/integration/test_bench.py.
+K/V half) split of a plan, the paired ratios and the CPU split by thread. The measuring itself runs in
+tests/integration/test_bench.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvsvc.planner import plan_transfer
 from workers.bench.measure import RAW_METHODS, paired_ratio, run_orders, split_per_half
 from workers.bench.models import DEFAULT_MODEL, MODELS, QUICK, TINY, ModelShape
 from workers.bench.report import Target
+from workers.bench.runner import _thread_split
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -89,3 +91,10 @@ def test_a_target_is_met_on_its_side_of_the_bound() -> None:
     assert Target("ratio_to_raw", 0.9, 0.9, True).met and not Target("ratio_to_raw", 0.89, 0.9, True).met
     assert Target("descriptors_per_request", 28, 28, False).met
     assert not Target("descriptors_per_request", 29, 28, False).met
+
+
+def test_the_cpu_split_counts_only_threads_seen_in_both_readings() -> None:
+    """A thread that ended (or started) between the readings would otherwise count all its time, or minus it."""
+    before = {("p_loop", 1, "1"): 2.0, ("p_threads", 1, "7"): 5.0, ("d_threads", 2, "9"): 1.0}
+    after = {("p_loop", 1, "1"): 2.5, ("d_threads", 2, "9"): 1.25, ("d_loop", 2, "2"): 4.0}
+    assert _thread_split(before, after) == {"p_loop": 0.5, "p_threads": 0.0, "d_loop": 0.0, "d_threads": 0.25}

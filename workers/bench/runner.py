@@ -226,7 +226,7 @@ class BenchRunner:
             "failed": float(sum(len(_field(o, "failed")) for o in outs)),
             "descriptors": float(sum(int(a["descriptors_sent"]) - int(b["descriptors_sent"]) for a, b in after)),
             "staged": float(sum(int(a["staged_writes"]) - int(b["staged_writes"]) for a, b in after)),
-            **{key: threads1[key] - threads0.get(key, 0.0) for key in threads1},
+            **_thread_split(threads0, threads1),
         }
 
     # -- one scenario ---------------------------------------------------------------------------------------
@@ -420,12 +420,12 @@ def _settled(p: Executor, before: list[dict[str, Any]]) -> list[tuple[dict[str, 
     return list(zip(last, before, strict=True))
 
 
-def _thread_cpu(executor: Executor, side: str) -> dict[str, float]:
-    """CPU seconds so far of the engine's worker processes, summed per kind of thread: `<side>_loop` (each
-    process's main thread: its event loop, the service's Python, the gather and scatter copies on CPU) and
-    `<side>_threads` (every other thread: Mooncake's transfer threads above all). From the kernel's per-thread
-    run time (`/proc/<pid>/task/<tid>/schedstat`, in ns); zeros where there is no /proc."""
-    totals = {f"{side}_loop": 0.0, f"{side}_threads": 0.0}
+def _thread_cpu(executor: Executor, side: str) -> dict[tuple[str, int, str], float]:
+    """CPU seconds so far of each thread of the engine's worker processes, keyed (`<side>_loop` for a process's main
+    thread: its event loop, the service's Python, the gather and scatter copies on CPU, or `<side>_threads` for any
+    other: Mooncake's transfer threads above all; pid; tid). From the kernel's per-thread run time
+    (`/proc/<pid>/task/<tid>/schedstat`, in ns); empty where there is no /proc."""
+    times: dict[tuple[str, int, str], float] = {}
     for handle in executor.workers:
         pid = handle.pid
         try:
@@ -438,8 +438,21 @@ def _thread_cpu(executor: Executor, side: str) -> dict[str, float]:
                     run_ns = int(stat.read().split()[0])
             except (OSError, ValueError, IndexError):
                 continue  # a thread that ended meanwhile
-            totals[f"{side}_loop" if tid == str(pid) else f"{side}_threads"] += run_ns / 1e9
-    return totals
+            kind = f"{side}_loop" if tid == str(pid) else f"{side}_threads"
+            times[(kind, pid or 0, tid)] = run_ns / 1e9
+    return times
+
+
+def _thread_split(
+    before: dict[tuple[str, int, str], float], after: dict[tuple[str, int, str], float]
+) -> dict[str, float]:
+    """CPU seconds between two `_thread_cpu` readings per kind of thread (`THREAD_ROLES`), over the threads seen in
+    both: one that ended or started between them is left out rather than counted with half its time."""
+    split = dict.fromkeys(THREAD_ROLES, 0.0)
+    for key, seconds in after.items():
+        if key in before:
+            split[key[0]] += seconds - before[key]
+    return split
 
 
 def _cpu(result: object) -> float:
