@@ -2,7 +2,8 @@
 the test can hold): D reports a windowed share only after its scatter ended, also when the receive is aborted while
 the scatter runs, and every window goes back; a share larger than its window moves in rounds, P at most two rounds
 ahead of D's scatter, also when aborted mid-way; without room a share goes without a window; a D engine without a
-region is the negative control of the scatter count."""
+region is the negative control of the scatter count; requests at other blocks reuse P's cached window stream, which
+lands nothing right unshifted."""
 
 from __future__ import annotations
 
@@ -245,3 +246,32 @@ async def test_an_aborted_request_stops_waiting_for_room(loopback_engines: Loopb
     await _until(lambda: _lent(p, d) == 0)
     p.abort("p2")
     assert await p.wait("p1") == "finished_sending"
+
+
+@pytest.mark.parametrize("shift", [True, False], ids=["cached stream shifted", "negative control: sources not shifted"])
+async def test_requests_at_other_blocks_reuse_ps_cached_window_stream_byte_exact(
+    loopback_engines: LoopbackFactory, monkeypatch: pytest.MonkeyPatch, shift: bool
+) -> None:
+    # The first request caches each P worker's window stream and its gathered chunks; the later ones, at other block
+    # offsets on both sides, shift them (the sources by P's blocks, the chunks to their windows).
+    if not shift:
+        from kvsvc.service import writing
+
+        real = writing.shift_chunks
+        monkeypatch.setattr(writing, "shift_chunks", lambda chunks, src, dst: real(chunks, 0, dst))
+    p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=1 << 20)
+    requests = [([0, 1, 2, 3], [3, 4, 5, 6]), ([8, 9, 10, 11], [0, 1, 2, 3]), ([4, 5, 6, 7], [9, 10, 11, 12])]
+    landed = []
+    for i, (p_blocks, d_blocks) in enumerate(requests):
+        p.start_send(f"p{i}", f"t{i}", p_blocks, TOKENS)
+        d.start_recv(f"d{i}", f"t{i}", p, d_blocks, TOKENS)
+        assert await d.wait(f"d{i}") == "finished"
+        assert await p.wait(f"p{i}") == "finished_sending"
+        try:
+            d.check_received(f"t{i}", d_blocks, TOKENS)
+            landed.append(True)
+        except AssertionError:
+            landed.append(False)
+    assert _scattered(d) == 2 * len(requests)
+    assert landed == ([True, True, True] if shift else [True, False, False])
+    assert _lent(p, d) == 0 and p.holds() == 0 and d.holds() == 0
