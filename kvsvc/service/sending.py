@@ -36,6 +36,7 @@ from kvsvc.planner import check_block_ids
 from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, notice
+from kvsvc.service.plans import PlanCache
 from kvsvc.service.writing import BlockWriter, WriteTarget
 
 log = logging.getLogger(__name__)
@@ -244,9 +245,8 @@ class SendingRole:
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
         me = self._ctx.metadata
-        target = WriteTarget(
-            ref, d, channel.send, strides=(block_geometry(me).block_stride, block_geometry(d).block_stride)
-        )
+        strides = (block_geometry(me).block_stride, block_geometry(d).block_stride)
+        target = WriteTarget(ref, d, channel.send, PlanCache(strides=strides))
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
         channel.send(decision.reply)

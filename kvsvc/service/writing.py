@@ -1,14 +1,14 @@
 """P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s through the transport.
 
-Rules: each `Submit` is planned (from a per-D-worker cache when it can be), written, and its result handed back once
-through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
+Rules: each `Submit` is planned (its D worker's `PlanCache`, `kvsvc.service.plans`), written, and its result handed back
+once through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
 its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport's
-`start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written
-one descriptor per destination run (`kvsvc.service.staging`). A request with a window of D's staging region is
-written there as one stream (`kvsvc.staging.window_plan`), gathered too when the rule picks it; D scatters it. A share
-larger than its window moves in rounds: round k waits until D emptied round k - 2 (`WindowEmptied`, within the hold
-timeout), and each round but the last is announced with `WindowFilled`. A layer-wise write stages each layer on its
-own when the rule picks it.
+`start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written one
+descriptor per destination run (`kvsvc.service.staging`). A request with a window of D's staging region is written there
+as one stream (`kvsvc.staging.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than its
+window moves in rounds: round k waits until D emptied round k - 2 (`WindowEmptied`, within the hold timeout), and each
+round but the last is announced with `WindowFilled`. A layer-wise write stages each layer on its own when the rule picks
+it.
 Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
@@ -23,28 +23,13 @@ import numpy as np
 
 from kvsvc.coalesce import Int64Array
 from kvsvc.errors import KVSvcTimeout, PeerLost, TopologyError, TransferAborted
-from kvsvc.layout import block_geometry, is_cross_layer, layer_addrs, pool_regions
+from kvsvc.layout import is_cross_layer, layer_addrs
 from kvsvc.messages import Message, WindowFilled, Worker, WorkerMetadata, WorkerRef
-from kvsvc.planner import is_block_run, plan_transfer_arrays
 from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext
-from kvsvc.staging import (
-    StagedChunk,
-    count_runs,
-    plan_staged,
-    region_ids,
-    shift_chunks,
-    stream_round,
-    window_plan,
-    window_round_bytes,
-    window_rounds,
-)
+from kvsvc.service.plans import PlanCache, Shifted
+from kvsvc.staging import StagedChunk, stream_round, window_round_bytes, window_rounds
 from kvsvc.transport.base import WriteFailed
-
-_PLAN_CACHE_ENTRIES = 1024  # per D worker connection
-# Descriptors cached per D worker connection, all plans together: 24 MiB, and their staged forms and window streams
-# about as much again each.
-_PLAN_CACHE_ROWS = 1 << 20
 
 WriteResult = Callable[[str, Worker, str | None, int, int], None]
 """`(transfer_id, D worker, error or None, bytes, descriptors)`: how a write's end reaches the `Sender`."""
@@ -63,20 +48,7 @@ class WriteTarget:
     meta: WorkerMetadata
     send: Callable[[Message], None] = _nowhere
     """Sends a frame to this D worker on its control connection; raises `PeerLost` when it is closed."""
-    # Plans of requests whose P and D blocks are each one run of consecutive ids, for the run starting at block 0
-    # on both sides, keyed (P blocks, D blocks, tokens): see `BlockWriter._plan`.
-    plans: dict[tuple[int, int, int], Int64Array] = field(default_factory=dict)
-    plan_rows: int = 0  # descriptors in `plans`
-    # The staged form (`plan_staged`) of each plan in `plans` written into D's blocks, or None where the rule
-    # writes it direct: shifted like the plan (`shift_chunks`), since staging it costs more than planning it.
-    staged: dict[tuple[int, int, int], list[StagedChunk] | None] = field(default_factory=dict)
-    # The window stream (`window_plan`: source, stream offset, length) of each plan in `plans`, and its staged form
-    # for a window at address 0, or None where the rule writes the stream as it is: both shift like the plan (the
-    # stream's order and merges depend only on which ranges touch; the window's address only moves the chunks).
-    streams: dict[tuple[int, int, int], tuple[Int64Array, Int64Array, Int64Array]] = field(default_factory=dict)
-    staged_streams: dict[tuple[int, int, int], list[StagedChunk] | None] = field(default_factory=dict)
-    strides: tuple[int, int] = (0, 0)  # block strides of P (this worker) and of this D worker
-    src_regions: list[int] = field(default_factory=list)  # start addresses of this P worker's registered tensors
+    plans: PlanCache = field(default_factory=PlanCache)  # what this P worker writes to this D worker, cached
     emptied: dict[str, set[int]] = field(default_factory=dict)  # per transfer writing in rounds
     waiters: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     gone: str = ""  # why the control connection closed; "" while it is open
@@ -273,54 +245,30 @@ class BlockWriter:
 
         drained.add_done_callback(after_drain)
 
-    def _descriptors(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, _Unit | None]:
-        """The descriptors of `command` as a `(source, destination, length)` table: its plan, or, with a window that
-        holds the whole share, the plan's stream into that window; and the cached plan or stream it shifts (`_plan`,
-        `_stream`), if any.
+    def _descriptors(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, Shifted | None]:
+        """`command`'s descriptor table and the cached one it shifts (`PlanCache.descriptors`).
 
         Raises:
-            TopologyError / ValueError: as `_plan` and `_stream`.
+            TopologyError / ValueError: as `PlanCache.descriptors`.
         """
-        if not command.window_bytes:
-            return self._plan(target, command)
-        src, offset, length, unit = self._stream(target, command)
-        return np.column_stack((src, command.window_addr + offset, length)), unit
+        return target.plans.descriptors(self._ctx.metadata, target.meta, command)
 
-    def _stream(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, Int64Array, Int64Array, _Unit | None]:
-        """`command`'s share as a window stream: (source, stream offset, length) columns (`window_plan`), and the
-        cached stream it shifts, if any: its `dst_shift` is the window's address, where the stream's offset 0 lies.
+    def _staged(
+        self, target: WriteTarget, table: Int64Array, windowed: bool = False, unit: Shifted | None = None
+    ) -> list[StagedChunk] | None:
+        """`table` staged in this worker's region's chunks, when it has a region whose rule picks staging
+        (`PlanCache.staged`); None to write it as it is.
 
         Raises:
-            TopologyError / ValueError: as `_plan`, or D planned a share of another size.
+            ValueError: two descriptors overlap in the destination (a planner bug).
         """
-        table, unit = self._plan(target, command)
-        if unit is None:
-            src, offset, length = self._window_stream(target, table)
-        else:
-            cached = target.streams.get(unit.key)
-            if cached is None:
-                cached = target.streams[unit.key] = _frozen_columns(self._window_stream(target, target.plans[unit.key]))
-            src, offset, length = cached
-            src = src + unit.src_shift if unit.src_shift else src
-            unit = _Unit(unit.key, unit.src_shift, command.window_addr)
-        nbytes = int(length.sum())
-        share = command.share_bytes or command.window_bytes
-        if nbytes != share:
-            raise ValueError(
-                f"D planned a share of {share} bytes for {command.transfer_id!r} (window of {command.window_bytes}); "
-                f"this P worker writes it {nbytes}"
-            )
-        return src, offset, length, unit
-
-    def _window_stream(self, target: WriteTarget, table: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """The descriptor table `table` as a window stream at address 0 (`window_plan`)."""
-        src, dst, length = table.T
-        if not target.src_regions:
-            target.src_regions = [start for start, _ in pool_regions(self._ctx.metadata)]
-        return window_plan(src, dst, length, 0, region_ids(src, target.src_regions))
+        area = self._ctx.staging
+        if area is None:
+            return None
+        return target.plans.staged(target.meta, table, area.rule, area.chunk_bytes, windowed, unit)
 
     async def _write_once(
-        self, target: WriteTarget, table: Int64Array, command: Submit, unit: _Unit | None = None
+        self, target: WriteTarget, table: Int64Array, command: Submit, unit: Shifted | None = None
     ) -> tuple[int, int]:
         """Write the descriptor table `table` (the cached plan or window stream `unit` shifted, if given), gathered
         through the staging region when its rule picks it; (bytes, descriptors).
@@ -340,7 +288,7 @@ class BlockWriter:
             as `_stream` and `_write_once`; PeerLost / KVSvcTimeout: D did not empty a round in time;
             TransferAborted: the job was aborted (it stops at a round's start, once earlier rounds landed).
         """
-        src, offset, length, _ = self._stream(target, command)
+        src, offset, length, _ = target.plans.stream(self._ctx.metadata, target.meta, command)
         share = int(length.sum())
         size, count = window_round_bytes(share, command.window_bytes), window_rounds(share, command.window_bytes)
         transfer_id, nbytes, ndesc = command.transfer_id, 0, 0
@@ -362,83 +310,6 @@ class BlockWriter:
             target.emptied.pop(transfer_id, None)
             target.waiters.pop(transfer_id, None)
         return nbytes, ndesc
-
-    def _plan(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, _Unit | None]:
-        """`plan_transfer` as a `(source, destination, length)` table (read-only when cached), and the cached plan
-        it shifts, if it is one; from `target`'s cache when the used P and D blocks are each one run of consecutive
-        ids and D holds no prefix already (`first_token` 0).
-
-        Such a plan is the plan of the runs starting at block 0, shifted by each side's first block times its
-        block stride: merging depends only on which ranges touch, and a shift keeps that (a run touches the next
-        layer's tensor only when it spans the whole pool, and then it starts at block 0). Planning is otherwise the
-        P worker's main cost, for thousands of one-block requests a second as for a head split in NHD (thousands of
-        descriptors per request); a cached table shifts in one numpy add whatever its size.
-
-        Raises:
-            TopologyError / ValueError: as `plan_transfer` (the uncached path runs every check).
-        """
-        src, dst = self._ctx.metadata, target.meta
-        src_ids, dst_ids, num_tokens = command.src_block_ids, command.dst_block_ids, command.num_tokens
-        if command.first_token:
-            columns = plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token)
-            return _table(columns), None
-        n_src, n_dst = -(-num_tokens // src.block_size), -(-num_tokens // dst.block_size)
-        # Both id lists passed `check_block_ids` on their way in (the engine's call, D's request), so a run of
-        # consecutive ids lies inside its pool; anything the cache cannot take is planned, and checked, in full.
-        if not (
-            0 < n_src <= len(src_ids)
-            and 0 < n_dst <= len(dst_ids)
-            and is_block_run(src_ids, n_src)
-            and is_block_run(dst_ids, n_dst)
-        ):
-            return _table(plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens)), None
-        key = (n_src, n_dst, num_tokens)
-        unit = target.plans.get(key)
-        if unit is None:
-            unit = _table(plan_transfer_arrays(src, dst, range(n_src), range(n_dst), num_tokens))
-            unit.flags.writeable = False
-            if len(target.plans) < _PLAN_CACHE_ENTRIES and target.plan_rows + len(unit) <= _PLAN_CACHE_ROWS:
-                target.plans[key] = unit
-                target.plan_rows += len(unit)
-        cached = key in target.plans
-        if src_ids[0] == dst_ids[0] == 0:
-            return unit, _Unit(key, 0, 0) if cached else None
-        if not target.strides[0]:
-            target.strides = (block_geometry(src).block_stride, block_geometry(dst).block_stride)
-        shift_src, shift_dst = src_ids[0] * target.strides[0], dst_ids[0] * target.strides[1]
-        table = unit + np.array([shift_src, shift_dst, 0], dtype=np.int64)
-        return table, _Unit(key, shift_src, shift_dst) if cached else None
-
-    def _staged(
-        self, target: WriteTarget, table: Int64Array, windowed: bool = False, unit: _Unit | None = None
-    ) -> list[StagedChunk] | None:
-        """The chunks of the descriptor table `table` staged, when there is a staging region and its rule picks
-        staging. `windowed`: they write one window of D's region (one destination region), not D's blocks. `unit`:
-        `table` is that cached plan shifted (with `windowed`, that plan's cached window stream, its `dst_shift` the
-        window's address), whose staged form is cached too.
-
-        Raises:
-            ValueError: two descriptors overlap in the destination (a planner bug).
-        """
-        area = self._ctx.staging
-        if area is None or len(table) < 2:
-            return None
-        if unit is not None:
-            cache = target.staged_streams if windowed else target.staged
-            if unit.key not in cache:
-                if windowed:
-                    src, offset, length = target.streams[unit.key]
-                    cache[unit.key] = _frozen(self._staged(target, np.column_stack((src, offset, length)), True))
-                else:
-                    cache[unit.key] = _frozen(self._staged(target, target.plans[unit.key]))
-            chunks = cache[unit.key]
-            return None if chunks is None else shift_chunks(chunks, unit.src_shift, unit.dst_shift)
-        src, dst, length = table.T
-        # A run must stay inside one of D's registered tensors, even where two of them touch.
-        region = None if windowed else region_ids(dst, [start for start, _ in pool_regions(target.meta)])
-        if not area.rule.stage(len(table), count_runs(dst, length, region), int(length.sum())):
-            return None
-        return plan_staged(src, dst, length, area.chunk_bytes, region)
 
     async def _write_staged(self, peer: str, chunks: list[StagedChunk]) -> tuple[int, int]:
         """Write `chunks` through the staging region, each as soon as it has room; returns (bytes, descriptors).
@@ -514,41 +385,6 @@ class BlockWriter:
             return await self._write_once(target, per_layer[layer], command) if len(per_layer[layer]) else (0, 0)
 
         return await _all_written(one(i) for i in range(len(layers)))
-
-
-@dataclass(frozen=True, slots=True)
-class _Unit:
-    """A request's plan as a cached one (`WriteTarget.plans[key]`) shifted by `src_shift` / `dst_shift` bytes; for a
-    windowed write, the cached plan's window stream (`WriteTarget.streams[key]`), `dst_shift` being the window's
-    address."""
-
-    key: tuple[int, int, int]
-    src_shift: int
-    dst_shift: int
-
-
-def _table(columns: tuple[Int64Array, Int64Array, Int64Array]) -> Int64Array:
-    """Three descriptor columns (`plan_transfer_arrays`) as one `(n, 3)` table."""
-    return np.column_stack(columns).astype(np.int64, copy=False).reshape(-1, 3)
-
-
-def _frozen(chunks: list[StagedChunk] | None) -> list[StagedChunk] | None:
-    """`chunks` with their arrays read-only: a cached staged plan is handed to every request that shifts it."""
-    for c in chunks or ():
-        for column in (c.gather_src, c.gather_offset, c.gather_length, c.write_offset, c.write_dst, c.write_length):
-            column.flags.writeable = False
-    return chunks
-
-
-def _frozen_columns(
-    columns: tuple[Int64Array, Int64Array, Int64Array],
-) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """`columns` read-only: a cached stream is shifted for every request, never changed. (Empty ones may be a module's
-    shared empty array: left as they are.)"""
-    for column in columns:
-        if column.size:
-            column.flags.writeable = False
-    return columns
 
 
 def _tuples(table: Int64Array) -> list[tuple[int, int, int]]:
