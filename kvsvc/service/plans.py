@@ -56,7 +56,7 @@ class PlanCache:
     # stream's order and merges depend only on which ranges touch; the window's address only moves the chunks).
     streams: dict[Key, tuple[Int64Array, Int64Array, Int64Array]] = field(default_factory=dict)
     staged_streams: dict[Key, list[StagedChunk] | None] = field(default_factory=dict)
-    strides: tuple[int, int] = (0, 0)  # block strides of P and of D
+    strides: tuple[int, int] = (0, 0)  # block strides of P and of D, once a shifted plan needs them
     src_regions: list[int] = field(default_factory=list)  # start addresses of P's registered tensors
 
     def descriptors(

@@ -21,7 +21,7 @@ from kvsvc.errors import (
 )
 from kvsvc.hello import HelloRefusal, accept_hello
 from kvsvc.jobs import Notice
-from kvsvc.layout import block_geometry, pool_regions
+from kvsvc.layout import pool_regions
 from kvsvc.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
@@ -36,7 +36,6 @@ from kvsvc.planner import check_block_ids
 from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, notice
-from kvsvc.service.plans import PlanCache
 from kvsvc.service.writing import BlockWriter, WriteTarget
 
 log = logging.getLogger(__name__)
@@ -244,9 +243,7 @@ class SendingRole:
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
-        me = self._ctx.metadata
-        strides = (block_geometry(me).block_stride, block_geometry(d).block_stride)
-        target = WriteTarget(ref, d, channel.send, PlanCache(strides=strides))
+        target = WriteTarget(ref, d, channel.send)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
         channel.send(decision.reply)

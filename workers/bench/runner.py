@@ -428,6 +428,8 @@ def _thread_cpu(executor: Executor, side: str) -> dict[tuple[str, int, str], flo
     times: dict[tuple[str, int, str], float] = {}
     for handle in executor.workers:
         pid = handle.pid
+        if pid is None:  # never started
+            continue
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -439,7 +441,7 @@ def _thread_cpu(executor: Executor, side: str) -> dict[tuple[str, int, str], flo
             except (OSError, ValueError, IndexError):
                 continue  # a thread that ended meanwhile
             kind = f"{side}_loop" if tid == str(pid) else f"{side}_threads"
-            times[(kind, pid or 0, tid)] = run_ns / 1e9
+            times[(kind, pid, tid)] = run_ns / 1e9
     return times
 
 
