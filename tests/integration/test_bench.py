@@ -63,6 +63,9 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
         for key in ("ratio_to_homogeneous", "descriptors_per_request", "descriptor_bound_per_request", "cpu_s_per_gb"):
             assert math.isfinite(layout[key]) and layout[key] > 0, (name, key)
         assert layout["descriptors_per_request"] <= layout["direct_descriptors_per_request"], name
+        for key in ("machine_busy", "homogeneous_machine_busy"):  # a share of ticks read around every round
+            assert 0 <= layout[key] <= 1, (name, key, layout[key])
+        assert math.isfinite(layout["cpu_ceiling_ratio"]) and layout["cpu_ceiling_ratio"] > 0, name
         for split in ("cpu_split_s_per_gb", "homogeneous_cpu_split_s_per_gb"):  # every kind of thread ran
             assert set(layout[split]) == {"p_loop", "p_threads", "d_loop", "d_threads"}, (name, split)
             assert all(math.isfinite(v) and v > 0 for v in layout[split].values()), (name, split, layout[split])

@@ -14,7 +14,7 @@ from kvsvc.cli.plan import synthetic_engine
 from kvsvc.layout import CROSS_LAYER, block_geometry
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import plan_transfer
-from workers.bench.measure import RAW_METHODS, paired_ratio, run_orders, split_per_half
+from workers.bench.measure import RAW_METHODS, cpu_jiffies, paired_ratio, run_orders, split_per_half
 from workers.bench.models import DEFAULT_MODEL, MODELS, QUICK, TINY, ModelShape
 from workers.bench.report import Target
 from workers.bench.runner import _thread_split
@@ -98,3 +98,17 @@ def test_the_cpu_split_counts_only_threads_seen_in_both_readings() -> None:
     before = {("p_loop", 1, "1"): 2.0, ("p_threads", 1, "7"): 5.0, ("d_threads", 2, "9"): 1.0}
     after = {("p_loop", 1, "1"): 2.5, ("d_threads", 2, "9"): 1.25, ("d_loop", 2, "2"): 4.0}
     assert _thread_split(before, after) == {"p_loop": 0.5, "p_threads": 0.0, "d_loop": 0.0, "d_threads": 0.25}
+
+
+def test_the_busy_ticks_count_only_the_cpus_given_and_leave_out_idle_iowait_and_guest() -> None:
+    """The aggregate `cpu` line and CPUs outside the set would count time the bench could not use."""
+    stat = (
+        "cpu  100 100 100 100 100 100 100 100 100 100\n"
+        "cpu0 1 2 3 40 5 6 7 8 90 90\n"
+        "cpu1 10 20 30 400 50 60 70 80 900 900\n"
+        "intr 12345 0 0\n"
+        "cpu_other 1 1 1 1\n"
+    )
+    assert cpu_jiffies(stat, {0}) == (1 + 2 + 3 + 6 + 7 + 8, 72)
+    assert cpu_jiffies(stat, {0, 1}) == (27 + 270, 72 + 720)
+    assert cpu_jiffies(stat, {5}) == (0, 0)

@@ -1,5 +1,5 @@
 """The arithmetic of `kvsvc bench`: the peers' descriptor split, the descriptor bound, run orders, paired ratios,
-quantiles and the memcpy baseline. No engines, no processes: `workers.bench.runner` calls these.
+quantiles, the CPUs' busy ticks and the memcpy baseline. No engines, no processes: `workers.bench.runner` calls these.
 """
 
 from __future__ import annotations
@@ -87,4 +87,28 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-__all__ = ["GB", "RAW_METHODS", "memcpy_gbps", "paired_ratio", "quantile", "run_bound", "run_orders", "split_per_half"]
+def cpu_jiffies(proc_stat: str, cpus: set[int]) -> tuple[int, int]:
+    """(busy, all) clock ticks of the CPUs `cpus` in the text of `/proc/stat`: all is every field of a `cpuN` line
+    but guest time (already counted in user and nice), busy is all but idle and iowait."""
+    busy = total = 0
+    for line in proc_stat.splitlines():
+        name, _, fields = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(x) for x in fields.split()[:8]]  # user nice system idle iowait irq softirq steal
+        total += sum(ticks)
+        busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+__all__ = [
+    "GB",
+    "RAW_METHODS",
+    "cpu_jiffies",
+    "memcpy_gbps",
+    "paired_ratio",
+    "quantile",
+    "run_bound",
+    "run_orders",
+    "split_per_half",
+]

@@ -23,6 +23,7 @@ from kvsvc.planner import plan_transfer, plan_transfer_arrays
 from workers.bench.measure import (
     GB,
     RAW_METHODS,
+    cpu_jiffies,
     memcpy_gbps,
     paired_ratio,
     quantile,
@@ -175,6 +176,8 @@ class BenchRunner:
                     runs[which].append(self._round(self.ps, self.dh, f"{name}-h{rep}", homo, tokens, fill=rep == 0))
         gb = total_bytes / GB
         lay, hom = runs["layout"], runs["homogeneous"]
+        cpu_s_per_gb = statistics.median(r["cpu"] for r in lay) / gb
+        homogeneous_gbps = gb / statistics.median(r["span"] for r in hom)
         return LayoutResult(
             name=name,
             layout=layout,
@@ -182,16 +185,19 @@ class BenchRunner:
             requests=count,
             bytes_per_rep=total_bytes,
             gbps=gb / statistics.median(r["span"] for r in lay),
-            homogeneous_gbps=gb / statistics.median(r["span"] for r in hom),
+            homogeneous_gbps=homogeneous_gbps,
             ratio_to_homogeneous=statistics.median(h["span"] / x["span"] for x, h in zip(lay, hom, strict=True)),
             descriptors_per_request=statistics.median(r["descriptors"] for r in lay) / count,
             direct_descriptors_per_request=direct / count,
             descriptor_bound_per_request=bound / count,
             staged_writes_per_request=statistics.median(r["staged"] for r in lay) / count,
-            cpu_s_per_gb=statistics.median(r["cpu"] for r in lay) / gb,
+            cpu_s_per_gb=cpu_s_per_gb,
             homogeneous_cpu_s_per_gb=statistics.median(r["cpu"] for r in hom) / gb,
             cpu_split_s_per_gb={k: statistics.median(r[k] for r in lay) / gb for k in THREAD_ROLES},
             homogeneous_cpu_split_s_per_gb={k: statistics.median(r[k] for r in hom) / gb for k in THREAD_ROLES},
+            machine_busy=_busy_share(lay),
+            homogeneous_machine_busy=_busy_share(hom),
+            cpu_ceiling_ratio=len(_cpus()) / cpu_s_per_gb / homogeneous_gbps if cpu_s_per_gb > 0 else 0.0,
             verified=verified,
             failures=int(sum(r["failed"] for r in lay + hom)),
         )
@@ -213,8 +219,10 @@ class BenchRunner:
         before = p.statistics()
         p_cpu0 = sum(_cpu(r) for r in p.broadcast(CpuTime()))
         threads0 = _thread_cpu(p, "p") | _thread_cpu(d, "d")
+        machine0 = _machine_jiffies()
         d_cpu0 = [_cpu(r) for r in d.broadcast(RecvMany(p.engine_id, p.url, d_reqs))]
         outs = d.broadcast(Collect([r[0] for r in d_reqs], timeout_s=120), timeout_s=150)
+        machine1 = _machine_jiffies()
         threads1 = _thread_cpu(p, "p") | _thread_cpu(d, "d")
         p_cpu1 = sum(_cpu(r) for r in p.broadcast(CpuTime()))
         started = min(min(_field(o, "started").values()) for o in outs)
@@ -227,6 +235,8 @@ class BenchRunner:
             "descriptors": float(sum(int(a["descriptors_sent"]) - int(b["descriptors_sent"]) for a, b in after)),
             "staged": float(sum(int(a["staged_writes"]) - int(b["staged_writes"]) for a, b in after)),
             **_thread_split(threads0, threads1),
+            "busy_jiffies": float(machine1[0] - machine0[0]),
+            "all_jiffies": float(machine1[1] - machine0[1]),
         }
 
     # -- one scenario ---------------------------------------------------------------------------------------
@@ -455,6 +465,28 @@ def _thread_split(
         if key in before:
             split[key[0]] += seconds - before[key]
     return split
+
+
+def _cpus() -> set[int]:
+    """The CPUs this process (and so every worker it starts) may run on."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def _machine_jiffies() -> tuple[int, int]:
+    """(busy, all) clock ticks so far of the CPUs in `_cpus()`, every process counted (`/proc/stat`); (0, 0) where
+    there is no /proc."""
+    try:
+        with open("/proc/stat") as stat:
+            return cpu_jiffies(stat.read(), _cpus())
+    except OSError:
+        return 0, 0
+
+
+def _busy_share(rounds: Sequence[dict[str, float]]) -> float:
+    """The share of the CPUs' time they were busy during `rounds`, summed over them (a clock tick is 10 ms, about
+    half a quick round)."""
+    total = sum(r["all_jiffies"] for r in rounds)
+    return sum(r["busy_jiffies"] for r in rounds) / total if total > 0 else 0.0
 
 
 def _cpu(result: object) -> float:

@@ -117,6 +117,8 @@ def render_layouts(report: BenchReport) -> Table:
     row("CPU s/GB (homogeneous)", "{}", lambda x: f"{x.cpu_s_per_gb:.2f} ({x.homogeneous_cpu_s_per_gb:.2f})")
     for key, label in (("p", "P"), ("d", "D")):
         row(f"  {label} loops / other threads", "{}", partial(_split, key))
+    row("machine busy (homogeneous)", "{}", lambda x: f"{x.machine_busy:.2f} ({x.homogeneous_machine_busy:.2f})")
+    row("ratio the cores allow at this CPU", "{:.2f}", lambda x: x.cpu_ceiling_ratio)
     row("verified / failures", "{}", lambda x: f"{x.verified} / {x.failures}")
     return table
 
