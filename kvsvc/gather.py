@@ -9,7 +9,9 @@ tensors, or pieces that do not tile one range of the staging tensor in order) is
 nothing; when the call's pieces are whole rows at their common size (the layouts' usual case: heads, merged or
 not), those from one tensor are one row kernel (numpy's `take` on CPU, on numpy views of the same memory;
 `index_select` on a device), every index computed for the call at once, else one `torch.cat`, so a chunk costs one
-kernel per tensor it reads, whatever its piece count; a scatter is the same with the roles swapped (numpy's indexed
+kernel per tensor it reads, whatever its piece count; a call whose pieces lie at the same offsets from its first
+piece as an earlier call's (a cached plan shifted to other blocks) reuses that call's row index, shifted, once its
+shifted pieces are checked to stay in their tensors; a scatter is the same with the roles swapped (numpy's indexed
 assignment on CPU, `index_copy_` on a device, else one copy per piece). A copy large enough for the executor
 (`INLINE_COPY_BYTES`) runs there without the GIL: numpy's kernels release it at that size, as torch's do.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_right
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
 from typing import Any
@@ -33,6 +36,21 @@ INLINE_COPY_BYTES = 4 << 20  # CPU copies up to this run on the loop's thread: a
 INLINE_KERNELS = 64  # and at most this many kernels: a call's cost on the loop grows with them, not just its bytes
 MIN_ROW_BYTES = 64  # below this, rows of an index kernel cost more than the per-piece copies they replace
 _MAX_TABLES = 4096  # row views kept per gather: (source tensor, row size, word) triples, few in practice
+_MAX_SHAPES = 64  # call shapes kept per gather (a cached plan's chunks, shifted); a key holds 24 B a piece
+
+
+@dataclass(frozen=True, slots=True)
+class _RowPlan:
+    """A call's pieces as rows of `n` bytes, relative to where its first piece lay (`base`): the row `index` of
+    every piece in call order, and per run of pieces in one tensor (`runs`: the tensor, the run's first and last
+    row in `index`, the lowest and highest byte offset its pieces cover in the tensor). A later call whose pieces lie
+    at the same offsets from its first piece reuses it, shifted (`TorchGather._shifted`)."""
+
+    base: int
+    n: int
+    total: int  # bytes of the call
+    index: Int64Array
+    runs: tuple[tuple[int, int, int, int, int], ...]  # (tensor, first row, end row, lowest offset, highest end)
 
 
 class TorchGather:
@@ -66,6 +84,9 @@ class TorchGather:
         for view in self._bytes:
             self._alignment |= view.data_ptr() | view.storage_offset()
         self._tables: dict[tuple[int, int, int], Any] = {}  # (source, row bytes, word bytes) -> its rows
+        # (direction, pieces' offsets from the first, staging offsets from the first, lengths) -> the call's rows
+        self._shapes: dict[tuple[str, bytes, bytes, bytes], _RowPlan] = {}
+        self.shapes_reused = 0  # calls that reused an earlier call's rows, for tests and profiling
         self._staging = staging
         # On CPU the row kernels are numpy's, on numpy views of the same memory (see `_row_kernels`); on a device,
         # torch's.
@@ -130,8 +151,7 @@ class TorchGather:
         """
         if src.size == 0:
             return []
-        first, _ = self._tiled(dst, length, "gather")
-        rows = self._row_kernels(src, length, first)
+        first, rows = self._rows(src, dst, length, "gather")
         if rows is not None:
             if not self._numpy:
                 return [partial(self._torch.index_select, table, 0, index, out=window) for table, index, window in rows]
@@ -153,8 +173,7 @@ class TorchGather:
         """
         if src.size == 0:
             return []
-        first, _ = self._tiled(src, length, "scatter")
-        rows = self._row_kernels(dst, length, first)
+        first, rows = self._rows(dst, src, length, "scatter")
         if rows is not None:
             if not self._numpy:
                 return [partial(table.index_copy_, 0, index, window) for table, index, window in rows]
@@ -210,40 +229,99 @@ class TorchGather:
             raise ValueError(f"{what} [{addr:#x}, +{n}) lies outside the registered tensors")
         return self._bytes[i][offset : offset + n]
 
+    def _rows(
+        self, addrs: Int64Array, tiled: Int64Array, length: Int64Array, what: str
+    ) -> tuple[int, list[tuple[Any, Any, Any]] | None]:
+        """(offset of the staging range the pieces at `tiled` cover, the call's row kernels or None): `_tiled` and
+        `_row_kernels`, or the rows of an earlier call of the same shape, shifted (a cached plan's chunk at other
+        blocks costs three array operations then, not twenty).
+
+        Raises:
+            ValueError: as `_tiled`.
+        """
+        key = (what, (addrs - addrs[0]).tobytes(), (tiled - tiled[0]).tobytes(), length.tobytes())
+        plan = self._shapes.get(key)
+        if plan is not None:
+            first = int(tiled[0]) - self._staging_addr
+            if first < 0 or first + plan.total > self._staging.numel():
+                raise ValueError(f"{what} pieces must tile one range of the staging tensor in order, from {first}")
+            rows = self._shifted(plan, int(addrs[0]), first)
+            if rows is not None:
+                self.shapes_reused += 1
+                return first, rows
+        first, _ = self._tiled(tiled, length, what)
+        plan = self._row_plan(addrs, length)
+        if plan is None:
+            return first, None
+        if len(self._shapes) >= _MAX_SHAPES:
+            self._shapes.clear()
+        self._shapes[key] = plan
+        return first, self._kernels(plan, plan.index, first)
+
+    def _shifted(self, plan: _RowPlan, addr: int, first: int) -> list[tuple[Any, Any, Any]] | None:
+        """`plan`'s kernels for a call whose first piece is at `addr`, or None when the shift is not whole rows or
+        moves a piece out of its tensor (the full check then names it)."""
+        shift = addr - plan.base
+        if shift % plan.n:
+            return None
+        for source, _, _, lowest, highest in plan.runs:
+            if lowest + shift < 0 or highest + shift > self._bytes[source].numel():
+                return None
+        index = plan.index + shift // plan.n if shift else plan.index
+        return self._kernels(plan, index, first)
+
     def _row_kernels(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[Any, Any, Any]] | None:
-        """The call as rows of one size: for each run of pieces in one tensor, (the tensor as rows of `n` bytes, the
-        index of each row the pieces cover in order, where the copy runs (`_on_device`), the staging range they tile
-        as as many rows), `n` being the largest size of which every piece's length and offset in its tensor are
-        multiples (the planner merges adjacent pieces, so lengths are multiples of a head's run, not one length).
-        None when there is no such `n` of at least `MIN_ROW_BYTES`, or a piece lies outside the tensors (the general
-        way names it). The whole call is computed at once, not per tensor or per piece: a share reads every layer's
-        tensor, an NHD head split has thousands of pieces, and Python per tensor or per piece would cost several
-        times the copy. Rows are seen as the widest machine words that divide them, because torch's index kernels
-        (those on a device) copy one element at a time (on CPU, bytes moved at a tenth of memcpy speed, 8-byte words
-        at half); numpy's copy whole rows either way."""
+        """The call's pieces as row kernels (`_row_plan`) with the staging range at `first`, or None."""
+        plan = self._row_plan(addrs, length)
+        return None if plan is None else self._kernels(plan, plan.index, first)
+
+    def _row_plan(self, addrs: Int64Array, length: Int64Array) -> _RowPlan | None:
+        """The call as rows of one size `n`, the largest of which every piece's length and offset in its tensor are
+        multiples (the planner merges adjacent pieces, so lengths are multiples of a head's run, not one length):
+        the index of each row the pieces cover, in order, cut into runs of pieces in one tensor. None when there is
+        no such `n` of at least `MIN_ROW_BYTES`, or a piece lies outside the tensors (the general way names it). The
+        whole call is computed at once, not per tensor or per piece: a share reads every layer's tensor, an NHD
+        head split has thousands of pieces, and Python per tensor or per piece would cost several times the copy."""
         owner = np.searchsorted(self._start_array, addrs, side="right") - 1
         if int(owner.min()) < 0:
             return None
         offsets = addrs - self._start_array[owner]
         n = int(np.gcd.reduce(np.concatenate((length, offsets))))
-        if n < MIN_ROW_BYTES or bool(np.any(offsets + length > self._size_array[owner])):
+        ends = offsets + length
+        if n < MIN_ROW_BYTES or bool(np.any(ends > self._size_array[owner])):
             return None
-        word = next(w for w in (8, 4, 2, 1) if (n | first | self._alignment) % w == 0)
         counts = length // n
         cut = np.flatnonzero(owner[1:] != owner[:-1]) + 1  # where the pieces move to another tensor
-        pieces_at = [0, *cut.tolist(), int(addrs.size)]
+        pieces_at = np.concatenate(([0], cut))
         if int(counts.max()) == 1:  # every piece one row (a head split's usual case): no expansion needed
             index = offsets // n
-            row_at = pieces_at
+            row_at = [*pieces_at.tolist(), int(addrs.size)]
         else:
             starts = np.cumsum(counts) - counts  # each piece's first row in the staging range
             index = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(offsets // n - starts, counts)
             row_at = [0, *starts[cut].tolist(), int(index.size)]
+        runs = zip(
+            owner[pieces_at].tolist(),
+            row_at[:-1],
+            row_at[1:],
+            np.minimum.reduceat(offsets, pieces_at).tolist(),
+            np.maximum.reduceat(ends, pieces_at).tolist(),
+            strict=True,
+        )
+        return _RowPlan(int(addrs[0]), n, int(length.sum()), index, tuple(runs))
+
+    def _kernels(self, plan: _RowPlan, index: Int64Array, first: int) -> list[tuple[Any, Any, Any]]:
+        """For each of `plan`'s runs: (its tensor as rows of `n` bytes, the run's rows of `index`, where the copy
+        runs (`_on_device`), the staging range from `first` they tile as as many rows). Rows are seen as the widest
+        machine words that divide them, because torch's index kernels (those on a device) copy one element at a time
+        (on CPU, bytes moved at a tenth of memcpy speed, 8-byte words at half); numpy's copy whole rows either
+        way."""
+        n = plan.n
+        word = next(w for w in (8, 4, 2, 1) if (n | first | self._alignment) % w == 0)
         on_device = self._on_device(index)
-        owners = owner[pieces_at[:-1]].tolist()
         dtype = self._words[word]
         kernels = []
-        for source, (lo, hi) in zip(owners, pairwise(row_at), strict=True):
+        for source, lo, hi, _, _ in plan.runs:
             at = first + lo * n
             window = self._staging_rows[at : at + (hi - lo) * n].view(dtype).reshape(-1, n // word)
             kernels.append((self._table(source, n, word), on_device[lo:hi], window))

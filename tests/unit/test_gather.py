@@ -182,3 +182,70 @@ def test_many_small_kernels_run_off_the_loop_and_land_the_same() -> None:
     _run(gather, [a for a, _ in pieces], dst, [n for _, n in pieces])
     want = np.concatenate([tensors[i % 2].numpy()[128 * (i // 2) : 128 * (i // 2 + 1)] for i in range(len(pieces))])
     assert np.array_equal(staging.numpy(), want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(drawn=_pieces(), shift=st.integers(-40, 40), at=st.integers(0, 9), again=st.integers(0, 9))
+def test_a_call_of_an_earlier_calls_shape_copies_its_own_pieces_or_is_refused_whole(
+    drawn: tuple[int, list[tuple[int, int, int]]], shift: int, at: int, again: int
+) -> None:
+    """A cached plan's chunk comes back shifted to other blocks: its rows are reused only where the shifted pieces
+    stay whole rows inside their tensors. Either way the bytes copied are the shifted pieces, in order, or nothing
+    (with the same refusal a fresh gather gives). Pieces are shifted by multiples of the unit, so some shifts keep
+    whole rows and some leave a tensor."""
+    unit, pieces = drawn
+    tensors = [torch.randint(0, 256, (64 * unit + 8,), dtype=torch.uint8) for _ in range(3)]
+    staging = torch.zeros(128 * unit + 32, dtype=torch.uint8)
+    gather = TorchGather(tensors, staging)
+    lengths = [n for _, _, n in pieces]
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    src = [tensors[t].data_ptr() + off for t, off, _ in pieces]
+    _run(gather, src, (staging.data_ptr() + at + offsets).tolist(), lengths)
+
+    shifted_src = [a + shift * unit for a in src]
+    # Where each shifted piece lies: in one of the tensors (maybe another one than before) or outside them all.
+    holders = [
+        [x for x in tensors if x.data_ptr() <= a and a + n <= x.data_ptr() + x.numel()]
+        for a, n in zip(shifted_src, lengths, strict=True)
+    ]
+    staging.zero_()
+    base = 64 * unit + 16 + again  # another staging range, as a second chunk would be lent
+    if not all(holders):
+        with pytest.raises(ValueError, match="outside the registered tensors"):
+            _run(gather, shifted_src, (staging.data_ptr() + base + offsets).tolist(), lengths)
+        assert not staging.any()
+        return
+    _run(gather, shifted_src, (staging.data_ptr() + base + offsets).tolist(), lengths)
+    want = np.concatenate(
+        [
+            held[0].numpy()[a - held[0].data_ptr() : a - held[0].data_ptr() + n]
+            for held, a, n in zip(holders, shifted_src, lengths, strict=True)
+        ]
+    )
+    assert np.array_equal(staging.numpy()[base : base + len(want)], want)
+    assert not staging.numpy()[:base].any()
+
+
+def test_a_chunk_shifted_to_other_blocks_reuses_the_rows_of_the_first() -> None:
+    """Requests of one cached plan at other blocks: the second call reuses the first's row index, shifted, and its
+    bytes are its own pieces; a shift that takes a piece past its tensor's end is not reused but refused by name."""
+    pool = torch.arange(16384, dtype=torch.int32).view(torch.uint8)  # 64 KiB of distinct bytes, rows of 1 KiB
+    staging = torch.zeros(16384, dtype=torch.uint8)
+    gather = TorchGather([pool], staging)
+    rows = np.array([0, 2, 4, 6], dtype=np.int64)  # every other row, as a head split takes half of each block
+    lengths = [1024] * 4
+    dst = (staging.data_ptr() + 1024 * np.arange(4)).tolist()
+    _run(gather, (pool.data_ptr() + 1024 * rows).tolist(), dst, lengths)
+    assert gather.shapes_reused == 0
+    _run(gather, (pool.data_ptr() + 1024 * (rows + 9)).tolist(), (np.array(dst) + 8192).tolist(), lengths)
+    assert gather.shapes_reused == 1
+    flat = pool.numpy()
+    want = np.concatenate([flat[1024 * r : 1024 * (r + 1)] for r in rows + 9])
+    assert np.array_equal(staging.numpy()[8192 : 8192 + 4096], want)
+    staging.zero_()
+    with pytest.raises(ValueError, match="outside the registered tensors"):  # row 62 + 6 is past the 64 KiB
+        _run(gather, (pool.data_ptr() + 1024 * (rows + 62)).tolist(), dst, lengths)
+    assert gather.shapes_reused == 1 and not staging.any()
+    with pytest.raises(ValueError, match="tile one range of the staging tensor"):  # a staging range past its end
+        _run(gather, (pool.data_ptr() + 1024 * (rows + 1)).tolist(), (np.array(dst) + 14336).tolist(), lengths)
+    assert not staging.any()
