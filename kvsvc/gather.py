@@ -42,15 +42,15 @@ _MAX_SHAPES = 64  # call shapes kept per gather (a cached plan's chunks, shifted
 @dataclass(frozen=True, slots=True)
 class _RowPlan:
     """A call's pieces as rows of `n` bytes, relative to where its first piece lay (`base`): the row `index` of
-    every piece in call order, and per run of pieces in one tensor (`runs`: the tensor, the run's first and last
-    row in `index`, the lowest and highest byte offset its pieces cover in the tensor). A later call whose pieces lie
-    at the same offsets from its first piece reuses it, shifted (`TorchGather._shifted`)."""
+    every piece in call order, and per run of pieces in one tensor (`runs`: the tensor, the run's first row in
+    `index` and the row after its last, the lowest and highest byte offset its pieces cover in the tensor). A later
+    call whose pieces lie at the same offsets from its first piece reuses it, shifted (`TorchGather._shifted`)."""
 
     base: int
     n: int
     total: int  # bytes of the call
     index: Int64Array
-    runs: tuple[tuple[int, int, int, int, int], ...]  # (tensor, first row, end row, lowest offset, highest end)
+    runs: tuple[tuple[int, int, int, int, int], ...]  # (tensor, first row, row after the last, lowest offset, end)
 
 
 class TorchGather:
@@ -88,7 +88,7 @@ class TorchGather:
         self._shapes: dict[tuple[str, bytes, bytes, bytes], _RowPlan] = {}
         self.shapes_reused = 0  # calls that reused an earlier call's rows, for tests and profiling
         self._staging = staging
-        # On CPU the row kernels are numpy's, on numpy views of the same memory (see `_row_kernels`); on a device,
+        # On CPU the row kernels are numpy's, on numpy views of the same memory (see `_kernels`); on a device,
         # torch's.
         self._numpy = staging.device.type == "cpu"
         self._staging_rows = staging.numpy() if self._numpy else staging
@@ -232,9 +232,9 @@ class TorchGather:
     def _rows(
         self, addrs: Int64Array, tiled: Int64Array, length: Int64Array, what: str
     ) -> tuple[int, list[tuple[Any, Any, Any]] | None]:
-        """(offset of the staging range the pieces at `tiled` cover, the call's row kernels or None): `_tiled` and
-        `_row_kernels`, or the rows of an earlier call of the same shape, shifted (a cached plan's chunk at other
-        blocks costs three array operations then, not twenty).
+        """(offset of the staging range the pieces at `tiled` cover, the call's row kernels or None): `_tiled`,
+        `_row_plan` and `_kernels`, or the rows of an earlier call of the same shape, shifted (a cached plan's chunk
+        at other blocks costs three array operations then, not twenty).
 
         Raises:
             ValueError: as `_tiled`.
@@ -264,16 +264,17 @@ class TorchGather:
         shift = addr - plan.base
         if shift % plan.n:
             return None
+        starts = self._starts
         for source, _, _, lowest, highest in plan.runs:
             if lowest + shift < 0 or highest + shift > self._bytes[source].numel():
                 return None
+            # Where registered tensors overlap, a fresh call gives each piece to the last tensor starting at or below
+            # it: the run keeps its tensor only if no other tensor starts inside its shifted bytes.
+            start = starts[source]
+            if bisect_right(starts, start + highest + shift - 1) - 1 != source:
+                return None
         index = plan.index + shift // plan.n if shift else plan.index
         return self._kernels(plan, index, first)
-
-    def _row_kernels(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[Any, Any, Any]] | None:
-        """The call's pieces as row kernels (`_row_plan`) with the staging range at `first`, or None."""
-        plan = self._row_plan(addrs, length)
-        return None if plan is None else self._kernels(plan, plan.index, first)
 
     def _row_plan(self, addrs: Int64Array, length: Int64Array) -> _RowPlan | None:
         """The call as rows of one size `n`, the largest of which every piece's length and offset in its tensor are
@@ -293,7 +294,7 @@ class TorchGather:
         counts = length // n
         cut = np.flatnonzero(owner[1:] != owner[:-1]) + 1  # where the pieces move to another tensor
         pieces_at = np.concatenate(([0], cut))
-        if int(counts.max()) == 1:  # every piece one row (a head split's usual case): no expansion needed
+        if int(counts.min()) == int(counts.max()) == 1:  # every piece one row (a head split's usual case)
             index = offsets // n
             row_at = [*pieces_at.tolist(), int(addrs.size)]
         else:

@@ -15,6 +15,12 @@ from hypothesis import strategies as st
 from kvsvc.gather import INLINE_KERNELS, TorchGather
 
 
+def _row_kernels(gather: TorchGather, addrs: np.ndarray, length: np.ndarray, first: int) -> list | None:
+    """The call's row kernels with the staging range at `first`, or None (not whole rows): what a first call runs."""
+    plan = gather._row_plan(addrs, length)
+    return None if plan is None else gather._kernels(plan, plan.index, first)
+
+
 def _run(gather: TorchGather, src: list[int], dst: list[int], length: list[int], *, scatter: bool = False) -> None:
     arrays = (np.array(x, dtype=np.int64) for x in (src, dst, length))
 
@@ -106,7 +112,7 @@ def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> 
     staging = torch.zeros(1 << 15, dtype=torch.uint8)
     gather = TorchGather([pool], staging)
     addrs = pool.data_ptr() + np.array([0, 8192, 4096 * 5], dtype=np.int64)
-    rows = gather._row_kernels(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 0)
+    rows = _row_kernels(gather, addrs, np.array([4096, 8192, 4096], dtype=np.int64), 0)
     assert rows is not None and len(rows) == 1
     ((table, index, window),) = rows
     assert table.dtype == np.uint64 and table.shape[1] == 512
@@ -114,9 +120,9 @@ def test_merged_pieces_of_whole_heads_take_one_row_kernel_in_machine_words() -> 
     assert index.tolist() == [0, 2, 3, 5]
     assert window.shape == (4, 512)
     # Rows of 1 byte are below MIN_ROW_BYTES: the general way.
-    assert gather._row_kernels(addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0) is None
+    assert _row_kernels(gather, addrs + 1, np.array([4096, 8192, 4096], dtype=np.int64), 0) is None
     # Whole rows, but a staging range at an odd offset: rows of bytes, not words.
-    narrow = gather._row_kernels(addrs, np.array([4096, 8192, 4096], dtype=np.int64), 1)
+    narrow = _row_kernels(gather, addrs, np.array([4096, 8192, 4096], dtype=np.int64), 1)
     assert narrow is not None and narrow[0][0].dtype == np.uint8 and narrow[0][0].shape[1] == 4096
 
 
@@ -129,7 +135,7 @@ def test_a_call_over_many_tensors_is_one_row_kernel_per_run_of_pieces_in_one_ten
     pieces = [(0, 2), (0, 5), (2, 1), (1, 0), (1, 6)]  # (tensor, row of 512 bytes): tensor 0 twice, 2, then 1 twice
     src = np.array([layers[t].data_ptr() + 512 * r for t, r in pieces], dtype=np.int64)
     lengths = np.full(len(pieces), 512, dtype=np.int64)
-    rows = gather._row_kernels(src, lengths, 1024)
+    rows = _row_kernels(gather, src, lengths, 1024)
     assert rows is not None
     assert [index.tolist() for _, index, _ in rows] == [[2, 5], [1], [0, 6]]
     assert [window.ctypes.data - staging.data_ptr() for _, _, window in rows] == [1024, 2048, 2560]
@@ -249,3 +255,69 @@ def test_a_chunk_shifted_to_other_blocks_reuses_the_rows_of_the_first() -> None:
     with pytest.raises(ValueError, match="tile one range of the staging tensor"):  # a staging range past its end
         _run(gather, (pool.data_ptr() + 1024 * (rows + 1)).tolist(), (np.array(dst) + 14336).tolist(), lengths)
     assert not staging.any()
+
+
+def test_a_repeat_call_hits_only_its_own_shape_and_lands_its_own_bytes() -> None:
+    """What must not reuse an earlier call's rows: a shift by part of a row, other lengths, staging pieces that do
+    not tile one range (refused, as on a first call); what may: a scatter of the same shape (the roles swapped)."""
+    pool = torch.arange(8192, dtype=torch.int32).view(torch.uint8)  # 32 KiB of distinct bytes
+    staging = torch.zeros(8192, dtype=torch.uint8)
+    gather = TorchGather([pool], staging)
+    flat, base, at = pool.numpy(), pool.data_ptr(), staging.data_ptr()
+    src = base + np.array([0, 2048, 4096], dtype=np.int64)
+    _run(gather, src.tolist(), [at, at + 1024, at + 2048], [1024] * 3)
+
+    _run(gather, (src + 512).tolist(), [at, at + 1024, at + 2048], [1024] * 3)  # half a row on
+    assert gather.shapes_reused == 0
+    assert np.array_equal(staging.numpy()[:3072], np.concatenate([flat[o + 512 : o + 1536] for o in (0, 2048, 4096)]))
+
+    _run(gather, src.tolist(), [at, at + 512, at + 1024], [512, 512, 1024])  # other lengths
+    assert gather.shapes_reused == 0
+    assert np.array_equal(staging.numpy()[:2048], np.concatenate([flat[:512], flat[2048:2560], flat[4096:5120]]))
+
+    staging.zero_()
+    _run(gather, (src + 8192).tolist(), [at, at + 1024, at + 2048], [1024, 1024, 512])  # only the last length differs
+    assert gather.shapes_reused == 0
+    assert np.array_equal(
+        staging.numpy()[:2560], np.concatenate([flat[8192:9216], flat[10240:11264], flat[12288:12800]])
+    )
+    assert not staging.numpy()[2560:].any()
+
+    staging.zero_()
+    with pytest.raises(ValueError, match="tile one range of the staging tensor"):  # a gap in the staging range
+        _run(gather, src.tolist(), [at, at + 1024, at + 4096], [1024] * 3)
+    assert gather.shapes_reused == 0 and not staging.any()
+
+    staging.copy_(torch.arange(8192, dtype=torch.int16)[:4096].view(torch.uint8))
+    window = staging.numpy()[:3072].copy()
+    for offset in (8192, 16384):  # the second scatter reuses the first's rows
+        _run(gather, [at, at + 1024, at + 2048], (src + offset).tolist(), [1024] * 3, scatter=True)
+    assert gather.shapes_reused == 1
+    for i, o in enumerate((0, 2048, 4096)):
+        assert np.array_equal(flat[16384 + o : 16384 + o + 1024], window[1024 * i : 1024 * (i + 1)])
+
+
+def test_a_piece_of_no_bytes_takes_no_row() -> None:
+    """A zero-length piece among whole rows copies nothing and moves the pieces after it nowhere."""
+    pool = torch.arange(1024, dtype=torch.int32).view(torch.uint8)
+    staging = torch.zeros(512, dtype=torch.uint8)
+    gather = TorchGather([pool], staging)
+    at, base = staging.data_ptr(), pool.data_ptr()
+    _run(gather, [base, base + 256, base + 512], [at, at + 64, at + 64], [64, 0, 64])
+    flat = pool.numpy()
+    assert np.array_equal(staging.numpy()[:128], np.concatenate([flat[:64], flat[512:576]]))
+    assert not staging.numpy()[128:].any()
+
+
+def test_where_registered_tensors_overlap_a_repeat_call_is_refused_as_a_first_call_would_be() -> None:
+    """A view registered beside its tensor owns the bytes from its start on (the last tensor starting at or below a
+    piece): a shifted call whose pieces now fall in the view, past its end, is refused, not copied from the tensor."""
+    big = torch.arange(1024, dtype=torch.int32).view(torch.uint8)  # 4 KiB
+    sub = big[1024:2048]
+    staging = torch.zeros(2048, dtype=torch.uint8)
+    gather = TorchGather([big, sub], staging)
+    _run(gather, [big.data_ptr()], [staging.data_ptr()], [768])
+    staging.zero_()
+    with pytest.raises(ValueError, match="outside the registered tensors"):
+        _run(gather, [big.data_ptr() + 1536], [staging.data_ptr()], [768])
+    assert gather.shapes_reused == 0 and not staging.any()

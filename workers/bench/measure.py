@@ -89,7 +89,12 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
 
 def cpu_jiffies(proc_stat: str, cpus: set[int]) -> tuple[int, int]:
     """(busy, all) clock ticks of the CPUs `cpus` in the text of `/proc/stat`: all is every field of a `cpuN` line
-    but guest time (already counted in user and nice), busy is all but idle and iowait."""
+    but guest time (already counted in user and nice), busy is all but idle and iowait. Steal time counts as busy:
+    on a VM it is time the host gave to others while the CPU was wanted here, so not the bench's to use.
+
+    Raises:
+        ValueError: a `cpuN` line whose fields are not integers.
+    """
     busy = total = 0
     for line in proc_stat.splitlines():
         name, _, fields = line.partition(" ")
