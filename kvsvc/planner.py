@@ -256,9 +256,11 @@ def plan_transfer(
     address. When both sides are cross-layer pools with the same block size, heads and layer range, a run of
     blocks contiguous on both sides is one descriptor for all layers; otherwise the layers both hold that lie next
     to one another inside a block on both sides still share one. With `whole_blocks`, a partial last block is
-    completed up to the end of the current P and D blocks when every head of both blocks is copied, which lets
-    K and V merge; those extra slots lie inside the listed D block and hold sourced heads only. The fused layout's
-    last block is always completed, for the sourced heads, since its chunks cannot be cut.
+    completed up to the end of the current P and D blocks, for the sourced heads: the extra slots lie inside the
+    listed blocks on both sides, D writes them before it reads them, and completing only merges pieces (K with V
+    where every head goes; a head's run with the next block's in D, which a staged write gathers into one run per
+    layer). The fused layout's last block is always completed, for the sourced heads, since its chunks cannot be
+    cut.
     `plan_transfer_arrays` gives the same plan as arrays, which is several times cheaper when the plan has
     thousands of runs.
 
@@ -313,9 +315,8 @@ def plan_transfer_arrays(
         first_dst = heads_of_rank(dst.tp_rank, dst.tp_size, dst.num_kv_heads).start
         local_src = [h - first_src for h in heads]
         local_dst = [h - first_dst for h in heads]
-    every_head = len(heads) == gs.local_heads == gd.local_heads
     # A fused chunk is opaque: it goes whole, whatever `whole_blocks` says (one block size on both sides).
-    if is_fused(src) or (whole_blocks and every_head and not src.is_mla):
+    if is_fused(src) or (whole_blocks and not src.is_mla):
         last = tokens - 1
         tokens = min((last // gd.block_size + 1) * gd.block_size, (last // gs.block_size + 1) * gs.block_size)
     # Cross-layer pools become per-layer bases with a wider block stride; merging then joins the layers that

@@ -28,6 +28,7 @@ from kvsvc.planner import (
     source_heads,
     sources_of,
 )
+from kvsvc.staging import count_runs
 
 
 def engine(name: str = "P", **kw: Any) -> dict[tuple[int, int], WorkerMetadata]:
@@ -249,6 +250,23 @@ def test_whole_blocks_only_completes_the_current_blocks() -> None:
     assert sum(x.length for x in plan) == 4 * 32 * 2 * 8 * 64 * 2
     exact = plan_transfer(p, d, [0, 1], [0], 20, whole_blocks=False)
     assert sum(x.length for x in exact) == 4 * 20 * 2 * 8 * 64 * 2
+
+
+def test_a_head_split_completes_its_last_block_so_a_gather_keeps_one_run_per_layer() -> None:
+    """A request that ends inside a block: each D worker of a head split gets its heads' slots of the last block
+    whole, so its destination is one run per layer as for whole blocks, where the exact plan breaks it at every head
+    and K/V half of the last block (a gather's descriptors grow fourfold then)."""
+    p = one("P", num_kv_heads=4)
+    runs = {}
+    for rank in range(2):
+        d = one("D", (0, rank), num_kv_heads=4, tp_size=2)
+        for whole in (True, False):
+            _, dst, length = plan_transfer_arrays(p, d, [0, 1, 2], [5, 6, 7], 40, whole_blocks=whole)
+            runs[rank, whole] = count_runs(dst, length)
+            slots = 2 * 48 if whole else 2 * 40  # K and V, per head and layer
+            assert int(length.sum()) == 4 * slots * 2 * 64 * 2  # layers * slots * local heads * head_size * bf16
+    assert runs[0, True] == runs[1, True] == 4  # one per layer
+    assert runs[0, False] == runs[1, False] == 4 * 4  # the last block's K and V of each head apart
 
 
 def test_cross_layer_pools_move_a_run_of_contiguous_blocks_in_one_descriptor() -> None:
