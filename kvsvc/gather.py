@@ -204,16 +204,19 @@ class TorchGather:
         offsets = np.concatenate(([0], np.cumsum(length))).tolist()
         return [(lo, hi, first + offsets[lo]) for lo, hi in pairwise(bounds)]
 
-    def _tiled(self, addrs: Int64Array, length: Int64Array, what: str) -> tuple[int, int]:
-        """(offset, bytes) of the staging range the pieces at `addrs` tile in order.
+    def _tiled(self, addrs: Int64Array, length: Int64Array, what: str, total: int | None = None) -> tuple[int, int]:
+        """(offset, bytes) of the staging range the pieces at `addrs` tile in order. A `total` given is the bytes
+        of a call shape known to tile in order (`_rows`): only the range is checked then.
 
         Raises:
             ValueError: they do not.
         """
         first = int(addrs[0]) - self._staging_addr
-        total = int(length.sum())
-        ends = addrs[:-1] + length[:-1]
-        if first < 0 or first + total > self._staging.numel() or bool(np.any(ends != addrs[1:])):
+        in_order = total is not None
+        if total is None:
+            total = int(length.sum())
+            in_order = not bool(np.any(addrs[:-1] + length[:-1] != addrs[1:]))
+        if first < 0 or first + total > self._staging.numel() or not in_order:
             raise ValueError(f"{what} pieces must tile one range of the staging tensor in order, from {first}")
         return first, total
 
@@ -242,9 +245,7 @@ class TorchGather:
         key = (what, (addrs - addrs[0]).tobytes(), (tiled - tiled[0]).tobytes(), length.tobytes())
         plan = self._shapes.get(key)
         if plan is not None:
-            first = int(tiled[0]) - self._staging_addr
-            if first < 0 or first + plan.total > self._staging.numel():
-                raise ValueError(f"{what} pieces must tile one range of the staging tensor in order, from {first}")
+            first, _ = self._tiled(tiled, length, what, plan.total)
             rows = self._shifted(plan, int(addrs[0]), first)
             if rows is not None:
                 self.shapes_reused += 1

@@ -98,8 +98,8 @@ class LayoutResult:
     homogeneous_cpu_split_s_per_gb: dict[str, float]
     # The share of the machine's CPU time (every process, the CPUs the bench may use) busy during the layout runs and
     # during the homogeneous runs; and the ratio_to_homogeneous the layout run could reach at its measured CPU cost
-    # if it kept every one of those CPUs busy: cores / cpu_s_per_gb / homogeneous_gbps. Where the ceiling is below the
-    # target, the machine cannot meet it at this CPU cost however the work is scheduled.
+    # if it kept every one of those CPUs busy: cores / cpu_s_per_gb / homogeneous_gbps, an estimate from medians (a
+    # ceiling well below the target says the cores are short at this CPU cost, however the work is scheduled).
     machine_busy: float
     homogeneous_machine_busy: float
     cpu_ceiling_ratio: float
