@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, Final
 
@@ -30,6 +31,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.service.staging import StagingArea
+from kvsvc.staging_region import staging_area
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 from workers.bench.worker import BenchCommand, BenchState, handle_bench
 from workers.kv_pool import KVPool, WorkerShape
@@ -296,14 +298,12 @@ def _staging_area(options: WorkerOptions, pool: KVPool, transport: MooncakeTrans
     """The worker's staging region, registered with the transport, when `options.staging_bytes` asks for one."""
     if not options.staging_bytes:
         return None
-    import torch
-
-    region = torch.empty(options.staging_bytes, dtype=torch.uint8, device=pool.device)
-    transport.register([(region.data_ptr(), region.numel())])
     sources = [pool.buffer] if pool.buffer is not None else pool.layers
-    # The area's gather keeps `region` alive for as long as the service holds the area.
-    copies = TorchGather(sources, region)
-    return StagingArea(region.data_ptr(), region.numel(), copies, scatter=copies.scatter)
+    # The area's gather keeps the region alive for as long as the service holds the area.
+    _, area = staging_area(
+        options.staging_bytes, partial(TorchGather, sources), device=pool.device, register=transport.register
+    )
+    return area
 
 
 async def _serve(options: WorkerOptions, conn: Connection) -> int:
@@ -362,12 +362,13 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
                 runtime.stopping.set_result(0)
 
     # What exists now (torch's modules, the pool, the engine) lives as long as the worker: freezing it keeps the
-    # collector's full passes to what requests allocate (docs/performance.md: 50 ms passes on a busy P before).
+    # collector's full passes to what requests allocate (50 ms passes on a busy P without it: docs/decisions.md,
+    # "Worker processes freeze and tune the collector").
     gc.collect()
     gc.freeze()
     # A burst of requests keeps tens of thousands of young objects alive at once (holds, jobs, futures), which
     # the default first-generation threshold (700) scans again and again: 10,000 one-block requests ran 12 %
-    # faster with these thresholds (decision 51).
+    # faster with these thresholds (docs/decisions.md, "Worker processes freeze and tune the collector").
     gc.set_threshold(*GC_THRESHOLDS)
     conn.send(Ready(meta, os.getpid()))
     loop.add_reader(conn.fileno(), on_readable)

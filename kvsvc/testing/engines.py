@@ -26,6 +26,7 @@ from kvsvc.messages import Worker
 from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
 from kvsvc.service.staging import StagingArea
+from kvsvc.staging_region import staging_area
 from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport
 
@@ -102,10 +103,8 @@ class LoopbackEngine:
             transport.register([(arena.ctypes.data, arena.nbytes)])
             staging = None
             if self.staging_bytes:
-                region = np.zeros(self.staging_bytes, dtype=np.uint8)
+                region, staging = staging_area(self.staging_bytes, lambda _: self.copies, register=transport.register)
                 self._regions.append(region)
-                transport.register([(region.ctypes.data, region.nbytes)])
-                staging = StagingArea(region.ctypes.data, region.nbytes, self.copies, scatter=self.copies.scatter)
                 self.staging[worker] = staging
             service = KVTransferService(
                 self.sim.metas[worker], transport, self._config, clock=self._clock, staging=staging

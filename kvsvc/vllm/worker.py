@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.staging import StagingArea
 from kvsvc.service.threaded import ServiceThread
+from kvsvc.staging_region import staging_area
 from kvsvc.streams import completion_future
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 from kvsvc.vllm.config import ConnectorConfig
@@ -197,15 +199,13 @@ class WorkerSide:
         if not self._config.staging_bytes:
             return None, []
         tensors = list({t.data_ptr(): t for t in kv_caches.values()}.values())
-        first = tensors[0]
-        region = torch.empty(self._config.staging_bytes, dtype=torch.uint8, device=first.device)
         try:
-            gather = TorchGather(tensors, region)
+            # Registered by the caller, with the KV tensors, in the service's thread.
+            _, area = staging_area(self._config.staging_bytes, partial(TorchGather, tensors), device=tensors[0].device)
         except ValueError as exc:
             log.warning("kvsvc: no staging region, every write goes direct: %s", exc)
             return None, []
-        area = StagingArea(region.data_ptr(), region.numel(), gather, scatter=gather.scatter)
-        return area, [(region.data_ptr(), region.numel())]
+        return area, [(area.addr, area.size)]
 
     @property
     def metadata(self) -> WorkerMetadata | None:

@@ -1,30 +1,12 @@
-"""The pure helpers of `kvsvc demo`: percentiles, byte formatting, the summary rows and the JSON result."""
+"""The pure helpers of `kvsvc demo`: byte formatting, the summary rows and the JSON result (its percentiles are
+`workers.stats.percentile`, tested in `test_stats`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.commands.demo import DemoOptions, DemoResult, format_bytes, percentile, summary_rows
-
-
-def test_percentile_interpolates_between_closest_ranks_like_numpy() -> None:
-    values = [4.0, 1.0, 3.0, 2.0]
-    assert percentile(values, 0) == 1.0
-    assert percentile(values, 100) == 4.0
-    assert percentile(values, 50) == 2.5
-    assert percentile(values, 99) == pytest.approx(3.97)
-    assert percentile([7.0], 99) == 7.0
-
-
-@pytest.mark.parametrize("q", [-1, 100.5])
-def test_percentile_refuses_q_outside_0_to_100(q: float) -> None:
-    with pytest.raises(ValueError, match="q must be"):
-        percentile([1.0], q)
-
-
-def test_percentile_of_nothing_is_an_error() -> None:
-    with pytest.raises(ValueError, match="no values"):
-        percentile([], 50)
+from workers.demo.report import format_bytes, summary_rows
+from workers.demo.runner import DemoOptions, DemoResult
 
 
 @pytest.mark.parametrize(
@@ -55,7 +37,7 @@ def test_json_carries_the_documented_keys_and_goodput_over_transfer_seconds_in_g
     assert "homogeneous" not in payload and "ratio_to_homogeneous" not in payload
     assert payload["ok"] is True
     assert payload["goodput_gbps"] == 0.5
-    assert payload["p50_ms"] == 20.0
+    assert payload["p50_ms"] == 30.0  # nearest rank: the upper of two
     assert "P pp2×tp1" in payload["layout"]
 
 
@@ -112,4 +94,4 @@ def test_summary_rows_name_every_figure_of_the_table() -> None:
     assert rows["verified"] == "4 / 4"
     assert rows["bytes"] == "1 MiB (1,048,576)"
     assert rows["descriptors"] == "1,234"
-    assert rows["latency p50"] == "2.5 ms"
+    assert rows["latency p50"] == "3.0 ms"

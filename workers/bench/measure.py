@@ -1,5 +1,6 @@
 """The arithmetic of `kvsvc bench`: the peers' descriptor split, the descriptor bound, run orders, paired ratios,
-quantiles, the CPUs' busy ticks and the memcpy baseline. No engines, no processes: `workers.bench.runner` calls these.
+the CPUs' busy ticks and the memcpy baseline. No engines, no processes: `workers.bench.runner` calls these.
+Percentiles are `workers.stats.percentile`, the demo's too, so both report a p99 the same way.
 """
 
 from __future__ import annotations
@@ -81,12 +82,6 @@ def paired_ratio(baseline_spans: Sequence[float], kvsvc_spans: Sequence[float]) 
     return statistics.median(b / k for b, k in zip(baseline_spans, kvsvc_spans, strict=True))
 
 
-def quantile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 def cpu_jiffies(proc_stat: str, cpus: set[int]) -> tuple[int, int]:
     """(busy, all) clock ticks of the CPUs `cpus` in the text of `/proc/stat`: all is every field of a `cpuN` line
     but guest time (already counted in user and nice), busy is all but idle and iowait. Steal time counts as busy:
@@ -112,7 +107,6 @@ __all__ = [
     "cpu_jiffies",
     "memcpy_gbps",
     "paired_ratio",
-    "quantile",
     "run_bound",
     "run_orders",
     "split_per_half",

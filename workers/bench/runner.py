@@ -1,7 +1,8 @@
 """The parent half of `kvsvc bench`: start the engines, run every scenario and its baselines in one run, summarise.
 
 Imports `kvsvc` (planner), `workers.executor`, `workers.bench.worker` (the worker-side commands) and the bench's
-`models` (sizes), `measure` (arithmetic) and `report` (results). Invariants: kvsvc and every
+`models` (sizes), `measure` (arithmetic) and `report` (results), and `workers.stats` (the percentile the demo
+reports too). Invariants: kvsvc and every
 baseline move the same bytes between the same two Mooncake engines (the P worker's and the D workers'), described by
 the same plan (`plan_transfer`); the peers' way moves them as one descriptor per (layer, block, K/V half); the
 handshake and each engine's first write happen before anything is timed; the runs of kvsvc and the baselines
@@ -26,7 +27,6 @@ from workers.bench.measure import (
     cpu_jiffies,
     memcpy_gbps,
     paired_ratio,
-    quantile,
     run_bound,
     run_orders,
     split_per_half,
@@ -46,6 +46,7 @@ from workers.bench.worker import (
 )
 from workers.executor import EngineConfig, Executor, start_all
 from workers.process import Verify
+from workers.stats import percentile
 from workers.synthetic import VerifyResult
 
 THREAD_ROLES = ("p_loop", "p_threads", "d_loop", "d_threads")  # `_thread_cpu`'s keys, both engines
@@ -307,7 +308,6 @@ class BenchRunner:
         raw_method = min(RAW_METHODS, key=lambda m: med[m])
         gb = total_bytes / GB
         peer_share = peer_bytes / total_bytes  # the peers' way is timed on a prefix of the requests
-        latencies.sort()
         return ScenarioResult(
             name=name,
             reps=reps,
@@ -321,8 +321,8 @@ class BenchRunner:
             kvsvc_requests_per_s=count / med["kvsvc"],
             raw_requests_per_s=count / med[raw_method],
             peer_requests_per_s=peer_count / med["peer"],
-            p50_ms=1e3 * quantile(latencies, 0.5),
-            p99_ms=1e3 * quantile(latencies, 0.99),
+            p50_ms=1e3 * percentile(latencies, 50),
+            p99_ms=1e3 * percentile(latencies, 99),
             descriptors_per_request=kv_desc,
             naive_descriptors_per_request=naive_desc,
             run_bound_per_request=bound,
