@@ -69,14 +69,6 @@ class KVSvcTimeout(KVSvcError, TimeoutError):
     """A deadline passed."""
 
 
-class HoldExpired(KVSvcTimeout):
-    """P held a request's KV for longer than the hold timeout and nobody asked for it."""
-
-
-class RecvTimeout(KVSvcTimeout):
-    """D waited for a P worker's answer for longer than the receive timeout."""
-
-
 class ServiceClosed(KVSvcError):
     """The service was closed by its owner; no new work is accepted."""
 

@@ -153,7 +153,8 @@ _recv_rows: dict[tuple[RecvState, RecvEvent], tuple[RecvState, tuple[Effect, ...
     (R.ABORTING, RE.EXPIRE): (R.ABORTED, ()),
     (R.ABORTING, RE.GONE): (R.ABORTED, ()),
     # The abort (or the request) may have died with the old connection: ask again. P answers once the job's write
-    # ended, which ends the wait long before the abort grace (a fence; docs/decisions.md 49).
+    # ended, which ends the wait long before the abort grace (a fence; docs/decisions.md, "After a lost connection,
+    # D's blocks wait for proof").
     (R.ABORTING, RE.RECONNECTED): (R.ABORTING, (E.SEND_ABORT,)),
     # A handshake can fail after a job was requested when a reconnect to a restarted peer is refused.
     (R.REQUESTED, RE.HANDSHAKE_FAILED): (R.ABORTING, ()),
@@ -243,12 +244,13 @@ class RecvJob:
 
 _State = TypeVar("_State", bound=Enum)
 _Event = TypeVar("_Event", bound=Enum)
+_Effect = TypeVar("_Effect", bound=Enum)
 
 
-def table_markdown(table: Mapping[tuple[_State, _Event], tuple[_State, tuple[Effect, ...]]]) -> str:
+def table_markdown(table: Mapping[tuple[_State, _Event], tuple[_State, tuple[_Effect, ...]]]) -> str:
     """A transition table as a markdown table, one row per (state, next state, effects) with its events: what
-    docs/protocol.md shows (a test checks that it matches these tables)."""
-    grouped: dict[tuple[_State, _State, tuple[Effect, ...]], list[_Event]] = {}
+    docs/protocol.md shows (a test checks that it matches the tables here and in `kvsvc.windows`)."""
+    grouped: dict[tuple[_State, _State, tuple[_Effect, ...]], list[_Event]] = {}
     for (state, event), (next_state, effects) in table.items():
         grouped.setdefault((state, next_state, effects), []).append(event)
     states = list(type(next(iter(table))[0]))
@@ -260,7 +262,9 @@ def table_markdown(table: Mapping[tuple[_State, _Event], tuple[_State, tuple[Eff
 
 
 if __name__ == "__main__":
-    print("Send job (P):\n")
-    print(table_markdown(SEND_TABLE))
-    print("\nReceive job (D):\n")
-    print(table_markdown(RECV_TABLE))
+    from kvsvc.windows import FILL_TABLE, SCATTER_TABLE
+
+    print(f"Send job (P):\n\n{table_markdown(SEND_TABLE)}\n")
+    print(f"Receive job (D):\n\n{table_markdown(RECV_TABLE)}\n")
+    print(f"Filling a window (P):\n\n{table_markdown(FILL_TABLE)}\n")
+    print(f"A lent window (D):\n\n{table_markdown(SCATTER_TABLE)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeAlias
 
 from kvsvc.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
 from kvsvc.messages import (
@@ -35,7 +36,7 @@ class SendToSource:
     message: TransferRequest | Release | Abort | ErrorMessage
 
 
-RecvCommand = SendToSource | Notice
+RecvCommand: TypeAlias = SendToSource | Notice
 
 
 class RecvEnding(Enum):
@@ -76,7 +77,7 @@ class ReceiverStatistics:
 
 @dataclass(frozen=True, slots=True)
 class RecvReport:
-    """What `Receiver.drain` hands to the engine: each req_id once, in exactly one of the two sets."""
+    """What `Receiver.take_report` hands to the engine: each req_id once, in exactly one of the two sets."""
 
     finished: set[str]
     failed: set[str]

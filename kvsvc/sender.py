@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeAlias
 
 from kvsvc.jobs import Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.messages import (
@@ -54,7 +55,7 @@ class Reply:
     message: TransferDone | TransferFailed | ErrorMessage | Pong
 
 
-SendCommand = Submit | Reply | Notice
+SendCommand: TypeAlias = Submit | Reply | Notice
 
 
 class HoldEnd(Enum):
@@ -259,7 +260,8 @@ class Sender:
 
         Every abort is answered once nothing of the job can be written any more: at once when no write runs (no
         hold, no job, a job already ended: its outcome), else when the write ended. D relies on that answer to
-        free its blocks after a lost connection (a fence, docs/decisions.md 49).
+        free its blocks after a lost connection (a fence: docs/decisions.md, "After a lost connection, D's blocks
+        wait for proof").
         An abort for a transfer not held yet is kept like an early request, so the hold that comes later counts
         `dst` as served at once. `expected` is as for `request`; without it an abort before any request cannot tell
         P which other D workers to wait for.

@@ -55,11 +55,11 @@ class StagingRule:
     `scatter_cost_s_per_byte` per byte D scatters. The defaults are measured on 2-core CPU engines over TCP: a
     descriptor about 30 us; a gathered byte 0.5 ns (the copy alone costs 0.1-0.2 ns of P's loop, but the chunk's
     first byte waits for its last to be gathered); a scattered byte 1 ns, since D's scatter stands between the last
-    byte and D's report, with a window lent and given back around it (docs/decisions.md 83, 88). With those, a head
-    split whose D blocks are contiguous is gathered on P, and one whose D blocks interleave two P workers' heads goes
-    through a window that D scatters: written straight from P's blocks where they hold the share in one run per
-    layer, gathered into the window where its pieces lie apart in P too. On RDMA a descriptor costs a few
-    microseconds, so fewer plans are worth staging.
+    byte and D's report, with a window lent and given back around it (docs/decisions.md, "The staging rule is a
+    cost model"). With those, a head split whose D blocks are contiguous is gathered on P, and one whose D blocks
+    interleave two P workers' heads goes through a window that D scatters: written straight from P's blocks where
+    they hold the share in one run per layer, gathered into the window where its pieces lie apart in P too. On RDMA
+    a descriptor costs a few microseconds, so fewer plans are worth staging.
 
     Raises (constructor):
         ValueError: a negative cost.

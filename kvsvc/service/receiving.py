@@ -9,10 +9,8 @@ When a connection breaks after asking, the receive's blocks stay held for the ab
 prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTransport` can tell): then only for
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
 receives wait) and P answers their aborts, which it does once their writes ended.
-With a staging region that can scatter, a request whose share the staging rule sends through D (`Way.scatters`)
-carries a window (without room it waits up to `window_wait_s`, then goes without one); P's done answer reaches the
-`Receiver` only after the scatter copied the window into the blocks, and the window goes back once the receive
-from that P worker ended and no scatter reads it.
+Windows of D's staging region are its `WindowLender`'s (`kvsvc.service.lending`): a request may carry one, and
+every frame from a P worker passes through the lender before it reaches the `Receiver`.
 """
 
 from __future__ import annotations
@@ -20,44 +18,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from dataclasses import replace as replace_plan
+from dataclasses import dataclass
 
 from msgspec.structs import replace
 
-from kvsvc.coalesce import Int64Array
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
 from kvsvc.hello import check_hello_reply, make_hello
 from kvsvc.jobs import Notice
-from kvsvc.layout import block_geometry
-from kvsvc.messages import (
-    ErrorMessage,
-    Message,
-    TransferDone,
-    TransferFailed,
-    TransferRequest,
-    WindowEmptied,
-    WindowFilled,
-    Worker,
-    WorkerMetadata,
-    WorkerRef,
-)
-from kvsvc.planner import check_block_ids, is_block_run
+from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef
+from kvsvc.planner import check_block_ids
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice
+from kvsvc.service.lending import WindowLender
 from kvsvc.service.remotes import RemoteEngines, Routes
-from kvsvc.service.staging import StagingArea, StagingFull
-from kvsvc.staging import WindowPlan, plan_window, stream_round, window_round_bytes, window_rounds
 
 log = logging.getLogger(__name__)
 
 # Reconnects to a lost P worker that receives still wait on: first try, and the cap of the doubling delay.
 RECONNECT_FIRST_S = 0.05
 RECONNECT_MAX_S = 2.0
-_WINDOW_PLAN_CACHE_ENTRIES = 1024
 
 
 @dataclass(slots=True)
@@ -72,39 +53,6 @@ class _Outbound:
     last_error: str = ""
 
 
-@dataclass(slots=True)
-class _Window:
-    """A window of D's staging region lent for one (transfer, P worker): where P writes the share (`share` bytes,
-    in `rounds` rounds of `round_bytes` when it is larger than the window's `nbytes`), and the scatter that copies it
-    into the blocks, as (stream offset, block address, length) columns."""
-
-    req_id: str
-    block_ids: list[int]
-    addr: int
-    nbytes: int
-    share: int
-    scatter: tuple[Int64Array, Int64Array, Int64Array]
-    round_bytes: int
-    rounds: int
-    next_round: int = 0  # the round P fills next
-    scattering: bool = False
-    failed: str = ""  # why the rest is not scattered (a scatter failed, the receive is ending): rounds are only
-    # acknowledged, and P's done answer becomes a failure
-    queue: deque[Message] = field(default_factory=deque)  # P's frames about it, handled one scatter at a time
-
-    @classmethod
-    def lent(cls, req_id: str, block_ids: list[int], addr: int, plan: WindowPlan) -> _Window:
-        """The window lent at `addr` for `plan`."""
-        size = window_round_bytes(plan.nbytes, plan.window_bytes)
-        rounds = window_rounds(plan.nbytes, plan.window_bytes)
-        return cls(
-            req_id, block_ids, addr, plan.window_bytes, plan.nbytes, (plan.offset, plan.dst, plan.length), size, rounds
-        )
-
-
-_WindowKey = tuple[str, str, Worker]  # (transfer_id, P engine, P worker)
-
-
 class ReceivingRole:
     """D's side of one worker's service (see module docstring): remote engines, connections to P, receives."""
 
@@ -117,12 +65,7 @@ class ReceivingRole:
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
         self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
-        self._windows: dict[_WindowKey, _Window] = {}
-        # Requests that wait for room for a window: the receive's req_id and the task that sends them.
-        self._waiting_room: dict[_WindowKey, tuple[str, asyncio.Task[None]]] = {}
-        self._deferred: dict[str, tuple[str, list[int]]] = {}  # failed receives held back: req_id -> (why, blocks)
-        # (P engine, incarnation, P worker, D blocks, tokens) -> the window plan of D blocks 0.. (None: no window)
-        self._window_plans: dict[tuple[str, str, Worker, int, int], WindowPlan | None] = {}
+        self._windows = WindowLender(ctx, self._receiver, self._tell_p, self._on_answer)
         self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -183,19 +126,7 @@ class ReceivingRole:
         """Receives that ended since the last call (see `Receiver.take_report`), except failed ones whose window a
         scatter still copies into their blocks: those wait for a later call, once it ended."""
         report = self._receiver.take_report()
-        if not self._windows and not self._deferred:
-            return report
-        busy = {w.req_id: w.block_ids for w in self._windows.values() if w.scattering}
-        for req_id in report.failed & busy.keys():
-            self._deferred[req_id] = (report.reasons.pop(req_id, ""), busy[req_id])
-            report.failed.discard(req_id)
-            report.invalid_block_ids.difference_update(busy[req_id])
-        for req_id in [r for r in self._deferred if r not in busy]:
-            reason, block_ids = self._deferred.pop(req_id)
-            report.failed.add(req_id)
-            report.reasons[req_id] = reason
-            report.invalid_block_ids.update(block_ids)
-        return report
+        return self._windows.hold_back(report) if self._windows.busy else report
 
     def forget_engine(self, engine_id: str) -> None:
         """As `KVTransferService.forget_engine`."""
@@ -340,9 +271,11 @@ class ReceivingRole:
         return channel
 
     def _on_p_message(self, peer: _Outbound, message: Message) -> None:
-        if self._windows and self._through_window(peer.ref.engine_id, peer.ref.worker, message):
-            return
-        self._run_recv(self._receiver.receive(peer.ref.engine_id, peer.ref.worker, message))
+        self._windows.on_p_message(peer.ref.engine_id, peer.ref.worker, message)
+
+    def _on_answer(self, engine_id: str, src: Worker, message: Message) -> None:
+        """P's frame, once the window protocol passed it on: the `Receiver`'s."""
+        self._run_recv(self._receiver.receive(engine_id, src, message))
         now = self._ctx.clock()
         for started in self._receiver.take_landed():
             self._ctx.recv_durations.observe(now - started)
@@ -358,14 +291,14 @@ class ReceivingRole:
             if peer is None:
                 continue
             message: Message | None = command.message
-            if isinstance(message, TransferRequest) and self._ctx.staging is not None:
-                message = self._windowed(peer, message)
+            if isinstance(message, TransferRequest):
+                message = self._windows.windowed(peer.meta, message)
             if message is not None:
                 self._send(peer, message)
-        if self._windows or self._waiting_room:
-            self._tidy_windows()
+        if self._windows.busy:
+            self._windows.tidy()
 
-    # -- windows (D-side staging) ------------------------------------------------------------------------------
+    # -- frames to P workers ----------------------------------------------------------------------------------
 
     def _send(self, peer: _Outbound, message: Message) -> None:
         if peer.channel is not None:
@@ -374,204 +307,12 @@ class ReceivingRole:
         elif peer.outbox is not None:
             peer.outbox.append(message)
 
-    def _windowed(self, peer: _Outbound, request: TransferRequest) -> TransferRequest | None:
-        """`request` with a window of the staging region, when the staging rule sends P's share through one and
-        there is room now; `request` as it is when the rule does not (P writes the blocks, directly or gathered);
-        None when the request waits for room (`_ask_when_room` sends it)."""
-        key = (request.transfer_id, peer.ref.engine_id, peer.ref.worker)
-        req_id = self._receiver.req_of(request.transfer_id)
-        waiting = self._waiting_room.get(key)
-        if waiting is not None:
-            if waiting[0] == req_id:
-                return None  # a repeat while the first waits for room: that one goes out
-            waiting[1].cancel()  # an ended receive's request, the transfer id started again: this one goes
-            del self._waiting_room[key]
-        window = self._windows.get(key)
-        if window is None and req_id is not None:
-            area = self._ctx.staging
-            plan = None if area is None or area.scatter is None else self._window_plan(peer.meta, request, area)
-            if plan is None:
-                return request
-            addr = area.try_lend(plan.window_bytes) if area is not None else None
-            if addr is None and self._ctx.config.window_wait_s > 0:
-                task = self._ctx.tasks.spawn(
-                    self._ask_when_room(key, request, req_id, plan), name=f"kvsvc-window-{req_id}"
-                )
-                self._waiting_room[key] = (req_id, task)
-                return None
-            if addr is None:
-                return request
-            window = self._windows[key] = _Window.lent(req_id, request.block_ids, addr, plan)
-        if window is None or window.req_id != req_id:
-            return request  # the transfer id again while an earlier receive's window is still being scattered
-        return replace(request, window_addr=window.addr, window_bytes=window.nbytes, share_bytes=window.share)
-
-    async def _ask_when_room(self, key: _WindowKey, request: TransferRequest, req_id: str, plan: WindowPlan) -> None:
-        """Wait up to `window_wait_s` for room for `request`'s window, then ask P, with the window or without it.
-        Nothing is asked if the receive ended or is being aborted meanwhile (P answers its abort alone); the wait
-        is cancelled then (`_tidy_windows`), which leaves nothing lent."""
-        area = self._ctx.staging
-        assert area is not None
-        addr: int | None = None
-        try:
-            addr = await area.lend(plan.window_bytes, self._ctx.config.window_wait_s)
-        except StagingFull:
-            pass
-        finally:
-            if self._waiting_room.get(key, ("", None))[1] is asyncio.current_task():
-                del self._waiting_room[key]
-        transfer_id = request.transfer_id
-        if (
-            self._receiver.req_of(transfer_id) != req_id
-            or self._receiver.ending(transfer_id)
-            or not self._receiver.waits_on(*key)
-        ):
-            if addr is not None:
-                area.give_back(addr)
-            return
-        if addr is not None:
-            window = self._windows[key] = _Window.lent(req_id, request.block_ids, addr, plan)
-            request = replace(request, window_addr=window.addr, window_bytes=window.nbytes, share_bytes=window.share)
-        current = self._outbound.get(key[1:])
-        if current is not None:
-            self._send(current, request)
-
-    def _window_plan(self, p: WorkerMetadata, request: TransferRequest, area: StagingArea) -> WindowPlan | None:
-        """`plan_window`, from a cache when D's blocks for the tokens are one run of consecutive ids and D holds no
-        prefix: the plan of the run starting at block 0, its destinations shifted (as P's plan cache does)."""
-        d, ids, tokens = self._ctx.metadata, request.block_ids, request.num_tokens
-        rule, max_bytes = area.rule, area.chunk_bytes
-        count = -(-tokens // d.block_size)
-        if request.first_token or not 0 < count <= len(ids) or not is_block_run(ids, count):
-            return plan_window(p, d, ids, tokens, request.first_token, rule, max_bytes)
-        key = (p.engine_id, p.incarnation, p.worker, count, tokens)
-        if key in self._window_plans:
-            unit = self._window_plans[key]
-        else:
-            unit = plan_window(p, d, list(range(count)), tokens, 0, rule, max_bytes)
-            if len(self._window_plans) < _WINDOW_PLAN_CACHE_ENTRIES:
-                self._window_plans[key] = unit
-        if unit is None or ids[0] == 0:
-            return unit
-        return replace_plan(unit, dst=unit.dst + ids[0] * block_geometry(d).block_stride)
-
-    def _through_window(self, engine_id: str, src: Worker, message: Message) -> bool:
-        """Take P's frames about a windowed share (its rounds, its answer) in order, one scatter at a time; True when
-        `message` was taken, False when it goes to the `Receiver` now."""
-        if not isinstance(message, WindowFilled | TransferDone | TransferFailed | ErrorMessage):
-            return False
-        window = self._windows.get((message.transfer_id, engine_id, src))
-        if window is None and isinstance(message, WindowFilled):  # late: its receive ended and gave it back
-            notice(self._ctx, Notice(f"late round {message.round} of {message.transfer_id!r} from P{src}", "debug"))
-            return True
-        if window is None:
-            return False
-        window.queue.append(message)
-        self._next_in_window(engine_id, src, window)
-        return True
-
-    def _next_in_window(self, engine_id: str, src: Worker, window: _Window) -> None:
-        while window.queue and not window.scattering:
-            message = window.queue.popleft()
-            if isinstance(message, WindowFilled):
-                self._round_filled(engine_id, src, window, message)
-            elif isinstance(message, TransferDone) and window.next_round != window.rounds - 1:
-                reason = f"P answered done after {window.next_round} of {window.rounds} rounds of its window"
-                failed = TransferFailed(transfer_id=message.transfer_id, reason=reason)
-                self._run_recv(self._receiver.receive(engine_id, src, failed))
-            elif isinstance(message, TransferDone) and not window.failed:
-                self._scatter_round(engine_id, src, window, message, window.rounds - 1)
-            else:
-                if isinstance(message, TransferDone):  # a scatter failed: the blocks are not whole
-                    message = TransferFailed(transfer_id=message.transfer_id, reason=window.failed)
-                self._run_recv(self._receiver.receive(engine_id, src, message))
-
-    def _round_filled(self, engine_id: str, src: Worker, window: _Window, message: WindowFilled) -> None:
-        index = message.round
-        if index < window.next_round:  # a repeat: it was emptied already
-            self._tell_p(engine_id, src, WindowEmptied(transfer_id=message.transfer_id, round=index))
-        elif index != window.next_round or index >= window.rounds - 1:
-            what = f"P{src} of {engine_id!r} filled round {index} of {message.transfer_id!r}'s window, "
-            notice(self._ctx, Notice(what + f"expected {window.next_round} of {window.rounds}", protocol_error=True))
-        elif window.failed or self._receiver.ending(message.transfer_id):
-            # Nothing to scatter into any more (a scatter failed, or the receive is being aborted): let P's write
-            # reach its end, or its next round check, quickly.
-            window.failed = window.failed or "the receive ended before its window was scattered"
-            window.next_round += 1
-            self._tell_p(engine_id, src, WindowEmptied(transfer_id=message.transfer_id, round=index))
-        else:
-            self._scatter_round(engine_id, src, window, message, index)
-
-    def _scatter_round(
-        self, engine_id: str, src: Worker, window: _Window, message: WindowFilled | TransferDone, index: int
-    ) -> None:
-        area = self._ctx.staging
-        assert area is not None and area.scatter is not None
-        offset, dst, length = window.scatter
-        r_dst, r_offset, r_length = stream_round(offset, dst, length, index, window.round_bytes)
-        base = window.addr + (index % 2) * window.round_bytes
-        window.scattering = True
-        copy: asyncio.Future[None]
-        try:
-            copy = asyncio.ensure_future(area.scatter(base + r_offset, r_dst, r_length))
-        except Exception as exc:  # an embedder's scatter that raises at the call: as if the copy failed
-            copy = asyncio.get_running_loop().create_future()
-            copy.set_exception(exc)
-        copy.add_done_callback(lambda done: self._scattered(engine_id, src, window, message, done))
-
-    def _scattered(
-        self,
-        engine_id: str,
-        src: Worker,
-        window: _Window,
-        message: WindowFilled | TransferDone,
-        copy: asyncio.Future[None],
-    ) -> None:
-        """A round's scatter ended: P may fill its half again, or P's done answer goes on (a failure in its place
-        when a scatter failed)."""
-        window.scattering = False
-        if copy.cancelled():
-            return  # the service closed
-        exc = copy.exception()
-        if exc is not None and not window.failed:
-            window.failed = f"scatter of D's window into its blocks failed: {type(exc).__name__}: {exc}"
-        window.next_round += 1
-        if isinstance(message, WindowFilled):
-            self._tell_p(engine_id, src, WindowEmptied(transfer_id=message.transfer_id, round=message.round))
-        elif window.failed:
-            failed = TransferFailed(transfer_id=message.transfer_id, reason=window.failed)
-            self._run_recv(self._receiver.receive(engine_id, src, failed))
-        else:
-            self._ctx.counts["scattered"] += 1
-            self._run_recv(self._receiver.receive(engine_id, src, message))
-        self._next_in_window(engine_id, src, window)
-        self._free_windows()
-        self._ctx.changed()  # a failed receive held back for this scatter may be reported now
-
     def _tell_p(self, engine_id: str, src: Worker, message: Message) -> None:
+        """Send `message` to P worker `src` of `engine_id` on its connection, or keep it for the connection being
+        opened; dropped when there is neither."""
         peer = self._outbound.get((engine_id, src))
-        if peer is not None and peer.channel is not None:
-            with contextlib.suppress(PeerLost):
-                peer.channel.send(message)
-
-    def _tidy_windows(self) -> None:
-        """Stop the waits for room of receives that ended or are being aborted (they would hold the region's line
-        for nothing), and give back the windows nothing needs any more."""
-        for key, (req_id, task) in list(self._waiting_room.items()):
-            if self._receiver.req_of(key[0]) != req_id or self._receiver.ending(key[0]):
-                task.cancel()
-                del self._waiting_room[key]
-        if self._windows:
-            self._free_windows()
-
-    def _free_windows(self) -> None:
-        """Give back every window whose receive from its P worker ended and that no scatter reads."""
-        area = self._ctx.staging
-        assert area is not None
-        for key, window in list(self._windows.items()):
-            if not window.scattering and not self._receiver.waits_on(*key):
-                del self._windows[key]
-                area.give_back(window.addr)
+        if peer is not None:
+            self._send(peer, message)
 
     def _drop_outbound(self, peer: _Outbound, reason: str) -> None:
         peer.last_error = reason

@@ -257,7 +257,9 @@ class SendingRole:
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
         if isinstance(message, WindowEmptied):  # part of a write in rounds, not of the job tables
-            inbound.target.window_emptied(message.transfer_id, message.round)
+            for command in inbound.target.window_emptied(message):
+                if isinstance(command, Notice):
+                    notice(self._ctx, command)
             return
         now = self._ctx.clock()
         self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))

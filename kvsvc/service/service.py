@@ -53,7 +53,9 @@ class ServiceStatistics:
     transfers_sent: int
     write_failures: int
     protocol_errors: int
-    reconnects: int  # D: tries to reach a lost P worker again while receives waited on it (decision 49)
+    # D: tries to reach a lost P worker again while receives waited on it (docs/decisions.md, "After a lost
+    # connection, D's blocks wait for proof")
+    reconnects: int
     tasks: int  # tasks the service runs now (connections, fetches, writes, timers): 0 once closed
     transport: TransportStatistics
     send_durations: HistogramStatistics  # P: write start to last byte landed, per write to one D worker

@@ -6,15 +6,16 @@ its `drained` future, so the request's blocks stay held until then. Small writes
 `start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written one
 descriptor per destination run (`kvsvc.service.staging`). A request with a window of D's staging region is written there
 as one stream (`kvsvc.staging.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than its
-window moves in rounds: round k waits until D emptied round k - 2 (`WindowEmptied`, within the hold timeout), and each
-round but the last is announced with `WindowFilled`. A layer-wise write stages each layer on its own when the rule picks
-it.
+window moves in rounds, as its `kvsvc.windows.FillingWindow` says: round k waits until D emptied round k - 2 (within
+the hold timeout), and each round but the last is announced. A layer-wise write stages each layer on its own when the
+rule picks it.
 Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,14 +23,18 @@ from typing import Any
 import numpy as np
 
 from kvsvc.coalesce import Int64Array
-from kvsvc.errors import KVSvcTimeout, PeerLost, TopologyError, TransferAborted
+from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
+from kvsvc.jobs import Notice
 from kvsvc.layout import is_cross_layer, layer_addrs
-from kvsvc.messages import Message, WindowFilled, Worker, WorkerMetadata, WorkerRef
+from kvsvc.messages import Message, WindowEmptied, Worker, WorkerMetadata, WorkerRef
 from kvsvc.sender import Submit
-from kvsvc.service.context import ServiceContext
+from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.plans import PlanCache, Shifted
-from kvsvc.staging import StagedChunk, stream_round, window_round_bytes, window_rounds
+from kvsvc.staging import StagedChunk
 from kvsvc.transport.base import WriteFailed
+from kvsvc.windows import Announce, FillCommand, FillEvent, FillingWindow, FillState
+
+log = logging.getLogger(__name__)
 
 WriteResult = Callable[[str, Worker, str | None, int, int], None]
 """`(transfer_id, D worker, error or None, bytes, descriptors)`: how a write's end reaches the `Sender`."""
@@ -41,59 +46,53 @@ def _nowhere(message: Message) -> None:
 
 @dataclass(slots=True)
 class WriteTarget:
-    """A D worker this P worker writes to, as its accepted hello described it, and the rounds of its windows that
-    it emptied (`window_emptied`), which writes in rounds wait for (`wait_emptied`)."""
+    """A D worker this P worker writes to, as its accepted hello described it, and the writes in rounds into its
+    windows (`fills`, `kvsvc.windows.FillingWindow`), which wait for D's `WindowEmptied` frames."""
 
     ref: WorkerRef
     meta: WorkerMetadata
     send: Callable[[Message], None] = _nowhere
     """Sends a frame to this D worker on its control connection; raises `PeerLost` when it is closed."""
     plans: PlanCache = field(default_factory=PlanCache)  # what this P worker writes to this D worker, cached
-    emptied: dict[str, set[int]] = field(default_factory=dict)  # per transfer writing in rounds
-    waiters: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    fills: dict[str, FillingWindow] = field(default_factory=dict)  # per transfer writing in rounds
+    wakeups: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # a write in rounds that waits
     gone: str = ""  # why the control connection closed; "" while it is open
 
-    def window_emptied(self, transfer_id: str, index: int) -> None:
-        """D emptied round `index` of `transfer_id`'s window. One for a transfer not writing in rounds (a repeat, a
-        late one) is dropped."""
-        rounds = self.emptied.get(transfer_id)
-        if rounds is None:
-            return
-        rounds.add(index)
-        waiter = self.waiters.pop(transfer_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def window_emptied(self, message: WindowEmptied) -> list[FillCommand]:
+        """D emptied a round of a window; the write waiting for its half goes on. One for a transfer not writing
+        in rounds (a late one) is dropped with a debug notice."""
+        fill = self.fills.get(message.transfer_id)
+        if fill is None:
+            return [Notice(f"late WindowEmptied({message.round}) for {message.transfer_id!r} from {self.ref}", "debug")]
+        commands = fill.emptied(message.round)
+        self._wake(message.transfer_id)
+        return commands
 
-    async def wait_emptied(self, transfer_id: str, index: int, timeout_s: float) -> None:
-        """Return once D emptied round `index` of `transfer_id`.
-
-        Raises:
-            PeerLost: the control connection closed first.
-            KVSvcTimeout: not within `timeout_s`.
-
-        Cancellation leaves nothing behind (the waiter is replaced by the next wait).
-        """
-        rounds = self.emptied.setdefault(transfer_id, set())
+    async def wait(self, fill: FillingWindow, clock: Callable[[], float]) -> None:
+        """Wait while `fill` waits for D to empty a half: until a frame or a lost connection changed its state, or
+        its deadline passed (then it fails, `FillingWindow.expire`). Cancellation leaves nothing behind."""
+        assert fill.deadline is not None
+        waiter = self.wakeups[fill.transfer_id] = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(timeout_s):
-                while index not in rounds:
-                    if self.gone:
-                        raise PeerLost(f"{self.ref}: {self.gone}")
-                    waiter = asyncio.get_running_loop().create_future()
-                    self.waiters[transfer_id] = waiter
-                    await waiter
+            async with asyncio.timeout(max(0.0, fill.deadline - clock())):
+                await waiter
         except TimeoutError:
-            raise KVSvcTimeout(
-                f"{self.ref} emptied no round {index} of {transfer_id!r}'s window within {timeout_s:g} s"
-            ) from None
+            fill.expire(fill.deadline)
+        finally:
+            if self.wakeups.get(fill.transfer_id) is waiter:
+                del self.wakeups[fill.transfer_id]
 
     def lose(self, reason: str) -> None:
-        """The control connection closed: every write waiting for a round fails with `PeerLost`."""
+        """The control connection closed: every write in rounds fails, once no round of it is on the wire."""
         self.gone = reason or "control connection closed"
-        for waiter in self.waiters.values():
-            if not waiter.done():
-                waiter.set_result(None)  # the waiting loop sees `gone`
-        self.waiters.clear()
+        for transfer_id, fill in self.fills.items():
+            fill.peer_lost(f"{self.ref}: {self.gone}")
+            self._wake(transfer_id)
+
+    def _wake(self, transfer_id: str) -> None:
+        waiter = self.wakeups.pop(transfer_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class BlockWriter:
@@ -134,7 +133,11 @@ class BlockWriter:
 
     def layer_wise(self, transfer_id: str, ready: Sequence[Awaitable[None]]) -> None:
         """Write `transfer_id` layer by layer: each local layer once its own future in `ready` resolved."""
-        self._layer_ready[transfer_id] = [asyncio.ensure_future(r) for r in ready]
+        # An engine's futures are awaited as they are; anything else is awaited by a task of the service's group.
+        self._layer_ready[transfer_id] = [
+            r if asyncio.isfuture(r) else self._ctx.tasks.spawn(_awaited(r), name=f"kvsvc-layer-{transfer_id}")
+            for r in ready
+        ]
 
     def forget_layers(self, ended: Callable[[str], bool]) -> None:
         """Drop the layer futures of the transfers for which `ended` is true."""
@@ -162,7 +165,7 @@ class BlockWriter:
             layers = self._layer_ready.get(command.transfer_id)
             if _in_rounds(command):
                 if layers is not None:  # rounds follow D's address order, not the layers: all of them first
-                    await asyncio.gather(*layers)
+                    await _computed(layers)
                 nbytes, ndesc = await self._write_rounds(target, command)
             elif layers is None:
                 table, unit = self._descriptors(target, command)
@@ -178,7 +181,11 @@ class BlockWriter:
                 command.transfer_id, command.dst.worker, "P service closed before the write finished", 0, 0
             )
             raise
-        except Exception as exc:  # a transport failure, a plan refused, a layer's compute that failed: all end the job
+        except (KVSvcError, ValueError) as exc:  # the transport, a plan or window refused, room, D's rounds
+            self._write_failed(command, exc, ndesc)
+            return
+        except Exception as exc:  # the engine's layer compute or copy failed, or a bug of ours: still ends the job
+            log.exception("write of %r to %s failed unexpectedly", command.transfer_id, command.dst)
             self._write_failed(command, exc, ndesc)
             return
         self._write_ended(command, None, nbytes, ndesc)
@@ -282,33 +289,42 @@ class BlockWriter:
         return await self._ctx.transport.write(target.meta.transport_addr, _tuples(table)), len(table)
 
     async def _write_rounds(self, target: WriteTarget, command: Submit) -> tuple[int, int]:
-        """Write a share larger than its window in rounds (module docstring); (bytes, descriptors).
+        """Write a share larger than its window in rounds, as its `FillingWindow` says (module docstring); (bytes,
+        descriptors).
 
         Raises:
             as `_stream` and `_write_once`; PeerLost / KVSvcTimeout: D did not empty a round in time;
             TransferAborted: the job was aborted (it stops at a round's start, once earlier rounds landed).
         """
         src, offset, length, _ = target.plans.stream(self._ctx.metadata, target.meta, command)
-        share = int(length.sum())
-        size, count = window_round_bytes(share, command.window_bytes), window_rounds(share, command.window_bytes)
-        transfer_id, nbytes, ndesc = command.transfer_id, 0, 0
-        target.emptied.setdefault(transfer_id, set())
+        transfer_id, clock = command.transfer_id, self._ctx.clock
+        timeout_s = self._ctx.config.hold_timeout_s
+        fill = FillingWindow(transfer_id, (src, offset, length), command.window_addr, command.window_bytes, timeout_s)
+        if target.gone:
+            fill.peer_lost(target.gone)
+        target.fills[transfer_id] = fill
+        nbytes = ndesc = 0
         try:
-            for index in range(count):
-                if index >= 2:
-                    await target.wait_emptied(transfer_id, index - 2, self._ctx.config.hold_timeout_s)
-                if index and not self._wanted(transfer_id, command.dst.worker):
-                    raise TransferAborted(f"{transfer_id!r} aborted after {index} of {count} rounds of D's window")
-                r_src, r_offset, r_length = stream_round(offset, src, length, index, size)
-                base = command.window_addr + (index % 2) * size
-                round_table = np.column_stack((r_src, base + r_offset, r_length))
-                written, submitted = await self._write_once(target, round_table, command)
-                nbytes, ndesc = nbytes + written, ndesc + submitted
-                if index < count - 1:
-                    target.send(WindowFilled(transfer_id=transfer_id, round=index))
+            while fill.state is not FillState.FILLED:
+                index = fill.next_round
+                if fill.state is FillState.WAITING:
+                    await target.wait(fill, clock)
+                elif fill.state is FillState.FAILED:
+                    raise _fill_error(fill.cause, fill.reason)
+                elif index and not self._wanted(transfer_id, command.dst.worker):
+                    fill.stop(f"{transfer_id!r} aborted after {index} of {fill.rounds} rounds of D's window")
+                else:
+                    r_src, r_dst, r_length = fill.round_pieces(index)
+                    table = np.column_stack((r_src, r_dst, r_length))
+                    written, submitted = await self._write_once(target, table, command)
+                    nbytes, ndesc = nbytes + written, ndesc + submitted
+                    for step in fill.landed(clock()):
+                        if isinstance(step, Announce):
+                            target.send(step.message)
+                        elif isinstance(step, Notice):
+                            notice(self._ctx, step)
         finally:
-            target.emptied.pop(transfer_id, None)
-            target.waiters.pop(transfer_id, None)
+            target.fills.pop(transfer_id, None)
         return nbytes, ndesc
 
     async def _write_staged(self, peer: str, chunks: list[StagedChunk]) -> tuple[int, int]:
@@ -378,13 +394,26 @@ class BlockWriter:
             per_layer = [table[layer == i] for i in range(len(layers))]
 
         async def one(layer: int) -> tuple[int, int]:
-            if is_cross_layer(meta):
-                await asyncio.gather(*layers)
-            else:
-                await layers[layer]
+            await _computed(layers if is_cross_layer(meta) else [layers[layer]])
             return await self._write_once(target, per_layer[layer], command) if len(per_layer[layer]) else (0, 0)
 
         return await _all_written(one(i) for i in range(len(layers)))
+
+
+async def _awaited(ready: Awaitable[None]) -> None:
+    await ready
+
+
+async def _computed(layers: Sequence[asyncio.Future[None]]) -> None:
+    """Wait for the compute of `layers`.
+
+    Raises:
+        TransferAborted: a layer's compute failed (the engine's error, named): the write cannot go on.
+    """
+    try:
+        await asyncio.gather(*layers)
+    except Exception as exc:
+        raise TransferAborted(f"the compute of a layer failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _tuples(table: Int64Array) -> list[tuple[int, int, int]]:
@@ -409,6 +438,15 @@ async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int
         raise failures[0]
     done = [r for r in results if isinstance(r, tuple)]
     return sum(n for n, _ in done), sum(d for _, d in done)
+
+
+def _fill_error(cause: FillEvent | None, reason: str) -> Exception:
+    """The error a failed write in rounds raises, by whose doing it failed (`kvsvc.windows.Fail`)."""
+    if cause is FillEvent.EXPIRE:
+        return KVSvcTimeout(reason)
+    if cause is FillEvent.STOP:
+        return TransferAborted(reason)
+    return PeerLost(reason)
 
 
 def _in_rounds(command: Submit) -> bool:

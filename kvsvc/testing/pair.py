@@ -29,6 +29,8 @@ from kvsvc.messages import (
     TransferDone,
     TransferFailed,
     TransferRequest,
+    WindowEmptied,
+    WindowFilled,
     Worker,
 )
 from kvsvc.planner import Descriptor, expected_destinations, plan_transfer, release_notifier, sources_of
@@ -37,23 +39,33 @@ from kvsvc.sender import Reply, SendCommand, Sender, Submit
 from kvsvc.staging import (
     RangeAllocator,
     StagingRule,
-    WindowPlan,
     count_runs,
     plan_staged,
     plan_window,
     region_ids,
-    stream_round,
     window_plan,
-    window_round_bytes,
-    window_rounds,
 )
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
+from kvsvc.windows import (
+    Announce,
+    Deliver,
+    Fail,
+    FillCommand,
+    FillingWindow,
+    FillState,
+    LentWindows,
+    Scatter,
+    TellP,
+    WindowCommand,
+    WindowKey,
+)
 
 ByteArray = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]
-ToP = TransferRequest | Release | Abort | ErrorMessage
-ToD = TransferDone | TransferFailed | ErrorMessage | Pong
+ToP = TransferRequest | Release | Abort | ErrorMessage | WindowEmptied
+ToD = TransferDone | TransferFailed | ErrorMessage | Pong | WindowFilled
+FillKey = tuple[Worker, Worker, str]  # (P worker, D worker, transfer id)
 _P_BASE, _D_BASE, _WINDOW_BASE = 1 << 44, 1 << 45, 1 << 46
 
 
@@ -70,15 +82,37 @@ class Envelope:
 
 @dataclass(frozen=True, slots=True)
 class Write:
-    """A `Submit` that P worker `p` handed to the simulated transport and that has not completed yet."""
+    """A `Submit` that P worker `p` handed to the simulated transport and that has not completed yet (for a share
+    written into D's window: its round `round`)."""
 
     p: Worker
     submit: Submit
     seq: int
+    round: int = 0
 
     @property
     def d(self) -> Worker:
         return self.submit.dst.worker
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterCopy:
+    """A scatter of one round of D worker `d`'s window (`key`) into its blocks, not run yet."""
+
+    d: Worker
+    key: WindowKey
+    command: Scatter
+    seq: int
+
+
+@dataclass(slots=True)
+class _Fill:
+    """P's write of one share into D's window: its rounds, and what the rounds so far moved."""
+
+    window: FillingWindow
+    submit: Submit
+    nbytes: int = 0
+    descriptors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +143,7 @@ class PairStatistics:
     descriptors: int = 0  # what the writes submitted (a staged write: one per run part)
     scatters: int = 0  # windows D scattered into its blocks
     windows_lent: int = 0  # windows lent now (0 when idle: anything else is a leak)
+    scatters_pending: int = 0  # round scatters not run yet
 
 
 @dataclass(slots=True)
@@ -137,10 +172,10 @@ class PeerPair:
 
     Faults (each None or a predicate; applied until reset): `drop`, `duplicate` and `hold_back` look at an
     `Envelope` when it is sent (a held-back one waits for `release_held`); `stall_write` and `fail_write` look at a
-    `Write` when it would run (a stalled one waits for `finish_stalled`). Links between a D and a P worker break
-    with `lose_connection` and come back with `reconnect`. `violations` lists every broken harness invariant: a
-    report on either side while a write may still touch its blocks, a failed receive not marking all its blocks
-    invalid.
+    `Write` when it would run (a stalled one waits for `finish_stalled`); `fail_scatter` at a `ScatterCopy`. Links
+    between a D and a P worker break with `lose_connection` and come back with `reconnect`. `violations` lists every
+    broken harness invariant: a report on either side while a write may still touch its blocks, a failed receive
+    not marking all its blocks invalid.
     """
 
     def __init__(
@@ -157,16 +192,19 @@ class PeerPair:
     ) -> None:
         """`staging`: stage the writes this rule picks, through a staging buffer of `staging_bytes` (in chunks of
         half of it, as the service does), instead of writing every planned descriptor. `windows`: each D worker
-        also has a staging region of `staging_bytes` and lends windows of it (`plan_window`), scattered when P's
-        done answer is delivered, as the D service does."""
+        also has a staging region of `staging_bytes` and lends windows of it (`plan_window`), which P fills and D
+        scatters round by round (`kvsvc.windows`), as the services do: the round frames cross the wire, and each
+        round's scatter is a step of its own."""
         self.clock = clock or FakeClock()
         self.staging, self.staging_bytes = staging, staging_bytes
         self.p = SimEngine("P", p, _P_BASE)
         self.d = SimEngine("D", d, _D_BASE)
-        # D's windows: a region per D worker, and the window lent per (transfer, D worker, P worker).
+        # D's windows: a region per D worker and its lent windows; P's writes into them.
         self._window_arenas: dict[Worker, ByteArray] = {}
         self._window_ranges: dict[Worker, RangeAllocator] = {}
-        self._windows: dict[tuple[str, Worker, Worker], tuple[int, WindowPlan]] = {}
+        self._lent: dict[Worker, LentWindows] = {}
+        self._fills: dict[FillKey, _Fill] = {}
+        self.fill_timeout_s = 60.0  # P's wait for D to empty a half (the service's hold timeout)
         if windows and staging is None:
             raise ValueError("windows need a staging rule")
         if windows:
@@ -175,6 +213,7 @@ class PeerPair:
                 self.d.metas[w] = msgspec.structs.replace(meta, staging_addr=addr, staging_size=staging_bytes)
                 self._window_arenas[w] = np.zeros(staging_bytes, dtype=np.uint8)
                 self._window_ranges[w] = RangeAllocator(staging_bytes)
+                self._lent[w] = LentWindows()
         if staging is not None:  # P publishes its region, as the service does: it gathers there
             for i, (w, meta) in enumerate(sorted(self.p.metas.items())):
                 addr = _WINDOW_BASE - (i + 1) * staging_bytes
@@ -189,6 +228,10 @@ class PeerPair:
         self.hold_back: Callable[[Envelope], bool] | None = None
         self.stall_write: Callable[[Write], bool] | None = None
         self.fail_write: Callable[[Write], bool] | None = None
+        self.fail_scatter: Callable[[ScatterCopy], bool] | None = None
+        # With an rng, `step` picks any pending message; `fifo` keeps each link's messages in order in each
+        # direction, as the control connection (TCP) does.
+        self.fifo = False
         self.history: list[ReportEntry] = []
         self.violations: list[str] = []
         self.undeliverable: list[Reply] = []
@@ -197,6 +240,7 @@ class PeerPair:
         self._held: list[Envelope] = []
         self._writes: list[Write] = []
         self._stalled: list[Write] = []
+        self._scatters: list[ScatterCopy] = []
         self._down: set[tuple[Worker, Worker]] = set()
         self._sends: dict[str, tuple[str, list[int], int]] = {}  # req_id -> (transfer_id, block ids, tokens)
         self._recvs: dict[str, tuple[str, list[int], int]] = {}
@@ -262,6 +306,8 @@ class PeerPair:
             self._run_p(worker, sender.expire(now))
         for worker, receiver in self.receivers.items():
             self._run_d(worker, receiver.expire(now))
+        for key, fill in list(self._fills.items()):
+            self._run_fill(key, fill.window.expire(now))
 
     def lose_connection(self, d: Worker, p: Worker) -> None:
         """The control connection between D worker `d` and P worker `p` breaks: its in-flight messages are lost,
@@ -269,6 +315,9 @@ class PeerPair:
         self._down.add((d, p))
         self._wire = [e for e in self._wire if (e.d, e.p) != (d, p)]
         self._held = [e for e in self._held if (e.d, e.p) != (d, p)]
+        for key, fill in list(self._fills.items()):
+            if key[:2] == (p, d):
+                self._run_fill(key, fill.window.peer_lost(f"connection to D{d} lost"))
         self._run_p(p, self.senders[p].peer_lost(self.d.ref(d)))
         receiver, reason = self.receivers[d], f"connection to P{p} lost"
         self._run_d(d, receiver.peer_lost(self.p.engine_id, p, reason, self.clock(), self.p.incarnation))
@@ -297,21 +346,32 @@ class PeerPair:
 
     @property
     def idle(self) -> bool:
-        """Nothing is on the wire and no write can run (held-back messages and stalled writes may remain)."""
-        return not self._wire and not self._writes
+        """Nothing is on the wire and no write or scatter can run (held-back messages and stalled writes may
+        remain)."""
+        return not self._wire and not self._writes and not self._scatters
 
     def step(self, rng: random.Random | None = None) -> bool:
-        """Deliver one message or run one write: the oldest, or a random one with `rng`. False when idle."""
+        """Deliver one message, run one write or one scatter: the oldest, or a random one with `rng`. False when
+        idle."""
         if self.idle:
             return False
-        pending: list[Envelope | Write] = [*self._wire, *self._writes]
+        wire = self._wire
+        if self.fifo and rng is not None:  # only the oldest message of each link and direction can be next
+            heads: dict[tuple[str, Worker, Worker], Envelope] = {}
+            for envelope in wire:
+                heads.setdefault((envelope.to, envelope.d, envelope.p), envelope)
+            wire = list(heads.values())
+        pending: list[Envelope | Write | ScatterCopy] = [*wire, *self._writes, *self._scatters]
         item = rng.choice(pending) if rng is not None else min(pending, key=lambda x: x.seq)
         if isinstance(item, Envelope):
             self._wire.remove(item)
             self._deliver(item)
-        else:
+        elif isinstance(item, Write):
             self._writes.remove(item)
             self._run_write(item)
+        else:
+            self._scatters.remove(item)
+            self._run_scatter(item)
         return True
 
     def run_until_idle(self, rng: random.Random | None = None, max_steps: int = 100_000) -> int:
@@ -341,13 +401,19 @@ class PeerPair:
                 entries.append(ReportEntry("P", worker, req_id, "finished_sending"))
         for worker, receiver in self.receivers.items():
             report = receiver.take_report()
+            if worker in self._lent:
+                report = self._lent[worker].hold_back(report)
             for req_id in report.finished | report.failed:
                 transfer_id = self._recvs[req_id][0] if req_id in self._recvs else None
-                busy = [
-                    w for w in [*self._writes, *self._stalled] if (w.d, w.submit.transfer_id) == (worker, transfer_id)
+                # A write into a window does not touch the blocks; the window's scatter does.
+                touching: list[Write | ScatterCopy] = [
+                    w
+                    for w in [*self._writes, *self._stalled]
+                    if (w.d, w.submit.transfer_id) == (worker, transfer_id) and not w.submit.window_bytes
                 ]
-                if busy:
-                    self.violations.append(f"D{worker} reported {req_id!r} while {len(busy)} write(s) may touch it")
+                touching += [c for c in self._scatters if (c.d, c.key[0]) == (worker, transfer_id)]
+                if touching:
+                    self.violations.append(f"D{worker} reported {req_id!r} while {len(touching)} write(s) may touch it")
             entries += [ReportEntry("D", worker, r, "finished") for r in sorted(report.finished)]
             entries += [ReportEntry("D", worker, r, "failed", report.reasons[r]) for r in sorted(report.failed)]
             for req_id in report.failed:
@@ -423,7 +489,8 @@ class PeerPair:
             writes_staged=c.writes_staged,
             descriptors=c.descriptors,
             scatters=c.scatters,
-            windows_lent=len(self._windows),
+            windows_lent=sum(len(lent) for lent in self._lent.values()),
+            scatters_pending=len(self._scatters),
         )
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -472,61 +539,88 @@ class PeerPair:
                 self._post("P", worker, command.src, self._windowed(worker, command.src, command.message))
             else:
                 self._post("P", worker, command.src, command.message)
-        if self._windows:
-            self._free_windows(worker)
+        self._tidy_windows(worker)
 
     def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
         """As the D service: a window for the share when the rule sends it through D and there is room."""
-        key = (request.transfer_id, d, p)
-        if key not in self._windows:
+        key, lent = (request.transfer_id, self.p.engine_id, p), self._lent[d]
+        window, req_id = lent.get(key), self.receivers[d].req_of(request.transfer_id)
+        if window is None and req_id is not None:
             assert self.staging is not None
             args = (request.block_ids, request.num_tokens, request.first_token, self.staging, self.staging_bytes // 2)
             plan = plan_window(self.p.metas[p], self.d.metas[d], *args)
             offset = self._window_ranges[d].allocate(plan.window_bytes) if plan is not None else None
             if plan is None or offset is None:
                 return request
-            self._windows[key] = (self.d.metas[d].staging_addr + offset, plan)
-        addr, plan = self._windows[key]
+            window = lent.lend(key, req_id, list(request.block_ids), self.d.metas[d].staging_addr + offset, plan)
+        if window is None or window.req_id != req_id:
+            return request
         return msgspec.structs.replace(
-            request, window_addr=addr, window_bytes=plan.window_bytes, share_bytes=plan.nbytes
+            request, window_addr=window.addr, window_bytes=window.plan.window_bytes, share_bytes=window.plan.nbytes
         )
 
-    def _scatter(self, d: Worker, p: Worker, transfer_id: str, index: int | None = None) -> None:
-        """D's scatter of round `index` of a window into its blocks (None: the last round, before P's done answer
-        reaches the `Receiver`)."""
-        window = self._windows.get((transfer_id, d, p))
-        if window is None:
-            return
-        addr, plan = window
-        size = window_round_bytes(plan.nbytes, plan.window_bytes)
-        if index is None:
-            index = -(-plan.nbytes // size) - 1
-            self._counts.scatters += 1
+    def _run_windows(self, d: Worker, key: WindowKey, commands: Sequence[WindowCommand]) -> None:
+        """Carry out D worker `d`'s window commands, as the D service does."""
+        for command in commands:
+            if isinstance(command, Scatter):
+                self._seq += 1
+                self._scatters.append(ScatterCopy(d, key, command, self._seq))
+            elif isinstance(command, TellP):
+                self._post("P", d, key[2], command.message)
+            elif isinstance(command, Deliver):
+                self._counts.scatters += command.scattered
+                self._run_d(d, self.receivers[d].receive(key[1], key[2], command.message))
+            else:
+                self.notices.append(command)
+
+    def _run_scatter(self, copy: ScatterCopy) -> None:
+        error = "injected scatter failure" if self.fail_scatter is not None and self.fail_scatter(copy) else None
+        if error is None:
+            self._scatter(copy.d, copy.command)
+        self._run_windows(copy.d, copy.key, self._lent[copy.d].scattered(copy.key, error))
+        self._tidy_windows(copy.d)
+
+    def _scatter(self, d: Worker, command: Scatter) -> None:
+        """D's copy of one round of a window into its blocks."""
         arena, base = self._window_arenas[d], self.d.metas[d].staging_addr
-        at = addr - base + (index % 2) * size
-        r_dst, r_offset, r_length = stream_round(plan.offset, plan.dst, plan.length, index, size)
-        for o, dst, n in zip(r_offset.tolist(), r_dst.tolist(), r_length.tolist(), strict=True):
+        for src, dst, n in zip(command.src.tolist(), command.dst.tolist(), command.length.tolist(), strict=True):
             span = self.d.span(d, dst, n)
-            self.d.arenas[d][span] = arena[at + o : at + o + n]
+            self.d.arenas[d][span] = arena[src - base : src - base + n]
             self._write_counts[d][span] += 1
 
-    def _free_windows(self, d: Worker) -> None:
-        for key, (addr, _) in list(self._windows.items()):
-            if key[1] == d and not self.receivers[d].waits_on(key[0], self.p.engine_id, key[2]):
-                del self._windows[key]
-                self._window_ranges[d].free(addr - self.d.metas[d].staging_addr)
+    def _tidy_windows(self, d: Worker) -> None:
+        lent = self._lent.get(d)
+        if lent is None or not lent.busy:
+            return
+        receiver = self.receivers[d]
+        for addr in lent.tidy(lambda key: receiver.waits_on(*key), receiver.ending):
+            self._window_ranges[d].free(addr - self.d.metas[d].staging_addr)
 
     def _deliver(self, envelope: Envelope) -> None:
-        """Hand a message to its protocol object, as the service's drivers do: `Sender.receive`, `Receiver.receive`."""
+        """Hand a message to its protocol object, as the service's drivers do: P's write in rounds or its `Sender`;
+        D's windows, which pass the rest on to its `Receiver`."""
         self._counts.delivered += 1
-        if envelope.to == "P":
+        message = envelope.message
+        if isinstance(message, WindowEmptied):
+            key = (envelope.p, envelope.d, message.transfer_id)
+            fill = self._fills.get(key)
+            if fill is None:
+                self.notices.append(Notice(f"late WindowEmptied({message.round}) of {message.transfer_id!r}", "debug"))
+                return
+            waiting = fill.window.state is FillState.WAITING
+            self._run_fill(key, fill.window.emptied(message.round))
+            if waiting and fill.window.state is FillState.FILLING:
+                self._next_round(key)
+        elif isinstance(message, TransferRequest | Release | Abort) or envelope.to == "P":
             ref, meta = self.d.ref(envelope.d), self.d.metas[envelope.d]
             sender, expected = self.senders[envelope.p], self._expected[envelope.p]
-            self._run_p(envelope.p, sender.receive(ref, meta, expected, envelope.message, self.clock()))
+            self._run_p(envelope.p, sender.receive(ref, meta, expected, message, self.clock()))
+        elif envelope.d in self._lent:
+            window_key = (getattr(message, "transfer_id", ""), self.p.engine_id, envelope.p)
+            commands = self._lent[envelope.d].receive(self.p.engine_id, envelope.p, message)
+            self._run_windows(envelope.d, window_key, commands)
         else:
-            if isinstance(envelope.message, TransferDone):
-                self._scatter(envelope.d, envelope.p, envelope.message.transfer_id)
-            self._run_d(envelope.d, self.receivers[envelope.d].receive(self.p.engine_id, envelope.p, envelope.message))
+            self._run_d(envelope.d, self.receivers[envelope.d].receive(self.p.engine_id, envelope.p, message))
 
     def _run_write(self, write: Write) -> None:
         if self.stall_write is not None and self.stall_write(write):
@@ -543,8 +637,6 @@ class PeerPair:
         dst = np.fromiter((d.dst_addr for d in plan), dtype=np.int64, count=len(plan))
         length = np.fromiter((d.length for d in plan), dtype=np.int64, count=len(plan))
         nbytes = int(length.sum())
-        if write.submit.window_bytes:
-            return self._copy_window(write, src, dst, length)
         regions = pool_regions(self.d.metas[write.d])
         region = region_ids(dst, [start for start, _ in regions])
         if self.staging is None or not self.staging.stage(len(plan), count_runs(dst, length, region), nbytes):
@@ -574,42 +666,10 @@ class PeerPair:
             count += chunk.write_dst.size
         return nbytes, count
 
-    def _copy_window(self, write: Write, src: IntArray, dst: IntArray, length: IntArray) -> tuple[int, int]:
-        """P's write of its share into D's window, as `BlockWriter` does: one descriptor per source run in the
-        stream, or one per chunk when P's rule gathers it; a share larger than the window in rounds, each but the
-        last scattered by D at once (as if `WindowFilled` and `WindowEmptied` crossed the wire without delay)."""
-        submit, nbytes = write.submit, int(length.sum())
-        share = submit.share_bytes or submit.window_bytes
-        if nbytes != share:
-            self.violations.append(f"D planned a share of {share} bytes, P writes {nbytes}")
-            return nbytes, 0
-        src_region = region_ids(src, [start for start, _ in pool_regions(self.p.metas[write.p])])
-        w_src, w_offset, w_len = window_plan(src, dst, length, 0, src_region)
-        arena, base = self._window_arenas[write.d], self.d.metas[write.d].staging_addr
-        size, rounds = window_round_bytes(share, submit.window_bytes), window_rounds(share, submit.window_bytes)
-        assert self.staging is not None
-        chunk, count = max(1, self.staging_bytes // 2), 0
-        for index in range(rounds):
-            r_src, r_offset, r_len = stream_round(w_offset, w_src, w_len, index, size)
-            at = submit.window_addr - base + (index % 2) * size
-            for s, o, n in zip(r_src.tolist(), r_offset.tolist(), r_len.tolist(), strict=True):
-                if at + o < 0 or at + o + n > arena.size:
-                    self.violations.append(f"window write [{at + o}, +{n}) outside D{write.d}'s staging region")
-                    continue
-                arena[at + o : at + o + n] = self.p.arenas[write.p][self.p.span(write.p, s, n)]
-            part = int(r_len.sum())
-            if self.staging.stage(r_src.size, -(-part // chunk), part):
-                self._counts.writes_staged += 1
-                count += -(-part // chunk)
-            else:
-                count += int(r_src.size)
-            if index < rounds - 1:
-                self._scatter(write.d, write.p, submit.transfer_id, index)
-        return nbytes, count
-
     def _complete(self, write: Write, error: str | None) -> None:
-        submit, nbytes, count = write.submit, 0, 0
-        if error is None:
+        submit, key = write.submit, (write.p, write.d, write.submit.transfer_id)
+        plan: list[Descriptor] = []
+        if error is None and key not in self._fills:
             try:
                 plan = plan_transfer(
                     self.p.metas[write.p],
@@ -621,11 +681,97 @@ class PeerPair:
                 )
             except (TopologyError, ValueError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            else:
-                nbytes, count = self._copy(write, plan)
-                self._counts.descriptors += count
+        if error is not None:
+            fill = self._fills.pop(key, None)
+            self._end_write(write, error, 0, fill.descriptors if fill is not None else 0)
+        elif submit.window_bytes:
+            self._write_round(write, plan)
+        else:
+            self._end_write(write, None, *self._copy(write, plan))
+
+    def _end_write(self, write: Write, error: str | None, nbytes: int, count: int) -> None:
         if error is None:
+            self._counts.descriptors += count
             self._counts.writes_done += 1
         else:
             self._counts.writes_failed += 1
-        self._run_p(write.p, self.senders[write.p].write_result(submit.transfer_id, write.d, error, nbytes, count))
+        transfer_id = write.submit.transfer_id
+        self._run_p(write.p, self.senders[write.p].write_result(transfer_id, write.d, error, nbytes, count))
+
+    # -- P's writes into D's windows ---------------------------------------------------------------------------
+
+    def _write_round(self, write: Write, plan: list[Descriptor]) -> None:
+        """One round of P's write of its share into D's window, as `BlockWriter` does (a share that fits is one
+        round): one descriptor per source run in the stream, or one per chunk when P's rule gathers it. The first
+        round starts its `FillingWindow` from `plan`."""
+        submit, key = write.submit, (write.p, write.d, write.submit.transfer_id)
+        if key not in self._fills:
+            src, dst, length = (np.fromiter((d[i] for d in plan), dtype=np.int64, count=len(plan)) for i in range(3))
+            share, nbytes = submit.share_bytes or submit.window_bytes, int(length.sum())
+            if nbytes != share:
+                self.violations.append(f"D planned a share of {share} bytes, P writes {nbytes}")
+                self._end_write(write, f"D planned a share of {share} bytes, P writes {nbytes}", 0, 0)
+                return
+            src_region = region_ids(src, [start for start, _ in pool_regions(self.p.metas[write.p])])
+            stream = window_plan(src, dst, length, 0, src_region)
+            window = FillingWindow(key[2], stream, submit.window_addr, submit.window_bytes, self.fill_timeout_s)
+            if (write.d, write.p) in self._down:
+                window.peer_lost(f"connection to D{write.d} lost")
+            self._fills[key] = _Fill(window, submit)
+        fill = self._fills[key]
+        window = fill.window
+        if (
+            window.state is FillState.FILLING
+            and window.next_round
+            and not self.senders[write.p].writing(key[2], key[1])
+        ):
+            why = f"{key[2]!r} aborted after {window.next_round} of {window.rounds} rounds of D's window"
+            self._run_fill(key, window.stop(why))
+        if window.state is not FillState.FILLING:
+            return
+        fill.nbytes += self._fill_round(write, window)
+        fill.descriptors += self._round_descriptors(window)
+        self._run_fill(key, window.landed(self.clock()))
+        if window.state is FillState.FILLING:
+            self._next_round(key)
+        elif window.state is FillState.FILLED:
+            del self._fills[key]
+            self._end_write(write, None, fill.nbytes, fill.descriptors)
+
+    def _fill_round(self, write: Write, window: FillingWindow) -> int:
+        """Copy round `window.next_round` from P's blocks into D's window; its bytes."""
+        arena, base = self._window_arenas[write.d], self.d.metas[write.d].staging_addr
+        r_src, r_dst, r_len = window.round_pieces(window.next_round)
+        for s, w, n in zip(r_src.tolist(), r_dst.tolist(), r_len.tolist(), strict=True):
+            if w < base or w + n > base + arena.size:
+                self.violations.append(f"window write [{w - base}, +{n}) outside D{write.d}'s staging region")
+                continue
+            arena[w - base : w - base + n] = self.p.arenas[write.p][self.p.span(write.p, s, n)]
+        return int(r_len.sum())
+
+    def _round_descriptors(self, window: FillingWindow) -> int:
+        """What a round costs the transport: its source runs, or one per chunk when P's rule gathers them."""
+        assert self.staging is not None
+        r_src, _, r_len = window.round_pieces(window.next_round)
+        chunk, part = max(1, self.staging_bytes // 2), int(r_len.sum())
+        if self.staging.stage(r_src.size, -(-part // chunk), part):
+            self._counts.writes_staged += 1
+            return -(-part // chunk)
+        return int(r_src.size)
+
+    def _next_round(self, key: FillKey) -> None:
+        """Queue the write of the next round, as the service's write loop goes on."""
+        fill = self._fills[key]
+        self._seq += 1
+        self._writes.append(Write(key[0], fill.submit, self._seq, fill.window.next_round))
+
+    def _run_fill(self, key: FillKey, commands: Sequence[FillCommand]) -> None:
+        """Carry out a `FillingWindow`'s commands, as the service's write loop does."""
+        for command in commands:
+            if isinstance(command, Announce):
+                self._post("D", key[1], key[0], command.message)
+            elif isinstance(command, Fail):
+                fill = self._fills.pop(key)
+                self._end_write(Write(key[0], fill.submit, 0), command.reason, 0, fill.descriptors)
+            else:
+                self.notices.append(command)

@@ -64,7 +64,8 @@ class MooncakeConfig:
     poll_interval_max_s: float = 0.05
     # While descriptors keep finishing, poll every `fine_poll_interval_s` through a timerfd instead of the loop's
     # 1 ms timers (None turns it off); `fine_poll_bytes` limits that to the tail of a burst (at most this many bytes
-    # in flight; None: any amount). Why a whole burst: docs/decisions.md 47.
+    # in flight; None: any amount). Why a whole burst: docs/decisions.md, "Completion polling naps short while
+    # bytes move".
     fine_poll_interval_s: float | None = 0.0001
     fine_poll_bytes: int | None = None
     submit_chunk: int = 256  # descriptors submitted (12-16 us each, docs/mooncake.md) between yields to the loop

@@ -91,7 +91,7 @@ async def test_p_fills_at_most_two_rounds_ahead_of_ds_scatter(loopback_engines: 
     p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
     d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
     await _until(lambda: d.copies.scatters == 2)  # round 0 of each P worker's share
-    windows = list(d.services[(0, 0)]._receiving._windows.values())
+    windows = d.services[(0, 0)]._receiving._windows.lent_windows()
     await _until(lambda: all(len(w.queue) == 1 for w in windows))  # round 1 filled, waiting behind round 0
     await asyncio.sleep(0.3)  # room for a wrong round 2 to arrive
     assert len(windows) == 2 and all([m.round for m in w.queue] == [1] for w in windows)  # type: ignore[attr-defined]
@@ -236,10 +236,10 @@ async def test_an_aborted_request_stops_waiting_for_room(loopback_engines: Loopb
     await _until(lambda: d.copies.scatters == 2)
     d.start_recv("d2", "t2", p, [8, 9, 10, 11], TOKENS)
     receiving = d.services[(0, 0)]._receiving
-    await _until(lambda: len(receiving._waiting_room) == 2)  # both of t2's shares wait for room
+    await _until(lambda: receiving._windows.waiting_for_room == 2)  # both of t2's shares wait for room
     d.abort("d2")
     assert await d.wait("d2") == "failed"
-    assert receiving._waiting_room == {}
+    assert receiving._windows.waiting_for_room == 0
     d.copies.gate.set()
     assert await d.wait("d1") == "finished"
     d.check_received("t1", [0, 1, 2, 3], TOKENS)

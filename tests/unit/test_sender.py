@@ -224,7 +224,8 @@ def test_d_abort_before_asking_counts_that_d_worker_as_served() -> None:
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
     sender.write_result("t1", D0.worker, None)
-    # Answered at once: no write for D1 ever ran, so D may free its blocks (the fence of decision 49).
+    # Answered at once: no write for D1 ever ran, so D may free its blocks (the fence of docs/decisions.md, "After a
+    # lost connection, D's blocks wait for proof").
     assert replies(sender.remote_abort(D1, "t1", "aborted by D")) == [(D1, TransferFailed)]
     assert sender.take_finished() == {"r1"}
 

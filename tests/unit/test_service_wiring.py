@@ -26,6 +26,7 @@ from kvsvc.messages import (
     HelloRefused,
     Message,
     TransferRequest,
+    WindowFilled,
     WorkerMetadata,
     encode,
 )
@@ -120,6 +121,22 @@ async def test_a_transfer_moves_every_byte_and_reports_once_on_each_side(pair: t
         assert block_bytes_of(d, layer, 1) == block_bytes_of(p, layer, 4)
     assert p.service.get_finished().is_empty() and d.service.get_finished().is_empty()
     assert p.service.statistics().holds == 0 and d.service.statistics().holds == 0
+
+
+async def test_a_late_window_round_reaching_a_d_with_no_window_lent_is_dropped_not_a_protocol_error(
+    pair: tuple[Side, Side, str],
+) -> None:
+    p, d, url = pair
+    p.service.start_send("p-req", "t1", [3], BLOCK)
+    d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK)
+    await wait_output(d.service, "finished_recving", "d-req")
+    (inbound,) = p.service._sending._inbound.values()  # P's end of D's control connection
+    inbound.channel.send(WindowFilled(transfer_id="t1", round=0))  # as if P's round arrived after D gave it back
+    p.service.start_send("p-req2", "t2", [4], BLOCK)  # the connection keeps order: t2's answer follows the round
+    d.service.start_recv("d-req2", "t2", "prefill", url, [10], BLOCK)
+    out = await wait_output(d.service, "finished_recving", "d-req2")
+    assert out.failed_recving is None
+    assert d.service.statistics().protocol_errors == 0 and p.service.statistics().protocol_errors == 0
 
 
 async def test_repeated_start_calls_change_nothing(pair: tuple[Side, Side, str]) -> None:

@@ -1,0 +1,205 @@
+"""D's windows, `WindowLender`: lends windows of the staging region for the requests the staging rule sends through D,
+and carries out the window-round protocol (`kvsvc.windows.LentWindows`) on them.
+
+Rules: the protocol's decisions live in `kvsvc.windows`; this module decides only where a window's bytes come from
+(the staging region, at once or after a wait of at most `window_wait_s`, else the request goes without one) and
+carries out the commands: each scatter is a task of the service's `TaskGroup`, and its end goes back to
+`LentWindows.scattered`. Every frame from a P worker passes through `on_p_message` before the `Receiver` sees it. A
+window goes back once the receive from its P worker ended and no scatter reads it (`tidy`); a failed receive whose
+window a scatter still copies into is reported only after that copy (`hold_back`). Part of the D role
+(`kvsvc.service.receiving` owns it); never imports the P role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace as replace_plan
+
+from msgspec.structs import replace
+
+from kvsvc.layout import block_geometry
+from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata
+from kvsvc.planner import is_block_run
+from kvsvc.receiver import Receiver, RecvReport
+from kvsvc.service.context import ServiceContext, notice
+from kvsvc.service.staging import StagingArea, StagingFull
+from kvsvc.staging import WindowPlan, plan_window
+from kvsvc.windows import Deliver, LentWindow, LentWindows, Scatter, TellP, WindowCommand, WindowKey
+
+_WINDOW_PLAN_CACHE_ENTRIES = 1024
+
+Send = Callable[[str, Worker, Message], None]
+"""`(P engine, P worker, message)`: a frame for that P worker's control connection (dropped, or kept for the
+connection, by the receiving role)."""
+
+
+class WindowLender:
+    """The windows of one D worker (see module docstring). `send` reaches a P worker's control connection;
+    `deliver` hands P's answer to the `Receiver` and carries out what it returns."""
+
+    def __init__(self, ctx: ServiceContext, receiver: Receiver, send: Send, deliver: Send) -> None:
+        self._ctx = ctx
+        self._receiver = receiver
+        self._send = send
+        self._deliver = deliver
+        self._windows = LentWindows()
+        # Requests that wait for room for a window: the receive's req_id and the task that sends them.
+        self._waiting_room: dict[WindowKey, tuple[str, asyncio.Task[None]]] = {}
+        # (P engine, incarnation, P worker, D blocks, tokens) -> the window plan of D blocks 0.. (None: no window)
+        self._plans: dict[tuple[str, str, Worker, int, int], WindowPlan | None] = {}
+
+    @property
+    def busy(self) -> bool:
+        """Whether any window is lent or waited for (else `tidy` and `hold_back` have nothing to do)."""
+        return self._windows.busy or bool(self._waiting_room)
+
+    @property
+    def waiting_for_room(self) -> int:
+        """Requests that wait for room for their window."""
+        return len(self._waiting_room)
+
+    def lent_windows(self) -> list[LentWindow]:
+        """The windows lent now, for inspection (tests, admin)."""
+        return list(self._windows)
+
+    # -- lending -----------------------------------------------------------------------------------------------
+
+    def windowed(self, p: WorkerMetadata, request: TransferRequest) -> TransferRequest | None:
+        """`request` with a window of the staging region, when the staging rule sends P's share through one and
+        there is room now; `request` as it is when the rule does not (P writes the blocks, directly or gathered);
+        None when the request waits for room (a task sends it then)."""
+        area = self._ctx.staging
+        if area is None or area.scatter is None:
+            return request
+        key = (request.transfer_id, p.engine_id, p.worker)
+        req_id = self._receiver.req_of(request.transfer_id)
+        waiting = self._waiting_room.get(key)
+        if waiting is not None:
+            if waiting[0] == req_id:
+                return None  # a repeat while the first waits for room: that one goes out
+            waiting[1].cancel()  # an ended receive's request, the transfer id started again: this one goes
+            del self._waiting_room[key]
+        window = self._windows.get(key)
+        if window is None and req_id is not None:
+            plan = self._plan(p, request, area)
+            if plan is None:
+                return request
+            addr = area.try_lend(plan.window_bytes)
+            if addr is None and self._ctx.config.window_wait_s > 0:
+                task = self._ctx.tasks.spawn(
+                    self._ask_when_room(key, request, req_id, plan), name=f"kvsvc-window-{req_id}"
+                )
+                self._waiting_room[key] = (req_id, task)
+                return None
+            if addr is None:
+                return request
+            window = self._windows.lend(key, req_id, request.block_ids, addr, plan)
+        if window is None or window.req_id != req_id:
+            return request  # the transfer id again while an earlier receive's window is still being scattered
+        return _with_window(request, window.addr, window.plan)
+
+    async def _ask_when_room(self, key: WindowKey, request: TransferRequest, req_id: str, plan: WindowPlan) -> None:
+        """Wait up to `window_wait_s` for room for `request`'s window, then ask P, with the window or without it.
+        Nothing is asked if the receive ended or is being aborted meanwhile (P answers its abort alone); the wait
+        is cancelled then (`tidy`), which leaves nothing lent."""
+        area = self._ctx.staging
+        assert area is not None
+        addr: int | None = None
+        try:
+            addr = await area.lend(plan.window_bytes, self._ctx.config.window_wait_s)
+        except StagingFull:
+            pass
+        finally:
+            if self._waiting_room.get(key, ("", None))[1] is asyncio.current_task():
+                del self._waiting_room[key]
+        transfer_id = request.transfer_id
+        receiver = self._receiver
+        if receiver.req_of(transfer_id) != req_id or receiver.ending(transfer_id) or not receiver.waits_on(*key):
+            if addr is not None:
+                area.give_back(addr)
+            return
+        if addr is not None:
+            self._windows.lend(key, req_id, request.block_ids, addr, plan)
+            request = _with_window(request, addr, plan)
+        self._send(key[1], key[2], request)
+
+    def _plan(self, p: WorkerMetadata, request: TransferRequest, area: StagingArea) -> WindowPlan | None:
+        """`plan_window`, from a cache when D's blocks for the tokens are one run of consecutive ids and D holds no
+        prefix: the plan of the run starting at block 0, its destinations shifted (as P's plan cache does)."""
+        d, ids, tokens = self._ctx.metadata, request.block_ids, request.num_tokens
+        rule, max_bytes = area.rule, area.chunk_bytes
+        count = -(-tokens // d.block_size)
+        if request.first_token or not 0 < count <= len(ids) or not is_block_run(ids, count):
+            return plan_window(p, d, ids, tokens, request.first_token, rule, max_bytes)
+        key = (p.engine_id, p.incarnation, p.worker, count, tokens)
+        if key in self._plans:
+            unit = self._plans[key]
+        else:
+            unit = plan_window(p, d, list(range(count)), tokens, 0, rule, max_bytes)
+            if len(self._plans) < _WINDOW_PLAN_CACHE_ENTRIES:
+                self._plans[key] = unit
+        if unit is None or ids[0] == 0:
+            return unit
+        return replace_plan(unit, dst=unit.dst + ids[0] * block_geometry(d).block_stride)
+
+    # -- the rounds --------------------------------------------------------------------------------------------
+
+    def on_p_message(self, engine_id: str, src: Worker, message: Message) -> None:
+        """A frame from P worker `src`: the window protocol takes it first (`LentWindows.receive`)."""
+        key = (getattr(message, "transfer_id", ""), engine_id, src)
+        self._carry_out(key, self._windows.receive(engine_id, src, message))
+
+    def _carry_out(self, key: WindowKey, commands: list[WindowCommand]) -> None:
+        _, engine_id, src = key
+        for command in commands:
+            if isinstance(command, Scatter):
+                self._ctx.tasks.spawn(self._scatter(key, command), name=f"kvsvc-scatter-{key[0]}")
+            elif isinstance(command, TellP):
+                self._send(engine_id, src, command.message)
+            elif isinstance(command, Deliver):
+                if command.scattered:
+                    self._ctx.counts["scattered"] += 1
+                self._deliver(engine_id, src, command.message)
+            else:
+                notice(self._ctx, command)
+
+    async def _scatter(self, key: WindowKey, command: Scatter) -> None:
+        """Copy one round of a window into the blocks; its end goes back to the protocol. Cancelled (only by
+        `close`), it leaves the window lent: the region is not used after close."""
+        area = self._ctx.staging
+        assert area is not None and area.scatter is not None
+        error: str | None = None
+        try:
+            await area.scatter(command.src, command.dst, command.length)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an embedder's copy: whatever it raises fails this receive, not the service
+            error = f"{type(exc).__name__}: {exc}"
+        self._carry_out(key, self._windows.scattered(key, error))
+        self.tidy()
+        self._ctx.changed()  # a failed receive held back for this scatter may be reported now
+
+    # -- ending ------------------------------------------------------------------------------------------------
+
+    def tidy(self) -> None:
+        """Stop the waits for room of receives that ended or are being aborted (they would hold the region's line
+        for nothing), mark the windows of ending receives, and give back the windows nothing needs any more."""
+        receiver = self._receiver
+        for key, (req_id, task) in list(self._waiting_room.items()):
+            if receiver.req_of(key[0]) != req_id or receiver.ending(key[0]):
+                task.cancel()
+                del self._waiting_room[key]
+        if self._windows:
+            area = self._ctx.staging
+            assert area is not None
+            for addr in self._windows.tidy(lambda key: receiver.waits_on(*key), receiver.ending):
+                area.give_back(addr)
+
+    def hold_back(self, report: RecvReport) -> RecvReport:
+        """`report` less the failed receives that a scatter still copies into (`LentWindows.hold_back`)."""
+        return self._windows.hold_back(report)
+
+
+def _with_window(request: TransferRequest, addr: int, plan: WindowPlan) -> TransferRequest:
+    return replace(request, window_addr=addr, window_bytes=plan.window_bytes, share_bytes=plan.nbytes)
