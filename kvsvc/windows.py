@@ -54,8 +54,8 @@ class ScatterEvent(Enum):
 
 class ScatterEffect(Enum):
     SCATTER = "scatter"  # copy the round's half of the window into the blocks
-    EMPTY = "empty"  # the next round is done with: tell P its half is free (`WindowEmptied`)
-    EMPTY_AGAIN = "empty_again"  # tell P again that a round it repeated is emptied
+    EMPTY = "empty"  # the next round is done with: tell P its half is free (`WindowEmptied`), if P writes it again
+    EMPTY_AGAIN = "empty_again"  # tell P again that a round it repeated is emptied (the same if)
     DELIVER = "deliver"  # hand P's answer on to the `Receiver`
     DELIVER_FAILED = "deliver_failed"  # hand the `Receiver` a failure in the answer's place, saying why
     PROTOCOL_ERROR = "protocol_error"  # log it and count it; the frame is dropped
@@ -220,9 +220,9 @@ class LentWindow:
                 commands.append(self._scatter(index))
             elif effect is SF.EMPTY:
                 self.next_round += 1
-                commands.append(TellP(WindowEmptied(transfer_id=self.transfer_id, round=index)))
+                commands += self._tell_emptied(index)
             elif effect is SF.EMPTY_AGAIN:
-                commands.append(TellP(WindowEmptied(transfer_id=self.transfer_id, round=index)))
+                commands += self._tell_emptied(index)
             elif effect is SF.DELIVER:  # P's answer; with no frame, the one held while the last round scattered
                 answer = message if message is not None else self.answer
                 assert answer is not None
@@ -235,6 +235,13 @@ class LentWindow:
             elif effect is SF.LATE:
                 commands.append(Notice(f"late round {index} of {self.transfer_id!r} from P{self.src}", "debug"))
         return commands
+
+    def _tell_emptied(self, index: int) -> list[WindowCommand]:
+        """`WindowEmptied(index)` for P, when P writes that half again (round index + 2 exists); P's last two rounds
+        free halves nobody waits for."""
+        if index + 2 >= self.rounds:
+            return []
+        return [TellP(WindowEmptied(transfer_id=self.transfer_id, round=index))]
 
     def _why(self, event: ScatterEvent) -> str:
         if event is ScatterEvent.DONE_EARLY:

@@ -281,7 +281,8 @@ class ReceivingRole:
             self._ctx.recv_durations.observe(now - started)
 
     def _run_recv(self, commands: Sequence[RecvCommand]) -> None:
-        """Carry out what the `Receiver` decided on its last event (the one place the D role signals a change)."""
+        """Carry out what the `Receiver` decided on its last event, and signal the change (as `start_recv` does for a
+        new receive, and the lender for a scatter that ended)."""
         self._ctx.changed()
         for command in commands:
             if isinstance(command, Notice):
