@@ -13,7 +13,7 @@ window a scatter still copies into is reported only after that copy (`hold_back`
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace as replace_plan
 
 from msgspec.structs import replace
@@ -154,7 +154,7 @@ class WindowLender:
         _, engine_id, src = key
         for command in commands:
             if isinstance(command, Scatter):
-                self._ctx.tasks.spawn(self._scatter(key, command), name=f"kvsvc-scatter-{key[0]}")
+                self._scatter(key, command)
             elif isinstance(command, TellP):
                 self._send(engine_id, src, command.message)
             elif isinstance(command, Deliver):
@@ -164,14 +164,25 @@ class WindowLender:
             else:
                 notice(self._ctx, command)
 
-    async def _scatter(self, key: WindowKey, command: Scatter) -> None:
-        """Copy one round of a window into the blocks; its end goes back to the protocol. Cancelled (only by
-        `close`), it leaves the window lent: the region is not used after close."""
+    def _scatter(self, key: WindowKey, command: Scatter) -> None:
+        """Start copying one round of a window into the blocks now; a task of the service's group awaits the copy."""
         area = self._ctx.staging
         assert area is not None and area.scatter is not None
+        copy: Awaitable[None]
+        try:
+            copy = area.scatter(command.src, command.dst, command.length)
+        except Exception as exc:  # an embedder's copy that raises at the call: as if the copy failed
+            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            copy = failed
+        self._ctx.tasks.spawn(self._scattered(key, copy), name=f"kvsvc-scatter-{key[0]}")
+
+    async def _scattered(self, key: WindowKey, copy: Awaitable[None]) -> None:
+        """Wait for a round's copy; its end goes back to the protocol. Cancelled (only by `close`), it leaves the
+        window lent: the region is not used after close."""
         error: str | None = None
         try:
-            await area.scatter(command.src, command.dst, command.length)
+            await copy
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an embedder's copy: whatever it raises fails this receive, not the service
