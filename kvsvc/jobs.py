@@ -259,12 +259,3 @@ def table_markdown(table: Mapping[tuple[_State, _Event], tuple[_State, tuple[_Ef
         what = ", ".join(e.value for e in effects) or "—"
         rows.append(f"| {state.value} | {', '.join(e.value for e in events)} | {next_state.value} | {what} |")
     return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    from kvsvc.windows import FILL_TABLE, SCATTER_TABLE
-
-    print(f"Send job (P):\n\n{table_markdown(SEND_TABLE)}\n")
-    print(f"Receive job (D):\n\n{table_markdown(RECV_TABLE)}\n")
-    print(f"Filling a window (P):\n\n{table_markdown(FILL_TABLE)}\n")
-    print(f"A lent window (D):\n\n{table_markdown(SCATTER_TABLE)}")

@@ -20,7 +20,7 @@ def test_the_protocol_doc_shows_the_job_tables_as_the_code_has_them() -> None:
         "SCATTER_TABLE": SCATTER_TABLE,
     }
     for name, table in tables.items():
-        assert table_markdown(table) in text, f"docs/protocol.md is stale: paste `python -m kvsvc.jobs` ({name})"
+        assert table_markdown(table) in text, f"docs/protocol.md is stale: paste `python -m kvsvc.tables` ({name})"
 
 
 def test_no_doc_cites_a_file_outside_the_repository() -> None:
