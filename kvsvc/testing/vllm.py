@@ -129,6 +129,25 @@ def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process left in the process group `pgid` (none: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    """`pid`'s child processes, oldest first (from /proc; [] where it cannot be read)."""
+    found: list[tuple[int, int]] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append((int(fields[19]), int(entry.name)))  # start time, pid
+    return [child for _, child in sorted(found)]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine child. `kv_role` None starts a plain engine (no connector); otherwise kvsvc's connector."""
@@ -141,6 +160,9 @@ class EngineConfig:
     connector_module: str = "kvsvc.vllm"
     block_size: int = 32
     tensor_parallel_size: int = 1
+    # TP or PP above 1 runs the workers in processes of their own (vLLM's "mp" executor) as `WarmCPUWorker`s
+    # (`kvsvc.testing.vllm_worker`): vLLM's CPU backend needs their warm-up in eager mode.
+    pipeline_parallel_size: int = 1
     max_model_len: int = 4096
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 4096
@@ -210,13 +232,18 @@ class VllmEngine:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1:
+            # `stats` reads each worker process's kvsvc figures through vLLM's collective RPC, which sends a function.
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env.update(self.config.env)
         config = json.dumps({**asdict(self.config), "extra_config": dict(self.config.extra_config)})
+        # A process group of its own: a multiprocess engine's workers (TP or PP > 1) are reaped with it.
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvsvc.testing.vllm_engine", config, str(self.log_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
+            start_new_session=True,
         )
 
     @property
@@ -226,13 +253,14 @@ class VllmEngine:
         return self._proc.pid
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Ask the child to exit (the connector closes), then kill what is left. Idempotent."""
+        """Ask the child to exit (the connector closes), then kill what is left of its process group (a
+        multiprocess engine's shutdown can hang). Idempotent."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         if proc.poll() is None:
             with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGCONT)
                 assert proc.stdin is not None
                 proc.stdin.write(b'{"op": "exit", "id": 0}\n')
                 proc.stdin.flush()
@@ -241,23 +269,29 @@ class VllmEngine:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        _kill_group(proc.pid)
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 stream.close()
 
     def kill(self) -> None:
-        """SIGKILL the child (a crashed engine) and reap it."""
+        """SIGKILL the child and its workers (a crashed engine) and reap it."""
         if self._proc is not None:
-            self._proc.kill()
+            _kill_group(self._proc.pid)
             self._proc.wait()
 
     def freeze(self) -> None:
-        """SIGSTOP the child: the engine and its kvsvc threads stop answering."""
-        os.kill(self.pid, signal.SIGSTOP)
+        """SIGSTOP the child and its workers: the engine and its kvsvc threads stop answering."""
+        os.killpg(self.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        """SIGCONT a frozen child."""
-        os.kill(self.pid, signal.SIGCONT)
+        """SIGCONT a frozen child and its workers."""
+        os.killpg(self.pid, signal.SIGCONT)
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of a multiprocess engine's worker processes (children of the engine's process), in the
+        order vLLM started them (rank order); [] for a one-process engine."""
+        return _children(self.pid)
 
     def __enter__(self) -> VllmEngine:
         return self.start()
@@ -309,10 +343,11 @@ class VllmEngine:
         finish reason "abort" (the engine applies it between two steps)."""
         self._wait_reply(self._send({"op": "abort", "call": call_id, "indexes": list(indexes)}), timeout_s)
 
-    def stats(self, timeout_s: float = 30.0) -> dict[str, Any]:
+    def stats(self, timeout_s: float = 30.0, *, workers: bool = False) -> dict[str, Any]:
         """The engine's connector and scheduler figures (see `kvsvc.testing.vllm_engine`); answered even while a
-        generation runs."""
-        stats: dict[str, Any] = self._wait_reply(self._send({"op": "stats"}), timeout_s)["stats"]
+        generation runs. A multiprocess engine's workers' kvsvc figures come with `workers`, which asks each worker
+        process over vLLM's RPC: only while the engine runs no generation."""
+        stats: dict[str, Any] = self._wait_reply(self._send({"op": "stats", "workers": workers}), timeout_s)["stats"]
         return stats
 
     def settle(self, timeout_s: float = 60.0) -> dict[str, Any]:

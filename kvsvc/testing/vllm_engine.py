@@ -42,7 +42,7 @@ class _Engine:
         if config["kv_role"] is not None:
             transfer = KVTransferConfig(
                 kv_connector=config["connector"],
-                kv_connector_module_path=config["connector_module"],
+                kv_connector_module_path=config["connector_module"] or None,
                 kv_role=config["kv_role"],
                 kv_load_failure_policy=config["kv_load_failure_policy"],
                 kv_connector_extra_config=config["extra_config"],
@@ -56,6 +56,7 @@ class _Engine:
             enforce_eager=True,
             block_size=config["block_size"],
             tensor_parallel_size=config["tensor_parallel_size"],
+            **_parallel(config["tensor_parallel_size"], config["pipeline_parallel_size"]),
             max_model_len=config["max_model_len"],
             max_num_seqs=config["max_num_seqs"],
             max_num_batched_tokens=config["max_num_batched_tokens"],
@@ -144,7 +145,7 @@ class _Engine:
             "free_blocks": pool.get_num_free_blocks(),
             "total_blocks": pool.num_gpu_blocks,
         }
-        connector = scheduler.connector
+        connector = _kvsvc_of(scheduler.connector)
         if connector is not None and getattr(connector, "_scheduler", None) is not None:
             figures["flow"] = dataclasses.asdict(connector._scheduler.flow.statistics())
         found: list[dict[str, Any] | None] = []
@@ -164,14 +165,42 @@ class _Engine:
         return list(runner.kv_caches)
 
 
+def _kvsvc_of(connector: Any) -> Any:
+    """kvsvc's connector: `connector` itself, or its child when it is vLLM's `MultiConnector` (None if neither)."""
+    from kvsvc.vllm import KvsvcConnector
+
+    if isinstance(connector, KvsvcConnector):
+        return connector
+    return next((c for c in getattr(connector, "_connectors", ()) if isinstance(c, KvsvcConnector)), None)
+
+
+def _parallel(tp_size: int, pp_size: int) -> dict[str, Any]:
+    """`LLM` arguments for a multiprocess engine (TP or PP above 1): vLLM's multiprocess executor and the worker that
+    runs the warm-up eager mode skips (`kvsvc.testing.vllm_worker`)."""
+    if tp_size * pp_size == 1:
+        return {}
+    from kvsvc.testing.vllm_worker import WORKER_CLS
+
+    return {"pipeline_parallel_size": pp_size, "distributed_executor_backend": "mp", "worker_cls": WORKER_CLS}
+
+
 def _worker_statistics(_worker: Any) -> dict[str, Any] | None:
     """The kvsvc service statistics of the worker-side connector of this process (run in each worker)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
         return None
-    side = getattr(get_kv_transfer_group(), "_worker", None)
-    return dataclasses.asdict(side.statistics()) if side is not None else None
+    side = getattr(_kvsvc_of(get_kv_transfer_group()), "_worker", None)
+    if side is None or side.metadata is None:
+        return None
+    figures: dict[str, Any] = dataclasses.asdict(side.statistics())
+    figures.update(
+        pp_rank=side.metadata.pp_rank,
+        tp_rank=side.metadata.tp_rank,
+        reported_sending=side.reported_sending,
+        reported_recving=side.reported_recving,
+    )
+    return figures
 
 
 def main() -> None:
@@ -217,7 +246,7 @@ def main() -> None:
             break
         if call["op"] == "stats":
             try:
-                engine.reply({"id": call["id"], "stats": engine.stats()})
+                engine.reply({"id": call["id"], "stats": engine.stats(workers=call.get("workers", False))})
             except Exception as exc:
                 engine.reply({"id": call["id"], "error": f"stats failed: {type(exc).__name__}: {exc}"})
         elif call["op"] == "abort":

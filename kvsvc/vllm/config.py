@@ -62,6 +62,24 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.control_token is not None and self.control_token_file is not None:
             raise ValueError("kv_connector_extra_config: give control_token or control_token_file, not both")
 
+    def bootstrap_port_of(self, dp_rank: int) -> int:
+        """The port the handshake endpoint of data-parallel rank `dp_rank` binds: each DP rank is an engine of its own
+        (vLLM names it `<engine_id>_dp<rank>`), with an endpoint of its own, so a fixed `bootstrap_port` is rank 0's
+        and rank r takes the port r above it; 0 stays 0 (every rank picks a free port).
+
+        Raises:
+            ValueError: the rank's port would pass 65535.
+        """
+        if not self.bootstrap_port:
+            return 0
+        port = self.bootstrap_port + dp_rank
+        if port > 65535:
+            raise ValueError(
+                f"kv_connector_extra_config['bootstrap_port'] {self.bootstrap_port} plus data parallel rank {dp_rank} "
+                f"is {port}, past 65535"
+            )
+        return port
+
     @property
     def advertised_host(self) -> str:
         """The host in the bootstrap address P hands to D.

@@ -122,7 +122,10 @@ class KvsvcConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._config, engine_id, block_size)
+            # With data parallelism each rank's engine core is an engine of its own: vLLM has made its engine id
+            # `<id>_dp<rank>`, and its handshake endpoint gets a port of its own.
+            dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank)
             return
         parallel, model = vllm_config.parallel_config, vllm_config.model_config
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group

@@ -35,9 +35,14 @@ class SchedulerSide:
     step that computes its prompt.
     """
 
-    def __init__(self, config: ConnectorConfig, engine_id: str, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, engine_id: str, block_size: int, dp_rank: int = 0) -> None:
+        """`dp_rank`: this engine core's data-parallel rank (its endpoint's port, `bootstrap_port_of`).
+
+        Raises:
+            ValueError: as `ConnectorConfig.bootstrap_port_of`.
+        """
         self._config = config
-        self._endpoint = BootstrapEndpoint(config.bootstrap_host, config.bootstrap_port)
+        self._endpoint = BootstrapEndpoint(config.bootstrap_host, config.bootstrap_port_of(dp_rank))
         self.flow = SchedulerFlow(engine_id=engine_id, bootstrap_addr="", block_size=block_size)
         self._requests: dict[str, Any] = {}  # P requests held from their prefill step, until it is scheduled
         self._kv_cache_manager: Any = None

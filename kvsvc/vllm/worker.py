@@ -146,6 +146,9 @@ class WorkerSide:
         self._seen_finished: set[str] = set()  # holding ids vLLM has reported finished
         self._invalid: set[int] = set()
         self._stats: dict[str, int] = {}
+        # Ids this worker reported to vLLM, over its life: a test checks that every worker of every PP stage reports.
+        self.reported_sending = 0
+        self.reported_recving = 0
         self._events: dict[int, Any] = {}  # this step's CUDA events per local layer, for layer-wise sends
 
     # -- start and stop ----------------------------------------------------------------------------------------
@@ -333,6 +336,8 @@ class WorkerSide:
             self._invalid.update(blocks)
         self._start_failures.clear()
         self._count(report.kv_connector_stats, results)
+        self.reported_sending += len(results.finished_sending)
+        self.reported_recving += len(results.finished_recving)
         return results
 
     def load_errors(self) -> set[int]:

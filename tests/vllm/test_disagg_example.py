@@ -1,8 +1,10 @@
-"""`examples/vllm_disagg/run.py` as a user runs it: two vLLM OpenAI servers with the connector, the proxy, and every
-answer checked against a single engine (the script exits non-zero on any difference)."""
+"""`examples/vllm_disagg/run.py` as a user runs it: vLLM OpenAI servers with the connector, the proxy, and every
+answer checked against a single engine (the script exits non-zero on any difference): one P and one D server; then P
+servers at pipeline parallel 2 and data parallel 2 beside each other and two D servers, taken in turn by the proxy."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,21 @@ def test_the_disaggregated_serving_example_answers_like_a_single_engine(tmp_path
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "OK: 8 answers through P and D equal a single engine's" in done.stdout
     assert "D received 8 transfers" in done.stdout
+
+
+def test_the_example_answers_like_a_single_engine_with_p_at_pp2_and_dp2_and_two_d_servers(tmp_path: Path) -> None:
+    layouts = ["--prefill", "pp2", "--prefill", "dp2", "--decode", "pp1", "--decode", "pp1"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--workdir", str(tmp_path), *layouts], capture_output=True, text=True, timeout=840
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "OK: 8 answers through P and D equal a single engine's" in done.stdout
+    assert "D received 8 transfers" in done.stdout
+    assert "chat" in done.stdout  # some answers came through /v1/chat/completions
+    # Each data-parallel rank of the DP 2 server is an engine of its own, and both served prefills.
+    served = set(re.findall(r"P engine (\S+?)\)", (tmp_path / "proxy.log").read_text()))
+    assert any(e.endswith("_dp0") for e in served) and any(e.endswith("_dp1") for e in served), served
+    assert any("_dp" not in e for e in served), served  # the PP 2 server
 
 
 def test_the_example_notices_when_d_gets_the_kv_of_another_model(tmp_path: Path) -> None:
