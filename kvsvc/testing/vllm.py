@@ -34,6 +34,8 @@ TINY_LLAMA = {
     "vocab_size": 1024,
 }
 REPLY = "KVSVC-ENGINE-REPLY "
+STAGING_ENV = "KVSVC_VLLM_STAGING_BYTES"
+"""When set, every kvsvc engine started here gets this `staging_bytes` unless its config names one."""
 
 
 class EngineError(RuntimeError):
@@ -236,7 +238,11 @@ class VllmEngine:
             # `stats` reads each worker process's kvsvc figures through vLLM's collective RPC, which sends a function.
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env.update(self.config.env)
-        config = json.dumps({**asdict(self.config), "extra_config": dict(self.config.extra_config)})
+        extra = dict(self.config.extra_config)
+        staging = os.environ.get(STAGING_ENV)
+        if staging is not None and self.config.kv_role is not None and self.config.connector == "KvsvcConnector":
+            extra.setdefault("staging_bytes", int(staging))  # a whole suite run with (or without) staging
+        config = json.dumps({**asdict(self.config), "extra_config": extra})
         # A process group of its own: a multiprocess engine's workers (TP or PP > 1) are reaped with it.
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvsvc.testing.vllm_engine", config, str(self.log_path)],

@@ -9,11 +9,13 @@ in a call is answered as `{"error": ...}`, never kills the child.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -21,6 +23,7 @@ from typing import Any, TextIO, cast
 
 from kvsvc.testing.vllm import REPLY
 
+SHUTDOWN_TIMEOUT_S = 30.0
 _EMPTY: dict[str, Any] = {
     "token_ids": [],
     "finish_reason": None,
@@ -179,8 +182,9 @@ def _parallel(tp_size: int, pp_size: int) -> dict[str, Any]:
     runs the warm-up eager mode skips (`kvsvc.testing.vllm_worker`)."""
     if tp_size * pp_size == 1:
         return {}
-    from kvsvc.testing.vllm_worker import WORKER_CLS
+    from kvsvc.testing.vllm_worker import WORKER_CLS, calm_waits
 
+    calm_waits()  # this process reads the workers' answers from vLLM's queues too
     return {"pipeline_parallel_size": pp_size, "distributed_executor_backend": "mp", "worker_cls": WORKER_CLS}
 
 
@@ -254,9 +258,15 @@ def main() -> None:
             engine.reply({"id": call["id"]})
         else:
             calls.put(call)
-    calls.put(None)
+    calls.put(None)  # stdin closed or "exit": the parent is done with this engine, or gone
     runner.join()
-    engine.llm.llm_engine.engine_core.shutdown()
+    # A multiprocess engine's shutdown can hang: give it a bounded while, then take the workers down with us.
+    closer = threading.Thread(target=engine.llm.llm_engine.engine_core.shutdown, name="shutdown", daemon=True)
+    closer.start()
+    closer.join(SHUTDOWN_TIMEOUT_S)
+    if os.getpgrp() == os.getpid():  # it leads its process group (`VllmEngine.launch`): the workers are in it
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

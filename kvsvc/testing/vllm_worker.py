@@ -9,8 +9,14 @@ dummy run, and two things then happen at the first real step instead:
   communicator sets itself up; on a 2-core host that stalls every process for tens of seconds, kvsvc's transfer
   threads in the other engines included (a first transfer then runs into its deadline).
 This worker runs the dummy run at start, as a compiled engine does, then resets the random seed as vLLM's warm-up
-does. Nothing of vLLM's files is touched. Imports vllm at module level: vLLM loads it by its dotted path, in its worker
-processes, never kvsvc itself.
+does.
+
+`calm_waits` (applied when this module loads, so in every worker process, and by the test engine's own process)
+makes vLLM's shared-memory queues wait for a message by blocking, never by spinning: a reader spins on
+`sched_yield` for a second after each message, so an engine that steps while its requests wait for KV keeps every
+process of it spinning, and on a 2-core host the other engines' processes (kvsvc's transfer threads among them) got
+no CPU for tens of seconds at a time. Nothing of vLLM's files is touched. Imports vllm at module level: vLLM loads
+this module by its dotted path, in its worker processes, never kvsvc itself.
 """
 
 from __future__ import annotations
@@ -18,7 +24,26 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.config import CompilationMode
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.v1.worker.cpu_worker import CPUWorker
+
+
+def calm_waits() -> None:
+    """Make every reader of vLLM's shared-memory queues in this process block for its next message instead of
+    spinning first (module docstring). Idempotent."""
+    if getattr(SpinCondition, "_kvsvc_calm", False):
+        return
+    spinning_wait = SpinCondition.wait
+
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        self.busy_loop_s = 0  # the writer notifies every message: blocking costs a wake-up, not a message
+        spinning_wait(self, timeout_ms)
+
+    SpinCondition.wait = wait  # type: ignore[method-assign]
+    SpinCondition._kvsvc_calm = True  # type: ignore[attr-defined]
+
+
+calm_waits()
 
 
 class WarmCPUWorker(CPUWorker):

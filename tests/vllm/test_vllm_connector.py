@@ -47,14 +47,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         "P2": EngineConfig(model, "kv_producer", extra_config={"hold_timeout_s": 5}),
         "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute"),
         "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail"),
-        # TP 2 on vLLM's CPU backend: one OpenMP thread per rank, each on its own core; the test reads the two
-        # workers' kvsvc statistics through vLLM's collective RPC, which sends a function.
-        "D_tp2": EngineConfig(
-            model,
-            "kv_consumer",
-            tensor_parallel_size=2,
-            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
-        ),
+        # TP 2 on vLLM's CPU backend: worker processes of its own (`kvsvc.testing.vllm`), unbound (bound one per
+        # core, their spinning waits starve every other process of a 2-core host: docs/vllm.md, "Limits").
+        "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
     }
     started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
     try:

@@ -55,7 +55,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
     root = tmp_path_factory.mktemp("vllm-pp")
     model = str(write_tiny_llama(root / "tiny-llama", seed=0))
     other = str(write_tiny_llama(root / "tiny-llama-other", seed=1))
-    tp2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     by_name = {"connector_module": ""}
     pp2: dict[str, Any] = {"pipeline_parallel_size": 2}
     configs = {
@@ -81,7 +80,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         ),
         "D1": EngineConfig(model, "kv_consumer"),
         "D2": EngineConfig(model, "kv_consumer", **by_name, **pp2),
-        "DT": EngineConfig(model, "kv_consumer", tensor_parallel_size=2, env=tp2),
+        "DT": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
     }
     started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
     try:

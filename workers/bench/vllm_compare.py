@@ -10,7 +10,9 @@ connectors need P to step; kvsvc does not, and gets the same). Per request, the 
 scheduler allocating the blocks to it seeing the request loaded (the same two hooks for every connector), and D's
 time to first token from the submission of the batch. Ratios are paired per repetition, then the median is taken.
 D's tokens must be the same under every connector. NixlConnector needs PyPI `nixl` (1.5.1 on these machines);
-without it the table says so.
+without it the table says so. With `head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D
+worker takes half the heads of every block), once with each worker's staging region and once writing direct: what
+the connector's `staging_bytes` default is chosen from.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ BENCH_MODEL: dict[str, int] = {
 }
 KV_BYTES_PER_TOKEN = 8 * 8 * 2 * 128 * 4
 MOONCAKE_BOOTSTRAP_PORT = 18998
+HEAD_SPLIT_STAGING_BYTES = 64 << 20  # the standalone workers' default region
 NIXL_SIDE_CHANNEL_PORT = 15600
 
 
@@ -82,9 +85,14 @@ class Result:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def _engines(model: str, root: Path, kv_bytes: int) -> dict[str, Peer]:
-    def config(connector: str, role: str, engine_id: str, events: Path, env: dict[str, str]) -> EngineConfig:
+def _engines(model: str, root: Path, kv_bytes: int, head_split: bool = False) -> dict[str, Peer]:
+    def config(
+        connector: str, role: str, engine_id: str, events: Path, env: dict[str, str], staging: int = 0
+    ) -> EngineConfig:
         extra: dict[str, Any] = {"mooncake_protocol": "tcp"} if connector == "CpuMooncakeConnector" else {}
+        split = head_split and role == "kv_consumer"
+        if head_split:
+            extra["staging_bytes"] = staging
         return EngineConfig(
             model,
             role,
@@ -96,6 +104,7 @@ def _engines(model: str, root: Path, kv_bytes: int) -> dict[str, Peer]:
             max_num_batched_tokens=8192,
             max_num_seqs=64,
             kv_cache_bytes=kv_bytes,
+            tensor_parallel_size=2 if split else 1,
             env={
                 "KVSVC_BENCH_EVENTS": str(events),
                 "VLLM_HOST_IP": "127.0.0.1",
@@ -107,10 +116,14 @@ def _engines(model: str, root: Path, kv_bytes: int) -> dict[str, Peer]:
             },
         )
 
-    def peer(name: str, connector: str, p_env: dict[str, str], d_env: dict[str, str], **params: Any) -> Peer:
+    def peer(
+        name: str, connector: str, p_env: dict[str, str], d_env: dict[str, str], staging: int = 0, **params: Any
+    ) -> Peer:
         p_events, d_events = root / f"{name}-P.jsonl", root / f"{name}-D.jsonl"
-        p = VllmEngine(config(connector, "kv_producer", f"{name}-P", p_events, p_env), name=f"{name}-P", log_dir=root)
-        d = VllmEngine(config(connector, "kv_consumer", f"{name}-D", d_events, d_env), name=f"{name}-D", log_dir=root)
+        p_config = config(connector, "kv_producer", f"{name}-P", p_events, p_env, staging)
+        d_config = config(connector, "kv_consumer", f"{name}-D", d_events, d_env, staging)
+        p = VllmEngine(p_config, name=f"{name}-P", log_dir=root)
+        d = VllmEngine(d_config, name=f"{name}-D", log_dir=root)
         return Peer(name, p, d, d_events, **params)
 
     def unchanged(outputs: list[Output], _: str) -> list[dict[str, Any]]:
@@ -134,6 +147,16 @@ def _engines(model: str, root: Path, kv_bytes: int) -> dict[str, Peer]:
             for i in range(len(outputs))
         ]
 
+    if head_split:
+        staged = HEAD_SPLIT_STAGING_BYTES
+        return {
+            "kvsvc": peer(
+                "kvsvc", "TimedKvsvcConnector", {}, {}, staged, make_p_params=remote_decode, make_d_params=unchanged
+            ),
+            "kvsvc_direct": peer(
+                "kvsvc_direct", "TimedKvsvcConnector", {}, {}, 0, make_p_params=remote_decode, make_d_params=unchanged
+            ),
+        }
     peers = {
         "kvsvc": peer("kvsvc", "TimedKvsvcConnector", {}, {}, make_p_params=remote_decode, make_d_params=unchanged),
         "mooncake": peer(
@@ -193,25 +216,31 @@ def _one_run(peer: Peer, prompts: list[list[int]], tag: str) -> Run:
     p_events = _events(peer.events.with_name(f"{peer.name}-P.jsonl"))
     counted = [e["count"] for e in (*d_events, *p_events) if e["kind"] == "descriptors"]
     # kvsvc counts its descriptors itself (P's service); the peers' are counted where they issue them.
-    descriptors = p_stats["service"]["descriptors_sent"] - sent_before if peer.name == "kvsvc" else sum(counted)
+    ours = peer.name.startswith("kvsvc")
+    descriptors = p_stats["service"]["descriptors_sent"] - sent_before if ours else sum(counted)
     peer.d.settle(timeout_s=120)
     span_ms = (max(ends.values()) - min(starts.values())) * 1e3
     return Run(load_ms, [(o.ttft_s or 0.0) * 1e3 for o in d_out], descriptors, [o.token_ids for o in d_out], span_ms)
 
 
 def run_comparison(
-    *, quick: bool = True, reps: int | None = None, progress: Callable[[str], None] = print
+    *,
+    quick: bool = True,
+    reps: int | None = None,
+    head_split: bool = False,
+    progress: Callable[[str], None] = print,
 ) -> tuple[Result, dict[str, Any]]:
-    """Run every connector on every workload `reps` times; returns the runs and the summary (`summarize`)."""
+    """Run every connector on every workload `reps` times; returns the runs and the summary (`summarize`). With
+    `head_split`, kvsvc staged ("kvsvc") against kvsvc direct ("kvsvc_direct") between P TP 1 and D TP 2 instead."""
     workloads = QUICK if quick else FULL
     reps = reps or (3 if quick else 5)
     root = Path(tempfile.mkdtemp(prefix="kvsvc-bench-vllm-"))
     model = str(write_tiny_llama(root / "bench-llama", seed=0, tokenizer=False, **BENCH_MODEL))
     longest = max(sum(w.lengths) for w in workloads)
     kv_bytes = longest * KV_BYTES_PER_TOKEN * 5 // 4  # one workload, held on P or loading on D, and some slack
-    peers = _engines(model, root, kv_bytes)
+    peers = _engines(model, root, kv_bytes, head_split)
     result = Result()
-    if "nixl" not in peers:
+    if "nixl" not in peers and not head_split:
         result.skipped["nixl"] = "PyPI package nixl is not installed (pip install nixl==1.5.1)"
     started = time.monotonic()
     try:
