@@ -61,6 +61,9 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # Whether this worker, as P, writes into a window when a request carries one. False from peers that predate
     # windows: they would ignore the fields and write the blocks, so D never lends them one.
     accepts_windows: bool = False
+    # This worker's same-host plane (`kvsvc.transports.SameHostAddress`), published only for KV in CPU memory; ""
+    # when it offers none (another process on its host may then still reach it through Mooncake).
+    samehost_addr: str = ""
 
     @property
     def num_layers(self) -> int:

@@ -32,7 +32,9 @@ from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.service.staging import StagingArea
 from kvsvc.staging_region import staging_area
+from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
+from kvsvc.transport.routed import with_same_host
 from workers.bench.worker import BenchCommand, BenchState, handle_bench
 from workers.kv_pool import KVPool, WorkerShape
 from workers.synthetic import VerifyResult, fill, ready_after_fill, verify
@@ -212,7 +214,7 @@ class WorkerRuntime:
         self.stopping: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         # req_id -> (direction, transfer_id, started): what `Transfers` lists; dropped once `get_finished` reports it.
         self.in_flight: dict[str, tuple[str, str, float]] = {}
-        self.transport: MooncakeTransport | None = None  # the engine `kvsvc bench` measures its baselines on
+        self.mooncake: MooncakeTransport | None = None  # the engine `kvsvc bench` measures its baselines on
         self.bench: BenchState | None = None
 
     def handle(self, command: Command) -> Result:
@@ -294,7 +296,7 @@ class WorkerRuntime:
         return result
 
 
-def _staging_area(options: WorkerOptions, pool: KVPool, transport: MooncakeTransport) -> StagingArea | None:
+def _staging_area(options: WorkerOptions, pool: KVPool, transport: Transport) -> StagingArea | None:
     """The worker's staging region, registered with the transport, when `options.staging_bytes` asks for one."""
     if not options.staging_bytes:
         return None
@@ -309,7 +311,8 @@ def _staging_area(options: WorkerOptions, pool: KVPool, transport: MooncakeTrans
 async def _serve(options: WorkerOptions, conn: Connection) -> int:
     try:
         pool = KVPool(options.shape, options.incarnation, options.device)
-        transport = MooncakeTransport(options.transport)
+        mooncake = MooncakeTransport(options.transport)
+        transport = with_same_host(mooncake, str(options.device))
         transport.register(pool.regions())
         staging = _staging_area(options, pool, transport)
         service = KVTransferService(pool.meta, transport, options.service, staging=staging)
@@ -319,7 +322,7 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
         conn.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return 1
     runtime = WorkerRuntime(options, pool, service)
-    runtime.transport = transport
+    runtime.mooncake = mooncake
     loop = asyncio.get_running_loop()
     shutdown_seq: list[int] = []
     later: set[asyncio.Task[None]] = set()

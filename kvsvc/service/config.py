@@ -10,6 +10,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from kvsvc.transports import SETTINGS
+
 
 def is_loopback(host: str) -> bool:
     """Whether `host` is a loopback address or `localhost` (a name that may resolve elsewhere is not)."""
@@ -56,11 +58,17 @@ class ServiceConfig:
     one (P then writes the blocks); 0 never waits. Keep it well below P's `hold_timeout_s`."""
     max_early_requests: int = 65536
     """Requests for transfers not held yet that P buffers; past it, new ones are answered busy."""
+    transport: str = "auto"
+    """Which data plane this worker's writes take, per D worker (`kvsvc.transports.choose_transport`): "auto" (the
+    same-host plane where both workers offer it on one host, else Mooncake), "mooncake", or "samehost" (the same as
+    auto, but a pair that cannot use it is logged as a warning)."""
     control_token: str | None = None
     """A secret shared by the deployment's engines: D sends it in every hello, and P refuses a hello without it.
     None (the default) accepts any hello, as when the control ports are reachable only from trusted hosts."""
 
     def __post_init__(self) -> None:
+        if self.transport not in SETTINGS:
+            raise ValueError(f"transport {self.transport!r} is not one of {', '.join(SETTINGS)}")
         if self.control_token == "":
             raise ValueError("control_token must be a non-empty secret, or None for no token")
         if self.control_token is None and not is_loopback(self.control_host):

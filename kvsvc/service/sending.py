@@ -37,6 +37,7 @@ from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.writing import BlockWriter, WriteTarget
+from kvsvc.transports import Route, choose_transport, is_same_host
 
 log = logging.getLogger(__name__)
 # More ranks than any deployment has; a hello claiming more is refused before P builds the D layout from it.
@@ -171,6 +172,7 @@ class SendingRole:
                 "incarnation": inbound.ref.incarnation,
                 "state": "connected",
                 "expected_destinations": sorted(inbound.expected),
+                "transport": "samehost" if is_same_host(inbound.target.session) else "mooncake",
             }
             for inbound in self._inbound.values()
         ]
@@ -211,8 +213,8 @@ class SendingRole:
             if inbound is not None and self._inbound.get(_inbound_key(inbound.ref)) is inbound:
                 del self._inbound[_inbound_key(inbound.ref)]
                 self._run_send(self._sender.peer_lost(inbound.ref))
-                addr = inbound.meta.transport_addr
-                if all(other.meta.transport_addr != addr for other in self._inbound.values()):
+                addr = inbound.target.session
+                if all(other.target.session != addr for other in self._inbound.values()):
                     # Forget the D worker's regions (a restart publishes new ones); writes in flight still finish.
                     self._ctx.transport.remove_peer(addr)
             await channel.wait_closed()
@@ -238,16 +240,40 @@ class SendingRole:
         try:
             # D's staging region too: P writes the windows D lends there.
             staging = [(d.staging_addr, d.staging_size)] if d.staging_size else []
-            self._ctx.transport.add_peer(d.transport_addr, pool_regions(d) + staging)
+            route = await self._route(d, ref, pool_regions(d) + staging)
         except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
-        target = WriteTarget(ref, d, channel.send)
+        target = WriteTarget(ref, d, channel.send, session=route.session)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
         channel.send(decision.reply)
         return inbound
+
+    async def _route(self, d: WorkerMetadata, ref: WorkerRef, regions: list[tuple[int, int]]) -> Route:
+        """Pick the plane for D worker `d` (`choose_transport`), publish its regions there, and for the same-host plane
+        ask the kernel once (`Transport.reachable`): refused, the pair runs on Mooncake. Logs the route once.
+
+        Raises:
+            TransportError / ValueError: a region no memory can be.
+        """
+        setting = self._ctx.config.transport
+        route = choose_transport(self._ctx.metadata, d, setting)
+        if route.kind == "samehost":
+            self._ctx.transport.add_peer(route.session, regions)
+            refused = await self._ctx.transport.reachable(route.session)
+            if refused:
+                self._ctx.transport.remove_peer(route.session)
+                log.warning("writes to %s go over Mooncake: the same-host plane is refused: %s", ref, refused)
+                route = Route("mooncake", d.transport_addr, f"the same-host plane is refused: {refused}")
+        if route.kind == "mooncake":
+            self._ctx.transport.add_peer(route.session, regions)
+            wanted = setting == "samehost" and d.samehost_addr and self._ctx.metadata.samehost_addr
+            log.log(logging.WARNING if wanted else logging.INFO, "writes to %s go over Mooncake: %s", ref, route.reason)
+        else:
+            log.info("writes to %s go over the same-host plane: %s", ref, route.reason)
+        return route
 
     def _refuse(self, channel: ControlChannel, reply: HelloRefused | ErrorMessage) -> None:
         self._ctx.counts["protocol_errors"] += 1

@@ -132,6 +132,7 @@ class KVTransferService:
         self._ctx.metadata = replace(
             self._ctx.metadata,
             transport_addr=self._ctx.transport.session_id,
+            samehost_addr=self._ctx.transport.local_session_id,
             control_addr=f"{self.config.control_host}:{port}",
             # P writes windows only into the region D published (D lends them only where it can scatter).
             staging_addr=staging.addr if staging is not None else 0,

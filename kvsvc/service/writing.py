@@ -57,6 +57,10 @@ class WriteTarget:
     fills: dict[str, FillingWindow] = field(default_factory=dict)  # per transfer writing in rounds
     wakeups: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # a write in rounds that waits
     gone: str = ""  # why the control connection closed; "" while it is open
+    session: str = ""  # the transport session writes go to (`kvsvc.transports.Route`); "" means Mooncake's
+
+    def __post_init__(self) -> None:
+        self.session = self.session or self.meta.transport_addr
 
     def window_emptied(self, message: WindowEmptied) -> list[FillCommand]:
         """D emptied a round of a window; the write waiting for its half goes on. One for a transfer not writing
@@ -216,7 +220,7 @@ class BlockWriter:
                 return False  # a staged write waits for room and for its gather: it needs the task
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
-        result = self._start_write(target.meta.transport_addr, _tuples(table))
+        result = self._start_write(target.session, _tuples(table))
         if result is None:
             return False
         self._started.add(result)
@@ -285,8 +289,8 @@ class BlockWriter:
         """
         chunks = self._staged(target, table, command.window_bytes > 0, unit)
         if chunks is not None:
-            return await self._write_staged(target.meta.transport_addr, chunks)
-        return await self._ctx.transport.write(target.meta.transport_addr, _tuples(table)), len(table)
+            return await self._write_staged(target.session, chunks)
+        return await self._ctx.transport.write(target.session, _tuples(table)), len(table)
 
     async def _write_rounds(self, target: WriteTarget, command: Submit) -> tuple[int, int]:
         """Write a share larger than its window in rounds, as its `FillingWindow` says (module docstring); (bytes,

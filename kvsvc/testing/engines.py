@@ -65,7 +65,7 @@ class LoopbackEngine:
         spec: EngineSpec,
         *,
         config: ServiceConfig | None = None,
-        transport: Literal["mooncake", "fake"] = "mooncake",
+        transport: Literal["mooncake", "samehost", "fake"] = "mooncake",
         transport_factory: Callable[[], Transport] | None = None,
         clock: Callable[[], float] = time.monotonic,
         staging_bytes: int = 0,
@@ -224,11 +224,15 @@ class LoopbackEngine:
         )
 
 
-def _transport_factory(kind: Literal["mooncake", "fake"]) -> Callable[[], Transport]:
+def _transport_factory(kind: Literal["mooncake", "samehost", "fake"]) -> Callable[[], Transport]:
     if kind == "fake":
         from kvsvc.testing.fakes import LoopbackTransport
 
         return LoopbackTransport
     from kvsvc.transport.mooncake import MooncakeTransport
 
+    if kind == "samehost":
+        from kvsvc.transport.routed import with_same_host
+
+        return lambda: with_same_host(MooncakeTransport(), "cpu")
     return MooncakeTransport

@@ -51,6 +51,10 @@ class LoopbackTransport:
     def session_id(self) -> str:
         return self._session_id
 
+    @property
+    def local_session_id(self) -> str:
+        return ""  # no same-host plane (`kvsvc.transport.routed.RoutedTransport` adds one)
+
     # -- fault switches ---------------------------------------------------------------------------------------
 
     def fail_next_writes(self, code: int = ERR_FAILED, count: int = 1, after_descriptors: int = 0) -> None:
@@ -127,6 +131,10 @@ class LoopbackTransport:
     def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
         """No fast path: every write goes through `write` (the service then runs it as a task)."""
         return None
+
+    async def reachable(self, session: str) -> str:
+        """Writes to any added peer can go as far as this transport knows: "" always."""
+        return ""
 
     async def peer_gone(self, session: str) -> bool:
         """Cannot tell: a lost peer keeps its receives waiting for the abort grace."""

@@ -49,7 +49,7 @@ async def loopback_engines() -> AsyncIterator[LoopbackFactory]:
         decode: EngineSpec | None = None,
         *,
         config: ServiceConfig | None = None,
-        transport: Literal["mooncake", "fake"] = "mooncake",
+        transport: Literal["mooncake", "samehost", "fake"] = "mooncake",
         clock: Callable[[], float] = time.monotonic,
         staging_bytes: int = 0,
     ) -> tuple[LoopbackEngine, LoopbackEngine]:

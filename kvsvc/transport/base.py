@@ -89,6 +89,12 @@ class Transport(Protocol):
         """The `host:rpc_port` peers use to reach this transport (`WorkerMetadata.transport_addr`)."""
         ...
 
+    @property
+    def local_session_id(self) -> str:
+        """This worker's same-host session (`WorkerMetadata.samehost_addr`), "" for a transport without the same-host
+        plane (`kvsvc.transport.routed.RoutedTransport` has one)."""
+        ...
+
     def register(self, regions: Sequence[Region]) -> None:
         """Register local memory `(addr, length)` in bulk: the whole KV pool, once, before the worker is ready.
 
@@ -137,6 +143,11 @@ class Transport(Protocol):
         future that ends as `write` would (bytes written, `WriteFailed`, `TransportClosed`); or return None, having
         submitted nothing, whenever `write` would do anything but submit at once. A transport without the fast
         path always returns None. Raises nothing; cancelling the future cancels nothing."""
+        ...
+
+    async def reachable(self, session: str) -> str:
+        """ "" when writes to the added peer `session` can go, else why not: the same-host plane asks the kernel once
+        (a ptrace policy, another user); other planes answer "". Raises nothing."""
         ...
 
     async def peer_gone(self, session: str) -> bool:

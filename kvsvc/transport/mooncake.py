@@ -158,6 +158,10 @@ class MooncakeTransport:
         return self._session_id
 
     @property
+    def local_session_id(self) -> str:
+        return ""  # no same-host plane (`kvsvc.transport.routed.RoutedTransport` adds one)
+
+    @property
     def native_engine(self) -> Any:
         """The underlying `mooncake.engine.TransferEngine` (None after `close`), for benchmarks and diagnostics that
         measure the engine itself; nothing in kvsvc writes through it, and a caller must not while writes are in
@@ -364,6 +368,10 @@ class MooncakeTransport:
             polls=done.polls,
             fine_polls=done.fine_polls,
         )
+
+    async def reachable(self, session: str) -> str:
+        """Writes to any added peer can go as far as this transport knows: "" always."""
+        return ""
 
     async def peer_gone(self, session: str, within_s: float = 0.5) -> bool:
         """True when `session`'s transfer engine refuses a probe (`send_probe`) within `within_s`: its process is

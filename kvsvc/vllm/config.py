@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from kvsvc.service.config import ServiceConfig, is_loopback
+from kvsvc.transports import SETTINGS
 
 _SERVICE = ServiceConfig()
 
@@ -33,6 +34,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Address peers reach this worker's Mooncake transfer engine at."""
     protocol: str = "tcp"
     """Mooncake transport: "tcp" or "rdma"."""
+    transport: str = "auto"
+    """Data plane of this engine's writes, per decode worker: "auto" (the same-host plane where both workers share a
+    host and user, else Mooncake), "mooncake", or "samehost" (as auto, but a pair that cannot use it is a warning)."""
     device_name: str = ""
     """RDMA devices for Mooncake ("" lets it discover them)."""
     control_token: str | None = None
@@ -52,6 +56,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"kv_connector_extra_config['protocol'] is {self.protocol!r}; expected 'tcp' or 'rdma'")
+        if self.transport not in SETTINGS:
+            raise ValueError(
+                f"kv_connector_extra_config['transport'] is {self.transport!r}; expected one of {', '.join(SETTINGS)}"
+            )
         if not 0 <= self.bootstrap_port <= 65535:
             raise ValueError(f"kv_connector_extra_config['bootstrap_port'] {self.bootstrap_port} is not a port")
         for name in ("hold_timeout_s", "recv_timeout_s", "handshake_timeout_s", "abort_grace_s", "call_timeout_s"):
@@ -114,6 +122,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             handshake_timeout_s=self.handshake_timeout_s,
             abort_grace_s=self.abort_grace_s,
             control_token=control_token,
+            transport=self.transport,
         )
 
 

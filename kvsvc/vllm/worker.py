@@ -31,7 +31,9 @@ from kvsvc.service.staging import StagingArea
 from kvsvc.service.threaded import ServiceThread
 from kvsvc.staging_region import staging_area
 from kvsvc.streams import completion_future
+from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
+from kvsvc.transport.routed import with_same_host
 from kvsvc.vllm.config import ConnectorConfig
 from kvsvc.vllm.flow import StepMetadata
 from kvsvc.vllm.kv_layout import DetectedLayout, TensorView, detect_layout, layer_index, merge_regions
@@ -170,8 +172,8 @@ class WorkerSide:
 
         staging, staging_region = self._staging_area(kv_caches)
 
-        def transport() -> MooncakeTransport:
-            engine = MooncakeTransport(mooncake)
+        def transport() -> Transport:
+            engine = with_same_host(MooncakeTransport(mooncake), self._device)
             engine.register(regions + staging_region)
             return engine
 

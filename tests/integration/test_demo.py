@@ -33,8 +33,12 @@ def _assert_all_verified(result: dict[str, object]) -> None:
     assert result["p50_ms"] is not None and result["p99_ms"] is not None
 
 
-def test_default_layouts_p_pp2_tp1_to_d_pp1_tp2_verify_every_request(capsys: pytest.CaptureFixture[str]) -> None:
-    result = _run(capsys, "--prefill-pp", "2", "--prefill-tp", "1", "--decode-pp", "1", "--decode-tp", "2")
+@pytest.mark.parametrize("transport", ["mooncake", "samehost"])
+def test_default_layouts_p_pp2_tp1_to_d_pp1_tp2_verify_every_request(
+    capsys: pytest.CaptureFixture[str], transport: str
+) -> None:
+    layout = ("--prefill-pp", "2", "--prefill-tp", "1", "--decode-pp", "1", "--decode-tp", "2")
+    result = _run(capsys, *layout, "--transport", transport)
     _assert_all_verified(result)
 
 

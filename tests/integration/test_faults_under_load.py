@@ -22,9 +22,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 BASE = ChaosOptions(requests=80, concurrency=8, abort_rate=0.10, freeze_s=6.0, timeout_s=150.0)
 
 
+@pytest.fixture(scope="module", params=["mooncake", "samehost"])
+def base(request: pytest.FixtureRequest) -> ChaosOptions:
+    """The options, on each data plane (`ServiceConfig.transport`)."""
+    return dataclasses.replace(BASE, service=dataclasses.replace(BASE.service, transport=request.param))
+
+
 @pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[PrefillEngine, DecodeEngine, str, str]]:
-    started = start_chaos_engines(BASE)
+def engines(base: ChaosOptions) -> Iterator[tuple[PrefillEngine, DecodeEngine, str, str]]:
+    started = start_chaos_engines(base)
     prefill, decode = started[0], started[1]
     try:
         yield started
@@ -35,19 +41,19 @@ def engines() -> Iterator[tuple[PrefillEngine, DecodeEngine, str, str]]:
 
 
 def _run(
-    engines: tuple[PrefillEngine, DecodeEngine, str, str], fault: str, seed: int
+    engines: tuple[PrefillEngine, DecodeEngine, str, str], base: ChaosOptions, fault: str, seed: int
 ) -> tuple[ChaosResult, PhaseResult]:
     prefill, decode, url, token = engines
-    options = dataclasses.replace(BASE, faults=(fault,), seed=seed)
+    options = dataclasses.replace(base, faults=(fault,), seed=seed)
     result = ChaosRun(options, prefill, decode, admin_url=url, admin_token=token).run()
     return result, result.phases[-1]
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_fault_fails_only_what_it_hits_within_the_bound_and_d_recovers(
-    engines: tuple[PrefillEngine, DecodeEngine, str, str], fault: str
+    engines: tuple[PrefillEngine, DecodeEngine, str, str], base: ChaosOptions, fault: str
 ) -> None:
-    result, phase = _run(engines, fault, seed=FAULTS.index(fault))
+    result, phase = _run(engines, base, fault, seed=FAULTS.index(fault))
     assert phase.name == fault
     assert not result.errors, result.errors[:5]
     # Every parked receive failed, with all its blocks invalid (checked per request into `errors`).
@@ -63,10 +69,12 @@ def test_a_fault_fails_only_what_it_hits_within_the_bound_and_d_recovers(
     assert result.ok
 
 
-def test_the_decode_engine_was_never_restarted(engines: tuple[PrefillEngine, DecodeEngine, str, str]) -> None:
+def test_the_decode_engine_was_never_restarted(
+    engines: tuple[PrefillEngine, DecodeEngine, str, str], base: ChaosOptions
+) -> None:
     _, decode, _, _ = engines
     assert all(decode.executor.alive())
     pids = [h.pid for h in decode.executor.workers]
-    result, phase = _run(engines, "cut", seed=99)
+    result, phase = _run(engines, base, "cut", seed=99)
     assert result.ok and phase.after_fault_finished > 0
     assert [h.pid for h in decode.executor.workers] == pids

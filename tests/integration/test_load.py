@@ -1,4 +1,4 @@
-"""Load with random aborts through a P engine and a D engine (separate processes, real Mooncake): nothing lost.
+"""Load with random aborts through a P engine and a D engine (separate processes, over each data plane): nothing lost.
 
 CI scale of `kvsvc chaos --faults none` (full scale: `kvsvc chaos --requests 10000`). One module-scoped pair of
 engines; deadlines are generous (other suites share the 2 cores) and nothing asserts a duration.
@@ -6,6 +6,7 @@ engines; deadlines are generous (other suites share the 2 cores) and nothing ass
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -29,11 +30,13 @@ OPTIONS = ChaosOptions(
 )
 
 
-@pytest.fixture(scope="module")
-def result() -> Iterator[ChaosResult]:
-    prefill, decode, _, _ = start_chaos_engines(OPTIONS)
+@pytest.fixture(scope="module", params=["mooncake", "samehost"])
+def result(request: pytest.FixtureRequest) -> Iterator[ChaosResult]:
+    """The run, on each data plane (`ServiceConfig.transport`)."""
+    options = dataclasses.replace(OPTIONS, service=dataclasses.replace(OPTIONS.service, transport=request.param))
+    prefill, decode, _, _ = start_chaos_engines(options)
     try:
-        yield ChaosRun(OPTIONS, prefill, decode).run()
+        yield ChaosRun(options, prefill, decode).run()
     finally:
         decode.executor.close()
         prefill.executor.close()

@@ -1,4 +1,5 @@
-"""Faults injected for real into worker processes moving KV over Mooncake (TCP loopback): nothing lost, nothing leaked.
+"""Faults injected for real into worker processes moving KV over each data plane (Mooncake over TCP loopback, and the
+same-host plane): nothing lost, nothing leaked.
 
 Proven here, each failure within a bound named in the test (a polling deadline; durations are never asserted):
 - repeated `start_send` / `start_recv` and repeated wire messages write once and report once per worker;
@@ -52,7 +53,7 @@ from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig, Executor, start_all
-from workers.process import ForgetEngine, GetFinished, Prefill, Recv, Verify
+from workers.process import ForgetEngine, GetFinished, Peers, Prefill, Recv, Verify
 from workers.synthetic import VerifyResult
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -115,9 +116,20 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module", params=["mooncake", "samehost"])
+def plane(request: pytest.FixtureRequest) -> str:
+    """The data plane P's writes take (`ServiceConfig.transport`): every test on `engines` runs on both."""
+    kind: str = request.param
+    return kind
+
+
 @pytest.fixture(scope="module")
-def engines() -> Iterator[dict[str, Executor]]:
-    executors = {name: Executor(config) for name, config in CONFIGS.items()}
+def engines(plane: str) -> Iterator[dict[str, Executor]]:
+    configs = {
+        name: dataclasses.replace(config, service=dataclasses.replace(config.service, transport=plane))
+        for name, config in CONFIGS.items()
+    }
+    executors = {name: Executor(config) for name, config in configs.items()}
     start_all(list(executors.values()))
     try:
         yield executors
@@ -356,6 +368,17 @@ def _hello(sender: WorkerMetadata, target: WorkerMetadata, **changes: Any) -> He
         expect_tp_rank=target.tp_rank,
     )
     return Hello(**{**fields, **changes})
+
+
+# -- the data plane --------------------------------------------------------------------------------------------
+
+
+def test_p_writes_over_the_plane_its_configuration_names(engines: dict[str, Executor], plane: str) -> None:
+    """One host, one user, CPU pools: "samehost" (and "auto") pick the same-host plane, "mooncake" forces Mooncake."""
+    p, d = engines["p_tp2"], engines["d"]
+    _transfer(p, d, "plane", seed=5)
+    rows = [row for i in range(len(p.workers)) for row in p.call(i, Peers()) if row["direction"] == "from_d"]
+    assert rows and {row["transport"] for row in rows} == {plane}, rows
 
 
 # -- repeats ---------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from kvsvc.service.config import is_loopback
 from kvsvc.testing.hosts import PREFIX, NetnsHosts, in_netns, skip_reason
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine
 from workers.executor import EngineConfig, Executor, start_all
+from workers.process import Peers
 
 pytestmark = [
     pytest.mark.integration,
@@ -84,6 +85,9 @@ def test_engines_on_two_hosts_move_every_byte_over_the_link(hosts: NetnsHosts) -
         rx_after, _ = hosts.link_bytes("decode")
         kv_bytes = sum(tokens * 2 * 2 * 4 * 16 * 2 for tokens in sizes)  # layers × K/V × heads × size × bf16
         assert rx_after - rx_before >= kv_bytes  # the KV came in over D's link
+        # Two network namespaces are two hosts to the rule: the same-host plane is never chosen across them.
+        rows = [row for i in range(len(p_exec.workers)) for row in p_exec.call(i, Peers())]
+        assert rows and {row["transport"] for row in rows if row["direction"] == "from_d"} == {"mooncake"}
     finally:
         d_exec.close()
         p_exec.close()

@@ -14,7 +14,7 @@ from kvsvc.cli.plan import synthetic_engine
 from kvsvc.layout import CROSS_LAYER, block_geometry
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import plan_transfer
-from workers.bench.measure import RAW_METHODS, cpu_jiffies, paired_ratio, run_orders, split_per_half
+from workers.bench.measure import RAW_METHODS, RAW_SAMEHOST, cpu_jiffies, paired_ratio, run_orders, split_per_half
 from workers.bench.models import DEFAULT_MODEL, MODELS, QUICK, TINY, ModelShape
 from workers.bench.report import Target
 from workers.bench.runner import _thread_split
@@ -82,7 +82,7 @@ def test_run_orders_start_with_kvsvc_hold_every_run_once_and_vary_who_follows_wh
     orders = run_orders(40, seed=1000)
     assert orders == run_orders(40, seed=1000)  # seeded: every bench run measures the same orders
     assert orders[0][0] == "kvsvc"
-    assert all(sorted(o) == sorted(["kvsvc", *RAW_METHODS, "peer"]) for o in orders)
+    assert all(sorted(o) == sorted(["kvsvc", *RAW_METHODS, RAW_SAMEHOST, "peer"]) for o in orders)
     after_peer = {o[o.index("peer") + 1] for o in orders if o[-1] != "peer"}
     assert len(after_peer) > 1  # kvsvc does not always run right after the peers' way
 

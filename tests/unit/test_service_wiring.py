@@ -7,6 +7,7 @@ through real Mooncake between processes is shown in tests/integration.
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from kvsvc.messages import (
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
+from kvsvc.transport.samehost import own_address
+from kvsvc.transports import is_same_host
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 2, 2, 8, 4, 16
 
@@ -356,4 +359,46 @@ async def test_an_engine_whose_layout_does_not_fit_is_refused_once_when_they_mee
         assert row["peer_engine_id"] == "prefill" and "head_size" in str(row["last_error"])
         assert d.service.statistics().holds == 0
     finally:
+        await bootstrap.close()
+
+
+class SameHostRefusedTransport(LoopbackTransport):
+    """Offers a same-host plane whose kernel probe refuses, as under a ptrace policy that forbids it."""
+
+    @property
+    def local_session_id(self) -> str:
+        return str(own_address())
+
+    async def reachable(self, session: str) -> str:
+        return "process_vm_readv: Operation not permitted (errno 1)" if is_same_host(session) else ""
+
+
+async def test_a_same_host_pair_the_kernel_refuses_runs_on_mooncake_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = ServiceConfig(hold_timeout_s=5, recv_timeout_s=5, handshake_timeout_s=2)
+    sides = []
+    for engine_id, seed in (("prefill", 1), ("decode", 2)):
+        side = make_side(engine_id, config, seed)
+        transport = SameHostRefusedTransport()
+        transport.register(side.transport._local.regions())  # the same pool, in a transport that offers the plane
+        sides.append(Side(KVTransferService(side.service.metadata, transport, config), side.pool, transport))
+    p, d = sides
+    p_meta = await p.service.start()
+    await d.service.start()
+    assert is_same_host(p_meta.samehost_addr)  # offered and published
+    bootstrap = BootstrapServer({(0, 0): p_meta})
+    url = await bootstrap.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvsvc.service.sending"):
+            p.service.start_send("p-req", "t1", [3], BLOCK)
+            d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK)
+            await wait_output(d.service, "finished_recving", "d-req")
+        assert block_bytes_of(d, 0, 9) == block_bytes_of(p, 0, 3)  # the bytes came over Mooncake's session
+        (row,) = [r for r in p.service.peers() if r["direction"] == "from_d"]
+        assert row["transport"] == "mooncake"
+        assert "same-host plane is refused: process_vm_readv: Operation not permitted" in caplog.text
+    finally:
+        await p.service.close()
+        await d.service.close()
         await bootstrap.close()

@@ -204,6 +204,13 @@ def test_bad_extra_config_is_refused_naming_the_key() -> None:
         parse_config({"hold_timeout_s": "soon"})
     with pytest.raises(ValueError, match="'tcp' or 'rdma'"):
         parse_config({"protocol": "udp"})
+    with pytest.raises(ValueError, match=r"\['transport'\] is 'shm'; expected one of auto, mooncake, samehost"):
+        parse_config({"transport": "shm"})
+
+
+def test_the_transport_key_reaches_every_worker_service() -> None:
+    assert parse_config(None).service_config(None).transport == "auto"
+    assert parse_config({"transport": "mooncake"}).service_config(None).transport == "mooncake"
 
 
 def test_a_control_port_beyond_loopback_needs_a_token() -> None:

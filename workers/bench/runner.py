@@ -21,9 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvsvc.planner import plan_transfer, plan_transfer_arrays
+from kvsvc.service import ServiceConfig
 from workers.bench.measure import (
     GB,
     RAW_METHODS,
+    RAW_SAMEHOST,
     cpu_jiffies,
     memcpy_gbps,
     paired_ratio,
@@ -45,7 +47,7 @@ from workers.bench.worker import (
     RecvMany,
 )
 from workers.executor import EngineConfig, Executor, start_all
-from workers.process import Verify
+from workers.process import Peers, Verify
 from workers.stats import percentile
 from workers.synthetic import VerifyResult
 
@@ -60,15 +62,21 @@ STAGING_BYTES = 64 << 20  # the staging region of the layout scenarios' workers
 class BenchRunner:
     """Starts the engines (`start`), runs the scenarios (`run`), and closes them (`close`)."""
 
-    def __init__(self, sizes: Sizes, progress: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(self, sizes: Sizes, progress: Callable[[str], None] = lambda _: None, transport: str = "auto") -> None:
+        """`transport`: every engine's `ServiceConfig.transport` (the plane kvsvc's writes take)."""
         self.sizes = sizes
         self.progress = progress
         z, m = sizes, sizes.model
         hnd: dict[str, Any] = dict(
-            num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_size=m.head_size, block_size=m.block_size
+            num_layers=m.num_layers,
+            num_kv_heads=m.num_kv_heads,
+            head_size=m.head_size,
+            block_size=m.block_size,
+            service=ServiceConfig(transport=transport),
         )
         hnd_blocks = max(z.large_requests * z.large_blocks, z.hetero_requests * z.hetero_blocks) + 4
         small = dict(
+            service=ServiceConfig(transport=transport),
             num_layers=z.small_layers,
             num_kv_heads=z.small_kv_heads,
             head_size=z.small_head_size,
@@ -256,6 +264,7 @@ class BenchRunner:
         p_meta = p.metas[(0, 0)]
         d_metas = [d.metas[(0, tp)] for tp in range(d.config.tp_size)]
         peers = [m.transport_addr for m in d_metas]
+        local_peers = [m.samehost_addr for m in d_metas] if all(m.samehost_addr for m in d_metas) else []
         tokens = blocks * p_meta.block_size
         shapes = [
             (list(range(i * blocks, (i + 1) * blocks)), list(range(i * blocks, (i + 1) * blocks)), seed0 + i)
@@ -283,9 +292,10 @@ class BenchRunner:
         self._kvsvc_round(p, d, f"{name}-warm", shapes[:1], fill=True)
         self._raw(p, d, RawWrite(peers, [[x[0]] if x else [] for x in raw_descs], "submit_poll"))
         self._raw(p, d, PeerStyleWrite(peer_peers[:1], peer_batches[:1]))
+        plane = _plane(p)  # what the pairs chose at the hello, as P's peer table says
 
         memcpy = memcpy_gbps(total_bytes, reps)
-        spans: dict[str, list[float]] = {"kvsvc": [], "peer": [], **{m: [] for m in RAW_METHODS}}
+        spans: dict[str, list[float]] = {"kvsvc": [], "peer": [], RAW_SAMEHOST: [], **{m: [] for m in RAW_METHODS}}
         cpu: dict[str, list[float]] = {k: [] for k in spans}
         latencies: list[float] = []
         verified, failures = True, 0
@@ -299,13 +309,19 @@ class BenchRunner:
                         verified = self._verify(d, shapes, tokens, verify_share)
                 elif run == "peer":
                     span, used, bad = self._raw(p, d, PeerStyleWrite(peer_peers, peer_batches))
+                elif run == RAW_SAMEHOST:
+                    if not local_peers:  # D offers no same-host plane: nothing to compare with
+                        continue
+                    span, used, bad = self._raw(p, d, RawWrite(local_peers, raw_descs, run))
                 else:
                     span, used, bad = self._raw(p, d, RawWrite(peers, raw_descs, run))
                 spans[run].append(span)
                 cpu[run].append(used)
                 failures += bad
-        med = {k: statistics.median(v) for k, v in spans.items()}
-        raw_method = min(RAW_METHODS, key=lambda m: med[m])
+        med = {k: statistics.median(v) for k, v in spans.items() if v}
+        mooncake_method = min(RAW_METHODS, key=lambda m: med[m])
+        # kvsvc is paired with the raw call of the plane it used.
+        raw_method = RAW_SAMEHOST if plane == "samehost" else mooncake_method
         gb = total_bytes / GB
         peer_share = peer_bytes / total_bytes  # the peers' way is timed on a prefix of the requests
         return ScenarioResult(
@@ -334,6 +350,9 @@ class BenchRunner:
             verified=verified,
             failures=failures,
             spans=spans,
+            transport=plane,
+            raw_mooncake_gbps=gb / med[mooncake_method],
+            raw_samehost_gbps=gb / med[RAW_SAMEHOST] if RAW_SAMEHOST in med else 0.0,
         )
 
     def _kvsvc_round(
@@ -487,6 +506,13 @@ def _busy_share(rounds: Sequence[dict[str, float]]) -> float:
     half a quick round)."""
     total = sum(r["all_jiffies"] for r in rounds)
     return sum(r["busy_jiffies"] for r in rounds) / total if total > 0 else 0.0
+
+
+def _plane(p: Executor) -> str:
+    """The plane P's writes to its D workers take: "samehost" when every pair chose it, else "mooncake"."""
+    rows = [row for i in range(len(p.workers)) for row in p.call(i, Peers())]  # type: ignore[attr-defined]
+    planes = {row["transport"] for row in rows if row["direction"] == "from_d"}
+    return "samehost" if planes == {"samehost"} else "mooncake"
 
 
 def _cpu(result: object) -> float:

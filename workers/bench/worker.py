@@ -18,8 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+import numpy as np
+
 from kvsvc.service import KVTransferService
 from kvsvc.transport.mooncake import MooncakeTransport
+from kvsvc.transport.samehost import copy_into
+from kvsvc.transports import SameHostAddress
 from workers.kv_pool import KVPool
 from workers.synthetic import fill
 
@@ -33,7 +37,7 @@ _RAW_POLL_SLEEP_S: Final = 20e-6  # the raw poller's nap between status checks o
 class _Runtime(Protocol):
     pool: KVPool
     service: KVTransferService
-    transport: MooncakeTransport | None
+    mooncake: MooncakeTransport | None
     bench: BenchState | None
 
 
@@ -92,11 +96,15 @@ class CpuTime:
     """Any worker: its process CPU seconds so far."""
 
 
+RAW_SAMEHOST: Final = "samehost"  # RawWrite's method for the same-host plane's call alone on the same descriptors
+
+
 @dataclass(frozen=True, slots=True)
 class RawWrite:
     """P: write `descriptors[i]` to `peers[i]` straight on the engine, `method` being "submit_poll" (one-descriptor
     batches, polled from the oldest with a short nap) or "batch" (one async batch per peer, then
-    `get_batch_transfer_status`). Answers the span and the CPU it took."""
+    `get_batch_transfer_status`), or "samehost" (`process_vm_writev` into the peers' processes, `peers` being their
+    same-host sessions). Answers the span and the CPU it took."""
 
     peers: list[str]
     descriptors: list[list[Desc]]
@@ -140,10 +148,12 @@ def handle_bench(runtime: _Runtime, command: BenchCommand) -> BenchResult | Coro
         return _collect(runtime.service, state, command)
     if isinstance(command, CpuTime):
         return {"cpu": time.process_time()}
+    if isinstance(command, RawWrite) and command.method == RAW_SAMEHOST:
+        return _timed(lambda: _raw_samehost_write(command))
     if isinstance(command, RawWrite | PeerStyleWrite):
-        if runtime.transport is None or runtime.transport.native_engine is None:
+        if runtime.mooncake is None or runtime.mooncake.native_engine is None:
             raise ValueError("this worker has no Mooncake engine to benchmark")
-        engine = runtime.transport.native_engine
+        engine = runtime.mooncake.native_engine
         if isinstance(command, RawWrite):
             return _timed(lambda: _raw_write(engine, command))
         return _timed(lambda: _peer_style_write(engine, command))
@@ -260,6 +270,20 @@ def _raw_write(engine: Any, command: RawWrite) -> int:
                     failures += 1
         if not progressed:
             sleep(_RAW_POLL_SLEEP_S)
+    return failures
+
+
+def _raw_samehost_write(command: RawWrite) -> int:
+    """The same-host plane's kernel call alone: each peer's descriptors in `IOV_MAX`-row calls, one peer after the
+    other, from this thread; `peers` are same-host sessions. Returns how many peers' writes failed."""
+    failures = 0
+    for peer, descs in zip(command.peers, command.descriptors, strict=True):
+        if not descs:
+            continue
+        try:
+            copy_into(SameHostAddress.parse(peer).pid, np.asarray(descs, dtype=np.int64).reshape(-1, 3))
+        except OSError:
+            failures += 1
     return failures
 
 

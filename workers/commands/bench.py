@@ -15,11 +15,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
+from kvsvc.transports import SETTINGS
 from workers.bench.models import DEFAULT_MODEL, MODELS
 
 if TYPE_CHECKING:
@@ -45,6 +47,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "vLLM's MooncakeConnector guide; 16 KiB per layer, block and K/V half at block size 16)",
     )
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object (table on stderr)")
+    parser.add_argument(
+        "--transport",
+        choices=SETTINGS,
+        default="auto",
+        help="the plane of kvsvc's writes: auto (default: the same-host plane on one host), mooncake, samehost; "
+        "with --vllm, the kvsvc connector's default is measured and Mooncake forced beside it",
+    )
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the test's sizes
     parser.add_argument(
         "--vllm",
@@ -58,6 +67,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="with --vllm: kvsvc alone between P at TP 1 and D at TP 2, staged (the connector's staging region) "
         "against direct",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        default=None,
+        help="with --vllm: also write the comparison as a PNG bar chart (transfer ms, span and TTFT per connector "
+        "and workload)",
     )
     parser.set_defaults(func=run)
 
@@ -74,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.tiny:
         sizes = dataclasses.replace(sizes, model=MODELS[args.model])
     console = Console(stderr=args.json)
-    runner = BenchRunner(sizes, progress=lambda what: console.log(f"bench: {what}"))
+    runner = BenchRunner(
+        sizes, progress=lambda what: console.log(f"bench: {what}"), transport=getattr(args, "transport", "auto")
+    )
     try:
         report = runner.run()
     finally:
@@ -180,6 +198,7 @@ def render_table(report: BenchReport) -> Table:
 
 def run_vllm(args: argparse.Namespace) -> int:
     """`kvsvc bench --vllm`: the table on the console (stderr with `--json`), the summary as JSON on stdout."""
+    from workers.bench.plot import ORDER
     from workers.bench.vllm_compare import run_comparison
 
     console = Console(stderr=args.json)
@@ -196,10 +215,10 @@ def run_vllm(args: argparse.Namespace) -> int:
     )
     table = Table(title=title)
     for column in ("workload", "connector", "KV transfer ms", "slowest ms", "batch ms", "D TTFT ms",
-                   "descriptors/req", "transfer ratio", "TTFT ratio", "same tokens"):  # fmt: skip
+                   "descriptors/req", "transfer ratio", "batch ratio", "TTFT ratio", "same tokens"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("workload", "connector") else "right")
     for workload, entry in summary["workloads"].items():
-        for name in ("kvsvc", "kvsvc_direct", "mooncake", "nixl", "nixl_tcp"):
+        for name in ORDER:
             row = entry.get(name)
             if row is None:
                 continue
@@ -212,6 +231,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                 f"{row['ttft_ms_p50']:.1f}",
                 f"{row['descriptors_per_request']:.1f}",
                 f"{row.get('load_ratio', 1.0):.2f}",
+                f"{row.get('span_ratio', 1.0):.2f}",
                 f"{row.get('ttft_ratio', 1.0):.2f}",
                 "yes" if row["same_tokens_as_kvsvc"] else "NO",
             )
@@ -222,11 +242,16 @@ def run_vllm(args: argparse.Namespace) -> int:
         else (
             f"targets: transfer >= 2x faster than MooncakeConnector: "
             f"{'met' if targets['load_2x_faster_than_mooncake'] else 'MISSED'}; TTFT no slower: "
-            f"{'met' if targets['ttft_no_slower_than_mooncake'] else 'MISSED'}"
+            f"{'met' if targets['ttft_no_slower_than_mooncake'] else 'MISSED'}; transfer and batch >= 1.2x faster "
+            f"than NixlConnector: {'met' if targets['load_1_2x_faster_than_nixl'] else 'MISSED'}"
             + "".join(f"\n{name} skipped: {why}" for name, why in summary["skipped"].items())
         )
     )
     console.print(table)
+    if getattr(args, "plot", None):
+        from workers.bench.plot import plot_comparison
+
+        console.print(f"chart: {plot_comparison(summary, Path(args.plot))}")
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     same = all(row["same_tokens_as_kvsvc"] for e in summary["workloads"].values() for row in e.values()

@@ -10,10 +10,13 @@ result object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
+
+from kvsvc.transports import SETTINGS
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -71,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma list of kill,freeze,restart,cut and, with --hosts netns, partition,loss1,loss5,linkdown,hostgone "
         "(hostgone last); all (default: every fault the hosts allow); none",
+    )
+    add(
+        "--transport",
+        choices=SETTINGS,
+        default="auto",
+        help="the data plane of P's writes: auto (default: the same-host plane on one host, else Mooncake), "
+        "mooncake, or samehost",
     )
     add(
         "--hosts",
@@ -143,6 +153,7 @@ def main_with_args(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from workers.chaos import ChaosOptions, run_chaos
+    from workers.chaos_spec import default_service
 
     err = Console(stderr=True)
     try:
@@ -163,6 +174,7 @@ def main_with_args(args: argparse.Namespace) -> int:
             fault_worker=min(1, args.prefill_tp - 1),
             seed=args.seed,
             timeout_s=args.timeout,
+            service=dataclasses.replace(default_service(), transport=args.transport),
         )
     except ValueError as exc:
         err.print(f"[red]kvsvc chaos:[/] {exc}")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvsvc.layout import LAYOUTS  # pure core: no torch, keeps `kvsvc --help` fast
+from kvsvc.transports import SETTINGS
 from workers.demo.runner import HOSTS, DemoOptions
 
 if TYPE_CHECKING:
@@ -81,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of it that P writes in one stream and D scatters (default 64; 0: every write direct)",
     )
     add(
+        "--transport",
+        default=defaults.transport,
+        choices=SETTINGS,
+        help="the data plane of P's writes: auto (default: the same-host plane, process_vm_writev, where P and D share "
+        "a host and user; else Mooncake), mooncake, or samehost",
+    )
+    add(
         "--concurrency",
         type=_positive,
         default=defaults.concurrency,
@@ -121,6 +129,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         timeout_s=args.timeout,
         hosts=args.hosts,
         staging_mib=args.staging_mib,
+        transport=args.transport,
     )
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Final, Self
 
+from kvsvc.transports import SETTINGS
+
 if TYPE_CHECKING:
     from aiohttp import web
 
@@ -49,6 +51,7 @@ class ServeOptions:
     token: str | None = None
     control_token: str | None = None  # ServiceConfig.control_token of every worker
     staging_mib: int = 64  # each worker's staging region for staged writes and windows (0: every write direct)
+    transport: str = "auto"  # ServiceConfig.transport of every worker: auto, mooncake or samehost
 
 
 class ServedEngine:
@@ -87,7 +90,7 @@ class ServedEngine:
             pp_size=options.pp,
             tp_size=options.tp,
             dtype=options.dtype,
-            service=ServiceConfig(control_token=options.control_token),
+            service=ServiceConfig(control_token=options.control_token, transport=options.transport),
             transport=MooncakeConfig(),
             bootstrap_port=options.port,
             staging_bytes=options.staging_mib << 20,
@@ -206,6 +209,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="each worker's staging region in MiB: a prefill worker gathers writes of many small pieces there, a "
         "decode worker lends windows of it that P writes in one stream (default 64; 0: every write direct)",
     )
+    add(
+        "--transport",
+        choices=SETTINGS,
+        default=defaults.transport,
+        help="the data plane of this engine's writes, per decode worker: auto (default: the same-host plane, "
+        "process_vm_writev, where both workers share a host and user; else Mooncake), mooncake, or samehost",
+    )
     add("--token-file", default=None, help=f"file whose first line is the admin bearer token (else ${TOKEN_ENV})")
     add(
         "--control-token-file",
@@ -241,6 +251,7 @@ def main_with_args(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         staging_mib=args.staging_mib,
+        transport=args.transport,
         token=token,
         control_token=control_token,
     )

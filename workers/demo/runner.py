@@ -51,6 +51,7 @@ class DemoOptions:
     timeout_s: float = 120.0
     hosts: str = "local"  # "local": both engines on this host's loopback; "netns": each on its own network host
     staging_mib: int = 64  # each worker's staging region for staged writes and windows (0: every write direct)
+    transport: str = "auto"  # ServiceConfig.transport: the same-host plane on one host, else Mooncake
 
     def __post_init__(self) -> None:
         if self.hosts not in HOSTS:
@@ -171,7 +172,7 @@ def _engine_configs(options: DemoOptions) -> tuple[EngineConfig, EngineConfig]:
             tp_size=tp,
             dtype=options.dtype,
             layout=options.layout,
-            service=ServiceConfig(recv_timeout_s=min(60.0, options.timeout_s)),
+            service=ServiceConfig(recv_timeout_s=min(60.0, options.timeout_s), transport=options.transport),
             staging_bytes=options.staging_mib << 20,
         )
 

@@ -1,0 +1,84 @@
+"""`RoutedTransport`: one worker's data planes behind the one `Transport` the service writes through: Mooncake (or any
+transport, for every peer) and the same-host transport (`kvsvc.transport.samehost`, for peers on this host whose
+pair chose it at the hello). A peer's session string names the plane that carries its writes.
+
+Rules: nothing is decided here (`kvsvc.transports` decides per pair, the service asks `reachable` once); every call
+goes to the plane that owns the session, registrations to both; statistics are the sum of the planes'. Imports
+`kvsvc.transport.base` and the same-host transport only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import fields
+
+from kvsvc.transport.base import Region, Transport, TransportStatistics
+from kvsvc.transport.samehost import SameHostTransport
+from kvsvc.transports import is_same_host
+
+
+class RoutedTransport:
+    """`primary` for every peer, `local` for same-host sessions (see module docstring)."""
+
+    def __init__(self, primary: Transport, local: SameHostTransport) -> None:
+        self.primary, self.local = primary, local
+
+    @property
+    def session_id(self) -> str:
+        return self.primary.session_id
+
+    @property
+    def local_session_id(self) -> str:
+        """The same-host plane's session (`WorkerMetadata.samehost_addr`)."""
+        return self.local.session_id
+
+    def _plane(self, session: str) -> Transport:
+        return self.local if is_same_host(session) else self.primary
+
+    def register(self, regions: Sequence[Region]) -> None:
+        self.primary.register(regions)
+        self.local.register(regions)
+
+    def add_peer(self, session_id: str, regions: Sequence[Region]) -> None:
+        self._plane(session_id).add_peer(session_id, regions)
+
+    def remove_peer(self, session_id: str) -> None:
+        self._plane(session_id).remove_peer(session_id)
+
+    async def reachable(self, session: str) -> str:
+        """ "" when writes to `session` can go (a same-host session: the kernel said so), else why not."""
+        if is_same_host(session):
+            return await self.local.reachable(session)
+        return ""
+
+    async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
+        return await self._plane(peer).write(peer, descriptors)
+
+    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+        return self._plane(peer).start_write(peer, descriptors)
+
+    async def drained(self, peer: str | None = None) -> None:
+        if peer is not None:
+            await self._plane(peer).drained(peer)
+            return
+        await asyncio.gather(self.primary.drained(), self.local.drained())
+
+    async def peer_gone(self, session: str) -> bool:
+        return await self._plane(session).peer_gone(session)
+
+    def statistics(self) -> TransportStatistics:
+        a, b = self.primary.statistics(), self.local.statistics()
+        return TransportStatistics(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
+
+    async def close(self) -> None:
+        await asyncio.gather(self.local.close(), self.primary.close())
+
+
+def with_same_host(primary: Transport, device: str) -> Transport:
+    """`primary` with the same-host plane beside it when the KV lives in CPU memory (`device` "cpu"), which is what
+    the plane can copy; `primary` alone for a GPU's memory (there the same question is CUDA IPC, not built)."""
+    return RoutedTransport(primary, SameHostTransport()) if device == "cpu" else primary
+
+
+__all__ = ["RoutedTransport", "with_same_host"]

@@ -1,0 +1,93 @@
+"""Which data plane carries one P worker's writes into one D worker: the rule the hello applies, and the same-host
+address a worker publishes for it.
+
+Rules: Mooncake, unless both workers offer the same-host plane (`WorkerMetadata.samehost_addr`, published only for
+KV in CPU memory), run on the same host (the same kernel boot and PID and network namespaces, so a pid names the same
+process on both sides and their addresses are one host's) and as the same user; an operator may force Mooncake, or
+ask for the same-host plane (`ServiceConfig.transport`), which a pair that does not qualify runs without. The rule
+decides from the two metadata alone; the kernel's own check (a ptrace policy) is the driver's one probe, and a
+refusal there falls back to Mooncake too. Pure module: standard library and kvsvc's pure core only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from kvsvc.messages import WorkerMetadata
+
+SCHEME: Final = "samehost"
+SETTINGS: Final = ("auto", "mooncake", "samehost")
+"""`ServiceConfig.transport`: choose by the rule, always Mooncake, or the same-host plane wherever it qualifies."""
+
+
+@dataclass(frozen=True, slots=True)
+class SameHostAddress:
+    """Where a same-host peer is: the host it runs on (`host`: boot id, PID and network namespace inodes), its user,
+    and its process (pid and start time in clock ticks, so a reused pid is another process). Written as a session
+    string `samehost:host:uid:pid:start`."""
+
+    host: str
+    uid: int
+    pid: int
+    start: int
+
+    def __str__(self) -> str:
+        return f"{SCHEME}:{self.host}:{self.uid}:{self.pid}:{self.start}"
+
+    @classmethod
+    def parse(cls, session: str) -> SameHostAddress:
+        """The address `session` names.
+
+        Raises:
+            ValueError: not a same-host session string.
+        """
+        parts = session.split(":")
+        try:
+            if len(parts) != 5 or parts[0] != SCHEME:
+                raise ValueError
+            return cls(parts[1], int(parts[2]), int(parts[3]), int(parts[4]))
+        except ValueError:
+            raise ValueError(f"{session!r} is not a same-host session ({SCHEME}:host:uid:pid:start)") from None
+
+
+def is_same_host(session: str) -> bool:
+    return session.startswith(SCHEME + ":")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The plane for one (P worker, D worker) pair: `kind` "samehost" or "mooncake", the D session to write to, and
+    why (for the log and the admin endpoint)."""
+
+    kind: str
+    session: str
+    reason: str
+
+
+def choose_transport(p: WorkerMetadata, d: WorkerMetadata, setting: str = "auto") -> Route:
+    """The route of P worker `p`'s writes into D worker `d` (module docstring).
+
+    Raises:
+        ValueError: `setting` is not one of `SETTINGS`.
+    """
+    if setting not in SETTINGS:
+        raise ValueError(f"transport setting {setting!r} is not one of {', '.join(SETTINGS)}")
+    mooncake = d.transport_addr
+    if setting == "mooncake":
+        return Route("mooncake", mooncake, "Mooncake forced by configuration")
+    if not p.samehost_addr or not d.samehost_addr:
+        side = "this P worker" if not p.samehost_addr else f"D worker {d.worker} of {d.engine_id!r}"
+        return Route("mooncake", mooncake, f"{side} offers no same-host transport (KV not in CPU memory, or off)")
+    try:
+        mine, theirs = SameHostAddress.parse(p.samehost_addr), SameHostAddress.parse(d.samehost_addr)
+    except ValueError as exc:
+        return Route("mooncake", mooncake, str(exc))
+    if mine.host != theirs.host:
+        return Route("mooncake", mooncake, f"another host (P {mine.host}, D {theirs.host})")
+    if mine.uid != theirs.uid:
+        return Route("mooncake", mooncake, f"another user (P uid {mine.uid}, D uid {theirs.uid})")
+    return Route("samehost", d.samehost_addr, "same host, same user, KV in CPU memory")
+
+
+__all__ = ["SCHEME", "SETTINGS", "Route", "SameHostAddress", "choose_transport", "is_same_host"]

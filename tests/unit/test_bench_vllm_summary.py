@@ -1,0 +1,54 @@
+"""The `kvsvc bench --vllm` summary and chart, from hand-made runs: the ratios pair repetitions, the NIXL target
+needs both the per-request transfer and the batch's span, and the chart is a PNG of every connector that ran."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workers.bench.plot import plot_comparison
+from workers.bench.vllm_compare import Result, Run, Workload, summarize
+
+WORKLOADS = (Workload("long", (10, 20)), Workload("burst", (5,) * 4))
+
+
+def _run(load_ms: float, span_ms: float, tokens: int = 1) -> Run:
+    return Run(load_ms=[load_ms, load_ms], ttft_ms=[2 * load_ms] * 2, descriptors=8, tokens=[[tokens]], span_ms=span_ms)
+
+
+def _result(nixl_load: float, nixl_span: float) -> Result:
+    result = Result()
+    for w in WORKLOADS:
+        result.runs[w.name] = {
+            "kvsvc": [_run(10.0, 20.0), _run(12.0, 24.0)],
+            "kvsvc_mooncake": [_run(30.0, 60.0), _run(30.0, 60.0)],
+            "nixl": [_run(nixl_load, nixl_span), _run(nixl_load * 1.2, nixl_span * 1.2)],
+        }
+    return result
+
+
+def test_nixl_target_is_met_only_when_both_the_transfer_and_the_batch_are_1_2x_faster() -> None:
+    met = summarize(_result(nixl_load=12.0, nixl_span=24.0), WORKLOADS)
+    assert met["workloads"]["long"]["nixl"]["load_ratio"] == pytest.approx(1.2)
+    assert met["workloads"]["long"]["nixl"]["span_ratio"] == pytest.approx(1.2)
+    assert met["targets"]["load_1_2x_faster_than_nixl"]
+    slow_batch = summarize(_result(nixl_load=12.0, nixl_span=22.0), WORKLOADS)
+    assert not slow_batch["targets"]["load_1_2x_faster_than_nixl"]
+    fast_nixl = summarize(_result(nixl_load=11.0, nixl_span=30.0), WORKLOADS)
+    assert not fast_nixl["targets"]["load_1_2x_faster_than_nixl"]
+
+
+def test_a_run_without_nixl_does_not_claim_the_nixl_target() -> None:
+    result = _result(12.0, 24.0)
+    for runs in result.runs.values():
+        del runs["nixl"]
+    assert not summarize(result, WORKLOADS)["targets"]["load_1_2x_faster_than_nixl"]
+
+
+def test_the_chart_is_a_png_and_an_empty_summary_is_refused(tmp_path: Path) -> None:
+    summary = summarize(_result(12.0, 24.0), WORKLOADS)
+    out = plot_comparison(summary, tmp_path / "chart.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no workload"):
+        plot_comparison({"workloads": {}}, tmp_path / "empty.png")

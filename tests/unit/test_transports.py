@@ -1,0 +1,85 @@
+"""The rule that picks a data plane per (P worker, D worker) pair, decided from the two workers' metadata alone:
+the same-host plane only where both offer it on one host (kernel boot, PID and network namespaces) as one user;
+Mooncake otherwise, or when an operator forces it; every fallback says why, naming both sides."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsvc.messages import WorkerMetadata
+from kvsvc.transports import SameHostAddress, choose_transport, is_same_host
+
+BASE = WorkerMetadata(
+    engine_id="e",
+    incarnation="i",
+    pp_rank=0,
+    pp_size=1,
+    tp_rank=0,
+    tp_size=1,
+    start_layer=0,
+    end_layer=2,
+    num_kv_heads=2,
+    head_size=8,
+    dtype="float16",
+    block_size=4,
+    num_blocks=8,
+    layout="HND",
+    is_mla=False,
+    base_addrs=[4096, 8192],
+    transport_addr="127.0.0.1:16000",
+)
+
+
+def worker(samehost: str = "", engine: str = "e") -> WorkerMetadata:
+    return msgspec.structs.replace(BASE, engine_id=engine, samehost_addr=samehost)
+
+
+HOST = "b00t.4026531836.4026531840"
+P_ADDR, D_ADDR = f"samehost:{HOST}:0:100:5", f"samehost:{HOST}:0:200:7"
+
+
+@given(st.text("0123456789abcdef.", min_size=1), st.integers(0, 2**31), st.integers(1, 2**22), st.integers(0, 2**40))
+def test_a_same_host_address_reads_back_what_it_wrote(host: str, uid: int, pid: int, start: int) -> None:
+    address = SameHostAddress(host, uid, pid, start)
+    assert SameHostAddress.parse(str(address)) == address and is_same_host(str(address))
+
+
+@pytest.mark.parametrize("text", ["", "127.0.0.1:16000", "samehost:h:0:1", "samehost:h:x:1:2", "other:h:0:1:2"])
+def test_anything_else_is_not_a_same_host_address(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a same-host session"):
+        SameHostAddress.parse(text)
+
+
+def test_two_workers_on_one_host_as_one_user_take_the_same_host_plane() -> None:
+    route = choose_transport(worker(P_ADDR), worker(D_ADDR, "d"))
+    assert (route.kind, route.session) == ("samehost", D_ADDR)
+
+
+def test_forced_mooncake_is_mooncake_even_on_one_host() -> None:
+    route = choose_transport(worker(P_ADDR), worker(D_ADDR, "d"), "mooncake")
+    assert (route.kind, route.session) == ("mooncake", BASE.transport_addr) and "forced" in route.reason
+
+
+@pytest.mark.parametrize("setting", ["auto", "samehost"])
+@pytest.mark.parametrize(
+    ("p", "d", "why"),
+    [
+        ("", D_ADDR, "this P worker offers no same-host transport"),
+        (P_ADDR, "", "D worker (0, 0) of 'd' offers no same-host transport"),
+        (P_ADDR, "samehost:otherhost:0:200:7", f"another host (P {HOST}, D otherhost)"),
+        (P_ADDR, f"samehost:{HOST}:1000:200:7", "another user (P uid 0, D uid 1000)"),
+        (P_ADDR, "samehost:garbled", "is not a same-host session"),
+    ],
+)
+def test_a_pair_that_does_not_qualify_runs_on_mooncake_saying_why(setting: str, p: str, d: str, why: str) -> None:
+    route = choose_transport(worker(p), worker(d, "d"), setting)
+    assert (route.kind, route.session) == ("mooncake", BASE.transport_addr)
+    assert why in route.reason
+
+
+def test_an_unknown_setting_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="'shm' is not one of auto, mooncake, samehost"):
+        choose_transport(worker(P_ADDR), worker(D_ADDR), "shm")
