@@ -25,6 +25,7 @@ from kvsvc.receiver import Receiver, RecvReport
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.staging import StagingArea, StagingFull
 from kvsvc.staging import WindowPlan, plan_window
+from kvsvc.transports import choose_transport, rule_on
 from kvsvc.windows import Deliver, LentWindow, LentWindows, Scatter, TellP, WindowCommand, WindowKey
 
 _WINDOW_PLAN_CACHE_ENTRIES = 1024
@@ -128,11 +129,14 @@ class WindowLender:
         """`plan_window`, from a cache when D's blocks for the tokens are one run of consecutive ids and D holds no
         prefix: the plan of the run starting at block 0, its destinations shifted (as P's plan cache does)."""
         d, ids, tokens = self._ctx.metadata, request.block_ids, request.num_tokens
-        rule, max_bytes = area.rule, area.chunk_bytes
+        # P chooses the plane; D applies the same rule to the same metadata to know whether a window pays. A pair
+        # where they differ (P forced to Mooncake, the kernel's probe refused) still works, only less well staged.
+        plane = choose_transport(p, d, self._ctx.config.transport).kind
+        rule, max_bytes = rule_on(plane, area.rule), area.chunk_bytes
         count = -(-tokens // d.block_size)
         if request.first_token or not 0 < count <= len(ids) or not is_block_run(ids, count):
             return plan_window(p, d, ids, tokens, request.first_token, rule, max_bytes)
-        key = (p.engine_id, p.incarnation, p.worker, count, tokens)
+        key = (p.engine_id, p.incarnation, p.worker, count, tokens)  # the plane too: it follows from P's metadata
         if key in self._plans:
             unit = self._plans[key]
         else:

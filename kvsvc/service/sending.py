@@ -245,7 +245,7 @@ class SendingRole:
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
-        target = WriteTarget(ref, d, channel.send, session=route.session)
+        target = WriteTarget(ref, d, channel.send, session=route.session, plane=route.kind)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
         channel.send(decision.reply)

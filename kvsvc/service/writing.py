@@ -32,6 +32,7 @@ from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.plans import PlanCache, Shifted
 from kvsvc.staging import StagedChunk
 from kvsvc.transport.base import WriteFailed
+from kvsvc.transports import rule_on
 from kvsvc.windows import Announce, FillCommand, FillEvent, FillingWindow, FillState
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class WriteTarget:
     wakeups: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # a write in rounds that waits
     gone: str = ""  # why the control connection closed; "" while it is open
     session: str = ""  # the transport session writes go to (`kvsvc.transports.Route`); "" means Mooncake's
+    plane: str = "mooncake"  # `Route.kind`: what a descriptor costs, so whether staging pays (`rule_on`)
 
     def __post_init__(self) -> None:
         self.session = self.session or self.meta.transport_addr
@@ -276,7 +278,8 @@ class BlockWriter:
         area = self._ctx.staging
         if area is None:
             return None
-        return target.plans.staged(target.meta, table, area.rule, area.chunk_bytes, windowed, unit)
+        rule = rule_on(target.plane, area.rule)
+        return target.plans.staged(target.meta, table, rule, area.chunk_bytes, windowed, unit)
 
     async def _write_once(
         self, target: WriteTarget, table: Int64Array, command: Submit, unit: Shifted | None = None

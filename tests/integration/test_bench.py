@@ -55,7 +55,10 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
     layouts = {"hetero_tp_up", "hetero_tp_down", "block_mismatch", "nhd_hetero_tp"}
     assert set(summary["scenarios"]) == {"large", "small", "hetero_tp"} | layouts
     targets = summary["targets"]
-    layout_targets = {f"{n}.{k}" for n in layouts for k in ("ratio_to_homogeneous", "descriptors_per_request")}
+    # The descriptor bound is a target where a descriptor is dear: on Mooncake, not on the same-host plane.
+    bounded = summary["transport"] == "mooncake"
+    kinds = ("ratio_to_homogeneous", "descriptors_per_request") if bounded else ("ratio_to_homogeneous",)
+    layout_targets = {f"{n}.{k}" for n in layouts for k in kinds}
     assert set(targets) == {name for name, _, _ in TARGETS} | layout_targets
     for name in layouts:
         layout = summary["scenarios"].pop(name)
@@ -71,7 +74,9 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
             # D's other threads (Mooncake's) may do nothing at all when P copies over the same-host plane.
             assert all(math.isfinite(v) and v >= 0 for v in layout[split].values()), (name, split, layout[split])
             assert layout[split]["p_loop"] > 0 and layout[split]["d_loop"] > 0, (name, split, layout[split])
-        assert targets[f"{name}.descriptors_per_request"]["bound"] == layout["descriptor_bound_per_request"]
+        assert (
+            not bounded or targets[f"{name}.descriptors_per_request"]["bound"] == layout["descriptor_bound_per_request"]
+        )
     assert all(isinstance(t["met"], bool) and math.isfinite(t["value"]) for t in targets.values())
     assert targets["descriptors_per_request"]["bound"] == summary["scenarios"]["large"]["run_bound_per_request"]
     assert summary["targets_met"] is all(t["met"] for t in targets.values())

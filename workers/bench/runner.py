@@ -209,6 +209,7 @@ class BenchRunner:
             cpu_ceiling_ratio=len(_cpus()) / cpu_s_per_gb / homogeneous_gbps if cpu_s_per_gb > 0 else 0.0,
             verified=verified,
             failures=int(sum(r["failed"] for r in lay + hom)),
+            transport=_plane(p),
         )
 
     def _round(

@@ -131,6 +131,7 @@ def render_layouts(report: BenchReport) -> Table:
         lambda x: f"{x.name} ({x.layout})",
     )
 
+    row("transport", "{}", lambda x: x.transport)
     row("GB/s", "{:.2f}", lambda x: x.gbps)
     row("homogeneous GB/s", "{:.2f}", lambda x: x.homogeneous_gbps)
     row("ratio to homogeneous", "{:.2f}", lambda x: x.ratio_to_homogeneous)
