@@ -135,14 +135,31 @@ class _Queued:
 
 
 def _copy_each(writes: Sequence[tuple[int, npt.NDArray[np.int64]]]) -> list[int | OSError]:
-    """Run `copy_into` for each (pid, table) in turn on the copy thread; each write's bytes or its error, so one
-    failed write fails only itself."""
-    outcomes: list[int | OSError] = []
-    for pid, table in writes:
-        try:
-            outcomes.append(copy_into(pid, table))
-        except OSError as exc:
-            outcomes.append(exc)
+    """Copy every (pid, table) of one loop iteration's writes on the copy thread; each write's bytes or its error.
+
+    The writes to one process go in as few calls as `IOV_MAX` allows: the kernel pins the target's pages once per
+    call, which costs more than a 64 KiB piece's copy. When such a call fails, each of its writes is copied again on
+    its own, so that only the write that cannot land fails (bytes that landed twice are the same bytes).
+    """
+    outcomes: list[int | OSError] = [0] * len(writes)
+    by_pid: dict[int, list[int]] = {}
+    for i, (pid, _) in enumerate(writes):
+        by_pid.setdefault(pid, []).append(i)
+    for pid, indexes in by_pid.items():
+        if len(indexes) > 1:
+            try:
+                copy_into(pid, np.concatenate([writes[i][1] for i in indexes]))
+            except OSError:
+                pass  # found out write by write below
+            else:
+                for i in indexes:
+                    outcomes[i] = int(writes[i][1][:, 2].sum())
+                continue
+        for i in indexes:
+            try:
+                outcomes[i] = copy_into(pid, writes[i][1])
+            except OSError as exc:
+                outcomes[i] = exc
     return outcomes
 
 

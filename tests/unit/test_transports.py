@@ -95,3 +95,22 @@ def test_on_the_same_host_plane_a_gather_pays_only_for_pieces_of_a_few_kib() -> 
     assert mooncake.stage(224, 28, 224 * 16384) and not samehost.stage(224, 28, 224 * 16384)
     # 4 KiB pieces (a block-size change): the copy costs less than the pieces saved, on either plane.
     assert samehost.stage(868, 28, 868 * 4096) and mooncake.stage(868, 28, 868 * 4096)
+
+
+def test_writes_merged_into_one_call_fail_one_by_one_when_the_call_fails() -> None:
+    import os
+
+    import numpy as np
+
+    from kvsvc.transport.samehost import _copy_each
+
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros((2, 4096), dtype=np.uint8)
+    good = np.array([[src.ctypes.data, dst.ctypes.data, 4096]], dtype=np.int64)
+    also_good = np.array([[src.ctypes.data, dst.ctypes.data + 4096, 4096]], dtype=np.int64)
+    unmapped = np.array([[src.ctypes.data, 4096, 4096]], dtype=np.int64)  # page 1 is never mapped
+    outcomes = _copy_each([(os.getpid(), good), (os.getpid(), unmapped), (os.getpid(), also_good)])
+    assert outcomes[0] == outcomes[2] == 4096
+    assert isinstance(outcomes[1], OSError)
+    assert (dst == src).all()
+    assert _copy_each([(os.getpid(), good), (os.getpid(), also_good)]) == [4096, 4096]
