@@ -36,6 +36,7 @@ from workers.kv_pool import engine_shapes
 from workers.process import (
     Command,
     GetFinished,
+    Peers,
     Ready,
     Reply,
     SetEngineMetadata,
@@ -444,6 +445,16 @@ class Executor:
             WorkerError / WorkerDied / WorkerTimeout: as `broadcast`.
         """
         return [dict(s) for s in self.broadcast(Statistics(), timeout_s) if isinstance(s, dict)]
+
+    def planes(self) -> set[str]:
+        """The data planes this engine's workers chose for the D workers they write to ("samehost", "mooncake"),
+        from their peer tables; empty before any hello.
+
+        Raises:
+            WorkerError / WorkerDied / WorkerTimeout: as `broadcast`.
+        """
+        rows = [row for rows in self.broadcast(Peers()) if isinstance(rows, list) for row in rows]
+        return {row["transport"] for row in rows if row["direction"] == "from_d"}
 
     def aggregator_statistics(self) -> AggregatorStatistics:
         """The engine core's output aggregator counters (this incarnation): `late_reports_ignored` > 0 means a

@@ -18,7 +18,7 @@ import concurrent.futures
 import ctypes
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -39,6 +39,7 @@ from kvsvc.transport.base import (
 from kvsvc.transports import SameHostAddress
 
 IOV_MAX: Final = 1024  # Linux's limit on iovecs per call, each side
+GROUP_BYTES: Final = 1 << 20  # writes merged into one call up to about this much, then their completions delivered
 ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
 
 
@@ -134,33 +135,42 @@ class _Queued:
     result: asyncio.Future[int]
 
 
-def _copy_each(writes: Sequence[tuple[int, npt.NDArray[np.int64]]]) -> list[int | OSError]:
-    """Copy every (pid, table) of one loop iteration's writes on the copy thread; each write's bytes or its error.
-
-    The writes to one process go in as few calls as `IOV_MAX` allows: the kernel pins the target's pages once per
-    call, which costs more than a 64 KiB piece's copy. When such a call fails, each of its writes is copied again on
-    its own, so that only the write that cannot land fails (bytes that landed twice are the same bytes).
-    """
-    outcomes: list[int | OSError] = [0] * len(writes)
-    by_pid: dict[int, list[int]] = {}
-    for i, (pid, _) in enumerate(writes):
-        by_pid.setdefault(pid, []).append(i)
-    for pid, indexes in by_pid.items():
-        if len(indexes) > 1:
-            try:
-                copy_into(pid, np.concatenate([writes[i][1] for i in indexes]))
-            except OSError:
-                pass  # found out write by write below
-            else:
-                for i in indexes:
-                    outcomes[i] = int(writes[i][1][:, 2].sum())
-                continue
-        for i in indexes:
-            try:
-                outcomes[i] = copy_into(pid, writes[i][1])
-            except OSError as exc:
-                outcomes[i] = exc
+def _copy_group(pid: int, tables: Sequence[npt.NDArray[np.int64]]) -> list[int | OSError]:
+    """Copy the writes `tables` into process `pid` in as few calls as `IOV_MAX` allows (the kernel pins the target's
+    pages once per call, which costs more than a 64 KiB piece's copy); each write's bytes or its error. When the
+    merged call fails, each write is copied again on its own, so that only the write that cannot land fails (bytes
+    that landed twice are the same bytes)."""
+    if len(tables) > 1:
+        try:
+            copy_into(pid, np.concatenate(tables))
+        except OSError:
+            pass  # found out write by write below
+        else:
+            return [int(t[:, 2].sum()) for t in tables]
+    outcomes: list[int | OSError] = []
+    for table in tables:
+        try:
+            outcomes.append(copy_into(pid, table))
+        except OSError as exc:
+            outcomes.append(exc)
     return outcomes
+
+
+def _copy_all(
+    writes: Sequence[tuple[int, npt.NDArray[np.int64]]], deliver: Callable[[int, list[int | OSError]], None]
+) -> None:
+    """Copy one loop iteration's writes (pid, table) in order on the copy thread, in groups of consecutive writes to
+    one process of about `GROUP_BYTES`, and `deliver(first, outcomes)` each group's outcomes as soon as it landed: a
+    burst of small writes pays few calls and few wake-ups, and a large write completes before the next one starts,
+    as the requests of a burst would one after another."""
+    first = 0
+    while first < len(writes):
+        pid, end, nbytes = writes[first][0], first, 0
+        while end < len(writes) and writes[end][0] == pid and (end == first or nbytes < GROUP_BYTES):
+            nbytes += int(writes[end][1][:, 2].sum())
+            end += 1
+        deliver(first, _copy_group(pid, [table for _, table in writes[first:end]]))
+        first = end
 
 
 class SameHostTransport:
@@ -275,20 +285,27 @@ class SameHostTransport:
         if not batch:
             return
         loop = asyncio.get_running_loop()
-        copies = loop.run_in_executor(self._executor(), _copy_each, [(q.pid, q.table) for q in batch])
 
-        def ended(done: asyncio.Future[list[int | OSError]]) -> None:
-            outcomes: list[int | OSError] | BaseException
-            try:
-                outcomes = done.result()
-            except BaseException as exc:  # the executor itself failed (shut down): every write of the batch fails
-                outcomes = exc
-            for i, queued in enumerate(batch):
-                self._finish(queued, outcomes if isinstance(outcomes, BaseException) else outcomes[i], loop)
+        def landed(first: int, outcomes: list[int | OSError]) -> None:
+            for queued, outcome in zip(batch[first:], outcomes, strict=False):
+                self._finish(queued, outcome, loop)
+
+        def deliver(first: int, outcomes: list[int | OSError]) -> None:
+            loop.call_soon_threadsafe(landed, first, outcomes)
+
+        copies = loop.run_in_executor(self._executor(), _copy_all, [(q.pid, q.table) for q in batch], deliver)
+
+        def ended(done: asyncio.Future[None]) -> None:
+            failure = RuntimeError("the copy thread was cancelled") if done.cancelled() else done.exception()
+            if failure is not None:  # the executor itself failed (shut down): what did not land fails
+                for queued in batch:
+                    self._finish(queued, failure, loop)
 
         copies.add_done_callback(ended)
 
     def _finish(self, queued: _Queued, outcome: int | BaseException, loop: asyncio.AbstractEventLoop) -> None:
+        if queued.result not in self._in_flight:
+            return  # already finished
         self._in_flight.discard(queued.result)
         self._counts["inflight_desc"] -= len(queued.table)
         if not isinstance(outcome, BaseException):

@@ -40,6 +40,7 @@ def test_default_layouts_p_pp2_tp1_to_d_pp1_tp2_verify_every_request(
     layout = ("--prefill-pp", "2", "--prefill-tp", "1", "--decode-pp", "1", "--decode-tp", "2")
     result = _run(capsys, *layout, "--transport", transport)
     _assert_all_verified(result)
+    assert result["planes"] == [transport]  # what every P worker chose, as its peer table says
 
 
 def test_p_tp1_to_d_tp2_with_other_block_sizes_verifies_every_request(capsys: pytest.CaptureFixture[str]) -> None:

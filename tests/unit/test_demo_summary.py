@@ -87,8 +87,11 @@ def test_summary_rows_name_every_figure_of_the_table() -> None:
         "latency p99",
         "descriptors",
         "hosts",
+        "transport",
     ]
-    assert rows["hosts"] == "-"
+    assert rows["hosts"] == rows["transport"] == "-"
+    result.planes = ["samehost"]
+    assert dict(summary_rows(result))["transport"] == "same-host plane (process_vm_writev)"
     result.hosts = {"prefill": "10.213.0.1", "decode": "10.213.0.2"}
     assert dict(summary_rows(result))["hosts"] == "prefill 10.213.0.1, decode 10.213.0.2"
     assert rows["verified"] == "4 / 4"

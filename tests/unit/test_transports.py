@@ -102,15 +102,41 @@ def test_writes_merged_into_one_call_fail_one_by_one_when_the_call_fails() -> No
 
     import numpy as np
 
-    from kvsvc.transport.samehost import _copy_each
+    from kvsvc.transport.samehost import _copy_group
 
     src = np.arange(4096, dtype=np.uint8)
     dst = np.zeros((2, 4096), dtype=np.uint8)
     good = np.array([[src.ctypes.data, dst.ctypes.data, 4096]], dtype=np.int64)
     also_good = np.array([[src.ctypes.data, dst.ctypes.data + 4096, 4096]], dtype=np.int64)
     unmapped = np.array([[src.ctypes.data, 4096, 4096]], dtype=np.int64)  # page 1 is never mapped
-    outcomes = _copy_each([(os.getpid(), good), (os.getpid(), unmapped), (os.getpid(), also_good)])
+    outcomes = _copy_group(os.getpid(), [good, unmapped, also_good])
     assert outcomes[0] == outcomes[2] == 4096
     assert isinstance(outcomes[1], OSError)
     assert (dst == src).all()
-    assert _copy_each([(os.getpid(), good), (os.getpid(), also_good)]) == [4096, 4096]
+    assert _copy_group(os.getpid(), [good, also_good]) == [4096, 4096]
+
+
+def test_a_burst_of_small_writes_lands_in_one_group_and_large_writes_one_by_one() -> None:
+    import os
+
+    import numpy as np
+
+    from kvsvc.transport.samehost import GROUP_BYTES, _copy_all
+
+    src = np.arange(8 * GROUP_BYTES, dtype=np.uint64).view(np.uint8)
+    dst = np.zeros_like(src)
+
+    def write(offset: int, length: int) -> tuple[int, np.ndarray]:
+        return os.getpid(), np.array([[src.ctypes.data + offset, dst.ctypes.data + offset, length]], dtype=np.int64)
+
+    delivered: list[tuple[int, list[int | OSError]]] = []
+
+    def deliver(first: int, outcomes: list[int | OSError]) -> None:
+        delivered.append((first, outcomes))
+
+    _copy_all([write(i * 4096, 4096) for i in range(8)], deliver)
+    assert delivered == [(0, [4096] * 8)]
+    delivered.clear()
+    _copy_all([write(i * GROUP_BYTES, GROUP_BYTES) for i in range(3)], deliver)
+    assert delivered == [(0, [GROUP_BYTES]), (1, [GROUP_BYTES]), (2, [GROUP_BYTES])]
+    assert (dst[: 3 * GROUP_BYTES] == src[: 3 * GROUP_BYTES]).all()

@@ -47,7 +47,7 @@ from workers.bench.worker import (
     RecvMany,
 )
 from workers.executor import EngineConfig, Executor, start_all
-from workers.process import Peers, Verify
+from workers.process import Verify
 from workers.stats import percentile
 from workers.synthetic import VerifyResult
 
@@ -511,9 +511,7 @@ def _busy_share(rounds: Sequence[dict[str, float]]) -> float:
 
 def _plane(p: Executor) -> str:
     """The plane P's writes to its D workers take: "samehost" when every pair chose it, else "mooncake"."""
-    rows = [row for i in range(len(p.workers)) for row in p.call(i, Peers())]  # type: ignore[attr-defined]
-    planes = {row["transport"] for row in rows if row["direction"] == "from_d"}
-    return "samehost" if planes == {"samehost"} else "mooncake"
+    return "samehost" if p.planes() == {"samehost"} else "mooncake"
 
 
 def _cpu(result: object) -> float:

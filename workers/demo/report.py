@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from workers.stats import percentile
 
+PLANE_NAMES = {"samehost": "same-host plane (process_vm_writev)", "mooncake": "Mooncake (TCP)"}
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -44,6 +46,7 @@ def summary_rows(result: DemoResult) -> list[tuple[str, str]]:
         ("latency p99", ms(99)),
         ("descriptors", f"{result.descriptors:,}"),
         ("hosts", ", ".join(f"{role} {address}" for role, address in result.hosts.items()) or "-"),
+        ("transport", " + ".join(PLANE_NAMES.get(p, p) for p in result.planes) or "-"),
         *_comparison_rows(result),
     ]
 

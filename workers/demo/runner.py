@@ -95,6 +95,7 @@ class DemoResult:
     errors: list[str] = field(default_factory=list)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # why receives failed, counted, first seen first
     hosts: dict[str, str] = field(default_factory=dict)  # role -> the address its engine listened on
+    planes: list[str] = field(default_factory=list)  # the data planes P's workers chose ("samehost", "mooncake")
     homogeneous: DemoResult | None = None  # `--compare`: the same bytes with D laid out as P, run after this one
 
     def add_failure(self, transfer_id: str, reason: str) -> None:
@@ -140,6 +141,7 @@ class DemoResult:
             "errors": self.errors[:10],
             "failure_reasons": dict(list(self.failure_reasons.items())[:10]),
             "hosts": self.hosts,
+            "planes": self.planes,
         }
         if options is not None:
             payload["layout"] = options.describe()
@@ -283,6 +285,7 @@ def _run_engines(
         result.seconds = time.monotonic() - begin
         bytes1, descriptors1 = _counters(p_exec)
         result.bytes, result.descriptors = bytes1 - bytes0, descriptors1 - descriptors0
+        result.planes = sorted(p_exec.planes())
     finally:
         d_exec.close()
         p_exec.close()
