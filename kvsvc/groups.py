@@ -1,0 +1,244 @@
+"""KV cache groups of hybrid models: what kind of state each group of layers keeps, which of a request's blocks of
+a group move from P to D, and which bytes of a Mamba state slot each P worker writes into each D worker's.
+
+Pure module: standard library, msgspec and `kvsvc.errors`/`kvsvc.layout` only (no numpy, torch, asyncio). A hybrid
+model's layers fall into groups that share one block table each (vLLM's KV cache groups):
+
+| kind             | a request keeps                               | what moves                                     |
+|------------------|-----------------------------------------------|------------------------------------------------|
+| `full`           | one block per `block_size` tokens             | every block of the prompt                      |
+| `sliding_window` | the blocks of its last `window` tokens        | the last `cdiv(window, block_size) + 1` blocks |
+| `mamba`          | one state slot (conv state, then SSM state)   | the slot holding the state after the prompt    |
+
+A Mamba (or Gated DeltaNet) state slot of one TP rank is its conv state, channel-major (vLLM's "DS" layout: one row
+of `conv_width` elements per channel, the sub-projections one after another), then its SSM state (its slice of the
+heads, each head's state contiguous). A sub-projection is made of groups of channels (heads for x, Q, K and V; the
+B/C groups of Mamba2) and a rank holds `groups / tp` of them; where TP exceeds the groups (Mamba2's single B/C
+group at TP 2), vLLM gives each rank one group, so ranks share it and D takes it from the first P rank that holds
+it. Rules: groups that neither divide nor are divided by a side's TP, or two sides that disagree on a group's kind,
+window or state, are a `TopologyError` naming the values; runs are byte offsets within one slot, in source order,
+every byte of D's slot written by exactly one P rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final, NamedTuple
+
+import msgspec
+
+from kvsvc.errors import TopologyError
+from kvsvc.layout import dtype_size
+
+FULL: Final = "full"
+SLIDING_WINDOW: Final = "sliding_window"
+MAMBA: Final = "mamba"
+GROUP_KINDS: Final = (FULL, SLIDING_WINDOW, MAMBA)
+
+
+class ConvPart(msgspec.Struct, frozen=True):
+    """One sub-projection of a conv state (x, B or C of Mamba2; Q, K or V of GDN): its channels over the whole
+    model, in `groups` equal groups that TP ranks split (heads, or Mamba2's B/C groups)."""
+
+    channels: int
+    groups: int
+
+
+class MambaState(msgspec.Struct, frozen=True, kw_only=True):
+    """The state one Mamba/GDN layer keeps per request, as sizes over the whole model (before the TP split)."""
+
+    conv_parts: list[ConvPart]
+    conv_width: int
+    """Elements per conv channel: the kernel size minus one."""
+    conv_dtype: str
+    ssm_heads: int
+    ssm_head_bytes: int
+    """Bytes of one head's SSM state (Mamba2: head_dim x d_state x dtype; GDN: v_dim x k_dim x dtype)."""
+
+
+class KVGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """One KV cache group: its kind, its layers (global indices) and what the kind needs."""
+
+    kind: str
+    layers: list[int]
+    sliding_window: int = 0
+    """Tokens a `sliding_window` group attends to; 0 for the other kinds."""
+    mamba: MambaState | None = None
+
+
+class SlotRun(NamedTuple):
+    """`length` bytes at `src_offset` in P's state slot go to `dst_offset` in D's."""
+
+    src_offset: int
+    dst_offset: int
+    length: int
+
+
+def check_groups(groups: Sequence[KVGroup], num_layers: int, side: str = "") -> None:
+    """Every layer in exactly one group, and each group's fields fit its kind.
+
+    Raises:
+        TopologyError: naming the group and the value at fault.
+    """
+    seen: dict[int, int] = {}
+    for i, group in enumerate(groups):
+        where = f"{side}group {i} ({group.kind})"
+        if group.kind not in GROUP_KINDS:
+            raise TopologyError(f"{where}: unknown kind; expected one of {', '.join(GROUP_KINDS)}")
+        if (group.kind == SLIDING_WINDOW) != (group.sliding_window > 0):
+            raise TopologyError(f"{where}: sliding_window {group.sliding_window} does not fit the kind")
+        if (group.kind == MAMBA) != (group.mamba is not None):
+            raise TopologyError(f"{where}: a Mamba state is required for kind mamba and only for it")
+        for layer in group.layers:
+            if not 0 <= layer < num_layers:
+                raise TopologyError(f"{where}: layer {layer} outside the model's {num_layers} layers")
+            if layer in seen:
+                raise TopologyError(f"{where}: layer {layer} is in group {seen[layer]} too")
+            seen[layer] = i
+    if len(seen) != num_layers:
+        missing = sorted(set(range(num_layers)) - set(seen))
+        raise TopologyError(f"{side}layers {missing[:8]} are in no group")
+
+
+def check_same_groups(p: Sequence[KVGroup], d: Sequence[KVGroup]) -> None:
+    """P and D must group the model's layers alike: the same kinds, layers, windows and states, in order.
+
+    Raises:
+        TopologyError: the first difference, with both sides' values.
+    """
+    if len(p) != len(d):
+        raise TopologyError(f"P has {len(p)} KV cache groups, D {len(d)}")
+    for i, (mine, theirs) in enumerate(zip(p, d, strict=True)):
+        if mine != theirs:
+            raise TopologyError(f"KV cache group {i} differs: P {mine!r}, D {theirs!r}")
+
+
+def blocks_to_move(group: KVGroup, num_blocks: int, block_size: int, num_tokens: int) -> range:
+    """Which of a request's `num_blocks` blocks of `group` (indices into its block list) hold what D needs after
+    `num_tokens` tokens: all of them for full attention, those of the window for a sliding window (out-of-window
+    blocks are vLLM's null block on both sides), the last one (the state slot) for Mamba.
+
+    Raises:
+        TopologyError: fewer blocks than the tokens need.
+    """
+    needed = -(-num_tokens // block_size)
+    if group.kind == MAMBA:
+        if num_blocks < 1:
+            raise TopologyError("a Mamba group's request has no state slot")
+        return range(num_blocks - 1, num_blocks)
+    if num_blocks < needed:
+        raise TopologyError(f"{num_tokens} tokens need {needed} blocks of {block_size}; the request has {num_blocks}")
+    if group.kind == SLIDING_WINDOW:
+        window_blocks = -(-group.sliding_window // block_size) + 1
+        return range(max(0, needed - window_blocks), needed)
+    return range(needed)
+
+
+def _held(groups: int, tp_size: int, tp_rank: int, what: str) -> range:
+    """The groups of a part of `groups` that rank `tp_rank` of `tp_size` holds: its share, or the one group it
+    shares with other ranks when there are fewer groups than ranks.
+
+    Raises:
+        TopologyError: neither of `groups` and `tp_size` divides the other.
+    """
+    if groups % tp_size == 0:
+        share = groups // tp_size
+        return range(tp_rank * share, (tp_rank + 1) * share)
+    if tp_size % groups == 0:
+        group = tp_rank * groups // tp_size
+        return range(group, group + 1)
+    raise TopologyError(f"{what}: {groups} groups do not split over TP {tp_size}")
+
+
+def _check_part(part: ConvPart, what: str) -> None:
+    if part.groups < 1 or part.channels % part.groups:
+        raise TopologyError(f"{what}: {part.channels} channels are not {part.groups} equal groups")
+
+
+def state_bytes(state: MambaState, tp_size: int) -> int:
+    """Bytes of one rank's state slot (conv state, then SSM state).
+
+    Raises:
+        TopologyError: a part's groups or the SSM heads do not split over `tp_size`.
+    """
+    row = state.conv_width * dtype_size(state.conv_dtype)
+    conv = 0
+    for i, part in enumerate(state.conv_parts):
+        _check_part(part, f"conv part {i}")
+        conv += len(_held(part.groups, tp_size, 0, f"conv part {i}")) * part.channels // part.groups * row
+    return conv + len(_held(state.ssm_heads, tp_size, 0, "SSM heads")) * state.ssm_head_bytes
+
+
+def _runs_of_part(
+    groups: int, unit: int, p_tp: tuple[int, int], d_tp: tuple[int, int], what: str
+) -> tuple[list[SlotRun], int, int]:
+    """The runs (offsets within the part, in bytes of `unit` per group) that P rank `p_tp` writes of a part of
+    `groups` into D rank `d_tp`, and the part's bytes on each side. D takes each group it holds from the first P
+    rank that holds it."""
+    (p_rank, p_size), (d_rank, d_size) = p_tp, d_tp
+    mine, theirs = _held(groups, p_size, p_rank, what), _held(groups, d_size, d_rank, what)
+    runs = []
+    for g in theirs:
+        if g in mine and _first_holder(groups, p_size, g) == p_rank:
+            runs.append(SlotRun((g - mine.start) * unit, (g - theirs.start) * unit, unit))
+    return runs, len(mine) * unit, len(theirs) * unit
+
+
+def _first_holder(groups: int, tp_size: int, group: int) -> int:
+    """The lowest rank of `tp_size` that holds `group` of `groups` (either divides the other)."""
+    if groups % tp_size == 0:
+        return group // (groups // tp_size)
+    return -(-group * tp_size // groups)
+
+
+def plan_state(state: MambaState, p_tp: tuple[int, int], d_tp: tuple[int, int]) -> list[SlotRun]:
+    """The bytes of a state slot that P rank `p_tp = (rank, size)` writes into D rank `d_tp`'s slot: of each conv
+    part and of the SSM heads, the groups D's rank holds that this P rank is the first to hold. Empty when the two
+    ranks share nothing.
+
+    Raises:
+        TopologyError: a part's groups or the SSM heads do not split over either side's TP.
+    """
+    row = state.conv_width * dtype_size(state.conv_dtype)
+    runs: list[SlotRun] = []
+    src_base = dst_base = 0
+    parts = [(p.groups, p.channels // p.groups * row, f"conv part {i}") for i, p in enumerate(state.conv_parts)]
+    for i, part in enumerate(state.conv_parts):
+        _check_part(part, f"conv part {i}")
+    for groups, unit, what in [*parts, (state.ssm_heads, state.ssm_head_bytes, "SSM heads")]:
+        part_runs, src_bytes, dst_bytes = _runs_of_part(groups, unit, p_tp, d_tp, what)
+        runs += [SlotRun(src_base + r.src_offset, dst_base + r.dst_offset, r.length) for r in part_runs]
+        src_base, dst_base = src_base + src_bytes, dst_base + dst_bytes
+    return _merged(runs)
+
+
+def _merged(runs: list[SlotRun]) -> list[SlotRun]:
+    """`runs` with neighbours contiguous on both sides joined (homogeneous TP: one run per slot)."""
+    out: list[SlotRun] = []
+    for run in runs:
+        if (
+            out
+            and out[-1].src_offset + out[-1].length == run.src_offset
+            and (out[-1].dst_offset + out[-1].length == run.dst_offset)
+        ):
+            last = out.pop()
+            run = SlotRun(last.src_offset, last.dst_offset, last.length + run.length)
+        out.append(run)
+    return out
+
+
+__all__ = [
+    "FULL",
+    "GROUP_KINDS",
+    "MAMBA",
+    "SLIDING_WINDOW",
+    "ConvPart",
+    "KVGroup",
+    "MambaState",
+    "SlotRun",
+    "blocks_to_move",
+    "check_groups",
+    "check_same_groups",
+    "plan_state",
+    "state_bytes",
+]

@@ -1,0 +1,168 @@
+"""Hybrid models' KV cache groups in the pure core: which blocks of each group move, and a byte-exact simulator of
+Mamba state slots between P and D at any two TP sizes (hypothesis), with the bad inputs refused naming values."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsvc.errors import TopologyError
+from kvsvc.groups import (
+    FULL,
+    MAMBA,
+    SLIDING_WINDOW,
+    ConvPart,
+    KVGroup,
+    MambaState,
+    blocks_to_move,
+    check_groups,
+    check_same_groups,
+    plan_state,
+    state_bytes,
+)
+from kvsvc.layout import dtype_size
+
+TP_SIZES = (1, 2, 4, 8)
+
+
+# -- blocks of each group ------------------------------------------------------------------------------------------
+
+
+@given(
+    window=st.integers(1, 300),
+    block_size=st.sampled_from([1, 4, 16, 32]),
+    tokens=st.integers(1, 2000),
+    extra=st.integers(0, 3),
+)
+def test_a_sliding_window_group_moves_the_blocks_of_its_window_and_at_most_one_more(
+    window: int, block_size: int, tokens: int, extra: int
+) -> None:
+    group = KVGroup(kind=SLIDING_WINDOW, layers=[0], sliding_window=window)
+    needed = -(-tokens // block_size)
+    moved = blocks_to_move(group, needed + extra, block_size, tokens)
+    attended = {t // block_size for t in range(max(0, tokens - window), tokens)}
+    assert attended <= set(moved)  # every token the next one attends to lands on D
+    assert len(moved) <= -(-window // block_size) + 1
+    assert moved.stop == needed  # nothing past the prompt's blocks
+    full = blocks_to_move(KVGroup(kind=FULL, layers=[0]), needed + extra, block_size, tokens)
+    assert full == range(needed) and set(moved) <= set(full)
+
+
+def test_a_mamba_group_moves_its_last_slot_and_a_short_block_list_is_refused() -> None:
+    state = MambaState(conv_parts=[ConvPart(8, 2)], conv_width=3, conv_dtype="float32", ssm_heads=2, ssm_head_bytes=16)
+    group = KVGroup(kind=MAMBA, layers=[1], mamba=state)
+    assert blocks_to_move(group, 3, 16, 40) == range(2, 3)
+    with pytest.raises(TopologyError, match="no state slot"):
+        blocks_to_move(group, 0, 16, 40)
+    with pytest.raises(TopologyError, match="40 tokens need 3 blocks of 16; the request has 2"):
+        blocks_to_move(KVGroup(kind=FULL, layers=[0]), 2, 16, 40)
+
+
+def test_groups_that_miss_a_layer_or_misfit_their_kind_are_refused_naming_it() -> None:
+    state = MambaState(conv_parts=[ConvPart(8, 2)], conv_width=3, conv_dtype="float32", ssm_heads=2, ssm_head_bytes=16)
+    good = [KVGroup(kind=FULL, layers=[0, 2]), KVGroup(kind=MAMBA, layers=[1], mamba=state)]
+    check_groups(good, 3)
+    with pytest.raises(TopologyError, match=r"layers \[2\] are in no group"):
+        check_groups([KVGroup(kind=FULL, layers=[0, 1])], 3)
+    with pytest.raises(TopologyError, match="layer 1 is in group 0 too"):
+        check_groups([KVGroup(kind=FULL, layers=[0, 1]), KVGroup(kind=MAMBA, layers=[1], mamba=state)], 2)
+    with pytest.raises(TopologyError, match="sliding_window 0 does not fit"):
+        check_groups([KVGroup(kind=SLIDING_WINDOW, layers=[0])], 1)
+    with pytest.raises(TopologyError, match="a Mamba state is required"):
+        check_groups([KVGroup(kind=MAMBA, layers=[0])], 1)
+    with pytest.raises(TopologyError, match="unknown kind"):
+        check_groups([KVGroup(kind="linear", layers=[0])], 1)
+    other = [good[0], KVGroup(kind=SLIDING_WINDOW, layers=[1], sliding_window=128)]
+    with pytest.raises(TopologyError, match=r"KV cache group 1 differs: P .*mamba.*, D .*sliding_window"):
+        check_same_groups(good, other)
+    with pytest.raises(TopologyError, match="P has 2 KV cache groups, D 1"):
+        check_same_groups(good, good[:1])
+
+
+# -- Mamba state slots, byte exact ---------------------------------------------------------------------------------
+
+
+def _holds(groups: int, tp: int, rank: int) -> list[int]:
+    """vLLM's split, written out: a rank holds `groups / tp` groups, or, with more ranks than groups, the one
+    group `rank * groups // tp` (Mamba2 extends its B/C groups so that each rank has one)."""
+    if groups >= tp:
+        return list(range(rank * groups // tp, (rank + 1) * groups // tp))
+    return [rank * groups // tp]
+
+
+def _rank_slot(state: MambaState, whole: list[bytes], ssm: bytes, tp: int, rank: int) -> bytes:
+    """What rank `rank` of `tp` holds in its slot, cut from the whole model's state (`whole`: each conv part's
+    bytes; `ssm`: every head's)."""
+    row = state.conv_width * dtype_size(state.conv_dtype)
+    out = b""
+    for part, data in zip(state.conv_parts, whole, strict=True):
+        unit = part.channels // part.groups * row
+        out += b"".join(data[g * unit : (g + 1) * unit] for g in _holds(part.groups, tp, rank))
+    head = state.ssm_head_bytes
+    return out + b"".join(ssm[h * head : (h + 1) * head] for h in _holds(state.ssm_heads, tp, rank))
+
+
+@st.composite
+def states(draw: st.DrawFn) -> MambaState:
+    parts = []
+    for _ in range(draw(st.integers(1, 4))):
+        groups = draw(st.sampled_from([1, 2, 4, 8, 16]))
+        parts.append(ConvPart(groups * draw(st.integers(1, 3)), groups))
+    return MambaState(
+        conv_parts=parts,
+        conv_width=draw(st.integers(1, 4)),
+        conv_dtype=draw(st.sampled_from(["bfloat16", "float32"])),
+        ssm_heads=draw(st.sampled_from([1, 2, 4, 8, 16])),
+        ssm_head_bytes=draw(st.integers(1, 48)),
+    )
+
+
+@given(state=states(), p_size=st.sampled_from(TP_SIZES), d_size=st.sampled_from(TP_SIZES), seed=st.integers(0, 99))
+def test_every_d_rank_gets_exactly_its_slice_of_every_conv_part_and_ssm_head(
+    state: MambaState, p_size: int, d_size: int, seed: int
+) -> None:
+    rng = random.Random(seed)
+    row = state.conv_width * dtype_size(state.conv_dtype)
+    whole = [rng.randbytes(p.channels * row) for p in state.conv_parts]
+    ssm = rng.randbytes(state.ssm_heads * state.ssm_head_bytes)
+    p_slots = [_rank_slot(state, whole, ssm, p_size, r) for r in range(p_size)]
+    assert all(len(s) == state_bytes(state, p_size) for s in p_slots)
+    for d_rank in range(d_size):
+        slot = bytearray(state_bytes(state, d_size))
+        written = [0] * len(slot)
+        for p_rank in range(p_size):
+            for run in plan_state(state, (p_rank, p_size), (d_rank, d_size)):
+                chunk = p_slots[p_rank][run.src_offset : run.src_offset + run.length]
+                assert len(chunk) == run.length  # inside P's slot
+                slot[run.dst_offset : run.dst_offset + run.length] = chunk
+                for i in range(run.dst_offset, run.dst_offset + run.length):
+                    written[i] += 1
+        assert bytes(slot) == _rank_slot(state, whole, ssm, d_size, d_rank)
+        assert set(written) == {1}  # every byte of D's slot written once, by one P rank
+
+
+def test_the_same_tp_on_both_sides_is_one_run_per_slot() -> None:
+    # Mamba2 at 8 heads of 8 channels, 4 B/C groups of 16 channels: x, B, C.
+    parts = [ConvPart(64, 8), ConvPart(64, 4), ConvPart(64, 4)]
+    state = MambaState(conv_parts=parts, conv_width=3, conv_dtype="bfloat16", ssm_heads=8, ssm_head_bytes=64 * 128 * 4)
+    for tp in (1, 2, 4):
+        for rank in range(tp):
+            assert plan_state(state, (rank, tp), (rank, tp)) == [(0, 0, state_bytes(state, tp))]
+            assert all(not plan_state(state, (other, tp), (rank, tp)) for other in range(tp) if other != rank)
+
+
+def test_sizes_that_do_not_split_over_a_sides_tp_are_refused_naming_them() -> None:
+    state = MambaState(conv_parts=[ConvPart(6, 3)], conv_width=3, conv_dtype="float32", ssm_heads=4, ssm_head_bytes=8)
+    with pytest.raises(TopologyError, match="conv part 0: 3 groups do not split over TP 2"):
+        plan_state(state, (0, 1), (0, 2))
+    odd_heads = MambaState(
+        conv_parts=[ConvPart(8, 8)], conv_width=3, conv_dtype="float32", ssm_heads=6, ssm_head_bytes=8
+    )
+    with pytest.raises(TopologyError, match="SSM heads: 6 groups do not split over TP 4"):
+        plan_state(odd_heads, (0, 1), (0, 4))
+    uneven = MambaState(conv_parts=[ConvPart(7, 2)], conv_width=3, conv_dtype="float32", ssm_heads=4, ssm_head_bytes=8)
+    with pytest.raises(TopologyError, match="conv part 0: 7 channels are not 2 equal groups"):
+        state_bytes(uneven, 2)
