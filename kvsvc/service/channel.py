@@ -28,8 +28,12 @@ class ControlChannel:
         self._inbox: deque[Message] = deque()
         self._outbox: list[bytes] = []  # frames sent since the last flush
         self._closed = False
-        peer = writer.get_extra_info("peername")
+        peer, mine = writer.get_extra_info("peername"), writer.get_extra_info("sockname")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        # (this end, far end) of a TCP connection, for a transport that checks who holds the far end
+        self.ends = (
+            ((mine[0], mine[1]), (peer[0], peer[1])) if isinstance(peer, tuple) and isinstance(mine, tuple) else None
+        )
         self.frames_sent = 0
         self.frames_received = 0
 

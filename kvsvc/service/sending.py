@@ -232,28 +232,40 @@ class SendingRole:
             return None
         d, ref = decision.peer_meta, decision.peer
         key = _inbound_key(ref)
-        old = self._inbound.pop(key, None)
-        if old is not None:  # a reconnect, or a restarted D engine: the old connection's jobs are gone
-            old.channel.close()
-            old.target.lose(f"replaced by a new connection from {ref}")
-            self._run_send(self._sender.peer_lost(old.ref))
+        self._replace(key, ref)  # a reconnect, or a restarted D engine: the old connection's jobs are gone
         try:
             # D's staging region too: P writes the windows D lends there.
             staging = [(d.staging_addr, d.staging_size)] if d.staging_size else []
-            route = await self._route(d, ref, pool_regions(d) + staging)
+            route = await self._route(d, ref, pool_regions(d) + staging, channel.ends)
         except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
+        self._replace(key, ref)  # another hello of this D worker was accepted while this one was routed
         target = WriteTarget(ref, d, channel.send, session=route.session, plane=route.kind)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
         channel.send(decision.reply)
         return inbound
 
-    async def _route(self, d: WorkerMetadata, ref: WorkerRef, regions: list[tuple[int, int]]) -> Route:
+    def _replace(self, key: tuple[str, Worker], ref: WorkerRef) -> None:
+        """Close the accepted connection of D worker `key`, if any, and fail its jobs: a newer hello replaces it."""
+        old = self._inbound.pop(key, None)
+        if old is not None:
+            old.channel.close()
+            old.target.lose(f"replaced by a new connection from {ref}")
+            self._run_send(self._sender.peer_lost(old.ref))
+
+    async def _route(
+        self,
+        d: WorkerMetadata,
+        ref: WorkerRef,
+        regions: list[tuple[int, int]],
+        via: tuple[tuple[str, int], tuple[str, int]] | None,
+    ) -> Route:
         """Pick the plane for D worker `d` (`choose_transport`), publish its regions there, and for the same-host plane
-        ask the kernel once (`Transport.reachable`): refused, the pair runs on Mooncake. Logs the route once.
+        check the claimed process against the control connection `via` and ask the kernel once
+        (`Transport.reachable`): refused, the pair runs on Mooncake. Logs the route once.
 
         Raises:
             TransportError / ValueError: a region no memory can be.
@@ -261,16 +273,18 @@ class SendingRole:
         setting = self._ctx.config.transport
         route = choose_transport(self._ctx.metadata, d, setting)
         if route.kind == "samehost":
-            self._ctx.transport.add_peer(route.session, regions)
-            refused = await self._ctx.transport.reachable(route.session)
+            timeout_s = self._ctx.config.handshake_timeout_s
+            try:
+                refused = await asyncio.wait_for(self._ctx.transport.reachable(route.session, regions, via), timeout_s)
+            except TimeoutError:
+                refused = f"no answer from the kernel's check within {timeout_s:g} s"
             if refused:
-                self._ctx.transport.remove_peer(route.session)
                 log.warning("writes to %s go over Mooncake: the same-host plane is refused: %s", ref, refused)
                 route = Route("mooncake", d.transport_addr, f"the same-host plane is refused: {refused}")
+        self._ctx.transport.add_peer(route.session, regions)
         if route.kind == "mooncake":
-            self._ctx.transport.add_peer(route.session, regions)
-            wanted = setting == "samehost" and d.samehost_addr and self._ctx.metadata.samehost_addr
-            log.log(logging.WARNING if wanted else logging.INFO, "writes to %s go over Mooncake: %s", ref, route.reason)
+            level = logging.WARNING if setting == "samehost" else logging.INFO  # asked for, and not had
+            log.log(level, "writes to %s go over Mooncake: %s", ref, route.reason)
         else:
             log.info("writes to %s go over the same-host plane: %s", ref, route.reason)
         return route

@@ -132,7 +132,9 @@ class LoopbackTransport:
         """No fast path: every write goes through `write` (the service then runs it as a task)."""
         return None
 
-    async def reachable(self, session: str) -> str:
+    async def reachable(
+        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+    ) -> str:
         """Writes to any added peer can go as far as this transport knows: "" always."""
         return ""
 

@@ -145,8 +145,12 @@ class Transport(Protocol):
         path always returns None. Raises nothing; cancelling the future cancels nothing."""
         ...
 
-    async def reachable(self, session: str) -> str:
-        """ "" when writes to the added peer `session` can go, else why not: the same-host plane asks the kernel once
+    async def reachable(
+        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+    ) -> str:
+        """ "" when writes to peer `session`, which publishes `regions`, can go, else why not; asked before
+        `add_peer`, so a peer that fails it changes nothing. The same-host plane checks the claimed process against
+        the kernel and the control connection `via` (this end, far end) its hello came on, then asks the kernel once
         (a ptrace policy, another user); other planes answer "". Raises nothing."""
         ...
 

@@ -369,7 +369,9 @@ class MooncakeTransport:
             fine_polls=done.fine_polls,
         )
 
-    async def reachable(self, session: str) -> str:
+    async def reachable(
+        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+    ) -> str:
         """Writes to any added peer can go as far as this transport knows: "" always."""
         return ""
 

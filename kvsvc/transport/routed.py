@@ -46,10 +46,12 @@ class RoutedTransport:
     def remove_peer(self, session_id: str) -> None:
         self._plane(session_id).remove_peer(session_id)
 
-    async def reachable(self, session: str) -> str:
+    async def reachable(
+        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+    ) -> str:
         """ "" when writes to `session` can go (a same-host session: the kernel said so), else why not."""
         if is_same_host(session):
-            return await self.local.reachable(session)
+            return await self.local.reachable(session, regions, via)
         return ""
 
     async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
@@ -68,11 +70,16 @@ class RoutedTransport:
         return await self._plane(session).peer_gone(session)
 
     def statistics(self) -> TransportStatistics:
+        """The planes' sums; the registered memory once (both planes bound the same regions)."""
         a, b = self.primary.statistics(), self.local.statistics()
-        return TransportStatistics(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
+        summed = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)}
+        return TransportStatistics(**(summed | {"registered_bytes": a.registered_bytes}))
 
     async def close(self) -> None:
-        await asyncio.gather(self.local.close(), self.primary.close())
+        """The same-host plane first, then `primary`: a D worker takes a Mooncake engine that refuses its probe for
+        a dead P, so it must not go while same-host copies may still land. Idempotent, as each plane's close."""
+        await self.local.close()
+        await self.primary.close()
 
 
 def with_same_host(primary: Transport, device: str) -> Transport:

@@ -5,19 +5,26 @@ Rules: the contract of `kvsvc.transport.base.Transport`. A write is refused befo
 source range lies in registered local memory and every destination range in the peer's published regions; many
 descriptors go in one call (up to `IOV_MAX` iovecs a side); the copy runs on the transport's own copy thread, which it
 blocks, never on the loop; when a write fails the call has returned, so nothing of it still moves (`drained` is done);
-a peer whose process died fails the next write at once (ESRCH) and `peer_gone` tells so by its process table entry.
-The kernel lets a process write another's memory only as `ptrace` would let it attach (same user, a PID namespace
-that sees it, a ptrace policy that allows it): `reachable` asks the kernel once with a one-byte read, before a peer is
-used. Imports the standard library, numpy and `kvsvc.transport.base` only (no mooncake, no torch).
+a peer whose process died, or whose pid now names another process, fails the next write (ESRCH) and `peer_gone`
+tells so by its process table entry. What a peer claims (pid, start time, user) is checked against the kernel before
+it is used, and the process must hold the far end of the control connection its hello came on (`check_peer`): a
+hello cannot aim writes at a process that did not send it. The kernel lets a process write another's memory only as
+`ptrace` would let it attach (same user, a PID namespace that sees it, a ptrace policy that allows it): `reachable`
+asks it once with a one-byte read. Imports the standard library, numpy and `kvsvc.transport` modules without
+mooncake (no torch).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
+import ipaddress
+import logging
 import os
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +43,14 @@ from kvsvc.transport.base import (
     WriteFailed,
     check_descriptors,
 )
+from kvsvc.transport.completion import wait_uncancellable
 from kvsvc.transports import SameHostAddress
 
+log = logging.getLogger(__name__)
+
 IOV_MAX: Final = 1024  # Linux's limit on iovecs per call, each side
+CLOSE_TIMEOUT_S: Final = 30.0  # a kernel copy of a whole KV pool ends well within it
+_ADDRESS_END: Final = 1 << 63  # a user-space address past this is no address (and no int64)
 GROUP_BYTES: Final = 1 << 20  # writes merged into one call up to about this much, then their completions delivered
 ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
 
@@ -61,6 +73,87 @@ def _start_time(pid: int) -> int:
     except OSError:
         return -1
     return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _real_uid(pid: int) -> int:
+    """`pid`'s real uid as this process's user namespace sees it (`/proc/pid/status`), or -1 when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return -1
+    line = next((x for x in status.splitlines() if x.startswith("Uid:")), "Uid:\t-1")
+    return int(line.split()[1])
+
+
+Endpoint = tuple[str, int]
+
+
+def _tcp_inode(local: Endpoint, remote: Endpoint) -> int | None:
+    """The socket inode of the TCP connection whose end is at `local` talking to `remote`, from this network
+    namespace's `/proc/net/tcp` and `tcp6`; None when there is none."""
+    want = (_plain(local[0]), local[1], _plain(remote[0]), remote[1])
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            (lip, lport), (rip, rport) = (_proc_endpoint(f) for f in fields[1:3])
+            if (lip, lport, rip, rport) == want:
+                return int(fields[9])
+    return None
+
+
+def _plain(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """`host` as an address, an IPv4-mapped IPv6 one as the IPv4 address it maps."""
+    address = ipaddress.ip_address(host.split("%")[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _proc_endpoint(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """An address of `/proc/net/tcp*`: the IP as host-order 32-bit words in hex, then the port in hex."""
+    ip_hex, port_hex = text.split(":")
+    words = [int(ip_hex[i : i + 8], 16) for i in range(0, len(ip_hex), 8)]
+    return _plain(str(ipaddress.ip_address(struct.pack(f"={len(words)}I", *words)))), int(port_hex, 16)
+
+
+def holds_connection(pid: int, local: Endpoint, remote: Endpoint) -> bool:
+    """Whether process `pid` holds the TCP connection's end at `local` (talking to `remote`): one of its file
+    descriptors is that socket. Needs the right to read `pid`'s fd table (the same user)."""
+    inode = _tcp_inode(local, remote)
+    if inode is None:
+        return False
+    target = f"socket:[{inode}]"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+    return False
+
+
+def check_peer(address: SameHostAddress, via: tuple[Endpoint, Endpoint] | None) -> str:
+    """ "" when `address` names a live process of this user that holds the far end of the control connection `via`
+    (this end, the far end), else why not. What a hello claims is checked against the kernel: its start time (a
+    reused pid is another process), its real uid, and that it holds the connection the hello came on, so a hello
+    cannot aim P's writes at a process that did not send it."""
+    if _start_time(address.pid) != address.start:
+        return f"pid {address.pid} is not the process that published {address} (gone, or its pid reused)"
+    uid = _real_uid(address.pid)
+    if uid != os.getuid():
+        return f"pid {address.pid} runs as uid {uid}, this worker as uid {os.getuid()}"
+    if via is None:
+        return "no control connection to check the claimed process against"
+    mine, theirs = via
+    if not holds_connection(address.pid, theirs, mine):
+        return f"pid {address.pid} does not hold the control connection {theirs[0]}:{theirs[1]} the hello came on"
+    return ""
 
 
 def own_address() -> SameHostAddress:
@@ -124,15 +217,17 @@ def _probe(pid: int, addr: int) -> str:
     return f"process_vm_readv of pid {pid}: {os.strerror(code)} (errno {code})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Queued:
-    """One write waiting for the copy thread."""
+    """One write waiting for the copy thread, or copying."""
 
     peer: str
     pid: int
+    start: int  # the target's start time: a pid reused by another process is not written
     table: npt.NDArray[np.int64]
     total: int
     result: asyncio.Future[int]
+    finished: bool = False
 
 
 def _copy_group(pid: int, tables: Sequence[npt.NDArray[np.int64]]) -> list[int | OSError]:
@@ -157,33 +252,42 @@ def _copy_group(pid: int, tables: Sequence[npt.NDArray[np.int64]]) -> list[int |
 
 
 def _copy_all(
-    writes: Sequence[tuple[int, npt.NDArray[np.int64]]], deliver: Callable[[int, list[int | OSError]], None]
+    writes: Sequence[tuple[int, int, npt.NDArray[np.int64]]], deliver: Callable[[int, list[int | OSError]], None]
 ) -> None:
-    """Copy one loop iteration's writes (pid, table) in order on the copy thread, in groups of consecutive writes to
-    one process of about `GROUP_BYTES`, and `deliver(first, outcomes)` each group's outcomes as soon as it landed: a
-    burst of small writes pays few calls and few wake-ups, and a large write completes before the next one starts,
-    as the requests of a burst would one after another."""
+    """Copy one loop iteration's writes (pid, start time, table) in order on the copy thread, in groups of
+    consecutive writes to one process of about `GROUP_BYTES`, and `deliver(first, outcomes)` each group's outcomes
+    as soon as it landed: a burst of small writes pays few calls and few wake-ups, and a large write completes before
+    the next one starts, as the requests of a burst would one after another. Before each group the target's start
+    time is read again: a pid that now names another process is not written (ESRCH)."""
     first = 0
     while first < len(writes):
-        pid, end, nbytes = writes[first][0], first, 0
+        pid, start, end, nbytes = writes[first][0], writes[first][1], first, 0
         while end < len(writes) and writes[end][0] == pid and (end == first or nbytes < GROUP_BYTES):
-            nbytes += int(writes[end][1][:, 2].sum())
+            nbytes += int(writes[end][2][:, 2].sum())
             end += 1
-        deliver(first, _copy_group(pid, [table for _, table in writes[first:end]]))
+        if _start_time(pid) != start:
+            gone = OSError(errno.ESRCH, f"process {pid} (started at {start}) is gone")
+            deliver(first, [gone] * (end - first))
+        else:
+            deliver(first, _copy_group(pid, [table for _, _, table in writes[first:end]]))
         first = end
 
 
 class SameHostTransport:
     """One worker's same-host data plane (see module docstring). `session_id` is its `SameHostAddress`."""
 
-    def __init__(self) -> None:
+    def __init__(self, close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         self._address = own_address()
         self._local = AddressRanges()
-        self._peers: dict[str, tuple[AddressRanges, int]] = {}  # session -> (published regions, pid)
+        self._peers: dict[str, tuple[AddressRanges, SameHostAddress]] = {}  # session -> (published regions, address)
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
-        self._in_flight: set[asyncio.Future[int]] = set()
+        self._in_flight = 0  # writes submitted and not finished
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
         self._queue: list[_Queued] = []  # submitted in this loop iteration, not yet handed to the copy thread
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None
+        self._close_timeout_s = close_timeout_s
         self._counts = {"bytes": 0, "descriptors": 0, "completed": 0, "failures": 0, "refused": 0, "inflight_desc": 0}
 
     @property
@@ -209,27 +313,44 @@ class SameHostTransport:
         """As `Transport.add_peer`; `session_id` is the peer's `SameHostAddress`.
 
         Raises:
-            InvalidDescriptor: a region is empty, or `session_id` is not a same-host session.
+            InvalidDescriptor: a region is empty or ends past the address space, or `session_id` is not a same-host
+                session.
         """
         try:
-            pid = SameHostAddress.parse(session_id).pid
+            address = SameHostAddress.parse(session_id)
+            for addr, length in regions:
+                if addr < 0 or addr + length > _ADDRESS_END:
+                    raise ValueError(f"region [{addr:#x}, +{length}) of {session_id!r} is outside the address space")
             ranges = AddressRanges(regions)
         except ValueError as exc:
             raise InvalidDescriptor(str(exc), ERR_FAILED) from None
-        self._peers[session_id] = (ranges, pid)
+        self._peers[session_id] = (ranges, address)
 
     def remove_peer(self, session_id: str) -> None:
         self._peers.pop(session_id, None)
 
-    async def reachable(self, session: str) -> str:
-        """ "" when the kernel lets this process write into the peer `session` (it reads one byte of the peer's first
-        published region), else why not: another user, another PID namespace, a ptrace policy, a process gone.
-        Raises nothing; the peer must have been added."""
-        peer = self._peers.get(session)
-        if peer is None or not len(peer[0]):
+    async def reachable(
+        self, session: str, regions: Sequence[Region], via: tuple[Endpoint, Endpoint] | None = None
+    ) -> str:
+        """ "" when writes into the peer `session` (publishing `regions`) may go, else why not. First what the peer
+        claims is checked against the kernel (`check_peer`: a live process, this user, holding the far end of the
+        control connection `via` = (this end, far end)), then the kernel is asked (a one-byte read of the first
+        region): another PID namespace, a ptrace policy. Asked before `add_peer`, so a hello that fails it leaves a
+        peer added by another hello as it was. Raises nothing."""
+        if self._closed:
+            return "the same-host transport is closed"
+        try:
+            address = SameHostAddress.parse(session)
+        except ValueError as exc:
+            return str(exc)
+        if not regions:
             return f"no regions published by {session!r}"
-        addr = peer[0].regions()[0][0]
-        return await asyncio.get_running_loop().run_in_executor(self._executor(), _probe, peer[1], addr)
+        addr = regions[0][0]
+
+        def ask() -> str:
+            return check_peer(address, via) or _probe(address.pid, addr)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), ask)
 
     async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
         """As `Transport.write`: every byte copied by the kernel, or `WriteFailed` with nothing left moving.
@@ -245,13 +366,12 @@ class SameHostTransport:
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            if not future.done():
-                await asyncio.wait([future])
+            await wait_uncancellable(future)
             raise
 
     def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
-        """As `Transport.start_write`: the copy is handed to the copy thread at once. None when `write` would refuse
-        (it raises the reason then)."""
+        """As `Transport.start_write`: the copy is handed to the copy thread at the end of this loop iteration. None
+        when `write` would refuse (it raises the reason then)."""
         try:
             return self._submit(peer, descriptors)
         except (InvalidDescriptor, TransportClosed):
@@ -271,9 +391,10 @@ class SameHostTransport:
         table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
         loop = asyncio.get_running_loop()
         result: asyncio.Future[int] = loop.create_future()
-        self._in_flight.add(result)
+        self._in_flight += 1
+        self._idle.clear()
         self._counts["inflight_desc"] += len(table)
-        self._queue.append(_Queued(peer, known[1], table, total, result))
+        self._queue.append(_Queued(peer, known[1].pid, known[1].start, table, total, result))
         if len(self._queue) == 1:
             # Writes submitted in this loop iteration ride one hop to the copy thread: a burst of one-block
             # requests pays the hop (and its wake-up back) once, not once per request.
@@ -293,20 +414,28 @@ class SameHostTransport:
         def deliver(first: int, outcomes: list[int | OSError]) -> None:
             loop.call_soon_threadsafe(landed, first, outcomes)
 
-        copies = loop.run_in_executor(self._executor(), _copy_all, [(q.pid, q.table) for q in batch], deliver)
-
         def ended(done: asyncio.Future[None]) -> None:
             failure = RuntimeError("the copy thread was cancelled") if done.cancelled() else done.exception()
-            if failure is not None:  # the executor itself failed (shut down): what did not land fails
+            if failure is not None:  # the executor itself failed: what did not land fails
                 for queued in batch:
                     self._finish(queued, failure, loop)
 
+        writes = [(q.pid, q.start, q.table) for q in batch]
+        try:
+            copies = loop.run_in_executor(self._executor(), _copy_all, writes, deliver)
+        except RuntimeError as exc:  # the executor is shut down (the interpreter is exiting)
+            for queued in batch:
+                self._finish(queued, exc, loop)
+            return
         copies.add_done_callback(ended)
 
     def _finish(self, queued: _Queued, outcome: int | BaseException, loop: asyncio.AbstractEventLoop) -> None:
-        if queued.result not in self._in_flight:
-            return  # already finished
-        self._in_flight.discard(queued.result)
+        if queued.finished:
+            return
+        queued.finished = True
+        self._in_flight -= 1
+        if not self._in_flight:
+            self._idle.set()
         self._counts["inflight_desc"] -= len(queued.table)
         if not isinstance(outcome, BaseException):
             self._counts["bytes"] += queued.total
@@ -326,7 +455,7 @@ class SameHostTransport:
     async def drained(self, peer: str | None = None) -> None:
         """Return once no copy is in flight (to any peer: copies run one at a time). Cancellation-safe."""
         while self._in_flight:
-            await asyncio.wait(list(self._in_flight))
+            await self._idle.wait()
 
     async def peer_gone(self, session: str) -> bool:
         """True when the process `session` names no longer exists (or its pid belongs to a later process)."""
@@ -344,16 +473,28 @@ class SameHostTransport:
             writes_completed=c["completed"],
             failures=c["failures"],
             refused=c["refused"],
-            writes_in_flight=len(self._in_flight),
+            writes_in_flight=self._in_flight,
             descriptors_in_flight=c["inflight_desc"],
             peers=len(self._peers),
             registered_bytes=self._local.total_bytes,
         )
 
     async def close(self) -> None:
-        """Refuse new writes, wait for the copies in flight, stop the copy thread. Idempotent."""
-        self._closed = True
-        await self.drained()
+        """Refuse new writes, wait up to `close_timeout_s` for the copies in flight, stop the copy thread.
+
+        Idempotent: every call waits for the one close; cancelling a caller leaves it running to its (bounded) end.
+        A copy still running at the bound is left to its thread, which ends with it.
+        """
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        try:
+            await asyncio.wait_for(self.drained(), self._close_timeout_s)
+        except TimeoutError:
+            log.warning("closing the same-host transport with %d write(s) still copying", self._in_flight)
         if self._copier is not None:
             copier, self._copier = self._copier, None
             copier.shutdown(wait=False)

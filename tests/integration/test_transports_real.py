@@ -258,3 +258,37 @@ async def test_peer_gone_tells_a_killed_peer_from_a_live_or_a_frozen_one(writer,
         assert await writer.peer_gone(frozen.session_id) is False
     finally:
         frozen.signal(signal.SIGCONT)
+
+
+def test_a_claimed_process_must_be_alive_this_user_and_hold_the_hello_connection() -> None:
+    """What a hello claims of the same-host plane is checked against the kernel: the start time (a reused pid), and
+    that the process holds the far end of the control connection the hello came on, so a hello cannot aim P's
+    writes at another process of P's user (here: a child that holds no connection)."""
+    import os
+    import socket
+    import subprocess
+    import time
+
+    from kvsvc.transport.samehost import _start_time, check_peer, own_address
+    from kvsvc.transports import SameHostAddress
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    via = (accepted.getsockname()[:2], accepted.getpeername()[:2])  # as P sees the hello's connection
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        while _start_time(child.pid) < 0:
+            time.sleep(0.01)
+        me = own_address()
+        assert check_peer(me, via) == ""  # this process holds the client end
+        other = SameHostAddress(me.host, os.getuid(), child.pid, _start_time(child.pid))
+        assert "does not hold the control connection" in check_peer(other, via)
+        reused = SameHostAddress(me.host, os.getuid(), child.pid, _start_time(child.pid) + 1)
+        assert "not the process that published" in check_peer(reused, via)
+        assert check_peer(me, None) == "no control connection to check the claimed process against"
+    finally:
+        child.kill()
+        child.wait()
+        for s in (client, accepted, server):
+            s.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -34,6 +34,7 @@ from kvsvc.messages import (
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
+from kvsvc.transport.base import Region
 from kvsvc.transport.samehost import own_address
 from kvsvc.transports import is_same_host
 
@@ -369,7 +370,9 @@ class SameHostRefusedTransport(LoopbackTransport):
     def local_session_id(self) -> str:
         return str(own_address())
 
-    async def reachable(self, session: str) -> str:
+    async def reachable(
+        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+    ) -> str:
         return "process_vm_readv: Operation not permitted (errno 1)" if is_same_host(session) else ""
 
 

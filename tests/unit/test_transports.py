@@ -117,17 +117,21 @@ def test_writes_merged_into_one_call_fail_one_by_one_when_the_call_fails() -> No
 
 
 def test_a_burst_of_small_writes_lands_in_one_group_and_large_writes_one_by_one() -> None:
+    import errno
     import os
 
     import numpy as np
 
-    from kvsvc.transport.samehost import GROUP_BYTES, _copy_all
+    from kvsvc.transport.samehost import GROUP_BYTES, _copy_all, _start_time
 
     src = np.arange(8 * GROUP_BYTES, dtype=np.uint64).view(np.uint8)
     dst = np.zeros_like(src)
 
-    def write(offset: int, length: int) -> tuple[int, np.ndarray]:
-        return os.getpid(), np.array([[src.ctypes.data + offset, dst.ctypes.data + offset, length]], dtype=np.int64)
+    start = _start_time(os.getpid())
+
+    def write(offset: int, length: int) -> tuple[int, int, np.ndarray]:
+        table = np.array([[src.ctypes.data + offset, dst.ctypes.data + offset, length]], dtype=np.int64)
+        return os.getpid(), start, table
 
     delivered: list[tuple[int, list[int | OSError]]] = []
 
@@ -140,3 +144,34 @@ def test_a_burst_of_small_writes_lands_in_one_group_and_large_writes_one_by_one(
     _copy_all([write(i * GROUP_BYTES, GROUP_BYTES) for i in range(3)], deliver)
     assert delivered == [(0, [GROUP_BYTES]), (1, [GROUP_BYTES]), (2, [GROUP_BYTES])]
     assert (dst[: 3 * GROUP_BYTES] == src[: 3 * GROUP_BYTES]).all()
+    delivered.clear()
+    dst[:] = 0
+    stale = (os.getpid(), start + 1, write(0, 4096)[2])  # the pid now names a process started at another time
+    _copy_all([stale], deliver)
+    ((_, (gone,)),) = delivered
+    assert isinstance(gone, OSError) and gone.errno == errno.ESRCH and not dst.any()
+
+
+async def test_a_routed_transport_counts_its_memory_once_and_closes_the_same_host_plane_first() -> None:
+    from kvsvc.testing.fakes import LoopbackTransport
+    from kvsvc.transport.routed import RoutedTransport
+    from kvsvc.transport.samehost import SameHostTransport
+
+    closed: list[str] = []
+
+    class Primary(LoopbackTransport):
+        async def close(self) -> None:
+            closed.append("primary")
+            await super().close()
+
+    class Local(SameHostTransport):
+        async def close(self) -> None:
+            closed.append("local")
+            await super().close()
+
+    routed = RoutedTransport(Primary(), Local())
+    routed.register([(1 << 20, 4096)])
+    assert routed.statistics().registered_bytes == 4096
+    await routed.close()
+    await routed.close()  # idempotent
+    assert closed[:2] == ["local", "primary"]
