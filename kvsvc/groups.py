@@ -1,7 +1,8 @@
 """KV cache groups of hybrid models: what kind of state each group of layers keeps, which of a request's blocks of
 a group move from P to D, and which bytes of a Mamba state slot each P worker writes into each D worker's.
 
-Pure module: standard library, msgspec and `kvsvc.errors`/`kvsvc.layout` only (no numpy, torch, asyncio). A hybrid
+Pure module: standard library and `kvsvc.errors`/`kvsvc.layout`/`kvsvc.messages` (where the groups' wire types
+live) only (no numpy, torch, asyncio). A hybrid
 model's layers fall into groups that share one block table each (vLLM's KV cache groups):
 
 | kind             | a request keeps                               | what moves                                     |
@@ -25,45 +26,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
-import msgspec
-
 from kvsvc.errors import TopologyError
 from kvsvc.layout import dtype_size
+from kvsvc.messages import ConvPart, KVGroup, MambaState
 
 FULL: Final = "full"
 SLIDING_WINDOW: Final = "sliding_window"
 MAMBA: Final = "mamba"
 GROUP_KINDS: Final = (FULL, SLIDING_WINDOW, MAMBA)
-
-
-class ConvPart(msgspec.Struct, frozen=True):
-    """One sub-projection of a conv state (x, B or C of Mamba2; Q, K or V of GDN): its channels over the whole
-    model, in `groups` equal groups that TP ranks split (heads, or Mamba2's B/C groups)."""
-
-    channels: int
-    groups: int
-
-
-class MambaState(msgspec.Struct, frozen=True, kw_only=True):
-    """The state one Mamba/GDN layer keeps per request, as sizes over the whole model (before the TP split)."""
-
-    conv_parts: list[ConvPart]
-    conv_width: int
-    """Elements per conv channel: the kernel size minus one."""
-    conv_dtype: str
-    ssm_heads: int
-    ssm_head_bytes: int
-    """Bytes of one head's SSM state (Mamba2: head_dim x d_state x dtype; GDN: v_dim x k_dim x dtype)."""
-
-
-class KVGroup(msgspec.Struct, frozen=True, kw_only=True):
-    """One KV cache group: its kind, its layers (global indices) and what the kind needs."""
-
-    kind: str
-    layers: list[int]
-    sliding_window: int = 0
-    """Tokens a `sliding_window` group attends to; 0 for the other kinds."""
-    mamba: MambaState | None = None
 
 
 class SlotRun(NamedTuple):

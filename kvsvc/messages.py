@@ -28,6 +28,37 @@ MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 
 
+class ConvPart(msgspec.Struct, frozen=True):
+    """One sub-projection of a conv state (x, B or C of Mamba2; Q, K or V of GDN): its channels over the whole
+    model, in `groups` equal groups that TP ranks split (heads, or Mamba2's B/C groups); `kvsvc.groups`."""
+
+    channels: int
+    groups: int
+
+
+class MambaState(msgspec.Struct, frozen=True, kw_only=True):
+    """The state one Mamba/GDN layer keeps per request, as sizes over the whole model (before the TP split)."""
+
+    conv_parts: list[ConvPart]
+    conv_width: int
+    """Elements per conv channel: the kernel size minus one."""
+    conv_dtype: str
+    ssm_heads: int
+    ssm_head_bytes: int
+    """Bytes of one head's SSM state (Mamba2: head_dim x d_state x dtype; GDN: v_dim x k_dim x dtype)."""
+
+
+class KVGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """One KV cache group of a hybrid model: its kind (`kvsvc.groups.GROUP_KINDS`), its layers (global indices)
+    and what the kind needs."""
+
+    kind: str
+    layers: list[int]
+    sliding_window: int = 0
+    """Tokens a `sliding_window` group attends to; 0 for the other kinds."""
+    mamba: MambaState | None = None
+
+
 class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     """What one worker publishes about its KV pool; the unit of the handshake.
 
@@ -64,6 +95,9 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # This worker's same-host plane (`kvsvc.transports.SameHostAddress`), published only for KV in CPU memory; ""
     # when it offers none (another process on its host may then still reach it through Mooncake).
     samehost_addr: str = ""
+    # A hybrid model's KV cache groups (`kvsvc.groups`); empty: one group of full attention over every layer. Both
+    # sides of a pair must group the model alike (checked at the hello).
+    kv_groups: list[KVGroup] = []
 
     @property
     def num_layers(self) -> int:

@@ -20,6 +20,8 @@ import numpy as np
 
 from kvsvc.coalesce import Int64Array, plan_runs
 from kvsvc.errors import TopologyError
+from kvsvc.groups import FULL as FULL_ATTENTION
+from kvsvc.groups import check_same_groups
 from kvsvc.layout import (
     FUSED,
     LAYOUTS,
@@ -69,6 +71,12 @@ def _check_worker(side: str, meta: WorkerMetadata) -> None:
             f"{who}: block_size {meta.block_size}, head_size {meta.head_size}, num_blocks {meta.num_blocks}"
         )
     dtype_size(meta.dtype)
+    for i, group in enumerate(meta.kv_groups):
+        if group.kind != FULL_ATTENTION:  # the planner writes every layer of every block as full attention does
+            raise TopologyError(
+                f"{who}: KV cache group {i} is {group.kind!r}; kvsvc moves full-attention groups only (hybrid "
+                "models: docs/vllm.md, Limits)"
+            )
     # MLA ignores the layout unless it names the cross-layer pool, so any string passes there.
     if not meta.is_mla:
         if meta.layout not in LAYOUTS:
@@ -86,10 +94,11 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
             layout or dtype...), or dtype, head_size, num_kv_heads or is_mla differ, or the TP sizes do not divide
             one another, or the two sides hold the same several heads per rank in different orders (NHD against
             HND or the cross-layer pool) and P has no staging region to gather the transposition in. The message
-            names both values.
+            names both values. Or the two sides group a hybrid model's layers differently (`kvsvc.groups`).
     """
     _check_worker("P", src)
     _check_worker("D", dst)
+    check_same_groups(src.kv_groups, dst.kv_groups)
     for field in ("dtype", "head_size", "is_mla", "num_kv_heads"):
         mine, theirs = getattr(src, field), getattr(dst, field)
         if field == "dtype":

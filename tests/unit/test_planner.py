@@ -16,7 +16,7 @@ import pytest
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.errors import TopologyError
 from kvsvc.layout import CROSS_LAYER, block_bytes
-from kvsvc.messages import WorkerMetadata
+from kvsvc.messages import KVGroup, WorkerMetadata
 from kvsvc.planner import (
     Descriptor,
     check_compatible,
@@ -144,6 +144,16 @@ def test_mismatched_scalars_are_refused_naming_both_values() -> None:
     _refused(p, one("D", head_size=128), "P head_size 64", "D head_size 128")
     _refused(p, one("D", num_kv_heads=4), "P num_kv_heads 8", "D num_kv_heads 4")
     _refused(p, one("D", is_mla=True), "P is_mla False", "D is_mla True")
+
+
+def test_kv_cache_groups_must_match_and_be_full_attention_until_hybrid_groups_move() -> None:
+    full = [KVGroup(kind="full", layers=[0, 1, 2, 3])]
+    halves = [KVGroup(kind="full", layers=[0, 1]), KVGroup(kind="full", layers=[2, 3])]
+    p, d = one("P"), one("D")
+    check_compatible(msgspec.structs.replace(p, kv_groups=full), msgspec.structs.replace(d, kv_groups=full))
+    _refused(msgspec.structs.replace(p, kv_groups=full), msgspec.structs.replace(d, kv_groups=halves), "P has 1", "D 2")
+    sliding = [KVGroup(kind="full", layers=[0, 2]), KVGroup(kind="sliding_window", layers=[1, 3], sliding_window=64)]
+    _refused(msgspec.structs.replace(p, kv_groups=sliding), d, "KV cache group 1 is 'sliding_window'")
 
 
 def test_non_divisible_tp_is_refused_naming_both_sizes() -> None:
