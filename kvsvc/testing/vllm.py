@@ -307,6 +307,20 @@ class VllmEngine:
 
     # -- calls -------------------------------------------------------------------------------------------------
 
+    def prefill(self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        """Prefill `prompts` for a remote decode (one token, `do_remote_decode`), as a router's P request does; the
+        `kv_transfer_params` a D engine continues from.
+
+        Raises:
+            EngineError: as `generate`. AssertionError: the connector returned no remote-prefill params.
+        """
+        outputs = self.generate(
+            prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts), timeout_s=timeout_s
+        )
+        params = [o.kv_transfer_params for o in outputs]
+        assert all(x is not None and x["do_remote_prefill"] for x in params), params
+        return [dict(x) for x in params if x is not None]
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

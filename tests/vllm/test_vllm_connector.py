@@ -21,7 +21,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BLOCK = 32
 KV_BYTES_PER_BLOCK = 4 * 4 * BLOCK * 2 * 32 * 4  # layers x KV heads x tokens x (K and V) x head size x float32
-REMOTE_DECODE = {"do_remote_decode": True}
 
 
 def prompts(first: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -67,13 +66,6 @@ def baseline(engines: dict[str, VllmEngine], batch: list[list[int]], max_tokens:
     return [o.token_ids for o in engines["base"].generate(batch, max_tokens=max_tokens)]
 
 
-def prefill(p: VllmEngine, batch: list[list[int]]) -> list[dict[str, Any]]:
-    outputs = p.generate(batch, max_tokens=1, params=[REMOTE_DECODE] * len(batch))
-    params = [o.kv_transfer_params for o in outputs]
-    assert all(x is not None and x["do_remote_prefill"] for x in params), params
-    return params  # type: ignore[return-value]
-
-
 def assert_clean(engine: VllmEngine) -> dict[str, Any]:
     """Step `engine` until vLLM holds nothing, then check that kvsvc holds nothing and every block is free."""
     stats = engine.settle(timeout_s=60)
@@ -100,7 +92,7 @@ def test_d_generates_what_a_single_engine_generates_from_the_kv_p_computed(engin
     p, d = engines["P"], engines["D"]
     batch = prompts(10, LENGTHS, seed=1)
     want = baseline(engines, batch)
-    params = prefill(p, batch)
+    params = p.prefill(batch)
     sent_before = p.stats()["service"]["bytes_sent"]
     got = d.generate(batch, max_tokens=8, params=params)
     assert [o.token_ids for o in got] == want
@@ -119,7 +111,7 @@ def test_corrupting_p_kv_before_the_send_changes_d_tokens(engines: dict[str, Vll
     p = engines["P"]
     batches = {"D": prompts(40, LENGTHS, seed=2), "D_tp2": prompts(50, [BLOCK + 1, 100, 257], seed=12)}
     want = {name: baseline(engines, batch) for name, batch in batches.items()}
-    params = {name: prefill(p, batch) for name, batch in batches.items()}
+    params = {name: p.prefill(batch) for name, batch in batches.items()}
     p.corrupt_kv()
 
     def receive_failures(stats: dict[str, Any]) -> int:
@@ -142,7 +134,7 @@ def test_d_fetches_only_what_its_prefix_cache_lacks(engines: dict[str, VllmEngin
     (prompt,) = prompts(70, [150], seed=3)
     want = baseline(engines, [prompt])
     d.generate([prompt[: 2 * BLOCK + 5]], max_tokens=1)  # D computes (and caches) the first two blocks itself
-    params = prefill(p, [prompt])
+    params = p.prefill([prompt])
     sent_before = p.stats()["service"]["bytes_sent"]
     got = d.generate([prompt], max_tokens=8, params=params)
     assert [o.token_ids for o in got] == want
@@ -157,7 +149,7 @@ def test_heterogeneous_tp_p_tp1_to_d_tp2_gives_the_same_tokens(engines: dict[str
     batch = prompts(60, [1, BLOCK + 1, 100, 257], seed=9)
     want = baseline(engines, batch)
     before = [w["receiver"]["finished"] for w in assert_clean(d2)["workers"]]
-    got = d2.generate(batch, max_tokens=8, params=prefill(p, batch))
+    got = d2.generate(batch, max_tokens=8, params=p.prefill(batch))
     assert [o.token_ids for o in got] == want
     after = [w["receiver"]["finished"] for w in assert_clean(d2)["workers"]]
     # Each D rank fetched its two KV heads of every request from P's one worker.
@@ -167,7 +159,7 @@ def test_heterogeneous_tp_p_tp1_to_d_tp2_gives_the_same_tokens(engines: dict[str
 
 def test_unfetched_holds_expire_and_free_p_blocks(engines: dict[str, VllmEngine]) -> None:
     p2 = engines["P2"]
-    prefill(p2, prompts(80, [40, 70], seed=4))
+    p2.prefill(prompts(80, [40, 70], seed=4))
     assert p2.stats()["holds"] == 2
     stats = assert_clean(p2)  # settles once the 5 s holds expired
     assert stats["service"]["sender"]["expired_holds"] == 2
@@ -177,7 +169,7 @@ def test_d_abort_while_p_is_frozen_releases_both_sides(engines: dict[str, VllmEn
     p, d = engines["P"], engines["D"]
     batch = prompts(90, [40, 70, 33], seed=5)
     want = baseline(engines, batch)
-    params = prefill(p, batch)
+    params = p.prefill(batch)
     p.freeze()
     try:
         call = d.submit(batch, max_tokens=8, params=params)
@@ -197,12 +189,12 @@ def test_p_killed_mid_transfer_recompute_gives_the_same_tokens_and_fail_fails_cl
 ) -> None:
     p2, d, d_fail = engines["P2"], engines["D"], engines["D_fail"]
     warm = prompts(100, [40, 40], seed=6)  # both D engines meet P2 first: the later requests go out at once
-    params = prefill(p2, warm)
+    params = p2.prefill(warm)
     d.generate(warm[:1], max_tokens=1, params=params[:1])
     d_fail.generate(warm[1:], max_tokens=1, params=params[1:])
     batch, batch_fail = prompts(110, [40, 100, 1], seed=7), prompts(120, [70, 33], seed=8)
     want = baseline(engines, batch)
-    params, params_fail = prefill(p2, batch), prefill(p2, batch_fail)
+    params, params_fail = p2.prefill(batch), p2.prefill(batch_fail)
     p2.freeze()
     call = d.submit(batch, max_tokens=8, params=params)
     call_fail = d_fail.submit(batch_fail, max_tokens=8, params=params_fail)

@@ -24,7 +24,6 @@ from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_llama
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BLOCK = 32
-REMOTE_DECODE = {"do_remote_decode": True}
 LENGTHS = [1, BLOCK + 1, 100, 257]
 
 
@@ -98,13 +97,6 @@ def baseline(engines: dict[str, VllmEngine], batch: list[list[int]]) -> list[lis
     return [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
 
 
-def prefill(p: VllmEngine, batch: list[list[int]]) -> list[dict[str, Any]]:
-    outputs = p.generate(batch, max_tokens=1, params=[REMOTE_DECODE] * len(batch))
-    params = [o.kv_transfer_params for o in outputs]
-    assert all(x is not None and x["do_remote_prefill"] for x in params), params
-    return params  # type: ignore[return-value]
-
-
 def assert_clean(engine: VllmEngine) -> dict[str, Any]:
     """Step `engine` until vLLM holds nothing, then check that no kvsvc worker holds anything and every block is
     free: with PP, vLLM frees a request's blocks only once every worker of every stage reported it."""
@@ -128,7 +120,7 @@ def transfer(engines: dict[str, VllmEngine], p_name: str, d_name: str, control: 
     batch = prompts(first, LENGTHS, seed)
     want = baseline(engines, batch)
     p_before, d_before = assert_clean(p), assert_clean(d)
-    got = d.generate(batch, max_tokens=8, params=prefill(p, batch))
+    got = d.generate(batch, max_tokens=8, params=p.prefill(batch))
     assert [o.token_ids for o in got] == want, d.log_tail()
     p_after, d_after = assert_clean(p), assert_clean(d)
     sent = {w: per_worker(p_after, "bytes_sent")[w] - n for w, n in per_worker(p_before, "bytes_sent").items()}
@@ -147,7 +139,7 @@ def transfer(engines: dict[str, VllmEngine], p_name: str, d_name: str, control: 
     # Negative control: the same prompts from a P with other weights, laid out as P: D's tokens change.
     control_batch = prompts(first + 20, LENGTHS, seed)
     control_want = baseline(engines, control_batch)
-    control_got = d.generate(control_batch, max_tokens=8, params=prefill(x, control_batch))
+    control_got = d.generate(control_batch, max_tokens=8, params=x.prefill(control_batch))
     for prompt, expected, output in zip(control_batch, control_want, control_got, strict=True):
         if len(prompt) > 1:  # D recomputes the last prompt token itself: one token loads nothing it uses
             assert output.token_ids != expected, f"{len(prompt)} tokens of other KV went unnoticed"
@@ -190,7 +182,7 @@ def test_a_p_stage_killed_mid_transfer_leaves_d_to_recompute(engines: dict[str, 
     x, d = engines["X2"], engines["D1"]
     batch = prompts(210, [40, 100, 257], seed=5)
     want = baseline(engines, batch)
-    params = prefill(x, batch)
+    params = x.prefill(batch)
     stage1 = x.worker_pids()[-1]  # workers start in rank order: the last is PP rank 1
     os.kill(stage1, signal.SIGSTOP)
     call = d.submit(batch, max_tokens=8, params=params)
