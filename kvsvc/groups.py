@@ -1,7 +1,7 @@
 """KV cache groups of hybrid models: what kind of state each group of layers keeps, which of a request's blocks of
 a group move from P to D, and which bytes of a Mamba state slot each P worker writes into each D worker's.
 
-Pure module: standard library and `kvsvc.errors`/`kvsvc.layout`/`kvsvc.messages` (where the groups' wire types
+Pure module: standard library, msgspec and `kvsvc.errors`/`kvsvc.layout`/`kvsvc.messages` (where the groups' wire types
 live) only (no numpy, torch, asyncio). A hybrid
 model's layers fall into groups that share one block table each (vLLM's KV cache groups):
 
@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
+from msgspec.structs import replace
+
 from kvsvc.errors import TopologyError
 from kvsvc.layout import dtype_size
 from kvsvc.messages import ConvPart, KVGroup, MambaState
@@ -44,12 +46,14 @@ class SlotRun(NamedTuple):
     length: int
 
 
-def check_groups(groups: Sequence[KVGroup], num_layers: int, side: str = "") -> None:
-    """Every layer in exactly one group, and each group's fields fit its kind.
+def check_groups(groups: Sequence[KVGroup], layers: int | range, side: str = "") -> None:
+    """Every layer of `layers` (a count from 0, or a PP stage's range) in exactly one group, no other layer in any,
+    and each group's fields fit its kind.
 
     Raises:
         TopologyError: naming the group and the value at fault.
     """
+    wanted = range(layers) if isinstance(layers, int) else layers
     seen: dict[int, int] = {}
     for i, group in enumerate(groups):
         where = f"{side}group {i} ({group.kind})"
@@ -60,18 +64,19 @@ def check_groups(groups: Sequence[KVGroup], num_layers: int, side: str = "") -> 
         if (group.kind == MAMBA) != (group.mamba is not None):
             raise TopologyError(f"{where}: a Mamba state is required for kind mamba and only for it")
         for layer in group.layers:
-            if not 0 <= layer < num_layers:
-                raise TopologyError(f"{where}: layer {layer} outside the model's {num_layers} layers")
+            if layer not in wanted:
+                raise TopologyError(f"{where}: layer {layer} outside layers [{wanted.start}, {wanted.stop})")
             if layer in seen:
                 raise TopologyError(f"{where}: layer {layer} is in group {seen[layer]} too")
             seen[layer] = i
-    if len(seen) != num_layers:
-        missing = sorted(set(range(num_layers)) - set(seen))
+    if len(seen) != len(wanted):
+        missing = sorted(set(wanted) - set(seen))
         raise TopologyError(f"{side}layers {missing[:8]} are in no group")
 
 
-def check_same_groups(p: Sequence[KVGroup], d: Sequence[KVGroup]) -> None:
-    """P and D must group the model's layers alike: the same kinds, layers, windows and states, in order.
+def check_same_groups(p: Sequence[KVGroup], d: Sequence[KVGroup], layers: range | None = None) -> None:
+    """P and D must group the model's layers alike: the same kinds, windows and states, in order, and the same
+    layers in each group, of `layers` (the layers both hold) when given: two PP stages hold their own layers.
 
     Raises:
         TopologyError: the first difference, with both sides' values.
@@ -79,6 +84,9 @@ def check_same_groups(p: Sequence[KVGroup], d: Sequence[KVGroup]) -> None:
     if len(p) != len(d):
         raise TopologyError(f"P has {len(p)} KV cache groups, D {len(d)}")
     for i, (mine, theirs) in enumerate(zip(p, d, strict=True)):
+        if layers is not None:
+            mine = replace(mine, layers=[layer for layer in mine.layers if layer in layers])
+            theirs = replace(theirs, layers=[layer for layer in theirs.layers if layer in layers])
         if mine != theirs:
             raise TopologyError(f"KV cache group {i} differs: P {mine!r}, D {theirs!r}")
 
@@ -102,6 +110,39 @@ def blocks_to_move(group: KVGroup, num_blocks: int, block_size: int, num_tokens:
         window_blocks = -(-group.sliding_window // block_size) + 1
         return range(max(0, needed - window_blocks), needed)
     return range(needed)
+
+
+def window_first_token(group: KVGroup, num_tokens: int, src_block_size: int, dst_block_size: int) -> int:
+    """The first token of a request's `num_tokens` that P writes into D for `group`: 0 for full attention; for a
+    sliding window, the first token of the window blocks both sides keep (`blocks_to_move` on each side, the later
+    start of the two), which lies before `num_tokens - sliding_window`, so D gets every token its window reads.
+
+    Raises:
+        TopologyError: a Mamba group (its state slot moves whole, not tokens).
+    """
+    if group.kind == MAMBA:
+        raise TopologyError("a Mamba group moves its state slot, not a range of tokens")
+    if group.kind != SLIDING_WINDOW:
+        return 0
+    starts = []
+    for block_size in (src_block_size, dst_block_size):
+        needed = -(-num_tokens // block_size)
+        kept = -(-group.sliding_window // block_size) + 1
+        starts.append(max(0, needed - kept) * block_size)
+    return max(starts)
+
+
+def split_groups(block_ids: Sequence[int], groups: int, side: str = "") -> list[Sequence[int]]:
+    """A hybrid request's block ids, which list every KV cache group's blocks one group after another, all of one
+    length (the form every kvsvc message and call carries them in), as one list per group.
+
+    Raises:
+        ValueError: the ids do not split into `groups` lists of one length (naming both counts).
+    """
+    if groups < 1 or len(block_ids) % groups:
+        raise ValueError(f"{side}{len(block_ids)} block ids do not split into {groups} KV cache groups of one length")
+    size = len(block_ids) // groups
+    return [block_ids[i * size : (i + 1) * size] for i in range(groups)]
 
 
 def _held(groups: int, tp_size: int, tp_rank: int, what: str) -> range:
@@ -210,5 +251,7 @@ __all__ = [
     "check_groups",
     "check_same_groups",
     "plan_state",
+    "split_groups",
     "state_bytes",
+    "window_first_token",
 ]

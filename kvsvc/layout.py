@@ -325,7 +325,8 @@ def layer_addrs(meta: WorkerMetadata) -> list[int]:
 def pool_regions(meta: WorkerMetadata) -> list[tuple[int, int]]:
     """The worker's registered KV memory, as `(start_addr, length)` in `base_addrs` order.
 
-    One region per layer tensor in a per-layer layout, one region for the cross-layer pool.
+    One region per layer tensor in a per-layer layout (once, where layers of a hybrid model's groups share one),
+    one region for the cross-layer pool.
 
     Raises:
         TopologyError: unknown dtype or layout, K does not divide over tp, or `check_base_addrs` refuses.
@@ -334,4 +335,7 @@ def pool_regions(meta: WorkerMetadata) -> list[tuple[int, int]]:
     if is_cross_layer(meta):
         return [(meta.base_addrs[0], pool_bytes(meta))]
     size = layer_bytes(meta)
-    return [(addr, size) for addr in meta.base_addrs]
+    # Only a hybrid model's groups share tensors; elsewhere a repeated address is a pool no memory can be, which
+    # registering it says.
+    addrs = dict.fromkeys(meta.base_addrs) if meta.kv_groups else meta.base_addrs
+    return [(addr, size) for addr in addrs]

@@ -20,8 +20,7 @@ import numpy as np
 
 from kvsvc.coalesce import Int64Array, plan_runs
 from kvsvc.errors import TopologyError
-from kvsvc.groups import FULL as FULL_ATTENTION
-from kvsvc.groups import check_same_groups
+from kvsvc.groups import MAMBA, blocks_to_move, check_groups, check_same_groups, split_groups, window_first_token
 from kvsvc.layout import (
     FUSED,
     LAYOUTS,
@@ -71,11 +70,13 @@ def _check_worker(side: str, meta: WorkerMetadata) -> None:
             f"{who}: block_size {meta.block_size}, head_size {meta.head_size}, num_blocks {meta.num_blocks}"
         )
     dtype_size(meta.dtype)
+    if meta.kv_groups:
+        check_groups(meta.kv_groups, range(meta.start_layer, meta.end_layer), f"{who}: ")
     for i, group in enumerate(meta.kv_groups):
-        if group.kind != FULL_ATTENTION:  # the planner writes every layer of every block as full attention does
+        if group.kind == MAMBA:
             raise TopologyError(
-                f"{who}: KV cache group {i} is {group.kind!r}; kvsvc moves full-attention groups only (hybrid "
-                "models: docs/vllm.md, Limits)"
+                f"{who}: KV cache group {i} keeps Mamba state (layers {group.layers[:8]}); kvsvc moves full-attention "
+                "and sliding-window groups only (docs/vllm.md, Limits)"
             )
     # MLA ignores the layout unless it names the cross-layer pool, so any string passes there.
     if not meta.is_mla:
@@ -98,7 +99,7 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     """
     _check_worker("P", src)
     _check_worker("D", dst)
-    check_same_groups(src.kv_groups, dst.kv_groups)
+    check_same_groups(src.kv_groups, dst.kv_groups, _layer_overlap(src, dst))
     for field in ("dtype", "head_size", "is_mla", "num_kv_heads"):
         mine, theirs = getattr(src, field), getattr(dst, field)
         if field == "dtype":
@@ -180,7 +181,9 @@ def check_block_ids(
     """Check one side's request before anything is planned or written: every listed block id lies in `meta`'s
     pool, D's ids are distinct (two token ranges must never share a block), the blocks can hold `num_tokens`, and
     `first_token` (the prefix D holds already) lies in `[0, num_tokens]`. The engine's calls, a D worker's request
-    and the planner all check this one way.
+    and the planner all check this one way. A hybrid model's ids list each KV cache group's blocks in turn
+    (`kvsvc.groups.split_groups`); each group's list must hold the tokens, and D's distinct ids are those written:
+    a sliding-window group's list starts with vLLM's null block wherever the window has passed.
 
     Raises:
         ValueError: naming `side` ("P" or "D") and the offending ids or counts.
@@ -190,15 +193,23 @@ def check_block_ids(
     bad = [b for b in block_ids if not 0 <= b < meta.num_blocks]
     if bad:
         raise ValueError(f"{side} block ids {bad[:8]} outside the pool of {meta.num_blocks} blocks")
-    if side == "D" and len(set(block_ids)) != len(block_ids):
-        repeated = sorted({b for b in block_ids if block_ids.count(b) > 1})[:8]
+    groups = meta.kv_groups
+    lists = split_groups(block_ids, len(groups), f"{side}: ") if groups else [block_ids]
+    written: list[int] = []
+    for i, ids in enumerate(lists):
+        if num_tokens > len(ids) * meta.block_size:
+            where = f" of KV cache group {i}" if groups else ""
+            raise ValueError(
+                f"{side}: {len(ids)} block ids{where} hold fewer than {num_tokens} tokens of block_size "
+                f"{meta.block_size} ({num_tokens} tokens do not fit them)"
+            )
+        if side == "D":
+            moved = blocks_to_move(groups[i], len(ids), meta.block_size, num_tokens) if groups else range(len(ids))
+            written += [ids[b] for b in moved if not groups or b >= first_token // meta.block_size]
+    if len(set(written)) != len(written):
+        repeated = sorted({b for b in written if written.count(b) > 1})[:8]
         raise ValueError(
             f"D block ids {repeated} appear more than once (repeated block id): two token ranges would share a block"
-        )
-    if num_tokens > len(block_ids) * meta.block_size:
-        raise ValueError(
-            f"{side}: {len(block_ids)} block ids hold fewer than {num_tokens} tokens of block_size {meta.block_size} "
-            f"({num_tokens} tokens do not fit them)"
         )
     if not 0 <= first_token <= num_tokens:
         raise ValueError(f"{side}: first_token {first_token} outside [0, num_tokens {num_tokens}]")
@@ -307,7 +318,8 @@ def plan_transfer_arrays(
             D block id repeats.
     """
     check_compatible(src, dst)
-    tokens = len(dst_block_ids) * dst.block_size if num_tokens is None else num_tokens
+    groups = src.kv_groups
+    tokens = len(dst_block_ids) // max(1, len(groups)) * dst.block_size if num_tokens is None else num_tokens
     check_block_ids(src, src_block_ids, tokens, "P")
     check_block_ids(dst, dst_block_ids, tokens, "D", first_token)
     if is_fused(src) and first_token % src.block_size:
@@ -316,6 +328,40 @@ def plan_transfer_arrays(
     heads = _source_heads(src, dst)
     if not layers or not heads or tokens == first_token:
         return _EMPTY, _EMPTY, _EMPTY
+    if not groups:
+        return _plan_layers(
+            src, dst, heads, list(layers), src_block_ids, dst_block_ids, tokens, whole_blocks, first_token
+        )
+    # Each KV cache group is its layers with its own block list, from its own first token; a block id belongs to
+    # one group, so the groups' writes never overlap, and one sort puts them in source order.
+    parts = []
+    src_lists = split_groups(src_block_ids, len(groups), "P: ")
+    dst_lists = split_groups(dst_block_ids, len(groups), "D: ")
+    for group, src_ids, dst_ids in zip(groups, src_lists, dst_lists, strict=True):
+        start = max(first_token, window_first_token(group, tokens, src.block_size, dst.block_size))
+        members = set(group.layers)
+        mine = [layer for layer in layers if layer in members]
+        if mine and start < tokens:
+            parts.append(_plan_layers(src, dst, heads, mine, src_ids, dst_ids, tokens, whole_blocks, start))
+    if not parts:
+        return _EMPTY, _EMPTY, _EMPTY
+    src_addrs, dst_addrs, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
+    order = np.argsort(src_addrs, kind="stable")
+    return src_addrs[order], dst_addrs[order], lengths[order]
+
+
+def _plan_layers(
+    src: WorkerMetadata,
+    dst: WorkerMetadata,
+    heads: list[int],
+    layers: list[int],
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    tokens: int,
+    whole_blocks: bool,
+    first_token: int,
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """`plan_transfer_arrays` for `layers` (global, held by both) and the sourced `heads`, the request checked."""
     gs, gd = block_geometry(src), block_geometry(dst)
     if src.is_mla:
         local_src, local_dst = [0], [0]

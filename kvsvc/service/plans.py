@@ -3,10 +3,11 @@ request shape and shifted per request: the plan (`plan_transfer`), its window st
 (`window_plan`), and the staged form of either when the staging rule picks a gather (`plan_staged`).
 
 Part of the P role (`kvsvc.service.writing` keeps one per D worker connection); imports kvsvc's core only: no
-asyncio, no transport, no I/O. Rules: a request whose P and D blocks are each one run of consecutive ids (and no
-prefix held by D) takes the form cached for the runs starting at block 0, shifted by each side's first block times
-its block stride (a window stream's destinations by the window's address instead); everything else is planned, and
-checked, in full. Cached arrays are read-only, and the cache is bounded by descriptors, not by entries alone.
+asyncio, no transport, no I/O. Rules: a request whose P and D blocks are each one run of consecutive ids (one KV
+cache group, no prefix held by D) takes the form cached for the runs starting at block 0, shifted by each side's
+first block times its block stride (a window stream's destinations by the window's address instead); everything
+else is planned, and checked, in full. Cached arrays are read-only, and the cache is bounded by descriptors, not
+by entries alone.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class PlanCache:
             TopologyError / ValueError: as `plan_transfer` (the uncached path runs every check).
         """
         src_ids, dst_ids, num_tokens = command.src_block_ids, command.dst_block_ids, command.num_tokens
-        if command.first_token:
+        if command.first_token or src.kv_groups:  # a hybrid model's ids are one list per group: never one run
             columns = plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token)
             return _table(columns), None
         n_src, n_dst = -(-num_tokens // src.block_size), -(-num_tokens // dst.block_size)

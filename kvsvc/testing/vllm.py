@@ -43,12 +43,19 @@ class EngineError(RuntimeError):
 
 
 def write_tiny_llama(
-    path: Path | str, *, seed: int = 0, std: float = 0.05, tokenizer: bool = False, **shape: int
+    path: Path | str,
+    *,
+    seed: int = 0,
+    std: float = 0.05,
+    tokenizer: bool = False,
+    sliding_window: int = 0,
+    **shape: int,
 ) -> Path:
     """Write a Llama config and seeded random float32 weights into `path`; returns it. `shape` overrides keys of
     `TINY_LLAMA` (more layers or KV heads give more KV per token). With `tokenizer`, also a word-level tokenizer
     whose token i is the word `w{i}` (0-2 are `<unk>`, `<s>`, `</s>`), for servers that take text: "w5 w77" is the
-    prompt [5, 77].
+    prompt [5, 77]. `sliding_window` > 0 makes a hybrid model: the even layers attend to that many tokens (a
+    sliding-window KV cache group), the odd ones to all (vLLM's `layer_types`, as gpt-oss and Gemma 3 have them).
 
     Raises:
         ImportError: torch or safetensors (or, with `tokenizer`, tokenizers) is missing.
@@ -107,6 +114,9 @@ def write_tiny_llama(
         "eos_token_id": 2,
         "torch_dtype": "float32",
     }
+    if sliding_window:
+        layer_types = ["sliding_attention", "full_attention"] * c["num_hidden_layers"]
+        config.update(layer_types=layer_types[: c["num_hidden_layers"]], sliding_window=sliding_window)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     if tokenizer:

@@ -17,12 +17,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvsvc.engine.metrics import COUNTERS
+from kvsvc.messages import KVGroup
 from kvsvc.vllm.config import ConnectorConfig, parse_config
 from kvsvc.vllm.flow import StepMetadata
+from kvsvc.vllm.kv_layout import GroupView, kv_groups_of
 from kvsvc.vllm.scheduler import SchedulerSide
 from kvsvc.vllm.worker import WorkerIdentity, WorkerSide
 
@@ -104,11 +107,13 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
                 children[engine_idx].inc(value)
 
 
-class KvsvcConnector(KVConnectorBase_V1):
-    """kvsvc's vLLM connector (see module docstring and docs/vllm.md).
+class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvsvc's vLLM connector (see module docstring and docs/vllm.md). It supports vLLM's hybrid KV cache manager:
+    every hook sees one block list per KV cache group, and each group moves what D needs of it.
 
     Raises (constructor): ValueError for a `kv_connector_extra_config` key that is unknown or malformed, or a
-    control port beyond loopback without a token.
+    control port beyond loopback without a token; TopologyError for a KV cache group kvsvc cannot move (Mamba
+    state...), named with its layers.
     """
 
     def __init__(
@@ -121,11 +126,12 @@ class KvsvcConnector(KVConnectorBase_V1):
         block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        groups = _kv_groups(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             # With data parallelism each rank's engine core is an engine of its own: vLLM has made its engine id
             # `<id>_dp<rank>`, and its handshake endpoint gets a port of its own.
             dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank)
+            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank, max(1, len(groups)))
             return
         parallel, model = vllm_config.parallel_config, vllm_config.model_config
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -141,6 +147,7 @@ class KvsvcConnector(KVConnectorBase_V1):
             head_size=model.get_head_size(),
             is_mla=bool(model.use_mla),
             block_size=block_size,
+            kv_groups=tuple(groups),
         )
         token = self._config.control_token
         if self._config.control_token_file is not None:
@@ -219,6 +226,11 @@ class KvsvcConnector(KVConnectorBase_V1):
         self._scheduler_side().connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().finished(request, [block_ids])
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().finished(request, block_ids)
 
     @classmethod
@@ -261,3 +273,25 @@ class KvsvcConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("a scheduler-side hook was called on the worker-side kvsvc connector")
         return self._scheduler
+
+
+def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
+    """The model's KV cache groups (`kv_groups_of`); none known (an older vLLM): one group of full attention.
+
+    Raises:
+        TopologyError: as `kv_groups_of`.
+    """
+    if kv_cache_config is None:
+        return []
+    views = [
+        GroupView(
+            type(group.kv_cache_spec).__name__,
+            tuple(group.layer_names),
+            int(getattr(group.kv_cache_spec, "sliding_window", 0) or 0),
+        )
+        for group in kv_cache_config.kv_cache_groups
+    ]
+    groups = kv_groups_of(views)
+    if groups:
+        log.info("kvsvc: %d KV cache groups: %s", len(groups), [(g.kind, g.layers, g.sliding_window) for g in groups])
+    return groups

@@ -99,17 +99,27 @@ class FlowStatistics:
 RECENT_LOADS = 1024
 
 
+def flat_blocks(groups: Sequence[Sequence[int]], prompt_len: int, block_size: int) -> list[int]:
+    """A request's blocks as kvsvc carries them: each KV cache group's blocks of the prompt, one group after
+    another (`kvsvc.groups.split_groups` splits them again). A group holding fewer leaves the list short, which
+    the planner's checks refuse by name."""
+    used = -(-prompt_len // block_size)
+    return [block for group in groups for block in group[:used]]
+
+
 @dataclass(slots=True)
 class SchedulerFlow:
     """The requests of one engine that take part in a transfer (see module docstring).
 
     `engine_id` names this engine to D engines; `bootstrap_addr` is where they fetch its workers' metadata;
-    `block_size` is vLLM's (the scheduler's) block size.
+    `block_size` is vLLM's (the scheduler's) block size. `kv_groups` is the model's count of KV cache groups: the
+    block ids handed in list each group's blocks for the prompt, one group after another (`flat_blocks`).
     """
 
     engine_id: str
     bootstrap_addr: str
     block_size: int
+    kv_groups: int = 1
     _producers: dict[str, _Producer] = field(default_factory=dict)
     _consumers: dict[str, _Consumer] = field(default_factory=dict)
     _sends: list[SendSpec] = field(default_factory=list)
@@ -169,7 +179,7 @@ class SchedulerFlow:
             return
         consumer.phase = RecvPhase.LOADING
         remote = consumer.remote
-        used = -(-prompt_len // self.block_size)
+        used = -(-prompt_len // self.block_size) * self.kv_groups
         self._recvs.append(
             RecvSpec(
                 req_id=req_id,
@@ -212,7 +222,7 @@ class SchedulerFlow:
         if producer.held:
             return
         producer.held = True
-        used = -(-producer.prompt_len // self.block_size)
+        used = -(-producer.prompt_len // self.block_size) * self.kv_groups
         self._sends.append(SendSpec(req_id, req_id, tuple(block_ids[:used]), producer.prompt_len))
         self._counts["holds"] += 1
 
@@ -228,7 +238,7 @@ class SchedulerFlow:
         """
         producer = self._producers.pop(req_id, None)
         if producer is not None:
-            if completed and len(block_ids) * self.block_size >= producer.prompt_len:
+            if completed and len(block_ids) // self.kv_groups * self.block_size >= producer.prompt_len:
                 self._hold(req_id, producer, block_ids)
             if not producer.held:
                 return False, None

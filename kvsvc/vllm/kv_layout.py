@@ -14,6 +14,8 @@ and what was expected. The layouts are those of `kvsvc.layout`:
 | FlashAttention, HND stride order                         | same shape, strides of `[2, B, H, N, D]`| KV_HND     |
 | FlashInfer (older vLLM)                                  | `[blocks, 2, block_size, H, head]`      | NHD / HND  |
 | MLA (`[blocks, 1, block_size, latent]` in 0.32+)          | `[blocks, block_size, latent]`          | MLA        |
+
+A hybrid model's KV cache groups (`kv_groups_of`) are described by their spec's class name and layer names.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from dataclasses import dataclass
 from math import prod
 
 from kvsvc.errors import TopologyError
+from kvsvc.groups import FULL, SLIDING_WINDOW
+from kvsvc.messages import KVGroup
+
+# vLLM's KV cache spec classes, by name, that kvsvc moves as a group of its kind.
+GROUP_KINDS = {"FullAttentionSpec": FULL, "SlidingWindowSpec": SLIDING_WINDOW}
 
 
 class UnknownKVLayout(TopologyError):
@@ -151,3 +158,36 @@ def merge_regions(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append([start, length])
     return [(start, length) for start, length in merged]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """What kvsvc needs to know of one of vLLM's KV cache groups: its spec's class name, its layers' names and, for
+    a sliding window, the window in tokens."""
+
+    spec: str
+    layer_names: tuple[str, ...]
+    sliding_window: int = 0
+
+
+def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
+    """The model's KV cache groups as this worker publishes them (`WorkerMetadata.kv_groups`): empty for one group
+    of full attention, which every peer takes for granted.
+
+    Raises:
+        TopologyError: a group kvsvc cannot move (Mamba or GDN state, chunked local attention, ...), naming its
+            spec and layers, so that the engine refuses to start rather than send wrong KV.
+    """
+    out = []
+    for i, group in enumerate(groups):
+        kind = GROUP_KINDS.get(group.spec)
+        if kind is None:
+            raise TopologyError(
+                f"KV cache group {i} is a {group.spec} ({len(group.layer_names)} layers, first "
+                f"{group.layer_names[0] if group.layer_names else 'none'}); kvsvc moves full-attention and "
+                f"sliding-window groups ({', '.join(GROUP_KINDS)}) only"
+            )
+        window = group.sliding_window if kind == SLIDING_WINDOW else 0
+        layers = sorted(layer_index(name) for name in group.layer_names)
+        out.append(KVGroup(kind=kind, layers=layers, sliding_window=window))
+    return [] if len(out) == 1 and out[0].kind == FULL else out

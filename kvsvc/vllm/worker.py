@@ -25,7 +25,7 @@ import torch
 from kvsvc.errors import KVSvcError, TopologyError
 from kvsvc.gather import TorchGather
 from kvsvc.layout import check_kv_heads, kv_heads_per_rank, layer_bytes
-from kvsvc.messages import WorkerMetadata
+from kvsvc.messages import KVGroup, WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.staging import StagingArea
 from kvsvc.service.threaded import ServiceThread
@@ -39,6 +39,8 @@ from kvsvc.vllm.flow import StepMetadata
 from kvsvc.vllm.kv_layout import DetectedLayout, TensorView, detect_layout, layer_index, merge_regions
 
 log = logging.getLogger(__name__)
+
+NULL_BLOCK = 0  # vLLM's null block id (its block pool's first block)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class WorkerIdentity:
     head_size: int
     is_mla: bool
     block_size: int  # vLLM's cache (scheduler) block size
+    kv_groups: tuple[KVGroup, ...] = ()  # a hybrid model's KV cache groups (`kvsvc.vllm.kv_layout.kv_groups_of`)
 
 
 @dataclass(slots=True)
@@ -99,9 +102,19 @@ def describe_kv_caches(
         raise TopologyError(
             f"KV cache layers disagree on (layout, blocks, block size, dtype): {sorted(map(str, shapes))}"
         )
-    pointers = [t.data_ptr() for _, t, _ in by_layer.values()]
-    if len(set(pointers)) != len(pointers):
-        raise TopologyError("two layers share one KV cache tensor (KV sharing): kvsvc cannot move such a model yet")
+    # vLLM's hybrid manager lays the layers of different groups over one buffer (a block id belongs to one group at
+    # a time); layers of one group sharing a tensor would be KV sharing, which kvsvc cannot move.
+    group_of = {layer: i for i, group in enumerate(identity.kv_groups) for layer in group.layers}
+    sharing: dict[int, list[int]] = {}
+    for index, (_, tensor, _) in by_layer.items():
+        sharing.setdefault(tensor.data_ptr(), []).append(index)
+    for shared in sharing.values():
+        groups = [group_of.get(layer, -1) for layer in shared]
+        if len(set(groups)) != len(groups) or (-1 in groups and len(groups) > 1):
+            raise TopologyError(
+                f"layers {shared} share one KV cache tensor within one KV cache group (KV sharing): kvsvc cannot "
+                "move such a model"
+            )
     name, first, found = by_layer[layers[0]]
     if found.block_size != identity.block_size:
         raise TopologyError(
@@ -125,6 +138,7 @@ def describe_kv_caches(
         layout=found.layout,
         is_mla=identity.is_mla,
         base_addrs=[by_layer[i][1].data_ptr() for i in layers],
+        kv_groups=list(identity.kv_groups),
     )
     size = layer_bytes(meta)
     regions = merge_regions([(addr, size) for addr in meta.base_addrs])
@@ -343,9 +357,13 @@ class WorkerSide:
         return results
 
     def load_errors(self) -> set[int]:
-        """`get_block_ids_with_load_errors`: blocks of failed receives since the last call."""
+        """`get_block_ids_with_load_errors`: blocks of failed receives since the last call. vLLM's null block, which
+        a sliding-window group's list holds where the window has passed, is never one: no request owns it. None for
+        a hybrid model, whose failed receives vLLM takes only in `failed_recving`."""
         invalid, self._invalid = self._invalid, set()
-        return invalid
+        if self._identity.kv_groups:
+            return set()  # vLLM takes a hybrid model's failures only as whole requests (`failed_recving`)
+        return invalid - {NULL_BLOCK}
 
     def take_stats(self) -> dict[str, int] | None:
         """Counters since the last call (None when nothing moved)."""

@@ -16,7 +16,7 @@ import pytest
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.errors import TopologyError
 from kvsvc.layout import CROSS_LAYER, block_bytes
-from kvsvc.messages import KVGroup, WorkerMetadata
+from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
 from kvsvc.planner import (
     Descriptor,
     check_compatible,
@@ -146,14 +146,49 @@ def test_mismatched_scalars_are_refused_naming_both_values() -> None:
     _refused(p, one("D", is_mla=True), "P is_mla False", "D is_mla True")
 
 
-def test_kv_cache_groups_must_match_and_be_full_attention_until_hybrid_groups_move() -> None:
+def test_kv_cache_groups_must_match_and_mamba_state_is_refused_naming_its_layers() -> None:
     full = [KVGroup(kind="full", layers=[0, 1, 2, 3])]
     halves = [KVGroup(kind="full", layers=[0, 1]), KVGroup(kind="full", layers=[2, 3])]
     p, d = one("P"), one("D")
     check_compatible(msgspec.structs.replace(p, kv_groups=full), msgspec.structs.replace(d, kv_groups=full))
     _refused(msgspec.structs.replace(p, kv_groups=full), msgspec.structs.replace(d, kv_groups=halves), "P has 1", "D 2")
     sliding = [KVGroup(kind="full", layers=[0, 2]), KVGroup(kind="sliding_window", layers=[1, 3], sliding_window=64)]
-    _refused(msgspec.structs.replace(p, kv_groups=sliding), d, "KV cache group 1 is 'sliding_window'")
+    check_compatible(msgspec.structs.replace(p, kv_groups=sliding), msgspec.structs.replace(d, kv_groups=sliding))
+    _refused(msgspec.structs.replace(p, kv_groups=sliding), d, "P has 2 KV cache groups, D 0")
+    wider = [sliding[0], msgspec.structs.replace(sliding[1], sliding_window=128)]
+    _refused(msgspec.structs.replace(p, kv_groups=sliding), msgspec.structs.replace(d, kv_groups=wider), "64", "128")
+    _refused(msgspec.structs.replace(p, kv_groups=sliding[:1]), d, "layers [1, 3] are in no group")
+    state = MambaState(
+        conv_parts=[ConvPart(channels=8, groups=2)], conv_width=3, conv_dtype="float32", ssm_heads=2, ssm_head_bytes=64
+    )
+    mamba = [sliding[0], KVGroup(kind="mamba", layers=[1, 3], mamba=state)]
+    both = msgspec.structs.replace(p, kv_groups=mamba), msgspec.structs.replace(d, kv_groups=mamba)
+    _refused(*both, "KV cache group 1 keeps Mamba state (layers [1, 3])", "P worker")
+
+
+def test_two_pp_stages_compare_their_groups_on_the_layers_both_hold() -> None:
+    p = msgspec.structs.replace(
+        one("P"),
+        kv_groups=[
+            KVGroup(kind="full", layers=[0, 2]),
+            KVGroup(kind="sliding_window", layers=[1, 3], sliding_window=8),
+        ],
+    )
+    stage = msgspec.structs.replace(
+        one("D"),
+        pp_size=2,
+        pp_rank=1,
+        start_layer=2,
+        end_layer=4,
+        base_addrs=one("D").base_addrs[2:],
+        kv_groups=[KVGroup(kind="full", layers=[2]), KVGroup(kind="sliding_window", layers=[3], sliding_window=8)],
+    )
+    check_compatible(p, stage)
+    swapped = msgspec.structs.replace(
+        stage,
+        kv_groups=[KVGroup(kind="full", layers=[3]), KVGroup(kind="sliding_window", layers=[2], sliding_window=8)],
+    )
+    _refused(p, swapped, "KV cache group 0 differs")
 
 
 def test_non_divisible_tp_is_refused_naming_both_sizes() -> None:

