@@ -36,6 +36,7 @@ import dataclasses
 import heapq
 import json
 import random
+import secrets
 import threading
 import time
 import urllib.request
@@ -99,6 +100,9 @@ class ChaosRun:
         self._tracks: dict[str, _Track] = {}
         self._p_up = True
         self._count = 0
+        # Transfer ids are unique per P engine start (P answers a repeat with the outcome it remembers): runs on the
+        # same engines must not reuse each other's.
+        self._run_tag = secrets.token_hex(4)
         self._deadline = time.monotonic() + options.timeout_s
         self._on_progress = on_progress
 
@@ -299,7 +303,7 @@ class ChaosRun:
     def _submit(self, phase: PhaseResult, fault_at: float | None) -> _Track:
         opts, rng = self.options, self._rng
         tokens, seed = rng.randint(1, opts.max_tokens), rng.randrange(1 << 30)
-        transfer_id = f"{phase.name}-{self._count}"
+        transfer_id = f"{phase.name}-{self._run_tag}-{self._count}"
         self._count += 1
         p_exec = self.prefill.executor
         p_req = self.prefill.submit(transfer_id, tokens, seed)
@@ -316,7 +320,7 @@ class ChaosRun:
 
     def _probe(self, phase: PhaseResult) -> None:
         """A receive of a transfer P never holds: it waits on P until the fault (or P's early-request timeout)."""
-        transfer_id = f"{phase.name}-probe-{self._count}"
+        transfer_id = f"{phase.name}-probe-{self._run_tag}-{self._count}"
         self._count += 1
         p_exec = self.prefill.executor
         d_req = self.decode.submit(transfer_id, p_exec.engine_id, p_exec.url, 1 + self._count % 8, None)
