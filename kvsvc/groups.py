@@ -205,11 +205,19 @@ def _first_holder(groups: int, tp_size: int, group: int) -> int:
 def plan_state(state: MambaState, p_tp: tuple[int, int], d_tp: tuple[int, int]) -> list[SlotRun]:
     """The bytes of a state slot that P rank `p_tp = (rank, size)` writes into D rank `d_tp`'s slot: of each conv
     part and of the SSM heads, the groups D's rank holds that this P rank is the first to hold. Empty when the two
-    ranks share nothing.
+    ranks share nothing. At one TP size rank r holds what rank r holds: the whole slot, in any conv layout.
 
     Raises:
-        TopologyError: a part's groups or the SSM heads do not split over either side's TP.
+        TopologyError: a part's groups or the SSM heads do not split over either side's TP, or the TP sizes
+            differ while the conv state is time-step-major ("SD": every rank's channels interleave per step).
     """
+    if p_tp[1] == d_tp[1]:
+        return [SlotRun(0, 0, state_bytes(state, p_tp[1]))] if p_tp[0] == d_tp[0] else []
+    if state.conv_layout != "DS":
+        raise TopologyError(
+            f"P TP {p_tp[1]} and D TP {d_tp[1]} split the Mamba conv state, which needs its channel-major layout "
+            f"(DS) on both sides; it is {state.conv_layout} (vLLM: VLLM_SSM_CONV_STATE_LAYOUT=DS)"
+        )
     row = state.conv_width * dtype_size(state.conv_dtype)
     runs: list[SlotRun] = []
     src_base = dst_base = 0

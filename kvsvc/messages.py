@@ -46,6 +46,9 @@ class MambaState(msgspec.Struct, frozen=True, kw_only=True):
     ssm_heads: int
     ssm_head_bytes: int
     """Bytes of one head's SSM state (Mamba2: head_dim x d_state x dtype; GDN: v_dim x k_dim x dtype)."""
+    conv_layout: str = "DS"
+    """The conv state's order in a slot: "DS" (channel-major, as `kvsvc.groups` splits it across TP sizes) or "SD"
+    (time-step-major, vLLM's default, which only the same TP size on both sides can copy)."""
 
 
 class KVGroup(msgspec.Struct, frozen=True, kw_only=True):

@@ -20,7 +20,16 @@ import numpy as np
 
 from kvsvc.coalesce import Int64Array, plan_runs
 from kvsvc.errors import TopologyError
-from kvsvc.groups import MAMBA, blocks_to_move, check_groups, check_same_groups, split_groups, window_first_token
+from kvsvc.groups import (
+    SlotRun,
+    blocks_to_move,
+    check_groups,
+    check_same_groups,
+    plan_state,
+    split_groups,
+    state_bytes,
+    window_first_token,
+)
 from kvsvc.layout import (
     FUSED,
     LAYOUTS,
@@ -36,7 +45,7 @@ from kvsvc.layout import (
     kv_heads_per_rank,
     layer_addrs,
 )
-from kvsvc.messages import Worker, WorkerMetadata
+from kvsvc.messages import KVGroup, MambaState, Worker, WorkerMetadata
 
 _EMPTY: Int64Array = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -73,11 +82,13 @@ def _check_worker(side: str, meta: WorkerMetadata) -> None:
     if meta.kv_groups:
         check_groups(meta.kv_groups, range(meta.start_layer, meta.end_layer), f"{who}: ")
     for i, group in enumerate(meta.kv_groups):
-        if group.kind == MAMBA:
-            raise TopologyError(
-                f"{who}: KV cache group {i} keeps Mamba state (layers {group.layers[:8]}); kvsvc moves full-attention "
-                "and sliding-window groups only (docs/vllm.md, Limits)"
-            )
+        if group.mamba is not None:
+            slot, page = state_bytes(group.mamba, meta.tp_size), block_geometry(meta).block_stride
+            if slot > page or is_cross_layer(meta):
+                raise TopologyError(
+                    f"{who}: KV cache group {i}'s Mamba state slot of {slot} bytes does not fit a block of "
+                    f"{page} bytes of a per-layer layout ({meta.layout})"
+                )
     # MLA ignores the layout unless it names the cross-layer pool, so any string passes there.
     if not meta.is_mla:
         if meta.layout not in LAYOUTS:
@@ -95,7 +106,8 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
             layout or dtype...), or dtype, head_size, num_kv_heads or is_mla differ, or the TP sizes do not divide
             one another, or the two sides hold the same several heads per rank in different orders (NHD against
             HND or the cross-layer pool) and P has no staging region to gather the transposition in. The message
-            names both values. Or the two sides group a hybrid model's layers differently (`kvsvc.groups`).
+            names both values. Or the two sides group a hybrid model's layers differently (`kvsvc.groups`), or a
+            Mamba state cannot be split between their TP sizes (its conv layout, or sizes TP does not divide).
     """
     _check_worker("P", src)
     _check_worker("D", dst)
@@ -109,6 +121,9 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     small, large = sorted((src.tp_size, dst.tp_size))
     if large % small:
         raise TopologyError(f"P tp_size {src.tp_size} and D tp_size {dst.tp_size} do not divide one another")
+    for group in src.kv_groups if small != large else ():
+        if group.mamba is not None:
+            _runs_of_state(group.mamba, src, dst)
     if src.is_mla:
         return
     if is_fused(src) or is_fused(dst):
@@ -172,7 +187,28 @@ def is_source(src: WorkerMetadata, dst: WorkerMetadata) -> bool:
     Raises:
         TopologyError: `check_compatible` refuses the pair.
     """
-    return bool(_layer_overlap(src, dst)) and bool(source_heads(src, dst))
+    layers = _layer_overlap(src, dst)
+    if not layers:
+        return False
+    if source_heads(src, dst):
+        return True
+    # Mamba state is split over every TP rank, so a P rank may hold state D needs while D takes its heads elsewhere.
+    return any(
+        group.mamba is not None and set(group.layers) & set(layers) and _state_runs(src, dst, group.mamba)
+        for group in src.kv_groups
+    )
+
+
+def _state_runs(src: WorkerMetadata, dst: WorkerMetadata, state: MambaState) -> list[SlotRun]:
+    return plan_state(state, (src.tp_rank, src.tp_size), (dst.tp_rank, dst.tp_size))
+
+
+def _runs_of_state(state: MambaState, src: WorkerMetadata, dst: WorkerMetadata) -> None:
+    """Raises `plan_state`'s TopologyError (a conv layout or sizes that two TP sizes cannot split), naming both."""
+    try:
+        _state_runs(src, dst, state)
+    except TopologyError as exc:
+        raise TopologyError(f"{_name('P', src)} -> {_name('D', dst)}: {exc}") from None
 
 
 def check_block_ids(
@@ -326,9 +362,11 @@ def plan_transfer_arrays(
         raise ValueError(f"first_token {first_token} cuts a block of {src.block_size} tokens of layout {FUSED}")
     layers = _layer_overlap(src, dst)
     heads = _source_heads(src, dst)
-    if not layers or not heads or tokens == first_token:
+    if not layers or tokens == first_token:
         return _EMPTY, _EMPTY, _EMPTY
     if not groups:
+        if not heads:
+            return _EMPTY, _EMPTY, _EMPTY
         return _plan_layers(
             src, dst, heads, list(layers), src_block_ids, dst_block_ids, tokens, whole_blocks, first_token
         )
@@ -338,16 +376,52 @@ def plan_transfer_arrays(
     src_lists = split_groups(src_block_ids, len(groups), "P: ")
     dst_lists = split_groups(dst_block_ids, len(groups), "D: ")
     for group, src_ids, dst_ids in zip(groups, src_lists, dst_lists, strict=True):
-        start = max(first_token, window_first_token(group, tokens, src.block_size, dst.block_size))
         members = set(group.layers)
         mine = [layer for layer in layers if layer in members]
-        if mine and start < tokens:
+        if not mine:
+            continue
+        if group.mamba is not None:
+            parts.append(_plan_state_slots(src, dst, group, mine, src_ids, dst_ids, tokens))
+            continue
+        start = max(first_token, window_first_token(group, tokens, src.block_size, dst.block_size))
+        if heads and start < tokens:
             parts.append(_plan_layers(src, dst, heads, mine, src_ids, dst_ids, tokens, whole_blocks, start))
     if not parts:
         return _EMPTY, _EMPTY, _EMPTY
     src_addrs, dst_addrs, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
     order = np.argsort(src_addrs, kind="stable")
     return src_addrs[order], dst_addrs[order], lengths[order]
+
+
+def _plan_state_slots(
+    src: WorkerMetadata,
+    dst: WorkerMetadata,
+    group: KVGroup,
+    layers: list[int],
+    src_ids: Sequence[int],
+    dst_ids: Sequence[int],
+    tokens: int,
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """The writes of a Mamba group's `layers`: the runs of P's state slot that D's rank takes (`plan_state`), from
+    the slot after the request's tokens on each side. A slot is a block of the layer's tensor (the page its groups
+    share), so it lies at the layer's base plus the slot's id times the block stride."""
+    assert group.mamba is not None
+    runs = _state_runs(src, dst, group.mamba)
+    src_slot = src_ids[blocks_to_move(group, len(src_ids), src.block_size, tokens)[0]]
+    dst_slot = dst_ids[blocks_to_move(group, len(dst_ids), dst.block_size, tokens)[0]]
+    src_stride, dst_stride = block_geometry(src).block_stride, block_geometry(dst).block_stride
+    src_all, dst_all = layer_addrs(src), layer_addrs(dst)
+    rows = [
+        (
+            src_all[layer - src.start_layer] + src_slot * src_stride + run.src_offset,
+            dst_all[layer - dst.start_layer] + dst_slot * dst_stride + run.dst_offset,
+            run.length,
+        )
+        for layer in layers
+        for run in runs
+    ]
+    table = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    return table[:, 0], table[:, 1], table[:, 2]
 
 
 def _plan_layers(

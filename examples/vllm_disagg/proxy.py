@@ -50,11 +50,10 @@ async def _disaggregated(request: web.Request, path: str) -> web.StreamResponse:
         if response.status != 200:
             return web.json_response(answer, status=response.status)
     params = answer.get("kv_transfer_params")
-    if not params:
-        return web.json_response(
-            {"error": f"the prefill server {prefill_url} returned no kv_transfer_params"}, status=502
-        )
-    log.info("prefill %s -> decode %s (P engine %s)", prefill_url, decode_url, params.get("remote_engine_id"))
+    if params:
+        log.info("prefill %s -> decode %s (P engine %s)", prefill_url, decode_url, params.get("remote_engine_id"))
+    else:  # P holds nothing for D (a one-token prompt of a Mamba model): D computes the prompt itself
+        log.info("prefill %s held nothing: decode %s computes the prompt", prefill_url, decode_url)
     decode = {**body, "kv_transfer_params": params}
     async with session.post(f"{decode_url}{path}", json=decode) as response:
         if not body.get("stream"):

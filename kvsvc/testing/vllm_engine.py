@@ -64,6 +64,7 @@ class _Engine:
             max_num_seqs=config["max_num_seqs"],
             max_num_batched_tokens=config["max_num_batched_tokens"],
             kv_cache_memory_bytes=config["kv_cache_bytes"],
+            enable_prefix_caching=config["enable_prefix_caching"],
             kv_transfer_config=transfer,
         )
         # In one process the client holds the engine core itself (its scheduler, executor and connector).

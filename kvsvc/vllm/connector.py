@@ -8,6 +8,7 @@ The only module of kvsvc that imports vllm. A thin adapter: vLLM's hooks go to `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvsvc.engine.metrics import COUNTERS
+from kvsvc.groups import FULL
 from kvsvc.messages import KVGroup
 from kvsvc.vllm.config import ConnectorConfig, parse_config
 from kvsvc.vllm.flow import StepMetadata
@@ -126,12 +128,13 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        groups = _kv_groups(kv_cache_config)
+        groups = _kv_groups(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             # With data parallelism each rank's engine core is an engine of its own: vLLM has made its engine id
             # `<id>_dp<rank>`, and its handshake endpoint gets a port of its own.
             dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank, max(1, len(groups)))
+            kinds = tuple(group.kind for group in groups) or (FULL,)
+            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank, kinds)
             return
         parallel, model = vllm_config.parallel_config, vllm_config.model_config
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -275,7 +278,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler
 
 
-def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
+def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
     """The model's KV cache groups (`kv_groups_of`); none known (an older vLLM): one group of full attention.
 
     Raises:
@@ -283,14 +286,30 @@ def _kv_groups(kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
     """
     if kv_cache_config is None:
         return []
-    views = [
-        GroupView(
-            type(group.kv_cache_spec).__name__,
+    hf_config = vllm_config.model_config.hf_config
+    n_groups = next((int(getattr(hf_config, k)) for k in ("mamba_n_groups", "n_groups") if hasattr(hf_config, k)), 0)
+    views = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        view = GroupView(
+            type(spec).__name__,
             tuple(group.layer_names),
-            int(getattr(group.kv_cache_spec, "sliding_window", 0) or 0),
+            int(getattr(spec, "sliding_window", 0) or 0),
         )
-        for group in kv_cache_config.kv_cache_groups
-    ]
+        if hasattr(spec, "mamba_type"):
+            mamba: Any = spec  # vLLM's MambaSpec
+            from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+            view = dataclasses.replace(
+                view,
+                mamba_type=str(getattr(mamba.mamba_type, "name", mamba.mamba_type)),
+                shapes=tuple(tuple(shape) for shape in mamba.shapes),
+                dtypes=tuple(str(dtype).removeprefix("torch.") for dtype in mamba.dtypes),
+                n_groups=n_groups,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                conv_layout=get_conv_state_layout(),
+            )
+        views.append(view)
     groups = kv_groups_of(views)
     if groups:
         log.info("kvsvc: %d KV cache groups: %s", len(groups), [(g.kind, g.layers, g.sliding_window) for g in groups])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvsvc.groups import FULL, MAMBA
 from kvsvc.vllm.params import (
     ParamsError,
     RemotePrefill,
@@ -77,6 +78,7 @@ class _Producer:
     prompt_len: int
     prompt_hash: str
     early: bool  # ends in its prefill step: held from that step's forward on
+    moved: int  # the prompt tokens whose KV moves (`SchedulerFlow._moved`)
     held: bool = False
 
 
@@ -97,14 +99,7 @@ class FlowStatistics:
 
 
 RECENT_LOADS = 1024
-
-
-def flat_blocks(groups: Sequence[Sequence[int]], prompt_len: int, block_size: int) -> list[int]:
-    """A request's blocks as kvsvc carries them: each KV cache group's blocks of the prompt, one group after
-    another (`kvsvc.groups.split_groups` splits them again). A group holding fewer leaves the list short, which
-    the planner's checks refuse by name."""
-    used = -(-prompt_len // block_size)
-    return [block for group in groups for block in group[:used]]
+NULL_BLOCK = 0  # vLLM's null block id: a group's list holds it where it keeps nothing
 
 
 @dataclass(slots=True)
@@ -112,14 +107,18 @@ class SchedulerFlow:
     """The requests of one engine that take part in a transfer (see module docstring).
 
     `engine_id` names this engine to D engines; `bootstrap_addr` is where they fetch its workers' metadata;
-    `block_size` is vLLM's (the scheduler's) block size. `kv_groups` is the model's count of KV cache groups: the
-    block ids handed in list each group's blocks for the prompt, one group after another (`flat_blocks`).
+    `block_size` is vLLM's (the scheduler's) block size; `group_kinds` the kind of each of the model's KV cache
+    groups (`kvsvc.groups`), whose block lists every call hands in, one per group.
+
+    A model that keeps Mamba state moves the state after all prompt tokens but the last (a state cannot be
+    un-applied, and D computes the last token itself): P computes one token less (`drops_last_token`), and D
+    loads that many.
     """
 
     engine_id: str
     bootstrap_addr: str
     block_size: int
-    kv_groups: int = 1
+    group_kinds: tuple[str, ...] = (FULL,)
     _producers: dict[str, _Producer] = field(default_factory=dict)
     _consumers: dict[str, _Consumer] = field(default_factory=dict)
     _sends: list[SendSpec] = field(default_factory=list)
@@ -140,7 +139,10 @@ class SchedulerFlow:
                 tracked, so vLLM computes it locally.
         """
         if wants_remote_decode(params):
-            self._producers[req_id] = _Producer(len(prompt), prompt_hash(prompt), early=max_tokens == 1)
+            if len(prompt) < 2 and self.keeps_state:
+                return  # no state of fewer tokens to move: D computes the prompt itself
+            early = max_tokens == 1 or self.keeps_state  # P stops after the prefill of a state model
+            self._producers[req_id] = _Producer(len(prompt), prompt_hash(prompt), early, self._moved(len(prompt)))
         elif wants_remote_prefill(params):
             assert params is not None
             try:
@@ -156,6 +158,39 @@ class SchedulerFlow:
                 raise
             self._consumers[req_id] = _Consumer(remote)
 
+    @property
+    def keeps_state(self) -> bool:
+        """Whether the model keeps Mamba state (see the class docstring)."""
+        return MAMBA in self.group_kinds
+
+    def drops_last_token(self, req_id: str) -> bool:
+        """Whether P must prefill `req_id` without its last prompt token (the adapter cuts vLLM's request)."""
+        return req_id in self._producers and self.keeps_state
+
+    def _moved(self, prompt_len: int) -> int:
+        """The prompt tokens whose KV (and state) move from P to D."""
+        return prompt_len - 1 if self.keeps_state and prompt_len > 1 else prompt_len
+
+    def _flat(self, groups: Sequence[Sequence[int]], num_tokens: int) -> tuple[int, ...]:
+        """The blocks of `num_tokens` tokens as kvsvc carries them: each group's list, one group after another, all
+        of one length (`kvsvc.groups.split_groups`); a Mamba group's state slot (its last block) comes last,
+        behind vLLM's null block. A group holding too few leaves the list short, which the planner's checks refuse.
+
+        Raises:
+            ValueError: vLLM gave another count of lists than the model has groups.
+        """
+        if len(groups) != len(self.group_kinds):
+            raise ValueError(f"vLLM gave {len(groups)} block lists for {len(self.group_kinds)} KV cache groups")
+        used = max(1, -(-num_tokens // self.block_size))
+        out: list[int] = []
+        for kind, ids in zip(self.group_kinds, groups, strict=True):
+            out += [NULL_BLOCK] * (used - 1) + list(ids[-1:]) if kind == MAMBA else list(ids[:used])
+        return tuple(out)
+
+    def _holds_all(self, groups: Sequence[Sequence[int]], num_tokens: int) -> bool:
+        """Whether every group's list holds the blocks of `num_tokens` tokens."""
+        return len(self._flat(groups, num_tokens)) == len(groups) * max(1, -(-num_tokens // self.block_size))
+
     # -- D: loading --------------------------------------------------------------------------------------------
 
     def matched_tokens(self, req_id: str, prompt_len: int, num_computed: int) -> tuple[int, bool]:
@@ -164,13 +199,17 @@ class SchedulerFlow:
         consumer = self._consumers.get(req_id)
         if consumer is None or consumer.phase is not RecvPhase.WAITING:
             return 0, False
-        count = prompt_len - num_computed
+        count = self._moved(prompt_len) - num_computed
         return (count, True) if count > 0 else (0, False)
 
-    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external: int, prompt_len: int) -> None:
-        """`update_state_after_alloc`: vLLM gave the request `block_ids` (every block, its prefix-cache hits first)
-        for `num_external` tokens to load. The second call, once loaded, and calls with nothing to load change
-        nothing but end a request that will never load."""
+    def after_alloc(self, req_id: str, groups: Sequence[Sequence[int]], num_external: int, prompt_len: int) -> None:
+        """`update_state_after_alloc`: vLLM gave the request `groups` (each KV cache group's blocks, prefix-cache
+        hits first) for `num_external` tokens to load. The second call, once loaded, and calls with nothing to load
+        change nothing but end a request that will never load.
+
+        Raises:
+            ValueError: as `_flat`.
+        """
         consumer = self._consumers.get(req_id)
         if consumer is None or consumer.phase is not RecvPhase.WAITING:
             return
@@ -179,20 +218,20 @@ class SchedulerFlow:
             return
         consumer.phase = RecvPhase.LOADING
         remote = consumer.remote
-        used = -(-prompt_len // self.block_size) * self.kv_groups
+        end = self._moved(prompt_len)
         self._recvs.append(
             RecvSpec(
                 req_id=req_id,
                 transfer_id=remote.transfer_id,
                 engine_id=remote.engine_id,
                 bootstrap_addr=remote.bootstrap_addr,
-                block_ids=tuple(block_ids[:used]),
-                num_tokens=prompt_len,
-                first_token=prompt_len - num_external,
+                block_ids=self._flat(groups, end),
+                num_tokens=end,
+                first_token=end - num_external,
             )
         )
         self._counts["loads"] += 1
-        self._recent[req_id] = (prompt_len - num_external, prompt_len)
+        self._recent[req_id] = (end - num_external, end)
         if len(self._recent) > RECENT_LOADS:
             del self._recent[next(iter(self._recent))]
 
@@ -205,32 +244,39 @@ class SchedulerFlow:
 
     # -- P: holding --------------------------------------------------------------------------------------------
 
-    def scheduled(self, req_id: str, num_computed: int, num_scheduled: int, block_ids: Sequence[int]) -> None:
-        """`req_id` is in this step with `num_scheduled` tokens after `num_computed`; `block_ids` are its blocks.
-        A P request that ends in its prefill step is held from right after the forward that ends its prompt."""
+    def scheduled(self, req_id: str, num_computed: int, num_scheduled: int, groups: Sequence[Sequence[int]]) -> None:
+        """`req_id` is in this step with `num_scheduled` tokens after `num_computed`; `groups` are its blocks, one
+        list per KV cache group. A P request that ends in its prefill step is held from right after the forward
+        that ends its prompt.
+
+        Raises:
+            ValueError: as `_flat`.
+        """
         producer = self._producers.get(req_id)
-        if producer is None or not producer.early or num_computed + num_scheduled < producer.prompt_len:
+        if producer is None or not producer.early or num_computed + num_scheduled < producer.moved:
             return
-        self._hold(req_id, producer, block_ids)
+        self._hold(req_id, producer, groups)
 
     def wants_blocks(self, req_id: str) -> bool:
         """Whether `scheduled` needs `req_id`'s block ids (so the adapter looks them up only then)."""
         producer = self._producers.get(req_id)
         return producer is not None and producer.early and not producer.held
 
-    def _hold(self, req_id: str, producer: _Producer, block_ids: Sequence[int]) -> None:
+    def _hold(self, req_id: str, producer: _Producer, groups: Sequence[Sequence[int]]) -> None:
         if producer.held:
             return
         producer.held = True
-        used = -(-producer.prompt_len // self.block_size) * self.kv_groups
-        self._sends.append(SendSpec(req_id, req_id, tuple(block_ids[:used]), producer.prompt_len))
+        self._sends.append(SendSpec(req_id, req_id, self._flat(groups, producer.moved), producer.moved))
         self._counts["holds"] += 1
 
     # -- either side: the end of a request ---------------------------------------------------------------------
 
-    def finished(self, req_id: str, block_ids: Sequence[int], *, completed: bool) -> tuple[bool, dict[str, Any] | None]:
+    def finished(
+        self, req_id: str, groups: Sequence[Sequence[int]], *, completed: bool
+    ) -> tuple[bool, dict[str, Any] | None]:
         """`request_finished`: whether vLLM must keep the blocks until the workers report the id, and the params
-        to return. `completed` is False for an abort or an error; `block_ids` are the request's blocks.
+        to return. `completed` is False for an abort or an error; `groups` are the request's blocks, one list per
+        KV cache group.
 
         P: a completed request is held (from now, if it decoded on P), keeps its blocks and returns D's params; an
         aborted one that was held has its hold aborted and keeps its blocks until the abort drained.
@@ -238,8 +284,8 @@ class SchedulerFlow:
         """
         producer = self._producers.pop(req_id, None)
         if producer is not None:
-            if completed and len(block_ids) // self.kv_groups * self.block_size >= producer.prompt_len:
-                self._hold(req_id, producer, block_ids)
+            if completed and self._holds_all(groups, producer.moved):
+                self._hold(req_id, producer, groups)
             if not producer.held:
                 return False, None
             if not completed:

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from math import prod
 
 from kvsvc.errors import TopologyError
-from kvsvc.groups import FULL, SLIDING_WINDOW
-from kvsvc.messages import KVGroup
+from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW, state_bytes
+from kvsvc.layout import dtype_size
+from kvsvc.messages import ConvPart, KVGroup, MambaState
 
 # vLLM's KV cache spec classes, by name, that kvsvc moves as a group of its kind.
-GROUP_KINDS = {"FullAttentionSpec": FULL, "SlidingWindowSpec": SLIDING_WINDOW}
+GROUP_KINDS = {"FullAttentionSpec": FULL, "SlidingWindowSpec": SLIDING_WINDOW, "MambaSpec": MAMBA}
 
 
 class UnknownKVLayout(TopologyError):
@@ -163,11 +164,54 @@ def merge_regions(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 @dataclass(frozen=True, slots=True)
 class GroupView:
     """What kvsvc needs to know of one of vLLM's KV cache groups: its spec's class name, its layers' names and, for
-    a sliding window, the window in tokens."""
+    a sliding window, the window in tokens; for Mamba state, the spec's per-rank shapes and dtypes, its Mamba type,
+    the model's B/C groups (`n_groups`), this engine's TP size and the conv state layout ("SD" or "DS")."""
 
     spec: str
     layer_names: tuple[str, ...]
     sliding_window: int = 0
+    mamba_type: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    n_groups: int = 0
+    tp_size: int = 1
+    conv_layout: str = "SD"
+
+
+def mamba2_state(view: GroupView) -> MambaState:
+    """A Mamba2 layer's state over the whole model, from one rank's conv shape (`(width, channels)` in the SD
+    layout, `(channels, width)` in DS) and SSM shape `(heads, head_dim, d_state)`: the conv channels are x (one
+    group per head), then B and C (`n_groups` groups of d_state channels each).
+
+    Raises:
+        TopologyError: the shapes are not Mamba2's, or do not add up with `n_groups` (naming the values).
+    """
+    if len(view.shapes) != 2 or len(view.shapes[0]) != 2 or len(view.shapes[1]) != 3 or len(view.dtypes) != 2:
+        raise TopologyError(f"Mamba2 state of shapes {view.shapes} and dtypes {view.dtypes}: expected conv and SSM")
+    conv, (heads, head_dim, d_state) = view.shapes
+    width, channels = conv if view.conv_layout == "SD" else conv[::-1]
+    tp = view.tp_size
+    bc_local = channels - heads * head_dim  # B and C of this rank
+    n_groups = view.n_groups or bc_local // (2 * d_state) * tp
+    local_groups = max(1, n_groups // tp)
+    if bc_local != 2 * local_groups * d_state:
+        raise TopologyError(
+            f"Mamba2 conv state of {channels} channels per rank is not {heads} heads x {head_dim} plus B and C of "
+            f"{local_groups} groups x d_state {d_state} (n_groups {n_groups}, TP {tp})"
+        )
+    bc = ConvPart(channels=n_groups * d_state, groups=n_groups)
+    state = MambaState(
+        conv_parts=[ConvPart(channels=heads * tp * head_dim, groups=heads * tp), bc, bc],
+        conv_width=width,
+        conv_dtype=view.dtypes[0],
+        ssm_heads=heads * tp,
+        ssm_head_bytes=head_dim * d_state * dtype_size(view.dtypes[1]),
+        conv_layout=view.conv_layout,
+    )
+    expected = sum(prod(shape) * dtype_size(dtype) for shape, dtype in zip(view.shapes, view.dtypes, strict=True))
+    if state_bytes(state, tp) != expected:
+        raise TopologyError(f"Mamba2 state of shapes {view.shapes}: {state_bytes(state, tp)} bytes, not {expected}")
+    return state
 
 
 def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
@@ -175,19 +219,21 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
     of full attention, which every peer takes for granted.
 
     Raises:
-        TopologyError: a group kvsvc cannot move (Mamba or GDN state, chunked local attention, ...), naming its
-            spec and layers, so that the engine refuses to start rather than send wrong KV.
+        TopologyError: a group kvsvc cannot move (Gated DeltaNet or Mamba1 state, chunked local attention, ...),
+            naming its spec and layers, so that the engine refuses to start rather than send wrong KV.
     """
     out = []
     for i, group in enumerate(groups):
         kind = GROUP_KINDS.get(group.spec)
-        if kind is None:
+        first = group.layer_names[0] if group.layer_names else "none"
+        if kind is None or (kind == MAMBA and group.mamba_type != "MAMBA2"):
+            what = f"{group.spec} ({group.mamba_type})" if group.mamba_type else group.spec
             raise TopologyError(
-                f"KV cache group {i} is a {group.spec} ({len(group.layer_names)} layers, first "
-                f"{group.layer_names[0] if group.layer_names else 'none'}); kvsvc moves full-attention and "
-                f"sliding-window groups ({', '.join(GROUP_KINDS)}) only"
+                f"KV cache group {i} is a {what} ({len(group.layer_names)} layers, first {first}); kvsvc moves "
+                "full-attention, sliding-window and Mamba2 groups only"
             )
-        window = group.sliding_window if kind == SLIDING_WINDOW else 0
         layers = sorted(layer_index(name) for name in group.layer_names)
-        out.append(KVGroup(kind=kind, layers=layers, sliding_window=window))
+        window = group.sliding_window if kind == SLIDING_WINDOW else 0
+        state = mamba2_state(group) if kind == MAMBA else None
+        out.append(KVGroup(kind=kind, layers=layers, sliding_window=window, mamba=state))
     return [] if len(out) == 1 and out[0].kind == FULL else out

@@ -16,9 +16,10 @@ from typing import Any
 
 from kvsvc.engine.connector import check_engine_metadata
 from kvsvc.engine.endpoint import BootstrapEndpoint
+from kvsvc.groups import FULL
 from kvsvc.messages import WorkerMetadata
 from kvsvc.vllm.config import ConnectorConfig
-from kvsvc.vllm.flow import SchedulerFlow, StepMetadata, flat_blocks
+from kvsvc.vllm.flow import SchedulerFlow, StepMetadata
 from kvsvc.vllm.params import ParamsError
 
 log = logging.getLogger(__name__)
@@ -36,17 +37,23 @@ class SchedulerSide:
     """
 
     def __init__(
-        self, config: ConnectorConfig, engine_id: str, block_size: int, dp_rank: int = 0, kv_groups: int = 1
+        self,
+        config: ConnectorConfig,
+        engine_id: str,
+        block_size: int,
+        dp_rank: int = 0,
+        group_kinds: tuple[str, ...] = (FULL,),
     ) -> None:
-        """`dp_rank`: this engine core's data-parallel rank (its endpoint's port, `bootstrap_port_of`); `kv_groups`:
-        the model's KV cache groups (vLLM's hybrid KV cache manager gives each its own block list).
+        """`dp_rank`: this engine core's data-parallel rank (its endpoint's port, `bootstrap_port_of`);
+        `group_kinds`: the kind of each of the model's KV cache groups (vLLM's hybrid KV cache manager gives each
+        its own block list).
 
         Raises:
             ValueError: as `ConnectorConfig.bootstrap_port_of`.
         """
         self._config = config
         self._endpoint = BootstrapEndpoint(config.bootstrap_host, config.bootstrap_port_of(dp_rank))
-        self.flow = SchedulerFlow(engine_id=engine_id, bootstrap_addr="", block_size=block_size, kv_groups=kv_groups)
+        self.flow = SchedulerFlow(engine_id, "", block_size, group_kinds)
         self._requests: dict[str, Any] = {}  # P requests held from their prefill step, until it is scheduled
         self._kv_cache_manager: Any = None
         self.metadata: dict[tuple[int, int], WorkerMetadata] = {}
@@ -105,6 +112,12 @@ class SchedulerSide:
         except ParamsError as exc:
             log.error("request %s: kvsvc cannot load its KV, computing it locally: %s", request.request_id, exc)
             return
+        if self.flow.drops_last_token(request.request_id):
+            # P prefills one token less (a Mamba state holds every token it saw); D computes the last one.
+            request.prompt_token_ids.pop()
+            request._all_token_ids.pop()
+            request.num_prompt_tokens -= 1
+            request.max_tokens = 1
         if self.flow.wants_blocks(request.request_id):
             self._requests[request.request_id] = request
 
@@ -112,17 +125,16 @@ class SchedulerSide:
         return self.flow.matched_tokens(request.request_id, len(request.prompt_token_ids), num_computed_tokens)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        prompt_len = len(request.prompt_token_ids)
-        block_ids = self._flat(blocks.get_block_ids(), prompt_len) if num_external_tokens > 0 else []
-        self.flow.after_alloc(request.request_id, block_ids, num_external_tokens, prompt_len)
+        groups = blocks.get_block_ids() if num_external_tokens > 0 else [[] for _ in self.flow.group_kinds]
+        self.flow.after_alloc(request.request_id, groups, num_external_tokens, len(request.prompt_token_ids))
 
     def build(self, scheduler_output: Any) -> StepMetadata:
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
                 continue
-            blocks = self._flat(self._kv_cache_manager.get_block_ids(req_id), len(request.prompt_token_ids))
-            self.flow.scheduled(req_id, request.num_computed_tokens, num_scheduled, blocks)
+            groups = self._kv_cache_manager.get_block_ids(req_id)
+            self.flow.scheduled(req_id, request.num_computed_tokens, num_scheduled, groups)
             if not self.flow.wants_blocks(req_id):
                 del self._requests[req_id]
         step = self.flow.build()
@@ -135,13 +147,7 @@ class SchedulerSide:
         """`request_finished(_all_groups)`: `groups` holds one block list per KV cache group."""
         self._requests.pop(request.request_id, None)
         completed = getattr(request.status, "name", str(request.status)) in COMPLETED
-        block_ids = self._flat(groups, len(request.prompt_token_ids))
-        return self.flow.finished(request.request_id, block_ids, completed=completed)
-
-    def _flat(self, groups: Sequence[Sequence[int]], prompt_len: int) -> list[int]:
-        if len(groups) != self.flow.kv_groups:
-            raise ValueError(f"vLLM gave {len(groups)} block lists for {self.flow.kv_groups} KV cache groups")
-        return flat_blocks(groups, prompt_len, self.flow.block_size)
+        return self.flow.finished(request.request_id, groups, completed=completed)
 
     def connector_output(self, output: Any) -> None:
         self.flow.recvs_reported(output.finished_recving or ())

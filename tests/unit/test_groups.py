@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvsvc.cli.plan import synthetic_engine
 from kvsvc.errors import TopologyError
 from kvsvc.groups import (
     FULL,
@@ -23,7 +25,9 @@ from kvsvc.groups import (
     plan_state,
     state_bytes,
 )
-from kvsvc.layout import dtype_size
+from kvsvc.layout import block_geometry, dtype_size, layer_addrs, layer_bytes
+from kvsvc.messages import WorkerMetadata
+from kvsvc.planner import plan_transfer, sources_of
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -166,3 +170,67 @@ def test_sizes_that_do_not_split_over_a_sides_tp_are_refused_naming_them() -> No
     uneven = MambaState(conv_parts=[ConvPart(7, 2)], conv_width=3, conv_dtype="float32", ssm_heads=4, ssm_head_bytes=8)
     with pytest.raises(TopologyError, match="conv part 0: 7 channels are not 2 equal groups"):
         state_bytes(uneven, 2)
+
+
+# -- state slots through the planner, byte exact -------------------------------------------------------------------
+
+SLOT_STATE = MambaState(
+    conv_parts=[ConvPart(16, 4), ConvPart(4, 2), ConvPart(4, 2)],  # Mamba2's x (4 heads), B and C (2 groups)
+    conv_width=3,
+    conv_dtype="float32",
+    ssm_heads=4,
+    ssm_head_bytes=32,
+)
+
+
+def _hybrid_engine(name: str, tp: int) -> dict[tuple[int, int], WorkerMetadata]:
+    """Layer 0 keeps Mamba state, layer 1 full attention; addresses are offsets into one arena per worker."""
+    engine = synthetic_engine(
+        name, pp_size=1, tp_size=tp, num_layers=2, num_kv_heads=8, head_size=8, dtype="float16", block_size=16,
+        num_blocks=8, base_addr=0, layer_gap=0,
+    )  # fmt: skip
+    groups = [KVGroup(kind=MAMBA, layers=[0], mamba=SLOT_STATE), KVGroup(kind=FULL, layers=[1])]
+    return {key: msgspec.structs.replace(meta, kv_groups=groups) for key, meta in engine.items()}
+
+
+def _end(engine: dict[tuple[int, int], WorkerMetadata]) -> int:
+    return max(layer_addrs(m)[-1] + layer_bytes(m) for m in engine.values())
+
+
+@given(
+    tps=st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2), (4, 2), (1, 4), (4, 4)]),
+    p_slot=st.integers(1, 7),
+    d_slot=st.integers(1, 7),
+    seed=st.integers(0, 99),
+)
+def test_the_planner_writes_every_d_ranks_state_slot_byte_exact(
+    tps: tuple[int, int], p_slot: int, d_slot: int, seed: int
+) -> None:
+    p_tp, d_tp = tps
+    rng = random.Random(seed)
+    row = SLOT_STATE.conv_width * dtype_size(SLOT_STATE.conv_dtype)
+    whole = [rng.randbytes(part.channels * row) for part in SLOT_STATE.conv_parts]
+    ssm = rng.randbytes(SLOT_STATE.ssm_heads * SLOT_STATE.ssm_head_bytes)
+    p_engine, d_engine = _hybrid_engine("P", p_tp), _hybrid_engine("D", d_tp)
+    # 40 tokens in 3 blocks, the groups in turn: the Mamba group's slot behind the null block, then the attention's.
+    p_ids = [0, 0, p_slot, *[i for i in range(1, 8) if i != p_slot][:3]]
+    d_ids = [0, 0, d_slot, *[i for i in range(1, 8) if i != d_slot][:3]]
+    p_arena = bytearray(_end(p_engine))
+    for (_, p_rank), p_meta in p_engine.items():
+        slot = layer_addrs(p_meta)[0] + p_slot * block_geometry(p_meta).block_stride
+        data = _rank_slot(SLOT_STATE, whole, ssm, p_tp, p_rank)
+        p_arena[slot : slot + len(data)] = data
+    d_arena, writes = bytearray(_end(d_engine)), [0] * _end(d_engine)
+    for d_meta in d_engine.values():
+        for p_meta in p_engine.values():
+            for src, dst, length in plan_transfer(p_meta, d_meta, p_ids, d_ids, 40):
+                d_arena[dst : dst + length] = p_arena[src : src + length]
+                writes[dst : dst + length] = [w + 1 for w in writes[dst : dst + length]]
+    for (_, d_rank), d_meta in d_engine.items():
+        state = layer_addrs(d_meta)[0]  # layer 0's tensor
+        slot = state + d_slot * block_geometry(d_meta).block_stride
+        want = _rank_slot(SLOT_STATE, whole, ssm, d_tp, d_rank)
+        assert bytes(d_arena[slot : slot + len(want)]) == want
+        assert set(writes[slot : slot + len(want)]) == {1}  # every byte of the slot once
+        assert sum(writes[state : state + layer_bytes(d_meta)]) == state_bytes(SLOT_STATE, d_tp)  # nothing else
+        assert sources_of(d_meta, p_engine)  # routing counts the state's sources

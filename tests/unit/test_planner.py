@@ -146,7 +146,7 @@ def test_mismatched_scalars_are_refused_naming_both_values() -> None:
     _refused(p, one("D", is_mla=True), "P is_mla False", "D is_mla True")
 
 
-def test_kv_cache_groups_must_match_and_mamba_state_is_refused_naming_its_layers() -> None:
+def test_kv_cache_groups_must_match_and_a_mamba_slot_must_fit_a_block() -> None:
     full = [KVGroup(kind="full", layers=[0, 1, 2, 3])]
     halves = [KVGroup(kind="full", layers=[0, 1]), KVGroup(kind="full", layers=[2, 3])]
     p, d = one("P"), one("D")
@@ -162,8 +162,22 @@ def test_kv_cache_groups_must_match_and_mamba_state_is_refused_naming_its_layers
         conv_parts=[ConvPart(channels=8, groups=2)], conv_width=3, conv_dtype="float32", ssm_heads=2, ssm_head_bytes=64
     )
     mamba = [sliding[0], KVGroup(kind="mamba", layers=[1, 3], mamba=state)]
-    both = msgspec.structs.replace(p, kv_groups=mamba), msgspec.structs.replace(d, kv_groups=mamba)
-    _refused(*both, "KV cache group 1 keeps Mamba state (layers [1, 3])", "P worker")
+    check_compatible(msgspec.structs.replace(p, kv_groups=mamba), msgspec.structs.replace(d, kv_groups=mamba))
+    sd = [sliding[0], KVGroup(kind="mamba", layers=[1, 3], mamba=msgspec.structs.replace(state, conv_layout="SD"))]
+    p2, d2 = one("P", tp_size=2), one("D", tp_size=2)
+    check_compatible(msgspec.structs.replace(p2, kv_groups=sd), msgspec.structs.replace(d2, kv_groups=sd))
+    _refused(
+        msgspec.structs.replace(p2, kv_groups=sd),
+        msgspec.structs.replace(d, kv_groups=sd),
+        "P TP 2 and D TP 1 split the Mamba conv state",
+        "it is SD (vLLM: VLLM_SSM_CONV_STATE_LAYOUT=DS)",
+    )
+    huge = [
+        sliding[0],
+        KVGroup(kind="mamba", layers=[1, 3], mamba=msgspec.structs.replace(state, ssm_head_bytes=1 << 20)),
+    ]
+    both = msgspec.structs.replace(p, kv_groups=huge), msgspec.structs.replace(d, kv_groups=huge)
+    _refused(*both, "Mamba state slot of 2097248 bytes does not fit a block of", "P worker")
 
 
 def test_two_pp_stages_compare_their_groups_on_the_layers_both_hold() -> None:

@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW
 from kvsvc.service.config import is_loopback
 from kvsvc.vllm.config import ConnectorConfig, parse_config
-from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec, flat_blocks
+from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec
 from kvsvc.vllm.params import ParamsError, RemotePrefill, parse_remote_prefill, producer_params, prompt_hash
 
 BS = 16
@@ -31,33 +32,52 @@ def test_p_holds_a_one_token_request_from_the_step_that_ends_its_prompt() -> Non
     f = flow()
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     assert f.wants_blocks("r1")
-    f.scheduled("r1", 0, 32, [7, 8, 9, 10])  # a first chunk: the prompt is not done
+    f.scheduled("r1", 0, 32, [[7, 8, 9, 10]])  # a first chunk: the prompt is not done
     assert f.build().sends == ()
-    f.scheduled("r1", 32, 8, [7, 8, 9, 10])
+    f.scheduled("r1", 32, 8, [[7, 8, 9, 10]])
     assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9), 40),)  # only the prompt's blocks
     assert not f.wants_blocks("r1")
-    keep, params = f.finished("r1", [7, 8, 9, 10], completed=True)
+    keep, params = f.finished("r1", [[7, 8, 9, 10]], completed=True)
     assert keep and params == p_params(transfer_id="r1")
     assert f.build().sends == ()  # held once
 
 
 def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks() -> None:
     # A sliding-window group's list leads with the null block (0) where its window has passed.
-    groups = [[7, 8, 9, 10], [0, 0, 12, 13]]
-    assert flat_blocks(groups, len(PROMPT), BS) == [7, 8, 9, 0, 0, 12]
-    f = SchedulerFlow(engine_id="P-engine", bootstrap_addr="http://10.0.0.1:8998", block_size=BS, kv_groups=2)
+    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (FULL, SLIDING_WINDOW))
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
-    f.scheduled("r1", 0, 40, flat_blocks(groups, len(PROMPT), BS))
+    assert not f.drops_last_token("r1")
+    f.scheduled("r1", 0, 40, [[7, 8, 9, 10], [0, 0, 12, 13]])
     assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 40),)
+    three = SchedulerFlow("P", "", BS, (FULL, FULL, FULL))
+    three.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    with pytest.raises(ValueError, match="2 block lists for 3 KV cache groups"):
+        three.scheduled("r1", 0, 40, [[1, 2, 3], [4, 5, 6]])
+
+
+def test_a_model_with_mamba_state_moves_the_state_before_the_last_prompt_token() -> None:
+    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (MAMBA, FULL))
+    f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    f.on_new_request("one", PROMPT[:1], {"do_remote_decode": True}, max_tokens=1)
+    assert f.drops_last_token("r1") and not f.drops_last_token("one")  # one token: no state to move, D computes
+    f.scheduled("r1", 0, 39, [[5], [7, 8, 9]])  # P prefills 39 tokens: its prompt was cut by one
+    # The state slot goes last in its group's list, behind the null block, to the attention group's length.
+    assert f.build().sends == (SendSpec("r1", "r1", (0, 0, 5, 7, 8, 9), 39),)
+    d = SchedulerFlow("D-engine", "", BS, (MAMBA, FULL))
+    d.on_new_request("d1", PROMPT, p_params())
+    assert d.matched_tokens("d1", 40, 0) == (39, True)  # D computes the last token from the state after 39
+    d.after_alloc("d1", [[6], [3, 4, 5]], 39, 40)
+    (recv,) = d.build().recvs
+    assert (recv.block_ids, recv.num_tokens, recv.first_token) == ((0, 0, 6, 3, 4, 5), 39, 0)
 
 
 def test_p_holds_a_request_that_decodes_on_p_only_when_it_finishes() -> None:
     f = flow()
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=5)
     assert not f.wants_blocks("r1")  # its blocks may still move (preemption): not before the end
-    f.scheduled("r1", 0, 40, [1, 2, 3])
+    f.scheduled("r1", 0, 40, [[1, 2, 3]])
     assert f.build().sends == ()
-    keep, params = f.finished("r1", [4, 5, 6], completed=True)
+    keep, params = f.finished("r1", [[4, 5, 6]], completed=True)
     assert keep and params is not None
     assert f.build().sends == (SendSpec("r1", "r1", (4, 5, 6), 40),)
 
@@ -65,11 +85,11 @@ def test_p_holds_a_request_that_decodes_on_p_only_when_it_finishes() -> None:
 def test_an_aborted_p_request_is_freed_at_once_unless_held_then_its_hold_is_aborted() -> None:
     f = flow()
     f.on_new_request("early", PROMPT, {"do_remote_decode": True}, max_tokens=1)
-    assert f.finished("early", [1], completed=False) == (False, None)
+    assert f.finished("early", [[1]], completed=False) == (False, None)
     f.on_new_request("held", PROMPT, {"do_remote_decode": True}, max_tokens=1)
-    f.scheduled("held", 0, 40, [1, 2, 3])
+    f.scheduled("held", 0, 40, [[1, 2, 3]])
     f.build()
-    assert f.finished("held", [1, 2, 3], completed=False) == (True, None)  # blocks kept until the abort drained
+    assert f.finished("held", [[1, 2, 3]], completed=False) == (True, None)  # blocks kept until the abort drained
     assert f.build().aborts == ("held",)
 
 
@@ -78,8 +98,8 @@ def test_requests_without_transfer_params_are_left_alone() -> None:
     f.on_new_request("plain", PROMPT, None)
     f.on_new_request("plain2", PROMPT, {"something": "else"})
     assert f.matched_tokens("plain", 40, 0) == (0, False)
-    f.scheduled("plain", 0, 40, [1, 2, 3])
-    assert f.finished("plain", [1, 2, 3], completed=True) == (False, None)
+    f.scheduled("plain", 0, 40, [[1, 2, 3]])
+    assert f.finished("plain", [[1, 2, 3]], completed=True) == (False, None)
     assert f.build() == type(f.build())()
 
 
@@ -91,10 +111,10 @@ def test_d_loads_every_prompt_token_its_prefix_cache_lacks_once() -> None:
     f.on_new_request("d1", PROMPT, p_params())
     assert f.matched_tokens("d1", 40, 16) == (24, True)
     assert f.matched_tokens("d1", 40, 16) == (24, True)  # no side effect: vLLM may ask again
-    f.after_alloc("d1", [3, 4, 5, 6], 24, 40)
+    f.after_alloc("d1", [[3, 4, 5, 6]], 24, 40)
     step = f.build()
     assert step.recvs == (RecvSpec("d1", "t1", "P-engine", "http://10.0.0.1:8998", (3, 4, 5), 40, 16),)
-    f.after_alloc("d1", [3, 4, 5, 6], 0, 40)  # vLLM's second call, once loaded
+    f.after_alloc("d1", [[3, 4, 5, 6]], 0, 40)  # vLLM's second call, once loaded
     assert f.matched_tokens("d1", 40, 0) == (0, False)  # a failed load is recomputed, never fetched again
     assert f.build().recvs == ()
     assert f.statistics().recent_loads == {"d1": (16, 40)}
@@ -103,21 +123,21 @@ def test_d_loads_every_prompt_token_its_prefix_cache_lacks_once() -> None:
 def test_a_d_request_aborted_while_loading_is_aborted_on_the_workers() -> None:
     f = flow()
     f.on_new_request("d1", PROMPT, p_params())
-    f.after_alloc("d1", [3, 4, 5], 40, 40)
+    f.after_alloc("d1", [[3, 4, 5]], 40, 40)
     f.build()
-    assert f.finished("d1", [3, 4, 5], completed=False) == (False, None)
+    assert f.finished("d1", [[3, 4, 5]], completed=False) == (False, None)
     assert f.build().aborts == ("d1",)
     f.on_new_request("d2", PROMPT, p_params())
-    f.after_alloc("d2", [3, 4, 5], 40, 40)
+    f.after_alloc("d2", [[3, 4, 5]], 40, 40)
     f.recvs_reported({"d2"})
-    assert f.finished("d2", [3, 4, 5], completed=False) == (False, None)
+    assert f.finished("d2", [[3, 4, 5]], completed=False) == (False, None)
     assert f.build().aborts == ()  # it ended already
 
 
 def test_d_with_nothing_to_load_never_loads() -> None:
     f = flow()
     f.on_new_request("d1", PROMPT, p_params())
-    f.after_alloc("d1", [3, 4, 5], 0, 40)
+    f.after_alloc("d1", [[3, 4, 5]], 0, 40)
     assert f.matched_tokens("d1", 40, 0) == (0, False)
     assert f.build().recvs == ()
 
@@ -179,12 +199,12 @@ def test_each_request_is_held_or_loaded_at_most_once_and_kept_exactly_when_held(
             else:
                 f.on_new_request(req, PROMPT, {"do_remote_decode": True}, max_tokens=1 if what == "new_p" else 9)
         elif what == "sched":
-            f.scheduled(req, 0, 40, [1, 2, 3])
+            f.scheduled(req, 0, 40, [[1, 2, 3]])
         elif what == "alloc":
-            f.after_alloc(req, [1, 2, 3], 40, 40)
+            f.after_alloc(req, [[1, 2, 3]], 40, 40)
         elif what.startswith("finish") and req in alive:
             alive.discard(req)
-            keep, _ = f.finished(req, [1, 2, 3], completed=what == "finish_ok")
+            keep, _ = f.finished(req, [[1, 2, 3]], completed=what == "finish_ok")
             if keep:
                 kept.add(req)
         step = f.build()

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from kvsvc.errors import TopologyError
+from kvsvc.groups import state_bytes
 from kvsvc.layout import block_geometry, pool_regions
-from kvsvc.messages import KVGroup, WorkerMetadata
+from kvsvc.messages import ConvPart, KVGroup, WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service.config import ServiceConfig
 from kvsvc.vllm.config import ConnectorConfig
@@ -198,12 +199,53 @@ def test_a_hybrid_models_groups_share_tensors_and_are_published() -> None:
 
 
 def test_groups_kvsvc_cannot_move_refuse_the_start_naming_spec_and_layers() -> None:
-    views = [
-        GroupView("FullAttentionSpec", ("model.layers.0.attn",)),
-        GroupView("MambaSpec", ("model.layers.1.mixer", "model.layers.2.mixer")),
-    ]
-    with pytest.raises(TopologyError, match=r"group 1 is a MambaSpec \(2 layers, first model.layers.1.mixer\)"):
-        kv_groups_of(views)
+    full = GroupView("FullAttentionSpec", ("model.layers.0.attn",))
+    gdn = GroupView("MambaSpec", ("model.layers.1.linear_attn", "model.layers.2.linear_attn"), mamba_type="GDN_ATTN")
+    with pytest.raises(TopologyError, match=r"group 1 is a MambaSpec \(GDN_ATTN\) \(2 layers, first model.layers.1"):
+        kv_groups_of([full, gdn])
+    with pytest.raises(TopologyError, match=r"group 1 is a ChunkedLocalAttentionSpec"):
+        kv_groups_of([full, GroupView("ChunkedLocalAttentionSpec", ("model.layers.1.attn",))])
+
+
+def test_a_mamba2_group_is_described_from_vllms_shapes_at_any_tp_and_conv_layout() -> None:
+    # The tiny Granite-4.0-H: 16 heads of 32, d_state 16, one B/C group, conv kernel 4.
+    shapes = {1: ((3, 544), (16, 32, 16)), 2: ((3, 288), (8, 32, 16))}  # B/C replicated at TP 2
+    states = []
+    for tp, (conv, ssm) in shapes.items():
+        for layout in ("SD", "DS"):
+            view = GroupView(
+                "MambaSpec", ("model.layers.0.mixer",), mamba_type="MAMBA2", shapes=(conv if layout == "SD" else
+                conv[::-1], ssm), dtypes=("float32", "float32"), n_groups=1, tp_size=tp, conv_layout=layout,
+            )  # fmt: skip
+            (group,) = kv_groups_of([view])
+            assert group.mamba is not None
+            assert state_bytes(group.mamba, tp) == (conv[1] * 3 + ssm[0] * ssm[1] * ssm[2]) * 4
+            states.append(msgspec.structs.replace(group.mamba, conv_layout="DS"))
+    assert all(state == states[0] for state in states)  # one model, whatever the TP or layout
+    assert states[0].conv_parts == [ConvPart(512, 16), ConvPart(16, 1), ConvPart(16, 1)]
+    wrong = GroupView("MambaSpec", ("model.layers.0.mixer",), mamba_type="MAMBA2", shapes=((3, 540), (16, 32, 16)),
+                      dtypes=("float32", "float32"), n_groups=1)  # fmt: skip
+    with pytest.raises(TopologyError, match="540 channels per rank"):
+        kv_groups_of([wrong])
+
+
+def test_mamba_layers_are_raw_pages_checked_against_the_attention_pages() -> None:
+    (group,) = kv_groups_of([GroupView(
+        "MambaSpec", ("model.layers.0.mixer",), mamba_type="MAMBA2", shapes=((3, 8), (2, 2, 2)),
+        dtypes=("float32", "float32"), n_groups=1, tp_size=2,
+    )])  # fmt: skip
+    assert group.mamba is not None
+    slot = state_bytes(group.mamba, 2)  # 160 bytes in a page of H * BS * 2D * 4 bytes
+    buffer = torch.zeros(NB, H, BS, 2 * D)
+    pages = buffer.view(torch.int8).view(NB, 1, 1, -1)[..., :slot]
+    caches = {"model.layers.0.mixer": pages, "model.layers.1.self_attn.attn": buffer}
+    groups = (group, KVGroup(kind="full", layers=[1]))
+    meta, _ = describe_kv_caches(caches, identity(kv_groups=groups))
+    assert meta.base_addrs == [buffer.data_ptr()] * 2 and meta.kv_groups == list(groups)
+    with pytest.raises(TopologyError, match=r"Mamba state tensor 'model.layers.0.mixer' of shape \[6, 1, 1, 100\]"):
+        describe_kv_caches({**caches, "model.layers.0.mixer": pages[..., :100]}, identity(kv_groups=groups))
+    with pytest.raises(TopologyError, match="keep only Mamba state"):
+        describe_kv_caches({"model.layers.0.mixer": pages}, identity(kv_groups=(msgspec.structs.replace(group),)))
 
 
 def test_layer_names_and_region_merging() -> None:

@@ -50,3 +50,24 @@ def test_the_example_notices_when_d_gets_the_kv_of_another_model(tmp_path: Path)
     )
     assert done.returncode != 0
     assert done.stdout.count("MISMATCH") >= 6, done.stdout[-4000:]  # every prompt of more than one token
+
+
+@pytest.mark.parametrize(("model", "transfers"), [("sliding", 8), ("granite", 7)])
+def test_the_example_serves_hybrid_models_with_the_hybrid_manager_on(
+    tmp_path: Path, model: str, transfers: int
+) -> None:
+    """A sliding-window hybrid and a Mamba2 hybrid, served as an operator starts them. The Mamba model's one-token
+    prompt moves nothing (no state before its last token): P returns no params and D computes it."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--workdir", str(tmp_path), "--model", model],
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "OK: 8 answers through P and D equal a single engine's" in done.stdout
+    assert f"D received {transfers} transfers" in done.stdout
+    for log in ("prefill0.log", "decode0.log"):
+        text = (tmp_path / log).read_text(errors="replace")
+        assert "Turning off hybrid kv cache manager" not in text, log
+        assert re.search(r"kv cache group sizes \(\d+, \d+\)", text), log  # vLLM keeps both groups

