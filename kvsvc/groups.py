@@ -24,6 +24,7 @@ every byte of D's slot written by exactly one P rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import lcm
 from typing import Final, NamedTuple
 
 from msgspec.structs import replace
@@ -114,8 +115,9 @@ def blocks_to_move(group: KVGroup, num_blocks: int, block_size: int, num_tokens:
 
 def window_first_token(group: KVGroup, num_tokens: int, src_block_size: int, dst_block_size: int) -> int:
     """The first token of a request's `num_tokens` that P writes into D for `group`: 0 for full attention; for a
-    sliding window, the first token of the window blocks both sides keep (`blocks_to_move` on each side, the later
-    start of the two), which lies before `num_tokens - sliding_window`, so D gets every token its window reads.
+    sliding window, the first token D's next step reads (`num_tokens - sliding_window`: a query attends to itself
+    and the `sliding_window - 1` tokens before it), rounded down to a block boundary of both sides, and never before
+    the window blocks either side keeps (`blocks_to_move`), which hold real blocks, not vLLM's null block.
 
     Raises:
         TopologyError: a Mamba group (its state slot moves whole, not tokens).
@@ -124,12 +126,13 @@ def window_first_token(group: KVGroup, num_tokens: int, src_block_size: int, dst
         raise TopologyError("a Mamba group moves its state slot, not a range of tokens")
     if group.kind != SLIDING_WINDOW:
         return 0
-    starts = []
+    step = lcm(src_block_size, dst_block_size)
+    first = max(0, num_tokens - group.sliding_window) // step * step
     for block_size in (src_block_size, dst_block_size):
         needed = -(-num_tokens // block_size)
         kept = -(-group.sliding_window // block_size) + 1
-        starts.append(max(0, needed - kept) * block_size)
-    return max(starts)
+        first = max(first, max(0, needed - kept) * block_size)
+    return first
 
 
 def split_groups(block_ids: Sequence[int], groups: int, side: str = "") -> list[Sequence[int]]:

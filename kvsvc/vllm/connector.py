@@ -27,7 +27,7 @@ from kvsvc.groups import FULL
 from kvsvc.messages import KVGroup
 from kvsvc.vllm.config import ConnectorConfig, parse_config
 from kvsvc.vllm.flow import StepMetadata
-from kvsvc.vllm.kv_layout import GroupView, kv_groups_of
+from kvsvc.vllm.kv_layout import GroupView, check_pipeline, kv_groups_of
 from kvsvc.vllm.scheduler import SchedulerSide
 from kvsvc.vllm.worker import WorkerIdentity, WorkerSide
 
@@ -311,6 +311,7 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
             )
         views.append(view)
     groups = kv_groups_of(views)
+    check_pipeline(groups, vllm_config.parallel_config.pipeline_parallel_size)
     if groups:
         log.info("kvsvc: %d KV cache groups: %s", len(groups), [(g.kind, g.layers, g.sliding_window) for g in groups])
     return groups

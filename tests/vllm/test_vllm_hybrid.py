@@ -8,7 +8,9 @@ the negative control (P with other weights) must change them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -25,13 +27,18 @@ LENGTHS = [1, 40, 65, 200, 500]
 
 
 def window_blocks(tokens: int) -> int:
-    """Blocks a sliding-window layer moves: those of the window and one more, at most the prompt's."""
-    return min(-(-tokens // BLOCK), -(-WINDOW // BLOCK) + 1)
+    """Blocks a sliding-window layer moves: from the block of the first token D's next step reads to the last."""
+    return -(-tokens // BLOCK) - max(0, tokens - WINDOW) // BLOCK
+
+
+def bytes_sent(stats: dict[str, Any]) -> int:
+    return sum(int(worker["bytes_sent"]) for worker in stats["workers"])
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
-    """A single engine (no connector), P, P with other weights (its holds expire after 3 s), D, and D at TP 2."""
+    """A single engine (no connector), P, P with other weights (its holds expire after 3 s), D, D at TP 2 and P at
+    PP 2."""
     root = tmp_path_factory.mktemp("hybrid")
     model = str(write_tiny_llama(root / "sliding", seed=0, sliding_window=WINDOW))
     other = str(write_tiny_llama(root / "sliding-other", seed=1, sliding_window=WINDOW))
@@ -41,6 +48,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         "P_other": EngineConfig(other, "kv_producer", extra_config={"hold_timeout_s": 3}),
         "D": EngineConfig(model, "kv_consumer"),
         "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
+        "P_pp2": EngineConfig(model, "kv_producer", pipeline_parallel_size=2),
     }
     started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
     try:
@@ -55,28 +63,31 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
 
 
 def test_the_hybrid_kv_cache_manager_stays_on_with_two_groups(engines: dict[str, VllmEngine]) -> None:
-    for name in ("P", "D", "D_tp2"):
+    for name in ("P", "D", "D_tp2", "P_pp2"):
         log = engines[name].log_path.read_text()
         assert "Turning off hybrid kv cache manager" not in log, name
+        assert re.search(r"kv cache group sizes \(\d+, \d+\)", log), name  # vLLM keeps both groups
+    for name in ("P", "D"):  # one process: kvsvc's own log lines are in the engine's log
+        log = engines[name].log_path.read_text()
         assert "kvsvc: 2 KV cache groups: [('sliding_window', [0, 2], 64), ('full', [1, 3], 0)]" in log, name
 
 
-@pytest.mark.parametrize("d_name", ["D", "D_tp2"])
+@pytest.mark.parametrize(("p_name", "d_name"), [("P", "D"), ("P", "D_tp2"), ("P_pp2", "D")])
 def test_d_generates_a_single_engines_tokens_and_p_sends_only_the_window(
-    engines: dict[str, VllmEngine], d_name: str
+    engines: dict[str, VllmEngine], p_name: str, d_name: str
 ) -> None:
-    p, d = engines["P"], engines[d_name]
-    batch = prompts(10 if d_name == "D" else 30, LENGTHS, seed=1)
+    p, d = engines[p_name], engines[d_name]
+    batch = prompts({"D": 10, "D_tp2": 30}[d_name] + 50 * (p_name == "P_pp2"), LENGTHS, seed=1)
     want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
     params = p.prefill(batch)
-    sent_before = p.stats()["service"]["bytes_sent"]
+    sent_before = bytes_sent(p.stats(workers=True))
     got = d.generate(batch, max_tokens=8, params=params)
     assert [o.token_ids for o in got] == want
     stats = assert_clean(d)
     assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) == 0
     loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
     assert loads == [[0, n] for n in LENGTHS]
-    sent = assert_clean(p)["service"]["bytes_sent"] - sent_before
+    sent = bytes_sent(assert_clean(p)) - sent_before  # every stage's share
     full_layers = 2 * LAYER_BLOCK_BYTES * sum(-(-n // BLOCK) for n in LENGTHS)
     window_layers = 2 * LAYER_BLOCK_BYTES * sum(window_blocks(n) for n in LENGTHS)
     assert sent == full_layers + window_layers

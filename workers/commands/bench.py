@@ -215,8 +215,8 @@ def run_vllm(args: argparse.Namespace) -> int:
         "paired per repetition, > 1 means kvsvc is faster"
     )
     table = Table(title=title)
-    for column in ("workload", "connector", "KV transfer ms", "slowest ms", "batch ms", "D TTFT ms",
-                   "descriptors/req", "transfer ratio", "batch ratio", "TTFT ratio", "same tokens"):  # fmt: skip
+    for column in ("workload", "connector", "KV transfer ms", "slowest ms", "batch ms", "D TTFT ms", "descriptors/req",
+                   "MB/req", "transfer ratio", "batch ratio", "TTFT ratio", "same tokens"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("workload", "connector") else "right")
     for workload, entry in summary["workloads"].items():
         for name in ORDER:
@@ -231,6 +231,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                 f"{row['span_ms']:.1f}",
                 f"{row['ttft_ms_p50']:.1f}",
                 f"{row['descriptors_per_request']:.1f}",
+                f"{row['bytes_per_request'] / 1e6:.1f}",
                 f"{row.get('load_ratio', 1.0):.2f}",
                 f"{row.get('span_ratio', 1.0):.2f}",
                 f"{row.get('ttft_ratio', 1.0):.2f}",
