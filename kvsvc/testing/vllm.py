@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,6 +200,28 @@ def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
         "model_max_length": 4096,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@contextlib.contextmanager
+def started_engines(
+    configs: Mapping[str, EngineConfig], log_dir: Path, timeout_s: float = 180.0
+) -> Iterator[dict[str, VllmEngine]]:
+    """The engines of `configs`, by name, started side by side (every child launched, then each waited for) and all
+    closed on leaving, an error included.
+
+    Raises:
+        EngineError: an engine did not come up within `timeout_s` (the others are closed too).
+    """
+    started = {name: VllmEngine(config, name=name, log_dir=log_dir) for name, config in configs.items()}
+    try:
+        for engine in started.values():
+            engine.launch()
+        for engine in started.values():
+            engine.wait_ready(timeout_s)
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
 
 
 def _kill_group(pgid: int) -> None:

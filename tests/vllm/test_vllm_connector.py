@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, Output, VllmEngine, write_tiny_llama
+from kvsvc.testing.vllm import EngineConfig, Output, VllmEngine, started_engines, write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -50,16 +50,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         # core, their spinning waits starve every other process of a 2-core host: docs/vllm.md, "Limits").
         "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
     }
-    started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
-    try:
-        for engine in started.values():
-            engine.launch()
-        for engine in started.values():
-            engine.wait_ready()
+    with started_engines(configs, root) as started:
         yield started
-    finally:
-        for engine in started.values():
-            engine.close()
 
 
 def baseline(engines: dict[str, VllmEngine], batch: list[list[int]], max_tokens: int = 8) -> list[list[int]]:

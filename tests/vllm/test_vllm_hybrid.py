@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_llama
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_llama
 from tests.vllm.test_vllm_connector import assert_clean, prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -50,16 +50,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
         "P_pp2": EngineConfig(model, "kv_producer", pipeline_parallel_size=2),
     }
-    started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
-    try:
-        for engine in started.values():
-            engine.launch()
-        for engine in started.values():
-            engine.wait_ready()
+    with started_engines(configs, root) as started:
         yield started
-    finally:
-        for engine in started.values():
-            engine.close()
 
 
 def test_the_hybrid_kv_cache_manager_stays_on_with_two_groups(engines: dict[str, VllmEngine]) -> None:

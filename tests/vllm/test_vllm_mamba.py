@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_granite
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_granite
 from tests.vllm.test_vllm_connector import assert_clean, prompts
+from tests.vllm.test_vllm_hybrid import bytes_sent
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -51,16 +51,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         "P_tp2": config(model, "kv_producer", tp=2),
         "D_tp2": config(model, "kv_consumer", tp=2),
     }
-    started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
-    try:
-        for engine in started.values():
-            engine.launch()
-        for engine in started.values():
-            engine.wait_ready()
+    with started_engines(configs, root) as started:
         yield started
-    finally:
-        for engine in started.values():
-            engine.close()
 
 
 def block_size(engine: VllmEngine) -> int:
@@ -68,10 +60,6 @@ def block_size(engine: VllmEngine) -> int:
     found = re.search(r"kvsvc worker \(pp 0, tp 0\).* blocks of (\d+) tokens", engine.log_path.read_text())
     assert found, engine.log_tail()
     return int(found.group(1))
-
-
-def bytes_sent(stats: dict[str, Any]) -> int:
-    return sum(int(worker["bytes_sent"]) for worker in stats["workers"])
 
 
 def test_the_hybrid_manager_stays_on_with_a_mamba_group(engines: dict[str, VllmEngine]) -> None:

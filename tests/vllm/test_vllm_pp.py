@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, write_tiny_llama
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -81,16 +81,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         "D2": EngineConfig(model, "kv_consumer", **by_name, **pp2),
         "DT": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
     }
-    started = {name: VllmEngine(config, name=name, log_dir=root) for name, config in configs.items()}
-    try:
-        for engine in started.values():
-            engine.launch()
-        for engine in started.values():
-            engine.wait_ready(timeout_s=400)
+    with started_engines(configs, root, timeout_s=400) as started:
         yield started
-    finally:
-        for engine in started.values():
-            engine.close()
 
 
 def baseline(engines: dict[str, VllmEngine], batch: list[list[int]]) -> list[list[int]]:
