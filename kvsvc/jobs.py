@@ -19,7 +19,14 @@ from typing import Final, TypeVar
 from kvsvc.errors import LocalProtocolError
 
 
-class SendState(Enum):
+class _Enum(Enum):
+    """An enum whose members hash by identity (they are singletons, so equal means identical). `Enum`'s own hash
+    calls Python code, and every request looks its jobs' (state, event) pairs up in the tables several times."""
+
+    __hash__ = object.__hash__
+
+
+class SendState(_Enum):
     UNASKED = "unasked"  # just made: the D worker has not asked (it asks, aborts first, or its connection broke)
     REQUESTED = "requested"  # D asked; waiting for the KV to be ready
     WRITING = "writing"  # descriptors submitted to the transport
@@ -29,7 +36,7 @@ class SendState(Enum):
     ABORTED = "aborted"
 
 
-class SendEvent(Enum):
+class SendEvent(_Enum):
     REQUEST = "request"  # D's transfer request (again)
     READY = "ready"  # the KV's completion future resolved
     WRITE_OK = "write_ok"
@@ -50,7 +57,7 @@ class Notice:
     protocol_error: bool = False
 
 
-class Effect(Enum):
+class Effect(_Enum):
     SUBMIT = "submit"  # plan and hand descriptors to the transport
     REPLY_DONE = "reply_done"  # P -> D TransferDone
     REPLY_FAILED = "reply_failed"  # P -> D TransferFailed
@@ -105,7 +112,7 @@ SEND_TABLE: Final[Mapping[tuple[SendState, SendEvent], tuple[SendState, tuple[Ef
 SEND_TERMINAL: Final = frozenset({S.DONE, S.FAILED, S.ABORTED})
 
 
-class RecvState(Enum):
+class RecvState(_Enum):
     PENDING = "pending"  # waiting for the control connection to the P worker
     REQUESTED = "requested"  # request sent; waiting for done or failed
     ABORTING = "aborting"  # abort sent; waiting for P to confirm its writes stopped
@@ -114,7 +121,7 @@ class RecvState(Enum):
     ABORTED = "aborted"
 
 
-class RecvEvent(Enum):
+class RecvEvent(_Enum):
     CONNECTED = "connected"
     HANDSHAKE_FAILED = "handshake_failed"
     DONE = "done"

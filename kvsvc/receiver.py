@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeAlias
 
+from kvsvc.deadlines import Deadlines
 from kvsvc.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
 from kvsvc.messages import (
     Abort,
@@ -92,6 +93,7 @@ class Receiver:
         self._timeout = recv_timeout_s
         self._abort_grace = abort_grace_s
         self._recvs: dict[str, _Recv] = {}
+        self._deadlines = Deadlines(self._recv_deadline)
         self._by_req: dict[str, str] = {}  # req_id -> transfer_id of each receive, for the engine's aborts
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
@@ -126,17 +128,19 @@ class Receiver:
                     f"transfer {transfer_id!r} is already received for request {known.req_id!r}, not {req_id!r}"
                 )
             return False
+        deadline = now + self._timeout
         self._recvs[transfer_id] = _Recv(
             req_id,
             transfer_id,
             engine_id,
             block_ids,
             num_tokens,
-            now + self._timeout,
+            deadline,
             started=now,
             first_token=first_token,
         )
         self._by_req[req_id] = transfer_id
+        self._deadlines.set(transfer_id, deadline)
         return True
 
     def abort(self, req_id: str, now: float) -> list[SendToSource]:
@@ -146,7 +150,7 @@ class Receiver:
         if recv is None or recv.ending is not None:
             return []
         recv.ending = RecvEnding.ABORTED
-        recv.deadline = min(recv.deadline, now + self._abort_grace)
+        self._set_deadline(recv, min(recv.deadline, now + self._abort_grace))
         commands: list[SendToSource] = []
         for job in list(recv.jobs.values()):
             commands += self._apply(recv, job, RecvEvent.ABORT, "aborted by D")
@@ -218,7 +222,7 @@ class Receiver:
                 recv.lost.setdefault(src, incarnation)
             if asked and recv.ending is None:
                 recv.ending = RecvEnding.PEER_LOST
-                recv.deadline = min(recv.deadline, now + self._abort_grace)
+                self._set_deadline(recv, min(recv.deadline, now + self._abort_grace))
             for other in list(recv.jobs.values()):
                 if other is not job and not other.terminal:
                     commands += self._apply(recv, other, RecvEvent.ABORT, f"P{src} lost: {reason}")
@@ -289,8 +293,9 @@ class Receiver:
     def expire(self, now: float) -> list[SendToSource]:
         """Fail every receive whose deadline passed; end aborts whose grace passed."""
         commands: list[SendToSource] = []
-        for recv in list(self._recvs.values()):
-            if recv.deadline > now:
+        for transfer_id in self._deadlines.due(now):
+            recv = self._recvs.get(transfer_id)
+            if recv is None:  # ended by an earlier one's commands (never, today: each touches only its own)
                 continue
             if recv.ending is not None:
                 cause = next((f"P{j.src}: {j.reason}" for j in recv.jobs.values() if j.reason), "aborted")
@@ -299,7 +304,7 @@ class Receiver:
                 # First expiry: abort the sources still asked, and wait (bounded) for them to stop writing.
                 self._counts["expired"] += 1
                 recv.ending = RecvEnding.EXPIRED
-                recv.deadline = now + self._abort_grace
+                self._set_deadline(recv, now + self._abort_grace)
                 reason = f"receive of {recv.transfer_id!r} from {recv.engine_id!r} timed out after {self._timeout:g} s"
             for job in list(recv.jobs.values()):
                 commands += self._apply(recv, job, RecvEvent.EXPIRE, reason)
@@ -308,7 +313,16 @@ class Receiver:
         return commands
 
     def next_deadline(self) -> float | None:
-        return min((r.deadline for r in self._recvs.values()), default=None)
+        return self._deadlines.earliest()
+
+    def _recv_deadline(self, transfer_id: str) -> float | None:
+        recv = self._recvs.get(transfer_id)
+        return recv.deadline if recv is not None else None
+
+    def _set_deadline(self, recv: _Recv, deadline: float) -> None:
+        if deadline != recv.deadline:
+            recv.deadline = deadline
+            self._deadlines.set(recv.transfer_id, deadline)
 
     def take_report(self) -> RecvReport:
         """Receives that ended since the last call; each req_id appears exactly once over the Receiver's life."""

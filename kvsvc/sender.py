@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeAlias
 
+from kvsvc.deadlines import Deadlines
 from kvsvc.jobs import Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.messages import (
     Abort,
@@ -106,6 +107,7 @@ class Sender:
         self._early_timeout = early_request_timeout_s
         self._max_early = max_early_requests
         self._holds: dict[str, _Hold] = {}
+        self._deadlines = Deadlines(self._hold_deadline)
         self._by_req: dict[str, str] = {}  # req_id -> transfer_id of each hold, for the engine's aborts
         # Requests for transfers not held yet, in arrival order (deadline, request, expected set).
         self._early: OrderedDict[
@@ -141,7 +143,9 @@ class Sender:
                     f"transfer {transfer_id!r} is already held for request {held.req_id!r}, not {req_id!r}"
                 )
             return []
-        self._holds[transfer_id] = _Hold(req_id, transfer_id, block_ids, num_tokens, now + self._hold_timeout)
+        deadline = now + self._hold_timeout
+        self._holds[transfer_id] = _Hold(req_id, transfer_id, block_ids, num_tokens, deadline)
+        self._deadlines.set(transfer_id, deadline)
         self._by_req[req_id] = transfer_id
         commands: list[SendCommand] = []
         for key in [k for k in self._early if k[0] == transfer_id]:
@@ -339,8 +343,9 @@ class Sender:
     def expire(self, now: float) -> list[SendCommand]:
         """Apply every deadline that passed at `now`: holds nobody fully fetched, early requests never held."""
         commands: list[SendCommand] = []
-        for hold in list(self._holds.values()):
-            if hold.deadline <= now and hold.ended is None:
+        for transfer_id in self._deadlines.due(now):
+            hold = self._holds.get(transfer_id)
+            if hold is not None and hold.ended is None:  # as `_hold_deadline` said when it was due
                 hold.ended = HoldEnd.EXPIRED
                 self._expired_count += 1
                 reason = f"hold of transfer {hold.transfer_id!r} expired after {self._hold_timeout:g} s"
@@ -359,10 +364,15 @@ class Sender:
 
     def next_deadline(self) -> float | None:
         """The earliest time at which `expire` has something to do, or None."""
-        deadlines = [h.deadline for h in self._holds.values() if h.ended is None]
+        deadlines = [d for d in (self._deadlines.earliest(),) if d is not None]
         if self._early:
             deadlines.append(next(iter(self._early.values()))[0])
         return min(deadlines, default=None)
+
+    def _hold_deadline(self, transfer_id: str) -> float | None:
+        """The deadline `expire` applies to `transfer_id`'s hold: none once it is gone or ended."""
+        hold = self._holds.get(transfer_id)
+        return hold.deadline if hold is not None and hold.ended is None else None
 
     def take_finished(self) -> set[str]:
         """The req_ids whose holds ended since the last call; each appears exactly once over the Sender's life."""

@@ -2,8 +2,11 @@
 
 Rules: `receive` returns whole messages or raises `MalformedFrame` (the peer sent garbage; close) or `PeerLost`
 (EOF, reset, or closed by us). `send` never blocks: frames queue and go out together at the end of the current
-loop iteration (one socket write for every frame sent meanwhile, in order), or at `drain`/`close`; `drain`
-applies backpressure where the caller wants it. Closing flushes what was queued and is idempotent.
+loop iteration (one socket write for every frame sent meanwhile, in order), once `BATCH_FRAMES` are queued, or at
+`drain`/`close`; `drain` applies backpressure where the caller wants it. Closing flushes what was queued and is
+idempotent. Both ways keep a burst moving through the pair: a long run of sends (D starting thousands of receives
+in one engine call) reaches P while it is still running, and `receive` lets the loop turn after every
+`BATCH_FRAMES` messages it hands out from one read, so completions and answers flow while a burst is handled.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from kvsvc.errors import PeerLost
 from kvsvc.messages import MAX_FRAME_BYTES, FrameReader, Message, encode
 
 _READ_CHUNK = 256 * 1024
+# Frames sent or received in a row before the queue is written or the loop may turn: large enough that the socket
+# write or loop turn is a small part of their handling, small enough that the peer or the loop's other work (a
+# transport's completions) is not kept waiting long (about a millisecond of handling).
+BATCH_FRAMES = 64
 
 
 class ControlChannel:
@@ -27,6 +34,7 @@ class ControlChannel:
         self._frames = FrameReader(max_frame_bytes)
         self._inbox: deque[Message] = deque()
         self._outbox: list[bytes] = []  # frames sent since the last flush
+        self._handed = 0  # messages `receive` returned since it last let the loop turn
         self._closed = False
         peer, mine = writer.get_extra_info("peername"), writer.get_extra_info("sockname")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -67,6 +75,8 @@ class ControlChannel:
         self.frames_sent += 1
         if self._outbox:
             self._outbox.append(frame)
+            if len(self._outbox) >= BATCH_FRAMES:
+                self._flush()  # the flush already scheduled finds the queue empty
             return
         try:
             loop = asyncio.get_running_loop()
@@ -102,7 +112,11 @@ class ControlChannel:
             MalformedFrame: the peer sent bytes that are not a frame of this protocol.
             PeerLost: EOF, a reset, or the channel was closed.
         """
+        if self._inbox and self._handed >= BATCH_FRAMES:
+            self._handed = 0
+            await asyncio.sleep(0)
         while not self._inbox:
+            self._handed = 0
             self._frames.raise_if_broken()
             if self._closed:
                 raise PeerLost(f"control connection to {self.peer} is closed")
@@ -114,6 +128,7 @@ class ControlChannel:
                 raise PeerLost(f"control connection to {self.peer} closed by the peer")
             self._inbox.extend(self._frames.feed(data))
         self.frames_received += 1
+        self._handed += 1
         return self._inbox.popleft()
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from kvsvc.errors import TransportError
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
+    OwnLoop,
     Region,
     TransportClosed,
     TransportStatistics,
@@ -133,6 +134,7 @@ class MooncakeTransport:
             fine_bytes=self.config.fine_poll_bytes,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._own = OwnLoop()
         self._connected: set[str] = set()  # peers a submission already reached (handshake done)
         self._connect_locks: dict[str, asyncio.Lock] = {}
         self._closed = False  # writes refused from the first `close` on
@@ -261,7 +263,7 @@ class MooncakeTransport:
             queue.stuck or len(queue.entries) + len(descriptors) > self.config.max_queued_per_peer
         ):
             return None
-        if self._loop is None or asyncio.get_running_loop() is not self._loop:
+        if self._loop is None or self._own.current() is not self._loop:
             return None
         try:
             check_descriptors(descriptors, self._local, self._peers.get(peer), peer)
@@ -339,7 +341,7 @@ class MooncakeTransport:
                 await asyncio.sleep(0)  # let the poller and others run between chunks
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
-        loop = asyncio.get_running_loop()
+        loop = self._own.current()
         if self._loop is None:
             self._loop = loop
         elif self._loop is not loop:

@@ -37,6 +37,7 @@ from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
     InvalidDescriptor,
+    OwnLoop,
     Region,
     TransportClosed,
     TransportStatistics,
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 IOV_MAX: Final = 1024  # Linux's limit on iovecs per call, each side
 CLOSE_TIMEOUT_S: Final = 30.0  # a kernel copy of a whole KV pool ends well within it
 _ADDRESS_END: Final = 1 << 63  # a user-space address past this is no address (and no int64)
-GROUP_BYTES: Final = 1 << 20  # writes merged into one call up to about this much, then their completions delivered
+GROUP_BYTES: Final = 4 << 20  # writes merged into one call up to about this much, then their completions delivered
 ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
 
 
@@ -257,15 +258,19 @@ def _copy_all(
     """Copy one loop iteration's writes (pid, start time, table) in order on the copy thread, in groups of
     consecutive writes to one process of about `GROUP_BYTES`, and `deliver(first, outcomes)` each group's outcomes
     as soon as it landed: a burst of small writes pays few calls and few wake-ups, and a large write completes before
-    the next one starts, as the requests of a burst would one after another. Before each group the target's start
-    time is read again: a pid that now names another process is not written (ESRCH)."""
+    the next one starts, as the requests of a burst would one after another. Before the first group into a process
+    its start time is read again (once per call: the read costs as much as a few 64 KiB copies, and a pid is not
+    reused within one call's milliseconds): a pid that now names another process is not written (ESRCH)."""
     first = 0
+    alive: dict[tuple[int, int], bool] = {}
     while first < len(writes):
         pid, start, end, nbytes = writes[first][0], writes[first][1], first, 0
         while end < len(writes) and writes[end][0] == pid and (end == first or nbytes < GROUP_BYTES):
             nbytes += int(writes[end][2][:, 2].sum())
             end += 1
-        if _start_time(pid) != start:
+        if (pid, start) not in alive:
+            alive[(pid, start)] = _start_time(pid) == start
+        if not alive[(pid, start)]:
             gone = OSError(errno.ESRCH, f"process {pid} (started at {start}) is gone")
             deliver(first, [gone] * (end - first))
         else:
@@ -284,6 +289,7 @@ class SameHostTransport:
         self._in_flight = 0  # writes submitted and not finished
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
+        self._own = OwnLoop()
         self._queue: list[_Queued] = []  # submitted in this loop iteration, not yet handed to the copy thread
         self._closed = False
         self._closing: asyncio.Future[None] | None = None
@@ -389,7 +395,7 @@ class SameHostTransport:
             raise
         assert known is not None
         table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
-        loop = asyncio.get_running_loop()
+        loop = self._own.current()
         result: asyncio.Future[int] = loop.create_future()
         self._in_flight += 1
         self._idle.clear()
@@ -405,7 +411,7 @@ class SameHostTransport:
         batch, self._queue = self._queue, []
         if not batch:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._own.current()
 
         def landed(first: int, outcomes: list[int | OSError]) -> None:
             for queued, outcome in zip(batch[first:], outcomes, strict=False):

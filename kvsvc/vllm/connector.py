@@ -109,6 +109,24 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
                 children[engine_idx].inc(value)
 
 
+def log_through_vllm() -> None:
+    """Send kvsvc's log records where vLLM sends its own, at vLLM's level. vLLM configures only its "vllm" logger
+    (handler, format, level, no propagation), so under `vllm serve` kvsvc's records would reach only Python's
+    last-resort handler: warnings, and no route or startup lines. Does nothing when kvsvc's logger or the root logger
+    has a handler (the operator configured logging) or vLLM's has none (`VLLM_CONFIGURE_LOGGING=0`)."""
+    ours, theirs = logging.getLogger("kvsvc"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+    # vLLM's `dictConfig` disables every logger that existed before it ran: kvsvc's, when a plugin imported them first.
+    for name, logger in logging.root.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and (name == "kvsvc" or name.startswith("kvsvc.")):
+            logger.disabled = False
+
+
 class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
     """kvsvc's vLLM connector (see module docstring and docs/vllm.md). It supports vLLM's hybrid KV cache manager:
     every hook sees one block list per KV cache group, and each group moves what D needs of it.
@@ -122,6 +140,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        log_through_vllm()
         transfer = self._kv_transfer_config
         self._config: ConnectorConfig = parse_config(transfer.kv_connector_extra_config)
         engine_id = str(transfer.engine_id)

@@ -5,6 +5,10 @@ tests/vllm."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+from collections.abc import Iterator
 from importlib.metadata import entry_points
 
 import pytest
@@ -44,3 +48,56 @@ def test_each_data_parallel_rank_gets_its_own_endpoint_port(port: int, rank: int
 def test_a_data_parallel_rank_past_the_last_port_is_refused_naming_the_values() -> None:
     with pytest.raises(ValueError, match=r"65535 plus data parallel rank 1 is 65536"):
         ConnectorConfig(bootstrap_port=65535).bootstrap_port_of(1)
+
+
+@pytest.fixture
+def loggers() -> Iterator[tuple[logging.Logger, logging.Logger]]:
+    """kvsvc's and vLLM's loggers, bare, restored afterwards."""
+    ours, theirs = logging.getLogger("kvsvc"), logging.getLogger("vllm")
+    saved = [(x, list(x.handlers), x.level, x.propagate) for x in (ours, theirs)]
+    ours.handlers, theirs.handlers = [], []
+    yield ours, theirs
+    for x, handlers, level, propagate in saved:
+        x.handlers, x.propagate = handlers, propagate
+        x.setLevel(level)
+
+
+@contextlib.contextmanager
+def bare_root() -> Iterator[logging.Logger]:
+    """The root logger without handlers, as `vllm serve` leaves it (pytest adds its own for each test)."""
+    root = logging.getLogger()
+    saved, root.handlers = root.handlers, []
+    try:
+        yield root
+    finally:
+        root.handlers = saved
+
+
+def test_kvsvc_logs_through_vllms_handler_at_its_level_when_nothing_else_is_configured(
+    loggers: tuple[logging.Logger, logging.Logger],
+) -> None:
+    from kvsvc.vllm.connector import log_through_vllm
+
+    ours, theirs = loggers
+    handler = logging.StreamHandler(io.StringIO())
+    theirs.addHandler(handler)
+    theirs.setLevel(logging.INFO)
+    with bare_root():
+        log_through_vllm()
+        logging.getLogger("kvsvc.service.sending").info("writes go over the same-host plane")
+        log_through_vllm()  # a second connector in the process adds nothing
+    assert "same-host plane" in handler.stream.getvalue()
+    assert ours.handlers == [handler] and not ours.propagate
+
+
+def test_kvsvc_leaves_logging_alone_where_the_operator_configured_it(
+    loggers: tuple[logging.Logger, logging.Logger],
+) -> None:
+    from kvsvc.vllm.connector import log_through_vllm
+
+    ours, theirs = loggers
+    theirs.addHandler(logging.NullHandler())
+    with bare_root() as root:
+        root.addHandler(logging.NullHandler())  # the operator's root configuration applies to kvsvc too
+        log_through_vllm()
+    assert ours.handlers == [] and ours.propagate

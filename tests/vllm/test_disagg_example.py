@@ -23,6 +23,8 @@ def test_the_disaggregated_serving_example_answers_like_a_single_engine(tmp_path
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "OK: 8 answers through P and D equal a single engine's" in done.stdout
     assert "D received 8 transfers" in done.stdout
+    # kvsvc's INFO lines reach the server's log through vLLM's handler: P's choice of plane for its D worker.
+    assert "go over the same-host plane" in (tmp_path / "prefill0.log").read_text(errors="replace")
 
 
 def test_the_example_answers_like_a_single_engine_with_p_at_pp2_and_dp2_and_two_d_servers(tmp_path: Path) -> None:

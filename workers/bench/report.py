@@ -65,6 +65,9 @@ class ScenarioResult:
     transport: str = "mooncake"  # the plane kvsvc's writes took (its ratio_to_raw pairs it with that plane's call)
     raw_mooncake_gbps: float = 0.0
     raw_samehost_gbps: float = 0.0  # 0: D offered no same-host plane
+    # kvsvc's CPU per request by kind of thread (`runner.THREAD_ROLES`: each engine's loop, and its other threads:
+    # the same-host copy thread or Mooncake's), in microseconds: where a burst of small requests spends its time.
+    cpu_us_per_request: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio_to_memcpy(self) -> float:

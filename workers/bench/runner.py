@@ -299,6 +299,7 @@ class BenchRunner:
         spans: dict[str, list[float]] = {"kvsvc": [], "peer": [], RAW_SAMEHOST: [], **{m: [] for m in RAW_METHODS}}
         cpu: dict[str, list[float]] = {k: [] for k in spans}
         latencies: list[float] = []
+        threads: list[dict[str, float]] = []  # kvsvc's CPU seconds per kind of thread, each repetition
         verified, failures = True, 0
         for rep, runs in enumerate(run_orders(reps, seed0)):
             for run in runs:
@@ -306,6 +307,7 @@ class BenchRunner:
                     round_ = self._kvsvc_round(p, d, f"{name}-{rep}", shapes, fill=rep == 0)
                     span, used, bad = round_["span"], round_["cpu"], round_["failed"]
                     latencies.extend(round_["latencies"])
+                    threads.append(round_["threads"])
                     if rep == 0:
                         verified = self._verify(d, shapes, tokens, verify_share)
                 elif run == "peer":
@@ -354,6 +356,7 @@ class BenchRunner:
             transport=plane,
             raw_mooncake_gbps=gb / med[mooncake_method],
             raw_samehost_gbps=gb / med[RAW_SAMEHOST] if RAW_SAMEHOST in med else 0.0,
+            cpu_us_per_request={k: 1e6 * statistics.median(t[k] for t in threads) / count for k in THREAD_ROLES},
         )
 
     def _kvsvc_round(
@@ -370,8 +373,10 @@ class BenchRunner:
         ]
         p.call(0, HoldMany(p_reqs, fill=fill), timeout_s=120)
         p_cpu0 = _cpu(p.call(0, CpuTime()))
+        threads0 = _thread_cpu(p, "p") | _thread_cpu(d, "d")
         d_cpu0 = [_cpu(r) for r in d.broadcast(RecvMany(p.engine_id, p.url, d_reqs))]
         outs = d.broadcast(Collect([r[0] for r in d_reqs], timeout_s=120), timeout_s=150)
+        threads1 = _thread_cpu(p, "p") | _thread_cpu(d, "d")
         p_cpu1 = _cpu(p.call(0, CpuTime()))
         started = [min(_field(o, "started")[r[0]] for o in outs) for r in d_reqs]
         ended = [max(_field(o, "ended").get(r[0], float("nan")) for o in outs) for r in d_reqs]
@@ -382,6 +387,7 @@ class BenchRunner:
             "latencies": [e - s for s, e in zip(started, ended, strict=True)],
             "cpu": d_cpu + p_cpu1 - p_cpu0,
             "failed": failed,
+            "threads": _thread_split(threads0, threads1),
         }
 
     def _raw(self, p: Executor, d: Executor, command: RawWrite | PeerStyleWrite) -> tuple[float, float, int]:

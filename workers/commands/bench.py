@@ -25,7 +25,7 @@ from kvsvc.transports import SETTINGS
 from workers.bench.models import DEFAULT_MODEL, MODELS
 
 if TYPE_CHECKING:
-    from workers.bench.report import BenchReport, LayoutResult
+    from workers.bench.report import BenchReport, LayoutResult, ScenarioResult
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -181,6 +181,7 @@ def render_table(report: BenchReport) -> Table:
     row("  per (layer, block, K/V)", "{:.1f}", lambda s: s.naive_descriptors_per_request)
     row("  block runs x layers", "{:.1f}", lambda s: s.run_bound_per_request)
     row("CPU s/GB kvsvc", "{:.2f}", lambda s: s.kvsvc_cpu_s_per_gb)
+    row("  µs/request: P loop, threads; D", "{}", _per_request_cpu)
     row("CPU s/GB raw", "{:.2f}", lambda s: s.raw_cpu_s_per_gb)
     row("CPU s/GB peers' way", "{:.2f}", lambda s: s.peer_cpu_s_per_gb)
     row("verified / failures", "{}", lambda s: f"{s.verified} / {s.failures}")
@@ -195,6 +196,12 @@ def render_table(report: BenchReport) -> Table:
         f"{lw.request_bytes / 2**20:.0f} MiB)\ntargets (a 2-core machine): {targets}"
     )
     return table
+
+
+def _per_request_cpu(s: ScenarioResult) -> str:
+    """kvsvc's CPU per request: P's loop and other threads, D's loop and other threads (µs)."""
+    cpu = s.cpu_us_per_request
+    return " / ".join(f"{cpu.get(k, 0.0):.1f}" for k in ("p_loop", "p_threads", "d_loop", "d_threads"))
 
 
 def run_vllm(args: argparse.Namespace) -> int:
