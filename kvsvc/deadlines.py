@@ -6,16 +6,19 @@ flight a pass over every hold or receive each time cost more than handling the r
 truth. An entry here is `(deadline, key)`; it counts only while `current(key)` still returns that deadline (the
 key's entry exists, has not ended, and its deadline was not moved since), so a table changes a deadline by pushing
 the new one (`set`) and drops one by doing nothing. Stale entries are popped when they reach the top, and the heap
-is rebuilt from the table when it holds more than twice the live entries. Pure module: standard library only.
+is rebuilt from the table once it holds more than twice the entries that were live at the last rebuild, plus
+`_SLACK`. Pure module: standard library only.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
-_SLACK: Final = 1024  # stale entries tolerated beyond twice the live ones before a rebuild
+# Stale entries tolerated before a rebuild, beyond twice the live ones: a small table never pays for rebuilds, and a
+# large one pays one pass per as many pushes as it has entries.
+_SLACK: Final = 1024
 
 
 class Deadlines:
@@ -29,6 +32,7 @@ class Deadlines:
         self._live = 0  # live entries at the last rebuild
 
     def __len__(self) -> int:
+        """Entries held, stale ones included (what the heap costs in memory)."""
         return len(self._heap)
 
     def set(self, key: str, deadline: float) -> None:
@@ -48,16 +52,19 @@ class Deadlines:
             heapq.heappop(heap)
         return None
 
-    def due(self, now: float) -> list[str]:
-        """The keys whose live deadline is at or before `now`, earliest first, each once; their entries leave the
-        heap (a key whose deadline moves later is `set` again by its table)."""
-        keys: dict[str, None] = {}  # ordered, and a key pushed twice with one deadline comes once
+    def due(self, now: float) -> Iterator[str]:
+        """The keys whose live deadline is at or before `now`, earliest first, each once. An entry leaves the heap
+        once the caller has handled its key (ended it or moved its deadline, which makes the entry stale), so a
+        caller that raises leaves that key and the rest due for the next call, as a pass over the table would."""
         heap = self._heap
+        given: set[tuple[str, float]] = set()  # a key pushed twice with one deadline comes once
         while heap and heap[0][0] <= now:
-            deadline, _, key = heapq.heappop(heap)
-            if self._current(key) == deadline:
-                keys[key] = None
-        return list(keys)
+            deadline, _, key = heap[0]
+            if self._current(key) != deadline or (key, deadline) in given:
+                heapq.heappop(heap)
+                continue
+            given.add((key, deadline))
+            yield key
 
     def _rebuild(self) -> None:
         live: dict[str, float] = {}

@@ -294,9 +294,7 @@ class Receiver:
         """Fail every receive whose deadline passed; end aborts whose grace passed."""
         commands: list[SendToSource] = []
         for transfer_id in self._deadlines.due(now):
-            recv = self._recvs.get(transfer_id)
-            if recv is None:  # ended by an earlier one's commands (never, today: each touches only its own)
-                continue
+            recv = self._recvs[transfer_id]  # `due` names receives that have not ended (`_recv_deadline`)
             if recv.ending is not None:
                 cause = next((f"P{j.src}: {j.reason}" for j in recv.jobs.values() if j.reason), "aborted")
                 reason = f"{cause}; its writes were not confirmed stopped within {self._abort_grace:g} s"

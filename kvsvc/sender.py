@@ -344,14 +344,13 @@ class Sender:
         """Apply every deadline that passed at `now`: holds nobody fully fetched, early requests never held."""
         commands: list[SendCommand] = []
         for transfer_id in self._deadlines.due(now):
-            hold = self._holds.get(transfer_id)
-            if hold is not None and hold.ended is None:  # as `_hold_deadline` said when it was due
-                hold.ended = HoldEnd.EXPIRED
-                self._expired_count += 1
-                reason = f"hold of transfer {hold.transfer_id!r} expired after {self._hold_timeout:g} s"
-                for job in list(hold.jobs.values()):
-                    commands += self._apply(hold, job, SendEvent.EXPIRE, reason)
-                self._maybe_finish(hold)
+            hold = self._holds[transfer_id]  # `due` names held transfers not yet ended (`_hold_deadline`)
+            hold.ended = HoldEnd.EXPIRED
+            self._expired_count += 1
+            reason = f"hold of transfer {hold.transfer_id!r} expired after {self._hold_timeout:g} s"
+            for job in list(hold.jobs.values()):
+                commands += self._apply(hold, job, SendEvent.EXPIRE, reason)
+            self._maybe_finish(hold)
         while self._early:
             key, (deadline, dst, message, _) = next(iter(self._early.items()))
             if deadline > now:

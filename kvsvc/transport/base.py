@@ -10,6 +10,7 @@ except a `WriteFailed` whose `drained` future says when that is over.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
@@ -208,16 +209,30 @@ class AddressRanges:
         return len(self._starts)
 
 
+# Forks seen by this process: a child forked from a loop's thread keeps its memory but runs no loop.
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class OwnLoop:
     """The event loop a transport is used from, found cheaply on the hot path. asyncio's `get_running_loop` asks the
     kernel for the process id on every call (to notice a fork); with thousands of one-block writes a second that
-    syscall alone took about 6 % of a P worker's loop. A thread id costs no syscall: `current` answers from it."""
+    syscall alone took about 6 % of a P worker's loop. A thread id and a fork count cost none: `current` answers
+    from them. It relies on a loop running in one thread for its whole life, as kvsvc's do."""
 
-    __slots__ = ("_thread", "loop")
+    __slots__ = ("_forks", "_thread", "loop")
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = 0
+        self._forks = -1
 
     def current(self) -> asyncio.AbstractEventLoop:
         """The running loop of the calling thread (the bound one when it is running there, without a syscall).
@@ -226,10 +241,10 @@ class OwnLoop:
             RuntimeError: no event loop runs in this thread.
         """
         loop = self.loop
-        if loop is not None and self._thread == threading.get_ident() and loop.is_running():
+        if loop is not None and self._thread == threading.get_ident() and self._forks == _forks and loop.is_running():
             return loop
         loop = asyncio.get_running_loop()
-        self.loop, self._thread = loop, threading.get_ident()
+        self.loop, self._thread, self._forks = loop, threading.get_ident(), _forks
         return loop
 
 

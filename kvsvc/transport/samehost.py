@@ -258,19 +258,15 @@ def _copy_all(
     """Copy one loop iteration's writes (pid, start time, table) in order on the copy thread, in groups of
     consecutive writes to one process of about `GROUP_BYTES`, and `deliver(first, outcomes)` each group's outcomes
     as soon as it landed: a burst of small writes pays few calls and few wake-ups, and a large write completes before
-    the next one starts, as the requests of a burst would one after another. Before the first group into a process
-    its start time is read again (once per call: the read costs as much as a few 64 KiB copies, and a pid is not
-    reused within one call's milliseconds): a pid that now names another process is not written (ESRCH)."""
+    the next one starts, as the requests of a burst would one after another. Before each group the target's start
+    time is read again: a pid that now names another process is not written (ESRCH)."""
     first = 0
-    alive: dict[tuple[int, int], bool] = {}
     while first < len(writes):
         pid, start, end, nbytes = writes[first][0], writes[first][1], first, 0
         while end < len(writes) and writes[end][0] == pid and (end == first or nbytes < GROUP_BYTES):
             nbytes += int(writes[end][2][:, 2].sum())
             end += 1
-        if (pid, start) not in alive:
-            alive[(pid, start)] = _start_time(pid) == start
-        if not alive[(pid, start)]:
+        if _start_time(pid) != start:
             gone = OSError(errno.ESRCH, f"process {pid} (started at {start}) is gone")
             deliver(first, [gone] * (end - first))
         else:

@@ -119,12 +119,9 @@ def log_through_vllm() -> None:
         return
     for handler in theirs.handlers:
         ours.addHandler(handler)
-    ours.setLevel(theirs.getEffectiveLevel())
+    if ours.level == logging.NOTSET:  # a level the operator set stays
+        ours.setLevel(theirs.getEffectiveLevel())
     ours.propagate = False
-    # vLLM's `dictConfig` disables every logger that existed before it ran: kvsvc's, when a plugin imported them first.
-    for name, logger in logging.root.manager.loggerDict.items():
-        if isinstance(logger, logging.Logger) and (name == "kvsvc" or name.startswith("kvsvc.")):
-            logger.disabled = False
 
 
 class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):

@@ -33,7 +33,7 @@ def test_earliest_and_due_match_a_scan_of_the_table(ops: list[tuple[str, str, fl
             table.pop(key, None)
         else:
             want = sorted((d, k) for k, d in table.items() if d <= value)
-            got = heap.due(value)
+            got = list(heap.due(value))
             assert sorted(got) == sorted(k for _, k in want)
             assert [table[k] for k in got] == sorted(table[k] for k in got), "earliest first"
             for k in got:
@@ -56,3 +56,22 @@ def test_stale_entries_do_not_pile_up() -> None:
         del table[key]
     assert len(heap) < 3000
     assert heap.earliest() == 0.0
+
+
+def test_a_caller_that_raises_leaves_the_key_it_handled_and_the_rest_due() -> None:
+    """As a pass over the table would: what was not handled is found again by the next call."""
+    table = {"a": 1.0, "b": 2.0, "c": 3.0}
+    heap = Deadlines(table.get)
+    for key, deadline in table.items():
+        heap.set(key, deadline)
+    handled = []
+    try:
+        for key in heap.due(5.0):
+            if key == "b":
+                raise RuntimeError("a bug while expiring b")
+            handled.append(key)
+            del table[key]
+    except RuntimeError:
+        pass
+    assert handled == ["a"]
+    assert list(heap.due(5.0)) == ["b", "c"]

@@ -55,7 +55,9 @@ def loggers() -> Iterator[tuple[logging.Logger, logging.Logger]]:
     """kvsvc's and vLLM's loggers, bare, restored afterwards."""
     ours, theirs = logging.getLogger("kvsvc"), logging.getLogger("vllm")
     saved = [(x, list(x.handlers), x.level, x.propagate) for x in (ours, theirs)]
-    ours.handlers, theirs.handlers = [], []
+    for x in (ours, theirs):
+        x.handlers = []
+        x.setLevel(logging.NOTSET)
     yield ours, theirs
     for x, handlers, level, propagate in saved:
         x.handlers, x.propagate = handlers, propagate
@@ -87,7 +89,7 @@ def test_kvsvc_logs_through_vllms_handler_at_its_level_when_nothing_else_is_conf
         logging.getLogger("kvsvc.service.sending").info("writes go over the same-host plane")
         log_through_vllm()  # a second connector in the process adds nothing
     assert "same-host plane" in handler.stream.getvalue()
-    assert ours.handlers == [handler] and not ours.propagate
+    assert ours.handlers == [handler] and not ours.propagate and ours.level == logging.INFO
 
 
 def test_kvsvc_leaves_logging_alone_where_the_operator_configured_it(

@@ -181,7 +181,7 @@ def render_table(report: BenchReport) -> Table:
     row("  per (layer, block, K/V)", "{:.1f}", lambda s: s.naive_descriptors_per_request)
     row("  block runs x layers", "{:.1f}", lambda s: s.run_bound_per_request)
     row("CPU s/GB kvsvc", "{:.2f}", lambda s: s.kvsvc_cpu_s_per_gb)
-    row("  µs/request: P loop, threads; D", "{}", _per_request_cpu)
+    row("  µs/request: P loop / thr, D loop / thr", "{}", _per_request_cpu)
     row("CPU s/GB raw", "{:.2f}", lambda s: s.raw_cpu_s_per_gb)
     row("CPU s/GB peers' way", "{:.2f}", lambda s: s.peer_cpu_s_per_gb)
     row("verified / failures", "{}", lambda s: f"{s.verified} / {s.failures}")
