@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,17 +144,35 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path
         time.sleep(0.5)
 
 
-def wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    """Until something accepts connections on `port` of loopback; exits when `proc` dies or the time is up."""
+def listening(port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> bool:
+    """Whether something accepts connections on `port` of loopback before `proc` exits; exits when the time is up."""
     deadline = time.monotonic() + timeout_s
     while True:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
+            return True
         if proc.poll() is not None:
-            sys.exit(f"{log.name} exited with {proc.returncode}:\n" + log.read_text(errors="replace")[-3000:])
+            return False
         if time.monotonic() > deadline:
-            sys.exit(f"nothing listens on port {port} within {timeout_s:g} s")
+            sys.exit(f"nothing listens on port {port} within {timeout_s:g} s; see {log}")
         time.sleep(0.2)
+
+
+def start_on_free_port(
+    start: Callable[[int], subprocess.Popen[bytes]], log: Path, timeout_s: float
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a server on a free port and wait until it listens there. A port is free when picked, not when the
+    server binds it seconds later: the engines starting meanwhile take ports of their own, so a server that exits
+    with "Address already in use" starts again on another port (three tries)."""
+    for attempt in range(3):
+        port = free_port()
+        proc = start(port)
+        if listening(port, proc, log, timeout_s):
+            return proc, port
+        text = log.read_text(errors="replace")
+        if "Address already in use" not in text or attempt == 2:
+            sys.exit(f"{log.name} exited with {proc.returncode}:\n" + text[-3000:])
+        print(f"{log.name}: port {port} was taken before the server bound it; starting it on another")
+    raise AssertionError("unreachable")
 
 
 def metric(url: str, name: str) -> float:
@@ -212,35 +232,47 @@ def main() -> None:
     ]
     prompts = [[10 + i] + [rng.randrange(3, 1024) for _ in range(n - 1)] for i, n in enumerate(lengths)]
 
-    servers = [("prefill", i, sizes, free_port()) for i, sizes in enumerate(prefills)]
-    servers += [("decode", i, sizes, free_port()) for i, sizes in enumerate(decodes)]
-    proxy_port = free_port()
-    logs = [work / f"{role}{i}.log" for role, i, _, _ in servers] + [work / "proxy.log"]
+    servers = [("prefill", i, sizes) for i, sizes in enumerate(prefills)]
+    servers += [("decode", i, sizes) for i, sizes in enumerate(decodes)]
+    logs = [work / f"{role}{i}.log" for role, i, _ in servers] + [work / "proxy.log"]
+    # One at a time until each listens (vLLM binds its HTTP port before it builds the engine, which then loads beside
+    # the next server's start), each on a port picked just before; the proxy last, once the engines know theirs.
+    procs: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    try:
+        for (role, _, sizes), log in zip(servers, logs, strict=False):
+            weights, kv_role = (p_model, "kv_producer") if role == "prefill" else (model, "kv_consumer")
+            start = functools.partial(
+                start_engine, weights, role=kv_role, log=log, chat_template=template, sizes=sizes, kind=args.model
+            )
+            proc, port = start_on_free_port(start, log, timeout_s=300)
+            procs.append(proc)
+            ports.append(port)
+    except BaseException:  # a server that did not start: stop the ones that did
+        for proc in procs:
+            proc.kill()
+        raise
     urls = {
-        role: [f"http://127.0.0.1:{port}" for r, _, _, port in servers if r == role] for role in ("prefill", "decode")
+        role: [f"http://127.0.0.1:{port}" for (r, _, _), port in zip(servers, ports, strict=True) if r == role]
+        for role in ("prefill", "decode")
     }
     proxy_args = [arg for url in urls["prefill"] for arg in ("--prefill", url)]
     proxy_args += [arg for url in urls["decode"] for arg in ("--decode", url)]
-    # The proxy binds first: the engines about to start take free ports of their own, one of which could be its.
-    proxy = subprocess.Popen(
-        [sys.executable, str(HERE / "proxy.py"), *proxy_args, "--port", str(proxy_port)],
-        stdout=logs[-1].open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    wait_listening(proxy_port, proxy, logs[-1], timeout_s=60)
-    procs = [
-        start_engine(
-            p_model if role == "prefill" else model,
-            port,
-            "kv_producer" if role == "prefill" else "kv_consumer",
-            log,
-            template,
-            sizes,
-            args.model,
+
+    def start_proxy(port: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, str(HERE / "proxy.py"), *proxy_args, "--port", str(port)],
+            stdout=logs[-1].open("wb"),
+            stderr=subprocess.STDOUT,
         )
-        for (role, _, sizes, port), log in zip(servers, logs, strict=False)
-    ]
-    procs.append(proxy)
+
+    try:
+        proxy_proc, proxy_port = start_on_free_port(start_proxy, logs[-1], timeout_s=60)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    procs.append(proxy_proc)
     single = VllmEngine(
         EngineConfig(str(model), enable_prefix_caching=args.model != "granite"), name="single", log_dir=work
     )
