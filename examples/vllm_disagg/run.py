@@ -248,27 +248,19 @@ def main() -> None:
             proc, port = start_on_free_port(start, log, timeout_s=300)
             procs.append(proc)
             ports.append(port)
-    except BaseException:  # a server that did not start: stop the ones that did
-        for proc in procs:
-            proc.kill()
-        raise
-    urls = {
-        role: [f"http://127.0.0.1:{port}" for (r, _, _), port in zip(servers, ports, strict=True) if r == role]
-        for role in ("prefill", "decode")
-    }
-    proxy_args = [arg for url in urls["prefill"] for arg in ("--prefill", url)]
-    proxy_args += [arg for url in urls["decode"] for arg in ("--decode", url)]
+        urls = {
+            role: [f"http://127.0.0.1:{port}" for (r, _, _), port in zip(servers, ports, strict=True) if r == role]
+            for role in ("prefill", "decode")
+        }
+        proxy_args = [arg for url in urls["prefill"] for arg in ("--prefill", url)]
+        proxy_args += [arg for url in urls["decode"] for arg in ("--decode", url)]
 
-    def start_proxy(port: int) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, str(HERE / "proxy.py"), *proxy_args, "--port", str(port)],
-            stdout=logs[-1].open("wb"),
-            stderr=subprocess.STDOUT,
-        )
+        def start_proxy(port: int) -> subprocess.Popen[bytes]:
+            command = [sys.executable, str(HERE / "proxy.py"), *proxy_args, "--port", str(port)]
+            return subprocess.Popen(command, stdout=logs[-1].open("wb"), stderr=subprocess.STDOUT)
 
-    try:
         proxy_proc, proxy_port = start_on_free_port(start_proxy, logs[-1], timeout_s=60)
-    except BaseException:
+    except BaseException:  # a server that did not start: stop the ones that did
         for proc in procs:
             proc.kill()
         raise
