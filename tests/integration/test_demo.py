@@ -68,3 +68,32 @@ def test_compare_runs_the_same_bytes_with_d_laid_out_as_p_and_reports_the_ratio(
     assert base["kv_bytes"] == result["kv_bytes"]
     assert isinstance(result["ratio_to_homogeneous"], float) and result["ratio_to_homogeneous"] > 0
     assert result["transfer_seconds"] <= result["seconds"]  # type: ignore[operator]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU and Mooncake's CUDA build")
+@pytest.mark.parametrize("staging_mib", ["64", "0"], ids=["staged", "direct"])
+def test_kv_in_gpu_memory_moves_over_mooncake_and_verifies(
+    capsys: pytest.CaptureFixture[str], staging_mib: str
+) -> None:
+    """Every worker's KV on the GPU: P's gather into a GPU staging region on a side stream (staged) or Mooncake
+    reading the KV tensors themselves (direct); the same-host plane copies CPU memory only, so the rule picks
+    Mooncake."""
+    result = _run(capsys, "--device", "cuda", "--staging-mib", staging_mib)
+    _assert_all_verified(result)
+    assert result["planes"] == ["mooncake"]
+
+
+@pytest.mark.skipif(_has_cuda(), reason="this host has a GPU")
+def test_device_cuda_without_a_gpu_is_refused_by_name_before_any_engine_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    result = _run(capsys, "--device", "cuda")
+    assert result["ok"] is False
+    assert "device cuda" in str(result["error"]) and "sees no CUDA GPU" in str(result["error"])

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvsvc.layout import LAYOUTS  # pure core: no torch, keeps `kvsvc --help` fast
 from kvsvc.transports import SETTINGS
-from workers.demo.runner import HOSTS, DemoOptions
+from workers.demo.runner import DEVICES, HOSTS, DemoOptions
 
 if TYPE_CHECKING:
     from workers.demo.runner import DemoResult
@@ -89,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a host and user; else Mooncake), mooncake, or samehost",
     )
     add(
+        "--device",
+        default=defaults.device,
+        choices=DEVICES,
+        help="where both engines keep their KV: cpu (default) or cuda (every worker on this host's first GPU; "
+        "Mooncake's CUDA build moves it)",
+    )
+    add(
         "--concurrency",
         type=_positive,
         default=defaults.concurrency,
@@ -130,6 +137,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         hosts=args.hosts,
         staging_mib=args.staging_mib,
         transport=args.transport,
+        device=args.device,
     )
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from workers.executor import EngineConfig, Executor
 
 HOSTS: Final = ("local", "netns")
+DEVICES: Final = ("cpu", "cuda")
 DEFAULT_REQUESTS: Final = 64
 DEFAULT_TOKENS: Final = 512
 _IDLE_SLEEP_S: Final = 0.0005  # between polls when nothing finished: short, so latency is not the poll period
@@ -52,16 +53,20 @@ class DemoOptions:
     hosts: str = "local"  # "local": both engines on this host's loopback; "netns": each on its own network host
     staging_mib: int = 64  # each worker's staging region for staged writes and windows (0: every write direct)
     transport: str = "auto"  # ServiceConfig.transport: the same-host plane on one host, else Mooncake
+    device: str = "cpu"  # where both engines keep their KV: "cpu", or "cuda" (each worker on the host's first GPU)
 
     def __post_init__(self) -> None:
         if self.hosts not in HOSTS:
             raise ValueError(f"hosts must be one of {HOSTS}, got {self.hosts!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
 
     def describe(self) -> str:
         return (
             f"P pp{self.prefill_pp}×tp{self.prefill_tp} (block {self.prefill_block_size}) → "
             f"D pp{self.decode_pp}×tp{self.decode_tp} (block {self.decode_block_size}); "
             f"{self.layers} layers, {self.kv_heads} KV heads × {self.head_size}, {self.dtype}, {self.layout}"
+            + ("" if self.device == "cpu" else f", KV on {self.device}")
         )
 
     def homogeneous(self) -> DemoOptions:
@@ -176,6 +181,7 @@ def _engine_configs(options: DemoOptions) -> tuple[EngineConfig, EngineConfig]:
             layout=options.layout,
             service=ServiceConfig(recv_timeout_s=min(60.0, options.timeout_s), transport=options.transport),
             staging_bytes=options.staging_mib << 20,
+            device=options.device,
         )
 
     return (
@@ -199,9 +205,15 @@ def run_demo(
         WorkerError: an engine failed to start or a worker failed a command (every process is reaped first).
         ValueError / TopologyError: the layouts cannot work together.
         HostsError: `options.hosts` is "netns" and the namespaces cannot be made here (the reason).
+        RuntimeError: `options.device` is "cuda" and torch here sees no CUDA GPU.
     """
     from workers.executor import Executor
 
+    if options.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device cuda: torch {torch.__version__} here sees no CUDA GPU")
     p_config, d_config = _engine_configs(options)
     Executor(p_config), Executor(d_config)  # validates the geometry before anything starts
     result = DemoResult(requests=options.requests)
