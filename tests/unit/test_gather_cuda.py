@@ -3,30 +3,19 @@ only once their bytes landed, so what is read after it, on another stream or the
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsvc.gather import TorchGather
-from tests.unit.test_gather import _pieces
+from tests.unit.test_gather import _pieces, _run
 
 torch = pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def _run(gather: TorchGather, src: list[int], dst: list[int], length: list[int], *, scatter: bool = False) -> None:
-    arrays = (np.array(x, dtype=np.int64) for x in (src, dst, length))
-
-    async def go() -> None:
-        await asyncio.wait_for((gather.scatter if scatter else gather)(*arrays), 60)
-
-    asyncio.run(go())
 
 
 @settings(max_examples=60, deadline=None)
