@@ -113,6 +113,39 @@ def blocks_to_move(group: KVGroup, num_blocks: int, block_size: int, num_tokens:
     return range(needed)
 
 
+def first_read_token(group: KVGroup, num_tokens: int) -> int:
+    """The first of a request's `num_tokens` tokens that D's next step reads in `group`: 0 but for a sliding window,
+    where the query of token `num_tokens` attends to itself and the `sliding_window - 1` tokens before it (vLLM's
+    `get_num_skipped_tokens` for a sliding window: what lies before is dropped, and its blocks become the null
+    block)."""
+    if group.kind != SLIDING_WINDOW:
+        return 0
+    return max(0, num_tokens - group.sliding_window + 1)
+
+
+def leading_null_blocks(group: KVGroup, ids: Sequence[int], null_block: int, side: str = "") -> int:
+    """How many of a sliding-window group's block list `ids` are the engine's null block (`null_block`, -1 for an
+    engine without one): those in front, where the window has passed. The null block holds no token of the request,
+    so nothing is written into it nor read from it, and it may stand many times in one list. 0 for other kinds.
+
+    Raises:
+        ValueError: the null block stands after a block of the request (an engine drops a window's blocks from the
+            front only), naming `side`, the group's kind and the position.
+    """
+    if group.kind != SLIDING_WINDOW or null_block < 0:
+        return 0
+    lead = 0
+    while lead < len(ids) and ids[lead] == null_block:
+        lead += 1
+    if null_block in ids[lead:]:
+        at = lead + list(ids[lead:]).index(null_block)
+        raise ValueError(
+            f"{side}the null block {null_block} stands at position {at} of a sliding-window block list, after "
+            f"block {ids[lead]} of the request (an engine drops only the blocks in front of its window)"
+        )
+    return lead
+
+
 def window_first_token(group: KVGroup, num_tokens: int, src_block_size: int, dst_block_size: int) -> int:
     """The first token of a request's `num_tokens` that P writes into D for `group`: 0 for full attention; for a
     sliding window, the first token D's next step reads (`num_tokens - sliding_window`: a query attends to itself
@@ -261,6 +294,8 @@ __all__ = [
     "blocks_to_move",
     "check_groups",
     "check_same_groups",
+    "first_read_token",
+    "leading_null_blocks",
     "plan_state",
     "split_groups",
     "state_bytes",

@@ -33,6 +33,7 @@ from kvsvc.messages import (
     check_version,
 )
 from kvsvc.planner import check_compatible, expected_destinations
+from kvsvc.transports import check_transport_addr
 
 # More ranks than any deployment has; a hello claiming more is refused before P builds D's layout from it.
 MAX_PARALLEL: Final = 1024
@@ -138,6 +139,7 @@ def _d_engine(me: WorkerMetadata, hello: Hello) -> dict[Worker, WorkerMetadata]:
             f"stage split {stages} (pp_size {d.pp_size})"
         )
     check_compatible(me, d)
+    check_transport_addr(d)
     return {
         (pp, tp): _layout_only(d, pp, tp, start, end)
         for pp, (start, end) in enumerate(stages)

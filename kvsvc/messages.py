@@ -101,6 +101,9 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # A hybrid model's KV cache groups (`kvsvc.groups`); empty: one group of full attention over every layer. Both
     # sides of a pair must group the model alike (checked at the hello).
     kv_groups: list[KVGroup] = []
+    # The block id a sliding-window group's list holds where the window has passed (vLLM's null block, 0), which no
+    # write touches; -1 for an engine that has none.
+    null_block: int = -1
 
     @property
     def num_layers(self) -> int:

@@ -13,18 +13,21 @@ layout (`kvsvc.layout.FUSED`) pairs only with itself at one block size, and its 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Final, NamedTuple
 
 import numpy as np
 
-from kvsvc.coalesce import Int64Array, plan_runs
+from kvsvc.coalesce import Int64Array, merge_runs, plan_runs
 from kvsvc.errors import TopologyError
 from kvsvc.groups import (
     SlotRun,
     blocks_to_move,
     check_groups,
     check_same_groups,
+    first_read_token,
+    leading_null_blocks,
     plan_state,
     split_groups,
     state_bytes,
@@ -219,7 +222,9 @@ def check_block_ids(
     `first_token` (the prefix D holds already) lies in `[0, num_tokens]`. The engine's calls, a D worker's request
     and the planner all check this one way. A hybrid model's ids list each KV cache group's blocks in turn
     (`kvsvc.groups.split_groups`); each group's list must hold the tokens, and D's distinct ids are those written:
-    a sliding-window group's list starts with vLLM's null block wherever the window has passed.
+    a sliding-window group's list starts with the engine's null block (`WorkerMetadata.null_block`) wherever the
+    window has passed, as often as it has passed a block, and the null block is no block of the request: never
+    written, never a repeat, and never standing for a token that D's window reads.
 
     Raises:
         ValueError: naming `side` ("P" or "D") and the offending ids or counts.
@@ -233,17 +238,29 @@ def check_block_ids(
     lists = split_groups(block_ids, len(groups), f"{side}: ") if groups else [block_ids]
     written: list[int] = []
     for i, ids in enumerate(lists):
+        where = f" of KV cache group {i}" if groups else ""
         if num_tokens > len(ids) * meta.block_size:
-            where = f" of KV cache group {i}" if groups else ""
             raise ValueError(
                 f"{side}: {len(ids)} block ids{where} hold fewer than {num_tokens} tokens of block_size "
                 f"{meta.block_size} ({num_tokens} tokens do not fit them)"
             )
+        if not groups:
+            if side == "D":
+                written += ids
+            continue
+        nulls = leading_null_blocks(groups[i], ids, meta.null_block, f"{side}: ")
+        if nulls * meta.block_size > first_read_token(groups[i], num_tokens):
+            raise ValueError(
+                f"{side}: the null block stands for tokens [0, {nulls * meta.block_size}){where}, but the window "
+                f"of {groups[i].sliding_window} tokens after {num_tokens} reads from token "
+                f"{first_read_token(groups[i], num_tokens)}"
+            )
         if side == "D":
-            moved = blocks_to_move(groups[i], len(ids), meta.block_size, num_tokens) if groups else range(len(ids))
-            written += [ids[b] for b in moved if not groups or b >= first_token // meta.block_size]
-    if len(set(written)) != len(written):
-        repeated = sorted({b for b in written if written.count(b) > 1})[:8]
+            moved = blocks_to_move(groups[i], len(ids), meta.block_size, num_tokens)
+            first = max(nulls, first_token // meta.block_size)
+            written += [ids[b] for b in moved if b >= first]
+    if len(set(written)) != len(written):  # counted in one pass: a request's list comes from the peer, of any length
+        repeated = sorted(b for b, n in Counter(written).items() if n > 1)[:8]
         raise ValueError(
             f"D block ids {repeated} appear more than once (repeated block id): two token ranges would share a block"
         )
@@ -383,12 +400,23 @@ def plan_transfer_arrays(
         if group.mamba is not None:
             parts.append(_plan_state_slots(src, dst, group, mine, src_ids, dst_ids, tokens))
             continue
-        start = max(first_token, window_first_token(group, tokens, src.block_size, dst.block_size))
+        # Nothing moves from or into a null block: where either side's window has passed, the other side's blocks
+        # hold tokens D never reads (check_block_ids made sure of that).
+        start = max(
+            first_token,
+            window_first_token(group, tokens, src.block_size, dst.block_size),
+            leading_null_blocks(group, src_ids, src.null_block) * src.block_size,
+            leading_null_blocks(group, dst_ids, dst.null_block) * dst.block_size,
+        )
         if heads and start < tokens:
             parts.append(_plan_layers(src, dst, heads, mine, src_ids, dst_ids, tokens, whole_blocks, start))
     if not parts:
         return _EMPTY, _EMPTY, _EMPTY
     src_addrs, dst_addrs, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
+    if is_cross_layer(src) and is_cross_layer(dst):
+        # One region a side: a group's run may end where another group's begins on both sides (neighbouring
+        # layers of one block), and plans are maximal runs.
+        return merge_runs(src_addrs, dst_addrs, lengths)
     order = np.argsort(src_addrs, kind="stable")
     return src_addrs[order], dst_addrs[order], lengths[order]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Final
 
+from kvsvc.errors import PeerMismatch
 from kvsvc.messages import WorkerMetadata
 from kvsvc.staging import StagingRule
 
@@ -26,6 +27,9 @@ SAMEHOST_GATHER_COST_S_PER_BYTE: Final = 0.1e-9
 """What gathering a byte costs before a same-host write: the copy alone (about 10 GB/s in place). The write after it
 runs at memory speed too, so the gather delays the first byte little, unlike before a Mooncake write."""
 SETTINGS: Final = ("auto", "mooncake", "samehost")
+SAMEHOST_CHECK_S: Final = 2.0
+"""The most P waits for the check of a same-host peer's process (a few /proc reads and one kernel probe, about a
+millisecond on an idle host) before the pair takes Mooncake instead."""
 """`ServiceConfig.transport`: choose by the rule, always Mooncake, or the same-host plane wherever it qualifies."""
 
 
@@ -61,6 +65,26 @@ class SameHostAddress:
 
 def is_same_host(session: str) -> bool:
     return session.startswith(SCHEME + ":")
+
+
+def samehost_check_budget(hello_timeout_s: float) -> float:
+    """How long P waits for the check of a same-host peer: `SAMEHOST_CHECK_S`, and never more than a quarter of the
+    hello's budget, so that a slow check still leaves the hello time to succeed on Mooncake."""
+    return min(SAMEHOST_CHECK_S, hello_timeout_s / 4)
+
+
+def check_transport_addr(meta: WorkerMetadata) -> None:
+    """A worker's Mooncake address must not name the same-host plane: that plane is reached only through
+    `samehost_addr`, whose process P checks against the connection it came on.
+
+    Raises:
+        PeerMismatch: `transport_addr` is a same-host session string (naming it).
+    """
+    if is_same_host(meta.transport_addr):
+        raise PeerMismatch(
+            f"worker {meta.worker} of {meta.engine_id!r} gives transport_addr {meta.transport_addr!r}, a same-host "
+            "session: the same-host plane is offered only as samehost_addr"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +135,16 @@ def rule_on(kind: str, rule: StagingRule) -> StagingRule:
 
 
 __all__ = [
+    "SAMEHOST_CHECK_S",
     "SAMEHOST_DESCRIPTOR_COST_S",
     "SAMEHOST_GATHER_COST_S_PER_BYTE",
     "SCHEME",
     "SETTINGS",
     "Route",
     "SameHostAddress",
+    "check_transport_addr",
     "choose_transport",
     "is_same_host",
     "rule_on",
+    "samehost_check_budget",
 ]

@@ -312,7 +312,7 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
     try:
         pool = KVPool(options.shape, options.incarnation, options.device)
         mooncake = MooncakeTransport(options.transport)
-        transport = with_same_host(mooncake, str(options.device))
+        transport = with_same_host(mooncake, str(options.device), options.service.transport)
         transport.register(pool.regions())
         staging = _staging_area(options, pool, transport)
         service = KVTransferService(pool.meta, transport, options.service, staging=staging)

@@ -37,7 +37,7 @@ from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.writing import BlockWriter, WriteTarget
-from kvsvc.transports import Route, choose_transport, is_same_host
+from kvsvc.transports import Route, choose_transport, samehost_check_budget
 
 log = logging.getLogger(__name__)
 # More ranks than any deployment has; a hello claiming more is refused before P builds the D layout from it.
@@ -172,7 +172,7 @@ class SendingRole:
                 "incarnation": inbound.ref.incarnation,
                 "state": "connected",
                 "expected_destinations": sorted(inbound.expected),
-                "transport": "samehost" if is_same_host(inbound.target.session) else "mooncake",
+                "transport": inbound.target.plane,
             }
             for inbound in self._inbound.values()
         ]
@@ -273,11 +273,12 @@ class SendingRole:
         setting = self._ctx.config.transport
         route = choose_transport(self._ctx.metadata, d, setting)
         if route.kind == "samehost":
-            timeout_s = self._ctx.config.handshake_timeout_s
+            # Well inside the hello's own budget: D waits that long for the answer, and Mooncake must still make it.
+            budget_s = samehost_check_budget(self._ctx.config.handshake_timeout_s)
             try:
-                refused = await asyncio.wait_for(self._ctx.transport.reachable(route.session, regions, via), timeout_s)
+                refused = await asyncio.wait_for(self._ctx.transport.reachable(route.session, regions, via), budget_s)
             except TimeoutError:
-                refused = f"no answer from the kernel's check within {timeout_s:g} s"
+                refused = f"no answer from the check of the process within {budget_s:g} s"
             if refused:
                 log.warning("writes to %s go over Mooncake: the same-host plane is refused: %s", ref, refused)
                 route = Route("mooncake", d.transport_addr, f"the same-host plane is refused: {refused}")

@@ -132,7 +132,8 @@ class KVTransferService:
         self._ctx.metadata = replace(
             self._ctx.metadata,
             transport_addr=self._ctx.transport.session_id,
-            samehost_addr=self._ctx.transport.local_session_id,
+            # Forced to Mooncake, a worker offers no same-host plane to anyone.
+            samehost_addr="" if self.config.transport == "mooncake" else self._ctx.transport.local_session_id,
             control_addr=f"{self.config.control_host}:{port}",
             # P writes windows only into the region D published (D lends them only where it can scatter).
             staging_addr=staging.addr if staging is not None else 0,

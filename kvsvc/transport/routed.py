@@ -1,10 +1,12 @@
 """`RoutedTransport`: one worker's data planes behind the one `Transport` the service writes through: Mooncake (or any
 transport, for every peer) and the same-host transport (`kvsvc.transport.samehost`, for peers on this host whose
-pair chose it at the hello). A peer's session string names the plane that carries its writes.
+pair chose it at the hello).
 
-Rules: nothing is decided here (`kvsvc.transports` decides per pair, the service asks `reachable` once); every call
-goes to the plane that owns the session, registrations to both; statistics are the sum of the planes'. Imports
-`kvsvc.transport.base` and the same-host transport only.
+Rules: nothing is decided here (`kvsvc.transports` decides per pair, the service asks `reachable` once); a session
+goes to the same-host plane only when that plane admitted it (its process passed the check against its control
+connection), never because of what its string says, so a peer cannot name its way onto the plane; every other call
+goes to `primary`; registrations go to both; statistics are the sum of the planes'. Imports `kvsvc.transport.base`
+and the same-host transport only.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class RoutedTransport:
         return self.local.session_id
 
     def _plane(self, session: str) -> Transport:
-        return self.local if is_same_host(session) else self.primary
+        return self.local if self.local.admits(session) else self.primary
 
     def register(self, regions: Sequence[Region]) -> None:
         self.primary.register(regions)
@@ -49,7 +51,8 @@ class RoutedTransport:
     async def reachable(
         self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
     ) -> str:
-        """ "" when writes to `session` can go (a same-host session: the kernel said so), else why not."""
+        """ "" when writes to `session` can go (a same-host session: the check and the kernel said so, and the
+        same-host plane admitted it), else why not."""
         if is_same_host(session):
             return await self.local.reachable(session, regions, via)
         return ""
@@ -61,8 +64,11 @@ class RoutedTransport:
         return self._plane(peer).start_write(peer, descriptors)
 
     async def drained(self, peer: str | None = None) -> None:
-        if peer is not None:
-            await self._plane(peer).drained(peer)
+        if peer is not None and self.local.admits(peer):
+            await self.local.drained(peer)
+            return
+        if peer is not None:  # a removed same-host peer is known to neither plane: both are asked
+            await asyncio.gather(self.primary.drained(peer), self.local.drained(peer))
             return
         await asyncio.gather(self.primary.drained(), self.local.drained())
 
@@ -82,10 +88,12 @@ class RoutedTransport:
         await self.primary.close()
 
 
-def with_same_host(primary: Transport, device: str) -> Transport:
+def with_same_host(primary: Transport, device: str, setting: str = "auto") -> Transport:
     """`primary` with the same-host plane beside it when the KV lives in CPU memory (`device` "cpu"), which is what
-    the plane can copy; `primary` alone for a GPU's memory (there the same question is CUDA IPC, not built)."""
-    return RoutedTransport(primary, SameHostTransport()) if device == "cpu" else primary
+    the plane can copy, and the worker's transport setting (`ServiceConfig.transport`) is not "mooncake"; `primary`
+    alone otherwise (for a GPU's memory the same question is CUDA IPC, not built), so a worker forced to Mooncake
+    has no same-host plane at all."""
+    return RoutedTransport(primary, SameHostTransport()) if device == "cpu" and setting != "mooncake" else primary
 
 
 __all__ = ["RoutedTransport", "with_same_host"]

@@ -8,10 +8,12 @@ blocks, never on the loop; when a write fails the call has returned, so nothing 
 a peer whose process died, or whose pid now names another process, fails the next write (ESRCH) and `peer_gone`
 tells so by its process table entry. What a peer claims (pid, start time, user) is checked against the kernel before
 it is used, and the process must hold the far end of the control connection its hello came on (`check_peer`): a
-hello cannot aim writes at a process that did not send it. The kernel lets a process write another's memory only as
-`ptrace` would let it attach (same user, a PID namespace that sees it, a ptrace policy that allows it): `reachable`
-asks it once with a one-byte read. Imports the standard library, numpy and `kvsvc.transport` modules without
-mooncake (no torch).
+hello cannot aim writes at a process that did not send it. Only a session that passed that check (`reachable`) is
+admitted, and `add_peer` refuses any other; before each group of copies the target's start time and real uid are
+read again. The kernel lets a process write another's memory only as `ptrace` would let it attach (same user, a PID
+namespace that sees it, a ptrace policy that allows it): `reachable` asks it once with a one-byte read. The checks
+run on threads of their own, never on the copy thread, so a slow /proc read delays no write and a copy delays no
+hello. Imports the standard library, numpy and `kvsvc.transport` modules without mooncake (no torch).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ IOV_MAX: Final = 1024  # Linux's limit on iovecs per call, each side
 CLOSE_TIMEOUT_S: Final = 30.0  # a kernel copy of a whole KV pool ends well within it
 _ADDRESS_END: Final = 1 << 63  # a user-space address past this is no address (and no int64)
 GROUP_BYTES: Final = 4 << 20  # writes merged into one call up to about this much, then their completions delivered
+CHECK_THREADS: Final = 2  # /proc reads of peer checks; a check stuck in the kernel leaves the other for the next
 ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
 
 
@@ -225,6 +228,7 @@ class _Queued:
     peer: str
     pid: int
     start: int  # the target's start time: a pid reused by another process is not written
+    uid: int  # the target's real uid when it was admitted: a process that changed user is not written
     table: npt.NDArray[np.int64]
     total: int
     result: asyncio.Future[int]
@@ -253,24 +257,30 @@ def _copy_group(pid: int, tables: Sequence[npt.NDArray[np.int64]]) -> list[int |
 
 
 def _copy_all(
-    writes: Sequence[tuple[int, int, npt.NDArray[np.int64]]], deliver: Callable[[int, list[int | OSError]], None]
+    writes: Sequence[tuple[int, int, int, npt.NDArray[np.int64]]],
+    deliver: Callable[[int, list[int | OSError]], None],
 ) -> None:
-    """Copy one loop iteration's writes (pid, start time, table) in order on the copy thread, in groups of
+    """Copy one loop iteration's writes (pid, start time, real uid, table) in order on the copy thread, in groups of
     consecutive writes to one process of about `GROUP_BYTES`, and `deliver(first, outcomes)` each group's outcomes
     as soon as it landed: a burst of small writes pays few calls and few wake-ups, and a large write completes before
     the next one starts, as the requests of a burst would one after another. Before each group the target's start
-    time is read again: a pid that now names another process is not written (ESRCH)."""
+    time and real uid are read again: a pid that now names another process is not written (ESRCH), nor a process
+    that now runs as another user (EPERM)."""
     first = 0
     while first < len(writes):
-        pid, start, end, nbytes = writes[first][0], writes[first][1], first, 0
+        pid, start, uid = writes[first][:3]
+        end, nbytes = first, 0
         while end < len(writes) and writes[end][0] == pid and (end == first or nbytes < GROUP_BYTES):
-            nbytes += int(writes[end][2][:, 2].sum())
+            nbytes += int(writes[end][3][:, 2].sum())
             end += 1
         if _start_time(pid) != start:
             gone = OSError(errno.ESRCH, f"process {pid} (started at {start}) is gone")
             deliver(first, [gone] * (end - first))
+        elif (now := _real_uid(pid)) != uid:
+            other = OSError(errno.EPERM, f"process {pid} runs as uid {now}, not uid {uid} as when it was admitted")
+            deliver(first, [other] * (end - first))
         else:
-            deliver(first, _copy_group(pid, [table for _, _, table in writes[first:end]]))
+            deliver(first, _copy_group(pid, [write[3] for write in writes[first:end]]))
         first = end
 
 
@@ -281,7 +291,9 @@ class SameHostTransport:
         self._address = own_address()
         self._local = AddressRanges()
         self._peers: dict[str, tuple[AddressRanges, SameHostAddress]] = {}  # session -> (published regions, address)
+        self._admitted: dict[str, int] = {}  # sessions that passed `reachable` -> the real uid then
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._checker: concurrent.futures.ThreadPoolExecutor | None = None
         self._in_flight = 0  # writes submitted and not finished
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
@@ -311,13 +323,24 @@ class SameHostTransport:
         for addr, length in regions:
             self._local.add(addr, length)
 
+    def admits(self, session_id: str) -> bool:
+        """Whether `session_id` passed `reachable` (and was not removed since): the only sessions this plane writes."""
+        return session_id in self._admitted
+
     def add_peer(self, session_id: str, regions: Sequence[Region]) -> None:
-        """As `Transport.add_peer`; `session_id` is the peer's `SameHostAddress`.
+        """As `Transport.add_peer`; `session_id` is the peer's `SameHostAddress`, admitted by `reachable` first.
 
         Raises:
-            InvalidDescriptor: a region is empty or ends past the address space, or `session_id` is not a same-host
-                session.
+            InvalidDescriptor: `session_id` was not admitted (no check of the process behind it passed), is not a
+                same-host session, or a region is empty or ends past the address space.
         """
+        if session_id not in self._admitted:
+            self._counts["refused"] += 1
+            raise InvalidDescriptor(
+                f"same-host session {session_id!r} was not admitted: only a peer whose process passed the check "
+                "against its control connection is written",
+                ERR_FAILED,
+            )
         try:
             address = SameHostAddress.parse(session_id)
             for addr, length in regions:
@@ -330,6 +353,7 @@ class SameHostTransport:
 
     def remove_peer(self, session_id: str) -> None:
         self._peers.pop(session_id, None)
+        self._admitted.pop(session_id, None)
 
     async def reachable(
         self, session: str, regions: Sequence[Region], via: tuple[Endpoint, Endpoint] | None = None
@@ -337,8 +361,10 @@ class SameHostTransport:
         """ "" when writes into the peer `session` (publishing `regions`) may go, else why not. First what the peer
         claims is checked against the kernel (`check_peer`: a live process, this user, holding the far end of the
         control connection `via` = (this end, far end)), then the kernel is asked (a one-byte read of the first
-        region): another PID namespace, a ptrace policy. Asked before `add_peer`, so a hello that fails it leaves a
-        peer added by another hello as it was. Raises nothing."""
+        region): another PID namespace, a ptrace policy. Passed, the session is admitted (`add_peer` takes it).
+        Asked before `add_peer`, so a hello that fails it leaves a peer added by another hello as it was. Raises
+        nothing. Cancelled (the caller's deadline), it admits nothing; the /proc reads may still end on their
+        thread."""
         if self._closed:
             return "the same-host transport is closed"
         try:
@@ -349,10 +375,15 @@ class SameHostTransport:
             return f"no regions published by {session!r}"
         addr = regions[0][0]
 
-        def ask() -> str:
-            return check_peer(address, via) or _probe(address.pid, addr)
+        def ask() -> tuple[str, int]:
+            return check_peer(address, via) or _probe(address.pid, addr), _real_uid(address.pid)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor(), ask)
+        if self._checker is None:
+            self._checker = concurrent.futures.ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvsvc-check")
+        refused, uid = await asyncio.get_running_loop().run_in_executor(self._checker, ask)
+        if not refused and not self._closed:
+            self._admitted[session] = uid
+        return refused
 
     async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
         """As `Transport.write`: every byte copied by the kernel, or `WriteFailed` with nothing left moving.
@@ -396,7 +427,7 @@ class SameHostTransport:
         self._in_flight += 1
         self._idle.clear()
         self._counts["inflight_desc"] += len(table)
-        self._queue.append(_Queued(peer, known[1].pid, known[1].start, table, total, result))
+        self._queue.append(_Queued(peer, known[1].pid, known[1].start, self._admitted[peer], table, total, result))
         if len(self._queue) == 1:
             # Writes submitted in this loop iteration ride one hop to the copy thread: a burst of one-block
             # requests pays the hop (and its wake-up back) once, not once per request.
@@ -422,7 +453,7 @@ class SameHostTransport:
                 for queued in batch:
                     self._finish(queued, failure, loop)
 
-        writes = [(q.pid, q.start, q.table) for q in batch]
+        writes = [(q.pid, q.start, q.uid, q.table) for q in batch]
         try:
             copies = loop.run_in_executor(self._executor(), _copy_all, writes, deliver)
         except RuntimeError as exc:  # the executor is shut down (the interpreter is exiting)
@@ -497,9 +528,10 @@ class SameHostTransport:
             await asyncio.wait_for(self.drained(), self._close_timeout_s)
         except TimeoutError:
             log.warning("closing the same-host transport with %d write(s) still copying", self._in_flight)
-        if self._copier is not None:
-            copier, self._copier = self._copier, None
-            copier.shutdown(wait=False)
+        for pool in (self._copier, self._checker):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._copier = self._checker = None
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._copier is None:

@@ -146,6 +146,7 @@ def describe_kv_caches(
         is_mla=identity.is_mla,
         base_addrs=[tensors[i].data_ptr() for i in layers],
         kv_groups=list(identity.kv_groups),
+        null_block=NULL_BLOCK,
     )
     for index, (name, tensor) in states.items():
         _check_state_tensor(name, tensor, meta, state_bytes(state_of[index], identity.tp_size))
@@ -214,7 +215,7 @@ class WorkerSide:
         staging, staging_region = self._staging_area(kv_caches)
 
         def transport() -> Transport:
-            engine = with_same_host(MooncakeTransport(mooncake), self._device)
+            engine = with_same_host(MooncakeTransport(mooncake), self._device, self._service_config.transport)
             engine.register(regions + staging_region)
             return engine
 

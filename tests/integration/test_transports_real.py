@@ -1,11 +1,12 @@
 """Both data planes against a real peer in another process: `MooncakeTransport` (a Mooncake engine, over loopback
 TCP) and `SameHostTransport` (`process_vm_writev` into the peer's memory), one contract, every test run on each.
 
-Each target is a subprocess that registers a zeroed buffer, prints `session_id addr` and answers `sha`/`read`
-commands on stdin; the test process writes into it. Faults are real: SIGKILL and SIGSTOP of the target. Nothing is
-timed: a write that should fail rather than hang is bounded by the test's timeout. Where the planes differ, the test
-says how: a frozen peer stalls Mooncake's writes until its progress timeout, while the kernel copies into a stopped
-process's memory as into a running one's.
+Each target is a subprocess that registers a zeroed buffer, holds a TCP connection to the test (the same-host plane
+writes only into a process that passed the check against such a connection, as a hello's would be), prints
+`session_id addr` and answers `sha`/`read` commands on stdin; the test process writes into it. Faults are real:
+SIGKILL and SIGSTOP of the target. Nothing is timed: a write that should fail rather than hang is bounded by the
+test's timeout. Where the planes differ, the test says how: a frozen peer stalls Mooncake's writes until its progress
+timeout, while the kernel copies into a stopped process's memory as into a running one's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -34,10 +36,11 @@ pytestmark = pytest.mark.integration
 SIZE = 64 << 20
 REPO = Path(__file__).resolve().parents[2]
 TARGET = """
-import ctypes, hashlib, sys
+import ctypes, hashlib, socket, sys
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 from kvsvc.transport.samehost import SameHostTransport
 size, kind = int(sys.argv[1]), sys.argv[2]
+control = socket.create_connection(("127.0.0.1", int(sys.argv[3])))
 transport = MooncakeTransport(MooncakeConfig()) if kind == "mooncake" else SameHostTransport()
 buf = ctypes.create_string_buffer(size)
 transport.register([(ctypes.addressof(buf), size)])
@@ -56,16 +59,20 @@ class Target:
     """A peer process with `SIZE` registered bytes at `addr`, reached through the plane `kind`."""
 
     def __init__(self, kind: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", TARGET, str(SIZE), kind],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", TARGET, str(SIZE), kind, str(listener.getsockname()[1])],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+            )
+            listener.settimeout(60)
+            self.control, _ = listener.accept()
         assert self.proc.stdout is not None
         session, addr = self.proc.stdout.readline().split()
         self.session_id, self.addr = session, int(addr)
+        self.via = (self.control.getsockname()[:2], self.control.getpeername()[:2])
 
     def ask(self, line: str) -> str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -83,6 +90,7 @@ class Target:
         if self.proc.poll() is None:
             self.proc.kill()  # SIGKILL also ends a SIGSTOPped process
         self.proc.wait(timeout=10)
+        self.control.close()
 
 
 @pytest.fixture(params=["mooncake", "samehost"])
@@ -121,8 +129,11 @@ async def writer(source: ctypes.Array[ctypes.c_char], kind: str) -> AsyncIterato
     await transport.close()
 
 
-def connect(writer: Transport, target: Target) -> None:
-    writer.add_peer(target.session_id, [(target.addr, SIZE)])
+async def connect(writer: Transport, target: Target) -> None:
+    regions = [(target.addr, SIZE)]
+    if isinstance(writer, SameHostTransport):  # admitted only once its process passed the check
+        assert await writer.reachable(target.session_id, regions, target.via) == ""
+    writer.add_peer(target.session_id, regions)
 
 
 def zeros_sha() -> str:
@@ -132,7 +143,7 @@ def zeros_sha() -> str:
 @pytest.mark.timeout(60)
 async def test_multi_descriptor_writes_land_byte_exact(writer, source, targets) -> None:  # type: ignore[no-untyped-def]
     target = targets()
-    connect(writer, target)
+    await connect(writer, target)
     rng = random.Random(1)
     expected = bytearray(SIZE)
     plans: list[list[tuple[int, int, int]]] = [[], []]
@@ -153,7 +164,7 @@ async def test_multi_descriptor_writes_land_byte_exact(writer, source, targets) 
 @pytest.mark.timeout(60)
 async def test_out_of_range_destination_is_refused_before_submission(writer, source, targets) -> None:  # type: ignore[no-untyped-def]
     target = targets()
-    connect(writer, target)
+    await connect(writer, target)
     src = ctypes.addressof(source)
     with pytest.raises(InvalidDescriptor):
         await writer.write(target.session_id, [(src, target.addr, 4096), (src, target.addr + SIZE - 100, 101)])
@@ -175,7 +186,7 @@ async def test_overlapping_registration_is_refused(writer, source) -> None:  # t
 @pytest.mark.timeout(60)
 async def test_peer_killed_mid_write_fails_the_write(writer, source, targets, kind) -> None:  # type: ignore[no-untyped-def]
     target = targets()
-    connect(writer, target)
+    await connect(writer, target)
     chunk = SIZE // 256
     plan = [(ctypes.addressof(source) + i * chunk, target.addr + i * chunk, chunk) for i in range(256)]
 
@@ -201,7 +212,7 @@ async def test_peer_killed_mid_write_fails_the_write(writer, source, targets, ki
 @pytest.mark.timeout(60)
 async def test_frozen_peer_fails_the_write_after_the_progress_timeout(writer, source, targets, kind) -> None:  # type: ignore[no-untyped-def]
     target = targets()
-    connect(writer, target)
+    await connect(writer, target)
     src = ctypes.addressof(source)
     assert await writer.write(target.session_id, [(src, target.addr, 4096)]) == 4096  # connected
     target.signal(signal.SIGSTOP)
@@ -227,7 +238,7 @@ async def test_frozen_peer_fails_the_write_after_the_progress_timeout(writer, so
 @pytest.mark.timeout(60)
 async def test_cancelled_write_returns_only_after_its_descriptors_drained(writer, source, targets) -> None:  # type: ignore[no-untyped-def]
     target = targets()
-    connect(writer, target)
+    await connect(writer, target)
     chunk = SIZE // 256
     plan = [(ctypes.addressof(source) + i * chunk, target.addr + i * chunk, chunk) for i in range(256)]
     task = asyncio.create_task(writer.write(target.session_id, plan))

@@ -19,6 +19,7 @@ from kvsvc.layout import CROSS_LAYER, block_bytes
 from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
 from kvsvc.planner import (
     Descriptor,
+    check_block_ids,
     check_compatible,
     expected_destinations,
     is_source,
@@ -393,3 +394,34 @@ def test_4096_tokens_of_32_cross_layer_layers_plan_to_one_descriptor_per_block_r
     runs = 1 + sum(1 for a, b in itertools.pairwise(scattered) if b != a + 1)
     assert len(plan) == runs
     assert sum(x.length for x in plan) == 4096 * 32 * 2 * 8 * 128 * 2
+
+
+def test_a_repeated_d_block_id_is_found_in_one_pass_over_any_length_of_list() -> None:
+    # A D worker's request comes from the network: 400,000 ids with one repeat used to be counted id by id (about
+    # 160 billion comparisons, past this test's timeout); now it is one pass, and the refusal names the repeat.
+    d = engine("D", num_blocks=1 << 20)[(0, 0)]
+    ids = [*range(400_000), 7]
+    with pytest.raises(ValueError, match=r"D block ids \[7\] appear more than once"):
+        check_block_ids(d, ids, len(ids) * d.block_size, "D")
+
+
+@pytest.mark.parametrize("side", ["P", "D"])
+def test_the_null_block_of_a_sliding_window_is_no_block_of_the_request(side: str) -> None:
+    groups = [
+        KVGroup(kind="full", layers=[0, 2]),
+        KVGroup(kind="sliding_window", layers=[1], sliding_window=40),
+        KVGroup(kind="sliding_window", layers=[3], sliding_window=40),
+    ]
+    meta = msgspec.structs.replace(engine(side)[(0, 0)], kv_groups=groups, null_block=0)
+    # 96 tokens of 16: D's next step reads from token 57 (block 3), so vLLM dropped blocks 0-2 of each window's list,
+    # one more than the blocks kvsvc would move for a window of 40 (from block 2).
+    full, first, second = list(range(1, 7)), [0, 0, 0, 11, 12, 13], [0, 0, 0, 21, 22, 23]
+    check_block_ids(meta, full + first + second, 96, side)  # six null blocks: no repeat, nothing written there
+    with pytest.raises(ValueError, match="null block 0 stands at position 4"):
+        check_block_ids(meta, [*full, 0, 0, 0, 11, 0, 13, *second], 96, side)
+    with pytest.raises(ValueError, match="reads from token 57"):
+        check_block_ids(meta, full + first + [0, 0, 0, 0, 22, 23], 96, side)
+    if side == "D":  # an engine without a null block: id 0 is a block like any other, written twice here
+        plain = msgspec.structs.replace(meta, null_block=-1)
+        with pytest.raises(ValueError, match=r"D block ids \[0\] appear more than once"):
+            check_block_ids(plain, full + first + second, 96, side)

@@ -6,9 +6,10 @@ code per (layer, half, head, token) in each element (two int64 words); D pools s
 ran: each slot D needs holds P's code and was written once; the slots of the last D block past `num_tokens`
 (whole-block copies) hold P's code or the sentinel; every other byte is untouched.
 
-A hybrid model (`window` > 0) makes the odd layers a sliding-window group with block lists of their own, which hold
-vLLM's null block where the window has passed on each side: D then needs only the window's last tokens, may get the
-rest of its kept blocks, and its null block is never written.
+A hybrid model (`window` > 0) makes the odd layers one or more sliding-window groups with block lists of their own,
+which hold vLLM's null block where the window has passed on each side, as often as it has passed a block (vLLM's
+rule on D; on P that rule or fewer null blocks, as a P that has not yet dropped them): D then needs only the tokens
+its next step reads, may get the rest of its kept blocks, and its null block is never written.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.groups import FULL, SLIDING_WINDOW, KVGroup, blocks_to_move
+from kvsvc.groups import FULL, SLIDING_WINDOW, KVGroup, blocks_to_move, first_read_token
 from kvsvc.layout import (
     CROSS_LAYER,
     FUSED,
@@ -74,26 +75,38 @@ class Layouts:
     layer_gap: int = 64
     extra_blocks: int = 3
     whole_blocks: bool = True
-    window: int = 0  # > 0: the odd layers are a sliding-window group of this many tokens
+    window: int = 0  # > 0: the odd layers are sliding-window groups of this many tokens
+    window_groups: int = 1  # how many sliding-window groups the odd layers make (vLLM groups layers by count)
+    p_drops: bool = True  # P's lists hold the null block as vLLM's rule says, or only before the blocks kvsvc moves
 
 
 NULL = 0  # vLLM's null block: a hybrid case's block lists never use it for a token
 
 
+def _list_of(layer: int, s: Layouts) -> int:
+    """The block list (and KV cache group) of `layer`: 0 for the full-attention layers, then one per window group."""
+    return 1 + (layer // 2) % s.window_groups if s.window and layer % 2 else 0
+
+
 def _groups(s: Layouts, start: int, end: int) -> list[KVGroup]:
     """The hybrid case's KV cache groups, as a worker holding layers `[start, end)` publishes them."""
     layers = range(start, end)
-    return [
-        KVGroup(kind=FULL, layers=[i for i in layers if i % 2 == 0]),
-        KVGroup(kind=SLIDING_WINDOW, layers=[i for i in layers if i % 2], sliding_window=s.window),
+    return [KVGroup(kind=FULL, layers=[i for i in layers if _list_of(i, s) == 0])] + [
+        KVGroup(kind=SLIDING_WINDOW, layers=[i for i in layers if _list_of(i, s) == g], sliding_window=s.window)
+        for g in range(1, s.window_groups + 1)
     ]
 
 
-def _window_ids(full: list[int], block: int, s: Layouts) -> list[int]:
-    """A sliding-window group's list beside `full`: fresh ids for the blocks it keeps, the null block before."""
-    group = KVGroup(kind=SLIDING_WINDOW, layers=[1], sliding_window=s.window)
-    kept = blocks_to_move(group, len(full), block, s.tokens) if s.tokens else range(0)
-    fresh = iter(range(max(full, default=0) + 1, max(full, default=0) + 1 + len(full)))
+def _window_ids(full: list[int], block: int, s: Layouts, group: int, vllm_rule: bool) -> list[int]:
+    """Sliding-window group `group`'s list beside `full`: fresh ids for the blocks it keeps, the null block before
+    (vLLM's rule: every block whose tokens all lie before the first token D's next step reads; else fewer)."""
+    kind = KVGroup(kind=SLIDING_WINDOW, layers=[1], sliding_window=s.window)
+    if vllm_rule:
+        kept = range(first_read_token(kind, s.tokens) // block, len(full))
+    else:
+        kept = blocks_to_move(kind, len(full), block, s.tokens) if s.tokens else range(0)
+    top = max(full, default=0) + 1 + group * len(full)
+    fresh = iter(range(top, top + len(full)))
     return [next(fresh) if i in kept else NULL for i in range(len(full))]
 
 
@@ -120,7 +133,7 @@ def _engine(
     if not s.window:
         return engine
     return {
-        key: msgspec.structs.replace(meta, kv_groups=_groups(s, meta.start_layer, meta.end_layer))
+        key: msgspec.structs.replace(meta, kv_groups=_groups(s, meta.start_layer, meta.end_layer), null_block=NULL)
         for key, meta in engine.items()
     }
 
@@ -175,8 +188,9 @@ def simulate(s: Layouts) -> int:
     p_lists, d_lists = [p_ids], [d_ids]
     if s.window:  # the null block is no token's: the full group's ids start at 1
         p_ids, d_ids = [i + 1 for i in p_ids], [i + 1 for i in d_ids]
-        p_lists = [p_ids, _window_ids(p_ids, s.p_block, s)]
-        d_lists = [d_ids, _window_ids(d_ids, s.d_block, s)]
+        groups = range(s.window_groups)
+        p_lists = [p_ids] + [_window_ids(p_ids, s.p_block, s, g, s.p_drops) for g in groups]
+        d_lists = [d_ids] + [_window_ids(d_ids, s.d_block, s, g, True) for g in groups]
     p_flat, d_flat = [b for ids in p_lists for b in ids], [b for ids in d_lists for b in ids]
     p_engine = _engine("P", s, s.p_pp, s.p_tp, s.p_block, p_flat, s.p_split, s.p_layout)
     d_engine = _engine("D", s, s.d_pp, s.d_tp, s.d_block, d_flat, s.d_split, s.d_layout)
@@ -184,7 +198,7 @@ def simulate(s: Layouts) -> int:
     p_arena = np.zeros(_arena_size(p_engine), dtype=np.uint8)
     for meta in p_engine.values():
         for i, layer in enumerate(range(meta.start_layer, meta.end_layer)):
-            codes = _codes(meta, p_lists[layer % len(p_lists)], layer, heads)
+            codes = _codes(meta, p_lists[_list_of(layer, s)], layer, heads)
             view = _view(p_arena, meta, i)
             view[..., 0] = np.where(codes >= 0, codes, JUNK)
             view[..., 1:] = (view[..., 0] ^ MAGIC)[..., None]
@@ -198,7 +212,9 @@ def simulate(s: Layouts) -> int:
             plan = plan_transfer(
                 p_meta, d_meta, p_flat, d_flat, s.tokens, whole_blocks=s.whole_blocks, first_token=s.first
             )
-            assert bool(plan) == (is_source(p_meta, d_meta) and s.tokens > s.first), (p_key, d_key)
+            assert not plan or is_source(p_meta, d_meta), (p_key, d_key)
+            # A window that has passed every block of D's list needs nothing (D's next step reads its own token).
+            assert plan or s.window or not (is_source(p_meta, d_meta) and s.tokens > s.first), (p_key, d_key)
             assert plan == sorted(plan), "plans are sorted by source address"
             d_regions = [(b, b + size) for b, size in pool_regions(d_meta)]
             for a, b in itertools.pairwise(plan):
@@ -223,13 +239,13 @@ def simulate(s: Layouts) -> int:
         for start, size in pool_regions(d_meta):
             checked[start : start + size] = True
         for i, layer in enumerate(range(d_meta.start_layer, d_meta.end_layer)):
-            expected = _codes(d_meta, d_lists[layer % len(d_lists)], layer, heads)
+            expected = _codes(d_meta, d_lists[_list_of(layer, s)], layer, heads)
             token = expected & ((1 << 24) - 1)
             got = _view(d_arena, d_meta, i)
             count = _bytes(writes, d_meta, i)
             listed = expected >= 0
-            # A sliding-window layer needs the window's tokens only; the rest of its kept blocks may come too.
-            needed = max(s.first, s.tokens - s.window) if layer % 2 and s.window else s.first
+            # A sliding-window layer needs the tokens D's next step reads; the rest of its kept blocks may come too.
+            needed = max(s.first, s.tokens - s.window + 1) if _list_of(layer, s) else s.first
             required = listed & (token >= needed) & (token < s.tokens)
             optional = listed & (((token >= s.first) & (token < needed)) | ((token >= s.tokens) & (token < last_end)))
             untouched = ~(required | optional)
@@ -352,6 +368,12 @@ CASES = {
     "sliding window, blocks 16 -> 24, PP change": Layouts(window=30, tokens=97, d_block=24, d_pp=2, layers=6),
     "sliding window wider than the prompt": Layouts(window=500, tokens=61),
     "sliding window, D holds a prefix": Layouts(window=16, tokens=90, first=80, p_tp=2, d_tp=1),
+    "two sliding-window groups, several null blocks": Layouts(
+        layout=FUSED, window=96, window_groups=2, tokens=250, p_block=64, d_block=64, layers=6
+    ),
+    "two window groups, blocks 32 -> 48, window ends on a block": Layouts(
+        window=96, window_groups=2, tokens=223, p_block=32, d_block=48, layers=6, p_tp=2, d_tp=1
+    ),
 }
 
 
@@ -446,6 +468,8 @@ def layouts(draw: st.DrawFn) -> Layouts:
         extra_blocks=draw(st.integers(0, 2)),
         whole_blocks=draw(st.booleans()),
         window=draw(st.one_of(st.just(0), st.integers(1, 80))),
+        window_groups=draw(st.integers(1, 3)),
+        p_drops=draw(st.booleans()),
         # A prefix D holds already: whole D blocks (as a prefix cache hit is), or any token off the fused layout.
         first=draw(
             st.sampled_from(range(0, tokens + 1, d_block))

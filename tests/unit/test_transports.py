@@ -129,9 +129,9 @@ def test_a_burst_of_small_writes_lands_in_one_group_and_large_writes_one_by_one(
 
     start = _start_time(os.getpid())
 
-    def write(offset: int, length: int) -> tuple[int, int, np.ndarray]:
+    def write(offset: int, length: int) -> tuple[int, int, int, np.ndarray]:
         table = np.array([[src.ctypes.data + offset, dst.ctypes.data + offset, length]], dtype=np.int64)
-        return os.getpid(), start, table
+        return os.getpid(), start, os.getuid(), table
 
     delivered: list[tuple[int, list[int | OSError]]] = []
 
@@ -146,10 +146,15 @@ def test_a_burst_of_small_writes_lands_in_one_group_and_large_writes_one_by_one(
     assert (dst[: 3 * GROUP_BYTES] == src[: 3 * GROUP_BYTES]).all()
     delivered.clear()
     dst[:] = 0
-    stale = (os.getpid(), start + 1, write(0, 4096)[2])  # the pid now names a process started at another time
+    stale = (os.getpid(), start + 1, os.getuid(), write(0, 4096)[3])  # the pid names a process started later
     _copy_all([stale], deliver)
     ((_, (gone,)),) = delivered
     assert isinstance(gone, OSError) and gone.errno == errno.ESRCH and not dst.any()
+    delivered.clear()
+    other_user = (os.getpid(), start, os.getuid() + 1, write(0, 4096)[3])  # the process changed its real uid
+    _copy_all([other_user], deliver)
+    ((_, (refused,)),) = delivered
+    assert isinstance(refused, OSError) and refused.errno == errno.EPERM and not dst.any()
 
 
 async def test_a_routed_transport_counts_its_memory_once_and_closes_the_same_host_plane_first() -> None:
@@ -175,3 +180,40 @@ async def test_a_routed_transport_counts_its_memory_once_and_closes_the_same_hos
     await routed.close()
     await routed.close()  # idempotent
     assert closed[:2] == ["local", "primary"]
+
+
+async def test_the_same_host_plane_writes_only_sessions_its_check_admitted() -> None:
+    """A session string is no key to the plane: `add_peer` refuses one that never passed `reachable`, and the routed
+    transport sends an unadmitted `samehost:` session to the primary plane, never to the kernel copy."""
+    import ctypes
+    import socket
+
+    from kvsvc.testing.fakes import LoopbackTransport
+    from kvsvc.transport import InvalidDescriptor
+    from kvsvc.transport.routed import RoutedTransport
+    from kvsvc.transport.samehost import SameHostTransport, own_address
+
+    raw = ctypes.create_string_buffer(4096)
+    regions = [(ctypes.addressof(raw), 4096)]
+    me = str(own_address())
+    local = SameHostTransport()
+    routed = RoutedTransport(LoopbackTransport(), local)
+    try:
+        with pytest.raises(InvalidDescriptor, match="was not admitted"):
+            local.add_peer(me, regions)
+        assert not local.admits(me) and local.statistics().refused == 1
+        routed.add_peer(me, regions)  # goes to the primary plane: the string alone routes nothing to the kernel
+        assert local.statistics().peers == 0 and routed.primary.statistics().peers == 1
+        # This process holds the client end of a real connection: the check passes, and the session is admitted.
+        with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()):
+            accepted, _ = server.accept()
+            with accepted:
+                via = (accepted.getsockname()[:2], accepted.getpeername()[:2])
+                assert await routed.reachable(me, regions, via) == ""
+        assert local.admits(me)
+        routed.add_peer(me, regions)
+        assert local.statistics().peers == 1
+        routed.remove_peer(me)
+        assert not local.admits(me)
+    finally:
+        await routed.close()
