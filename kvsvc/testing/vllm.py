@@ -49,13 +49,16 @@ def write_tiny_llama(
     std: float = 0.05,
     tokenizer: bool = False,
     sliding_window: int = 0,
+    layer_types: Sequence[str] | None = None,
     **shape: int,
 ) -> Path:
     """Write a Llama config and seeded random float32 weights into `path`; returns it. `shape` overrides keys of
     `TINY_LLAMA` (more layers or KV heads give more KV per token). With `tokenizer`, also a word-level tokenizer
     whose token i is the word `w{i}` (0-2 are `<unk>`, `<s>`, `</s>`), for servers that take text: "w5 w77" is the
     prompt [5, 77]. `sliding_window` > 0 makes a hybrid model: the even layers attend to that many tokens (a
-    sliding-window KV cache group), the odd ones to all (vLLM's `layer_types`, as gpt-oss and Gemma 3 have them).
+    sliding-window KV cache group), the odd ones to all (vLLM's `layer_types`, as gpt-oss and Gemma 3 have them);
+    `layer_types` ("sliding_attention" or "full_attention" per layer) gives another pattern (vLLM then groups the
+    layers of each kind in groups of one size, so four sliding layers beside two full ones make two window groups).
 
     Raises:
         ImportError: torch or safetensors (or, with `tokenizer`, tokenizers) is missing.
@@ -115,13 +118,33 @@ def write_tiny_llama(
         "torch_dtype": "float32",
     }
     if sliding_window:
-        layer_types = ["sliding_attention", "full_attention"] * c["num_hidden_layers"]
-        config.update(layer_types=layer_types[: c["num_hidden_layers"]], sliding_window=sliding_window)
+        types = list(layer_types or ["sliding_attention", "full_attention"] * c["num_hidden_layers"])
+        config.update(layer_types=types[: c["num_hidden_layers"]], sliding_window=sliding_window)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     if tokenizer:
         _write_word_tokenizer(out, c["vocab_size"])
     return out
+
+
+def boundary_lengths(block: int, window: int, count: int, seed: int, longest: int = 1024) -> list[int]:
+    """`count` distinct prompt lengths up to `longest`, drawn with `seed` from those where an off-by-one would show:
+    around every multiple of `block`, around `window`, and where the first token a sliding window reads after the
+    prompt falls on, just before or just after a block boundary (so that the null blocks in front of the window
+    change count); 1 always among them. Many lengths per engine start find what a few chosen by hand miss."""
+    import random
+
+    near: set[int] = {1, 2}
+    for k in range(1, longest // block + 2):
+        near |= {k * block - 1, k * block, k * block + 1}
+        if window:  # first read token n - window + 1 = k * block, and one either side
+            near |= {k * block + window - 2, k * block + window - 1, k * block + window}
+    if window:
+        near |= {window - 1, window, window + 1}
+    pool = sorted(n for n in near if 1 <= n <= longest)
+    rng = random.Random(seed)
+    chosen = [1, *rng.sample(pool[1:], min(count - 1, len(pool) - 1))]
+    return chosen
 
 
 # The tiny Granite-4.0-H: Mamba2 layers around attention layers, no experts, 16 Mamba heads of 32 channels.

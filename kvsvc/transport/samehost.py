@@ -27,6 +27,7 @@ import ipaddress
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ CLOSE_TIMEOUT_S: Final = 30.0  # a kernel copy of a whole KV pool ends well with
 _ADDRESS_END: Final = 1 << 63  # a user-space address past this is no address (and no int64)
 GROUP_BYTES: Final = 4 << 20  # writes merged into one call up to about this much, then their completions delivered
 CHECK_THREADS: Final = 2  # /proc reads of peer checks; a check stuck in the kernel leaves the other for the next
+SLOW_CHECK_S: Final = 0.25  # a check this slow is logged with where its time went (about 1 ms on an idle host)
 ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
 
 
@@ -376,7 +378,19 @@ class SameHostTransport:
         addr = regions[0][0]
 
         def ask() -> tuple[str, int]:
-            return check_peer(address, via) or _probe(address.pid, addr), _real_uid(address.pid)
+            began = time.monotonic()
+            refused = check_peer(address, via)
+            checked = time.monotonic()
+            refused = refused or _probe(address.pid, addr)
+            if (took := time.monotonic() - began) > SLOW_CHECK_S:  # the hello's budget is at stake: say where
+                log.warning(
+                    "the same-host check of pid %d took %.2f s (/proc reads %.2f s, kernel probe %.2f s)",
+                    address.pid,
+                    took,
+                    checked - began,
+                    took - (checked - began),
+                )
+            return refused, _real_uid(address.pid)
 
         if self._checker is None:
             self._checker = concurrent.futures.ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvsvc-check")

@@ -28,13 +28,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kvsvc.testing.vllm import EngineConfig, EngineError, Output, VllmEngine, write_tiny_llama
 
 MODULE = "workers.bench.vllm_connectors"
+class _Shape(TypedDict):
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+
 # A small model with a large KV per token, so a transfer moves as many bytes as a real model's.
-BENCH_MODEL: dict[str, int] = {
+BENCH_MODEL: _Shape = {
     "num_hidden_layers": 8,
     "num_attention_heads": 8,
     "num_key_value_heads": 8,
@@ -300,9 +307,9 @@ def _run_phase(
     progress: Callable[[str], None],
 ) -> None:
     """One model's engines for every connector, up for `workloads` only."""
-    window = {"sliding_window": HYBRID_WINDOW} if hybrid else {}
     name = "bench-sliding" if hybrid else "bench-llama"
-    model = str(write_tiny_llama(root / name, seed=0, tokenizer=False, **window, **BENCH_MODEL))
+    window = HYBRID_WINDOW if hybrid else 0
+    model = str(write_tiny_llama(root / name, seed=0, tokenizer=False, sliding_window=window, **BENCH_MODEL))
     longest = max(sum(w.lengths) for w in workloads)
     kv_bytes = longest * KV_BYTES_PER_TOKEN * 5 // 4  # one workload, held on P or loading on D, and some slack
     logs = root / f"{name}-engines"
