@@ -363,12 +363,23 @@ frames: st.SearchStrategy[Message] = st.one_of(
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_any_hello_and_any_frames_after_it_cost_p_little_and_leave_nothing(live: Live, data: st.DataObject) -> None:
+    # honest: accepted, so the frames after it reach P's Sender; split: D's own stage and metadata are consistent,
+    # the other stages anything; any: every size claimed at random.
+    mode = data.draw(st.sampled_from(["honest", "split", "any"]))
     d = live.d.sim.metas[(0, 0)]
-    honest = data.draw(st.booleans())  # half the hellos are accepted, so the frames after them reach P's Sender
-    sender = (
-        _attacker(live)
-        if honest
-        else _attacker(
+    if mode == "honest":
+        sender = _attacker(live)
+        stages = [(sender.start_layer, sender.end_layer)]
+    elif mode == "split":
+        stages = data.draw(st.lists(st.tuples(layers, layers), min_size=1, max_size=4))
+        pp_rank = data.draw(st.integers(0, len(stages) - 1))
+        end = data.draw(st.integers(1, d.num_layers))
+        stages[pp_rank] = (0, end)
+        sender = _attacker(
+            live, pp_size=len(stages), pp_rank=pp_rank, start_layer=0, end_layer=end, base_addrs=d.base_addrs[:end]
+        )
+    else:
+        sender = _attacker(
             live,
             pp_size=data.draw(sizes),
             pp_rank=data.draw(st.integers(-1, 3)),
@@ -382,9 +393,8 @@ def test_any_hello_and_any_frames_after_it_cost_p_little_and_leave_nothing(live:
             block_size=data.draw(st.one_of(st.just(d.block_size), sizes)),
             kv_groups=data.draw(st.one_of(st.just([]), groups)),
         )
-    )
-    own_stage = [(sender.start_layer, sender.end_layer)]
-    stages = own_stage if honest else data.draw(st.one_of(st.just(own_stage), stage_splits))
+        own_stage = [(sender.start_layer, sender.end_layer)]
+        stages = data.draw(st.one_of(st.just(own_stage), stage_splits))
     after = [encode(m) for m in data.draw(st.lists(frames, max_size=6))]
     if data.draw(st.booleans()):  # a second hello, anywhere after the first
         after.insert(data.draw(st.integers(0, len(after))), encode(_hello(live, _attacker(live))))
@@ -392,7 +402,7 @@ def test_any_hello_and_any_frames_after_it_cost_p_little_and_leave_nothing(live:
     with peak_bytes() as peak:
         answers = _exchange(live.address, payload)
     assert answers and all(isinstance(a, ANSWERS) for a in answers), answers
-    assert isinstance(answers[0], HelloOk if honest else HelloOk | HelloRefused), answers
+    assert isinstance(answers[0], HelloOk if mode == "honest" else HelloOk | HelloRefused), answers
     assert peak() < PEAK_BOUND, f"P allocated {peak()} bytes for {len(payload)} bytes of input"
     live.settled()  # its connection, and what it asked for, are gone
 
