@@ -4,9 +4,9 @@ or refuses it.
 Pure module: standard library and kvsvc's pure core only. The hello is the last step of the handshake, which in kvsvc
 means everything a D worker does to meet a P engine: fetch its published worker metadata, connect to the P workers
 it needs, and hello each. Rules: P refuses before anything is built from D's claims (a token that differs, another
-protocol version, a hello meant for another worker or engine start, absurd parallel sizes, a stage split that
-contradicts D's own layers, a layout P cannot write into); every refusal says why, and the reason never echoes the
-token; D accepts only the P worker its engine published, byte for byte.
+protocol version, a hello meant for another worker or engine start, sizes past `kvsvc.bounds`, a stage split that
+contradicts D's own layers or P's model, a layout P cannot write into); every refusal says why, and the reason
+never echoes the token; D accepts only the P worker its engine published, byte for byte.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
 
 from msgspec.structs import replace
 
+from kvsvc.bounds import check_hello_bounds
 from kvsvc.errors import HandshakeError, PeerMismatch, TopologyError, VersionMismatch
 from kvsvc.layout import CROSS_LAYER
 from kvsvc.messages import (
@@ -34,9 +34,6 @@ from kvsvc.messages import (
 )
 from kvsvc.planner import check_compatible, expected_destinations
 from kvsvc.transports import check_transport_addr
-
-# More ranks than any deployment has; a hello claiming more is refused before P builds D's layout from it.
-MAX_PARALLEL: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,9 +125,7 @@ def _d_engine(me: WorkerMetadata, hello: Hello) -> dict[Worker, WorkerMetadata]:
     actual = (me.engine_id, me.incarnation, me.pp_rank, me.tp_rank)
     if expected != actual:
         raise PeerMismatch(f"hello expects engine/incarnation/pp/tp {expected}, this worker is {actual}")
-    if not (1 <= d.tp_size <= MAX_PARALLEL and 1 <= d.pp_size <= MAX_PARALLEL):
-        # Bounded before anything is built from them: the layout below has pp_size x tp_size entries.
-        raise PeerMismatch(f"D worker {WorkerRef.of(d)} claims tp_size {d.tp_size}, pp_size {d.pp_size}")
+    check_hello_bounds(me, hello)  # before anything is built from D's claims: the layout below has pp x tp entries
     stages = [(int(s[0]), int(s[1])) for s in hello.stage_layers]
     own_stage = stages[d.pp_rank] if len(stages) == d.pp_size and 0 <= d.pp_rank < d.pp_size else None
     if own_stage != (d.start_layer, d.end_layer):
@@ -140,14 +135,10 @@ def _d_engine(me: WorkerMetadata, hello: Hello) -> dict[Worker, WorkerMetadata]:
         )
     check_compatible(me, d)
     check_transport_addr(d)
-    return {
-        (pp, tp): _layout_only(d, pp, tp, start, end)
-        for pp, (start, end) in enumerate(stages)
-        for tp in range(d.tp_size)
-    }
-
-
-def _layout_only(d: WorkerMetadata, pp: int, tp: int, start: int, end: int) -> WorkerMetadata:
-    """A D worker known only by layout: placeholder addresses (P plans who it sources, never writes there)."""
-    layers = 1 if d.layout == CROSS_LAYER else end - start
-    return replace(d, pp_rank=pp, tp_rank=tp, start_layer=start, end_layer=end, base_addrs=[0] * layers)
+    engine: dict[Worker, WorkerMetadata] = {}
+    for pp, (start, end) in enumerate(stages):
+        # One list of placeholder addresses per stage, shared by its ranks: P plans who it sources, never writes there.
+        addrs = [0] * (1 if d.layout == CROSS_LAYER else end - start)
+        for tp in range(d.tp_size):
+            engine[(pp, tp)] = replace(d, pp_rank=pp, tp_rank=tp, start_layer=start, end_layer=end, base_addrs=addrs)
+    return engine

@@ -26,6 +26,7 @@ MAX_METADATA_BYTES: Final = 8 * 1024 * 1024
 # A frame holds at most one request's block ids (8 bytes each at worst): 4 MiB is >500k blocks.
 MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 _HEADER = struct.Struct(">I")
+HEADER_BYTES: Final = _HEADER.size
 
 
 class ConvPart(msgspec.Struct, frozen=True):
@@ -283,14 +284,22 @@ class FrameReader:
     """Sans-IO frame splitter: feed it bytes as they arrive, get whole messages out.
 
     After it raised `MalformedFrame` once the stream cannot be resynchronised; the connection must close.
+    `max_first_frame_bytes` holds the first frame to a smaller limit (P's limit for a hello: nothing else is handled
+    before it is accepted).
     """
 
-    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES, *, max_first_frame_bytes: int | None = None) -> None:
         self._buffer = bytearray()
         self._max = max_frame_bytes
+        self._first_max = max_first_frame_bytes
         self._broken = False
         # An error met after whole messages in the same chunk: those are returned first, the error raised next.
         self._pending: MalformedFrame | None = None
+
+    @property
+    def next_frame_limit(self) -> int:
+        """The largest body the next frame may have."""
+        return self._first_max if self._first_max is not None else self._max
 
     @property
     def buffered(self) -> int:
@@ -309,14 +318,15 @@ class FrameReader:
         try:
             while len(self._buffer) >= _HEADER.size:
                 (length,) = _HEADER.unpack_from(self._buffer)
-                if length > self._max:
-                    raise MalformedFrame(f"frame announces {length} bytes, limit is {self._max}")
+                if length > self.next_frame_limit:
+                    raise MalformedFrame(f"frame announces {length} bytes, limit is {self.next_frame_limit}")
                 end = _HEADER.size + length
                 if len(self._buffer) < end:
                     break
                 body = bytes(self._buffer[_HEADER.size : end])
                 del self._buffer[:end]
                 messages.append(decode(body))
+                self._first_max = None
         except MalformedFrame as exc:
             self._broken = True
             self._buffer.clear()

@@ -4,15 +4,16 @@ Rules: `Sender` takes events (a hold from the engine, a request or abort from a 
 clock) and returns commands (`Submit`, `Reply`); it never touches a socket, a transport or a clock itself. Each
 held request is reported in `take_finished()` exactly once: when every D worker that needs it was served, when it
 expired, or when it was aborted, and never while a write may still touch its blocks. Requests that arrive before
-the hold wait a bounded time, then are answered failed. Pure module: standard library and kvsvc's pure core only.
+the hold wait a bounded time, bounded in number and in block ids per D worker, then are answered failed. Pure
+module: standard library and kvsvc's pure core only.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 from kvsvc.deadlines import Deadlines
 from kvsvc.jobs import Effect, Notice, SendEvent, SendJob, SendState
@@ -31,6 +32,9 @@ from kvsvc.messages import (
     WorkerRef,
 )
 from kvsvc.planner import check_block_ids, check_window
+
+# What an early request costs against `max_early_request_bytes`: its block ids, at their size on the wire at worst.
+BLOCK_ID_BYTES: Final = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,7 @@ class _Hold:
 class SenderStatistics:
     holds: int
     early_requests: int
+    early_request_bytes: int  # block ids of the early requests, at `BLOCK_ID_BYTES` each
     jobs_by_state: dict[str, int]
     finished_pending_report: int
     expired_holds: int
@@ -101,6 +106,7 @@ class Sender:
         hold_timeout_s: float = 60.0,
         early_request_timeout_s: float = 10.0,
         max_early_requests: int = 65536,
+        max_early_request_bytes: int = 16 * 1024 * 1024,
         remembered_outcomes: int = 65536,
     ) -> None:
         self._hold_timeout = hold_timeout_s
@@ -114,6 +120,8 @@ class Sender:
             tuple[str, Worker], tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]
         ]
         self._early = OrderedDict()
+        self._max_early_bytes = max_early_request_bytes
+        self._early_bytes: Counter[WorkerRef] = Counter()  # block-id bytes of each D worker's early requests
         # Outcomes of finished transfers, so a repeated request is answered again rather than left to fail.
         # Keyed by the D worker's whole identity: another engine, or a restart, must never be told an old outcome.
         self._outcomes: OrderedDict[tuple[str, WorkerRef], TransferDone | TransferFailed] = OrderedDict()
@@ -149,7 +157,7 @@ class Sender:
         self._by_req[req_id] = transfer_id
         commands: list[SendCommand] = []
         for key in [k for k in self._early if k[0] == transfer_id]:
-            _, dst, message, expected = self._early.pop(key)
+            _, dst, message, expected = self._pop_early(key)
             if isinstance(message, Abort):
                 commands += self.remote_abort(dst, transfer_id, message.reason, now, expected)
             elif isinstance(message, Release):
@@ -185,6 +193,7 @@ class Sender:
             if isinstance(message, TransferRequest):
                 commands.append(Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason)))
         self._early.clear()
+        self._early_bytes.clear()
         for hold in list(self._holds.values()):
             commands += self._abort_hold(hold, reason)
         return commands
@@ -273,7 +282,8 @@ class Sender:
         key = (transfer_id, dst.worker)
         hold = self._holds.get(transfer_id)
         if hold is None:
-            self._early.pop(key, None)
+            if key in self._early:
+                self._pop_early(key)
             if transfer_id not in self._closed and len(self._early) < self._max_early:
                 abort = Abort(transfer_id=transfer_id, reason=reason or "aborted by D")
                 self._early[key] = (now + self._early_timeout, dst, abort, expected or frozenset())
@@ -322,7 +332,7 @@ class Sender:
                 # D's receive fails with the connection, so it will never ask: count it served now, not at expiry.
                 commands += self._apply(hold, self._new_job(hold, dst), SendEvent.PEER_LOST, reason)
         for key in [k for k, v in self._early.items() if v[1] == dst]:
-            del self._early[key]
+            self._pop_early(key)
         return commands
 
     # -- events from the transport and the clock ---------------------------------------------------------------
@@ -355,7 +365,7 @@ class Sender:
             key, (deadline, dst, message, _) = next(iter(self._early.items()))
             if deadline > now:
                 break
-            del self._early[key]
+            self._pop_early(key)
             if isinstance(message, TransferRequest):
                 reason = f"unknown transfer {message.transfer_id!r}: not held by P within {self._early_timeout:g} s"
                 commands.append(Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason)))
@@ -400,6 +410,7 @@ class Sender:
         return SenderStatistics(
             holds=len(self._holds),
             early_requests=len(self._early),
+            early_request_bytes=sum(self._early_bytes.values()),
             jobs_by_state=states,
             finished_pending_report=len(self._finished),
             expired_holds=self._expired_count,
@@ -430,8 +441,27 @@ class Sender:
         if len(self._early) >= self._max_early:
             reason = f"P worker busy: {len(self._early)} requests already wait for transfers not held yet"
             return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
+        cost = _cost(message)
+        if self._early_bytes[dst] + cost > self._max_early_bytes:
+            reason = (
+                f"P worker busy: D worker {dst} has {self._early_bytes[dst]} bytes of block ids waiting for transfers "
+                f"not held yet; this request's {cost} would pass max_early_request_bytes={self._max_early_bytes}"
+            )
+            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
         self._early[key] = (now + self._early_timeout, dst, message, expected)
+        self._early_bytes[dst] += cost
         return []
+
+    def _pop_early(
+        self, key: tuple[str, Worker]
+    ) -> tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]:
+        """Take the early request at `key` (present) out, with its cost."""
+        entry = self._early.pop(key)
+        dst = entry[1]
+        self._early_bytes[dst] -= _cost(entry[2])
+        if self._early_bytes[dst] <= 0:
+            del self._early_bytes[dst]
+        return entry
 
     def _new_job(self, hold: _Hold, dst: WorkerRef, request: TransferRequest | None = None) -> SendJob:
         """The job of D worker `dst` in `hold` (UNASKED: the caller's first event says what happened)."""
@@ -508,6 +538,10 @@ class Sender:
             self._outcomes[(hold.transfer_id, hold.refs[worker])] = _outcome(hold, job)
         while len(self._outcomes) > self._remembered:
             self._outcomes.popitem(last=False)
+
+
+def _cost(message: TransferRequest | Release | Abort) -> int:
+    return len(message.block_ids) * BLOCK_ID_BYTES if isinstance(message, TransferRequest) else 0
 
 
 _END_EVENTS = {HoldEnd.ABORTED: SendEvent.ABORT, HoldEnd.EXPIRED: SendEvent.EXPIRE}

@@ -16,7 +16,7 @@ import contextlib
 from collections import deque
 
 from kvsvc.errors import PeerLost
-from kvsvc.messages import MAX_FRAME_BYTES, FrameReader, Message, encode
+from kvsvc.messages import HEADER_BYTES, MAX_FRAME_BYTES, FrameReader, Message, encode
 
 _READ_CHUNK = 256 * 1024
 # Frames sent or received in a row before the queue is written or the loop may turn: large enough that the socket
@@ -27,11 +27,17 @@ BATCH_FRAMES = 64
 
 class ControlChannel:
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, max_frame_bytes: int = MAX_FRAME_BYTES
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_first_frame_bytes: int | None = None,
     ) -> None:
+        """`max_first_frame_bytes`: a smaller limit for the first frame (P's, for the hello); `FrameReader`."""
         self._reader = reader
         self._writer = writer
-        self._frames = FrameReader(max_frame_bytes)
+        self._frames = FrameReader(max_frame_bytes, max_first_frame_bytes=max_first_frame_bytes)
         self._inbox: deque[Message] = deque()
         self._outbox: list[bytes] = []  # frames sent since the last flush
         self._handed = 0  # messages `receive` returned since it last let the loop turn
@@ -121,7 +127,9 @@ class ControlChannel:
             if self._closed:
                 raise PeerLost(f"control connection to {self.peer} is closed")
             try:
-                data = await self._reader.read(_READ_CHUNK)
+                # No read takes in more than the next frame may hold: a peer held to a small first frame cannot make
+                # this side buffer more than that.
+                data = await self._reader.read(min(_READ_CHUNK, self._frames.next_frame_limit + HEADER_BYTES))
             except (ConnectionError, OSError) as exc:
                 raise PeerLost(f"control connection to {self.peer} broke: {exc}") from None
             if not data:

@@ -58,6 +58,14 @@ class ServiceConfig:
     one (P then writes the blocks); 0 never waits. Keep it well below P's `hold_timeout_s`."""
     max_early_requests: int = 65536
     """Requests for transfers not held yet that P buffers; past it, new ones are answered busy."""
+    max_early_request_bytes: int = 16 * 1024 * 1024
+    """Of those, the block ids one D worker may have waiting, at 8 bytes each (2M ids: hundreds of long requests);
+    past it, its new ones are answered busy."""
+    max_control_connections: int = 1024
+    """Control connections a P worker holds at once, accepted or before their hello; past it, a new one gets a
+    `HelloRefused` naming the limit and is closed. A D engine of TP 8 x PP 4 x DP 8 opens at most 256 to each."""
+    max_control_connections_per_host: int = 512
+    """Of those, the ones from one remote address (every D worker of a host shares it)."""
     transport: str = "auto"
     """Which data plane this worker's writes take, per D worker (`kvsvc.transports.choose_transport`): "auto" (the
     same-host plane where both workers offer it on one host, else Mooncake), "mooncake", or "samehost" (the same as

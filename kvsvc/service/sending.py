@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
+from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
 from kvsvc.errors import (
     MalformedFrame,
     PeerLost,
@@ -40,8 +41,6 @@ from kvsvc.service.writing import BlockWriter, WriteTarget
 from kvsvc.transports import Route, choose_transport, samehost_check_budget
 
 log = logging.getLogger(__name__)
-# More ranks than any deployment has; a hello claiming more is refused before P builds the D layout from it.
-MAX_PARALLEL = 1024
 
 
 @dataclass(slots=True)
@@ -65,7 +64,9 @@ class SendingRole:
             hold_timeout_s=config.hold_timeout_s,
             early_request_timeout_s=config.early_request_timeout_s,
             max_early_requests=config.max_early_requests,
+            max_early_request_bytes=config.max_early_request_bytes,
         )
+        self._connections = ControlConnections(config.max_control_connections, config.max_control_connections_per_host)
         self._inbound: dict[tuple[str, Worker], _Inbound] = {}
         self._writer = BlockWriter(ctx, self._write_target, self._write_result, self._sender.writing)
         self._server: asyncio.Server | None = None
@@ -153,6 +154,11 @@ class SendingRole:
         return self._sender.statistics()
 
     @property
+    def control_connections(self) -> int:
+        """Control connections open to this P worker, accepted or still before their hello."""
+        return self._connections.open
+
+    @property
     def inbound_peers(self) -> int:
         return len(self._inbound)
 
@@ -180,9 +186,16 @@ class SendingRole:
     # -- control connections from D workers --------------------------------------------------------------------
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        channel = ControlChannel(reader, writer)
+        # The first frame, the only one handled before the hello is accepted, is held to a hello's size.
+        channel = ControlChannel(reader, writer, max_first_frame_bytes=MAX_HELLO_FRAME_BYTES)
         if not self._accepting:
             channel.close()
+            return
+        host = channel.ends[1][0] if channel.ends is not None else channel.peer
+        refused = self._connections.admit(host)
+        if refused is not None:
+            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=refused))
+            await channel.wait_closed()
             return
         task = asyncio.current_task()
         if task is not None:  # asyncio made this handler's task: the service's group owns it too
@@ -208,6 +221,7 @@ class SendingRole:
             self._ctx.counts["protocol_errors"] += 1
             log.exception("control connection from %s failed", channel.peer)
         finally:
+            self._connections.leave(host)
             if inbound is not None:
                 inbound.target.lose(f"control connection from {inbound.ref} closed")
             if inbound is not None and self._inbound.get(_inbound_key(inbound.ref)) is inbound:

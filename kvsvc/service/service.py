@@ -64,6 +64,7 @@ class ServiceStatistics:
     scattered_receives: int = 0  # D: shares from one P worker that came through a window and were scattered
     staging_in_use: int = 0  # bytes of the staging region lent now, gathers and windows (0 when idle, else a leak)
     staging_waits: int = 0  # P: gathers that had to wait for room
+    control_connections: int = 0  # P: control connections open now, accepted or before their hello
 
     @property
     def holds(self) -> int:
@@ -300,6 +301,7 @@ class KVTransferService:
             scattered_receives=counts["scattered"],
             staging_in_use=self._ctx.staging.in_use if self._ctx.staging is not None else 0,
             staging_waits=self._ctx.staging.waits if self._ctx.staging is not None else 0,
+            control_connections=self._sending.control_connections,
         )
 
     def peers(self) -> list[dict[str, object]]:

@@ -1,0 +1,124 @@
+"""Bounds on what a peer can make a P worker hold or do: the sizes a hello may claim, and who may hold a control
+connection.
+
+Pure module: standard library and kvsvc's pure core only. Every claim of a hello that anything is built from (D's
+parallel sizes, its stage split, the lists in its metadata) is checked here whole, before the first allocation
+sized by it; what passes costs P at most a few KiB per D worker of D's engine, whatever the frame said. Every bound
+is named here, and in docs/operations.md ("Security", "Bounds") with what happens past it. Refusals name the peer,
+the value it claimed and the limit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Final
+
+from kvsvc.errors import PeerMismatch, TopologyError
+from kvsvc.layout import check_base_addrs, check_layer_split
+from kvsvc.messages import Hello, WorkerMetadata, WorkerRef
+
+# More ranks than any deployment has: pp_size and tp_size each, and their product (the D workers P lays out).
+MAX_PARALLEL: Final = 1024
+MAX_WORKERS: Final = 1024
+# Layers of a model: the largest today have under 130; 8 times that still fits a hello in MAX_HELLO_FRAME_BYTES.
+MAX_LAYERS: Final = 1024
+# KV cache groups of a hybrid model (vLLM makes a handful), and sub-projections of a Mamba conv state (3 today).
+MAX_KV_GROUPS: Final = 64
+MAX_CONV_PARTS: Final = 16
+# A frame before the hello was accepted: the largest legitimate hello (MAX_LAYERS per-layer addresses and a hybrid
+# model's groups) is about 13 KiB, one of 128 layers 2.6 KiB. Past it the connection closes (MAX_FRAME_BYTES after).
+MAX_HELLO_FRAME_BYTES: Final = 16 * 1024
+
+
+def check_hello_bounds(me: WorkerMetadata, hello: Hello) -> None:
+    """Check that `hello` describes a D engine P worker `me` can lay out at bounded cost: parallel sizes within
+    `MAX_PARALLEL` and `MAX_WORKERS`; a stage split of `pp_size` non-empty stages, contiguous from layer 0, within
+    `MAX_LAYERS` and covering `me`'s layers (all of the model's, where `me` holds its last stage); and D's metadata
+    lists of the lengths its layers give them.
+
+    Raises:
+        PeerMismatch: the first claim at fault, naming the D worker, the value and the limit.
+    """
+    d = hello.sender
+    who = f"D worker {WorkerRef.of(d)}"
+    if not (1 <= d.tp_size <= MAX_PARALLEL and 1 <= d.pp_size <= MAX_PARALLEL):
+        raise PeerMismatch(f"{who} claims tp_size {d.tp_size}, pp_size {d.pp_size}; each must be 1 to {MAX_PARALLEL}")
+    if d.tp_size * d.pp_size > MAX_WORKERS:
+        raise PeerMismatch(
+            f"{who} claims pp_size {d.pp_size} x tp_size {d.tp_size} = {d.pp_size * d.tp_size} workers, "
+            f"limit {MAX_WORKERS}"
+        )
+    _check_stages(me, hello.stage_layers, d.pp_size, who)
+    _check_lists(d, who)
+
+
+def _check_stages(me: WorkerMetadata, stages: list[tuple[int, int]], pp_size: int, who: str) -> None:
+    if len(stages) != pp_size:
+        raise PeerMismatch(f"{who} sends a stage split of {len(stages)} stages for pp_size {pp_size}")
+    total = stages[-1][1]
+    try:
+        check_layer_split(stages, total)  # each stage non-empty, contiguous from layer 0: none ends after the last
+    except ValueError as exc:
+        raise PeerMismatch(f"{who} sends an impossible stage split: {exc}") from None
+    if total > MAX_LAYERS:
+        raise PeerMismatch(f"{who} sends a stage split of {total} layers, limit {MAX_LAYERS}")
+    if me.end_layer > total:
+        raise PeerMismatch(
+            f"{who} sends a stage split of {total} layers; this P worker holds layers [{me.start_layer}, "
+            f"{me.end_layer})"
+        )
+    if me.pp_rank == me.pp_size - 1 and me.end_layer != total:
+        raise PeerMismatch(
+            f"{who} sends a stage split of {total} layers; the model has {me.end_layer} (this P worker holds its "
+            "last stage)"
+        )
+
+
+def _check_lists(d: WorkerMetadata, who: str) -> None:
+    try:
+        check_base_addrs(d, who)
+    except TopologyError as exc:
+        raise PeerMismatch(str(exc)) from None
+    if len(d.kv_groups) > MAX_KV_GROUPS:
+        raise PeerMismatch(f"{who} claims {len(d.kv_groups)} KV cache groups, limit {MAX_KV_GROUPS}")
+    listed = sum(len(group.layers) for group in d.kv_groups)
+    if listed > d.num_layers:
+        raise PeerMismatch(f"{who}'s KV cache groups list {listed} layers; it holds {d.num_layers}")
+    for i, group in enumerate(d.kv_groups):
+        parts = len(group.mamba.conv_parts) if group.mamba is not None else 0
+        if parts > MAX_CONV_PARTS:
+            raise PeerMismatch(f"{who}'s KV cache group {i} has {parts} conv parts, limit {MAX_CONV_PARTS}")
+
+
+class ControlConnections:
+    """The control connections a P worker holds, by remote host: admits a new one unless it would pass the total
+    or its host's cap. Each admitted connection must `leave` once, when it closes."""
+
+    def __init__(self, max_total: int, max_per_host: int) -> None:
+        self._max_total = max_total
+        self._max_per_host = max_per_host
+        self._by_host: Counter[str] = Counter()
+        self._total = 0
+
+    @property
+    def open(self) -> int:
+        return self._total
+
+    def admit(self, host: str) -> str | None:
+        """Count a new connection from `host`, or return why it is refused (then it is not counted)."""
+        if self._total >= self._max_total:
+            return f"P worker holds {self._total} control connections, limit {self._max_total}"
+        if self._by_host[host] >= self._max_per_host:
+            return (
+                f"{host} holds {self._by_host[host]} control connections to this P worker, limit {self._max_per_host}"
+            )
+        self._by_host[host] += 1
+        self._total += 1
+        return None
+
+    def leave(self, host: str) -> None:
+        """A connection admitted from `host` closed."""
+        self._total -= 1
+        self._by_host[host] -= 1
+        if not self._by_host[host]:
+            del self._by_host[host]

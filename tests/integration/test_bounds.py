@@ -1,0 +1,415 @@
+"""Attacks on a P worker's control port, against a real running P (a `LoopbackEngine` on Mooncake, served from an
+event loop in a thread of this process, so tracemalloc sees every allocation P makes for the attack).
+
+Each attack is the one the bounds answer (docs/operations.md, "Security"): a small hello that claims a stage of
+12.5M layers, a flood of connections past the caps, a frame before the hello past its size, early requests past the
+bytes one D worker may have waiting. Then a hypothesis fuzz of the hello and of every frame type. Work is bounded
+with resource counters (tracemalloc peaks, the service's statistics, connections back to their baseline), never
+timed; after it all P still serves a real transfer byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from msgspec.structs import replace
+
+from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, MAX_LAYERS
+from kvsvc.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    ConvPart,
+    ErrorMessage,
+    FrameReader,
+    Hello,
+    HelloOk,
+    HelloRefused,
+    KVGroup,
+    MambaState,
+    Message,
+    Ping,
+    Pong,
+    Release,
+    TransferDone,
+    TransferFailed,
+    TransferRequest,
+    WindowEmptied,
+    WindowFilled,
+    WorkerMetadata,
+    encode,
+)
+from kvsvc.service import ServiceConfig, ServiceStatistics
+from kvsvc.testing.engines import LoopbackEngine
+from kvsvc.testing.sim import EngineSpec
+
+pytest.importorskip("mooncake.engine")
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+T = TypeVar("T")
+SPEC = EngineSpec(num_blocks=64, block_size=4)
+PER_HOST = 12
+TOTAL = 24
+EARLY_BYTES = 4 * 64 * 8  # four early requests of 64 block ids
+P_CONFIG = ServiceConfig(
+    handshake_timeout_s=2.0,
+    early_request_timeout_s=60.0,  # early requests leave with their connection, never by this timeout here
+    max_control_connections=TOTAL,
+    max_control_connections_per_host=PER_HOST,
+    max_early_request_bytes=EARLY_BYTES,
+)
+REPLY_DEADLINE_S = 30.0  # P answers and closes within its handshake timeout; the host may be loaded
+SETTLE_S = 20.0
+PEAK_BOUND = 8 * 1024 * 1024
+ANSWERS = (HelloOk, HelloRefused, ErrorMessage, TransferFailed, Pong)
+header = struct.Struct(">I")
+
+
+@dataclass
+class Live:
+    loop: asyncio.AbstractEventLoop
+    p: LoopbackEngine
+    d: LoopbackEngine
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(REPLY_DEADLINE_S * 2)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def on_loop() -> T:
+            return fn()
+
+        return self.run(on_loop())
+
+    def stats(self) -> ServiceStatistics:
+        return self.call(self.p.services[(0, 0)].statistics)
+
+    @property
+    def address(self) -> str:
+        return self.p.sim.metas[(0, 0)].control_addr
+
+    @property
+    def p_meta(self) -> WorkerMetadata:
+        return self.p.sim.metas[(0, 0)]
+
+    def transfer(self, tag: str) -> None:
+        """A real transfer from P to D, checked byte for byte."""
+        blocks, tokens = [3, 1, 4], 10
+
+        async def go() -> None:
+            self.p.start_send(f"p-{tag}", tag, blocks, tokens)
+            self.d.start_recv(f"d-{tag}", tag, self.p, blocks, tokens)
+            assert await self.d.wait(f"d-{tag}") == "finished"
+            assert await self.p.wait(f"p-{tag}") == "finished_sending"
+            self.d.check_received(tag, blocks, tokens)
+
+        self.run(go())
+
+    def settled(self) -> None:
+        """Wait until P holds only D's accepted connection and nothing else an attack may have left."""
+
+        def clean(s: ServiceStatistics) -> bool:
+            return (
+                s.control_connections == s.inbound_peers == 1
+                and s.sender.early_requests == s.sender.early_request_bytes == 0
+                and s.holds == s.writes_in_flight == 0
+            )
+
+        deadline = time.monotonic() + SETTLE_S
+        while not clean(self.stats()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert clean(self.stats()), self.stats()
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="bounds-engines", daemon=True)
+    thread.start()
+
+    async def start() -> tuple[LoopbackEngine, LoopbackEngine]:
+        p = await LoopbackEngine("bounds-p", SPEC, config=P_CONFIG).start()
+        d = await LoopbackEngine("bounds-d", SPEC).start()
+        return p, d
+
+    p, d = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+    live = Live(loop, p, d)
+    try:
+        live.transfer("warm-up")  # D's one accepted connection: the baseline every attack must come back to
+        live.settled()
+        yield live
+    finally:
+        live.run(d.close())
+        live.run(p.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@contextlib.contextmanager
+def peak_bytes() -> Iterator[Callable[[], int]]:
+    """The peak of allocations traced in this process (P's loop thread included) inside the block, read after it."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    peak = [0]
+    try:
+        yield lambda: peak[0]
+    finally:
+        peak[0] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+
+def _connect(address: str, source: str = "127.0.0.1") -> socket.socket:
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=REPLY_DEADLINE_S, source_address=(source, 0))
+
+
+def _read_until_closed(sock: socket.socket, until: Callable[[list[Message]], bool] | None = None) -> list[Message]:
+    """Read frames until the worker closes, or until `until` holds (then the deadline only ends the wait).
+
+    Raises:
+        AssertionError: without `until`, the worker kept the connection open past the deadline.
+        MalformedFrame: the worker sent anything but frames.
+    """
+    reader = FrameReader()
+    answers: list[Message] = []
+    deadline = time.monotonic() + REPLY_DEADLINE_S
+    while until is None or not until(answers):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            assert until is not None, f"the worker kept the connection open {REPLY_DEADLINE_S} s; answers: {answers}"
+            break
+        sock.settimeout(left)
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        except TimeoutError:
+            continue
+        if not data:
+            break
+        answers.extend(reader.feed(data))
+    return answers
+
+
+def _exchange(address: str, payload: bytes) -> list[Message]:
+    """Send `payload`, half-close, and read every answer until the worker closes."""
+    with _connect(address) as sock:
+        with contextlib.suppress(ConnectionError):  # the worker may close before it read everything
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+        return _read_until_closed(sock)
+
+
+def _attacker(live: Live, **changes: Any) -> WorkerMetadata:
+    """A D worker of a made-up engine, a copy of the real one (so P's other checks pass)."""
+    return replace(live.d.sim.metas[(0, 0)], engine_id="attacker-d", incarnation="x", **changes)
+
+
+def _hello(live: Live, sender: WorkerMetadata, stages: list[tuple[int, int]] | None = None) -> Hello:
+    p = live.p_meta
+    return Hello(
+        version=PROTOCOL_VERSION,
+        sender=sender,
+        stage_layers=stages if stages is not None else [(sender.start_layer, sender.end_layer)],
+        expect_engine_id=p.engine_id,
+        expect_incarnation=p.incarnation,
+        expect_pp_rank=p.pp_rank,
+        expect_tp_rank=p.tp_rank,
+    )
+
+
+# -- the attacks -----------------------------------------------------------------------------------------------
+
+
+def test_a_small_hello_claiming_a_stage_of_12_5m_layers_is_refused_by_name_and_costs_p_little(live: Live) -> None:
+    # D's own stage is one honest layer; the stage after it, which P used to lay out per TP rank, claims 12.5M.
+    d = live.d.sim.metas[(0, 0)]
+    attacker = _attacker(live, pp_size=2, start_layer=0, end_layer=1, base_addrs=d.base_addrs[:1])
+    payload = encode(_hello(live, attacker, [(0, 1), (1, 12_500_001)]))
+    assert len(payload) < 1024
+    with peak_bytes() as peak:
+        answers = _exchange(live.address, payload)
+    assert len(answers) == 1 and isinstance(answers[0], HelloRefused), answers
+    assert f"sends a stage split of 12500001 layers, limit {MAX_LAYERS}" in answers[0].reason
+    assert peak() < PEAK_BOUND, f"P allocated {peak()} bytes for a {len(payload)}-byte hello"
+    live.settled()
+
+
+def test_a_flood_of_connections_is_refused_past_the_caps_by_name_and_leaves_nothing(live: Live) -> None:
+    baseline = live.stats().control_connections  # D's own, from 127.0.0.1
+    flood = [_connect(live.address) for _ in range(2 * PER_HOST)]
+    try:
+        assert live.stats().control_connections <= PER_HOST
+        answers = [_read_until_closed(sock) for sock in flood]  # the admitted ones at the hello deadline
+    finally:
+        for sock in flood:
+            sock.close()
+    reasons = [a[0].reason for a in answers if len(a) == 1 and isinstance(a[0], HelloRefused)]
+    assert len(reasons) == len(flood), answers
+    over = [r for r in reasons if "limit" in r]
+    assert len(over) == len(flood) - (PER_HOST - baseline), reasons
+    assert set(over) == {f"127.0.0.1 holds {PER_HOST} control connections to this P worker, limit {PER_HOST}"}
+    assert set(reasons) - set(over) == {"no hello within 2 s"}  # the ones within the cap: closed at the deadline
+    live.settled()
+    # The total cap, from two more addresses, each within its own cap.
+    flood = [_connect(live.address, f"127.0.0.{2 + i % 2}") for i in range(TOTAL)]
+    try:
+        assert live.stats().control_connections <= TOTAL
+        answers = [_read_until_closed(sock) for sock in flood]
+    finally:
+        for sock in flood:
+            sock.close()
+    over = [a[0].reason for a in answers if isinstance(a[0], HelloRefused) and "limit" in a[0].reason]
+    assert over and set(over) == {f"P worker holds {TOTAL} control connections, limit {TOTAL}"}, answers
+    live.settled()
+
+
+def test_a_frame_past_the_hello_limit_before_the_hello_is_refused_at_its_header(live: Live) -> None:
+    announced = 1024 * 1024  # well under MAX_FRAME_BYTES, far over a hello
+    with peak_bytes() as peak:
+        # Only what P reads in one go: a close with unread bytes would reset the connection before the answer.
+        answers = _exchange(live.address, header.pack(announced) + b"\x00" * (8 * 1024))
+    expected = f"frame announces {announced} bytes, limit is {MAX_HELLO_FRAME_BYTES}"
+    assert len(answers) == 1 and isinstance(answers[0], ErrorMessage) and answers[0].reason == expected, answers
+    assert peak() < 1024 * 1024
+    # After an accepted hello the usual limit applies: a request of 100 KiB is answered, not cut off.
+    big = TransferRequest(transfer_id="big", block_ids=list(range(10**9, 10**9 + 25_000)), num_tokens=4)
+    answers = _exchange(live.address, encode(_hello(live, _attacker(live))) + encode(big))
+    assert isinstance(answers[0], HelloOk) and len(encode(big)) > 100_000
+    assert isinstance(answers[1], TransferFailed) and "outside the pool" in answers[1].reason, answers
+    live.settled()
+
+
+def test_early_requests_past_the_bytes_one_d_worker_may_have_waiting_are_refused_by_name(live: Live) -> None:
+    requests = [
+        TransferRequest(transfer_id=f"early-{i}", block_ids=list(range(64)), num_tokens=64 * SPEC.block_size)
+        for i in range(EARLY_BYTES // (64 * 8) + 2)
+    ]
+    with _connect(live.address) as sock:
+        sock.sendall(encode(_hello(live, _attacker(live))) + b"".join(encode(r) for r in requests))
+        refused = _read_until_closed(sock, lambda answers: len(answers) >= 3)
+        stats = live.stats().sender
+    assert isinstance(refused[0], HelloOk), refused
+    expected = (
+        "P worker busy: D worker attacker-d[pp0,tp0] has 2048 bytes of block ids waiting for transfers not held yet; "
+        f"this request's 512 would pass max_early_request_bytes={EARLY_BYTES}"
+    )
+    assert refused[1:] == [TransferFailed(transfer_id=r.transfer_id, reason=expected) for r in requests[-2:]], refused
+    assert stats.early_requests == 4 and stats.early_request_bytes == EARLY_BYTES
+    live.settled()  # the connection closed: its early requests went with it
+
+
+# -- fuzz ------------------------------------------------------------------------------------------------------
+
+sizes = st.one_of(st.integers(-2, 4), st.sampled_from([1023, 1024, 1025, 4096, 2**31, 2**63 - 1]))
+layers = st.one_of(st.integers(-2, 8), st.sampled_from([MAX_LAYERS, 12_500_000, 2**40]))
+int_lists = st.lists(st.one_of(st.integers(0, 8), st.integers(-(2**63), 2**64 - 1)), max_size=6)
+mamba = st.builds(
+    MambaState,
+    conv_parts=st.lists(st.builds(ConvPart, channels=sizes, groups=sizes), max_size=20),
+    conv_width=sizes,
+    conv_dtype=st.sampled_from(["bfloat16", "float32", "x"]),
+    ssm_heads=sizes,
+    ssm_head_bytes=sizes,
+    conv_layout=st.sampled_from(["DS", "SD"]),
+)
+groups = st.lists(
+    st.builds(
+        KVGroup,
+        kind=st.sampled_from(["full", "sliding_window", "mamba", "x"]),
+        layers=int_lists,
+        sliding_window=sizes,
+        mamba=st.one_of(st.none(), mamba),
+    ),
+    max_size=4,
+)
+stage_splits = st.lists(st.tuples(layers, layers), max_size=5)
+transfer_ids = st.sampled_from(["t0", "t1", "", "early-0"])
+frames: st.SearchStrategy[Message] = st.one_of(
+    st.builds(
+        TransferRequest,
+        transfer_id=transfer_ids,
+        block_ids=int_lists,
+        num_tokens=sizes,
+        first_token=sizes,
+        window_addr=sizes,
+        window_bytes=sizes,
+        share_bytes=sizes,
+    ),
+    st.builds(WindowFilled, transfer_id=transfer_ids, round=sizes),
+    st.builds(WindowEmptied, transfer_id=transfer_ids, round=sizes),
+    st.builds(Release, transfer_id=transfer_ids),
+    st.builds(Abort, transfer_id=transfer_ids, reason=st.text(max_size=8)),
+    st.builds(TransferDone, transfer_id=transfer_ids, bytes=sizes, descriptors=sizes),
+    st.builds(TransferFailed, transfer_id=transfer_ids, reason=st.text(max_size=8)),
+    st.builds(ErrorMessage, reason=st.text(max_size=8)),
+    st.builds(Ping, nonce=st.integers(0, 2**63 - 1)),
+    st.builds(Pong, nonce=st.integers(0, 2**63 - 1)),
+    st.builds(HelloRefused, version=st.integers(0, 3), reason=st.text(max_size=8)),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_any_hello_and_any_frames_after_it_cost_p_little_and_leave_nothing(live: Live, data: st.DataObject) -> None:
+    # honest: accepted, so the frames after it reach P's Sender; split: D's own stage and metadata are consistent,
+    # the other stages anything; any: every size claimed at random.
+    mode = data.draw(st.sampled_from(["honest", "split", "any"]))
+    d = live.d.sim.metas[(0, 0)]
+    if mode == "honest":
+        sender = _attacker(live)
+        stages = [(sender.start_layer, sender.end_layer)]
+    elif mode == "split":
+        stages = data.draw(st.lists(st.tuples(layers, layers), min_size=1, max_size=4))
+        pp_rank = data.draw(st.integers(0, len(stages) - 1))
+        end = data.draw(st.integers(1, d.num_layers))
+        stages[pp_rank] = (0, end)
+        sender = _attacker(
+            live, pp_size=len(stages), pp_rank=pp_rank, start_layer=0, end_layer=end, base_addrs=d.base_addrs[:end]
+        )
+    else:
+        sender = _attacker(
+            live,
+            pp_size=data.draw(sizes),
+            pp_rank=data.draw(st.integers(-1, 3)),
+            tp_size=data.draw(sizes),
+            tp_rank=data.draw(st.integers(-1, 3)),
+            start_layer=data.draw(layers),
+            end_layer=data.draw(layers),
+            layout=data.draw(st.sampled_from([d.layout, "NHD", "HND_CROSS_LAYER", "x"])),
+            base_addrs=data.draw(st.one_of(st.just(d.base_addrs), int_lists)),
+            num_blocks=data.draw(sizes),
+            block_size=data.draw(st.one_of(st.just(d.block_size), sizes)),
+            kv_groups=data.draw(st.one_of(st.just([]), groups)),
+        )
+        own_stage = [(sender.start_layer, sender.end_layer)]
+        stages = data.draw(st.one_of(st.just(own_stage), stage_splits))
+    after = [encode(m) for m in data.draw(st.lists(frames, max_size=6))]
+    if data.draw(st.booleans()):  # a second hello, anywhere after the first
+        after.insert(data.draw(st.integers(0, len(after))), encode(_hello(live, _attacker(live))))
+    payload = encode(_hello(live, sender, stages)) + b"".join(after)
+    with peak_bytes() as peak:
+        answers = _exchange(live.address, payload)
+    assert answers and all(isinstance(a, ANSWERS) for a in answers), answers
+    assert isinstance(answers[0], HelloOk if mode == "honest" else HelloOk | HelloRefused), answers
+    assert peak() < PEAK_BOUND, f"P allocated {peak()} bytes for {len(payload)} bytes of input"
+    live.settled()  # its connection, and what it asked for, are gone
+
+
+def test_after_the_attacks_and_the_fuzzing_p_holds_nothing_and_still_serves(live: Live) -> None:
+    live.settled()
+    stats = live.stats()
+    assert stats.protocol_errors > 0 and stats.write_failures == 0
+    live.transfer("after-the-attacks")
+    live.settled()

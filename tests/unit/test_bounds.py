@@ -1,0 +1,293 @@
+"""Bounds on what a peer can make a P worker hold (`kvsvc.bounds`, the hello and the `Sender`'s early requests): every
+claim is checked whole before anything is built from it, and the work a refused claim costs is measured with
+tracemalloc, not timed."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsvc.bounds import (
+    MAX_CONV_PARTS,
+    MAX_HELLO_FRAME_BYTES,
+    MAX_KV_GROUPS,
+    MAX_LAYERS,
+    MAX_WORKERS,
+    ControlConnections,
+)
+from kvsvc.cli.plan import synthetic_engine
+from kvsvc.hello import HelloAccepted, HelloRefusal, accept_hello, make_hello
+from kvsvc.messages import (
+    ConvPart,
+    Hello,
+    HelloRefused,
+    KVGroup,
+    MambaState,
+    TransferFailed,
+    TransferRequest,
+    WorkerMetadata,
+    WorkerRef,
+    encode,
+)
+from kvsvc.sender import Reply, Sender
+
+P = synthetic_engine("P", pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
+D = synthetic_engine("D", pp_size=2, tp_size=2, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
+P0, D0 = P[(0, 0)], D[(0, 0)]
+
+
+@contextmanager
+def peak_bytes() -> Iterator[Callable[[], int]]:
+    """The peak of traced allocations inside the block, read after it."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    peak = [0]
+    try:
+        yield lambda: peak[0]
+    finally:
+        peak[0] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+
+def hello_of(d: WorkerMetadata, stages: list[tuple[int, int]], p: WorkerMetadata = P0) -> Hello:
+    return msgspec.structs.replace(make_hello(d, D, p, None), sender=d, stage_layers=stages)
+
+
+def huge_stage_hello() -> Hello:
+    """The attack: D's own stage is one honest layer, the stage after it claims 12.5M layers."""
+    d = msgspec.structs.replace(D0, start_layer=0, end_layer=1, base_addrs=D0.base_addrs[:1])
+    return hello_of(d, [(0, 1), (1, 12_500_001)])
+
+
+def test_a_hello_claiming_a_stage_of_12_5m_layers_is_refused_by_name_before_anything_is_built() -> None:
+    hello = huge_stage_hello()
+    assert len(encode(hello)) < 1024  # a small frame
+    with peak_bytes() as peak:
+        decision = accept_hello(P0, hello, token=None)
+    assert isinstance(decision, HelloRefusal) and isinstance(decision.reply, HelloRefused)
+    assert "stage split of 12500001 layers, limit 1024" in decision.reason
+    assert peak() < 256 * 1024, f"refusing it allocated {peak()} bytes"
+
+
+def largest_hello(layout: str, layers: int = MAX_LAYERS) -> Hello:
+    """The largest hello a real D worker sends for a model of `layers` layers: every layer in its one stage, a hybrid
+    model's three groups with a Mamba state, long names and addresses."""
+    mamba = MambaState(
+        conv_parts=[ConvPart(channels=16384, groups=128), ConvPart(channels=2048, groups=8)] * 2,
+        conv_width=3,
+        conv_dtype="torch.bfloat16",
+        ssm_heads=128,
+        ssm_head_bytes=64 * 128 * 4,
+    )
+    groups = [
+        KVGroup(kind="full", layers=list(range(0, layers, 4))),
+        KVGroup(kind="sliding_window", sliding_window=4096, layers=list(range(1, layers, 4))),
+        KVGroup(kind="mamba", layers=[layer for layer in range(layers) if layer % 4 >= 2], mamba=mamba),
+    ]
+    per_layer = layout != "HND_CROSS_LAYER"
+    d = msgspec.structs.replace(
+        D0,
+        engine_id="decode-" + "x" * 58,
+        incarnation="f" * 32,
+        pp_size=1,
+        pp_rank=0,
+        start_layer=0,
+        end_layer=layers,
+        layout=layout,
+        num_blocks=2**31,
+        base_addrs=[2**64 - 1 - i for i in range(layers if per_layer else 1)],
+        transport_addr="[2001:db8:ffff:ffff:ffff:ffff:ffff:ffff]:65535",
+        control_addr="[2001:db8:ffff:ffff:ffff:ffff:ffff:ffff]:65535",
+        samehost_addr="/run/kvsvc/" + "s" * 96,
+        staging_addr=2**63,
+        staging_size=2**40,
+        accepts_windows=True,
+        kv_groups=groups,
+    )
+    hello = make_hello(d, {(0, 0): d}, P0, token="t" * 128)
+    return msgspec.structs.replace(hello, expect_engine_id="prefill-" + "y" * 56, expect_incarnation="e" * 32)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD", "HND_CROSS_LAYER"])
+@pytest.mark.parametrize("layers", [128, MAX_LAYERS])
+def test_the_largest_legitimate_hello_fits_the_frame_limit_before_the_hello(layout: str, layers: int) -> None:
+    size = len(encode(largest_hello(layout, layers)))
+    assert size <= MAX_HELLO_FRAME_BYTES, f"a hello of {layers} layers ({layout}) is {size} bytes"
+    if layers == 128:
+        assert size * 4 <= MAX_HELLO_FRAME_BYTES  # a real model's hello has room to spare
+
+
+def _cross_layer_d(base_addrs: list[int]) -> WorkerMetadata:
+    return msgspec.structs.replace(D0, layout="HND_CROSS_LAYER", base_addrs=base_addrs)
+
+
+@pytest.mark.parametrize(
+    ("d", "stages", "reason"),
+    [
+        (msgspec.structs.replace(D0, tp_size=2048), [(0, 2), (2, 4)], "tp_size 2048, pp_size 2; each must be 1 to"),
+        (msgspec.structs.replace(D0, tp_size=1024), [(0, 2), (2, 4)], "= 2048 workers, limit 1024"),
+        (D0, [(0, 2)], "a stage split of 1 stages for pp_size 2"),
+        (D0, [(0, 2), (3, 4)], "expected a non-empty range from 2"),
+        (D0, [(0, 2), (2, 2)], "stage 1 holds [2, 2)"),
+        (D0, [(0, 2), (1, 4)], "expected a non-empty range from 2"),
+        (D0, [(0, 2), (2, 3)], "stage split of 3 layers; this P worker holds layers [0, 4)"),
+        (D0, [(0, 2), (2, 6)], "stage split of 6 layers; the model has 4"),
+        (msgspec.structs.replace(D0, base_addrs=[1, 2, 3]), [(0, 2), (2, 4)], "3 base_addrs for 2 layers"),
+        (_cross_layer_d([1, 2]), [(0, 2), (2, 4)], "2 base_addrs for layout HND_CROSS_LAYER"),
+        (
+            msgspec.structs.replace(D0, kv_groups=[KVGroup(kind="full", layers=[0])] * (MAX_KV_GROUPS + 1)),
+            [(0, 2), (2, 4)],
+            f"{MAX_KV_GROUPS + 1} KV cache groups, limit {MAX_KV_GROUPS}",
+        ),
+        (
+            msgspec.structs.replace(D0, kv_groups=[KVGroup(kind="full", layers=[0, 1, 0])]),
+            [(0, 2), (2, 4)],
+            "KV cache groups list 3 layers; it holds 2",
+        ),
+        (
+            msgspec.structs.replace(
+                D0,
+                kv_groups=[
+                    KVGroup(
+                        kind="mamba",
+                        layers=[0, 1],
+                        mamba=MambaState(
+                            conv_parts=[ConvPart(channels=1, groups=1)] * (MAX_CONV_PARTS + 1),
+                            conv_width=1,
+                            conv_dtype="bfloat16",
+                            ssm_heads=1,
+                            ssm_head_bytes=1,
+                        ),
+                    )
+                ],
+            ),
+            [(0, 2), (2, 4)],
+            f"group 0 has {MAX_CONV_PARTS + 1} conv parts, limit {MAX_CONV_PARTS}",
+        ),
+    ],
+)
+def test_every_claim_of_a_hello_is_bounded_and_refused_by_name(
+    d: WorkerMetadata, stages: list[tuple[int, int]], reason: str
+) -> None:
+    decision = accept_hello(P0, hello_of(d, stages), token=None)
+    assert isinstance(decision, HelloRefusal), decision
+    assert reason in decision.reason and str(WorkerRef.of(d)) in decision.reason
+
+
+def test_a_p_worker_of_an_early_stage_refuses_a_model_that_ends_before_its_layers() -> None:
+    p2 = synthetic_engine(
+        "P", pp_size=2, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8
+    )
+    first = p2[(0, 0)]  # layers [0, 2): it cannot tell the model's size, only that it has 2 layers at least
+    d = msgspec.structs.replace(D0, pp_size=1, start_layer=0, end_layer=1, base_addrs=D0.base_addrs[:1])
+    decision = accept_hello(first, hello_of(d, [(0, 1)], first), token=None)
+    assert isinstance(decision, HelloRefusal) and "this P worker holds layers [0, 2)" in decision.reason
+    accepted = accept_hello(first, hello_of(D0, [(0, 2), (2, 4)], first), token=None)
+    assert isinstance(accepted, HelloAccepted)
+
+
+def test_the_layout_of_d_workers_known_only_by_layout_shares_one_address_list_per_stage() -> None:
+    d = msgspec.structs.replace(D0, tp_size=8)
+    decision = accept_hello(P0, hello_of(d, [(0, 2), (2, 4)]), token=None)
+    assert isinstance(decision, HelloAccepted) and len(decision.peer_engine) == 16
+    lists = {id(meta.base_addrs) for meta in decision.peer_engine.values()}
+    assert len(lists) == 2 and all(len(m.base_addrs) == m.num_layers for m in decision.peer_engine.values())
+
+
+stage_splits = st.lists(st.tuples(st.integers(-5, 2**40), st.integers(-5, 2**40)), min_size=1, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pp_size=st.integers(-1, 2**31),
+    tp_size=st.integers(-1, 2**31),
+    split=st.one_of(stage_splits, st.just([(0, 12_500_000)])),
+    own=st.tuples(st.integers(-5, 2**40), st.integers(-5, 2**40)),
+    addrs=st.integers(0, 3),
+)
+def test_any_claimed_sizes_are_accepted_only_within_the_bounds_and_never_cost_more_than_the_bounds(
+    pp_size: int, tp_size: int, split: list[tuple[int, int]], own: tuple[int, int], addrs: int
+) -> None:
+    d = msgspec.structs.replace(
+        D0, pp_size=pp_size, tp_size=tp_size, start_layer=own[0], end_layer=own[1], base_addrs=[0] * addrs
+    )
+    with peak_bytes() as peak:
+        decision = accept_hello(P0, hello_of(d, split), token=None)
+    if isinstance(decision, HelloAccepted):
+        assert len(decision.peer_engine) == pp_size * tp_size <= MAX_WORKERS
+        assert split[-1][1] == P0.end_layer  # P holds the model's last stage: D's split covers the same model
+    # Far less than the bounds allow at worst (MAX_WORKERS layout-only workers); nothing sized by a bare claim.
+    assert peak() < 4 * 1024 * 1024, f"{peak()} bytes for {pp_size} x {tp_size}, stages {split}"
+
+
+# -- who may hold a connection ---------------------------------------------------------------------------------
+
+
+def test_control_connections_are_admitted_up_to_the_total_and_per_host_caps_and_leave_once() -> None:
+    connections = ControlConnections(max_total=3, max_per_host=2)
+    assert connections.admit("10.0.0.1") is None and connections.admit("10.0.0.1") is None
+    assert connections.admit("10.0.0.1") == "10.0.0.1 holds 2 control connections to this P worker, limit 2"
+    assert connections.admit("10.0.0.2") is None
+    assert connections.admit("10.0.0.3") == "P worker holds 3 control connections, limit 3"
+    assert connections.open == 3
+    connections.leave("10.0.0.1")
+    assert connections.admit("10.0.0.3") is None
+    for host in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        connections.leave(host)
+    assert connections.open == 0
+
+
+# -- early requests --------------------------------------------------------------------------------------------
+
+D1 = WorkerRef.of(D[(0, 1)])
+D0_REF = WorkerRef.of(D0)
+EVERY_D = frozenset(D)
+
+
+def early(transfer_id: str, blocks: int) -> TransferRequest:
+    return TransferRequest(transfer_id=transfer_id, block_ids=list(range(blocks)), num_tokens=blocks)
+
+
+def test_early_requests_are_bounded_in_block_id_bytes_per_d_worker() -> None:
+    sender = Sender(max_early_request_bytes=8 * 100)
+    assert sender.request(D0_REF, EVERY_D, early("t1", 60), 0.0) == []
+    refused = sender.request(D0_REF, EVERY_D, early("t2", 41), 0.0)
+    assert refused == [
+        Reply(
+            D0_REF,
+            TransferFailed(
+                transfer_id="t2",
+                reason=f"P worker busy: D worker {D0_REF} has 480 bytes of block ids waiting for transfers not held "
+                "yet; this request's 328 would pass max_early_request_bytes=800",
+            ),
+        )
+    ]
+    assert sender.request(D0_REF, EVERY_D, early("t3", 40), 0.0) == []  # up to the bound exactly
+    assert sender.request(D1, EVERY_D, early("t2", 100), 0.0) == []  # another D worker has a bound of its own
+    assert sender.statistics().early_request_bytes == 1600
+
+
+@pytest.mark.parametrize("how", ["hold", "expire", "peer_lost", "abort", "shut_down"])
+def test_the_bytes_of_an_early_request_are_given_back_however_it_leaves(how: str) -> None:
+    sender = Sender(max_early_request_bytes=8 * 100, early_request_timeout_s=10.0)
+    sender.request(D0_REF, EVERY_D, early("t1", 100), 0.0)
+    assert sender.statistics().early_request_bytes == 800
+    if how == "hold":
+        sender.hold("r1", "t1", [0] * 100, 100, 1.0)
+    elif how == "expire":
+        sender.expire(11.0)
+    elif how == "peer_lost":
+        sender.peer_lost(D0_REF)
+    elif how == "abort":
+        sender.remote_abort(D0_REF, "t1", "gone", 1.0, EVERY_D)
+    else:
+        sender.shut_down("closing")
+    assert sender.statistics().early_request_bytes == 0
+    if how != "hold":
+        assert sender.request(D0_REF, EVERY_D, early("t9", 100), 1.0) == []  # room again
