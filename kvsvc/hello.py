@@ -26,6 +26,7 @@ from kvsvc.messages import (
     Hello,
     HelloOk,
     HelloRefused,
+    KVGroup,
     Message,
     Worker,
     WorkerMetadata,
@@ -139,6 +140,23 @@ def _d_engine(me: WorkerMetadata, hello: Hello) -> dict[Worker, WorkerMetadata]:
     for pp, (start, end) in enumerate(stages):
         # One list of placeholder addresses per stage, shared by its ranks: P plans who it sources, never writes there.
         addrs = [0] * (1 if d.layout == CROSS_LAYER else end - start)
+        groups = d.kv_groups if pp == d.pp_rank else _stage_groups(d.kv_groups, me.kv_groups, start, end)
         for tp in range(d.tp_size):
-            engine[(pp, tp)] = replace(d, pp_rank=pp, tp_rank=tp, start_layer=start, end_layer=end, base_addrs=addrs)
+            engine[(pp, tp)] = replace(
+                d, pp_rank=pp, tp_rank=tp, start_layer=start, end_layer=end, base_addrs=addrs, kv_groups=groups
+            )
     return engine
+
+
+def _stage_groups(d_groups: list[KVGroup], p_groups: list[KVGroup], start: int, end: int) -> list[KVGroup]:
+    """The KV cache groups of another stage of D, as far as P needs them: D's groups (kinds, windows, state) over
+    the stage's layers `[start, end)`, each layer in the group P keeps it in (both sides group the model alike, and
+    P plans only the layers it holds); a layer P does not hold goes to the first group, where no plan reads it."""
+    if not d_groups:
+        return d_groups
+    group_of = {layer: i for i, group in enumerate(p_groups) for layer in group.layers}
+    layers: list[list[int]] = [[] for _ in d_groups]
+    for layer in range(start, end):
+        index = group_of.get(layer, 0)
+        layers[index if index < len(d_groups) else 0].append(layer)
+    return [replace(group, layers=members) for group, members in zip(d_groups, layers, strict=True)]

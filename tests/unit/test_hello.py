@@ -64,3 +64,28 @@ def test_d_refuses_an_answer_from_another_p_than_its_engine_published() -> None:
     restarted = msgspec.structs.replace(P0, incarnation="new")
     with pytest.raises(PeerMismatch, match="other metadata than its engine published"):
         check_hello_reply(P0, HelloOk(version=1, sender=restarted))
+
+
+def test_p_lays_out_a_hybrid_d_at_pp2_from_one_stage_hello() -> None:
+    """A hybrid D at PP 2 sends its own stage's groups only: P lays out the other stage with D's kinds over that
+    stage's layers, as P groups them, and learns it sources both stages (a hello from either stage once crashed P
+    checking the other stage's layers against the sender's groups)."""
+    from kvsvc.messages import KVGroup, WorkerMetadata
+
+    def grouped(meta: WorkerMetadata, layers: range) -> WorkerMetadata:
+        kinds = [
+            KVGroup(kind="sliding_window", layers=[i for i in layers if i % 3 == 0], sliding_window=96),
+            KVGroup(kind="sliding_window", layers=[i for i in layers if i % 3 == 1], sliding_window=96),
+            KVGroup(kind="full", layers=[i for i in layers if i % 3 == 2]),
+        ]
+        return msgspec.structs.replace(meta, kv_groups=kinds, null_block=0)
+
+    shape = dict(tp_size=1, num_layers=6, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
+    p = grouped(synthetic_engine("P", pp_size=1, **shape)[(0, 0)], range(6))
+    d = {w: grouped(m, range(m.start_layer, m.end_layer)) for w, m in synthetic_engine("D", pp_size=2, **shape).items()}
+    for sender in d.values():
+        decision = accept_hello(p, make_hello(sender, d, p, None), token=None)
+        assert isinstance(decision, HelloAccepted), decision
+        assert decision.expected == frozenset(d)
+        assert decision.peer_engine[(0, 0)].kv_groups == d[(0, 0)].kv_groups
+        assert decision.peer_engine[(1, 0)].kv_groups == d[(1, 0)].kv_groups

@@ -33,6 +33,8 @@ from typing import Any, TypedDict
 from kvsvc.testing.vllm import EngineConfig, EngineError, Output, VllmEngine, write_tiny_llama
 
 MODULE = "workers.bench.vllm_connectors"
+
+
 class _Shape(TypedDict):
     num_hidden_layers: int
     num_attention_heads: int
