@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvsvc.groups import FULL, MAMBA
+from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW
 from kvsvc.vllm.params import (
     ParamsError,
     RemotePrefill,
@@ -168,8 +168,13 @@ class SchedulerFlow:
         return req_id in self._producers and self.keeps_state
 
     def _moved(self, prompt_len: int) -> int:
-        """The prompt tokens whose KV (and state) move from P to D."""
-        return prompt_len - 1 if self.keeps_state and prompt_len > 1 else prompt_len
+        """The prompt tokens whose KV (and state) move from P to D: all but the last where D must compute the last
+        itself. A state model's state cannot be un-applied. A sliding-window model's D drops the blocks the window
+        has passed as of the tokens it loads; loading the whole prompt, vLLM recomputes its last token, whose window
+        reaches one token further back, into a block D already dropped (its null block): so D loads one token less
+        and computes the last, whose window its blocks then hold."""
+        drops = self.keeps_state or SLIDING_WINDOW in self.group_kinds
+        return prompt_len - 1 if drops and prompt_len > 1 else prompt_len
 
     def _flat(self, groups: Sequence[Sequence[int]], num_tokens: int) -> tuple[int, ...]:
         """The blocks of `num_tokens` tokens as kvsvc carries them: each group's list, one group after another, all

@@ -48,7 +48,12 @@ def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks(
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     assert not f.drops_last_token("r1")
     f.scheduled("r1", 0, 40, [[7, 8, 9, 10], [0, 0, 12, 13]])
-    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 40),)
+    # The last prompt token stays D's to compute: loading all 40, vLLM would recompute it over a window reaching
+    # one token further back than the blocks D kept.
+    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 39),)
+    d = SchedulerFlow("D-engine", "", BS, (FULL, SLIDING_WINDOW))
+    d.on_new_request("d1", PROMPT, p_params())
+    assert d.matched_tokens("d1", 40, 0) == (39, True)
     three = SchedulerFlow("P", "", BS, (FULL, FULL, FULL))
     three.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     with pytest.raises(ValueError, match="2 block lists for 3 KV cache groups"):
