@@ -1,9 +1,10 @@
 """Wire messages: a worker's published metadata and the control-channel protocol between a D and a P worker.
 
 Rules: every message is a frozen msgspec `Struct` with a tag, so one tagged union decodes any frame; the hello
-carries the protocol version and both sides' metadata. A frame on the wire is a 4-byte big-endian length followed
-by a msgpack body. `decode` and `FrameReader` turn any malformed, truncated, oversized or unknown input into
-`MalformedFrame` (a `RemoteProtocolError`), never another exception. Pure module: no I/O, no asyncio.
+carries the protocol version and both sides' metadata, D's only after P proved the deployment's key
+(`kvsvc.hello`). A frame on the wire is a 4-byte big-endian length followed by a msgpack body. `decode` and
+`FrameReader` turn any malformed, truncated, oversized or unknown input into `MalformedFrame` (a
+`RemoteProtocolError`), never another exception. Pure module: no I/O, no asyncio.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvsvc.errors import MalformedFrame, VersionMismatch
 Worker = tuple[int, int]
 """A worker's `(pp_rank, tp_rank)` in its engine."""
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 # The handshake endpoint: where an engine serves its workers' metadata (`encode_engine_metadata`), and its limits.
 METADATA_PATH: Final = "/kvsvc/v1/metadata"
 METADATA_CONTENT_TYPE: Final = "application/msgpack"
@@ -112,12 +113,40 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
         return (self.pp_rank, self.tp_rank)
 
 
+class HelloStart(msgspec.Struct, tag="hello_start", frozen=True, kw_only=True):
+    """D to P, first frame of a control connection: which D worker opens it (its identity, nothing of its pool),
+    which P worker it expects to reach, and a fresh random `nonce`. `keyed`: D has a control token, so it expects
+    P's proof of it (`kvsvc.hello`)."""
+
+    version: int
+    engine_id: str
+    incarnation: str
+    pp_rank: int
+    tp_rank: int
+    expect_engine_id: str
+    expect_incarnation: str
+    expect_pp_rank: int
+    expect_tp_rank: int
+    nonce: bytes
+    keyed: bool
+
+
+class HelloChallenge(msgspec.Struct, tag="hello_challenge", frozen=True, kw_only=True):
+    """P to D: P's own metadata (as its engine published it), P's fresh `nonce`, and P's `proof` of the key over
+    both nonces and both identities; an empty proof from a P worker without a control token."""
+
+    version: int
+    sender: WorkerMetadata
+    nonce: bytes
+    proof: bytes
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
-    """D to P, first frame of a control connection: who D is and which P worker it expects to reach.
+    """D to P, once P's proof verified: who D is and which P worker it expects to reach, with D's `proof` of the
+    key (empty without a control token).
 
     `stage_layers` is D's engine split, `[start, end)` per PP stage, so P can work out which D workers it
-    sources and therefore how many requests to expect for each transfer. `token` is the deployment's control
-    token (`ServiceConfig.control_token`); "" when none is configured, and from peers that predate it.
+    sources and therefore how many requests to expect for each transfer.
     """
 
     version: int
@@ -127,7 +156,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     expect_incarnation: str
     expect_pp_rank: int
     expect_tp_rank: int
-    token: str = ""
+    proof: bytes = b""
 
 
 class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):
@@ -222,7 +251,9 @@ class Pong(msgspec.Struct, tag="pong", frozen=True, kw_only=True):
 
 
 Message = (
-    Hello
+    HelloStart
+    | HelloChallenge
+    | Hello
     | HelloOk
     | HelloRefused
     | TransferRequest

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Final, Self
 
@@ -48,8 +48,8 @@ class ServeOptions:
     dtype: str = "bfloat16"
     host: str = "127.0.0.1"
     port: int = 0
-    token: str | None = None
-    control_token: str | None = None  # ServiceConfig.control_token of every worker
+    token: str | None = field(default=None, repr=False)
+    control_token: str | None = field(default=None, repr=False)  # ServiceConfig.control_token of every worker
     staging_mib: int = 64  # each worker's staging region for staged writes and windows (0: every write direct)
     transport: str = "auto"  # ServiceConfig.transport of every worker: auto, mooncake or samehost
 
