@@ -373,3 +373,16 @@ def test_keys_vllm_or_a_router_add_are_ignored() -> None:
     f = flow()
     f.on_new_request("d1", PROMPT, {**p_params(), "vllm_extra": [1, 2], "router": "x"})
     assert f.matched_tokens("d1", len(PROMPT), 0) == (len(PROMPT), True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.sampled_from(sorted(p_params()[SIGNED])),  # type: ignore[arg-type]
+    value=st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=40), st.booleans(), st.none()),
+)
+def test_any_change_to_a_signed_field_is_refused(name: str, value: object) -> None:
+    params = p_params()
+    if type(value) is type(params[name]) and value == params[name]:
+        return
+    with pytest.raises(ParamsError, match="does not verify"):
+        parse_remote_prefill({**params, name: value}, KEY)
