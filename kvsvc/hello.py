@@ -1,22 +1,34 @@
-"""The hello that opens every control connection, as sans-IO decisions: D builds it and checks P's answer; P accepts
-or refuses it.
+"""The hello that opens every control connection, as sans-IO decisions: D opens it, answers P's challenge and checks
+P's acceptance; P challenges D and accepts or refuses it.
 
 Pure module: standard library and kvsvc's pure core only. The hello is the last step of the handshake, which in kvsvc
 means everything a D worker does to meet a P engine: fetch its published worker metadata, connect to the P workers
-it needs, and hello each. Rules: P refuses before anything is built from D's claims (a token that differs, another
-protocol version, a hello meant for another worker or engine start, sizes past `kvsvc.bounds`, a stage split that
-contradicts D's own layers or P's model, a layout P cannot write into); every refusal says why, and the reason
-never echoes the token; D accepts only the P worker its engine published, byte for byte.
+it needs, and hello each. The exchange is a mutual challenge-response over a key derived from the deployment's
+control token (`kvsvc.auth.HELLO_KEY`), which never goes on the wire:
+
+    D -> P  HelloStart      D's identity, the P worker it expects, D's nonce, whether D has a key
+    P -> D  HelloChallenge  P's metadata, P's nonce, P's proof: HMAC(key, "P", both nonces, both identities)
+    D -> P  Hello           once P's proof verified: D's metadata and stage split, D's proof (label "D")
+    P -> D  HelloOk         once D's proof verified and P can serve D's layout (else HelloRefused)
+
+Rules: D sends nothing of its pool before P proved the key, and P builds nothing from D's claims before D proved it
+(then: another protocol version, a hello meant for another worker or engine start, sizes past `kvsvc.bounds`, a
+stage split that contradicts D's own layers or P's model, a layout P cannot write into, a same-host address in
+`transport_addr` are refused); a proof is only computed once the other side's nonce is known, and D computes its
+own only after P's verified, so neither side is an oracle for the other. Without a key on either side the proofs
+are empty and unchecked; a key on one side only is refused. Every refusal says why; D accepts only the P worker its
+engine published, byte for byte.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from msgspec.structs import replace
 
+from kvsvc.auth import NONCE_BYTES, Key, hello_proof, hello_proof_verifies
 from kvsvc.bounds import check_hello_bounds
 from kvsvc.errors import HandshakeError, PeerMismatch, TopologyError, VersionMismatch
 from kvsvc.layout import CROSS_LAYER
@@ -24,8 +36,10 @@ from kvsvc.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
     Hello,
+    HelloChallenge,
     HelloOk,
     HelloRefused,
+    HelloStart,
     KVGroup,
     Message,
     Worker,
@@ -35,6 +49,16 @@ from kvsvc.messages import (
 )
 from kvsvc.planner import check_compatible, expected_destinations
 from kvsvc.transports import check_transport_addr
+
+_NO_KEY: Final = "every engine of the deployment needs the same control token, or none has one"
+
+
+@dataclass(frozen=True, slots=True)
+class HelloChallenged:
+    """P challenged D: `reply` goes back, and D's `Hello` is checked against `start` (`accept_hello`)."""
+
+    start: HelloStart
+    reply: HelloChallenge
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +81,76 @@ class HelloRefusal:
     reply: HelloRefused | ErrorMessage
 
 
-def make_hello(
-    me: WorkerMetadata, own_engine: Mapping[Worker, WorkerMetadata], p: WorkerMetadata, token: str | None
+# -- D's side ----------------------------------------------------------------------------------------------------
+
+
+def open_hello(me: WorkerMetadata, p: WorkerMetadata, key: Key | None, nonce: bytes) -> HelloStart:
+    """D worker `me`'s first frame to P worker `p` as `p`'s engine published it; `nonce` is fresh and random."""
+    return HelloStart(
+        version=PROTOCOL_VERSION,
+        engine_id=me.engine_id,
+        incarnation=me.incarnation,
+        pp_rank=me.pp_rank,
+        tp_rank=me.tp_rank,
+        expect_engine_id=p.engine_id,
+        expect_incarnation=p.incarnation,
+        expect_pp_rank=p.pp_rank,
+        expect_tp_rank=p.tp_rank,
+        nonce=nonce,
+        keyed=key is not None,
+    )
+
+
+def answer_challenge(
+    me: WorkerMetadata,
+    own_engine: Mapping[Worker, WorkerMetadata],
+    p: WorkerMetadata,
+    start: HelloStart,
+    reply: Message,
+    key: Key | None,
 ) -> Hello:
-    """D's hello to P worker `p` as `p`'s engine published it; `own_engine` is D's engine (its stage split)."""
+    """D's check of P worker `p`'s answer to `start`, and D's `Hello` once it holds: P's proof verified.
+
+    Raises:
+        HandshakeError: P refused, answered with something else, another version, a key D lacks (or none where D
+            has one), or a proof that does not verify.
+        PeerMismatch: P is not the worker its engine published (another start, other metadata).
+    """
+    ref = WorkerRef.of(p)
+    if isinstance(reply, HelloRefused):
+        raise HandshakeError(f"{ref} refused the hello: {reply.reason}")
+    if not isinstance(reply, HelloChallenge):
+        raise HandshakeError(f"{ref} answered the hello with {type(reply).__name__}")
+    try:
+        check_version(reply.version)
+    except VersionMismatch as exc:
+        raise HandshakeError(f"{ref}: {exc}") from None
+    if reply.sender != p:
+        raise PeerMismatch(
+            f"{ref} says it is {WorkerRef.of(reply.sender)} with other metadata than its engine published"
+        )
+    if key is None:
+        if reply.proof:
+            raise HandshakeError(f"{ref} proves a control token and this D worker has none: {_NO_KEY}")
+        return make_hello(me, own_engine, p, b"")
+    if not reply.proof:
+        raise HandshakeError(f"{ref} proves no control token and this D worker has one: {_NO_KEY}")
+    d_id, p_id = _identity(start), tuple(ref)
+    if len(reply.nonce) != NONCE_BYTES or not hello_proof_verifies(
+        key, reply.proof, b"P", start.nonce, reply.nonce, d_id, p_id
+    ):
+        raise HandshakeError(
+            f"{ref} failed to prove this deployment's control token (its proof does not verify): this D worker "
+            "sends it nothing more"
+        )
+    return make_hello(me, own_engine, p, hello_proof(key, b"D", start.nonce, reply.nonce, d_id, p_id))
+
+
+def make_hello(
+    me: WorkerMetadata, own_engine: Mapping[Worker, WorkerMetadata], p: WorkerMetadata, proof: bytes
+) -> Hello:
+    """D's hello to P worker `p` as `p`'s engine published it, with D's `proof`; `own_engine` is D's engine (its
+    stage split)."""
     stages = sorted({(m.pp_rank, m.start_layer, m.end_layer) for m in own_engine.values()})
     return Hello(
         version=PROTOCOL_VERSION,
@@ -70,7 +160,7 @@ def make_hello(
         expect_incarnation=p.incarnation,
         expect_pp_rank=p.pp_rank,
         expect_tp_rank=p.tp_rank,
-        token=token or "",
+        proof=proof,
     )
 
 
@@ -92,21 +182,69 @@ def check_hello_reply(p: WorkerMetadata, reply: Message) -> None:
         )
 
 
-def accept_hello(me: WorkerMetadata, first: Message, token: str | None) -> HelloAccepted | HelloRefusal:
-    """P worker `me`'s decision on the first frame of a connection; `token` is the deployment's control token."""
-    if not isinstance(first, Hello):
-        reason = f"expected hello as the first frame, got {type(first).__name__}"
+# -- P's side ----------------------------------------------------------------------------------------------------
+
+
+def challenge_hello(
+    me: WorkerMetadata, first: Message, key: Key | None, nonce: bytes
+) -> HelloChallenged | HelloRefusal:
+    """P worker `me`'s decision on the first frame of a connection: its challenge (with its proof, computed over
+    D's nonce and P's fresh random `nonce`), or a refusal."""
+    if not isinstance(first, HelloStart | Hello):
+        reason = f"expected hello_start as the first frame, got {type(first).__name__}"
         return HelloRefusal(reason, ErrorMessage(reason=reason))
-    if token is not None and not hmac.compare_digest(first.token.encode(), token.encode()):
-        return _refused("the hello does not carry this deployment's control token")
     try:
         check_version(first.version)
-        d_engine = _d_engine(me, first)
+    except VersionMismatch as exc:
+        return _refused(str(exc))
+    if isinstance(first, Hello):
+        return _refused("expected hello_start as the first frame, got hello")
+    d = _identity(first)
+    expected = (first.expect_engine_id, first.expect_incarnation, first.expect_pp_rank, first.expect_tp_rank)
+    actual = (me.engine_id, me.incarnation, me.pp_rank, me.tp_rank)
+    if expected != actual:
+        return _refused(f"hello expects engine/incarnation/pp/tp {expected}, this worker is {actual}")
+    who = f"D worker {first.engine_id}[pp{first.pp_rank},tp{first.tp_rank}]"
+    if key is not None and not first.keyed:
+        return _refused(f"{who} has no control token and this P worker has one: {_NO_KEY}")
+    if key is None and first.keyed:
+        return _refused(f"{who} has a control token and this P worker has none: {_NO_KEY}")
+    if len(first.nonce) != NONCE_BYTES:
+        return _refused(f"{who} sent a nonce of {len(first.nonce)} bytes, expected {NONCE_BYTES}")
+    proof = b"" if key is None else hello_proof(key, b"P", first.nonce, nonce, d, tuple(WorkerRef.of(me)))
+    return HelloChallenged(first, HelloChallenge(version=PROTOCOL_VERSION, sender=me, nonce=nonce, proof=proof))
+
+
+def accept_hello(
+    me: WorkerMetadata, challenged: HelloChallenged, second: Message, key: Key | None
+) -> HelloAccepted | HelloRefusal:
+    """P worker `me`'s decision on D's `Hello`, the frame after its challenge: D's proof first, then its claims."""
+    if not isinstance(second, Hello):
+        reason = f"expected hello after the challenge, got {type(second).__name__}"
+        return HelloRefusal(reason, ErrorMessage(reason=reason))
+    start, nonce = challenged.start, challenged.reply.nonce
+    d_id = _identity(start)
+    if key is None and second.proof:
+        return _refused(f"D worker {second.sender.engine_id} proves a control token and this P worker has none")
+    if key is not None and not hello_proof_verifies(
+        key, second.proof, b"D", start.nonce, nonce, d_id, tuple(WorkerRef.of(me))
+    ):
+        return _refused("the hello does not prove this deployment's control token")
+    if tuple(WorkerRef.of(second.sender)) != d_id:
+        return _refused(f"the hello comes from {WorkerRef.of(second.sender)}, the connection was opened as {d_id}")
+    try:
+        check_version(second.version)
+        d_engine = _d_engine(me, second)
     except (VersionMismatch, PeerMismatch, TopologyError) as exc:
         return _refused(str(exc))
-    d = first.sender
+    d = second.sender
     expected = frozenset(expected_destinations(me, d_engine))
     return HelloAccepted(WorkerRef.of(d), d, d_engine, expected, HelloOk(version=PROTOCOL_VERSION, sender=me))
+
+
+def _identity(start: HelloStart) -> tuple[str, str, int, int]:
+    """D's identity as its first frame named it (a `WorkerRef`'s fields)."""
+    return (start.engine_id, start.incarnation, start.pp_rank, start.tp_rank)
 
 
 def _refused(reason: str) -> HelloRefusal:

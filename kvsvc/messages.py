@@ -1,9 +1,10 @@
 """Wire messages: a worker's published metadata and the control-channel protocol between a D and a P worker.
 
 Rules: every message is a frozen msgspec `Struct` with a tag, so one tagged union decodes any frame; the hello
-carries the protocol version and both sides' metadata. A frame on the wire is a 4-byte big-endian length followed
-by a msgpack body. `decode` and `FrameReader` turn any malformed, truncated, oversized or unknown input into
-`MalformedFrame` (a `RemoteProtocolError`), never another exception. Pure module: no I/O, no asyncio.
+carries the protocol version and both sides' metadata, D's only after P proved the deployment's key
+(`kvsvc.hello`). A frame on the wire is a 4-byte big-endian length followed by a msgpack body. `decode` and
+`FrameReader` turn any malformed, truncated, oversized or unknown input into `MalformedFrame` (a
+`RemoteProtocolError`), never another exception. Pure module: no I/O, no asyncio.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvsvc.errors import MalformedFrame, VersionMismatch
 Worker = tuple[int, int]
 """A worker's `(pp_rank, tp_rank)` in its engine."""
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 # The handshake endpoint: where an engine serves its workers' metadata (`encode_engine_metadata`), and its limits.
 METADATA_PATH: Final = "/kvsvc/v1/metadata"
 METADATA_CONTENT_TYPE: Final = "application/msgpack"
@@ -116,12 +117,40 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
         return (self.pp_rank, self.tp_rank)
 
 
+class HelloStart(msgspec.Struct, tag="hello_start", frozen=True, kw_only=True):
+    """D to P, first frame of a control connection: which D worker opens it (its identity, nothing of its pool),
+    which P worker it expects to reach, and a fresh random `nonce`. `keyed`: D has a control token, so it expects
+    P's proof of it (`kvsvc.hello`)."""
+
+    version: int
+    engine_id: str
+    incarnation: str
+    pp_rank: int
+    tp_rank: int
+    expect_engine_id: str
+    expect_incarnation: str
+    expect_pp_rank: int
+    expect_tp_rank: int
+    nonce: bytes
+    keyed: bool
+
+
+class HelloChallenge(msgspec.Struct, tag="hello_challenge", frozen=True, kw_only=True):
+    """P to D: P's own metadata (as its engine published it), P's fresh `nonce`, and P's `proof` of the key over
+    both nonces and both identities; an empty proof from a P worker without a control token."""
+
+    version: int
+    sender: WorkerMetadata
+    nonce: bytes
+    proof: bytes
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
-    """D to P, first frame of a control connection: who D is and which P worker it expects to reach.
+    """D to P, once P's proof verified: who D is and which P worker it expects to reach, with D's `proof` of the
+    key (empty without a control token).
 
     `stage_layers` is D's engine split, `[start, end)` per PP stage, so P can work out which D workers it
-    sources and therefore how many requests to expect for each transfer. `token` is the deployment's control
-    token (`ServiceConfig.control_token`); "" when none is configured, and from peers that predate it.
+    sources and therefore how many requests to expect for each transfer.
     """
 
     version: int
@@ -131,7 +160,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     expect_incarnation: str
     expect_pp_rank: int
     expect_tp_rank: int
-    token: str = ""
+    proof: bytes = b""
 
 
 class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):
@@ -226,7 +255,9 @@ class Pong(msgspec.Struct, tag="pong", frozen=True, kw_only=True):
 
 
 Message = (
-    Hello
+    HelloStart
+    | HelloChallenge
+    | Hello
     | HelloOk
     | HelloRefused
     | TransferRequest
@@ -284,14 +315,17 @@ class FrameReader:
     """Sans-IO frame splitter: feed it bytes as they arrive, get whole messages out.
 
     After it raised `MalformedFrame` once the stream cannot be resynchronised; the connection must close.
-    `max_first_frame_bytes` holds the first frame to a smaller limit (P's limit for a hello: nothing else is handled
-    before it is accepted).
+    `max_first_frame_bytes` holds the first `first_frames` frames to a smaller limit (P's limit for the frames of
+    the hello exchange: nothing else is handled before it is accepted).
     """
 
-    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES, *, max_first_frame_bytes: int | None = None) -> None:
+    def __init__(
+        self, max_frame_bytes: int = MAX_FRAME_BYTES, *, max_first_frame_bytes: int | None = None, first_frames: int = 1
+    ) -> None:
         self._buffer = bytearray()
         self._max = max_frame_bytes
         self._first_max = max_first_frame_bytes
+        self._first_left = first_frames
         self._broken = False
         # An error met after whole messages in the same chunk: those are returned first, the error raised next.
         self._pending: MalformedFrame | None = None
@@ -326,7 +360,9 @@ class FrameReader:
                 body = bytes(self._buffer[_HEADER.size : end])
                 del self._buffer[:end]
                 messages.append(decode(body))
-                self._first_max = None
+                self._first_left -= 1
+                if self._first_left <= 0:
+                    self._first_max = None
         except MalformedFrame as exc:
             self._broken = True
             self._buffer.clear()

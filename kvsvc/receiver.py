@@ -2,18 +2,21 @@
 
 Rules: `Receiver` takes events (a receive from the engine, the sources the handshake found, a connection that
 opened or broke, P's answers, the clock) and returns commands (`SendToSource`); it never does I/O. Each receive
-is reported exactly once, in `take_report()`: finished when every P worker it needs answered done; failed, with its
-blocks invalid, on any failure, expiry or abort. An aborted receive is reported only after every P worker it asked
-confirmed its writes stopped, or the abort grace passed. Pure module: standard library and kvsvc's pure core only.
+is reported exactly once, in `take_report()`: finished when every P worker it needs answered done, with the bytes
+D's plan expects of it (`planned_bytes`); failed, with its blocks invalid, on any failure, expiry or abort. An
+aborted receive is reported only after every P worker it asked confirmed its writes stopped, or the abort grace
+passed. Pure module: standard library and kvsvc's pure core only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeAlias
 
 from kvsvc.deadlines import Deadlines
+from kvsvc.errors import TopologyError
 from kvsvc.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
 from kvsvc.messages import (
     Abort,
@@ -25,7 +28,9 @@ from kvsvc.messages import (
     TransferFailed,
     TransferRequest,
     Worker,
+    WorkerMetadata,
 )
+from kvsvc.planner import plan_transfer_arrays
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,8 @@ class _Recv:
     ending: RecvEnding | None = None
     # sources whose connection broke after they were asked, with the start (incarnation) of P that was asked
     lost: dict[Worker, str] = field(default_factory=dict)
+    # the bytes each source writes into this worker for the receive, as D plans them (`planned_bytes`)
+    planned: dict[Worker, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,15 +166,28 @@ class Receiver:
 
     # -- events from the handshake and connections -------------------------------------------------------------
 
+    def request_of(self, transfer_id: str) -> tuple[list[int], int, int] | None:
+        """The block ids, `num_tokens` and `first_token` of the receive of `transfer_id`, or None for none."""
+        recv = self._recvs.get(transfer_id)
+        return None if recv is None else (recv.block_ids, recv.num_tokens, recv.first_token)
+
     def sources_known(
-        self, transfer_id: str, sources: list[Worker], releases: list[Worker], connected: set[Worker]
+        self,
+        transfer_id: str,
+        sources: list[Worker],
+        releases: list[Worker],
+        connected: set[Worker],
+        planned: Mapping[Worker, int] | None = None,
     ) -> list[SendToSource]:
         """The handshake found which P workers this receive needs (`sources`) and which P workers this D worker
-        must tell that nobody needs them (`releases`). `connected` are the sources whose connection is open."""
+        must tell that nobody needs them (`releases`). `connected` are the sources whose connection is open.
+        `planned`: the bytes each source writes (`planned_bytes`); a source's done answer that reports other
+        bytes fails the receive."""
         recv = self._recvs.get(transfer_id)
         if recv is None or recv.sources_known:
             return []
         recv.sources_known = True
+        recv.planned = dict(planned or {})
         commands = [SendToSource(recv.engine_id, src, Release(transfer_id=transfer_id)) for src in releases]
         if recv.ending is not None:
             # Nothing was asked yet, so nothing can be written; still tell the sources, so a P that holds the
@@ -263,7 +283,9 @@ class Receiver:
         """A frame from P worker `src` of `engine_id` on an open connection: every driver hands each frame here.
         Anything that is not a P-to-D message is answered with an error and noticed as a protocol error."""
         if isinstance(message, TransferDone | TransferFailed):
-            error = message.reason if isinstance(message, TransferFailed) else None
+            error = (
+                message.reason if isinstance(message, TransferFailed) else self._wrong_bytes(engine_id, src, message)
+            )
             commands = self.answer(engine_id, src, message.transfer_id, error)
             if commands is None:
                 return [Notice(f"late or unknown answer for {message.transfer_id!r} from P{src}", level="debug")]
@@ -277,6 +299,17 @@ class Receiver:
             return []
         what = f"unexpected {type(message).__name__} from P worker {src} of {engine_id!r}"
         return [Notice(what, protocol_error=True), SendToSource(engine_id, src, ErrorMessage(reason=what))]
+
+    def _wrong_bytes(self, engine_id: str, src: Worker, done: TransferDone) -> str | None:
+        """Why P's done answer cannot be believed (it reports other bytes than D's plan has it write), or None."""
+        recv = self._recvs.get(done.transfer_id)
+        planned = recv.planned.get(src) if recv is not None and recv.engine_id == engine_id else None
+        if planned is None or planned == done.bytes:
+            return None
+        return (
+            f"P worker {src} of {engine_id!r} reports {done.bytes} bytes written for {done.transfer_id!r}; D's plan "
+            f"has it write {planned}"
+        )
 
     def answer(self, engine_id: str, src: Worker, transfer_id: str, error: str | None) -> list[SendToSource] | None:
         """P worker `src` answered done (`error` None) or failed; returns the commands that follow (repeats
@@ -420,3 +453,18 @@ class Receiver:
         self._failed[recv.req_id] = reason
         self._invalid.update(recv.block_ids)
         self._counts["failed"] += 1
+
+
+def planned_bytes(
+    p: WorkerMetadata, d: WorkerMetadata, block_ids: Sequence[int], num_tokens: int, first_token: int
+) -> int | None:
+    """The bytes P worker `p` writes into D worker `d`'s `block_ids` for tokens `[first_token, num_tokens)`: its
+    plan's total, which P's block ids do not change (D plans with placeholders); None when it cannot be planned
+    (P then refuses the request itself)."""
+    per_group = max(1, -(-num_tokens // p.block_size))
+    src_ids = [i % p.num_blocks for i in range(per_group * max(1, len(p.kv_groups)))] if p.num_blocks > 0 else []
+    try:
+        *_, lengths = plan_transfer_arrays(p, d, src_ids, block_ids, num_tokens, first_token=first_token)
+    except (TopologyError, ValueError):
+        return None
+    return int(lengths.sum())

@@ -33,11 +33,15 @@ class ControlChannel:
         *,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_first_frame_bytes: int | None = None,
+        first_frames: int = 1,
     ) -> None:
-        """`max_first_frame_bytes`: a smaller limit for the first frame (P's, for the hello); `FrameReader`."""
+        """`max_first_frame_bytes`: a smaller limit for the first `first_frames` frames (P's, for the hello
+        exchange); `FrameReader`."""
         self._reader = reader
         self._writer = writer
-        self._frames = FrameReader(max_frame_bytes, max_first_frame_bytes=max_first_frame_bytes)
+        self._frames = FrameReader(
+            max_frame_bytes, max_first_frame_bytes=max_first_frame_bytes, first_frames=first_frames
+        )
         self._inbox: deque[Message] = deque()
         self._outbox: list[bytes] = []  # frames sent since the last flush
         self._handed = 0  # messages `receive` returned since it last let the loop turn

@@ -7,20 +7,12 @@ metadata points, so an open control port would hand the KV to anyone who can rea
 
 from __future__ import annotations
 
-import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvsvc.auth import is_loopback
 from kvsvc.transports import SETTINGS
 
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is a loopback address or `localhost` (a name that may resolve elsewhere is not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+__all__ = ["ServiceConfig", "is_loopback"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +62,10 @@ class ServiceConfig:
     """Which data plane this worker's writes take, per D worker (`kvsvc.transports.choose_transport`): "auto" (the
     same-host plane where both workers offer it on one host, else Mooncake), "mooncake", or "samehost" (the same as
     auto, but a pair that cannot use it is logged as a warning)."""
-    control_token: str | None = None
-    """A secret shared by the deployment's engines: D sends it in every hello, and P refuses a hello without it.
-    None (the default) accepts any hello, as when the control ports are reachable only from trusted hosts."""
+    control_token: str | None = field(default=None, repr=False)
+    """A secret shared by the deployment's engines, never sent: keys derived from it prove each side of a hello to
+    the other, and sign the `kv_transfer_params` P hands out (docs/operations.md, Security). None (the default):
+    hellos carry no proof, and D fetches only from loopback bootstrap addresses. Hidden from the repr."""
 
     def __post_init__(self) -> None:
         if self.transport not in SETTINGS:

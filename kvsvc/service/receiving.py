@@ -18,17 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from msgspec.structs import replace
 
+from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
-from kvsvc.hello import check_hello_reply, make_hello
+from kvsvc.hello import answer_challenge, check_hello_reply, open_hello
 from kvsvc.jobs import Notice
 from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef
 from kvsvc.planner import check_block_ids
-from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport
+from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.lending import WindowLender
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 # Reconnects to a lost P worker that receives still wait on: first try, and the cap of the doubling delay.
 RECONNECT_FIRST_S = 0.05
 RECONNECT_MAX_S = 2.0
+# Byte counts of planned receives kept (`RecvRole._planned`); past it, the cache starts over.
+MAX_PLANNED = 4096
 
 
 @dataclass(slots=True)
@@ -65,6 +69,7 @@ class ReceivingRole:
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
         self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
+        self._planned_bytes: dict[tuple[str, str, Worker, int, int, int], int | None] = {}
         self._windows = WindowLender(ctx, self._receiver, self._tell_p, self._on_answer)
         self._closing = False
 
@@ -202,7 +207,27 @@ class ReceivingRole:
             self._ensure_outbound(routes.p_engine[worker])
         outbound = self._outbound
         connected = {src for src in routes.sources if (peer := outbound.get((engine_id, src))) and peer.channel}
-        self._run_recv(self._receiver.sources_known(transfer_id, routes.sources, routes.releases, connected))
+        planned = self._planned(transfer_id, routes)
+        self._run_recv(self._receiver.sources_known(transfer_id, routes.sources, routes.releases, connected, planned))
+
+    def _planned(self, transfer_id: str, routes: Routes) -> dict[Worker, int]:
+        """The bytes each source writes for `transfer_id` (`planned_bytes`), cached: they depend on the counts only."""
+        request = self._receiver.request_of(transfer_id)
+        if request is None:
+            return {}
+        block_ids, num_tokens, first_token = request
+        planned: dict[Worker, int] = {}
+        for src in routes.sources:
+            p = routes.p_engine[src]
+            key = (p.engine_id, p.incarnation, src, len(block_ids), num_tokens, first_token)
+            if key not in self._planned_bytes:
+                if len(self._planned_bytes) >= MAX_PLANNED:
+                    self._planned_bytes.clear()
+                self._planned_bytes[key] = planned_bytes(p, self._ctx.metadata, block_ids, num_tokens, first_token)
+            nbytes = self._planned_bytes[key]
+            if nbytes is not None:
+                planned[src] = nbytes
+        return planned
 
     # -- control connections to P workers ----------------------------------------------------------------------
 
@@ -254,18 +279,21 @@ class ReceivingRole:
             PeerLost: unreachable, or closed during the hello.
             HandshakeError: the hello was refused, timed out, or P is not what its engine published.
         """
-        p = peer.meta
+        p, me = peer.meta, self._ctx.metadata
         timeout_s = self._ctx.config.handshake_timeout_s
+        key = derive_key(self._ctx.config.control_token, HELLO_KEY)
         channel = await ControlChannel.connect(p.control_addr, timeout_s=timeout_s)
-        channel.send(make_hello(self._ctx.metadata, self._own_engine(), p, self._ctx.config.control_token))
         try:
-            reply = await asyncio.wait_for(channel.receive(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # the whole exchange, both of P's frames
+                start = open_hello(me, p, key, secrets.token_bytes(NONCE_BYTES))
+                channel.send(start)
+                # Nothing of this worker's pool goes out before P's proof verified (`answer_challenge`).
+                channel.send(answer_challenge(me, self._own_engine(), p, start, await channel.receive(), key))
+                check_hello_reply(p, await channel.receive())
         except TimeoutError:
             channel.close()
             raise HandshakeError(f"{peer.ref} did not answer the hello within {timeout_s:g} s") from None
-        try:
-            check_hello_reply(p, reply)
-        except HandshakeError:
+        except BaseException:
             channel.close()
             raise
         return channel

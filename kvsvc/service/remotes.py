@@ -17,14 +17,17 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvsvc.auth import check_control_addr, parse_bootstrap_addr
 from kvsvc.errors import HandshakeError, KVSvcError, MalformedFrame, TopologyError
 from kvsvc.layout import block_bytes
-from kvsvc.messages import MAX_METADATA_BYTES, METADATA_PATH, Worker, WorkerRef, decode_engine_metadata
+from kvsvc.messages import MAX_METADATA_BYTES, Worker, WorkerRef, decode_engine_metadata
 from kvsvc.planner import release_notifier, sources_of
 from kvsvc.service.context import EngineMetadata, ServiceContext
 from kvsvc.topology import EngineTransferInfo, TransferTopology
 
 log = logging.getLogger(__name__)
+# At most this much of an error response is read, for the excerpt its refusal quotes.
+MAX_ERROR_BYTES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,8 @@ class RemoteEngines:
 
     def start(self) -> None:
         """Open the HTTP session that fetches remote engines' metadata (needs the running loop)."""
-        self._http = aiohttp.ClientSession()
+        # No decompression: a small compressed body must not become a large one before the size cap sees it.
+        self._http = aiohttp.ClientSession(auto_decompress=False)
 
     async def close(self) -> None:
         if self._http is not None:
@@ -198,7 +202,9 @@ class RemoteEngines:
     async def _fetch(self, engine_id: str, url: str) -> EngineMetadata:
         assert self._http is not None
         me = self._ctx.metadata
-        metas = await fetch_engine_metadata(self._http, url, timeout_s=self._ctx.config.handshake_timeout_s)
+        config = self._ctx.config
+        keyed = config.control_token is not None
+        metas = await fetch_engine_metadata(self._http, url, timeout_s=config.handshake_timeout_s, keyed=keyed)
         found = next(iter(metas.values())).engine_id
         if found != engine_id:
             raise HandshakeError(f"{url} serves engine {found!r}, not {engine_id!r}")
@@ -221,18 +227,33 @@ def _fetched(remote: _RemoteEngine) -> EngineMetadata | None:
     return fetch.result()
 
 
-async def fetch_engine_metadata(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> EngineMetadata:
-    """GET a remote engine's merged worker metadata from its bootstrap `url`.
+async def fetch_engine_metadata(
+    session: aiohttp.ClientSession, url: str, *, timeout_s: float, keyed: bool = False
+) -> EngineMetadata:
+    """GET a remote engine's merged worker metadata from its bootstrap address `url` ("http://host:port"): D builds
+    the URL from the host and port alone, follows no redirect, reads at most `MAX_METADATA_BYTES` of a document and
+    `MAX_ERROR_BYTES` of an error, and takes only workers whose control addresses are on that host. `keyed`: this
+    worker has a control token; without one, only loopback addresses are fetched from.
 
     Raises:
-        HandshakeError: unreachable, not ready (non-200), too large, malformed, or empty; the message names the URL.
+        HandshakeError: an address D does not fetch from, unreachable, not ready (non-200, redirects included), too
+            large, malformed, empty, or a control address on another host; the message names the URL.
     """
-    target = url.rstrip("/") + METADATA_PATH
     try:
-        async with session.get(target, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        address = parse_bootstrap_addr(url, keyed)
+    except ValueError as exc:
+        raise HandshakeError(str(exc)) from None
+    target = address.metadata_url
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.get(target, timeout=timeout, allow_redirects=False) as response:
             if response.status != 200:
-                text = (await response.text())[:200]
-                raise HandshakeError(f"GET {target}: HTTP {response.status}: {text}")
+                excerpt = (await response.content.read(MAX_ERROR_BYTES)).decode("utf-8", "replace")
+                raise HandshakeError(f"GET {target}: HTTP {response.status}: {excerpt!r}")
+            if (response.content_length or 0) > MAX_METADATA_BYTES:
+                raise HandshakeError(
+                    f"GET {target}: body of {response.content_length} bytes, more than {MAX_METADATA_BYTES}"
+                )
             # `content.read(n)` returns what is buffered, not the whole body: read to the end, with a cap.
             buffer = bytearray()
             async for chunk in response.content.iter_chunked(64 * 1024):
@@ -251,4 +272,9 @@ async def fetch_engine_metadata(session: aiohttp.ClientSession, url: str, *, tim
     engines = {(m.engine_id, m.incarnation) for m in metas.values()}
     if len(engines) != 1:
         raise HandshakeError(f"GET {target}: workers of several engine starts in one document: {sorted(engines)}")
+    for meta in metas.values():
+        try:
+            check_control_addr(address, meta.control_addr)
+        except ValueError as exc:
+            raise HandshakeError(f"GET {target}: worker {meta.worker}: {exc}") from None
     return metas

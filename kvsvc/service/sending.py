@@ -11,16 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
+from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
 from kvsvc.errors import (
     MalformedFrame,
     PeerLost,
     TransportError,
 )
-from kvsvc.hello import HelloRefusal, accept_hello
+from kvsvc.hello import HelloRefusal, accept_hello, challenge_hello
 from kvsvc.jobs import Notice
 from kvsvc.layout import pool_regions
 from kvsvc.messages import (
@@ -187,7 +189,8 @@ class SendingRole:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # The first frame, the only one handled before the hello is accepted, is held to a hello's size.
-        channel = ControlChannel(reader, writer, max_first_frame_bytes=MAX_HELLO_FRAME_BYTES)
+        # Both of D's frames before its hello is accepted (its start and its hello) are held to the hello's limit.
+        channel = ControlChannel(reader, writer, max_first_frame_bytes=MAX_HELLO_FRAME_BYTES, first_frames=2)
         if not self._accepting:
             channel.close()
             return
@@ -235,12 +238,20 @@ class SendingRole:
 
     async def _accept_hello(self, channel: ControlChannel) -> _Inbound | None:
         timeout_s = self._ctx.config.handshake_timeout_s
+        hello_key = derive_key(self._ctx.config.control_token, HELLO_KEY)
         try:
-            first = await asyncio.wait_for(channel.receive(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # the whole exchange, both of D's frames
+                first = await channel.receive()
+                challenged = challenge_hello(self._ctx.metadata, first, hello_key, secrets.token_bytes(NONCE_BYTES))
+                if isinstance(challenged, HelloRefusal):
+                    self._refuse(channel, challenged.reply)
+                    return None
+                channel.send(challenged.reply)
+                second = await channel.receive()
         except TimeoutError:
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=f"no hello within {timeout_s:g} s"))
             return None
-        decision = accept_hello(self._ctx.metadata, first, self._ctx.config.control_token)
+        decision = accept_hello(self._ctx.metadata, challenged, second, hello_key)
         if isinstance(decision, HelloRefusal):
             self._refuse(channel, decision.reply)
             return None

@@ -3,13 +3,16 @@
 Pure module: standard library, msgspec and kvsvc's service config only. Rules: no key is required, so a connector
 with no extra config works on one host (loopback addresses, free ports); an unknown key or a value of the wrong type
 is a `ValueError` naming it, at engine start; a control port reachable beyond loopback needs a control token
-(docs/decisions.md); the defaults of the timeouts are `kvsvc.service.config.ServiceConfig`'s.
+(docs/decisions.md); the token comes only from a file (`control_token_file`) or `$KVSVC_CONTROL_TOKEN`, never
+inline, where vLLM's command line and config logs would show it; the defaults of the timeouts are
+`kvsvc.service.config.ServiceConfig`'s.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -17,6 +20,8 @@ from kvsvc.service.config import ServiceConfig, is_loopback
 from kvsvc.transports import SETTINGS
 
 _SERVICE = ServiceConfig()
+# Where the control token is read when no `control_token_file` is given.
+CONTROL_TOKEN_ENV: Final = "KVSVC_CONTROL_TOKEN"
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -40,9 +45,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     device_name: str = ""
     """RDMA devices for Mooncake ("" lets it discover them)."""
     control_token: str | None = None
-    """Secret every engine of the deployment shares; needed when `control_host` is not a loopback address."""
+    """Refused at start: an inline secret would show in vLLM's command line and config logs."""
     control_token_file: str | None = None
-    """File holding the control token (read at start), instead of `control_token`."""
+    """File whose first line is the secret every engine of the deployment shares (else `$KVSVC_CONTROL_TOKEN`);
+    needed when `control_host` is not a loopback address."""
     hold_timeout_s: float = _SERVICE.hold_timeout_s
     recv_timeout_s: float = _SERVICE.recv_timeout_s
     handshake_timeout_s: float = _SERVICE.handshake_timeout_s
@@ -67,8 +73,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {getattr(self, name)}")
         if self.staging_bytes < 0:
             raise ValueError(f"kv_connector_extra_config['staging_bytes'] must be >= 0, got {self.staging_bytes}")
-        if self.control_token is not None and self.control_token_file is not None:
-            raise ValueError("kv_connector_extra_config: give control_token or control_token_file, not both")
+        if self.control_token is not None:  # the message never echoes the value
+            raise ValueError(
+                "kv_connector_extra_config['control_token'] is refused: an inline secret shows in vLLM's command line "
+                f"and config logs; put it in a file named by control_token_file, or in ${CONTROL_TOKEN_ENV}"
+            )
 
     def bootstrap_port_of(self, dp_rank: int) -> int:
         """The port the handshake endpoint of data-parallel rank `dp_rank` binds: each DP rank is an engine of its own
@@ -102,6 +111,23 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                 "advertise_host to the address D engines reach this host at"
             )
         return host
+
+    def read_control_token(self, environ: Mapping[str, str] = os.environ) -> str | None:
+        """The control token: the first line of `control_token_file`, else `$KVSVC_CONTROL_TOKEN`, else None.
+
+        Raises:
+            OSError: the file cannot be read. ValueError: the token found is empty (the message names where).
+        """
+        if self.control_token_file is not None:
+            with open(self.control_token_file, encoding="utf-8") as handle:
+                token, source = handle.readline().strip(), f"control_token_file {self.control_token_file!r}"
+        elif CONTROL_TOKEN_ENV in environ:
+            token, source = environ[CONTROL_TOKEN_ENV].strip(), f"${CONTROL_TOKEN_ENV}"
+        else:
+            return None
+        if not token:
+            raise ValueError(f"kv_connector_extra_config: the control token from {source} is empty")
+        return token
 
     def service_config(self, control_token: str | None) -> ServiceConfig:
         """The worker service's settings, with the token read from wherever it was configured.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -168,9 +167,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             block_size=block_size,
             kv_groups=tuple(groups),
         )
-        token = self._config.control_token
-        if self._config.control_token_file is not None:
-            token = Path(self._config.control_token_file).read_text().strip()
+        token = self._config.read_control_token()
         self._worker = WorkerSide(self._config, self._config.service_config(token), identity)
 
     # -- worker side -------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvsvc.auth import Key
 from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW
 from kvsvc.vllm.params import (
     ParamsError,
@@ -119,6 +120,7 @@ class SchedulerFlow:
     bootstrap_addr: str
     block_size: int
     group_kinds: tuple[str, ...] = (FULL,)
+    params_key: Key | None = None  # signs P's params, verifies D's (`kvsvc.auth.PARAMS_KEY`); None: no token
     _producers: dict[str, _Producer] = field(default_factory=dict)
     _consumers: dict[str, _Consumer] = field(default_factory=dict)
     _sends: list[SendSpec] = field(default_factory=list)
@@ -146,7 +148,7 @@ class SchedulerFlow:
         elif wants_remote_prefill(params):
             assert params is not None
             try:
-                remote = parse_remote_prefill(params)
+                remote = parse_remote_prefill(params, self.params_key)
                 if remote.num_tokens != len(prompt) or remote.prompt_hash != prompt_hash(prompt):
                     raise ParamsError(
                         f"kv_transfer_params describe a prompt of {remote.num_tokens} tokens (hash "
@@ -299,7 +301,7 @@ class SchedulerFlow:
             remote = RemotePrefill(
                 self.engine_id, self.bootstrap_addr, req_id, producer.prompt_len, producer.prompt_hash
             )
-            return True, producer_params(remote)
+            return True, producer_params(remote, self.params_key)
         consumer = self._consumers.pop(req_id, None)
         if consumer is not None and consumer.phase is RecvPhase.LOADING and not completed:
             self._aborts.append(req_id)

@@ -1,9 +1,12 @@
 """The `kv_transfer_params` of vLLM's remote-prefill convention, as kvsvc reads and writes them.
 
-Pure module: standard library only. Rules: a request to P carries `{"do_remote_decode": True}`; P's finished output
-carries what `producer_params` builds, and the caller hands that dict unchanged to D, so every key D needs is in it
-and nothing else is required of a router. D refuses params it cannot use with a `ParamsError` naming the key and
-value, so the request is computed locally instead of waiting on a transfer that cannot happen. Every value is a
+Pure module: standard library and `kvsvc.auth` only. Rules: a request to P carries `{"do_remote_decode": True}`;
+P's finished output carries what `producer_params` builds, and the caller hands that dict unchanged to D, so every
+key D needs is in it and nothing else is required of a router. With a control token, P signs every field it emits
+(their names are listed in the dict, so a field added to `producer_params` is signed without more ado) and D reads
+only signed fields of params whose signature verifies: a client can neither forge nor alter them. Keys vLLM or a
+router add are ignored. D refuses params it cannot use with a `ParamsError` naming the key and value (never a
+secret), so the request is computed locally instead of waiting on a transfer that cannot happen. Every value is a
 msgpack-native type: vLLM carries the dict between its processes with msgpack.
 """
 
@@ -15,10 +18,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-PARAMS_VERSION: Final = 1
+from kvsvc.auth import Key, fields_verify, parse_bootstrap_addr, sign_fields
+
+PARAMS_VERSION: Final = 2
 # The keys vLLM's tooling and routers already know (NixlConnector and MooncakeConnector use them too).
 DO_REMOTE_DECODE: Final = "do_remote_decode"
 DO_REMOTE_PREFILL: Final = "do_remote_prefill"
+# The names of the signed fields, and their signature (`kvsvc.auth.sign_fields`); absent without a control token.
+SIGNED: Final = "kvsvc_signed"
+SIGNATURE: Final = "kvsvc_signature"
 
 
 class ParamsError(ValueError):
@@ -51,12 +59,13 @@ def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
     return bool(params) and bool(params.get(DO_REMOTE_PREFILL))  # type: ignore[union-attr]
 
 
-def producer_params(remote: RemotePrefill) -> dict[str, Any]:
-    """The dict P returns in `RequestOutput.kv_transfer_params`: what D's `parse_remote_prefill` reads.
+def producer_params(remote: RemotePrefill, key: Key | None) -> dict[str, Any]:
+    """The dict P returns in `RequestOutput.kv_transfer_params`: what D's `parse_remote_prefill` reads, signed
+    with `key` (derived from the control token; None: unsigned, for loopback deployments).
 
     A new dict on every call: vLLM adds keys of its own to it.
     """
-    return {
+    fields = {
         DO_REMOTE_PREFILL: True,
         DO_REMOTE_DECODE: False,
         "remote_engine_id": remote.engine_id,
@@ -66,28 +75,67 @@ def producer_params(remote: RemotePrefill) -> dict[str, Any]:
         "remote_prompt_hash": remote.prompt_hash,
         "kvsvc_params_version": PARAMS_VERSION,
     }
+    if key is None:
+        return fields
+    return {**fields, SIGNED: sorted(fields), SIGNATURE: sign_fields(key, fields)}
 
 
-def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
-    """Read the params P returned, as D receives them.
+def parse_remote_prefill(params: Mapping[str, Any], key: Key | None) -> RemotePrefill:
+    """Read the params P returned, as D receives them: with `key` (this engine's, derived from the control token),
+    only signed fields of params whose signature verifies; without, only a loopback bootstrap address.
 
     Raises:
-        ParamsError: a key is missing or has the wrong type, or the params are of another version; the message
+        ParamsError: unsigned params (with a key), a signature that does not verify, a key that is missing or has
+            the wrong type, params of another version, or a bootstrap address D does not fetch from; the message
             names the key and what it held.
     """
-    version = params.get("kvsvc_params_version")
+    fields = _signed_fields(params, key)
+    version = fields.get("kvsvc_params_version")
     if version != PARAMS_VERSION:
         raise ParamsError(
             f"kv_transfer_params version {version!r}, this kvsvc reads {PARAMS_VERSION}: pass P's params unchanged "
             "(a P engine running another connector, or an older kvsvc, writes other keys)"
         )
+    addr = _get(fields, "remote_bootstrap_addr", str)
+    try:
+        parse_bootstrap_addr(addr, keyed=key is not None)
+    except ValueError as exc:
+        raise ParamsError(f"kv_transfer_params['remote_bootstrap_addr']: {exc}") from None
     return RemotePrefill(
-        engine_id=_get(params, "remote_engine_id", str),
-        bootstrap_addr=_get(params, "remote_bootstrap_addr", str),
-        transfer_id=_get(params, "transfer_id", str),
-        num_tokens=_get(params, "remote_num_tokens", int),
-        prompt_hash=_get(params, "remote_prompt_hash", str),
+        engine_id=_get(fields, "remote_engine_id", str),
+        bootstrap_addr=addr,
+        transfer_id=_get(fields, "transfer_id", str),
+        num_tokens=_get(fields, "remote_num_tokens", int),
+        prompt_hash=_get(fields, "remote_prompt_hash", str),
     )
+
+
+def _signed_fields(params: Mapping[str, Any], key: Key | None) -> Mapping[str, Any]:
+    """The fields D may read: with `key`, exactly those the signature covers, once it verifies; else all."""
+    if key is None:
+        return params
+    names, signature = params.get(SIGNED), params.get(SIGNATURE)
+    if signature is None and names is None:
+        raise ParamsError(
+            f"kv_transfer_params carry no {SIGNATURE!r}, and this engine has a control token: only params a P engine "
+            "of the deployment signed are used (pass P's params unchanged)"
+        )
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(signature, str):
+        raise ParamsError(f"kv_transfer_params[{SIGNED!r}] / [{SIGNATURE!r}] are malformed")
+    missing = [name for name in names if name not in params]
+    if missing or len(set(names)) != len(names):
+        raise ParamsError(f"kv_transfer_params lack signed fields {missing} or repeat one")
+    fields = {name: params[name] for name in names}
+    try:
+        verified = fields_verify(key, fields, signature)
+    except (TypeError, ValueError):  # a value JSON cannot encode: not what P signed
+        verified = False
+    if not verified:
+        raise ParamsError(
+            f"kv_transfer_params[{SIGNATURE!r}] does not verify over fields {sorted(names)}: they were altered, or "
+            "signed with another deployment's control token"
+        )
+    return fields
 
 
 def _get(params: Mapping[str, Any], key: str, kind: type[Any]) -> Any:

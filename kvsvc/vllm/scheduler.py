@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvsvc.auth import PARAMS_KEY, derive_key
 from kvsvc.engine.connector import check_engine_metadata
 from kvsvc.engine.endpoint import BootstrapEndpoint
 from kvsvc.groups import FULL
@@ -49,11 +50,13 @@ class SchedulerSide:
         its own block list).
 
         Raises:
-            ValueError: as `ConnectorConfig.bootstrap_port_of`.
+            ValueError: as `ConnectorConfig.bootstrap_port_of` and `read_control_token`. OSError: the token file
+                cannot be read.
         """
         self._config = config
         self._endpoint = BootstrapEndpoint(config.bootstrap_host, config.bootstrap_port_of(dp_rank))
-        self.flow = SchedulerFlow(engine_id, "", block_size, group_kinds)
+        key = derive_key(config.read_control_token(), PARAMS_KEY)
+        self.flow = SchedulerFlow(engine_id, "", block_size, group_kinds, params_key=key)
         self._requests: dict[str, Any] = {}  # P requests held from their prefill step, until it is scheduled
         self._kv_cache_manager: Any = None
         self.metadata: dict[tuple[int, int], WorkerMetadata] = {}

@@ -34,6 +34,7 @@ from kvsvc.messages import (
     ErrorMessage,
     FrameReader,
     Hello,
+    HelloChallenge,
     HelloOk,
     HelloRefused,
     KVGroup,
@@ -52,6 +53,7 @@ from kvsvc.messages import (
 )
 from kvsvc.service import ServiceConfig, ServiceStatistics
 from kvsvc.testing.engines import LoopbackEngine
+from kvsvc.testing.hellos import unkeyed_frames
 from kvsvc.testing.sim import EngineSpec
 
 pytest.importorskip("mooncake.engine")
@@ -175,7 +177,8 @@ def _connect(address: str, source: str = "127.0.0.1") -> socket.socket:
 
 
 def _read_until_closed(sock: socket.socket, until: Callable[[list[Message]], bool] | None = None) -> list[Message]:
-    """Read frames until the worker closes, or until `until` holds (then the deadline only ends the wait).
+    """Read frames until the worker closes, or until `until` holds (then the deadline only ends the wait). P's
+    challenge is left out: a client without a control token answers it with the hello it sent at once.
 
     Raises:
         AssertionError: without `until`, the worker kept the connection open past the deadline.
@@ -184,7 +187,7 @@ def _read_until_closed(sock: socket.socket, until: Callable[[list[Message]], boo
     reader = FrameReader()
     answers: list[Message] = []
     deadline = time.monotonic() + REPLY_DEADLINE_S
-    while until is None or not until(answers):
+    while until is None or not until([a for a in answers if not isinstance(a, HelloChallenge)]):
         left = deadline - time.monotonic()
         if left <= 0:
             assert until is not None, f"the worker kept the connection open {REPLY_DEADLINE_S} s; answers: {answers}"
@@ -199,7 +202,7 @@ def _read_until_closed(sock: socket.socket, until: Callable[[list[Message]], boo
         if not data:
             break
         answers.extend(reader.feed(data))
-    return answers
+    return [a for a in answers if not isinstance(a, HelloChallenge)]
 
 
 def _exchange(address: str, payload: bytes) -> list[Message]:
@@ -236,7 +239,7 @@ def test_a_small_hello_claiming_a_stage_of_12_5m_layers_is_refused_by_name_and_c
     # D's own stage is one honest layer; the stage after it, which P used to lay out per TP rank, claims 12.5M.
     d = live.d.sim.metas[(0, 0)]
     attacker = _attacker(live, pp_size=2, start_layer=0, end_layer=1, base_addrs=d.base_addrs[:1])
-    payload = encode(_hello(live, attacker, [(0, 1), (1, 12_500_001)]))
+    payload = unkeyed_frames(_hello(live, attacker, [(0, 1), (1, 12_500_001)]))
     assert len(payload) < 1024
     with peak_bytes() as peak:
         answers = _exchange(live.address, payload)
@@ -285,7 +288,7 @@ def test_a_frame_past_the_hello_limit_before_the_hello_is_refused_at_its_header(
     assert peak() < 1024 * 1024
     # After an accepted hello the usual limit applies: a request of 100 KiB is answered, not cut off.
     big = TransferRequest(transfer_id="big", block_ids=list(range(10**9, 10**9 + 25_000)), num_tokens=4)
-    answers = _exchange(live.address, encode(_hello(live, _attacker(live))) + encode(big))
+    answers = _exchange(live.address, unkeyed_frames(_hello(live, _attacker(live))) + encode(big))
     assert isinstance(answers[0], HelloOk) and len(encode(big)) > 100_000
     assert isinstance(answers[1], TransferFailed) and "outside the pool" in answers[1].reason, answers
     live.settled()
@@ -297,7 +300,7 @@ def test_early_requests_past_the_bytes_one_d_worker_may_have_waiting_are_refused
         for i in range(EARLY_BYTES // (64 * 8) + 2)
     ]
     with _connect(live.address) as sock:
-        sock.sendall(encode(_hello(live, _attacker(live))) + b"".join(encode(r) for r in requests))
+        sock.sendall(unkeyed_frames(_hello(live, _attacker(live))) + b"".join(encode(r) for r in requests))
         refused = _read_until_closed(sock, lambda answers: len(answers) >= 3)
         stats = live.stats().sender
     assert isinstance(refused[0], HelloOk), refused
@@ -397,8 +400,8 @@ def test_any_hello_and_any_frames_after_it_cost_p_little_and_leave_nothing(live:
         stages = data.draw(st.one_of(st.just(own_stage), stage_splits))
     after = [encode(m) for m in data.draw(st.lists(frames, max_size=6))]
     if data.draw(st.booleans()):  # a second hello, anywhere after the first
-        after.insert(data.draw(st.integers(0, len(after))), encode(_hello(live, _attacker(live))))
-    payload = encode(_hello(live, sender, stages)) + b"".join(after)
+        after.insert(data.draw(st.integers(0, len(after))), unkeyed_frames(_hello(live, _attacker(live))))
+    payload = unkeyed_frames(_hello(live, sender, stages)) + b"".join(after)
     with peak_bytes() as peak:
         answers = _exchange(live.address, payload)
     assert answers and all(isinstance(a, ANSWERS) for a in answers), answers

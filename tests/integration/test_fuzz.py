@@ -36,8 +36,10 @@ from kvsvc.messages import (
     ErrorMessage,
     FrameReader,
     Hello,
+    HelloChallenge,
     HelloOk,
     HelloRefused,
+    HelloStart,
     Message,
     Ping,
     Pong,
@@ -50,6 +52,7 @@ from kvsvc.messages import (
     encode,
 )
 from kvsvc.service import ServiceConfig
+from kvsvc.testing.hellos import start_of, unkeyed_frames
 from workers.chaos import ChaosOptions, ChaosRun, start_chaos_engines
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine
 from workers.process import Peers
@@ -68,7 +71,7 @@ OPTIONS = ChaosOptions(
     ),
 )
 REPLY_DEADLINE_S = 30.0  # generous: the worker must close within its handshake timeout; the host may be loaded
-ANSWERS = (HelloOk, HelloRefused, ErrorMessage, TransferFailed, Pong)
+ANSWERS = (HelloChallenge, HelloOk, HelloRefused, ErrorMessage, TransferFailed, Pong)
 
 
 @dataclasses.dataclass
@@ -144,13 +147,13 @@ openings = st.sampled_from(["hello", "none", "wrong-version", "wrong-incarnation
 
 def _opening(live: Live, kind: str) -> bytes:
     if kind == "hello":
-        return encode(_hello(live))
+        return unkeyed_frames(_hello(live))
     if kind == "hello-twice":
-        return encode(_hello(live)) * 2
+        return unkeyed_frames(_hello(live)) * 2
     if kind == "wrong-version":
-        return encode(_hello(live, version=PROTOCOL_VERSION + 1))
+        return encode(start_of(_hello(live, version=PROTOCOL_VERSION + 1)))
     if kind == "wrong-incarnation":
-        return encode(_hello(live, incarnation="not-this-start"))
+        return encode(start_of(_hello(live, incarnation="not-this-start")))
     return b""
 
 
@@ -192,7 +195,8 @@ def test_any_byte_stream_on_the_control_port_gets_clear_answers_and_a_close(
         assert len(answers) == 1 and isinstance(answers[0], HelloRefused)
         assert ("version" in answers[0].reason) if opening == "wrong-version" else ("incarnation" in answers[0].reason)
     if opening.startswith("hello"):
-        assert isinstance(answers[0], HelloOk) and answers[0].sender == live.p_meta
+        assert isinstance(answers[0], HelloChallenge) and answers[0].sender == live.p_meta
+        assert isinstance(answers[1], HelloOk) and answers[1].sender == live.p_meta
     if opening == "none" and answers:
         assert isinstance(answers[0], ErrorMessage | HelloRefused) and len(answers) == 1
 
@@ -227,7 +231,7 @@ def test_out_of_range_block_ids_and_unknown_transfers_are_answered_failed_by_nam
     reader = FrameReader()
     answers: dict[str, str] = {}
     with socket.create_connection((host, int(port)), timeout=REPLY_DEADLINE_S) as sock:
-        sock.sendall(encode(_hello(live)) + b"".join(encode(r) for r in requests))
+        sock.sendall(unkeyed_frames(_hello(live)) + b"".join(encode(r) for r in requests))
         deadline = time.monotonic() + REPLY_DEADLINE_S
         while len(answers) < len(requests) and time.monotonic() < deadline:
             for message in reader.feed(sock.recv(65536)):
@@ -388,7 +392,7 @@ class _Imposter:
         (length,) = header.unpack(await reader.readexactly(4))
         self.hellos.append(decode(await reader.readexactly(length)))
         other = replace(self.published, num_blocks=self.published.num_blocks + 1)
-        writer.write(encode(HelloOk(version=PROTOCOL_VERSION, sender=other)))
+        writer.write(encode(HelloChallenge(version=PROTOCOL_VERSION, sender=other, nonce=bytes(32), proof=b"")))
         await writer.drain()
         if not await reader.read(1):
             self.closed_by_d.set()
@@ -414,7 +418,7 @@ def test_d_refuses_a_p_whose_hello_differs_from_what_its_engine_published(live: 
             done = live.decode.step()
             time.sleep(0.01)
         assert done == [req] and req.state == "failed" and req.invalid_block_ids == set(req.block_ids)
-        assert len(imposter.hellos) == 1 and isinstance(imposter.hellos[0], Hello)
+        assert len(imposter.hellos) == 1 and isinstance(imposter.hellos[0], HelloStart)
         assert imposter.hellos[0].expect_engine_id == "imposter"
         assert imposter.closed_by_d.wait(REPLY_DEADLINE_S)
     finally:

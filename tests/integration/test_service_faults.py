@@ -37,6 +37,7 @@ from kvsvc.messages import (
     ErrorMessage,
     FrameReader,
     Hello,
+    HelloChallenge,
     HelloOk,
     HelloRefused,
     Message,
@@ -51,6 +52,7 @@ from kvsvc.messages import (
 )
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig
+from kvsvc.testing.hellos import start_of, unkeyed_frames
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig, Executor, start_all
 from workers.process import ForgetEngine, GetFinished, Peers, Prefill, Recv, Verify
@@ -370,6 +372,13 @@ def _hello(sender: WorkerMetadata, target: WorkerMetadata, **changes: Any) -> He
     return Hello(**{**fields, **changes})
 
 
+def _open(peer: RawPeer, hello: Hello) -> None:
+    """Hello a worker without a control token as `hello`'s sender, and check it accepted."""
+    peer.send_raw(unkeyed_frames(hello))
+    assert isinstance(peer.receive(), HelloChallenge)
+    assert isinstance(peer.receive(), HelloOk)
+
+
 # -- the data plane --------------------------------------------------------------------------------------------
 
 
@@ -426,8 +435,7 @@ def test_repeated_transfer_requests_on_the_wire_are_answered_with_one_outcome_an
     peers = [RawPeer(p.metas[(0, tp)].control_addr) for tp in range(2)]
     try:
         for tp, peer in enumerate(peers):
-            peer.send(_hello(ghost, p.metas[(0, tp)]))
-            assert isinstance(peer.receive(), HelloOk)
+            _open(peer, _hello(ghost, p.metas[(0, tp)]))
             peer.send(request, request)  # back to back: the second one arrives while the first is handled
         outcomes = []
         for peer in peers:
@@ -462,8 +470,7 @@ def test_a_finished_transfer_is_not_reported_done_to_another_decode_engine(engin
     peers = [RawPeer(p.metas[(0, tp)].control_addr) for tp in range(2)]
     try:
         for tp, peer in enumerate(peers):  # engine "served" fetches the transfer from both P workers
-            peer.send(_hello(served, p.metas[(0, tp)]))
-            assert isinstance(peer.receive(), HelloOk)
+            _open(peer, _hello(served, p.metas[(0, tp)]))
             peer.send(TransferRequest(transfer_id="other-engine", block_ids=_blocks(300, TOKENS), num_tokens=TOKENS))
             assert isinstance(peer.receive(), TransferDone)
         _until(lambda: p_reports.poll().sent("p-other-engine"), SETTLE_S, lambda: "P did not end the hold")
@@ -471,8 +478,7 @@ def test_a_finished_transfer_is_not_reported_done_to_another_decode_engine(engin
         # Another engine (a restarted D is one too: another incarnation) asks for it into its own blocks.
         latecomer = RawPeer(p.metas[(0, 0)].control_addr)
         peers.append(latecomer)
-        latecomer.send(_hello(_ghost(d, "faults-ghost-latecomer"), p.metas[(0, 0)]))
-        assert isinstance(latecomer.receive(), HelloOk)
+        _open(latecomer, _hello(_ghost(d, "faults-ghost-latecomer"), p.metas[(0, 0)]))
         latecomer.send(TransferRequest(transfer_id="other-engine", block_ids=_blocks(400, TOKENS), num_tokens=TOKENS))
         answer = latecomer.receive()
     finally:
@@ -673,16 +679,16 @@ MALFORMED: dict[str, tuple[Callable[[WorkerMetadata, WorkerMetadata], list[bytes
         [ErrorMessage],
     ),
     "a hello of another protocol version": (
-        lambda t, g: [encode(_hello(g, t, version=PROTOCOL_VERSION + 1))],
+        lambda t, g: [encode(start_of(_hello(g, t, version=PROTOCOL_VERSION + 1)))],
         [HelloRefused],
     ),
     "a hello for another incarnation": (
-        lambda t, g: [encode(_hello(g, t, expect_incarnation="stale"))],
+        lambda t, g: [encode(start_of(_hello(g, t, expect_incarnation="stale")))],
         [HelloRefused],
     ),
     "garbage after an accepted hello": (
-        lambda t, g: [encode(_hello(g, t)), _frame(b"\xc1\xc1\xc1")],
-        [HelloOk, ErrorMessage],
+        lambda t, g: [unkeyed_frames(_hello(g, t)), _frame(b"\xc1\xc1\xc1")],
+        [HelloChallenge, HelloOk, ErrorMessage],
     ),
     "a frame cut short": (lambda t, g: [struct.pack(">I", 100) + b"x" * 10], []),
 }
@@ -706,6 +712,8 @@ def test_malformed_input_on_a_control_port_gets_an_error_frame_and_breaks_nothin
         for chunk in chunks[:-1]:  # each earlier chunk is answered before the next goes
             peer.send_raw(chunk)
             answers.append(peer.receive())
+            if isinstance(answers[-1], HelloChallenge):  # and the answer to the hello after it
+                answers.append(peer.receive())
         peer.send_raw(chunks[-1])
         if not expected:
             peer.sock.shutdown(socket.SHUT_WR)
@@ -732,12 +740,12 @@ def test_frames_before_a_malformed_one_are_handled_whatever_the_segmentation(eng
     answers = []
     try:
         # One write: one segment on loopback, read by the worker in one go.
-        peer.send_raw(encode(_hello(_ghost(d, "faults-ghost-segment"), target)) + _frame(b"\xc1\xc1\xc1"))
+        peer.send_raw(unkeyed_frames(_hello(_ghost(d, "faults-ghost-segment"), target)) + _frame(b"\xc1\xc1\xc1"))
         while (message := peer.receive()) is not None:
             answers.append(message)
     finally:
         peer.close()
-    assert [type(m) for m in answers] == [HelloOk, ErrorMessage], answers
+    assert [type(m) for m in answers] == [HelloChallenge, HelloOk, ErrorMessage], answers
 
 
 def _impossible_pool(ghost: WorkerMetadata, pool: str) -> WorkerMetadata:
@@ -750,7 +758,7 @@ def _hello_answers(target: WorkerMetadata, hello: Hello) -> list[Message]:
     """Every frame the worker sends in answer to `hello`, until it closes the connection."""
     peer = RawPeer(target.control_addr)
     try:
-        peer.send(hello)
+        peer.send_raw(unkeyed_frames(hello))
         answers = []
         while (message := peer.receive()) is not None:
             answers.append(message)
@@ -777,5 +785,5 @@ def test_a_hello_with_an_impossible_pool_is_refused_with_the_reason(engines: dic
     target = p.metas[(0, 0)]
     errors_before = _stat(p, "protocol_errors")[0]
     answers = _hello_answers(target, _hello(_impossible_pool(_ghost(d, "faults-ghost-pool"), pool), target))
-    assert [type(m) for m in answers] == [HelloRefused], answers
+    assert [type(m) for m in answers] == [HelloChallenge, HelloRefused], answers
     assert _stat(p, "protocol_errors")[0] == errors_before + 1

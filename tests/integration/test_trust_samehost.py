@@ -25,6 +25,7 @@ from kvsvc.messages import (
     PROTOCOL_VERSION,
     FrameReader,
     Hello,
+    HelloChallenge,
     HelloOk,
     HelloRefused,
     Message,
@@ -34,6 +35,7 @@ from kvsvc.messages import (
     encode,
 )
 from kvsvc.testing.engines import LoopbackEngine
+from kvsvc.testing.hellos import unkeyed_frames
 from kvsvc.testing.plugin import LoopbackFactory
 from kvsvc.transport.samehost import _start_time, host_identity
 from kvsvc.transports import SameHostAddress
@@ -109,9 +111,10 @@ async def _attack(p: LoopbackEngine, sender: WorkerMetadata, transfer_id: str, b
             expect_pp_rank=0,
             expect_tp_rank=0,
         )
-        writer.write(encode(hello))
-        while not answers:
+        writer.write(unkeyed_frames(hello))  # no control token here: P's challenge asks nothing of the client
+        while not [a for a in answers if not isinstance(a, HelloChallenge)]:
             answers += frames.feed(await asyncio.wait_for(reader.read(65536), 30))
+        answers = [a for a in answers if not isinstance(a, HelloChallenge)]
         if isinstance(answers[0], HelloOk):
             writer.write(encode(TransferRequest(transfer_id=transfer_id, block_ids=blocks, num_tokens=8)))
             while len(answers) < 2:

@@ -22,7 +22,7 @@ from kvsvc.bounds import (
     ControlConnections,
 )
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.hello import HelloAccepted, HelloRefusal, accept_hello, make_hello
+from kvsvc.hello import HelloAccepted, HelloRefusal, make_hello
 from kvsvc.messages import (
     ConvPart,
     Hello,
@@ -36,6 +36,7 @@ from kvsvc.messages import (
     encode,
 )
 from kvsvc.sender import Reply, Sender
+from kvsvc.testing.hellos import decide_unkeyed
 
 P = synthetic_engine("P", pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
 D = synthetic_engine("D", pp_size=2, tp_size=2, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
@@ -56,7 +57,7 @@ def peak_bytes() -> Iterator[Callable[[], int]]:
 
 
 def hello_of(d: WorkerMetadata, stages: list[tuple[int, int]], p: WorkerMetadata = P0) -> Hello:
-    return msgspec.structs.replace(make_hello(d, D, p, None), sender=d, stage_layers=stages)
+    return msgspec.structs.replace(make_hello(d, D, p, b""), sender=d, stage_layers=stages)
 
 
 def huge_stage_hello() -> Hello:
@@ -69,7 +70,7 @@ def test_a_hello_claiming_a_stage_of_12_5m_layers_is_refused_by_name_before_anyt
     hello = huge_stage_hello()
     assert len(encode(hello)) < 1024  # a small frame
     with peak_bytes() as peak:
-        decision = accept_hello(P0, hello, token=None)
+        decision = decide_unkeyed(P0, hello)
     assert isinstance(decision, HelloRefusal) and isinstance(decision.reply, HelloRefused)
     assert "stage split of 12500001 layers, limit 1024" in decision.reason
     assert peak() < 256 * 1024, f"refusing it allocated {peak()} bytes"
@@ -110,7 +111,7 @@ def largest_hello(layout: str, layers: int = MAX_LAYERS) -> Hello:
         accepts_windows=True,
         kv_groups=groups,
     )
-    hello = make_hello(d, {(0, 0): d}, P0, token="t" * 128)
+    hello = make_hello(d, {(0, 0): d}, P0, bytes(32))  # an HMAC-SHA256 proof
     return msgspec.structs.replace(hello, expect_engine_id="prefill-" + "y" * 56, expect_incarnation="e" * 32)
 
 
@@ -175,7 +176,7 @@ def _cross_layer_d(base_addrs: list[int]) -> WorkerMetadata:
 def test_every_claim_of_a_hello_is_bounded_and_refused_by_name(
     d: WorkerMetadata, stages: list[tuple[int, int]], reason: str
 ) -> None:
-    decision = accept_hello(P0, hello_of(d, stages), token=None)
+    decision = decide_unkeyed(P0, hello_of(d, stages))
     assert isinstance(decision, HelloRefusal), decision
     assert reason in decision.reason and str(WorkerRef.of(d)) in decision.reason
 
@@ -186,15 +187,15 @@ def test_a_p_worker_of_an_early_stage_refuses_a_model_that_ends_before_its_layer
     )
     first = p2[(0, 0)]  # layers [0, 2): it cannot tell the model's size, only that it has 2 layers at least
     d = msgspec.structs.replace(D0, pp_size=1, start_layer=0, end_layer=1, base_addrs=D0.base_addrs[:1])
-    decision = accept_hello(first, hello_of(d, [(0, 1)], first), token=None)
+    decision = decide_unkeyed(first, hello_of(d, [(0, 1)], first))
     assert isinstance(decision, HelloRefusal) and "this P worker holds layers [0, 2)" in decision.reason
-    accepted = accept_hello(first, hello_of(D0, [(0, 2), (2, 4)], first), token=None)
+    accepted = decide_unkeyed(first, hello_of(D0, [(0, 2), (2, 4)], first))
     assert isinstance(accepted, HelloAccepted)
 
 
 def test_the_layout_of_d_workers_known_only_by_layout_shares_one_address_list_per_stage() -> None:
     d = msgspec.structs.replace(D0, tp_size=8)
-    decision = accept_hello(P0, hello_of(d, [(0, 2), (2, 4)]), token=None)
+    decision = decide_unkeyed(P0, hello_of(d, [(0, 2), (2, 4)]))
     assert isinstance(decision, HelloAccepted) and len(decision.peer_engine) == 16
     lists = {id(meta.base_addrs) for meta in decision.peer_engine.values()}
     assert len(lists) == 2 and all(len(m.base_addrs) == m.num_layers for m in decision.peer_engine.values())
@@ -218,7 +219,7 @@ def test_any_claimed_sizes_are_accepted_only_within_the_bounds_and_never_cost_mo
         D0, pp_size=pp_size, tp_size=tp_size, start_layer=own[0], end_layer=own[1], base_addrs=[0] * addrs
     )
     with peak_bytes() as peak:
-        decision = accept_hello(P0, hello_of(d, split), token=None)
+        decision = decide_unkeyed(P0, hello_of(d, split))
     if isinstance(decision, HelloAccepted):
         assert len(decision.peer_engine) == pp_size * tp_size <= MAX_WORKERS
         assert split[-1][1] == P0.end_layer  # P holds the model's last stage: D's split covers the same model

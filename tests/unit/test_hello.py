@@ -1,69 +1,223 @@
-"""The hello as pure decisions (`kvsvc.hello`): P accepts or refuses a D worker's first frame, D checks P's answer.
-No sockets or event loop: two workers' metadata talk back to back."""
+"""The hello as pure decisions (`kvsvc.hello`): D opens, P challenges, D proves, P accepts or refuses; D checks
+P's answers. No sockets or event loop: two workers' metadata talk back to back."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from kvsvc.auth import HELLO_KEY, NONCE_BYTES, Key, derive_key
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.errors import HandshakeError, PeerMismatch
-from kvsvc.hello import HelloAccepted, HelloRefusal, accept_hello, check_hello_reply, make_hello
-from kvsvc.messages import ErrorMessage, HelloOk, HelloRefused, Ping
+from kvsvc.hello import (
+    HelloAccepted,
+    HelloChallenged,
+    HelloRefusal,
+    accept_hello,
+    answer_challenge,
+    challenge_hello,
+    check_hello_reply,
+    make_hello,
+    open_hello,
+)
+from kvsvc.messages import PROTOCOL_VERSION, ErrorMessage, Hello, HelloChallenge, HelloOk, HelloRefused, Ping, encode
 
 P = synthetic_engine("P", pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
 D = synthetic_engine("D", pp_size=2, tp_size=2, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
 P0, D0 = P[(0, 0)], D[(0, 0)]
+TOKEN = "s3cret-token"
+KEY = derive_key(TOKEN, HELLO_KEY)
+D_NONCE, P_NONCE = b"d" * NONCE_BYTES, b"p" * NONCE_BYTES
 
 
-def test_p_accepts_a_hello_meant_for_it_and_learns_which_d_workers_it_serves() -> None:
-    decision = accept_hello(P0, make_hello(D0, D, P0, token="s"), token="s")
+def _exchange(d_key: Key | None, p_key: Key | None) -> HelloAccepted | HelloRefusal:
+    """The whole hello between D0 and P0, each side with its own key."""
+    start = open_hello(D0, P0, d_key, D_NONCE)
+    challenged = challenge_hello(P0, start, p_key, P_NONCE)
+    if isinstance(challenged, HelloRefusal):
+        return challenged
+    hello = answer_challenge(D0, D, P0, start, challenged.reply, d_key)
+    return accept_hello(P0, challenged, hello, p_key)
+
+
+def _challenged(key: Key | None = KEY) -> HelloChallenged:
+    challenged = challenge_hello(P0, open_hello(D0, P0, key, D_NONCE), key, P_NONCE)
+    assert isinstance(challenged, HelloChallenged)
+    return challenged
+
+
+@pytest.mark.parametrize("key", [KEY, None], ids=["keyed", "no key"])
+def test_p_accepts_a_hello_meant_for_it_and_learns_which_d_workers_it_serves(key: Key | None) -> None:
+    decision = _exchange(key, key)
     assert isinstance(decision, HelloAccepted)
     assert decision.peer_meta == D0 and decision.expected == frozenset(D)  # P's one worker sources all of D
-    assert decision.reply == HelloOk(version=1, sender=P0)
+    assert decision.reply == HelloOk(version=PROTOCOL_VERSION, sender=P0)
     assert sorted(decision.peer_engine) == sorted(D)
     check_hello_reply(P0, decision.reply)  # and D takes the answer
 
 
+def test_the_token_and_d_s_pool_never_go_out_before_p_proved_the_key() -> None:
+    """D's first frame holds its identity and a nonce only: no token, no pool address, no transfer address."""
+    d = msgspec.structs.replace(D0, transport_addr="10.9.8.7:15000", control_addr="10.9.8.7:16000")
+    start = open_hello(d, P0, KEY, D_NONCE)
+    wire = encode(start)
+    assert TOKEN.encode() not in wire and b"10.9.8.7" not in wire
+    assert set(msgspec.structs.asdict(start)) == {
+        *("version", "engine_id", "incarnation", "pp_rank", "tp_rank", "nonce", "keyed"),
+        *("expect_engine_id", "expect_incarnation", "expect_pp_rank", "expect_tp_rank"),
+    }
+
+
 @pytest.mark.parametrize(
-    ("hello_change", "token", "reason"),
+    ("d_key", "p_key", "reason"),
     [
-        ({"token": "wrong"}, "s3cret", "does not carry this deployment's control token"),
-        ({"version": 9}, None, "peer speaks protocol version 9"),
-        ({"expect_incarnation": "old"}, None, "hello expects engine/incarnation/pp/tp"),
-        ({"stage_layers": [(0, 3), (3, 4)]}, None, "disagree with its engine's stage split"),
+        (None, KEY, "has no control token and this P worker has one"),
+        (KEY, None, "has a control token and this P worker has none"),
     ],
 )
-def test_p_refuses_a_hello_with_the_reason(hello_change: dict[str, object], token: str | None, reason: str) -> None:
-    hello = msgspec.structs.replace(make_hello(D0, D, P0, token=None), **hello_change)
-    decision = accept_hello(P0, hello, token=token)
+def test_a_key_on_one_side_only_is_refused_by_p(d_key: Key | None, p_key: Key | None, reason: str) -> None:
+    decision = challenge_hello(P0, open_hello(D0, P0, d_key, D_NONCE), p_key, P_NONCE)
     assert isinstance(decision, HelloRefusal) and reason in decision.reason
-    assert isinstance(decision.reply, HelloRefused) and "s3cret" not in decision.reply.reason
+
+
+def test_a_fake_p_without_the_key_gets_nothing_of_d() -> None:
+    """A fake P answers with a challenge it cannot prove (no proof, or one under another key): D raises before it
+    builds its hello, so its pool addresses never leave it."""
+    start = open_hello(D0, P0, KEY, D_NONCE)
+    no_proof = HelloChallenge(version=PROTOCOL_VERSION, sender=P0, nonce=P_NONCE, proof=b"")
+    with pytest.raises(HandshakeError, match="proves no control token and this D worker has one"):
+        answer_challenge(D0, D, P0, start, no_proof, KEY)
+    other = challenge_hello(P0, start, derive_key("another-deployment", HELLO_KEY), P_NONCE)
+    assert isinstance(other, HelloChallenged)
+    with pytest.raises(HandshakeError, match="failed to prove this deployment's control token"):
+        answer_challenge(D0, D, P0, start, other.reply, KEY)
+    with pytest.raises(HandshakeError, match="proves a control token and this D worker has none"):
+        answer_challenge(D0, D, P0, open_hello(D0, P0, None, D_NONCE), other.reply, None)
+
+
+def test_a_p_proof_replayed_to_another_nonce_of_d_does_not_verify() -> None:
+    recorded = _challenged().reply
+    with pytest.raises(HandshakeError, match="failed to prove"):
+        answer_challenge(D0, D, P0, open_hello(D0, P0, KEY, b"x" * NONCE_BYTES), recorded, KEY)
+
+
+def test_a_fake_d_without_the_key_is_refused_by_p() -> None:
+    """A fake D that claims a key cannot prove it: no proof, another key's proof, P's own proof reflected back, or a
+    proof recorded from another connection (another nonce of P)."""
+    challenged = _challenged()
+    honest = answer_challenge(D0, D, P0, challenged.start, challenged.reply, KEY)
+    recorded = _challenged()
+    recorded = HelloChallenged(recorded.start, msgspec.structs.replace(recorded.reply, nonce=b"q" * NONCE_BYTES))
+    forged = {
+        "none": b"",
+        "another key": answer_challenge(
+            D0, D, P0, challenged.start, _other_reply(challenged), derive_key("x", HELLO_KEY)
+        ).proof,
+        "P's own proof": challenged.reply.proof,
+    }
+    for name, proof in forged.items():
+        decision = accept_hello(P0, challenged, msgspec.structs.replace(honest, proof=proof), KEY)
+        assert isinstance(decision, HelloRefusal), name
+        assert "does not prove this deployment's control token" in decision.reason
+        assert TOKEN not in decision.reason
+    assert isinstance(accept_hello(P0, recorded, honest, KEY), HelloRefusal)  # the replay of a whole exchange
+
+
+def _other_reply(challenged: HelloChallenged) -> HelloChallenge:
+    """P's challenge as a P worker of another deployment would prove it."""
+    other = challenge_hello(P0, challenged.start, derive_key("x", HELLO_KEY), P_NONCE)
+    assert isinstance(other, HelloChallenged)
+    return other.reply
+
+
+def test_d_s_hello_must_come_from_the_worker_that_opened_the_connection() -> None:
+    challenged = _challenged()
+    hello = answer_challenge(D0, D, P0, challenged.start, challenged.reply, KEY)
+    decision = accept_hello(P0, challenged, msgspec.structs.replace(hello, sender=D[(1, 1)]), KEY)
+    assert isinstance(decision, HelloRefusal) and "the connection was opened as" in decision.reason
+
+
+@given(d_nonce=st.binary(min_size=NONCE_BYTES, max_size=NONCE_BYTES))
+def test_a_p_proof_never_verifies_as_a_d_proof(d_nonce: bytes) -> None:
+    """Distinct labels: P's proof over the same values is never D's, so P cannot be used as D's oracle."""
+    start = open_hello(D0, P0, KEY, d_nonce)
+    challenged = challenge_hello(P0, start, KEY, P_NONCE)
+    assert isinstance(challenged, HelloChallenged)
+    hello = make_hello(D0, D, P0, challenged.reply.proof)
+    assert isinstance(accept_hello(P0, challenged, hello, KEY), HelloRefusal)
+
+
+@pytest.mark.parametrize(
+    ("hello_change", "reason"),
+    [
+        ({"version": 9}, "peer speaks protocol version 9"),
+        ({"expect_incarnation": "old"}, "hello expects engine/incarnation/pp/tp"),
+        ({"stage_layers": [(0, 3), (3, 4)]}, "disagree with its engine's stage split"),
+    ],
+)
+def test_p_refuses_a_hello_with_the_reason(hello_change: dict[str, object], reason: str) -> None:
+    challenged = _challenged(None)
+    hello = answer_challenge(D0, D, P0, challenged.start, challenged.reply, None)
+    hello = msgspec.structs.replace(hello, **hello_change)
+    decision = accept_hello(P0, challenged, hello, None)
+    assert isinstance(decision, HelloRefusal) and reason in decision.reason
+    assert isinstance(decision.reply, HelloRefused)
+
+
+@pytest.mark.parametrize(
+    ("start_change", "reason"),
+    [
+        ({"version": 9}, "peer speaks protocol version 9"),
+        ({"expect_incarnation": "old"}, "hello expects engine/incarnation/pp/tp"),
+        ({"nonce": b"short"}, "nonce of 5 bytes"),
+    ],
+)
+def test_p_refuses_a_first_frame_with_the_reason(start_change: dict[str, object], reason: str) -> None:
+    start = msgspec.structs.replace(open_hello(D0, P0, None, D_NONCE), **start_change)
+    decision = challenge_hello(P0, start, None, P_NONCE)
+    assert isinstance(decision, HelloRefusal) and reason in decision.reason
 
 
 def test_p_refuses_absurd_sizes_and_layouts_it_cannot_write_into() -> None:
+    challenged = _challenged(None)
     huge = msgspec.structs.replace(D0, tp_size=4096)
-    decision = accept_hello(P0, make_hello(huge, D, P0, None), token=None)
+    decision = accept_hello(P0, challenged, make_hello(huge, D, P0, b""), None)
     assert isinstance(decision, HelloRefusal) and "tp_size 4096" in decision.reason
     other = msgspec.structs.replace(D0, head_size=16)
-    decision = accept_hello(P0, make_hello(other, D, P0, None), token=None)
+    decision = accept_hello(P0, challenged, make_hello(other, D, P0, b""), None)
     assert isinstance(decision, HelloRefusal) and "P head_size 8 != D head_size 16" in decision.reason
 
 
 def test_a_first_frame_that_is_not_a_hello_gets_an_error() -> None:
-    decision = accept_hello(P0, Ping(nonce=1), token=None)
+    decision = challenge_hello(P0, Ping(nonce=1), None, P_NONCE)
     assert isinstance(decision, HelloRefusal) and isinstance(decision.reply, ErrorMessage)
-    assert "expected hello as the first frame, got Ping" in decision.reason
+    assert "expected hello_start as the first frame, got Ping" in decision.reason
+    old = make_hello(D0, D, P0, b"")  # a D of the first protocol version opens with its hello
+    decision = challenge_hello(P0, msgspec.structs.replace(old, version=1), None, P_NONCE)
+    assert isinstance(decision, HelloRefusal) and "peer speaks protocol version 1" in decision.reason
+    decision = accept_hello(P0, _challenged(None), Ping(nonce=1), None)
+    assert isinstance(decision, HelloRefusal) and "expected hello after the challenge, got Ping" in decision.reason
 
 
 def test_d_refuses_an_answer_from_another_p_than_its_engine_published() -> None:
     with pytest.raises(HandshakeError, match="refused the hello: full"):
-        check_hello_reply(P0, HelloRefused(version=1, reason="full"))
+        check_hello_reply(P0, HelloRefused(version=PROTOCOL_VERSION, reason="full"))
     with pytest.raises(HandshakeError, match="answered the hello with Ping"):
         check_hello_reply(P0, Ping(nonce=1))
     restarted = msgspec.structs.replace(P0, incarnation="new")
     with pytest.raises(PeerMismatch, match="other metadata than its engine published"):
-        check_hello_reply(P0, HelloOk(version=1, sender=restarted))
+        check_hello_reply(P0, HelloOk(version=PROTOCOL_VERSION, sender=restarted))
+    start = open_hello(D0, P0, None, D_NONCE)
+    challenge = HelloChallenge(version=PROTOCOL_VERSION, sender=restarted, nonce=P_NONCE, proof=b"")
+    with pytest.raises(PeerMismatch, match="other metadata than its engine published"):
+        answer_challenge(D0, D, P0, start, challenge, None)
+
+
+def test_a_hello_is_what_d_sends_after_the_challenge() -> None:
+    challenged = _challenged()
+    assert isinstance(answer_challenge(D0, D, P0, challenged.start, challenged.reply, KEY), Hello)
 
 
 def test_p_lays_out_a_hybrid_d_at_pp2_from_one_stage_hello() -> None:
@@ -84,7 +238,11 @@ def test_p_lays_out_a_hybrid_d_at_pp2_from_one_stage_hello() -> None:
     p = grouped(synthetic_engine("P", pp_size=1, **shape)[(0, 0)], range(6))
     d = {w: grouped(m, range(m.start_layer, m.end_layer)) for w, m in synthetic_engine("D", pp_size=2, **shape).items()}
     for sender in d.values():
-        decision = accept_hello(p, make_hello(sender, d, p, None), token=None)
+        start = open_hello(sender, p, None, D_NONCE)
+        challenged = challenge_hello(p, start, None, P_NONCE)
+        assert isinstance(challenged, HelloChallenged)
+        hello = answer_challenge(sender, d, p, start, challenged.reply, None)
+        decision = accept_hello(p, challenged, hello, None)
         assert isinstance(decision, HelloAccepted), decision
         assert decision.expected == frozenset(d)
         assert decision.peer_engine[(0, 0)].kv_groups == d[(0, 0)].kv_groups

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvsvc.messages import Abort, Release, TransferRequest
-from kvsvc.receiver import Receiver, SendToSource
+from kvsvc.cli.plan import synthetic_engine
+from kvsvc.messages import Abort, Release, TransferDone, TransferRequest
+from kvsvc.planner import plan_transfer_arrays
+from kvsvc.receiver import Receiver, SendToSource, planned_bytes
 from kvsvc.testing.clock import FakeClock
 
 P0, P1, P2 = (0, 0), (0, 1), (0, 2)
@@ -301,3 +303,29 @@ def test_every_frame_from_p_goes_through_receive() -> None:
     odd = receiver.receive("P", P0, TransferRequest(transfer_id="t9", block_ids=[], num_tokens=0))
     assert isinstance(odd[0], Notice) and odd[0].protocol_error
     assert kinds([c for c in odd if isinstance(c, SendToSource)]) == [(P0, ErrorMessage)]
+
+
+def test_a_done_answer_with_other_bytes_than_d_planned_fails_the_receive_naming_both_counts() -> None:
+    receiver, clock = Receiver(recv_timeout_s=60, abort_grace_s=30), FakeClock()
+    assert receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    receiver.sources_known("t1", [P0, P1], [], {P0, P1}, planned={P0: 4096, P1: 4096})
+    receiver.receive("P", P0, TransferDone(transfer_id="t1", bytes=4096, descriptors=2))
+    receiver.receive("P", P1, TransferDone(transfer_id="t1", bytes=0, descriptors=0))  # wrote nothing
+    report = receiver.take_report()
+    assert report.failed == {"r1"} and set(BLOCKS) <= report.invalid_block_ids
+    assert "reports 0 bytes written for 't1'; D's plan has it write 4096" in report.reasons["r1"]
+
+
+def test_d_plans_the_bytes_p_plans_to_write_whatever_p_s_block_ids() -> None:
+    p = synthetic_engine(
+        "P", pp_size=1, tp_size=2, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=64
+    )
+    d = synthetic_engine(
+        "D", pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=8, num_blocks=64
+    )
+    for tokens, first in ((50, 0), (50, 16), (7, 0), (64, 64)):
+        d_ids = list(range(3, 3 + -(-tokens // 8)))
+        for src in p.values():
+            p_ids = list(range(40, 40 + -(-tokens // 16)))
+            *_, lengths = plan_transfer_arrays(src, d[(0, 0)], p_ids, d_ids, tokens, first_token=first)
+            assert planned_bytes(src, d[(0, 0)], d_ids, tokens, first) == int(lengths.sum())

@@ -24,6 +24,7 @@ from kvsvc.messages import (
     ErrorMessage,
     FrameReader,
     Hello,
+    HelloChallenge,
     HelloRefused,
     Message,
     TransferRequest,
@@ -34,6 +35,7 @@ from kvsvc.messages import (
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
+from kvsvc.testing.hellos import unkeyed_frames
 from kvsvc.transport.base import Region
 from kvsvc.transport.samehost import own_address
 from kvsvc.transports import is_same_host
@@ -216,7 +218,7 @@ async def test_a_wrong_protocol_version_is_refused_naming_both_versions(pair: tu
         expect_pp_rank=0,
         expect_tp_rank=0,
     )
-    (reply,) = await raw_exchange(pm.control_addr, encode(hello))
+    (reply,) = await raw_exchange(pm.control_addr, unkeyed_frames(hello))
     assert isinstance(reply, HelloRefused)
     assert f"version {PROTOCOL_VERSION + 1}, this side speaks {PROTOCOL_VERSION}" in reply.reason
 
@@ -233,7 +235,7 @@ async def test_a_hello_for_another_incarnation_is_refused(pair: tuple[Side, Side
         expect_pp_rank=0,
         expect_tp_rank=0,
     )
-    (reply,) = await raw_exchange(pm.control_addr, encode(hello))
+    (reply,) = await raw_exchange(pm.control_addr, unkeyed_frames(hello))
     assert isinstance(reply, HelloRefused) and "an-older-start" in reply.reason
 
 
@@ -316,7 +318,8 @@ async def test_a_hello_claiming_an_absurd_tp_size_is_refused_before_anything_is_
         expect_pp_rank=0,
         expect_tp_rank=0,
     )
-    (reply,) = await raw_exchange(pm.control_addr, encode(hello))
+    (challenge, reply) = await raw_exchange(pm.control_addr, unkeyed_frames(hello))
+    assert isinstance(challenge, HelloChallenge)
     assert isinstance(reply, HelloRefused) and "tp_size 1073741824" in reply.reason
 
 
@@ -327,7 +330,9 @@ async def test_engine_metadata_larger_than_one_read_is_fetched_whole() -> None:
 
     base = make_side("big", ServiceConfig(), 3).service.metadata
     metas = {
-        (0, tp): msgspec.structs.replace(base, tp_rank=tp, tp_size=1024, base_addrs=[2**40 + i for i in range(128)])
+        (0, tp): msgspec.structs.replace(
+            base, tp_rank=tp, tp_size=1024, base_addrs=[2**40 + i for i in range(128)], control_addr="127.0.0.1:9"
+        )
         for tp in range(1024)
     }  # about 1.3 MB: many reads on any socket
     server = BootstrapServer(metas)

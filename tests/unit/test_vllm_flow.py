@@ -2,27 +2,51 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsvc.auth import PARAMS_KEY, derive_key, sign_fields
 from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW
-from kvsvc.service.config import is_loopback
-from kvsvc.vllm.config import ConnectorConfig, parse_config
+from kvsvc.service.config import ServiceConfig, is_loopback
+from kvsvc.vllm.config import CONTROL_TOKEN_ENV, ConnectorConfig, parse_config
 from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec
-from kvsvc.vllm.params import ParamsError, RemotePrefill, parse_remote_prefill, producer_params, prompt_hash
+from kvsvc.vllm.params import (
+    SIGNATURE,
+    SIGNED,
+    ParamsError,
+    RemotePrefill,
+    parse_remote_prefill,
+    producer_params,
+    prompt_hash,
+)
 
 BS = 16
 PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks
 
 
+TOKEN = "deployment-secret-0123"
+KEY = derive_key(TOKEN, PARAMS_KEY)
+
+
 def flow() -> SchedulerFlow:
-    return SchedulerFlow(engine_id="P-engine", bootstrap_addr="http://10.0.0.1:8998", block_size=BS)
+    return SchedulerFlow(engine_id="P-engine", bootstrap_addr="http://10.0.0.1:8998", block_size=BS, params_key=KEY)
 
 
 def p_params(prompt: list[int] = PROMPT, transfer_id: str = "t1") -> dict[str, object]:
     remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", transfer_id, len(prompt), prompt_hash(prompt))
-    return producer_params(remote)
+    return producer_params(remote, KEY)
+
+
+def signed(params: dict[str, Any], **change: object) -> dict[str, Any]:
+    """`params` with `change`, signed again as a P engine of the deployment would sign it."""
+    fields = {name: params[name] for name in params[SIGNED]} | change
+    return {**fields, SIGNED: sorted(fields), SIGNATURE: sign_fields(KEY, fields)}  # type: ignore[arg-type]
 
 
 # -- P -----------------------------------------------------------------------------------------------------------
@@ -61,14 +85,14 @@ def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks(
 
 
 def test_a_model_with_mamba_state_moves_the_state_before_the_last_prompt_token() -> None:
-    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (MAMBA, FULL))
+    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (MAMBA, FULL), params_key=KEY)
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     f.on_new_request("one", PROMPT[:1], {"do_remote_decode": True}, max_tokens=1)
     assert f.drops_last_token("r1") and not f.drops_last_token("one")  # one token: no state to move, D computes
     f.scheduled("r1", 0, 39, [[5], [7, 8, 9]])  # P prefills 39 tokens: its prompt was cut by one
     # The state slot goes last in its group's list, behind the null block, to the attention group's length.
     assert f.build().sends == (SendSpec("r1", "r1", (0, 0, 5, 7, 8, 9), 39),)
-    d = SchedulerFlow("D-engine", "", BS, (MAMBA, FULL))
+    d = SchedulerFlow("D-engine", "", BS, (MAMBA, FULL), params_key=KEY)
     d.on_new_request("d1", PROMPT, p_params())
     assert d.matched_tokens("d1", 40, 0) == (39, True)  # D computes the last token from the state after 39
     d.after_alloc("d1", [[6], [3, 4, 5]], 39, 40)
@@ -161,15 +185,15 @@ def test_d_with_nothing_to_load_never_loads() -> None:
 def test_d_params_it_cannot_use_are_refused_naming_the_key(change: dict[str, object], match: str) -> None:
     f = flow()
     with pytest.raises(ParamsError, match=match):
-        f.on_new_request("d1", PROMPT, {**p_params(), **change})
+        f.on_new_request("d1", PROMPT, signed(p_params(), **change))
     assert f.matched_tokens("d1", 40, 0) == (0, False)  # computed locally
     assert f.statistics().params_refused == 1
 
 
 def test_params_are_msgpack_native_and_round_trip() -> None:
-    params = p_params()
-    assert all(isinstance(v, str | int | bool) for v in params.values())
-    assert parse_remote_prefill(params) == RemotePrefill(
+    params = msgspec.msgpack.decode(msgspec.msgpack.encode(p_params()))
+    assert all(isinstance(v, str | int | bool | list) for v in params.values())
+    assert parse_remote_prefill(params, KEY) == RemotePrefill(
         "P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT)
     )
     assert params is not p_params()  # a fresh dict each time: vLLM adds keys to it
@@ -257,3 +281,113 @@ def test_a_control_port_beyond_loopback_needs_a_token() -> None:
         _ = parse_config({"bootstrap_host": "0.0.0.0"}).advertised_host
     assert parse_config({"bootstrap_host": "0.0.0.0", "advertise_host": "10.1.2.3"}).advertised_host == "10.1.2.3"
     assert is_loopback("127.0.0.5") and is_loopback("::1") and not is_loopback("10.0.0.1")
+
+
+def test_an_inline_control_token_is_refused_naming_control_token_file() -> None:
+    with pytest.raises(ValueError, match=r"control_token'\] is refused.*control_token_file") as raised:
+        parse_config({"control_token": TOKEN})
+    assert TOKEN not in str(raised.value)
+
+
+def test_the_control_token_comes_from_its_file_or_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    assert parse_config({"control_token_file": str(path)}).read_control_token({}) == TOKEN
+    assert parse_config(None).read_control_token({CONTROL_TOKEN_ENV: TOKEN}) == TOKEN
+    assert parse_config(None).read_control_token({}) is None
+    with pytest.raises(ValueError, match=f"from \\${CONTROL_TOKEN_ENV} is empty"):
+        parse_config(None).read_control_token({CONTROL_TOKEN_ENV: " "})
+
+
+def test_no_repr_of_a_config_shows_the_token() -> None:
+    service = parse_config({"control_host": "0.0.0.0"}).service_config(TOKEN)
+    flow_ = flow()
+    for holder in (service, ServiceConfig(control_token=TOKEN), flow_, flow_.params_key, dataclasses.replace(service)):
+        assert TOKEN not in repr(holder) and KEY is not None and KEY._secret.hex() not in repr(holder)
+    from workers.commands.serve import ServeOptions
+
+    assert TOKEN not in repr(ServeOptions(token=TOKEN, control_token=TOKEN))
+
+
+# -- params as a client would forge them ------------------------------------------------------------------------
+
+
+def _refused(f: SchedulerFlow, params: dict[str, Any], match: str) -> None:
+    """`params` are refused with `match`, and nothing is fetched: the request is computed locally."""
+    with pytest.raises(ParamsError, match=match):
+        f.on_new_request("d1", PROMPT, params)
+    assert f.matched_tokens("d1", len(PROMPT), 0) == (0, False)
+    f.after_alloc("d1", [list(range(3))], len(PROMPT), len(PROMPT))
+    assert not f.build().recvs
+
+
+def test_a_client_s_unsigned_params_are_refused() -> None:
+    unsigned = producer_params(RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT)), None)
+    _refused(flow(), unsigned, "carry no 'kvsvc_signature'")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"remote_num_tokens": 4000},
+        {"transfer_id": "someone-else"},
+        {"remote_bootstrap_addr": "http://10.6.6.6:8998"},
+        {"remote_engine_id": "P-other"},
+        {SIGNED: ["do_remote_prefill"]},
+        {SIGNATURE: "00" * 32},
+    ],
+)
+def test_params_a_client_altered_are_refused(change: dict[str, object]) -> None:
+    _refused(flow(), {**p_params(), **change}, "does not verify|lack signed fields|another request")
+
+
+def test_params_signed_under_another_deployment_s_token_are_refused() -> None:
+    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT))
+    _refused(flow(), producer_params(remote, derive_key("another", PARAMS_KEY)), "does not verify")
+
+
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "http://10.0.0.1:8998/kvsvc/v1/metadata?x=1",
+        "http://10.0.0.1:8998/admin",
+        "http://10.0.0.1:8998?q",
+        "http://10.0.0.1:8998#f",
+        "http://user:pw@10.0.0.1:8998",
+        "https://10.0.0.1:8998",
+        "file:///etc/passwd",
+        "http://10.0.0.1",
+    ],
+)
+def test_a_bootstrap_address_with_more_than_a_host_and_port_is_refused_even_signed(addr: str) -> None:
+    _refused(flow(), signed(p_params(), remote_bootstrap_addr=addr), "bootstrap address")
+
+
+def test_without_a_key_d_takes_only_loopback_bootstrap_addresses() -> None:
+    f = dataclasses.replace(flow(), params_key=None)
+    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT))
+    _refused(f, producer_params(remote, None), "beyond loopback and this engine has no control token")
+    for host in ("127.0.0.1", "127.3.4.5", "[::1]", "localhost"):
+        f = dataclasses.replace(flow(), params_key=None)
+        local = dataclasses.replace(remote, bootstrap_addr=f"http://{host}:8998")
+        f.on_new_request("d1", PROMPT, producer_params(local, None))
+        assert f.matched_tokens("d1", len(PROMPT), 0) == (len(PROMPT), True)
+
+
+def test_keys_vllm_or_a_router_add_are_ignored() -> None:
+    f = flow()
+    f.on_new_request("d1", PROMPT, {**p_params(), "vllm_extra": [1, 2], "router": "x"})
+    assert f.matched_tokens("d1", len(PROMPT), 0) == (len(PROMPT), True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.sampled_from(sorted(p_params()[SIGNED])),  # type: ignore[arg-type]
+    value=st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=40), st.booleans(), st.none()),
+)
+def test_any_change_to_a_signed_field_is_refused(name: str, value: object) -> None:
+    params = p_params()
+    if type(value) is type(params[name]) and value == params[name]:
+        return
+    with pytest.raises(ParamsError, match="does not verify"):
+        parse_remote_prefill({**params, name: value}, KEY)

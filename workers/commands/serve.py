@@ -5,9 +5,9 @@ Imports argparse and the standard library at module level; the runtime (`workers
 binds (the HTTP endpoint, each worker's control server and Mooncake engine), loopback unless told otherwise, and never
 a wildcard, because the workers publish it to their peers; POST endpoints need the bearer token (`--token-file` or
 `KVSVC_ADMIN_TOKEN`) and are refused (403) without one; with a control token (`--control-token-file` or
-`KVSVC_CONTROL_TOKEN`, the same on every engine of the deployment) the workers' control ports refuse hellos without
-it, and a `--host` beyond loopback refuses to start without one; SIGINT and SIGTERM stop the engine and reap every
-worker; `ServedEngine` is the code path of both the command and the tests.
+`KVSVC_CONTROL_TOKEN`, the same on every engine of the deployment) the workers' control ports refuse hellos that do
+not prove it, and a `--host` beyond loopback refuses to start without one; SIGINT and SIGTERM stop the engine and
+reap every worker; `ServedEngine` is the code path of both the command and the tests.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Final, Self
 
@@ -48,8 +48,8 @@ class ServeOptions:
     dtype: str = "bfloat16"
     host: str = "127.0.0.1"
     port: int = 0
-    token: str | None = None
-    control_token: str | None = None  # ServiceConfig.control_token of every worker
+    token: str | None = field(default=None, repr=False)
+    control_token: str | None = field(default=None, repr=False)  # ServiceConfig.control_token of every worker
     staging_mib: int = 64  # each worker's staging region for staged writes and windows (0: every write direct)
     transport: str = "auto"  # ServiceConfig.transport of every worker: auto, mooncake or samehost
 
@@ -221,7 +221,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--control-token-file",
         default=None,
         help=f"file whose first line is the control token that every engine of the deployment shares; workers "
-        f"refuse hellos without it (else ${CONTROL_TOKEN_ENV}; neither: any hello is accepted)",
+        f"refuse hellos that do not prove it (else ${CONTROL_TOKEN_ENV}; neither: any hello is accepted)",
     )
     parser.set_defaults(func=main_with_args)
 
@@ -281,7 +281,7 @@ def main_with_args(args: argparse.Namespace) -> int:
             if control_token is None:
                 print(f"control ports accept any hello: no token (--control-token-file or ${CONTROL_TOKEN_ENV})")
             else:
-                print("control ports accept only hellos with the control token")
+                print("control ports accept only hellos that prove the control token")
             print("Ctrl-C or SIGTERM stops it.", flush=True)
             # wait() in slices: a bare wait() on an Event is not interrupted by signals on every platform.
             while not stop.wait(0.5):

@@ -1,0 +1,179 @@
+"""Authentication between the engines of one deployment: keys derived from the control token, the signature of the
+`kv_transfer_params` P hands out, the proofs of the hello, and the bootstrap addresses a D worker may fetch from.
+
+Pure module: standard library and `kvsvc.messages` only. Rules: the control token never leaves its process; each use
+gets a key of its own, derived from the token under a label (params, hello), so a value computed for one use never
+stands for another. MACs are compared in constant time. A `Key` never shows its bytes in a repr. An address that
+comes from a request is treated as written by an attacker: D builds every URL itself from a host and a port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+from kvsvc.messages import METADATA_PATH
+
+# Labels of the derived keys: one per use of the control token.
+PARAMS_KEY: Final = "kvsvc/params/v1"
+HELLO_KEY: Final = "kvsvc/hello/v1"
+# Bytes of a hello nonce; a proof is one SHA-256 HMAC.
+NONCE_BYTES: Final = 32
+PROOF_BYTES: Final = 32
+
+
+class Key:
+    """A secret HMAC-SHA256 key; its repr hides it."""
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: bytes) -> None:
+        if not secret:
+            raise ValueError("a key must be non-empty")
+        self._secret = secret
+
+    def mac(self, *parts: bytes) -> bytes:
+        """The HMAC of `parts`, each length-prefixed so that no two sequences of parts encode alike."""
+        body = b"".join(len(part).to_bytes(4, "big") + part for part in parts)
+        return hmac.new(self._secret, body, hashlib.sha256).digest()
+
+    def verifies(self, mac: bytes, *parts: bytes) -> bool:
+        """Whether `mac` is this key's HMAC of `parts` (constant-time)."""
+        return hmac.compare_digest(mac, self.mac(*parts))
+
+    def __repr__(self) -> str:
+        return "Key(<hidden>)"
+
+
+def derive_key(token: str | None, label: str) -> Key | None:
+    """The key for use `label` (`PARAMS_KEY`, `HELLO_KEY`) from the deployment's control token; None without one."""
+    if token is None:
+        return None
+    return Key(hmac.new(token.encode(), label.encode(), hashlib.sha256).digest())
+
+
+# -- kv_transfer_params ------------------------------------------------------------------------------------------
+
+
+def canonical(fields: Mapping[str, Any]) -> bytes:
+    """The signed encoding of `fields`: JSON with sorted keys and no spaces (values are str, int, bool, None)."""
+    return json.dumps(dict(fields), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sign_fields(key: Key, fields: Mapping[str, Any]) -> str:
+    """The hex signature of exactly `fields` (their names included)."""
+    return key.mac(b"params", canonical(fields)).hex()
+
+
+def fields_verify(key: Key, fields: Mapping[str, Any], signature: str) -> bool:
+    """Whether `signature` (hex) signs exactly `fields`."""
+    try:
+        mac = bytes.fromhex(signature)
+    except ValueError:
+        return False
+    return key.verifies(mac, b"params", canonical(fields))
+
+
+# -- the hello's proofs ------------------------------------------------------------------------------------------
+
+
+def hello_proof(
+    key: Key, label: bytes, d_nonce: bytes, p_nonce: bytes, d: Iterable[object], p: Iterable[object]
+) -> bytes:
+    """`label` ("P" or "D": a proof of one side never stands for the other's) over both nonces and both workers'
+    identities (engine, start, pp rank, tp rank)."""
+    ids = [json.dumps([str(x) for x in who], separators=(",", ":")).encode() for who in (d, p)]
+    return key.mac(b"hello", label, d_nonce, p_nonce, *ids)
+
+
+def hello_proof_verifies(
+    key: Key, proof: bytes, label: bytes, d_nonce: bytes, p_nonce: bytes, d: Iterable[object], p: Iterable[object]
+) -> bool:
+    """Whether `proof` is `hello_proof` of the same values (constant-time)."""
+    return hmac.compare_digest(proof, hello_proof(key, label, d_nonce, p_nonce, d, p))
+
+
+# -- bootstrap addresses -----------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address or `localhost` (a name that may resolve elsewhere is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapAddress:
+    """A P engine's handshake endpoint as D reaches it: a host and a port, nothing else."""
+
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def metadata_url(self) -> str:
+        """The only URL D fetches from this endpoint."""
+        return self.url + METADATA_PATH
+
+
+def parse_bootstrap_addr(addr: str, keyed: bool) -> BootstrapAddress:
+    """Read `addr` ("http://host:port") as D may use it: without a key (`keyed` False), only a loopback host.
+
+    Raises:
+        ValueError: another scheme, userinfo, a path, query or fragment, no port, or a host beyond loopback without
+            a key; the message names the address.
+    """
+    what = f"bootstrap address {addr!r}"
+    if not isinstance(addr, str) or not addr.isprintable() or " " in addr:
+        raise ValueError(f"{what} is not a printable URL")
+    try:
+        split = urlsplit(addr)
+        port = split.port
+    except ValueError as exc:
+        raise ValueError(f"{what} is malformed: {exc}") from None
+    if split.scheme != "http":
+        raise ValueError(f"{what}: scheme {split.scheme!r}, only 'http://host:port' is fetched")
+    if "@" in split.netloc:
+        raise ValueError(f"{what} carries userinfo; only 'http://host:port' is fetched")
+    if split.path or split.query or split.fragment or "?" in addr or "#" in addr:
+        raise ValueError(f"{what} has a path, query or fragment; only 'http://host:port' is fetched")
+    host = split.hostname or ""
+    if not host or port is None or not 0 < port < 65536:
+        raise ValueError(f"{what} needs a host and a port")
+    if not keyed and not is_loopback(host):
+        raise ValueError(
+            f"{what} is beyond loopback and this engine has no control token: without one, kvsvc fetches only "
+            "from loopback addresses (127.0.0.0/8, ::1, localhost)"
+        )
+    return BootstrapAddress(host, port)
+
+
+def check_control_addr(bootstrap: BootstrapAddress, control_addr: str) -> None:
+    """A P worker's published `control_addr` ("host:port") must be on the bootstrap address's host, or on loopback
+    when that is loopback: a metadata document cannot send D's hello to another machine.
+
+    Raises:
+        ValueError: another host, or a malformed address; the message names both addresses.
+    """
+    host, _, port = control_addr.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    same = host.lower() == bootstrap.host.lower() or (is_loopback(bootstrap.host) and is_loopback(host))
+    if not port.isdigit() or not same:
+        raise ValueError(
+            f"control address {control_addr!r} is not on the host of bootstrap address {bootstrap.url!r}: a P "
+            "engine's workers must be reached on the host its handshake endpoint is reached at"
+        )
