@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 PARAMS_VERSION: Final = 1
+# As `kvsvc.sender` bounds a transfer secret (this module imports nothing of kvsvc's core).
+MIN_SECRET_CHARS: Final = 16
+MAX_SECRET_CHARS: Final = 256
 # The keys vLLM's tooling and routers already know (NixlConnector and MooncakeConnector use them too).
 DO_REMOTE_DECODE: Final = "do_remote_decode"
 DO_REMOTE_PREFILL: Final = "do_remote_prefill"
@@ -34,6 +37,7 @@ class RemotePrefill:
     transfer_id: str  # the key P holds the KV under
     num_tokens: int  # prompt tokens whose KV P computed
     prompt_hash: str  # of P's prompt token ids, so D never takes the KV of another prompt
+    secret: str  # the transfer's secret: P serves only a D that presents it (`kvsvc.sender.Sender.hold`)
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
@@ -64,6 +68,7 @@ def producer_params(remote: RemotePrefill) -> dict[str, Any]:
         "transfer_id": remote.transfer_id,
         "remote_num_tokens": remote.num_tokens,
         "remote_prompt_hash": remote.prompt_hash,
+        "transfer_secret": remote.secret,
         "kvsvc_params_version": PARAMS_VERSION,
     }
 
@@ -87,7 +92,20 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         transfer_id=_get(params, "transfer_id", str),
         num_tokens=_get(params, "remote_num_tokens", int),
         prompt_hash=_get(params, "remote_prompt_hash", str),
+        secret=_secret(params),
     )
+
+
+def _secret(params: Mapping[str, Any]) -> str:
+    """The transfer secret, bounded (it travels in every request to P); an error never shows it."""
+    value = params.get("transfer_secret")
+    if not isinstance(value, str) or not MIN_SECRET_CHARS <= len(value) <= MAX_SECRET_CHARS:
+        shape = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+        raise ParamsError(
+            f"kv_transfer_params['transfer_secret'] holds {shape}, expected a string of {MIN_SECRET_CHARS} to "
+            f"{MAX_SECRET_CHARS} characters: pass P's params unchanged"
+        )
+    return value
 
 
 def _get(params: Mapping[str, Any], key: str, kind: type[Any]) -> Any:

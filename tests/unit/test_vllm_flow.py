@@ -14,14 +14,17 @@ from kvsvc.vllm.params import ParamsError, RemotePrefill, parse_remote_prefill, 
 
 BS = 16
 PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks
+SECRET = "k" * 22  # what the flows here draw for every transfer
 
 
 def flow() -> SchedulerFlow:
-    return SchedulerFlow(engine_id="P-engine", bootstrap_addr="http://10.0.0.1:8998", block_size=BS)
+    return SchedulerFlow(
+        engine_id="P-engine", bootstrap_addr="http://10.0.0.1:8998", block_size=BS, new_secret=lambda: SECRET
+    )
 
 
 def p_params(prompt: list[int] = PROMPT, transfer_id: str = "t1") -> dict[str, object]:
-    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", transfer_id, len(prompt), prompt_hash(prompt))
+    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", transfer_id, len(prompt), prompt_hash(prompt), SECRET)
     return producer_params(remote)
 
 
@@ -35,7 +38,7 @@ def test_p_holds_a_one_token_request_from_the_step_that_ends_its_prompt() -> Non
     f.scheduled("r1", 0, 32, [[7, 8, 9, 10]])  # a first chunk: the prompt is not done
     assert f.build().sends == ()
     f.scheduled("r1", 32, 8, [[7, 8, 9, 10]])
-    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9), 40),)  # only the prompt's blocks
+    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9), 40, SECRET),)  # only the prompt's blocks
     assert not f.wants_blocks("r1")
     keep, params = f.finished("r1", [[7, 8, 9, 10]], completed=True)
     assert keep and params == p_params(transfer_id="r1")
@@ -44,11 +47,11 @@ def test_p_holds_a_one_token_request_from_the_step_that_ends_its_prompt() -> Non
 
 def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks() -> None:
     # A sliding-window group's list leads with the null block (0) where its window has passed.
-    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (FULL, SLIDING_WINDOW))
+    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (FULL, SLIDING_WINDOW), lambda: SECRET)
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     assert not f.drops_last_token("r1")
     f.scheduled("r1", 0, 40, [[7, 8, 9, 10], [0, 0, 12, 13]])
-    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 40),)
+    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 40, SECRET),)
     three = SchedulerFlow("P", "", BS, (FULL, FULL, FULL))
     three.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     with pytest.raises(ValueError, match="2 block lists for 3 KV cache groups"):
@@ -56,13 +59,13 @@ def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks(
 
 
 def test_a_model_with_mamba_state_moves_the_state_before_the_last_prompt_token() -> None:
-    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (MAMBA, FULL))
+    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (MAMBA, FULL), lambda: SECRET)
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     f.on_new_request("one", PROMPT[:1], {"do_remote_decode": True}, max_tokens=1)
     assert f.drops_last_token("r1") and not f.drops_last_token("one")  # one token: no state to move, D computes
     f.scheduled("r1", 0, 39, [[5], [7, 8, 9]])  # P prefills 39 tokens: its prompt was cut by one
     # The state slot goes last in its group's list, behind the null block, to the attention group's length.
-    assert f.build().sends == (SendSpec("r1", "r1", (0, 0, 5, 7, 8, 9), 39),)
+    assert f.build().sends == (SendSpec("r1", "r1", (0, 0, 5, 7, 8, 9), 39, SECRET),)
     d = SchedulerFlow("D-engine", "", BS, (MAMBA, FULL))
     d.on_new_request("d1", PROMPT, p_params())
     assert d.matched_tokens("d1", 40, 0) == (39, True)  # D computes the last token from the state after 39
@@ -79,7 +82,7 @@ def test_p_holds_a_request_that_decodes_on_p_only_when_it_finishes() -> None:
     assert f.build().sends == ()
     keep, params = f.finished("r1", [[4, 5, 6]], completed=True)
     assert keep and params is not None
-    assert f.build().sends == (SendSpec("r1", "r1", (4, 5, 6), 40),)
+    assert f.build().sends == (SendSpec("r1", "r1", (4, 5, 6), 40, SECRET),)
 
 
 def test_an_aborted_p_request_is_freed_at_once_unless_held_then_its_hold_is_aborted() -> None:
@@ -113,7 +116,7 @@ def test_d_loads_every_prompt_token_its_prefix_cache_lacks_once() -> None:
     assert f.matched_tokens("d1", 40, 16) == (24, True)  # no side effect: vLLM may ask again
     f.after_alloc("d1", [[3, 4, 5, 6]], 24, 40)
     step = f.build()
-    assert step.recvs == (RecvSpec("d1", "t1", "P-engine", "http://10.0.0.1:8998", (3, 4, 5), 40, 16),)
+    assert step.recvs == (RecvSpec("d1", "t1", "P-engine", "http://10.0.0.1:8998", (3, 4, 5), 40, 16, SECRET),)
     f.after_alloc("d1", [[3, 4, 5, 6]], 0, 40)  # vLLM's second call, once loaded
     assert f.matched_tokens("d1", 40, 0) == (0, False)  # a failed load is recomputed, never fetched again
     assert f.build().recvs == ()
@@ -151,6 +154,9 @@ def test_d_with_nothing_to_load_never_loads() -> None:
         ({"remote_engine_id": None}, "'remote_engine_id'.*None"),
         ({"remote_prompt_hash": "0" * 16}, "another request's params"),
         ({"remote_num_tokens": 41}, "prompt of 41 tokens"),
+        ({"transfer_secret": None}, r"\['transfer_secret'\] holds NoneType, expected a string of 16 to 256"),
+        ({"transfer_secret": "k" * 15}, r"\['transfer_secret'\] holds 15 characters"),
+        ({"transfer_secret": "k" * 257}, r"\['transfer_secret'\] holds 257 characters"),
     ],
 )
 def test_d_params_it_cannot_use_are_refused_naming_the_key(change: dict[str, object], match: str) -> None:
@@ -165,7 +171,7 @@ def test_params_are_msgpack_native_and_round_trip() -> None:
     params = p_params()
     assert all(isinstance(v, str | int | bool) for v in params.values())
     assert parse_remote_prefill(params) == RemotePrefill(
-        "P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT)
+        "P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT), SECRET
     )
     assert params is not p_params()  # a fresh dict each time: vLLM adds keys to it
 
@@ -252,3 +258,18 @@ def test_a_control_port_beyond_loopback_needs_a_token() -> None:
         _ = parse_config({"bootstrap_host": "0.0.0.0"}).advertised_host
     assert parse_config({"bootstrap_host": "0.0.0.0", "advertise_host": "10.1.2.3"}).advertised_host == "10.1.2.3"
     assert is_loopback("127.0.0.5") and is_loopback("::1") and not is_loopback("10.0.0.1")
+
+
+def test_p_draws_one_secret_per_transfer_that_its_workers_hold_with_and_its_params_carry_to_d() -> None:
+    p = SchedulerFlow("P-engine", "http://p", BS)  # the default draw: 128 random bits
+    for req_id in ("r1", "r2"):
+        p.on_new_request(req_id, PROMPT, {"do_remote_decode": True}, max_tokens=1)
+        p.scheduled(req_id, 0, 40, [[7, 8, 9]])
+    sends = p.build().sends
+    assert len({s.secret for s in sends}) == 2 and all(len(s.secret) == 22 for s in sends)
+    _, params = p.finished("r1", [[7, 8, 9]], completed=True)
+    assert params is not None and params["transfer_secret"] == sends[0].secret
+    d = flow()
+    d.on_new_request("d1", PROMPT, params)
+    d.after_alloc("d1", [[3, 4, 5]], 40, 40)
+    assert [r.secret for r in d.build().recvs] == [sends[0].secret]
