@@ -53,8 +53,10 @@ async def main() -> None:
         rng = np.random.default_rng(0)
         for layer in p_layers:  # "the model": KV of the request's blocks
             layer[p_blocks] = rng.standard_normal(layer[p_blocks].shape).astype(np.float16)
-        prefill.start_send("p-req-1", "xfer-1", p_blocks, tokens)  # ready=None: the KV is written already
-        decode.start_recv("d-req-1", "xfer-1", "my-prefill", url, d_blocks, tokens)
+        # ready=None: the KV is written already. P draws the transfer's secret; D must present it (a router carries
+        # it with the transfer id), or P answers as for a transfer it never held.
+        secret = prefill.start_send("p-req-1", "xfer-1", p_blocks, tokens)
+        decode.start_recv("d-req-1", "xfer-1", "my-prefill", url, d_blocks, tokens, secret=secret)
         sent = received = False
         for _ in range(1000):  # an engine calls get_finished once per step
             sent |= bool(prefill.get_finished().finished_sending)

@@ -185,7 +185,10 @@ class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True)
     `window_bytes` > 0: write the share instead as one stream into D's staging region at `window_addr`
     (`kvsvc.staging.window_plan`); D scatters it into the blocks before it reports. 0: write the blocks.
     `share_bytes`: the stream's size as D planned it (0: `window_bytes`); larger than the window, it moves in rounds
-    (`kvsvc.staging.window_round_bytes`) with `WindowFilled` and `WindowEmptied`."""
+    (`kvsvc.staging.window_round_bytes`) with `WindowFilled` and `WindowEmptied`.
+
+    `secret`: the transfer's secret, as P issued it with the hold (`kvsvc.sender.Sender.hold`); P serves only a
+    request that carries it, and answers any other as it answers a transfer it does not hold."""
 
     transfer_id: str
     block_ids: list[int]
@@ -194,6 +197,7 @@ class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True)
     window_addr: int = 0
     window_bytes: int = 0
     share_bytes: int = 0
+    secret: str = ""
 
 
 class WindowFilled(msgspec.Struct, tag="window_filled", frozen=True, kw_only=True):
@@ -212,9 +216,11 @@ class WindowEmptied(msgspec.Struct, tag="window_emptied", frozen=True, kw_only=T
 
 
 class Release(msgspec.Struct, tag="release", frozen=True, kw_only=True):
-    """D to P: no D worker needs data from you for this transfer; free your hold now."""
+    """D to P: no D worker needs data from you for this transfer; free your hold now (with the transfer's
+    `secret`, as in `TransferRequest`)."""
 
     transfer_id: str
+    secret: str = ""
 
 
 class TransferDone(msgspec.Struct, tag="xfer_done", frozen=True, kw_only=True):
@@ -233,10 +239,12 @@ class TransferFailed(msgspec.Struct, tag="xfer_failed", frozen=True, kw_only=Tru
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
-    """D to P: stop this transfer; P answers `TransferFailed` once no write of it can touch D's blocks."""
+    """D to P: stop this transfer; P answers `TransferFailed` once no write of it can touch D's blocks. Honoured
+    only with the transfer's `secret`, as in `TransferRequest`."""
 
     transfer_id: str
     reason: str
+    secret: str = ""
 
 
 class ErrorMessage(msgspec.Struct, tag="error", frozen=True, kw_only=True):

@@ -64,6 +64,7 @@ class _Recv:
     deadline: float
     started: float
     first_token: int = 0
+    secret: str = ""  # the transfer's secret from P, carried in every message about it
     jobs: dict[Worker, RecvJob] = field(default_factory=dict)
     sources_known: bool = False
     ending: RecvEnding | None = None
@@ -119,9 +120,11 @@ class Receiver:
         num_tokens: int,
         now: float,
         first_token: int = 0,
+        secret: str = "",
     ) -> bool:
         """Begin receiving tokens `[first_token, num_tokens)` of `transfer_id` from engine `engine_id` into
-        `block_ids`.
+        `block_ids`. `secret` is the one P issued with its hold; every request, release and abort carries it (P
+        answers one without it as for a transfer it does not hold).
 
         Returns False (and changes nothing) when the transfer is already being received: repeats are no-ops.
 
@@ -145,6 +148,7 @@ class Receiver:
             deadline,
             started=now,
             first_token=first_token,
+            secret=secret,
         )
         self._by_req[req_id] = transfer_id
         self._deadlines.set(transfer_id, deadline)
@@ -188,11 +192,13 @@ class Receiver:
             return []
         recv.sources_known = True
         recv.planned = dict(planned or {})
-        commands = [SendToSource(recv.engine_id, src, Release(transfer_id=transfer_id)) for src in releases]
+        release = Release(transfer_id=transfer_id, secret=recv.secret)
+        commands = [SendToSource(recv.engine_id, src, release) for src in releases]
         if recv.ending is not None:
             # Nothing was asked yet, so nothing can be written; still tell the sources, so a P that holds the
             # transfer later frees it at once instead of at its hold expiry.
-            abort = Abort(transfer_id=transfer_id, reason="aborted by D before the handshake completed")
+            reason = "aborted by D before the handshake completed"
+            abort = Abort(transfer_id=transfer_id, reason=reason, secret=recv.secret)
             commands += [SendToSource(recv.engine_id, src, abort) for src in sources]
             self._end(recv, abort.reason)
             return commands
@@ -421,10 +427,11 @@ class Receiver:
                     block_ids=recv.block_ids,
                     num_tokens=recv.num_tokens,
                     first_token=recv.first_token,
+                    secret=recv.secret,
                 )
                 commands.append(SendToSource(recv.engine_id, job.src, request))
             elif effect is Effect.SEND_ABORT:
-                abort = Abort(transfer_id=recv.transfer_id, reason=job.reason or "aborted by D")
+                abort = Abort(transfer_id=recv.transfer_id, reason=job.reason or "aborted by D", secret=recv.secret)
                 commands.append(SendToSource(recv.engine_id, job.src, abort))
         self._maybe_end(recv)
         return commands

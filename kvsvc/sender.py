@@ -4,12 +4,15 @@ Rules: `Sender` takes events (a hold from the engine, a request or abort from a 
 clock) and returns commands (`Submit`, `Reply`); it never touches a socket, a transport or a clock itself. Each
 held request is reported in `take_finished()` exactly once: when every D worker that needs it was served, when it
 expired, or when it was aborted, and never while a write may still touch its blocks. Requests that arrive before
-the hold wait a bounded time, bounded in number and in block ids per D worker, then are answered failed. Pure
-module: standard library and kvsvc's pure core only.
+the hold wait a bounded time, bounded in number and in block ids per D worker, then are answered failed. Each hold
+has a secret (`hold`): a request, release or abort that does not carry it is answered exactly as one for a transfer
+P never held (so a prober learns nothing of which ids exist), and counted. Pure module: standard library and kvsvc's
+pure core only.
 """
 
 from __future__ import annotations
 
+import hmac
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -61,6 +64,24 @@ class Reply:
 
 
 SendCommand: TypeAlias = Submit | Reply | Notice
+# A transfer's secret is at least this long: `secrets.token_urlsafe(16)` (128 bits) makes 22 characters. D takes
+# one of at most `MAX_SECRET_CHARS`, as it travels in every request.
+MIN_SECRET_CHARS: Final = 16
+MAX_SECRET_CHARS: Final = 256
+
+
+def check_secret(secret: str, transfer_id: str) -> None:
+    """Refuse a transfer secret too short to be unguessable, or too long to carry in each request.
+
+    Raises:
+        ValueError: `secret` has fewer than `MIN_SECRET_CHARS` or more than `MAX_SECRET_CHARS` characters; the
+            message names the transfer and the length, never the secret.
+    """
+    if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS:
+        raise ValueError(
+            f"secret of transfer {transfer_id!r} has {len(secret)} characters, {MIN_SECRET_CHARS} to "
+            f"{MAX_SECRET_CHARS} needed (P draws one with secrets.token_urlsafe(16))"
+        )
 
 
 class HoldEnd(Enum):
@@ -77,6 +98,7 @@ class _Hold:
     block_ids: list[int]
     num_tokens: int
     deadline: float
+    secret: bytes
     ready: bool = False
     dst_engine: tuple[str, str] | None = None
     expected: frozenset[Worker] | None = None
@@ -95,6 +117,9 @@ class SenderStatistics:
     finished_pending_report: int
     expired_holds: int
     aborted_holds: int
+    # Requests, releases and aborts of a held (or recently held) transfer without its secret: 0 unless a D worker is
+    # misconfigured or probing.
+    refused_secrets: int = 0
 
 
 class Sender:
@@ -115,9 +140,10 @@ class Sender:
         self._holds: dict[str, _Hold] = {}
         self._deadlines = Deadlines(self._hold_deadline)
         self._by_req: dict[str, str] = {}  # req_id -> transfer_id of each hold, for the engine's aborts
-        # Requests for transfers not held yet, in arrival order (deadline, request, expected set).
+        # Requests for transfers not held yet, in arrival order (deadline, request, expected set), keyed by
+        # (transfer, D worker, secret): a request without the secret must not take the place of the one with it.
         self._early: OrderedDict[
-            tuple[str, Worker], tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]
+            tuple[str, WorkerRef, str], tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]
         ]
         self._early = OrderedDict()
         self._max_early_bytes = max_early_request_bytes
@@ -126,40 +152,51 @@ class Sender:
         # Keyed by the D worker's whole identity: another engine, or a restart, must never be told an old outcome.
         self._outcomes: OrderedDict[tuple[str, WorkerRef], TransferDone | TransferFailed] = OrderedDict()
         self._remembered = remembered_outcomes
-        # Why each recently finished transfer ended, for D workers that ask only after it did.
-        self._closed: OrderedDict[str, str] = OrderedDict()
+        # Why each recently finished transfer ended, and its secret, for D workers that ask only after it did.
+        self._closed: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
         self._finished: set[str] = set()
         self._expired_count = 0
         self._aborted_count = 0
+        self._refused_secrets = 0
 
     # -- events from the engine -------------------------------------------------------------------------------
 
     def hold(
-        self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int, now: float
+        self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int, now: float, *, secret: str
     ) -> list[SendCommand]:
         """The engine holds `req_id`'s KV for `transfer_id` until D workers fetched it (or the hold expires).
 
-        A repeated hold of a held transfer is a no-op. Requests that arrived early are applied now.
+        Only D workers that present `secret` (at least `MIN_SECRET_CHARS` characters, drawn by P's engine for this
+        transfer) are served. A repeated hold of a held transfer is a no-op. Requests that arrived early are
+        applied now if they carry the secret; the others wait out their early deadline, as for an unknown transfer.
 
         Raises:
-            ValueError: `transfer_id` is held already for another request.
+            ValueError: `transfer_id` is held already for another request or with another secret, or `secret` is
+                refused by `check_secret`.
         """
+        check_secret(secret, transfer_id)
         held = self._holds.get(transfer_id)
         if held is not None:
             if held.req_id != req_id:
                 raise ValueError(
                     f"transfer {transfer_id!r} is already held for request {held.req_id!r}, not {req_id!r}"
                 )
+            if not _matches(held.secret, secret):
+                raise ValueError(f"transfer {transfer_id!r} is already held for {req_id!r} with another secret")
             return []
         deadline = now + self._hold_timeout
-        self._holds[transfer_id] = _Hold(req_id, transfer_id, block_ids, num_tokens, deadline)
+        hold = _Hold(req_id, transfer_id, block_ids, num_tokens, deadline, _encode(secret))
+        self._holds[transfer_id] = hold
         self._deadlines.set(transfer_id, deadline)
         self._by_req[req_id] = transfer_id
         commands: list[SendCommand] = []
         for key in [k for k in self._early if k[0] == transfer_id]:
+            if not _matches(hold.secret, key[2]):
+                self._refused_secrets += 1
+                continue  # answered at its early deadline, as a request for a transfer never held
             _, dst, message, expected = self._pop_early(key)
             if isinstance(message, Abort):
-                commands += self.remote_abort(dst, transfer_id, message.reason, now, expected)
+                commands += self.remote_abort(dst, message, now, expected)
             elif isinstance(message, Release):
                 commands += self.release(dst, expected, message, now)
             else:
@@ -211,12 +248,12 @@ class Sender:
                 check_block_ids(dst_meta, message.block_ids, message.num_tokens, "D", message.first_token)
                 check_window(dst_meta, message.window_addr, message.window_bytes, message.share_bytes)
             except ValueError as exc:
-                return self.refuse(dst, message.transfer_id, str(exc), now, expected)
+                return self.refuse(dst, message, str(exc), now, expected)
             return self.request(dst, expected, message, now)
         if isinstance(message, Release):
             return self.release(dst, expected, message, now)
         if isinstance(message, Abort):
-            return self.remote_abort(dst, message.transfer_id, message.reason, now, expected)
+            return self.remote_abort(dst, message, now, expected)
         if isinstance(message, Ping):
             return [Reply(dst, Pong(nonce=message.nonce))]
         if isinstance(message, ErrorMessage):
@@ -229,18 +266,24 @@ class Sender:
     ) -> list[SendCommand]:
         """D worker `dst` asks for its share. `expected` is every D worker of dst's engine that this P worker sources.
 
-        A repeat is a no-op, or re-answers the outcome if the job ended.
+        A repeat is a no-op, or re-answers the outcome if the job ended. A request without the hold's secret is
+        treated as one for a transfer not held (`hold`); one for more tokens than P holds is refused.
         """
-        key = (message.transfer_id, dst.worker)
         hold = self._holds.get(message.transfer_id)
-        if hold is None:
-            return self._early_or_outcome(key, dst, message, expected, now)
+        if hold is None or not self._secret_ok(hold.secret, message.secret):
+            return self._early_or_outcome(dst, message, expected, now)
         refused = self._check_engine(hold, dst, expected)
         if refused:
             return [refused]
         job = hold.jobs.get(dst.worker)
         if job is not None:
             return self._apply(hold, job, SendEvent.REQUEST)
+        if message.num_tokens > hold.num_tokens:
+            reason = (
+                f"D worker {dst} asks for {message.num_tokens} tokens of transfer {hold.transfer_id!r}, P holds "
+                f"{hold.num_tokens}"
+            )
+            return self._apply(hold, self._new_job(hold, dst), SendEvent.ABORT, reason)
         job = self._new_job(hold, dst, message)
         commands = self._apply(hold, job, SendEvent.REQUEST)
         if hold.ended is not None:
@@ -248,13 +291,11 @@ class Sender:
         return commands + (self._apply(hold, job, SendEvent.READY) if hold.ready else [])
 
     def release(self, dst: WorkerRef, expected: frozenset[Worker], message: Release, now: float) -> list[SendCommand]:
-        """D's designated worker says no D worker needs data from this P worker: finish the hold now."""
+        """D's designated worker says no D worker needs data from this P worker: finish the hold now. Without the
+        hold's secret it is treated as a release of a transfer not held."""
         hold = self._holds.get(message.transfer_id)
-        if hold is None:
-            key = (message.transfer_id, dst.worker)
-            if (message.transfer_id, dst) not in self._outcomes:
-                return self._early_or_outcome(key, dst, message, expected, now)
-            return []
+        if hold is None or not self._secret_ok(hold.secret, message.secret):
+            return self._early_or_outcome(dst, message, expected, now)
         refused = self._check_engine(hold, dst, expected)
         if refused:
             return [refused]
@@ -262,12 +303,7 @@ class Sender:
         return []
 
     def remote_abort(
-        self,
-        dst: WorkerRef,
-        transfer_id: str,
-        reason: str,
-        now: float = 0.0,
-        expected: frozenset[Worker] | None = None,
+        self, dst: WorkerRef, message: Abort, now: float = 0.0, expected: frozenset[Worker] | None = None
     ) -> list[SendCommand]:
         """D worker `dst` aborted its receive: stop its job (after any write drained); it counts as served.
 
@@ -277,18 +313,23 @@ class Sender:
         wait for proof").
         An abort for a transfer not held yet is kept like an early request, so the hold that comes later counts
         `dst` as served at once. `expected` is as for `request`; without it an abort before any request cannot tell
-        P which other D workers to wait for.
+        P which other D workers to wait for. An abort without the hold's secret is answered as one for a transfer
+        not held, and changes nothing.
         """
-        key = (transfer_id, dst.worker)
-        hold = self._holds.get(transfer_id)
-        if hold is None:
+        transfer_id, reason = message.transfer_id, message.reason or "aborted by D"
+        hold, closed = self._holds.get(transfer_id), self._closed.get(transfer_id)
+        known = hold.secret if hold is not None else closed[1] if closed is not None else None
+        if known is None or not self._secret_ok(known, message.secret):
+            # Never held, or not for this secret: kept like an early request (the hold checks its secret).
+            key = (transfer_id, dst, message.secret)
             if key in self._early:
                 self._pop_early(key)
-            if transfer_id not in self._closed and len(self._early) < self._max_early:
-                abort = Abort(transfer_id=transfer_id, reason=reason or "aborted by D")
+            if len(self._early) < self._max_early:
+                abort = Abort(transfer_id=transfer_id, reason=reason, secret=message.secret)
                 self._early[key] = (now + self._early_timeout, dst, abort, expected or frozenset())
-            # Nothing was written for a transfer P does not hold: D may end its abort now.
-            return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason or "aborted by D"))]
+        if known is None or hold is None or not _matches(hold.secret, message.secret):
+            # Nothing was written for D in a transfer P does not hold for it: D may end its abort now.
+            return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason))]
         if hold.dst_engine is None and expected is not None:
             self._check_engine(hold, dst, expected)
         if hold.dst_engine is not None and hold.dst_engine != (dst.engine_id, dst.incarnation):
@@ -301,17 +342,20 @@ class Sender:
         if job.terminal:
             # Its write (if any) ended: repeat the outcome, which tells D nothing more will land.
             return [Reply(dst, _outcome(hold, job))]
-        return self._apply(hold, job, SendEvent.ABORT, reason or "aborted by D")
+        return self._apply(hold, job, SendEvent.ABORT, reason)
 
     def refuse(
-        self, dst: WorkerRef, transfer_id: str, reason: str, now: float, expected: frozenset[Worker]
+        self, dst: WorkerRef, request: TransferRequest, reason: str, now: float, expected: frozenset[Worker]
     ) -> list[SendCommand]:
         """D worker `dst` sent a request P cannot serve (block ids outside its pool, say): answer it failed once,
-        and count `dst` as served; a job `dst` already has is left alone (the bad frame is only answered)."""
+        and count `dst` as served; a job `dst` already has is left alone (the bad frame is only answered). Without
+        the hold's secret it is answered as for a transfer not held, and changes nothing."""
+        transfer_id = request.transfer_id
         hold = self._holds.get(transfer_id)
-        if hold is not None and dst.worker in hold.jobs:
+        if hold is not None and dst.worker in hold.jobs and _matches(hold.secret, request.secret):
             return [Reply(dst, ErrorMessage(reason=reason, transfer_id=transfer_id))]
-        commands = self.remote_abort(dst, transfer_id, reason, now, expected)
+        abort = Abort(transfer_id=transfer_id, reason=reason, secret=request.secret)
+        commands = self.remote_abort(dst, abort, now, expected)
         if not any(isinstance(c, Reply) for c in commands):
             commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
         return commands
@@ -415,26 +459,25 @@ class Sender:
             finished_pending_report=len(self._finished),
             expired_holds=self._expired_count,
             aborted_holds=self._aborted_count,
+            refused_secrets=self._refused_secrets,
         )
 
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _early_or_outcome(
-        self,
-        key: tuple[str, Worker],
-        dst: WorkerRef,
-        message: TransferRequest | Release,
-        expected: frozenset[Worker],
-        now: float,
+        self, dst: WorkerRef, message: TransferRequest | Release, expected: frozenset[Worker], now: float
     ) -> list[SendCommand]:
-        outcome = self._outcomes.get((message.transfer_id, dst))
-        if outcome is not None:
-            return [Reply(dst, outcome)] if isinstance(message, TransferRequest) else []
+        """A request or release for a transfer not held, or not held for this secret: its outcome or closing
+        reason when it ended recently (and the secret is its own), else it waits for the hold (early)."""
+        key = (message.transfer_id, dst, message.secret)
         closed = self._closed.get(message.transfer_id)
-        if closed is not None:
+        if closed is not None and self._secret_ok(closed[1], message.secret):
+            outcome = self._outcomes.get((message.transfer_id, dst))
+            if outcome is not None:
+                return [Reply(dst, outcome)] if isinstance(message, TransferRequest) else []
             if isinstance(message, Release):
                 return []
-            reason = f"transfer {message.transfer_id!r} is no longer held by P: {closed}"
+            reason = f"transfer {message.transfer_id!r} is no longer held by P: {closed[0]}"
             return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
         if key in self._early:
             return []
@@ -453,7 +496,7 @@ class Sender:
         return []
 
     def _pop_early(
-        self, key: tuple[str, Worker]
+        self, key: tuple[str, WorkerRef, str]
     ) -> tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]:
         """Take the early request at `key` (present) out, with its cost."""
         entry = self._early.pop(key)
@@ -483,6 +526,13 @@ class Sender:
             commands += self._apply(hold, job, SendEvent.ABORT, reason)
         self._maybe_finish(hold)
         return commands
+
+    def _secret_ok(self, held: bytes, presented: str) -> bool:
+        """Whether `presented` is the secret `held`; a wrong one is counted (`refused_secrets`)."""
+        if _matches(held, presented):
+            return True
+        self._refused_secrets += 1
+        return False
 
     def _check_engine(self, hold: _Hold, dst: WorkerRef, expected: frozenset[Worker]) -> Reply | None:
         engine = (dst.engine_id, dst.incarnation)
@@ -531,7 +581,8 @@ class Sender:
         del self._holds[hold.transfer_id]
         self._by_req.pop(hold.req_id, None)
         self._finished.add(hold.req_id)
-        self._closed[hold.transfer_id] = hold.ended.value if hold.ended else "every D worker that needed it was served"
+        reason = hold.ended.value if hold.ended else "every D worker that needed it was served"
+        self._closed[hold.transfer_id] = (reason, hold.secret)
         while len(self._closed) > self._remembered:
             self._closed.popitem(last=False)
         for worker, job in hold.jobs.items():
@@ -545,6 +596,16 @@ def _cost(message: TransferRequest | Release | Abort) -> int:
 
 
 _END_EVENTS = {HoldEnd.ABORTED: SendEvent.ABORT, HoldEnd.EXPIRED: SendEvent.EXPIRE}
+
+
+def _encode(secret: str) -> bytes:
+    # Bytes, not str: compare_digest refuses str with characters outside ASCII, and D chooses what it sends.
+    return secret.encode("utf-8", "surrogatepass")
+
+
+def _matches(held: bytes, presented: str) -> bool:
+    """Whether `presented` is the secret `held`, compared in constant time."""
+    return hmac.compare_digest(held, _encode(presented))
 
 
 def _outcome(hold: _Hold, job: SendJob) -> TransferDone | TransferFailed:

@@ -32,6 +32,7 @@ from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.service.staging import StagingArea
 from kvsvc.staging_region import staging_area
+from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 from kvsvc.transport.routed import with_same_host
@@ -232,7 +233,10 @@ class WorkerRuntime:
         if isinstance(command, Prefill):
             fill(self.pool.layers, self.pool.meta, command.seed, command.block_ids, command.num_tokens)
             ready = ready_after_fill(self.pool.device)
-            service.start_send(command.req_id, command.transfer_id, command.block_ids, command.num_tokens, ready)
+            secret = harness_secret(command.transfer_id)
+            service.start_send(
+                command.req_id, command.transfer_id, command.block_ids, command.num_tokens, ready, secret=secret
+            )
             self.in_flight[command.req_id] = ("send", command.transfer_id, time.monotonic())
             return None
         if isinstance(command, Recv):
@@ -243,6 +247,7 @@ class WorkerRuntime:
                 command.remote_url,
                 command.block_ids,
                 command.num_tokens,
+                secret=harness_secret(command.transfer_id),
             )
             self.in_flight[command.req_id] = ("recv", command.transfer_id, time.monotonic())
             return None

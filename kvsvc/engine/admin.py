@@ -3,7 +3,9 @@
 Imports: aiohttp, msgspec, kvsvc.engine (bootstrap, metrics) and kvsvc.messages; never the service or workers: the
 engine is reached only through the `EngineView` protocol. Invariants: it shares one `web.Application` with the
 handshake endpoint; it binds loopback by default; every request that is not GET/HEAD/OPTIONS needs the bearer token
-(compared in constant time) and is refused outright when none is configured; bodies over the limit get 413.
+(compared in constant time) and is refused outright when none is configured; bodies over the limit get 413. A GET
+without the token shows no transfer or request id (a transfer id names a hold to D workers) and no text a remote
+sent (refusals, errors): only rows with the fields in `_PUBLIC_TRANSFER_FIELDS` / `_PUBLIC_PEER_FIELDS`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,24 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024
 METRICS_KEY: Final = web.AppKey("kvsvc_metrics", EngineMetrics)
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+# What a GET without the token shows of a row; a view's other fields (ids, remote text) need the token.
+_PUBLIC_TRANSFER_FIELDS: Final = frozenset({"pp_rank", "tp_rank", "direction", "state", "age_s"})
+_PUBLIC_PEER_FIELDS: Final = frozenset(
+    {
+        "direction",
+        "peer",
+        "peer_engine_id",
+        "peer_pp_rank",
+        "peer_tp_rank",
+        "incarnation",
+        "state",
+        "describe",
+        "expected_destinations",
+        "transport",
+        "pp_rank",
+        "tp_rank",
+    }
+)
 # WorkerRef.__str__ of kvsvc.messages: "engine[pp0,tp1]"; greedy so an engine id may itself hold brackets.
 _PEER_RE: Final = re.compile(r"^(?P<engine>.*)\[pp(?P<pp>\d+),tp(?P<tp>\d+)\]$")
 _json = msgspec.json.Encoder(enc_hook=str)
@@ -83,6 +103,7 @@ class EngineView(Protocol):
 
 # A Protocol is no concrete class, so the key is typed by subscription rather than by a `t` argument.
 VIEW_KEY: Final = web.AppKey[EngineView]("kvsvc_engine_view")
+_TOKEN_KEY: Final = web.AppKey[str | None]("kvsvc_admin_token")
 
 
 def random_token(nbytes: int = 32) -> str:
@@ -118,6 +139,17 @@ def _bearer_matches(header: str, token: str) -> bool:
     scheme, _, presented = header.partition(" ")
     # Bytes, not str: compare_digest refuses non-ASCII str, and a header is attacker-controlled.
     return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+def _authorized(request: web.Request) -> bool:
+    """Whether `request` carries the admin token (never, when none is configured)."""
+    token = request.app[_TOKEN_KEY]
+    return token is not None and _bearer_matches(request.headers.get("Authorization", ""), token)
+
+
+def _public(rows: Sequence[Mapping[str, object]], fields: frozenset[str]) -> list[dict[str, object]]:
+    """`rows` as a caller without the token sees them: only `fields`."""
+    return [{k: v for k, v in row.items() if k in fields} for row in rows]
 
 
 def _guard(token: str | None, max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -211,14 +243,14 @@ def remote_stages(peers: Sequence[PeerRow]) -> list[dict[str, object]]:
             group["describe"] = str(row["describe"])
         connections = group["connections"]
         assert isinstance(connections, list)
-        connections.append(
-            {
-                "local": [row.get("pp_rank"), row.get("tp_rank")],
-                "remote_tp_rank": tp,
-                "state": row.get("state", ""),
-                "last_error": row.get("last_error", ""),
-            }
-        )
+        connection: dict[str, object] = {
+            "local": [row.get("pp_rank"), row.get("tp_rank")],
+            "remote_tp_rank": tp,
+            "state": row.get("state", ""),
+        }
+        if "last_error" in row:  # absent from rows shown without the token
+            connection["last_error"] = row["last_error"]
+        connections.append(connection)
     return [groups[key] for key in sorted(groups)]
 
 
@@ -252,17 +284,24 @@ async def _topology(request: web.Request) -> web.Response:
                 }
                 for _, m in sorted(workers.items())
             ],
-            "remotes": remote_stages(await view.peers()),
+            "remotes": remote_stages(await _peer_rows(request)),
         }
     )
 
 
+async def _peer_rows(request: web.Request) -> list[dict[str, object]]:
+    """The view's peer rows, without remote text (`last_error`) unless the request carries the token."""
+    rows = await request.app[VIEW_KEY].peers()
+    return [dict(row) for row in rows] if _authorized(request) else _public(rows, _PUBLIC_PEER_FIELDS)
+
+
 async def _peers(request: web.Request) -> web.Response:
-    return _json_response({"peers": list(await request.app[VIEW_KEY].peers())})
+    return _json_response({"peers": await _peer_rows(request)})
 
 
 async def _transfers(request: web.Request) -> web.Response:
-    return _json_response({"transfers": list(await request.app[VIEW_KEY].transfers())})
+    rows = await request.app[VIEW_KEY].transfers()
+    return _json_response({"transfers": list(rows) if _authorized(request) else _public(rows, _PUBLIC_TRANSFER_FIELDS)})
 
 
 async def _statistics(request: web.Request) -> web.Response:
@@ -310,6 +349,8 @@ def build_admin_app(
     POST /v1/drain, /v1/peers/{engine_id}/forget.
 
     `token` None disables the POST endpoints (403); an empty token is refused, as it would match an empty header.
+    GETs of /v1/transfers, /v1/peers and /v1/topology show ids and remote text only with the token (see module
+    docstring); with `token` None, never.
     Publish the handshake metadata with `bootstrap.publish_metadata(app, ...)` (or `KVSvcConnector`).
 
     Raises:
@@ -321,6 +362,7 @@ def build_admin_app(
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_guard(token, max_body_bytes)])
     app[VIEW_KEY] = view
+    app[_TOKEN_KEY] = token
     app[METRICS_KEY] = metrics or EngineMetrics(view.engine_id, view.incarnation, view.role)
     add_metadata_route(app)
     app.router.add_get("/healthz", _healthz)

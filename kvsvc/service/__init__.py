@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from kvsvc.service.config import ServiceConfig
-from kvsvc.service.service import KVTransferService, ServiceStatistics, new_incarnation
+from kvsvc.service.service import KVTransferService, ServiceStatistics, new_incarnation, new_transfer_secret
 from kvsvc.service.threaded import ServiceThread
 
-__all__ = ["KVTransferService", "ServiceConfig", "ServiceStatistics", "ServiceThread", "new_incarnation"]
+__all__ = [
+    "KVTransferService",
+    "ServiceConfig",
+    "ServiceStatistics",
+    "ServiceThread",
+    "new_incarnation",
+    "new_transfer_secret",
+]

@@ -31,6 +31,7 @@ from kvsvc.jobs import Notice
 from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef
 from kvsvc.planner import check_block_ids
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
+from kvsvc.sender import check_secret
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.lending import WindowLender
@@ -106,13 +107,15 @@ class ReceivingRole:
         url: str,
         block_ids: list[int],
         num_tokens: int,
-        first_token: int = 0,
+        first_token: int,
+        secret: str,
     ) -> None:
         """As `KVTransferService.start_recv`, once the service is known open."""
         check_block_ids(self._ctx.metadata, block_ids, num_tokens, "D", first_token)
+        check_secret(secret, transfer_id)
         self._own_engine()
         now = self._ctx.clock()
-        if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token):
+        if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token, secret):
             return
         self._ctx.changed()  # a new receive deadline
         if not self._route_known(transfer_id, engine_id, url):

@@ -119,14 +119,15 @@ class SendingRole:
         block_ids: list[int],
         num_tokens: int,
         ready: Awaitable[None] | Sequence[Awaitable[None]] | None,
+        secret: str,
     ) -> None:
-        """As `KVTransferService.start_send`, once the service is known open."""
+        """As `KVTransferService.start_send`, once the service is known open and the secret drawn."""
         meta = self._ctx.metadata
         check_block_ids(meta, block_ids, num_tokens, "P")
         layered = isinstance(ready, Sequence)
         if layered and len(ready) != meta.num_layers:  # type: ignore[arg-type]
             raise ValueError(f"layer-wise ready has {len(ready)} futures for {meta.num_layers} local layers")  # type: ignore[arg-type]
-        self._run_send(self._sender.hold(req_id, transfer_id, block_ids, num_tokens, self._ctx.clock()))
+        self._run_send(self._sender.hold(req_id, transfer_id, block_ids, num_tokens, self._ctx.clock(), secret=secret))
         if ready is None:
             self._run_send(self._sender.ready(transfer_id))
         elif isinstance(ready, Sequence):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -190,19 +191,28 @@ class KVTransferService:
         block_ids: list[int],
         num_tokens: int,
         ready: Awaitable[None] | Sequence[Awaitable[None]] | None = None,
-    ) -> None:
+        *,
+        secret: str | None = None,
+    ) -> str:
         """Hold `req_id`'s KV in `block_ids` until the D workers that need it fetched it, or the hold expires.
+        Returns the transfer's secret: only a D worker whose `start_recv` presents it is served.
 
         `ready` is the completion of the compute that wrote the KV: None when it is done already, one awaitable
         for the whole request, or one per local layer (in layer order) for layer-wise sends, where a layer goes
-        as soon as its own compute finished. A repeat for a held transfer is a no-op.
+        as soon as its own compute finished. `secret`: the one the engine drew for this transfer (every P worker of
+        the engine holds it with the same one); None draws a fresh one
+        (`new_transfer_secret`), which suits an engine of one worker. A repeat for a held transfer is a no-op.
 
         Raises:
             ServiceClosed: `close` was called.
-            ValueError: a block id is outside this worker's pool, or the blocks cannot hold `num_tokens`.
+            ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`, `secret` is
+                too short or too long (`kvsvc.sender.check_secret`), or the transfer is held already with another
+                secret.
         """
         self._check_open()
-        self._sending.start_send(req_id, transfer_id, block_ids, num_tokens, ready)
+        secret = new_transfer_secret() if secret is None else secret
+        self._sending.start_send(req_id, transfer_id, block_ids, num_tokens, ready, secret)
+        return secret
 
     def start_recv(
         self,
@@ -213,22 +223,25 @@ class KVTransferService:
         block_ids: list[int],
         num_tokens: int,
         first_token: int = 0,
+        *,
+        secret: str,
     ) -> None:
         """Receive tokens `[first_token, num_tokens)` of `transfer_id` from engine `remote_engine_id` (bootstrap
         endpoint `remote_url`) into `block_ids`, where token t goes to block `block_ids[t // block_size]`: a
-        `first_token` > 0 leaves the prefix this engine holds already (its prefix cache) untouched. The outcome
-        appears once in `get_finished` (finished, or failed with its blocks invalid). A repeat of a transfer being
-        received is a no-op. Never waits on the handshake.
+        `first_token` > 0 leaves the prefix this engine holds already (its prefix cache) untouched. `secret` is the
+        transfer's secret as P's `start_send` returned it (P treats a request without it as one for a transfer it
+        does not hold). The outcome appears once in `get_finished` (finished, or failed with its blocks invalid). A
+        repeat of a transfer being received is a no-op. Never waits on the handshake.
 
         Raises:
             ServiceClosed: `close` was called.
-            ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`, or
-                `first_token` lies outside `[0, num_tokens]`.
+            ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`,
+                `first_token` lies outside `[0, num_tokens]`, or `secret` is missing (`kvsvc.sender.check_secret`).
             LocalProtocolError: this engine has several PP stages and `set_engine_metadata` was not called.
         """
         self._check_open()
         self._receiving.start_recv(
-            req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens, first_token
+            req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens, first_token, secret
         )
 
     def abort(self, req_id: str) -> None:
@@ -337,4 +350,16 @@ def new_incarnation() -> str:
     return uuid.uuid4().hex[:12]
 
 
-__all__ = ["KVSvcError", "KVTransferService", "ServiceConfig", "ServiceStatistics", "new_incarnation"]
+def new_transfer_secret() -> str:
+    """A fresh secret for one transfer (128 random bits, 22 URL-safe characters)."""
+    return secrets.token_urlsafe(16)
+
+
+__all__ = [
+    "KVSvcError",
+    "KVTransferService",
+    "ServiceConfig",
+    "ServiceStatistics",
+    "new_incarnation",
+    "new_transfer_secret",
+]

@@ -110,18 +110,21 @@ class ServiceThread:
         block_ids: list[int],
         num_tokens: int,
         ready: concurrent.futures.Future[None] | Sequence[concurrent.futures.Future[None]] | None = None,
-    ) -> None:
-        """As `KVTransferService.start_send`; `ready` may be thread futures (wrapped for the loop)."""
+        *,
+        secret: str | None = None,
+    ) -> str:
+        """As `KVTransferService.start_send` (returns the transfer's secret); `ready` may be thread futures
+        (wrapped for the loop)."""
 
-        def go(s: KVTransferService) -> None:
+        def go(s: KVTransferService) -> str:
             wrapped: Any = ready
             if isinstance(ready, concurrent.futures.Future):
                 wrapped = asyncio.wrap_future(ready)
             elif ready is not None:
                 wrapped = [asyncio.wrap_future(r) for r in ready]
-            s.start_send(req_id, transfer_id, block_ids, num_tokens, wrapped)
+            return s.start_send(req_id, transfer_id, block_ids, num_tokens, wrapped, secret=secret)
 
-        self.call(go)
+        return self.call(go)
 
     def start_recv(
         self,
@@ -132,10 +135,12 @@ class ServiceThread:
         block_ids: list[int],
         num_tokens: int,
         first_token: int = 0,
+        *,
+        secret: str,
     ) -> None:
         self.call(
             lambda s: s.start_recv(
-                req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens, first_token
+                req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens, first_token, secret=secret
             )
         )
 

@@ -27,6 +27,7 @@ from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutp
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
 from kvsvc.service.staging import StagingArea
 from kvsvc.staging_region import staging_area
+from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport
 
@@ -133,15 +134,20 @@ class LoopbackEngine:
         block_ids: list[int],
         num_tokens: int,
         ready: Mapping[Worker, Sequence[Awaitable[None]]] | None = None,
+        *,
+        secret: str | None = None,
     ) -> None:
         """Write `transfer_id`'s known KV into `block_ids` on every worker, then hold it for D; `ready`, when given,
-        holds each worker's per-layer completions (a layer-wise send: each layer goes once its own resolved)."""
+        holds each worker's per-layer completions (a layer-wise send: each layer goes once its own resolved).
+        `secret`: the hold's, `harness_secret` when None."""
+        secret = harness_secret(transfer_id) if secret is None else secret
         for worker, service in self.services.items():
             for layer in range(self.sim.metas[worker].start_layer, self.sim.metas[worker].end_layer):
                 self.sim.write_tokens(
                     worker, layer, block_ids, num_tokens, self._pattern(worker, transfer_id, layer, num_tokens)
                 )
-            service.start_send(req_id, transfer_id, block_ids, num_tokens, None if ready is None else ready[worker])
+            layers = None if ready is None else ready[worker]
+            service.start_send(req_id, transfer_id, block_ids, num_tokens, layers, secret=secret)
 
     def start_recv(
         self,
@@ -151,11 +157,16 @@ class LoopbackEngine:
         block_ids: list[int],
         num_tokens: int,
         first_token: int = 0,
+        *,
+        secret: str | None = None,
     ) -> None:
         """Receive tokens `[first_token, num_tokens)` of `transfer_id` from `source` into `block_ids` on every
-        worker."""
+        worker, presenting `secret` (`harness_secret` when None)."""
+        secret = harness_secret(transfer_id) if secret is None else secret
         for service in self.services.values():
-            service.start_recv(req_id, transfer_id, source.engine_id, source.url, block_ids, num_tokens, first_token)
+            service.start_recv(
+                req_id, transfer_id, source.engine_id, source.url, block_ids, num_tokens, first_token, secret=secret
+            )
 
     def abort(self, req_id: str) -> None:
         for service in self.services.values():

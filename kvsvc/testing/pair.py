@@ -46,6 +46,7 @@ from kvsvc.staging import (
     window_plan,
 )
 from kvsvc.testing.clock import FakeClock
+from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.sim import EngineSpec, SimEngine, kv_pattern
 from kvsvc.windows import (
     Announce,
@@ -251,17 +252,28 @@ class PeerPair:
     # -- the engines' calls ------------------------------------------------------------------------------------
 
     def start_send(
-        self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int, *, ready: bool = True
+        self,
+        req_id: str,
+        transfer_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        *,
+        ready: bool = True,
+        secret: str | None = None,
     ) -> None:
         """Every P worker writes the transfer's known KV pattern into `block_ids` and holds it; `ready=False`
-        leaves the compute unfinished until `ready(transfer_id)`."""
+        leaves the compute unfinished until `ready(transfer_id)`. `secret`: the hold's, `harness_secret` when
+        None."""
+        secret = harness_secret(transfer_id) if secret is None else secret
         self._sends[req_id] = (transfer_id, list(block_ids), num_tokens)
         for worker, sender in self.senders.items():
             meta = self.p.metas[worker]
             for layer in range(meta.start_layer, meta.end_layer):
                 values = self._pattern(self.p, worker, transfer_id, layer, num_tokens)
                 self.p.write_tokens(worker, layer, block_ids, num_tokens, values)
-            self._run_p(worker, sender.hold(req_id, transfer_id, list(block_ids), num_tokens, self.clock()))
+            self._run_p(
+                worker, sender.hold(req_id, transfer_id, list(block_ids), num_tokens, self.clock(), secret=secret)
+            )
         if ready:
             self.ready(transfer_id)
 
@@ -270,13 +282,19 @@ class PeerPair:
         for worker, sender in self.senders.items():
             self._run_p(worker, sender.ready(transfer_id))
 
-    def start_recv(self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
+    def start_recv(
+        self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int, *, secret: str | None = None
+    ) -> None:
         """Every D worker starts receiving into `block_ids`; the handshake completes at once, so each sends its
-        requests (and releases) on the links that are up."""
+        requests (and releases) on the links that are up. `secret`: what D presents, `harness_secret` when None."""
+        secret = harness_secret(transfer_id) if secret is None else secret
         self._recvs[req_id] = (transfer_id, list(block_ids), num_tokens)
         for worker, receiver in self.receivers.items():
             meta = self.d.metas[worker]
-            if not receiver.start(req_id, transfer_id, self.p.engine_id, list(block_ids), num_tokens, self.clock()):
+            started = receiver.start(
+                req_id, transfer_id, self.p.engine_id, list(block_ids), num_tokens, self.clock(), secret=secret
+            )
+            if not started:
                 continue
             sources = sources_of(meta, self.p.metas)
             releases = [w for w, m in sorted(self.p.metas.items()) if release_notifier(m, self.d.metas) == worker]

@@ -12,11 +12,14 @@ Pure module: standard library and `kvsvc.vllm.params` only (no vllm, torch, asyn
   loads each request at most once: after a failed load vLLM recomputes it, it never waits on P again.
 - Each decision names the request; nothing here raises on what vLLM hands it, except `ParamsError` for D params
   that cannot be used, which the adapter logs before computing the request locally.
+- P draws each held request's transfer secret here (`draw_secret`), once: the workers hold with it, and the params
+  D receives carry it; D's workers present it to P.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -42,6 +45,7 @@ class SendSpec:
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    secret: str  # the transfer's secret, the same on every P worker and in D's params
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,7 @@ class RecvSpec:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    secret: str  # as P issued it in the params
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,7 @@ class _Producer:
     prompt_hash: str
     early: bool  # ends in its prefill step: held from that step's forward on
     moved: int  # the prompt tokens whose KV moves (`SchedulerFlow._moved`)
+    secret: str  # the transfer's, drawn when the request arrives
     held: bool = False
 
 
@@ -100,6 +106,13 @@ class FlowStatistics:
 
 
 RECENT_LOADS = 1024
+
+
+def draw_secret() -> str:
+    """A fresh transfer secret: 128 random bits, 22 URL-safe characters."""
+    return secrets.token_urlsafe(16)
+
+
 NULL_BLOCK = 0  # vLLM's null block id: a group's list holds it where it keeps nothing
 
 
@@ -121,6 +134,7 @@ class SchedulerFlow:
     block_size: int
     group_kinds: tuple[str, ...] = (FULL,)
     params_key: Key | None = None  # signs P's params, verifies D's (`kvsvc.auth.PARAMS_KEY`); None: no token
+    new_secret: Callable[[], str] = draw_secret  # what draws each transfer's secret (tests pin it)
     _producers: dict[str, _Producer] = field(default_factory=dict)
     _consumers: dict[str, _Consumer] = field(default_factory=dict)
     _sends: list[SendSpec] = field(default_factory=list)
@@ -144,7 +158,8 @@ class SchedulerFlow:
             if len(prompt) < 2 and self.keeps_state:
                 return  # no state of fewer tokens to move: D computes the prompt itself
             early = max_tokens == 1 or self.keeps_state  # P stops after the prefill of a state model
-            self._producers[req_id] = _Producer(len(prompt), prompt_hash(prompt), early, self._moved(len(prompt)))
+            moved = self._moved(len(prompt))
+            self._producers[req_id] = _Producer(len(prompt), prompt_hash(prompt), early, moved, self.new_secret())
         elif wants_remote_prefill(params):
             assert params is not None
             try:
@@ -235,6 +250,7 @@ class SchedulerFlow:
                 block_ids=self._flat(groups, end),
                 num_tokens=end,
                 first_token=end - num_external,
+                secret=remote.secret,
             )
         )
         self._counts["loads"] += 1
@@ -273,7 +289,8 @@ class SchedulerFlow:
         if producer.held:
             return
         producer.held = True
-        self._sends.append(SendSpec(req_id, req_id, self._flat(groups, producer.moved), producer.moved))
+        blocks = self._flat(groups, producer.moved)
+        self._sends.append(SendSpec(req_id, req_id, blocks, producer.moved, producer.secret))
         self._counts["holds"] += 1
 
     # -- either side: the end of a request ---------------------------------------------------------------------
@@ -299,7 +316,7 @@ class SchedulerFlow:
                 self._aborts.append(req_id)
                 return True, None
             remote = RemotePrefill(
-                self.engine_id, self.bootstrap_addr, req_id, producer.prompt_len, producer.prompt_hash
+                self.engine_id, self.bootstrap_addr, req_id, producer.prompt_len, producer.prompt_hash, producer.secret
             )
             return True, producer_params(remote, self.params_key)
         consumer = self._consumers.pop(req_id, None)

@@ -21,6 +21,9 @@ from typing import Any, Final
 from kvsvc.auth import Key, fields_verify, parse_bootstrap_addr, sign_fields
 
 PARAMS_VERSION: Final = 2
+# As `kvsvc.sender` bounds a transfer secret.
+MIN_SECRET_CHARS: Final = 16
+MAX_SECRET_CHARS: Final = 256
 # The keys vLLM's tooling and routers already know (NixlConnector and MooncakeConnector use them too).
 DO_REMOTE_DECODE: Final = "do_remote_decode"
 DO_REMOTE_PREFILL: Final = "do_remote_prefill"
@@ -42,6 +45,7 @@ class RemotePrefill:
     transfer_id: str  # the key P holds the KV under
     num_tokens: int  # prompt tokens whose KV P computed
     prompt_hash: str  # of P's prompt token ids, so D never takes the KV of another prompt
+    secret: str  # the transfer's secret: P serves only a D that presents it (`kvsvc.sender.Sender.hold`)
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
@@ -73,6 +77,7 @@ def producer_params(remote: RemotePrefill, key: Key | None) -> dict[str, Any]:
         "transfer_id": remote.transfer_id,
         "remote_num_tokens": remote.num_tokens,
         "remote_prompt_hash": remote.prompt_hash,
+        "transfer_secret": remote.secret,
         "kvsvc_params_version": PARAMS_VERSION,
     }
     if key is None:
@@ -107,6 +112,7 @@ def parse_remote_prefill(params: Mapping[str, Any], key: Key | None) -> RemotePr
         transfer_id=_get(fields, "transfer_id", str),
         num_tokens=_get(fields, "remote_num_tokens", int),
         prompt_hash=_get(fields, "remote_prompt_hash", str),
+        secret=_secret(fields),
     )
 
 
@@ -136,6 +142,18 @@ def _signed_fields(params: Mapping[str, Any], key: Key | None) -> Mapping[str, A
             "signed with another deployment's control token"
         )
     return fields
+
+
+def _secret(params: Mapping[str, Any]) -> str:
+    """The transfer secret, bounded (it travels in every request to P); an error never shows it."""
+    value = params.get("transfer_secret")
+    if not isinstance(value, str) or not MIN_SECRET_CHARS <= len(value) <= MAX_SECRET_CHARS:
+        shape = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+        raise ParamsError(
+            f"kv_transfer_params['transfer_secret'] holds {shape}, expected a string of {MIN_SECRET_CHARS} to "
+            f"{MAX_SECRET_CHARS} characters: pass P's params unchanged"
+        )
+    return value
 
 
 def _get(params: Mapping[str, Any], key: str, kind: type[Any]) -> Any:

@@ -296,6 +296,7 @@ class WorkerSide:
                         list(spec.block_ids),
                         spec.num_tokens,
                         spec.first_token,
+                        secret=spec.secret,
                     )
                 except (KVSvcError, ValueError) as exc:  # blocks outside the pool, a repeated transfer id...
                     log.error("receive of %s (transfer %r) could not start: %s", spec.req_id, spec.transfer_id, exc)
@@ -342,7 +343,10 @@ class WorkerSide:
                 elif events is not None:
                     ready = completion_future(events)
                 try:
-                    service.start_send(spec.req_id, spec.transfer_id, list(spec.block_ids), spec.num_tokens, ready)
+                    blocks = list(spec.block_ids)
+                    service.start_send(
+                        spec.req_id, spec.transfer_id, blocks, spec.num_tokens, ready, secret=spec.secret
+                    )
                 except (KVSvcError, ValueError) as exc:
                     log.error("send of %s could not start: %s", spec.req_id, exc)
                     refused.append(spec.req_id)

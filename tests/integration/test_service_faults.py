@@ -18,6 +18,7 @@ reported an id twice is seen. Bugs found are strict xfails, their reasons naming
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import socket
@@ -29,11 +30,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 
+from kvsvc.engine.admin import AdminServer
 from kvsvc.messages import (
     PROTOCOL_VERSION,
+    Abort,
     ErrorMessage,
     FrameReader,
     Hello,
@@ -53,10 +57,12 @@ from kvsvc.messages import (
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of, unkeyed_frames
+from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig, Executor, start_all
 from workers.process import ForgetEngine, GetFinished, Peers, Prefill, Recv, Verify
 from workers.synthetic import VerifyResult
+from workers.view import ExecutorView
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -429,7 +435,8 @@ def test_repeated_transfer_requests_on_the_wire_are_answered_with_one_outcome_an
     sent_before, bytes_before = _stat(p, "transfers_sent"), _stat(p, "bytes_sent")
     ghost = _ghost(d, "faults-ghost-repeat")
     d_blocks = _blocks(200, TOKENS)
-    request = TransferRequest(transfer_id="wire-repeat", block_ids=d_blocks, num_tokens=TOKENS)
+    secret = harness_secret("wire-repeat")  # as the real D would present it
+    request = TransferRequest(transfer_id="wire-repeat", block_ids=d_blocks, num_tokens=TOKENS, secret=secret)
     _prefill(p, "p-wire-repeat", "wire-repeat", _blocks(0, TOKENS), TOKENS, seed=12)
 
     peers = [RawPeer(p.metas[(0, tp)].control_addr) for tp in range(2)]
@@ -449,7 +456,9 @@ def test_repeated_transfer_requests_on_the_wire_are_answered_with_one_outcome_an
             assert all(m == outcome for m in peer.until_pong(10 + nonce)), "a repeat got another answer"
             peer.send(request)  # after the hold ended: the remembered outcome, written no more
             assert peer.until_pong(20 + nonce) == [outcome]
-            peer.send(Release(transfer_id="wire-repeat"), Release(transfer_id="wire-repeat"))
+            peer.send(
+                Release(transfer_id="wire-repeat", secret=secret), Release(transfer_id="wire-repeat", secret=secret)
+            )
             assert peer.until_pong(30 + nonce) == []
     finally:
         for peer in peers:
@@ -467,11 +476,13 @@ def test_a_finished_transfer_is_not_reported_done_to_another_decode_engine(engin
     p_reports = Reports(p)
     _prefill(p, "p-other-engine", "other-engine", _blocks(0, TOKENS), TOKENS, seed=13)
     served = _ghost(d, "faults-ghost-served")
+    secret = harness_secret("other-engine")  # both engines know it: the transfer's end, not its secret, decides
     peers = [RawPeer(p.metas[(0, tp)].control_addr) for tp in range(2)]
     try:
         for tp, peer in enumerate(peers):  # engine "served" fetches the transfer from both P workers
             _open(peer, _hello(served, p.metas[(0, tp)]))
-            peer.send(TransferRequest(transfer_id="other-engine", block_ids=_blocks(300, TOKENS), num_tokens=TOKENS))
+            blocks = _blocks(300, TOKENS)
+            peer.send(TransferRequest(transfer_id="other-engine", block_ids=blocks, num_tokens=TOKENS, secret=secret))
             assert isinstance(peer.receive(), TransferDone)
         _until(lambda: p_reports.poll().sent("p-other-engine"), SETTLE_S, lambda: "P did not end the hold")
 
@@ -479,13 +490,117 @@ def test_a_finished_transfer_is_not_reported_done_to_another_decode_engine(engin
         latecomer = RawPeer(p.metas[(0, 0)].control_addr)
         peers.append(latecomer)
         _open(latecomer, _hello(_ghost(d, "faults-ghost-latecomer"), p.metas[(0, 0)]))
-        latecomer.send(TransferRequest(transfer_id="other-engine", block_ids=_blocks(400, TOKENS), num_tokens=TOKENS))
+        blocks = _blocks(400, TOKENS)
+        latecomer.send(TransferRequest(transfer_id="other-engine", block_ids=blocks, num_tokens=TOKENS, secret=secret))
         answer = latecomer.receive()
     finally:
         for peer in peers:
             peer.close()
     # P no longer holds the KV and wrote nothing into these blocks: "done" would hand D garbage as valid KV.
     assert isinstance(answer, TransferFailed), answer
+
+
+# -- holds bound to their requester ----------------------------------------------------------------------------
+
+ADMIN_TOKEN = "faults-admin-token"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def _admin_get(executor: Executor, path: str, headers: dict[str, str]) -> str:
+    """The body of `GET path` from an admin app over `executor` (its worker processes answer), served for this call."""
+
+    async def get() -> str:
+        server = AdminServer(ExecutorView(executor), token=ADMIN_TOKEN)
+        url = await server.start()
+        try:
+            async with aiohttp.ClientSession() as http, http.get(url + path, headers=headers) as response:
+                assert response.status == 200
+                return await response.text()
+        finally:
+            await server.close()
+
+    return asyncio.run(get())
+
+
+def test_a_d_engine_that_knows_a_transfer_id_but_not_its_secret_gets_no_byte_and_cannot_abort_it(
+    engines: dict[str, Executor],
+) -> None:
+    """A second D engine with a valid hello (a rogue, or a misrouted D) learnt the transfer id: it asks for the KV
+    and aborts it on every P worker, with no secret and with a guessed one. P writes it nothing, answers as for a
+    transfer it never held, and the real D then receives every byte."""
+    p, d = engines["p_tp2"], engines["d"]
+    p_reports, d_reports = Reports(p), Reports(d)
+    bytes_before, refused_before = (
+        _stat(p, "bytes_sent"),
+        [s["sender"].get("refused_secrets", 0) for s in p.statistics()],
+    )
+    _prefill(p, "p-stolen", "stolen", _blocks(0, TOKENS), TOKENS, seed=14)
+    rogue = _ghost(d, "faults-ghost-rogue")
+    peers = [RawPeer(p.metas[(0, tp)].control_addr) for tp in range(2)]
+    try:
+        for tp, peer in enumerate(peers):
+            _open(peer, _hello(rogue, p.metas[(0, tp)]))
+            for secret in ("", "x" * 22):
+                peer.send(
+                    TransferRequest(
+                        transfer_id="stolen", block_ids=_blocks(500, TOKENS), num_tokens=TOKENS, secret=secret
+                    )
+                )
+            peer.send(Abort(transfer_id="stolen", reason="rogue abort", secret="y" * 22), Release(transfer_id="stolen"))
+            answers = peer.until_pong(40 + tp)
+            assert answers == [TransferFailed(transfer_id="stolen", reason="rogue abort")], answers  # as for any id
+        assert _stat(p, "bytes_sent") == bytes_before, "P wrote for a D that lacks the secret"
+        # Nor does P's admin endpoint tell the id to a caller without its token.
+        public, private = _admin_get(p, "/v1/transfers", {}), _admin_get(p, "/v1/transfers", ADMIN_AUTH)
+        assert "stolen" not in public and public.count('"direction":"send"') >= 2, public
+        assert private.count('"transfer_id":"stolen"') == 2, private
+
+        _recv(d, "d-stolen", "stolen", p, _blocks(600, TOKENS), TOKENS)
+        _until(
+            lambda: d_reports.poll().ended("d-stolen") and p_reports.poll().sent("p-stolen"),
+            SETTLE_S,
+            lambda: f"not reported: D {dict(d_reports.recving)} P {dict(p_reports.sending)}",
+        )
+        d_reports.assert_received_once("d-stolen")
+        _assert_bytes(d, 14, _blocks(600, TOKENS), TOKENS)
+
+        # The rogue's requests wait like ones for a transfer never held, and end with the same answer.
+        peers[0].send(TransferRequest(transfer_id="never-held", block_ids=[0], num_tokens=1))
+        late = [peers[0].receive(STALE_TRANSFER_BOUND_S) for _ in range(3)]
+    finally:
+        for peer in peers:
+            peer.close()
+    reasons = sorted(
+        m.reason.replace("'never-held'", "ID").replace("'stolen'", "ID") for m in late if isinstance(m, TransferFailed)
+    )
+    assert reasons == [f"unknown transfer ID: not held by P within {EARLY_REQUEST_TIMEOUT_S:g} s"] * 3, late
+    refused = [s["sender"]["refused_secrets"] - r for s, r in zip(p.statistics(), refused_before, strict=True)]
+    assert all(n >= 3 for n in refused), refused
+
+
+def test_a_request_for_more_tokens_than_p_holds_is_refused_naming_both_counts(engines: dict[str, Executor]) -> None:
+    """A D that has the secret but asks for more tokens than P computed would get stale KV from the slots past them
+    (P's last block has room for them)."""
+    p, d = engines["p_tp2"], engines["d"]
+    bytes_before = _stat(p, "bytes_sent")
+    _prefill(p, "p-longer", "longer", _blocks(0, TOKENS), TOKENS, seed=15)
+    longer = len(_blocks(0, TOKENS)) * BLOCK_SIZE  # every slot of P's blocks
+    request = TransferRequest(
+        transfer_id="longer", block_ids=_blocks(700, longer), num_tokens=longer, secret=harness_secret("longer")
+    )
+    ghost = _ghost(d, "faults-ghost-longer")
+    peers = [RawPeer(p.metas[(0, tp)].control_addr) for tp in range(2)]
+    try:
+        for tp, peer in enumerate(peers):
+            _open(peer, _hello(ghost, p.metas[(0, tp)]))
+            peer.send(request)
+            answer = peer.receive()
+            assert isinstance(answer, TransferFailed), answer
+            assert f"asks for {longer} tokens of transfer 'longer', P holds {TOKENS}" in answer.reason
+    finally:
+        for peer in peers:
+            peer.close()
+    assert _stat(p, "bytes_sent") == bytes_before
 
 
 # -- deadlines -------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from kvsvc.layout import layer_bytes
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import ServiceThread, new_incarnation
+from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.mooncake import MooncakeTransport
 
 pytestmark = pytest.mark.integration
@@ -96,8 +97,8 @@ def test_synchronous_code_moves_a_request_whose_kv_becomes_ready_later(
     p_pool, p, d_pool, d, url = engines
     p_pool[:] = np.random.default_rng(1).integers(1, 255, p_pool.size, dtype=np.uint8)
     ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-    p.start_send("p1", "t1", [0, 1], 2 * BLOCK, ready)  # the compute is still "running"
-    d.start_recv("d1", "t1", "thread-p", url, [5, 9], 2 * BLOCK)
+    p.start_send("p1", "t1", [0, 1], 2 * BLOCK, ready, secret=harness_secret("t1"))  # the compute is still "running"
+    d.start_recv("d1", "t1", "thread-p", url, [5, 9], 2 * BLOCK, secret=harness_secret("t1"))
     time.sleep(0.2)
     assert not d.get_finished().finished_recving  # nothing may move before the KV is ready
     ready.set_result(None)
@@ -117,7 +118,7 @@ def test_errors_cross_the_thread_boundary_unchanged(
 ) -> None:
     _, p, _, _, _ = engines
     with pytest.raises(ValueError, match="outside the pool of 16 blocks"):
-        p.start_send("p1", "t1", [99], 1)
+        p.start_send("p1", "t1", [99], 1, secret=harness_secret("t1"))
     p.close()
     with pytest.raises(ServiceClosed):
-        p.start_send("p2", "t2", [0], 1)
+        p.start_send("p2", "t2", [0], 1, secret=harness_secret("t2"))

@@ -218,9 +218,9 @@ def test_remote_stages_prefer_explicit_peer_fields_and_survive_odd_names() -> No
 
 
 async def test_peers_transfers_and_statistics_are_json(client: TestClient[web.Request, web.Application]) -> None:
-    peers = (await (await client.get("/v1/peers")).json())["peers"]
-    assert [p["state"] for p in peers] == ["connected", "failed"]
-    transfers = (await (await client.get("/v1/transfers")).json())["transfers"]
+    peers = (await (await client.get("/v1/peers", headers=AUTH)).json())["peers"]
+    assert [(p["state"], p["last_error"]) for p in peers] == [("connected", ""), ("failed", "refused")]
+    transfers = (await (await client.get("/v1/transfers", headers=AUTH)).json())["transfers"]
     assert transfers == [{"pp_rank": 0, "tp_rank": 0, "req_id": "r1", "transfer_id": "t1", "state": "held"}]
     workers = (await (await client.get("/v1/statistics")).json())["workers"]
     assert [(w["pp_rank"], w["tp_rank"], w["bytes_sent"]) for w in workers] == [(0, 0, 4096), (0, 1, 8192)]
@@ -361,3 +361,33 @@ async def test_view_refusals_map_to_409_and_view_crashes_to_json_500(
     assert (response.status, await response.json()) == (409, {"error": "already draining"})
     response = await client.get("/v1/peers")
     assert (response.status, await response.json()) == (500, {"error": "RuntimeError: worker 1 unreachable"})
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+async def test_gets_without_the_token_show_no_transfer_id_and_no_remote_text(
+    client: TestClient[web.Request, web.Application], headers: dict[str, str]
+) -> None:
+    transfers = (await (await client.get("/v1/transfers", headers=headers)).json())["transfers"]
+    assert transfers == [{"pp_rank": 0, "tp_rank": 0, "state": "held"}]
+    peers = (await (await client.get("/v1/peers", headers=headers)).json())["peers"]
+    assert [p["state"] for p in peers] == ["connected", "failed"] and all("last_error" not in p for p in peers)
+    topology = await (await client.get("/v1/topology", headers=headers)).text()
+    assert '"refused"' not in topology and "last_error" not in topology
+    for path in ("/v1/transfers", "/v1/peers", "/v1/topology", "/v1/statistics", "/metrics", "/healthz", "/readyz"):
+        body = await (await client.get(path, headers=headers)).text()
+        assert '"t1"' not in body and '"r1"' not in body and '"refused"' not in body, path
+
+
+async def test_the_token_shows_the_remote_text_in_the_topology_too(
+    client: TestClient[web.Request, web.Application],
+) -> None:
+    body = await (await client.get("/v1/topology", headers=AUTH)).json()
+    [remote] = body["remotes"]
+    assert [c["last_error"] for c in remote["connections"]] == ["", "refused"]
+
+
+async def test_with_no_token_configured_no_get_shows_ids(
+    tokenless: TestClient[web.Request, web.Application],
+) -> None:
+    response = await tokenless.get("/v1/transfers", headers=AUTH)
+    assert (await response.json())["transfers"] == [{"pp_rank": 0, "tp_rank": 0, "state": "held"}]

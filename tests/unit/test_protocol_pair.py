@@ -15,6 +15,7 @@ from kvsvc.planner import expected_destinations
 from kvsvc.receiver import Receiver
 from kvsvc.sender import Reply, Sender
 from kvsvc.testing.clock import FakeClock
+from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.pair import Envelope, PeerPair, Write
 from kvsvc.testing.sim import EngineSpec
 
@@ -404,7 +405,7 @@ def test_a_second_d_engine_asking_for_a_transfer_in_progress_gets_an_error_and_c
     pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
     pair.run_until_idle()
     stranger = pair.d.ref((0, 0))._replace(engine_id="D2")
-    request = TransferRequest(transfer_id="t1", block_ids=[1], num_tokens=1)
+    request = TransferRequest(transfer_id="t1", block_ids=[1], num_tokens=1, secret=harness_secret("t1"))
     [reply] = pair.senders[(0, 0)].request(stranger, frozenset({(0, 0)}), request, pair.clock())
     assert isinstance(reply, Reply) and isinstance(reply.message, ErrorMessage) and reply.dst == stranger
     pair.ready("t1")
@@ -412,6 +413,42 @@ def test_a_second_d_engine_asking_for_a_transfer_in_progress_gets_an_error_and_c
     pair.take_reports()
     pair.assert_received("t1")
     pair.assert_reported_once(["p-t1"], ["d-t1"])
+
+
+@pytest.mark.parametrize("first", ["rogue", "real"])
+def test_a_d_engine_that_knows_the_id_but_not_the_secret_gets_nothing_and_the_real_d_gets_every_byte(
+    first: str,
+) -> None:
+    pair = PeerPair(EngineSpec(tp_size=1), EngineSpec(tp_size=1))
+    sender = pair.senders[(0, 0)]
+    rogue = pair.d.ref((0, 0))._replace(engine_id="D2")
+    guess = "x" * 22
+
+    def attack() -> list[object]:
+        request = TransferRequest(transfer_id="t1", block_ids=[1], num_tokens=TOKENS, secret=guess)
+        abort = Abort(transfer_id="t1", reason="rogue", secret=guess)
+        commands = sender.request(rogue, frozenset({(0, 0)}), request, pair.clock())
+        return commands + sender.remote_abort(rogue, abort, pair.clock(), frozenset({(0, 0)}))
+
+    if first == "real":
+        pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
+    answered = attack()  # before the hold (an early request) or while it is held: the same answers
+    assert answered == [Reply(rogue, TransferFailed(transfer_id="t1", reason="rogue"))]  # as for any unknown id
+    if first == "rogue":
+        pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
+    pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)
+    pair.ready("t1")
+    pair.run_until_idle()
+    pair.take_reports()
+    pair.assert_received("t1")
+    pair.assert_reported_once(["p-t1"], ["d-t1"])
+    assert sender.statistics().refused_secrets >= 1
+    prober = rogue._replace(engine_id="D3")  # a later probe is parked, as one for a transfer never held
+    probe = TransferRequest(transfer_id="t1", block_ids=[1], num_tokens=1, secret=guess)
+    assert sender.request(prober, frozenset({(0, 0)}), probe, pair.clock()) == []
+    [(dst, reply)] = [(c.dst, c.message) for c in sender.expire(pair.clock.advance(60)) if isinstance(c, Reply)]
+    assert dst == prober and isinstance(reply, TransferFailed)
+    assert reply.reason == "unknown transfer 't1': not held by P within 10 s"
 
 
 def test_the_harness_flags_a_send_reported_while_its_write_may_touch_the_blocks() -> None:

@@ -4,11 +4,23 @@ with a fake clock and no event loop (docs/protocol.md)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvsvc.messages import ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest, WorkerRef
+from kvsvc.messages import (
+    Abort,
+    ErrorMessage,
+    Release,
+    TransferDone,
+    TransferFailed,
+    TransferRequest,
+    WorkerMetadata,
+    WorkerRef,
+)
 from kvsvc.sender import Reply, SendCommand, Sender, Submit
 from kvsvc.testing.clock import FakeClock
 
+S = "s" * 22  # the transfer secret of every hold here
 D0 = WorkerRef("D", "1", 0, 0)
 D1 = WorkerRef("D", "1", 0, 1)
 BOTH = frozenset({D0.worker, D1.worker})
@@ -16,7 +28,7 @@ ONLY_D0 = frozenset({D0.worker})
 
 
 def request(transfer_id: str = "t1", blocks: tuple[int, ...] = (7, 8)) -> TransferRequest:
-    return TransferRequest(transfer_id=transfer_id, block_ids=list(blocks), num_tokens=6)
+    return TransferRequest(transfer_id=transfer_id, block_ids=list(blocks), num_tokens=6, secret=S)
 
 
 def make(clock: FakeClock | None = None) -> tuple[Sender, FakeClock]:
@@ -33,21 +45,21 @@ def submits(commands: list[SendCommand]) -> list[Submit]:
 
 def test_a_request_for_ready_kv_submits_one_write_with_both_sides_blocks() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1, 2], 6, clock())
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
     sender.ready("t1")
     assert sender.request(D0, ONLY_D0, request(), clock()) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
 
 
 def test_a_request_waits_for_the_kv_to_be_ready() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1, 2], 6, clock())
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
     assert sender.request(D0, ONLY_D0, request(), clock()) == []
     assert len(submits(sender.ready("t1"))) == 1
 
 
 def test_a_landed_write_answers_done_with_its_figures_and_reports_the_send_once() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1, 2], 6, clock())
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.take_finished() == set()
@@ -60,7 +72,7 @@ def test_a_landed_write_answers_done_with_its_figures_and_reports_the_send_once(
 
 def test_the_send_is_reported_only_after_every_expected_d_worker_was_served() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
     sender.write_result("t1", D0.worker, None)
@@ -72,7 +84,7 @@ def test_the_send_is_reported_only_after_every_expected_d_worker_was_served() ->
 
 def test_a_failed_write_answers_failed_with_the_transport_error() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     out = sender.write_result("t1", D0.worker, "TransportError: -1")
@@ -82,8 +94,8 @@ def test_a_failed_write_answers_failed_with_the_transport_error() -> None:
 
 def test_repeated_holds_ready_and_requests_change_nothing() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
-    assert sender.hold("r1", "t1", [1], 4, clock()) == []
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
+    assert sender.hold("r1", "t1", [1], 6, clock(), secret=S) == []
     assert len(submits(sender.ready("t1") + sender.request(D0, ONLY_D0, request(), clock()))) == 1
     assert sender.ready("t1") == []
     assert sender.request(D0, ONLY_D0, request(), clock()) == []
@@ -92,7 +104,7 @@ def test_repeated_holds_ready_and_requests_change_nothing() -> None:
 
 def test_a_repeated_request_after_the_outcome_gets_the_outcome_again_and_no_second_report() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     sender.write_result("t1", D0.worker, None, 10, 1)
@@ -108,7 +120,7 @@ def test_an_early_request_is_served_once_p_holds() -> None:
     assert sender.request(D0, ONLY_D0, request(), clock()) == []
     assert sender.statistics().early_requests == 1
     clock.advance(5)
-    sender.hold("r1", "t1", [1, 2], 6, clock())
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
     assert submits(sender.ready("t1")) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
     assert sender.statistics().early_requests == 0
 
@@ -134,7 +146,7 @@ def test_an_early_request_table_that_is_full_answers_busy_at_once() -> None:
 
 def test_hold_expiry_reports_once_and_answers_waiting_d_workers_failed() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.request(D0, BOTH, request(), clock())  # not ready: D0 waits
     assert sender.next_deadline() == 60
     assert sender.expire(clock.advance(59)) == []
@@ -149,7 +161,7 @@ def test_hold_expiry_reports_once_and_answers_waiting_d_workers_failed() -> None
 
 def test_a_hold_nobody_asks_for_expires_and_is_reported_once() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.expire(clock.advance(60))
     assert sender.take_finished() == {"r1"}
     assert sender.held_blocks() == 0
@@ -157,7 +169,7 @@ def test_a_hold_nobody_asks_for_expires_and_is_reported_once() -> None:
 
 def test_a_write_in_flight_at_expiry_delays_the_report_until_its_result() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.expire(clock.advance(60)) == []
@@ -170,7 +182,7 @@ def test_a_write_in_flight_at_expiry_delays_the_report_until_its_result() -> Non
 
 def test_a_write_in_flight_at_p_abort_delays_the_report_until_its_result() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.abort("r1") == []
@@ -181,7 +193,7 @@ def test_a_write_in_flight_at_p_abort_delays_the_report_until_its_result() -> No
 
 def test_p_abort_answers_waiting_d_workers_failed_and_reports_at_once() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.request(D0, BOTH, request(), clock())
     assert replies(sender.abort("r1")) == [(D0, TransferFailed)]
     assert sender.take_finished() == {"r1"}
@@ -192,11 +204,11 @@ def test_p_abort_answers_waiting_d_workers_failed_and_reports_at_once() -> None:
 
 def test_shutting_down_answers_every_waiting_d_request_failed_and_reports_every_hold() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())  # asked, KV never ready
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)  # asked, KV never ready
     sender.request(D0, ONLY_D0, request("t1"), clock())
     sender.request(D1, ONLY_D0, request("t2"), clock())  # early: t2 is never held
-    sender.hold("r3", "t3", [3], 4, clock())  # nobody asked
-    sender.hold("r4", "t4", [4], 4, clock())  # writing: answered once its write ends, as for an abort
+    sender.hold("r3", "t3", [3], 6, clock(), secret=S)  # nobody asked
+    sender.hold("r4", "t4", [4], 6, clock(), secret=S)  # writing: answered once its write ends, as for an abort
     sender.ready("t4")
     sender.request(D0, ONLY_D0, request("t4"), clock())
     out = sender.shut_down("P worker shutting down")
@@ -212,7 +224,7 @@ def test_shutting_down_answers_every_waiting_d_request_failed_and_reports_every_
 
 def test_a_request_after_p_aborted_is_answered_failed() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.request(D0, BOTH, request(), clock())
     sender.abort("r1")
     assert replies(sender.request(D0, BOTH, request(), clock())) == [(D0, TransferFailed)]
@@ -220,47 +232,53 @@ def test_a_request_after_p_aborted_is_answered_failed() -> None:
 
 def test_d_abort_before_asking_counts_that_d_worker_as_served() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
     sender.write_result("t1", D0.worker, None)
     # Answered at once: no write for D1 ever ran, so D may free its blocks (the fence of docs/decisions.md, "After a
     # lost connection, D's blocks wait for proof").
-    assert replies(sender.remote_abort(D1, "t1", "aborted by D")) == [(D1, TransferFailed)]
+    assert replies(sender.remote_abort(D1, Abort(transfer_id="t1", reason="aborted by D", secret=S))) == [
+        (D1, TransferFailed)
+    ]
     assert sender.take_finished() == {"r1"}
 
 
 def test_an_abort_of_an_ended_job_repeats_its_outcome() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
     sender.write_result("t1", D0.worker, None, 64, 2)
-    (reply,) = sender.remote_abort(D0, "t1", "connection lost")
+    (reply,) = sender.remote_abort(D0, Abort(transfer_id="t1", reason="connection lost", secret=S))
     assert isinstance(reply, Reply) and reply.dst == D0
     assert reply.message == TransferDone(transfer_id="t1", bytes=64, descriptors=2)
     assert submits(sender.request(D1, BOTH, request(), clock()))
     sender.peer_lost(D1)  # D1's write drains, then fails; D1 reconnects and aborts its job
     sender.write_result("t1", D1.worker, "connection reset")
-    assert replies(sender.remote_abort(D1, "t1", "connection lost")) == [(D1, TransferFailed)]
+    assert replies(sender.remote_abort(D1, Abort(transfer_id="t1", reason="connection lost", secret=S))) == [
+        (D1, TransferFailed)
+    ]
 
 
 def test_an_abort_after_a_lost_connection_is_answered_only_once_the_write_drained() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     assert submits(sender.request(D0, ONLY_D0, request(), clock()))
     sender.peer_lost(D0)
-    assert sender.remote_abort(D0, "t1", "connection lost") == []  # still writing: no answer yet
+    assert (
+        sender.remote_abort(D0, Abort(transfer_id="t1", reason="connection lost", secret=S)) == []
+    )  # still writing: no answer yet
     assert replies(sender.write_result("t1", D0.worker, "cancelled")) == [(D0, TransferFailed)]
 
 
 def test_d_abort_of_a_writing_job_answers_failed_after_the_write_drained() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
-    assert sender.remote_abort(D0, "t1", "aborted by D") == []
+    assert sender.remote_abort(D0, Abort(transfer_id="t1", reason="aborted by D", secret=S)) == []
     assert sender.take_finished() == set()
     assert replies(sender.write_result("t1", D0.worker, None)) == [(D0, TransferFailed)]
     assert sender.take_finished() == {"r1"}
@@ -269,38 +287,40 @@ def test_d_abort_of_a_writing_job_answers_failed_after_the_write_drained() -> No
 def test_d_abort_of_an_early_request_is_answered_at_once_and_counts_d_as_served_later() -> None:
     sender, clock = make()
     sender.request(D0, ONLY_D0, request(), clock())
-    assert replies(sender.remote_abort(D0, "t1", "aborted by D", clock(), ONLY_D0)) == [(D0, TransferFailed)]
-    sender.hold("r1", "t1", [1], 4, clock())
+    assert replies(
+        sender.remote_abort(D0, Abort(transfer_id="t1", reason="aborted by D", secret=S), clock(), ONLY_D0)
+    ) == [(D0, TransferFailed)]
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     assert sender.take_finished() == {"r1"}
     assert sender.statistics().early_requests == 0
 
 
 def test_a_remembered_early_abort_expires_without_an_answer() -> None:
     sender, clock = make()
-    sender.remote_abort(D0, "t1", "aborted by D", clock(), ONLY_D0)
+    sender.remote_abort(D0, Abort(transfer_id="t1", reason="aborted by D", secret=S), clock(), ONLY_D0)
     assert sender.expire(clock.advance(10)) == []
     assert sender.statistics().early_requests == 0
 
 
 def test_a_release_finishes_a_hold_this_p_worker_sources_nothing_for_at_once() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
-    assert sender.release(D0, frozenset(), Release(transfer_id="t1"), clock()) == []
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
+    assert sender.release(D0, frozenset(), Release(transfer_id="t1", secret=S), clock()) == []
     assert sender.take_finished() == {"r1"}
-    assert sender.release(D0, frozenset(), Release(transfer_id="t1"), clock()) == []
+    assert sender.release(D0, frozenset(), Release(transfer_id="t1", secret=S), clock()) == []
     assert sender.take_finished() == set()
 
 
 def test_an_early_release_finishes_the_hold_when_it_arrives() -> None:
     sender, clock = make()
-    sender.release(D0, frozenset(), Release(transfer_id="t1"), clock())
-    sender.hold("r1", "t1", [1], 4, clock.advance(1))
+    sender.release(D0, frozenset(), Release(transfer_id="t1", secret=S), clock())
+    sender.hold("r1", "t1", [1], 6, clock.advance(1), secret=S)
     assert sender.take_finished() == {"r1"}
 
 
 def test_a_request_from_a_second_d_engine_for_the_same_transfer_gets_an_error_message() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.request(D0, ONLY_D0, request(), clock())
     stranger = WorkerRef("D2", "9", 0, 0)
     out = sender.request(stranger, ONLY_D0, request(), clock())
@@ -311,7 +331,7 @@ def test_a_request_from_a_second_d_engine_for_the_same_transfer_gets_an_error_me
 
 def test_a_restarted_d_engine_is_another_engine_for_a_held_transfer() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.request(D0, ONLY_D0, request(), clock())
     restarted = D0._replace(incarnation="2")
     assert replies(sender.request(restarted, ONLY_D0, request(), clock())) == [(restarted, ErrorMessage)]
@@ -319,7 +339,7 @@ def test_a_restarted_d_engine_is_another_engine_for_a_held_transfer() -> None:
 
 def test_peer_lost_fails_a_waiting_job_and_the_hold_can_finish() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.peer_lost(D0) == []
     assert sender.take_finished() == {"r1"}
@@ -327,7 +347,7 @@ def test_peer_lost_fails_a_waiting_job_and_the_hold_can_finish() -> None:
 
 def test_peer_lost_during_a_write_waits_for_the_write_to_drain() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     sender.peer_lost(D0)
@@ -338,7 +358,7 @@ def test_peer_lost_during_a_write_waits_for_the_write_to_drain() -> None:
 
 def test_peer_lost_of_another_incarnation_leaves_the_job_alone() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.request(D0, ONLY_D0, request(), clock())
     sender.peer_lost(D0._replace(incarnation="0"))
     assert sender.statistics().jobs_by_state == {"requested": 1}
@@ -353,7 +373,7 @@ def test_peer_lost_forgets_early_requests_of_that_peer() -> None:
 
 def test_statistics_count_what_is_held_and_pending() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1, 2, 3], 9, clock())
+    sender.hold("r1", "t1", [1, 2, 3], 9, clock(), secret=S)
     sender.request(D0, BOTH, request("t2"), clock())
     stats = sender.statistics()
     assert (stats.holds, stats.early_requests, sender.held_blocks()) == (1, 1, 3)
@@ -361,10 +381,10 @@ def test_statistics_count_what_is_held_and_pending() -> None:
 
 def test_an_abort_from_another_d_engine_leaves_the_transfer_alone() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
-    sender.remote_abort(WorkerRef("D2", "9", 0, 0), "t1", "not yours")
+    sender.remote_abort(WorkerRef("D2", "9", 0, 0), Abort(transfer_id="t1", reason="not yours", secret=S))
     assert sender.write_result("t1", D0.worker, None) == [
         Reply(D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0))
     ]
@@ -372,22 +392,22 @@ def test_an_abort_from_another_d_engine_leaves_the_transfer_alone() -> None:
 
 def test_a_request_for_a_transfer_p_already_aborted_is_answered_failed_at_once() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.abort("r1")
     assert replies(sender.request(D0, ONLY_D0, request(), clock())) == [(D0, TransferFailed)]
 
 
 def test_holding_a_held_transfer_for_another_request_is_refused() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     with pytest.raises(ValueError, match="'t1' is already held for request 'r1', not 'r2'"):
-        sender.hold("r2", "t1", [2], 4, clock())
+        sender.hold("r2", "t1", [2], 6, clock(), secret=S)
 
 
 def test_a_request_p_cannot_serve_is_answered_failed_once_and_counts_d_as_served() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
-    assert replies(sender.refuse(D0, "t1", "block ids [99] outside the pool", clock(), ONLY_D0)) == [
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
+    assert replies(sender.refuse(D0, request(), "block ids [99] outside the pool", clock(), ONLY_D0)) == [
         (D0, TransferFailed)
     ]
     assert sender.take_finished() == {"r1"}
@@ -395,10 +415,12 @@ def test_a_request_p_cannot_serve_is_answered_failed_once_and_counts_d_as_served
 
 def test_a_bad_repeat_of_a_request_leaves_the_running_job_alone() -> None:
     sender, clock = make()
-    sender.hold("r1", "t1", [1], 4, clock())
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
-    assert replies(sender.refuse(D0, "t1", "block ids [99] outside the pool", clock(), ONLY_D0)) == [(D0, ErrorMessage)]
+    assert replies(sender.refuse(D0, request(), "block ids [99] outside the pool", clock(), ONLY_D0)) == [
+        (D0, ErrorMessage)
+    ]
     assert sender.write_result("t1", D0.worker, None) == [
         Reply(D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0))
     ]
@@ -414,7 +436,7 @@ def test_every_frame_from_d_goes_through_receive_which_refuses_blocks_outside_d_
         num_kv_heads=1, head_size=8, dtype="float16", block_size=4, num_blocks=16, layout="HND", is_mla=False,
         base_addrs=[0],
     )  # fmt: skip
-    sender.hold("p1", "t1", [1, 2], 6, clock())
+    sender.hold("p1", "t1", [1, 2], 6, clock(), secret=S)
     sender.ready("t1")
     assert submits(sender.receive(D0, d_meta, ONLY_D0, request(), clock())) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
     bad = sender.receive(D1, d_meta, BOTH, request(blocks=(7, 99)), clock())
@@ -424,3 +446,145 @@ def test_every_frame_from_d_goes_through_receive_which_refuses_blocks_outside_d_
     assert isinstance(odd[0], Notice) and odd[0].protocol_error and replies(odd) == [(D0, ErrorMessage)]
     told = sender.receive(D0, d_meta, ONLY_D0, ErrorMessage(reason="bad frame"), clock())
     assert told == [Notice("D worker D[pp0,tp0] reports a protocol error: bad frame")]
+
+
+# -- the transfer secret ------------------------------------------------------------------------------------------
+
+ROGUE = WorkerRef("R", "7", 0, 0)  # another D engine with a valid hello, which learnt the transfer id
+WRONG_SECRETS = ["", "t" * 22, S[:-1], S + "x", "é" * 22, "s" * 21 + "\udc80"]
+
+
+def rogue_message(kind: str, secret: str) -> TransferRequest | Abort | Release:
+    if kind == "request":
+        return TransferRequest(transfer_id="t1", block_ids=[7, 8], num_tokens=6, secret=secret)
+    if kind == "abort":
+        return Abort(transfer_id="t1", reason="rogue", secret=secret)
+    return Release(transfer_id="t1", secret=secret)
+
+
+def d_meta() -> WorkerMetadata:
+    return WorkerMetadata(
+        engine_id="R", incarnation="7", pp_rank=0, pp_size=1, tp_rank=0, tp_size=1, start_layer=0, end_layer=1,
+        num_kv_heads=1, head_size=8, dtype="float16", block_size=4, num_blocks=16, layout="HND", is_mla=False,
+        base_addrs=[0],
+    )  # fmt: skip
+
+
+_step = st.one_of(
+    st.tuples(st.just("rogue"), st.sampled_from(["request", "abort", "release"]), st.sampled_from(WRONG_SECRETS)),
+    st.tuples(st.just("real"), st.sampled_from(["request", "release"]), st.just(S)),
+    st.tuples(st.just("hold"), st.just(""), st.just("")),
+    st.tuples(st.just("advance"), st.sampled_from(["1", "11", "61"]), st.just("")),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_step, max_size=12))
+def test_a_d_engine_without_the_secret_hears_exactly_what_it_would_for_a_transfer_never_held(
+    steps: list[tuple[str, str, str]],
+) -> None:
+    """Sender `held` holds t1 and serves the real D alongside; `never` sees only the rogue's frames and never holds:
+    every answer the rogue gets, early or late, while held or after, is the same from both, and none is a write."""
+    held, clock = make()
+    never, _ = make(clock)
+    meta = d_meta()
+    for who, kind, secret in steps:
+        if who == "rogue":
+            message = rogue_message(kind, secret)
+            got = held.receive(ROGUE, meta, ONLY_D0, message, clock())
+            assert got == never.receive(ROGUE, meta, ONLY_D0, message, clock())
+            assert not submits(got)
+        elif who == "real":
+            held.receive(D0, meta, ONLY_D0, rogue_message(kind, secret), clock())
+        elif who == "hold" and not held.holds("t1"):
+            held.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
+            held.ready("t1")
+        elif who == "advance":
+            clock.advance(float(kind))
+            to_rogue = [c for c in held.expire(clock()) if isinstance(c, Reply) and c.dst == ROGUE]
+            assert to_rogue == never.expire(clock())
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("secret", WRONG_SECRETS)
+def test_a_request_without_the_secret_is_never_served_and_the_real_d_still_is(early: bool, secret: str) -> None:
+    sender, clock = make()
+    impostor = D0  # the very identity of the real D worker, claimed by another process
+    bad = TransferRequest(transfer_id="t1", block_ids=[9, 9], num_tokens=6, secret=secret)
+    if not early:
+        sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
+    assert sender.request(impostor, ONLY_D0, bad, clock()) == []
+    if early:
+        sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
+    assert submits(sender.ready("t1")) == []
+    assert sender.statistics().refused_secrets == 1
+    assert submits(sender.request(D0, ONLY_D0, request(), clock())) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
+
+
+def test_an_abort_or_release_without_the_secret_leaves_the_hold_to_the_real_d() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
+    sender.ready("t1")
+    for message in (rogue_message("abort", "x" * 22), rogue_message("release", "")):
+        sender.receive(D0, d_meta(), ONLY_D0, message, clock())
+    assert sender.holds("t1") and sender.take_finished() == set()
+    assert sender.statistics().refused_secrets == 2
+    assert len(submits(sender.request(D0, ONLY_D0, request(), clock()))) == 1
+
+
+def test_after_the_transfer_ended_only_its_secret_hears_the_outcome() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
+    sender.ready("t1")
+    sender.request(D0, ONLY_D0, request(), clock())
+    sender.write_result("t1", D0.worker, None, 10, 1)
+    assert sender.request(D0, ONLY_D0, request(), clock()) == [
+        Reply(D0, TransferDone(transfer_id="t1", bytes=10, descriptors=1))
+    ]
+    wrong = TransferRequest(transfer_id="t1", block_ids=[7, 8], num_tokens=6, secret="w" * 22)
+    assert sender.request(D0, ONLY_D0, wrong, clock()) == []  # parked, as for an id never held
+    [reply] = sender.expire(clock.advance(10))
+    assert reply == Reply(
+        D0, TransferFailed(transfer_id="t1", reason="unknown transfer 't1': not held by P within 10 s")
+    )
+
+
+def test_a_request_for_more_tokens_than_held_is_refused_naming_both_counts() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1, 2], 5, clock(), secret=S)
+    sender.ready("t1")
+    out = sender.request(D0, ONLY_D0, request(), clock())  # 6 tokens
+    assert out == [
+        Reply(
+            D0,
+            TransferFailed(
+                transfer_id="t1", reason="D worker D[pp0,tp0] asks for 6 tokens of transfer 't1', P holds 5"
+            ),
+        )
+    ]
+    assert sender.take_finished() == {"r1"}  # the only D worker is served (failed): nothing waits for the expiry
+
+
+def test_an_early_request_for_more_tokens_than_held_is_refused_when_the_hold_comes() -> None:
+    sender, clock = make()
+    assert sender.request(D0, ONLY_D0, request(), clock()) == []
+    out = sender.hold("r1", "t1", [1, 2], 4, clock(), secret=S)
+    assert [c.message for c in out if isinstance(c, Reply)] == [
+        TransferFailed(transfer_id="t1", reason="D worker D[pp0,tp0] asks for 6 tokens of transfer 't1', P holds 4")
+    ]
+    assert submits(sender.ready("t1")) == []
+
+
+@pytest.mark.parametrize("secret", ["", "s" * 15, "s" * 257])
+def test_a_hold_needs_a_secret_of_16_to_256_characters(secret: str) -> None:
+    sender, clock = make()
+    with pytest.raises(ValueError, match=f"secret of transfer 't1' has {len(secret)} characters, 16 to 256 needed"):
+        sender.hold("r1", "t1", [1], 6, clock(), secret=secret)
+    assert not sender.holds("t1")
+
+
+def test_a_repeated_hold_with_another_secret_is_refused() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1], 6, clock(), secret=S)
+    with pytest.raises(ValueError, match="another secret"):
+        sender.hold("r1", "t1", [1], 6, clock(), secret="o" * 22)

@@ -10,6 +10,7 @@ import pytest
 from kvsvc.errors import ServiceClosed
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
+from kvsvc.testing.holds import harness_secret
 from tests.unit.test_service_wiring import make_side
 
 
@@ -42,7 +43,7 @@ async def test_every_close_waits_for_the_one_close_to_end() -> None:
     await asyncio.sleep(0.05)
     assert not first.done() and not second.done(), "a close returned before the transport closed"
     with pytest.raises(ServiceClosed):
-        service.start_send("r", "t", [0], 1)  # refused from the first call on
+        service.start_send("r", "t", [0], 1, secret=harness_secret("t"))  # refused from the first call on
     transport.gate.set()
     await asyncio.wait_for(asyncio.gather(first, second), 10)
     assert transport.closed

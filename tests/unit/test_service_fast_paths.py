@@ -16,6 +16,7 @@ from kvsvc import planner
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
+from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import WriteFailed
 from tests.unit.test_service_wiring import BLOCK, LAYERS, Side, block_bytes_of, make_side, wait_output
 
@@ -91,9 +92,9 @@ async def test_small_requests_go_through_start_write_and_every_byte_lands(
     p, d, url, transport = fast_pair
     n = 12
     for i in range(n):
-        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK)
+        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK, secret=harness_secret(f"t{i}"))
     for i in range(n):
-        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [n - 1 - i], BLOCK)
+        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [n - 1 - i], BLOCK, secret=harness_secret(f"t{i}"))
     got = await collect(d.service, "finished_recving", {f"d{i}" for i in range(n)})
     assert got["finished_recving"] == {f"d{i}" for i in range(n)} and not got["failed_recving"]
     sent = await collect(p.service, "finished_sending", {f"p{i}" for i in range(n)})
@@ -114,8 +115,8 @@ async def test_a_failed_start_write_fails_only_its_own_transfer_and_waits_for_it
     transport.hold_drain = loop.create_future()
     transport.fail_dst = {d.service.metadata.base_addrs[0] + 5 * (d.pool.size // LAYERS // 16)}  # D block 5
     for i, dst in enumerate([4, 5, 6]):
-        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK)
-        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [dst], BLOCK)
+        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK, secret=harness_secret(f"t{i}"))
+        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [dst], BLOCK, secret=harness_secret(f"t{i}"))
     got = await collect(d.service, "finished_recving", {"d0", "d2"})
     assert got["finished_recving"] == {"d0", "d2"} and not got["failed_recving"]
     sent = await collect(p.service, "finished_sending", {"p0", "p2"})
@@ -142,19 +143,19 @@ async def test_d_computes_a_p_engines_routes_once_per_start(
         return real(*args)
 
     monkeypatch.setattr(remotes_module, "sources_of", counting)
-    p.service.start_send("p0", "t0", [0], BLOCK)
-    d.service.start_recv("d0", "t0", "prefill", url, [0], BLOCK)
+    p.service.start_send("p0", "t0", [0], BLOCK, secret=harness_secret("t0"))
+    d.service.start_recv("d0", "t0", "prefill", url, [0], BLOCK, secret=harness_secret("t0"))
     await wait_output(d.service, "finished_recving", "d0")
     first = len(calls)
     for i in range(1, 8):
-        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK)
-        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [i], BLOCK)
+        p.service.start_send(f"p{i}", f"t{i}", [i], BLOCK, secret=harness_secret(f"t{i}"))
+        d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [i], BLOCK, secret=harness_secret(f"t{i}"))
     got = await collect(d.service, "finished_recving", {f"d{i}" for i in range(1, 8)})
     assert got["finished_recving"] == {f"d{i}" for i in range(1, 8)}
     assert len(calls) == first  # the later receives reused the routes
     # A lost connection means a possible restart: the routes go with the cached metadata.
     await p.service.close()
     await asyncio.sleep(0.05)
-    d.service.start_recv("d9", "t9", "prefill", url, [9], BLOCK)
+    d.service.start_recv("d9", "t9", "prefill", url, [9], BLOCK, secret=harness_secret("t9"))
     await wait_output(d.service, "failed_recving", "d9")
     assert len(calls) > first

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.testing.engines import LoopbackEngine
+from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.plugin import LoopbackFactory
 from kvsvc.testing.sim import EngineSpec
 
@@ -43,7 +44,9 @@ async def test_concurrent_receives_from_a_new_engine_share_one_metadata_fetch(
     try:
         for i in range(8):
             p.start_send(f"p{i}", f"t{i}", [i], 4)
-            d.services[(0, 0)].start_recv(f"d{i}", f"t{i}", "prefill", server.url, [i], 4)
+            d.services[(0, 0)].start_recv(
+                f"d{i}", f"t{i}", "prefill", server.url, [i], 4, secret=harness_secret(f"t{i}")
+            )
         for i in range(8):
             assert await d.wait(f"d{i}") == "finished"
             d.check_received(f"t{i}", [i], 4)
@@ -58,10 +61,10 @@ async def test_a_slow_engine_never_delays_receives_from_another(loopback_engines
     gate = asyncio.Event()
     server, hits = await counting_bootstrap(slow, gate=gate)  # answers only once the test is over
     try:
-        d.services[(0, 0)].start_recv("d-slow", "t-slow", "slow", server.url, [1], 4)
+        d.services[(0, 0)].start_recv("d-slow", "t-slow", "slow", server.url, [1], 4, secret=harness_secret("t-slow"))
         while not hits:  # the slow fetch is under way
             await asyncio.sleep(0.01)
-        fast.start_send("p-fast", "t-fast", [2], 4)
+        fast.start_send("p-fast", "t-fast", [2], 4, secret=harness_secret("t-fast"))
         d.start_recv("d-fast", "t-fast", fast, [2], 4)
         assert await d.wait("d-fast", timeout_s=10) == "finished"
         assert d.services[(0, 0)].statistics().receiver.waiting_for_handshake == 1

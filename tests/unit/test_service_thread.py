@@ -14,6 +14,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig, ServiceThread
 from kvsvc.testing.fakes import LoopbackTransport
+from kvsvc.testing.holds import harness_secret
 
 
 def test_a_report_drained_by_a_timed_out_get_finished_comes_with_the_next_call() -> None:
@@ -33,7 +34,7 @@ def test_a_report_drained_by_a_timed_out_get_finished_comes_with_the_next_call()
     thread = ServiceThread(meta, transport, ServiceConfig(hold_timeout_s=0.05), call_timeout_s=0.3)
     thread.start()
     try:
-        thread.start_send("p1", "t1", [0], 4)
+        thread.start_send("p1", "t1", [0], 4, secret=harness_secret("t1"))
         time.sleep(0.3)  # the hold expired: its report waits in the service
         service = thread.service
         real = service.get_finished

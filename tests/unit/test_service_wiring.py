@@ -36,6 +36,7 @@ from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.hellos import unkeyed_frames
+from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Region
 from kvsvc.transport.samehost import own_address
 from kvsvc.transports import is_same_host
@@ -118,8 +119,8 @@ def block_bytes_of(side: Side, layer: int, block: int) -> bytes:
 
 async def test_a_transfer_moves_every_byte_and_reports_once_on_each_side(pair: tuple[Side, Side, str]) -> None:
     p, d, url = pair
-    p.service.start_send("p-req", "t1", [3, 4], 2 * BLOCK)
-    d.service.start_recv("d-req", "t1", "prefill", url, [9, 1], 2 * BLOCK)
+    p.service.start_send("p-req", "t1", [3, 4], 2 * BLOCK, secret=harness_secret("t1"))
+    d.service.start_recv("d-req", "t1", "prefill", url, [9, 1], 2 * BLOCK, secret=harness_secret("t1"))
     await wait_output(d.service, "finished_recving", "d-req")
     await wait_output(p.service, "finished_sending", "p-req")
     for layer in range(LAYERS):
@@ -133,13 +134,14 @@ async def test_a_late_window_round_reaching_a_d_with_no_window_lent_is_dropped_n
     pair: tuple[Side, Side, str],
 ) -> None:
     p, d, url = pair
-    p.service.start_send("p-req", "t1", [3], BLOCK)
-    d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK)
+    p.service.start_send("p-req", "t1", [3], BLOCK, secret=harness_secret("t1"))
+    d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK, secret=harness_secret("t1"))
     await wait_output(d.service, "finished_recving", "d-req")
     (inbound,) = p.service._sending._inbound.values()  # P's end of D's control connection
     inbound.channel.send(WindowFilled(transfer_id="t1", round=0))  # as if P's round arrived after D gave it back
-    p.service.start_send("p-req2", "t2", [4], BLOCK)  # the connection keeps order: t2's answer follows the round
-    d.service.start_recv("d-req2", "t2", "prefill", url, [10], BLOCK)
+    # The connection keeps order: t2's answer follows the round.
+    p.service.start_send("p-req2", "t2", [4], BLOCK, secret=harness_secret("t2"))
+    d.service.start_recv("d-req2", "t2", "prefill", url, [10], BLOCK, secret=harness_secret("t2"))
     out = await wait_output(d.service, "finished_recving", "d-req2")
     assert out.failed_recving is None
     assert d.service.statistics().protocol_errors == 0 and p.service.statistics().protocol_errors == 0
@@ -148,8 +150,8 @@ async def test_a_late_window_round_reaching_a_d_with_no_window_lent_is_dropped_n
 async def test_repeated_start_calls_change_nothing(pair: tuple[Side, Side, str]) -> None:
     p, d, url = pair
     for _ in range(3):
-        p.service.start_send("p-req", "t2", [0], BLOCK)
-        d.service.start_recv("d-req", "t2", "prefill", url, [5], BLOCK)
+        p.service.start_send("p-req", "t2", [0], BLOCK, secret=harness_secret("t2"))
+        d.service.start_recv("d-req", "t2", "prefill", url, [5], BLOCK, secret=harness_secret("t2"))
     out = await wait_output(d.service, "finished_recving", "d-req")
     assert out.failed_recving is None
     await wait_output(p.service, "finished_sending", "p-req")
@@ -158,7 +160,7 @@ async def test_repeated_start_calls_change_nothing(pair: tuple[Side, Side, str])
 
 async def test_an_unreachable_engine_fails_the_receive_with_its_blocks_invalid(pair: tuple[Side, Side, str]) -> None:
     _, d, _ = pair
-    d.service.start_recv("d-req", "t3", "prefill", "http://127.0.0.1:9", [2, 3], BLOCK)
+    d.service.start_recv("d-req", "t3", "prefill", "http://127.0.0.1:9", [2, 3], BLOCK, secret=harness_secret("t3"))
     out = await wait_output(d.service, "failed_recving", "d-req")
     assert out.invalid_block_ids == {2, 3}
     assert d.service.statistics().holds == 0
@@ -168,16 +170,16 @@ async def test_a_request_p_never_holds_is_answered_failed_after_the_early_timeou
     pair: tuple[Side, Side, str],
 ) -> None:
     _, d, url = pair
-    d.service.start_recv("d-req", "never-held", "prefill", url, [2], BLOCK)
+    d.service.start_recv("d-req", "never-held", "prefill", url, [2], BLOCK, secret=harness_secret("never-held"))
     await wait_output(d.service, "failed_recving", "d-req")
 
 
 async def test_block_ids_outside_the_pool_are_refused_at_the_call(pair: tuple[Side, Side, str]) -> None:
     p, d, url = pair
     with pytest.raises(ValueError, match=r"block ids \[99\] outside the pool of 16 blocks"):
-        p.service.start_send("p-req", "t4", [99], 1)
+        p.service.start_send("p-req", "t4", [99], 1, secret=harness_secret("t4"))
     with pytest.raises(ValueError, match="do not fit"):
-        d.service.start_recv("d-req", "t4", "prefill", url, [1], BLOCK + 1)
+        d.service.start_recv("d-req", "t4", "prefill", url, [1], BLOCK + 1, secret=harness_secret("t4"))
 
 
 async def raw_exchange(address: str, payload: bytes) -> list[Message]:
@@ -250,8 +252,8 @@ async def test_a_request_before_the_hello_is_a_protocol_error(pair: tuple[Side, 
 async def test_a_write_failure_reaches_both_engines(pair: tuple[Side, Side, str]) -> None:
     p, d, url = pair
     p.transport.fail_next_writes(code=-1)
-    p.service.start_send("p-req", "t5", [0], BLOCK)
-    d.service.start_recv("d-req", "t5", "prefill", url, [7], BLOCK)
+    p.service.start_send("p-req", "t5", [0], BLOCK, secret=harness_secret("t5"))
+    d.service.start_recv("d-req", "t5", "prefill", url, [7], BLOCK, secret=harness_secret("t5"))
     out = await wait_output(d.service, "failed_recving", "d-req")
     assert out.invalid_block_ids == {7}
     await wait_output(p.service, "finished_sending", "p-req")
@@ -261,8 +263,8 @@ async def test_a_write_failure_reaches_both_engines(pair: tuple[Side, Side, str]
 async def test_an_abort_on_d_frees_both_sides(pair: tuple[Side, Side, str]) -> None:
     p, d, url = pair
     p.transport.stall()
-    p.service.start_send("p-req", "t6", [0], BLOCK)
-    d.service.start_recv("d-req", "t6", "prefill", url, [7], BLOCK)
+    p.service.start_send("p-req", "t6", [0], BLOCK, secret=harness_secret("t6"))
+    d.service.start_recv("d-req", "t6", "prefill", url, [7], BLOCK, secret=harness_secret("t6"))
     while p.service.statistics().writes_in_flight == 0:
         await asyncio.sleep(0.01)
     d.service.abort("d-req")
@@ -279,7 +281,7 @@ async def test_a_closed_service_refuses_new_work(pair: tuple[Side, Side, str]) -
     p, _, _ = pair
     await p.service.close()
     with pytest.raises(ServiceClosed):
-        p.service.start_send("p-req", "t7", [0], 1)
+        p.service.start_send("p-req", "t7", [0], 1, secret=harness_secret("t7"))
 
 
 async def test_a_layer_whose_compute_failed_fails_the_transfer_and_frees_both_sides(
@@ -288,8 +290,8 @@ async def test_a_layer_whose_compute_failed_fails_the_transfer_and_frees_both_si
     p, d, url = pair
     loop = asyncio.get_running_loop()
     layers: list[asyncio.Future[None]] = [loop.create_future() for _ in range(LAYERS)]
-    p.service.start_send("p-req", "t8", [0], BLOCK, layers)
-    d.service.start_recv("d-req", "t8", "prefill", url, [7], BLOCK)
+    p.service.start_send("p-req", "t8", [0], BLOCK, layers, secret=harness_secret("t8"))
+    d.service.start_recv("d-req", "t8", "prefill", url, [7], BLOCK, secret=harness_secret("t8"))
     layers[0].set_result(None)
     layers[1].set_exception(RuntimeError("CUDA kernel failed"))
     out = await wait_output(d.service, "failed_recving", "d-req")
@@ -301,7 +303,7 @@ async def test_a_layer_whose_compute_failed_fails_the_transfer_and_frees_both_si
 async def test_repeated_d_block_ids_are_refused_at_the_call(pair: tuple[Side, Side, str]) -> None:
     _, d, url = pair
     with pytest.raises(ValueError, match=r"D block ids \[3\] appear more than once"):
-        d.service.start_recv("d-req", "t9", "prefill", url, [3, 3], 2 * BLOCK)
+        d.service.start_recv("d-req", "t9", "prefill", url, [3, 3], 2 * BLOCK, secret=harness_secret("t9"))
 
 
 async def test_a_hello_claiming_an_absurd_tp_size_is_refused_before_anything_is_built(
@@ -355,7 +357,7 @@ async def test_an_engine_whose_layout_does_not_fit_is_refused_once_when_they_mee
     try:
         with caplog.at_level("WARNING", logger="kvsvc.service.remotes"):
             for i in range(3):
-                d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [i], BLOCK)
+                d.service.start_recv(f"d{i}", f"t{i}", "prefill", url, [i], BLOCK, secret=harness_secret(f"t{i}"))
                 await wait_output(d.service, "failed_recving", f"d{i}")
         reasons = {d.service.failure_reason(f"d{i}") for i in range(3)}
         assert len(reasons) == 1 and "P head_size 16 != D head_size 8" in reasons.pop()  # type: ignore[operator]
@@ -399,8 +401,8 @@ async def test_a_same_host_pair_the_kernel_refuses_runs_on_mooncake_and_says_why
     url = await bootstrap.start()
     try:
         with caplog.at_level(logging.WARNING, logger="kvsvc.service.sending"):
-            p.service.start_send("p-req", "t1", [3], BLOCK)
-            d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK)
+            p.service.start_send("p-req", "t1", [3], BLOCK, secret=harness_secret("t1"))
+            d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK, secret=harness_secret("t1"))
             await wait_output(d.service, "finished_recving", "d-req")
         assert block_bytes_of(d, 0, 9) == block_bytes_of(p, 0, 3)  # the bytes came over Mooncake's session
         (row,) = [r for r in p.service.peers() if r["direction"] == "from_d"]

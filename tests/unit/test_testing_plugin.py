@@ -8,6 +8,7 @@ import pytest
 
 from kvsvc.service import ServiceConfig
 from kvsvc.testing import EngineSpec, FakeClock, PeerPair
+from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.plugin import LoopbackFactory
 
 
@@ -43,7 +44,7 @@ async def test_a_service_with_a_fake_clock_expires_a_hold_when_the_clock_says_so
 ) -> None:
     p, _ = await loopback_engines(transport="fake", config=ServiceConfig(hold_timeout_s=5), clock=fake_clock)
     service = p.services[(0, 0)]
-    service.start_send("p-1", "t1", [0], 4)
+    service.start_send("p-1", "t1", [0], 4, secret=harness_secret("t1"))
     service.check_deadlines()
     assert not service.get_finished().finished_sending
     fake_clock.advance(5)

@@ -28,6 +28,7 @@ from kvsvc.vllm.params import (
 
 BS = 16
 PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks
+SECRET = "k" * 22  # what the flows here draw for every transfer
 
 
 TOKEN = "deployment-secret-0123"
@@ -35,11 +36,17 @@ KEY = derive_key(TOKEN, PARAMS_KEY)
 
 
 def flow() -> SchedulerFlow:
-    return SchedulerFlow(engine_id="P-engine", bootstrap_addr="http://10.0.0.1:8998", block_size=BS, params_key=KEY)
+    return SchedulerFlow(
+        engine_id="P-engine",
+        bootstrap_addr="http://10.0.0.1:8998",
+        block_size=BS,
+        params_key=KEY,
+        new_secret=lambda: SECRET,
+    )
 
 
 def p_params(prompt: list[int] = PROMPT, transfer_id: str = "t1") -> dict[str, object]:
-    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", transfer_id, len(prompt), prompt_hash(prompt))
+    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", transfer_id, len(prompt), prompt_hash(prompt), SECRET)
     return producer_params(remote, KEY)
 
 
@@ -59,7 +66,7 @@ def test_p_holds_a_one_token_request_from_the_step_that_ends_its_prompt() -> Non
     f.scheduled("r1", 0, 32, [[7, 8, 9, 10]])  # a first chunk: the prompt is not done
     assert f.build().sends == ()
     f.scheduled("r1", 32, 8, [[7, 8, 9, 10]])
-    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9), 40),)  # only the prompt's blocks
+    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9), 40, SECRET),)  # only the prompt's blocks
     assert not f.wants_blocks("r1")
     keep, params = f.finished("r1", [[7, 8, 9, 10]], completed=True)
     assert keep and params == p_params(transfer_id="r1")
@@ -68,14 +75,14 @@ def test_p_holds_a_one_token_request_from_the_step_that_ends_its_prompt() -> Non
 
 def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks() -> None:
     # A sliding-window group's list leads with the null block (0) where its window has passed.
-    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (FULL, SLIDING_WINDOW))
+    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (FULL, SLIDING_WINDOW), new_secret=lambda: SECRET)
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     assert not f.drops_last_token("r1")
     f.scheduled("r1", 0, 40, [[7, 8, 9, 10], [0, 0, 12, 13]])
     # The last prompt token stays D's to compute: loading all 40, vLLM would recompute it over a window reaching
     # one token further back than the blocks D kept.
-    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 39),)
-    d = SchedulerFlow("D-engine", "", BS, (FULL, SLIDING_WINDOW))
+    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 39, SECRET),)
+    d = SchedulerFlow("D-engine", "", BS, (FULL, SLIDING_WINDOW), params_key=KEY)
     d.on_new_request("d1", PROMPT, p_params())
     assert d.matched_tokens("d1", 40, 0) == (39, True)
     three = SchedulerFlow("P", "", BS, (FULL, FULL, FULL))
@@ -85,13 +92,13 @@ def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks(
 
 
 def test_a_model_with_mamba_state_moves_the_state_before_the_last_prompt_token() -> None:
-    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (MAMBA, FULL), params_key=KEY)
+    f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (MAMBA, FULL), params_key=KEY, new_secret=lambda: SECRET)
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     f.on_new_request("one", PROMPT[:1], {"do_remote_decode": True}, max_tokens=1)
     assert f.drops_last_token("r1") and not f.drops_last_token("one")  # one token: no state to move, D computes
     f.scheduled("r1", 0, 39, [[5], [7, 8, 9]])  # P prefills 39 tokens: its prompt was cut by one
     # The state slot goes last in its group's list, behind the null block, to the attention group's length.
-    assert f.build().sends == (SendSpec("r1", "r1", (0, 0, 5, 7, 8, 9), 39),)
+    assert f.build().sends == (SendSpec("r1", "r1", (0, 0, 5, 7, 8, 9), 39, SECRET),)
     d = SchedulerFlow("D-engine", "", BS, (MAMBA, FULL), params_key=KEY)
     d.on_new_request("d1", PROMPT, p_params())
     assert d.matched_tokens("d1", 40, 0) == (39, True)  # D computes the last token from the state after 39
@@ -108,7 +115,7 @@ def test_p_holds_a_request_that_decodes_on_p_only_when_it_finishes() -> None:
     assert f.build().sends == ()
     keep, params = f.finished("r1", [[4, 5, 6]], completed=True)
     assert keep and params is not None
-    assert f.build().sends == (SendSpec("r1", "r1", (4, 5, 6), 40),)
+    assert f.build().sends == (SendSpec("r1", "r1", (4, 5, 6), 40, SECRET),)
 
 
 def test_an_aborted_p_request_is_freed_at_once_unless_held_then_its_hold_is_aborted() -> None:
@@ -142,7 +149,7 @@ def test_d_loads_every_prompt_token_its_prefix_cache_lacks_once() -> None:
     assert f.matched_tokens("d1", 40, 16) == (24, True)  # no side effect: vLLM may ask again
     f.after_alloc("d1", [[3, 4, 5, 6]], 24, 40)
     step = f.build()
-    assert step.recvs == (RecvSpec("d1", "t1", "P-engine", "http://10.0.0.1:8998", (3, 4, 5), 40, 16),)
+    assert step.recvs == (RecvSpec("d1", "t1", "P-engine", "http://10.0.0.1:8998", (3, 4, 5), 40, 16, SECRET),)
     f.after_alloc("d1", [[3, 4, 5, 6]], 0, 40)  # vLLM's second call, once loaded
     assert f.matched_tokens("d1", 40, 0) == (0, False)  # a failed load is recomputed, never fetched again
     assert f.build().recvs == ()
@@ -180,6 +187,9 @@ def test_d_with_nothing_to_load_never_loads() -> None:
         ({"remote_engine_id": None}, "'remote_engine_id'.*None"),
         ({"remote_prompt_hash": "0" * 16}, "another request's params"),
         ({"remote_num_tokens": 41}, "prompt of 41 tokens"),
+        ({"transfer_secret": None}, r"\['transfer_secret'\] holds NoneType, expected a string of 16 to 256"),
+        ({"transfer_secret": "k" * 15}, r"\['transfer_secret'\] holds 15 characters"),
+        ({"transfer_secret": "k" * 257}, r"\['transfer_secret'\] holds 257 characters"),
     ],
 )
 def test_d_params_it_cannot_use_are_refused_naming_the_key(change: dict[str, object], match: str) -> None:
@@ -194,7 +204,7 @@ def test_params_are_msgpack_native_and_round_trip() -> None:
     params = msgspec.msgpack.decode(msgspec.msgpack.encode(p_params()))
     assert all(isinstance(v, str | int | bool | list) for v in params.values())
     assert parse_remote_prefill(params, KEY) == RemotePrefill(
-        "P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT)
+        "P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT), SECRET
     )
     assert params is not p_params()  # a fresh dict each time: vLLM adds keys to it
 
@@ -322,7 +332,9 @@ def _refused(f: SchedulerFlow, params: dict[str, Any], match: str) -> None:
 
 
 def test_a_client_s_unsigned_params_are_refused() -> None:
-    unsigned = producer_params(RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT)), None)
+    unsigned = producer_params(
+        RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT), SECRET), None
+    )
     _refused(flow(), unsigned, "carry no 'kvsvc_signature'")
 
 
@@ -342,7 +354,7 @@ def test_params_a_client_altered_are_refused(change: dict[str, object]) -> None:
 
 
 def test_params_signed_under_another_deployment_s_token_are_refused() -> None:
-    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT))
+    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT), SECRET)
     _refused(flow(), producer_params(remote, derive_key("another", PARAMS_KEY)), "does not verify")
 
 
@@ -365,7 +377,7 @@ def test_a_bootstrap_address_with_more_than_a_host_and_port_is_refused_even_sign
 
 def test_without_a_key_d_takes_only_loopback_bootstrap_addresses() -> None:
     f = dataclasses.replace(flow(), params_key=None)
-    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT))
+    remote = RemotePrefill("P-engine", "http://10.0.0.1:8998", "t1", 40, prompt_hash(PROMPT), SECRET)
     _refused(f, producer_params(remote, None), "beyond loopback and this engine has no control token")
     for host in ("127.0.0.1", "127.3.4.5", "[::1]", "localhost"):
         f = dataclasses.replace(flow(), params_key=None)
@@ -391,3 +403,18 @@ def test_any_change_to_a_signed_field_is_refused(name: str, value: object) -> No
         return
     with pytest.raises(ParamsError, match="does not verify"):
         parse_remote_prefill({**params, name: value}, KEY)
+
+
+def test_p_draws_one_secret_per_transfer_that_its_workers_hold_with_and_its_params_carry_to_d() -> None:
+    p = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, params_key=KEY)  # the default draw: 128 random bits
+    for req_id in ("r1", "r2"):
+        p.on_new_request(req_id, PROMPT, {"do_remote_decode": True}, max_tokens=1)
+        p.scheduled(req_id, 0, 40, [[7, 8, 9]])
+    sends = p.build().sends
+    assert len({s.secret for s in sends}) == 2 and all(len(s.secret) == 22 for s in sends)
+    _, params = p.finished("r1", [[7, 8, 9]], completed=True)
+    assert params is not None and params["transfer_secret"] == sends[0].secret
+    d = flow()
+    d.on_new_request("d1", PROMPT, params)
+    d.after_alloc("d1", [[3, 4, 5]], 40, 40)
+    assert [r.secret for r in d.build().recvs] == [sends[0].secret]

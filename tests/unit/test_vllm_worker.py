@@ -277,6 +277,7 @@ class FakeService:
         self.next = KVConnectorOutput()
         self.calls: list[str] = []
         self.refuse_recv: set[str] = set()
+        self.secrets: list[str] = []  # what each start_send / start_recv was given
 
     def get_finished(self) -> KVConnectorOutput:
         report, self.next = self.next, KVConnectorOutput()
@@ -288,12 +289,14 @@ class FakeService:
 
         return asyncio.run(on_loop())
 
-    def start_recv(self, req_id: str, *args: object) -> None:
+    def start_recv(self, req_id: str, *args: object, secret: str) -> None:
+        self.secrets.append(secret)
         if req_id in self.refuse_recv:
             raise ValueError(f"block ids of {req_id} outside the pool")
         self.calls.append(f"recv {req_id}")
 
-    def start_send(self, req_id: str, *args: object) -> None:
+    def start_send(self, req_id: str, *args: object, secret: str) -> None:
+        self.secrets.append(secret)
         self.calls.append(f"send {req_id}")
         self.ready = args[-1]
 
@@ -313,7 +316,8 @@ def worker_with(service: FakeService) -> WorkerSide:
 def test_a_send_is_reported_only_once_vllm_saw_its_request_finish() -> None:
     service = FakeService()
     side = worker_with(service)
-    side.end_step(StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40),)))
+    side.end_step(StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),)))
+    assert service.secrets == ["k" * 22]  # the hold's secret is the one the scheduler drew
     service.next = KVConnectorOutput(finished_sending={"p1"})  # D fetched it before vLLM finished the request
     assert side.transfer_results(set()).finished_sending == set()
     assert side.transfer_results({"p1", "other"}).finished_sending == {"p1"}
@@ -336,7 +340,7 @@ def test_on_gpu_a_send_waits_for_each_layer_event_or_for_one_after_the_forward(m
     side = worker_with(service)
     side._device = "cuda"
     side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
-    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40),))
+    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
     for i in range(3):
         side.layer_saved(f"model.layers.{i}.attn", step)
     side.end_step(step)
@@ -355,7 +359,7 @@ def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step(cap
     service = FakeService()
     service.refuse_recv = {"d3"}
     side = worker_with(service)
-    recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0) for i in (1, 2, 3))
+    recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0, "k" * 22) for i in (1, 2, 3))
     side.begin_step(StepMetadata(recvs=recvs))
     assert service.calls == ["recv d1", "recv d2"]
     service.next = KVConnectorOutput(

@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol
 import numpy as np
 
 from kvsvc.service import KVTransferService
+from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.mooncake import MooncakeTransport
 from kvsvc.transport.samehost import copy_into
 from kvsvc.transports import SameHostAddress
@@ -142,7 +143,10 @@ def handle_bench(runtime: _Runtime, command: BenchCommand) -> BenchResult | Coro
         cpu = time.process_time()
         for req_id, transfer_id, block_ids, num_tokens, _ in command.requests:
             state.recv_started[req_id] = time.monotonic()
-            runtime.service.start_recv(req_id, transfer_id, command.engine_id, command.url, block_ids, num_tokens)
+            secret = harness_secret(transfer_id)
+            runtime.service.start_recv(
+                req_id, transfer_id, command.engine_id, command.url, block_ids, num_tokens, secret=secret
+            )
         return {"cpu": cpu}
     if isinstance(command, Collect):
         return _collect(runtime.service, state, command)
@@ -167,12 +171,13 @@ def _hold_many(runtime: _Runtime, state: BenchState, command: HoldMany) -> Bench
         if command.fill:
             fill(pool.layers, pool.meta, seed, block_ids, num_tokens)
         if command.ready == "none":
-            service.start_send(req_id, transfer_id, block_ids, num_tokens, None)
+            service.start_send(req_id, transfer_id, block_ids, num_tokens, None, secret=harness_secret(transfer_id))
             continue
         count = pool.meta.num_layers if command.ready == "layer" else 1
         futures = [loop.create_future() for _ in range(count)]
         state.layer_futures[transfer_id] = futures
-        service.start_send(req_id, transfer_id, block_ids, num_tokens, futures if count > 1 else futures[0])
+        ready = futures if count > 1 else futures[0]
+        service.start_send(req_id, transfer_id, block_ids, num_tokens, ready, secret=harness_secret(transfer_id))
     return {}
 
 
