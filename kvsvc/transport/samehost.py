@@ -48,6 +48,7 @@ from kvsvc.transport.base import (
     check_descriptors,
 )
 from kvsvc.transport.completion import wait_uncancellable
+from kvsvc.transport.sockdiag import tcp_inode
 from kvsvc.transports import SameHostAddress
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,17 @@ Endpoint = tuple[str, int]
 
 
 def _tcp_inode(local: Endpoint, remote: Endpoint) -> int | None:
-    """The socket inode of the TCP connection whose end is at `local` talking to `remote`, from this network
-    namespace's `/proc/net/tcp` and `tcp6`; None when there is none."""
+    """The socket inode of the TCP connection whose end is at `local` talking to `remote`: one exact lookup in the
+    kernel's hash (`kvsvc.transport.sockdiag`), or, on a kernel without sock_diag for TCP, a scan of `/proc/net/tcp`
+    (which walks the whole hash: slow on a busy host); None when there is none."""
+    try:
+        return tcp_inode(local, remote)
+    except OSError:
+        return _scan_proc_net_tcp(local, remote)
+
+
+def _scan_proc_net_tcp(local: Endpoint, remote: Endpoint) -> int | None:
+    """`_tcp_inode` from this network namespace's `/proc/net/tcp` and `tcp6`."""
     want = (_plain(local[0]), local[1], _plain(remote[0]), remote[1])
     for name in ("tcp", "tcp6"):
         try:
