@@ -24,6 +24,7 @@ from kvsvc.bounds import (
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.hello import HelloAccepted, HelloRefusal, make_hello
 from kvsvc.messages import (
+    Abort,
     ConvPart,
     Hello,
     HelloRefused,
@@ -251,8 +252,11 @@ D0_REF = WorkerRef.of(D0)
 EVERY_D = frozenset(D)
 
 
+SECRET = "s" * 22  # each transfer's secret, as P's engine drew it
+
+
 def early(transfer_id: str, blocks: int) -> TransferRequest:
-    return TransferRequest(transfer_id=transfer_id, block_ids=list(range(blocks)), num_tokens=blocks)
+    return TransferRequest(transfer_id=transfer_id, block_ids=list(range(blocks)), num_tokens=blocks, secret=SECRET)
 
 
 def test_early_requests_are_bounded_in_block_id_bytes_per_d_worker() -> None:
@@ -280,13 +284,13 @@ def test_the_bytes_of_an_early_request_are_given_back_however_it_leaves(how: str
     sender.request(D0_REF, EVERY_D, early("t1", 100), 0.0)
     assert sender.statistics().early_request_bytes == 800
     if how == "hold":
-        sender.hold("r1", "t1", [0] * 100, 100, 1.0)
+        sender.hold("r1", "t1", [0] * 100, 100, 1.0, secret=SECRET)
     elif how == "expire":
         sender.expire(11.0)
     elif how == "peer_lost":
         sender.peer_lost(D0_REF)
     elif how == "abort":
-        sender.remote_abort(D0_REF, "t1", "gone", 1.0, EVERY_D)
+        sender.remote_abort(D0_REF, Abort(transfer_id="t1", reason="gone", secret=SECRET), 1.0, EVERY_D)
     else:
         sender.shut_down("closing")
     assert sender.statistics().early_request_bytes == 0
