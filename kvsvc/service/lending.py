@@ -71,7 +71,7 @@ class WindowLender:
         there is room now; `request` as it is when the rule does not (P writes the blocks, directly or gathered);
         None when the request waits for room (a task sends it then)."""
         area = self._ctx.staging
-        # A hybrid model's groups each start at their own token: P writes their blocks (decision 78).
+        # A hybrid model's groups each start at their own token: P writes their blocks (decision 24).
         if area is None or area.scatter is None or self._ctx.metadata.kv_groups:
             return request
         key = (request.transfer_id, p.engine_id, p.worker)

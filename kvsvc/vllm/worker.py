@@ -15,6 +15,7 @@ Imports torch and kvsvc's service and transport, never vllm (the adapter hands i
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -187,6 +188,9 @@ class WorkerSide:
         self._start_failures: dict[str, tuple[int, ...]] = {}  # receives that could not start: fail next report
         self._holding: set[str] = set()  # sends started (or refused), until reported
         self._sent: set[str] = set()  # sends the service ended, waiting for vLLM to have seen the request finish
+        # Sends the service refused, appended on its loop: a `call` that timed out still runs there later, and what
+        # it refused must reach vLLM all the same (the deque's append and popleft are safe across threads).
+        self._refused: deque[str] = deque()
         self._seen_finished: set[str] = set()  # holding ids vLLM has reported finished
         self._invalid: set[int] = set()
         self._stats: dict[str, int] = {}
@@ -333,7 +337,6 @@ class WorkerSide:
                 # one event after everything enqueued so far, so no byte is read before the forward wrote it.
                 events = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 events.record()
-        refused: list[str] = []
 
         def run(service: Any) -> None:
             for spec in step.sends:
@@ -349,12 +352,11 @@ class WorkerSide:
                     )
                 except (KVSvcError, ValueError) as exc:
                     log.error("send of %s could not start: %s", spec.req_id, exc)
-                    refused.append(spec.req_id)
+                    # vLLM keeps the blocks until it hears of the id: report it ended, and D's fetch fails cleanly.
+                    self._refused.append(spec.req_id)
 
         self._holding.update(spec.req_id for spec in step.sends)
         self._service().call(run)
-        # vLLM keeps the blocks until it hears of the id: report it ended, and D's fetch fails cleanly.
-        self._sent.update(refused)
 
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         """`get_transfer_results`: what ended since the last call, in the shape vLLM's scheduler accepts."""
@@ -362,6 +364,8 @@ class WorkerSide:
         results = TransferResults()
         self._seen_finished |= finished_req_ids & self._holding
         self._sent |= report.finished_sending or set()
+        while self._refused:
+            self._sent.add(self._refused.popleft())
         ready = self._sent & self._seen_finished
         if ready:
             results.finished_sending = ready

@@ -148,11 +148,14 @@ def test_a_batch_that_fails_part_way_is_undone_on_every_worker(
     assert isinstance(prefill, PrefillEngine)
     p_exec = prefill.executor
     free = prefill.allocator.num_free
+    aborted = [s["sender"]["aborted_holds"] for s in p_exec.statistics()]
     # The first prefill starts (its KV held for D) before the second is refused: both must be gone after.
     with pytest.raises(WorkerError, match=r"command 1 of the batch of 2 \(Prefill\).*-1 tokens"):
         prefill.submit_many([("batch-ok", 50, 7), ("batch-bad", -1, 8)])
     assert prefill.allocator.num_free == free and not prefill.requests
     _poll(lambda: _holds(p_exec) == 0, lambda: f"{_holds(p_exec)} holds left after the refused batch")
+    # Undone, not never done: each worker held the first request, and its hold ended by the parent's abort.
+    assert [s["sender"]["aborted_holds"] for s in p_exec.statistics()] == [n + 1 for n in aborted]
 
 
 def test_a_batch_of_checks_answers_per_command_and_names_a_bad_one(

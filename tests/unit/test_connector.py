@@ -40,10 +40,23 @@ class MutatingConnector(KVConnectorBase[str]):
         metadata.clear()
 
 
-def test_the_base_connector_accepts_stage_zero_metadata_in_both_forms_without_raising() -> None:
+def test_the_base_connector_accepts_stage_zero_metadata_in_both_forms_without_raising(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     connector = KVConnectorBase[str]()
-    connector.set_xfer_handshake_metadata({0: "m", 5: "n"})
-    connector.set_xfer_handshake_metadata_pp_aware({(0, 0): "a", (0, 1): "b"})
+    legacy, pp_aware = {0: "m", 5: "n"}, {(0, 0): "a", (0, 1): "b"}
+    connector.set_xfer_handshake_metadata(legacy)
+    handed: list[dict[int, str]] = []
+    ignore = connector.set_xfer_handshake_metadata
+
+    def spy(metadata: dict[int, str]) -> None:
+        handed.append(metadata)
+        ignore(metadata)
+
+    monkeypatch.setattr(connector, "set_xfer_handshake_metadata", spy)
+    connector.set_xfer_handshake_metadata_pp_aware(pp_aware)
+    assert handed == [{0: "a", 1: "b"}]  # the PP-aware form reaches the legacy default, keyed by tp rank
+    assert legacy == {0: "m", 5: "n"} and pp_aware == {(0, 0): "a", (0, 1): "b"}  # neither is changed
 
 
 def test_stage_zero_metadata_reaches_the_legacy_method_keyed_by_tp_rank() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import select
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -39,11 +40,25 @@ def _open() -> FineTimer:
     return timer
 
 
-def test_sleeps_end_one_after_another(run: Runner) -> None:
+def test_sleeps_end_one_after_another(run: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    fired: list[FineTimer] = []
+    fire = FineTimer._fired
+
+    def counted(timer: FineTimer) -> None:
+        fired.append(timer)
+        fire(timer)
+
+    monkeypatch.setattr(FineTimer, "_fired", counted)  # before `open` registers it with the loop
+
     async def main() -> None:
         timer = _open()
-        for delay in (0.0, 1e-6, 100e-6, 300e-6, 2e-3):
+        for n, delay in enumerate((0.0, 1e-6, 100e-6, 300e-6, 2e-3), 1):
+            start = time.monotonic()
             await timer.sleep(delay)
+            # Each sleep ends on its own expiry of the timerfd (the loop saw it readable once), never before its
+            # delay on the timer's clock, and leaves the fd unreadable for the next one.
+            assert len(fired) == n and time.monotonic() - start >= delay
+            assert select.select([timer._fd], [], [], 0)[0] == []
         timer.close()
 
     run(main)

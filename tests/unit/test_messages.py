@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import struct
+from typing import get_args
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvsvc.errors import MalformedFrame, RemoteProtocolError, VersionMismatch
@@ -112,12 +113,17 @@ def test_frame_reader_reassembles_frames_split_anywhere(batch: list[Message], da
 
 
 @given(st.binary(max_size=256))
+@example(encode(Ping(nonce=7))[4:])
+@example(msgspec.msgpack.encode({"type": "pong", "nonce": 3, "extra": [1]}))  # an unknown key is ignored
 def test_any_garbage_body_is_malformed_frame_or_a_valid_message(body: bytes) -> None:
     try:
         message = decode(body)
     except MalformedFrame:
         return
-    assert encode(message)  # whatever decoded is a real message of the protocol
+    # Whatever decoded is a message of the protocol that travels unchanged: its own frame decodes to it.
+    assert isinstance(message, get_args(Message))
+    frame = encode(message)
+    assert struct.unpack(">I", frame[:4]) == (len(frame) - 4,) and decode(frame[4:]) == message
 
 
 @pytest.mark.parametrize(

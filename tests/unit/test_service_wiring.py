@@ -169,9 +169,14 @@ async def test_an_unreachable_engine_fails_the_receive_with_its_blocks_invalid(p
 async def test_a_request_p_never_holds_is_answered_failed_after_the_early_timeout(
     pair: tuple[Side, Side, str],
 ) -> None:
-    _, d, url = pair
+    p, d, url = pair
     d.service.start_recv("d-req", "never-held", "prefill", url, [2], BLOCK, secret=harness_secret("never-held"))
-    await wait_output(d.service, "failed_recving", "d-req")
+    out = await wait_output(d.service, "failed_recving", "d-req")
+    assert out.invalid_block_ids == {2}
+    # P's early deadline (0.3 s) answered it, not D's own recv_timeout_s (5 s), which would name no P reason.
+    reason = d.service.failure_reason("d-req")
+    assert reason is not None and "unknown transfer 'never-held': not held by P within 0.3 s" in reason, reason
+    assert p.service.statistics().sender.early_requests == 0
 
 
 async def test_block_ids_outside_the_pool_are_refused_at_the_call(pair: tuple[Side, Side, str]) -> None:

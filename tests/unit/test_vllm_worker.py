@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 
-from kvsvc.errors import TopologyError
+from kvsvc.errors import KVSvcTimeout, TopologyError
 from kvsvc.groups import state_bytes
 from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
@@ -277,6 +277,8 @@ class FakeService:
         self.next = KVConnectorOutput()
         self.calls: list[str] = []
         self.refuse_recv: set[str] = set()
+        self.refuse_send: set[str] = set()
+        self.late: list[Any] | None = None  # when a list: each call times out, its work kept to run on the loop later
         self.secrets: list[str] = []  # what each start_send / start_recv was given
 
     def get_finished(self) -> KVConnectorOutput:
@@ -287,7 +289,16 @@ class FakeService:
         async def on_loop() -> Any:  # the real service runs `fn` on its event loop
             return fn(self)
 
+        if self.late is not None:  # a busy loop: the caller's deadline passes, and `fn` still runs when it is free
+            self.late.append(on_loop)
+            raise KVSvcTimeout("kvsvc loop did not answer within 30 s")
         return asyncio.run(on_loop())
+
+    def catch_up(self) -> None:
+        """The loop frees up and runs the calls that timed out."""
+        for on_loop in self.late or ():
+            asyncio.run(on_loop())
+        self.late = None
 
     def start_recv(self, req_id: str, *args: object, secret: str) -> None:
         self.secrets.append(secret)
@@ -297,6 +308,8 @@ class FakeService:
 
     def start_send(self, req_id: str, *args: object, secret: str) -> None:
         self.secrets.append(secret)
+        if req_id in self.refuse_send:
+            raise ValueError(f"block ids of {req_id} outside the pool")
         self.calls.append(f"send {req_id}")
         self.ready = args[-1]
 
@@ -322,6 +335,25 @@ def test_a_send_is_reported_only_once_vllm_saw_its_request_finish() -> None:
     assert side.transfer_results(set()).finished_sending == set()
     assert side.transfer_results({"p1", "other"}).finished_sending == {"p1"}
     assert side.transfer_results({"p1"}).finished_sending == set()  # once
+
+
+def test_a_send_refused_by_a_call_that_timed_out_is_still_reported_and_nothing_stays_held() -> None:
+    # A timed-out call still runs on the loop once it frees up: a send it refused must still reach vLLM (which
+    # keeps the request's blocks until it hears of the id), once, like the send it started.
+    service = FakeService()
+    service.refuse_send = {"p2"}
+    service.late = []
+    side = worker_with(service)
+    sends = tuple(SendSpec(f"p{i}", f"p{i}", (i,), 4, "k" * 22) for i in (1, 2))
+    with pytest.raises(KVSvcTimeout):
+        side.end_step(StepMetadata(sends=sends))
+    service.catch_up()
+    assert service.calls == ["send p1"]
+    assert side.transfer_results({"p1", "p2"}).finished_sending == {"p2"}
+    service.next = KVConnectorOutput(finished_sending={"p1"})
+    assert side.transfer_results(set()).finished_sending == {"p1"}
+    assert side.transfer_results(set()).finished_sending == set()
+    assert side.reported_sending == 2 and not (side._holding or side._sent or side._seen_finished)
 
 
 class FakeEvent:
