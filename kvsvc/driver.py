@@ -4,8 +4,9 @@
 Rules: a frame that arrives is routed here to the core object it is about (`p_frame`, `d_frame`); the commands those
 objects return are dispatched by type here (`carry_out_fill`, `carry_out_windows`) to callbacks the driver injects;
 what P's write in rounds does next is read from its `FillingWindow` here (`round_step`), the one place where a failed
-write in rounds ends (its `Fail`). Whether a request gets a window lent, keeps the one it has or goes without
-(`lent_window`) is decided here too. Drivers only do the I/O. Pure module: kvsvc's pure core only, no asyncio.
+write in rounds ends (its `Fail`). Whether P takes D's size of a share (`share_refusal`), and whether a request gets a
+window lent, keeps the one it has or goes without (`lent_window`), are decided here too. Drivers only do the I/O.
+Pure module: kvsvc's pure core only, no asyncio.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from msgspec.structs import replace
 from kvsvc.coalesce import Int64Array
 from kvsvc.jobs import Notice
 from kvsvc.messages import Message, TransferRequest, WindowEmptied, WindowFilled, Worker
+from kvsvc.sender import Submit
 from kvsvc.windows import (
     Announce,
     Deliver,
@@ -47,6 +49,18 @@ def p_frame(message: Message, fills: Mapping[str, FillingWindow], d: str) -> lis
     if fill is None:
         return [Notice(f"late WindowEmptied({message.round}) for {message.transfer_id!r} from {d}", "debug")]
     return fill.emptied(message.round)
+
+
+def share_refusal(command: Submit, nbytes: int) -> str | None:
+    """Why P refuses to write `command` into D's window when its own plan of the share comes to `nbytes` (D planned
+    another size: the rounds and D's scatter would not match what lands), or None. D's `share_bytes` is D's claim."""
+    share = command.share_bytes or command.window_bytes
+    if nbytes == share:
+        return None
+    return (
+        f"D planned a share of {share} bytes for {command.transfer_id!r} (window of {command.window_bytes}); "
+        f"this P worker writes it {nbytes}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,5 +179,6 @@ __all__ = [
     "lent_window",
     "p_frame",
     "round_step",
+    "share_refusal",
     "with_window",
 ]

@@ -27,6 +27,7 @@ from kvsvc.driver import (
     lent_window,
     p_frame,
     round_step,
+    share_refusal,
     with_window,
 )
 from kvsvc.jobs import Notice
@@ -390,10 +391,10 @@ class PeerPair(Reports, SimPlane, Faults):
         submit, key = write.submit, (write.p, write.d, write.submit.transfer_id)
         if key not in self._fills:
             src, dst, length = (np.fromiter((d[i] for d in plan), dtype=np.int64, count=len(plan)) for i in range(3))
-            share, nbytes = submit.share_bytes or submit.window_bytes, int(length.sum())
-            if nbytes != share:
-                self.violations.append(f"D planned a share of {share} bytes, P writes {nbytes}")
-                self._end_write(write, f"D planned a share of {share} bytes, P writes {nbytes}", 0, 0)
+            refused = share_refusal(submit, int(length.sum()))
+            if refused is not None:
+                self.violations.append(refused)
+                self._end_write(write, refused, 0, 0)
                 return
             src_region = region_ids(src, [start for start, _ in pool_regions(self.p.metas[write.p])])
             stream = window_plan(src, dst, length, 0, src_region)

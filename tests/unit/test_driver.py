@@ -3,6 +3,8 @@ write in rounds does next, and whether a request gets a window. The service and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from kvsvc.driver import (
@@ -14,10 +16,12 @@ from kvsvc.driver import (
     lent_window,
     p_frame,
     round_step,
+    share_refusal,
     with_window,
 )
 from kvsvc.jobs import Notice
-from kvsvc.messages import Release, TransferDone, TransferRequest, WindowEmptied, WindowFilled
+from kvsvc.messages import Release, TransferDone, TransferRequest, WindowEmptied, WindowFilled, WorkerRef
+from kvsvc.sender import Submit
 from kvsvc.staging import Way, WindowPlan
 from kvsvc.windows import Announce, Deliver, Fail, FillEvent, FillingWindow, LentWindows, Scatter
 
@@ -113,3 +117,13 @@ def test_an_announcement_goes_to_d() -> None:
     sent: list[WindowFilled] = []
     carry_out_fill([Announce(WindowFilled(transfer_id="t", round=0))], sent.append, lambda n: None)
     assert sent == [WindowFilled(transfer_id="t", round=0)]
+
+
+def test_p_refuses_a_share_size_its_own_plan_does_not_make_naming_both() -> None:
+    submit = Submit("t", WorkerRef("decode", "i", 0, 0), [0], [0], 4, window_addr=5_000, window_bytes=200)
+    assert share_refusal(submit, 200) is None  # no share size: the window's
+    rounds = replace(submit, share_bytes=400)
+    assert share_refusal(rounds, 400) is None
+    assert share_refusal(rounds, 399) == (
+        "D planned a share of 400 bytes for 't' (window of 200); this P worker writes it 399"
+    )
