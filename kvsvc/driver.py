@@ -151,10 +151,16 @@ def carry_out_windows(
             log(command)
 
 
-def lent_window(windows: LentWindows, key: WindowKey, req_id: str | None) -> LentWindow | Literal["lend"] | None:
+def lent_window(
+    windows: LentWindows, key: WindowKey, req_id: str | None, waiting: str | None = None
+) -> LentWindow | Literal["lend", "hold"] | None:
     """Whether D's `TransferRequest` for `key` goes with the window lent for it (a repeat), asks for a new one
-    ("lend": plan it, and lend it if the rule picks one and there is room), or goes without (None: the receive
-    ended, or an earlier receive of the same transfer id still holds the window)."""
+    ("lend": plan it, and lend it if the rule picks one and there is room), is held back ("hold": a repeat while the
+    request of the same receive, `waiting`, waits for room: that one goes out), or goes without (None: the receive
+    ended, or an earlier receive of the same transfer id still holds the window). A wait for room of another receive
+    (`waiting` not `req_id`) is the driver's to cancel unless this says "hold"."""
+    if waiting is not None and waiting == req_id:
+        return "hold"
     window = windows.get(key)
     if window is None:
         return "lend" if req_id is not None else None

@@ -76,12 +76,12 @@ class WindowLender:
         key = (request.transfer_id, p.engine_id, p.worker)
         req_id = self._receiver.req_of(request.transfer_id)
         waiting = self._waiting_room.get(key)
-        if waiting is not None:
-            if waiting[0] == req_id:
-                return None  # a repeat while the first waits for room: that one goes out
-            waiting[1].cancel()  # an ended receive's request, the transfer id started again: this one goes
+        window = lent_window(self._windows, key, req_id, waiting[0] if waiting is not None else None)
+        if window == "hold":
+            return None
+        if waiting is not None:  # an ended receive's request, the transfer id started again: this one goes
+            waiting[1].cancel()
             del self._waiting_room[key]
-        window = lent_window(self._windows, key, req_id)
         if window == "lend":
             assert req_id is not None
             plan = self._plan(p, request, area)

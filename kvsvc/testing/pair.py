@@ -49,6 +49,7 @@ from kvsvc.windows import (
     FillCommand,
     FillingWindow,
     FillState,
+    LentWindow,
     LentWindows,
     Scatter,
     WindowCommand,
@@ -299,7 +300,7 @@ class PeerPair(Reports, SimPlane, Faults):
 
     def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
         """As the D service (`kvsvc.driver.lent_window`): a window for the share when the rule sends it through D
-        and there is room."""
+        and there is room now (the pair never waits for room, so never holds a request back)."""
         key, lent = (request.transfer_id, self.p.engine_id, p), self._lent[d]
         req_id = self.receivers[d].req_of(request.transfer_id)
         window = lent_window(lent, key, req_id)
@@ -311,7 +312,7 @@ class PeerPair(Reports, SimPlane, Faults):
             if plan is None or offset is None:
                 return request
             window = lent.lend(key, req_id, list(request.block_ids), self.d.metas[d].staging_addr + offset, plan)
-        return request if window is None else with_window(request, window)
+        return with_window(request, window) if isinstance(window, LentWindow) else request
 
     def _run_windows(self, d: Worker, key: WindowKey, commands: Sequence[WindowCommand]) -> None:
         """Carry out D worker `d`'s window commands (`kvsvc.driver.carry_out_windows`)."""

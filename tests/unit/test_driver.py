@@ -108,6 +108,9 @@ def test_a_request_keeps_its_window_asks_for_one_or_goes_without() -> None:
     assert lent_window(lent, KEY, "d-again") is None  # an earlier receive of the transfer id still holds it
     assert lent_window(lent, ("u", "prefill", (0, 0)), "d-u") == "lend"
     assert lent_window(lent, ("u", "prefill", (0, 0)), None) is None  # the receive ended
+    # A repeat while the same receive's request waits for room is held back; another receive's wait is replaced.
+    assert lent_window(lent, ("u", "prefill", (0, 0)), "d-u", waiting="d-u") == "hold"
+    assert lent_window(lent, ("u", "prefill", (0, 0)), "d-u", waiting="d-old") == "lend"
     request = TransferRequest(transfer_id="t", block_ids=[0, 1], num_tokens=8, secret="s")
     sized = with_window(request, window)
     assert (sized.window_addr, sized.window_bytes, sized.share_bytes) == (5_000, 200, 400)
