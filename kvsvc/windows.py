@@ -7,10 +7,10 @@ effects), as in `kvsvc.jobs`; an event a table lacks is a `LocalProtocolError` n
 into an event against the window's round counters before the table is read (a repeat, a round out of order, a
 done answer before the last round). D takes P's frames about a window one scatter at a time, in arrival order.
 Neither side touches memory, a socket or a clock: each returns commands (`Scatter`, `TellP`, `Deliver`,
-`Announce`, `Notice`) that its driver (the service, or `kvsvc.testing.pair.PeerPair`) carries out, and feeds back
-how they ended (`scattered`, `landed`). Round k is stream bytes `[k R, (k + 1) R)` in half `k % 2` of the window
-(`kvsvc.staging.window_round_bytes`); P writes round k once D emptied round k - 2, so P fills one half while D
-empties the other. Pure module: standard library, numpy and kvsvc's pure core only.
+`Announce`, `Notice`) that its driver (the service, or `kvsvc.testing.pair.PeerPair`, both through `kvsvc.driver`)
+carries out, and feeds back how they ended (`scattered`, `landed`). Round k is stream bytes `[k R, (k + 1) R)` in
+half `k % 2` of the window (`kvsvc.staging.window_round_bytes`); P writes round k once D emptied round k - 2, so P
+fills one half while D empties the other. Pure module: standard library, numpy and kvsvc's pure core only.
 """
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace as replace_plan
 
-from msgspec.structs import replace
-
+from kvsvc.driver import carry_out_windows, d_frame, lent_window, with_window
 from kvsvc.layout import block_geometry
 from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata
 from kvsvc.planner import is_block_run
@@ -26,7 +25,7 @@ from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.staging import StagingArea, StagingFull
 from kvsvc.staging import WindowPlan, plan_window
 from kvsvc.transports import choose_transport, rule_on
-from kvsvc.windows import Deliver, LentWindow, LentWindows, Scatter, TellP, WindowCommand, WindowKey
+from kvsvc.windows import Deliver, LentWindow, LentWindows, Scatter, WindowCommand, WindowKey
 
 _WINDOW_PLAN_CACHE_ENTRIES = 1024
 
@@ -77,13 +76,14 @@ class WindowLender:
         key = (request.transfer_id, p.engine_id, p.worker)
         req_id = self._receiver.req_of(request.transfer_id)
         waiting = self._waiting_room.get(key)
-        if waiting is not None:
-            if waiting[0] == req_id:
-                return None  # a repeat while the first waits for room: that one goes out
-            waiting[1].cancel()  # an ended receive's request, the transfer id started again: this one goes
+        window = lent_window(self._windows, key, req_id, waiting[0] if waiting is not None else None)
+        if window == "hold":
+            return None
+        if waiting is not None:  # an ended receive's request, the transfer id started again: this one goes
+            waiting[1].cancel()
             del self._waiting_room[key]
-        window = self._windows.get(key)
-        if window is None and req_id is not None:
+        if window == "lend":
+            assert req_id is not None
             plan = self._plan(p, request, area)
             if plan is None:
                 return request
@@ -97,9 +97,8 @@ class WindowLender:
             if addr is None:
                 return request
             window = self._windows.lend(key, req_id, request.block_ids, addr, plan)
-        if window is None or window.req_id != req_id:
-            return request  # the transfer id again while an earlier receive's window is still being scattered
-        return _with_window(request, window.addr, window.plan)
+        # None: the transfer id again while an earlier receive's window is still being scattered
+        return request if window is None else with_window(request, window)
 
     async def _ask_when_room(self, key: WindowKey, request: TransferRequest, req_id: str, plan: WindowPlan) -> None:
         """Wait up to `window_wait_s` for room for `request`'s window, then ask P, with the window or without it.
@@ -122,8 +121,7 @@ class WindowLender:
                 area.give_back(addr)
             return
         if addr is not None:
-            self._windows.lend(key, req_id, request.block_ids, addr, plan)
-            request = _with_window(request, addr, plan)
+            request = with_window(request, self._windows.lend(key, req_id, request.block_ids, addr, plan))
         self._send(key[1], key[2], request)
 
     def _plan(self, p: WorkerMetadata, request: TransferRequest, area: StagingArea) -> WindowPlan | None:
@@ -151,23 +149,24 @@ class WindowLender:
     # -- the rounds --------------------------------------------------------------------------------------------
 
     def on_p_message(self, engine_id: str, src: Worker, message: Message) -> None:
-        """A frame from P worker `src`: the window protocol takes it first (`LentWindows.receive`)."""
-        key = (getattr(message, "transfer_id", ""), engine_id, src)
-        self._carry_out(key, self._windows.receive(engine_id, src, message))
+        """A frame from P worker `src`: the window protocol takes it first (`kvsvc.driver.d_frame`)."""
+        self._carry_out(*d_frame(self._windows, engine_id, src, message))
 
     def _carry_out(self, key: WindowKey, commands: list[WindowCommand]) -> None:
         _, engine_id, src = key
-        for command in commands:
-            if isinstance(command, Scatter):
-                self._scatter(key, command)
-            elif isinstance(command, TellP):
-                self._send(engine_id, src, command.message)
-            elif isinstance(command, Deliver):
-                if command.scattered:
-                    self._ctx.counts["scattered"] += 1
-                self._deliver(engine_id, src, command.message)
-            else:
-                notice(self._ctx, command)
+
+        def deliver(command: Deliver) -> None:
+            if command.scattered:
+                self._ctx.counts["scattered"] += 1
+            self._deliver(engine_id, src, command.message)
+
+        carry_out_windows(
+            commands,
+            lambda scatter: self._scatter(key, scatter),
+            lambda message: self._send(engine_id, src, message),
+            deliver,
+            lambda n: notice(self._ctx, n),
+        )
 
     def _scatter(self, key: WindowKey, command: Scatter) -> None:
         """Start copying one round of a window into the blocks now; a task of the service's group awaits the copy."""
@@ -215,7 +214,3 @@ class WindowLender:
     def hold_back(self, report: RecvReport) -> RecvReport:
         """`report` less the failed receives that a scatter still copies into (`LentWindows.hold_back`)."""
         return self._windows.hold_back(report)
-
-
-def _with_window(request: TransferRequest, addr: int, plan: WindowPlan) -> TransferRequest:
-    return replace(request, window_addr=addr, window_bytes=plan.window_bytes, share_bytes=plan.nbytes)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvsvc.coalesce import Int64Array
+from kvsvc.driver import share_refusal
 from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import is_block_run, plan_transfer_arrays
@@ -136,13 +137,9 @@ class PlanCache:
             sources, offset, length = cached
             sources = sources + shifted.src_shift if shifted.src_shift else sources
             shifted = Shifted(shifted.key, shifted.src_shift, command.window_addr)
-        nbytes = int(length.sum())
-        share = command.share_bytes or command.window_bytes
-        if nbytes != share:
-            raise ValueError(
-                f"D planned a share of {share} bytes for {command.transfer_id!r} (window of {command.window_bytes}); "
-                f"this P worker writes it {nbytes}"
-            )
+        refused = share_refusal(command, int(length.sum()))
+        if refused is not None:
+            raise ValueError(refused)
         return sources, offset, length, shifted
 
     def staged(

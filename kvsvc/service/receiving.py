@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from msgspec.structs import replace
 
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
+from kvsvc.backoff import Backoff
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
 from kvsvc.hello import answer_challenge, check_hello_reply, open_hello
 from kvsvc.jobs import Notice
@@ -39,9 +40,6 @@ from kvsvc.service.remotes import RemoteEngines, Routes
 
 log = logging.getLogger(__name__)
 
-# Reconnects to a lost P worker that receives still wait on: first try, and the cap of the doubling delay.
-RECONNECT_FIRST_S = 0.05
-RECONNECT_MAX_S = 2.0
 # Byte counts of planned receives kept (`RecvRole._planned`); past it, the cache starts over.
 MAX_PLANNED = 4096
 
@@ -68,7 +66,7 @@ class ReceivingRole:
         self.topology = self._remotes.topology
         self._engine: EngineMetadata | None = None
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
-        self._reconnect_delay: dict[tuple[str, Worker], float] = {}  # per lost P worker, doubled per failed try
+        self._reconnects = Backoff()  # per lost P worker: the wait before the next try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._planned_bytes: dict[tuple[str, str, Worker, int, int, int], int | None] = {}
         self._windows = WindowLender(ctx, self._receiver, self._tell_p, self._on_answer)
@@ -254,7 +252,7 @@ class ReceivingRole:
             for message in peer.outbox or []:
                 channel.send(message)
             peer.outbox = None
-            self._reconnect_delay.pop((engine_id, src), None)
+            self._reconnects.forget((engine_id, src))
             self._run_recv(self._receiver.connected(engine_id, src))
             self._run_recv(self._receiver.reconnected(engine_id, src, peer.ref.incarnation))
             while True:
@@ -368,13 +366,11 @@ class ReceivingRole:
     async def _reconnect(self, peer: _Outbound) -> None:
         """Reach the lost P worker again while receives hold blocks only because of it: its answers to their
         aborts (`Receiver.reconnected`) end the wait. A failed try loses the connection again, which schedules the
-        next try after twice the delay; the receives' abort grace bounds it all."""
+        next try after twice the delay (`kvsvc.backoff`); the receives' abort grace bounds it all."""
         key = (peer.ref.engine_id, peer.ref.worker)
-        delay = self._reconnect_delay.get(key, RECONNECT_FIRST_S)
-        self._reconnect_delay[key] = min(2 * delay, RECONNECT_MAX_S)
-        await asyncio.sleep(delay)
+        await asyncio.sleep(self._reconnects.delay(key))
         if not self._receiver.waits_on_lost(*key):
-            self._reconnect_delay.pop(key, None)  # nothing waits any more
+            self._reconnects.forget(key)  # nothing waits any more
             return
         if self._closing or key in self._outbound:
             return  # closed, or already connecting (maybe to a newer start, which `reconnected` tells apart)

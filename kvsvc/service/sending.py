@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
+from kvsvc.driver import carry_out_fill
 from kvsvc.errors import (
     MalformedFrame,
     PeerLost,
@@ -323,10 +324,8 @@ class SendingRole:
             channel.send(reply)
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
-        if isinstance(message, WindowEmptied):  # part of a write in rounds, not of the job tables
-            for command in inbound.target.window_emptied(message):
-                if isinstance(command, Notice):
-                    notice(self._ctx, command)
+        if isinstance(message, WindowEmptied):  # part of a write in rounds, not of the job tables (`p_frame`)
+            carry_out_fill(inbound.target.window_emptied(message), inbound.target.send, lambda n: notice(self._ctx, n))
             return
         now = self._ctx.clock()
         self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))

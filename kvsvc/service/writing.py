@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from kvsvc.coalesce import Int64Array
+from kvsvc.driver import AwaitHalf, RoundsFilled, carry_out_fill, p_frame, round_step
 from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
-from kvsvc.jobs import Notice
 from kvsvc.layout import is_cross_layer, layer_addrs
 from kvsvc.messages import Message, WindowEmptied, Worker, WorkerMetadata, WorkerRef
 from kvsvc.sender import Submit
@@ -33,7 +33,7 @@ from kvsvc.service.plans import PlanCache, Shifted
 from kvsvc.staging import StagedChunk
 from kvsvc.transport.base import WriteFailed
 from kvsvc.transports import rule_on
-from kvsvc.windows import Announce, FillCommand, FillEvent, FillingWindow, FillState
+from kvsvc.windows import Fail, FillCommand, FillEvent, FillingWindow
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +65,8 @@ class WriteTarget:
         self.session = self.session or self.meta.transport_addr
 
     def window_emptied(self, message: WindowEmptied) -> list[FillCommand]:
-        """D emptied a round of a window; the write waiting for its half goes on. One for a transfer not writing
-        in rounds (a late one) is dropped with a debug notice."""
-        fill = self.fills.get(message.transfer_id)
-        if fill is None:
-            return [Notice(f"late WindowEmptied({message.round}) for {message.transfer_id!r} from {self.ref}", "debug")]
-        commands = fill.emptied(message.round)
+        """D emptied a round of a window (`kvsvc.driver.p_frame`); the write waiting for its half goes on."""
+        commands = p_frame(message, self.fills, str(self.ref)) or []
         self._wake(message.transfer_id)
         return commands
 
@@ -312,27 +308,21 @@ class BlockWriter:
         target.fills[transfer_id] = fill
         nbytes = ndesc = 0
         try:
-            while fill.state is not FillState.FILLED:
-                index = fill.next_round
-                if fill.state is FillState.WAITING:
+            while True:
+                step = round_step(fill, lambda: self._wanted(transfer_id, command.dst.worker))
+                if isinstance(step, RoundsFilled):
+                    return nbytes, ndesc
+                if isinstance(step, Fail):
+                    raise _fill_error(step.cause, step.reason)
+                if isinstance(step, AwaitHalf):
                     await target.wait(fill, clock)
-                elif fill.state is FillState.FAILED:
-                    raise _fill_error(fill.cause, fill.reason)
-                elif index and not self._wanted(transfer_id, command.dst.worker):
-                    fill.stop(f"{transfer_id!r} aborted after {index} of {fill.rounds} rounds of D's window")
-                else:
-                    r_src, r_dst, r_length = fill.round_pieces(index)
-                    table = np.column_stack((r_src, r_dst, r_length))
-                    written, submitted = await self._write_once(target, table, command)
-                    nbytes, ndesc = nbytes + written, ndesc + submitted
-                    for step in fill.landed(clock()):
-                        if isinstance(step, Announce):
-                            target.send(step.message)
-                        elif isinstance(step, Notice):
-                            notice(self._ctx, step)
+                    continue
+                table = np.column_stack((step.src, step.dst, step.length))
+                written, submitted = await self._write_once(target, table, command)
+                nbytes, ndesc = nbytes + written, ndesc + submitted
+                carry_out_fill(fill.landed(clock()), target.send, lambda n: notice(self._ctx, n))
         finally:
             target.fills.pop(transfer_id, None)
-        return nbytes, ndesc
 
     async def _write_staged(self, peer: str, chunks: list[StagedChunk]) -> tuple[int, int]:
         """Write `chunks` through the staging region, each as soon as it has room; returns (bytes, descriptors).

@@ -1,5 +1,6 @@
 """`SameHostTransport`: writes into a peer process on this host with `process_vm_writev`, one kernel copy per byte,
-no socket; and `host_identity`, what a worker publishes so that a peer can tell it shares the host.
+no socket. What a worker publishes so that a peer can tell it shares the host, and the checks of what a peer claims,
+are `kvsvc.transport.procfs`'s (`host_identity`, `own_address` and `check_peer` are importable from here too).
 
 Rules: the contract of `kvsvc.transport.base.Transport`. A write is refused before anything is copied unless every
 source range lies in registered local memory and every destination range in the peer's published regions; many
@@ -20,17 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import ctypes
 import errno
-import ipaddress
 import logging
 import os
-import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 import numpy as np
@@ -48,7 +45,7 @@ from kvsvc.transport.base import (
     check_descriptors,
 )
 from kvsvc.transport.completion import wait_uncancellable
-from kvsvc.transport.sockdiag import tcp_inode
+from kvsvc.transport.procfs import Endpoint, check_peer, host_identity, own_address, real_uid, start_time
 from kvsvc.transports import SameHostAddress
 
 log = logging.getLogger(__name__)
@@ -60,122 +57,6 @@ GROUP_BYTES: Final = 4 << 20  # writes merged into one call up to about this muc
 CHECK_THREADS: Final = 2  # /proc reads of peer checks; a check stuck in the kernel leaves the other for the next
 SLOW_CHECK_S: Final = 0.25  # a check this slow is logged with where its time went (about 1 ms on an idle host)
 ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
-
-
-def host_identity() -> str:
-    """This host as the kernel tells it apart: its boot id, and the inodes of this process's PID and network
-    namespaces. Two processes with the same identity see each other's pids and the same network; two hosts, or two
-    network namespaces standing in for hosts, differ."""
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    pidns = os.stat("/proc/self/ns/pid").st_ino
-    netns = os.stat("/proc/self/ns/net").st_ino
-    return f"{boot.replace('-', '')}.{pidns}.{netns}"
-
-
-def _start_time(pid: int) -> int:
-    """`pid`'s start time in clock ticks since boot (field 22 of /proc/pid/stat), or -1 when there is no such
-    process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return -1
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def _real_uid(pid: int) -> int:
-    """`pid`'s real uid as this process's user namespace sees it (`/proc/pid/status`), or -1 when it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return -1
-    line = next((x for x in status.splitlines() if x.startswith("Uid:")), "Uid:\t-1")
-    return int(line.split()[1])
-
-
-Endpoint = tuple[str, int]
-
-
-def _tcp_inode(local: Endpoint, remote: Endpoint) -> int | None:
-    """The socket inode of the TCP connection whose end is at `local` talking to `remote`: one exact lookup in the
-    kernel's hash (`kvsvc.transport.sockdiag`), or, on a kernel without sock_diag for TCP, a scan of `/proc/net/tcp`
-    (which walks the whole hash: slow on a busy host); None when there is none."""
-    try:
-        return tcp_inode(local, remote)
-    except OSError:
-        return _scan_proc_net_tcp(local, remote)
-
-
-def _scan_proc_net_tcp(local: Endpoint, remote: Endpoint) -> int | None:
-    """`_tcp_inode` from this network namespace's `/proc/net/tcp` and `tcp6`."""
-    want = (_plain(local[0]), local[1], _plain(remote[0]), remote[1])
-    for name in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            (lip, lport), (rip, rport) = (_proc_endpoint(f) for f in fields[1:3])
-            if (lip, lport, rip, rport) == want:
-                return int(fields[9])
-    return None
-
-
-def _plain(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """`host` as an address, an IPv4-mapped IPv6 one as the IPv4 address it maps."""
-    address = ipaddress.ip_address(host.split("%")[0])
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
-def _proc_endpoint(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """An address of `/proc/net/tcp*`: the IP as host-order 32-bit words in hex, then the port in hex."""
-    ip_hex, port_hex = text.split(":")
-    words = [int(ip_hex[i : i + 8], 16) for i in range(0, len(ip_hex), 8)]
-    return _plain(str(ipaddress.ip_address(struct.pack(f"={len(words)}I", *words)))), int(port_hex, 16)
-
-
-def holds_connection(pid: int, local: Endpoint, remote: Endpoint) -> bool:
-    """Whether process `pid` holds the TCP connection's end at `local` (talking to `remote`): one of its file
-    descriptors is that socket. Needs the right to read `pid`'s fd table (the same user)."""
-    inode = _tcp_inode(local, remote)
-    if inode is None:
-        return False
-    target = f"socket:[{inode}]"
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                return True
-    return False
-
-
-def check_peer(address: SameHostAddress, via: tuple[Endpoint, Endpoint] | None) -> str:
-    """ "" when `address` names a live process of this user that holds the far end of the control connection `via`
-    (this end, the far end), else why not. What a hello claims is checked against the kernel: its start time (a
-    reused pid is another process), its real uid, and that it holds the connection the hello came on, so a hello
-    cannot aim P's writes at a process that did not send it."""
-    if _start_time(address.pid) != address.start:
-        return f"pid {address.pid} is not the process that published {address} (gone, or its pid reused)"
-    uid = _real_uid(address.pid)
-    if uid != os.getuid():
-        return f"pid {address.pid} runs as uid {uid}, this worker as uid {os.getuid()}"
-    if via is None:
-        return "no control connection to check the claimed process against"
-    mine, theirs = via
-    if not holds_connection(address.pid, theirs, mine):
-        return f"pid {address.pid} does not hold the control connection {theirs[0]}:{theirs[1]} the hello came on"
-    return ""
-
-
-def own_address() -> SameHostAddress:
-    """This process's same-host address."""
-    pid = os.getpid()
-    return SameHostAddress(host_identity(), os.getuid(), pid, _start_time(pid))
 
 
 class _IOVec(ctypes.Structure):
@@ -285,10 +166,10 @@ def _copy_all(
         while end < len(writes) and writes[end][0] == pid and (end == first or nbytes < GROUP_BYTES):
             nbytes += int(writes[end][3][:, 2].sum())
             end += 1
-        if _start_time(pid) != start:
+        if start_time(pid) != start:
             gone = OSError(errno.ESRCH, f"process {pid} (started at {start}) is gone")
             deliver(first, [gone] * (end - first))
-        elif (now := _real_uid(pid)) != uid:
+        elif (now := real_uid(pid)) != uid:
             other = OSError(errno.EPERM, f"process {pid} runs as uid {now}, not uid {uid} as when it was admitted")
             deliver(first, [other] * (end - first))
         else:
@@ -400,7 +281,7 @@ class SameHostTransport:
                     checked - began,
                     took - (checked - began),
                 )
-            return refused, _real_uid(address.pid)
+            return refused, real_uid(address.pid)
 
         if self._checker is None:
             self._checker = concurrent.futures.ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvsvc-check")
@@ -520,7 +401,7 @@ class SameHostTransport:
             address = SameHostAddress.parse(session)
         except ValueError:
             return False
-        return address.host == self._address.host and _start_time(address.pid) != address.start
+        return address.host == self._address.host and start_time(address.pid) != address.start
 
     def statistics(self) -> TransportStatistics:
         c = self._counts
@@ -563,4 +444,4 @@ class SameHostTransport:
         return self._copier
 
 
-__all__ = ["SameHostTransport", "copy_into", "host_identity", "own_address"]
+__all__ = ["SameHostTransport", "check_peer", "copy_into", "host_identity", "own_address"]

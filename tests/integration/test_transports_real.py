@@ -280,7 +280,7 @@ def test_a_claimed_process_must_be_alive_this_user_and_hold_the_hello_connection
     import subprocess
     import time
 
-    from kvsvc.transport.samehost import _start_time, check_peer, own_address
+    from kvsvc.transport.procfs import check_peer, own_address, start_time
     from kvsvc.transports import SameHostAddress
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -289,13 +289,13 @@ def test_a_claimed_process_must_be_alive_this_user_and_hold_the_hello_connection
     via = (accepted.getsockname()[:2], accepted.getpeername()[:2])  # as P sees the hello's connection
     child = subprocess.Popen(["sleep", "30"])
     try:
-        while _start_time(child.pid) < 0:
+        while start_time(child.pid) < 0:
             time.sleep(0.01)
         me = own_address()
         assert check_peer(me, via) == ""  # this process holds the client end
-        other = SameHostAddress(me.host, os.getuid(), child.pid, _start_time(child.pid))
+        other = SameHostAddress(me.host, os.getuid(), child.pid, start_time(child.pid))
         assert "does not hold the control connection" in check_peer(other, via)
-        reused = SameHostAddress(me.host, os.getuid(), child.pid, _start_time(child.pid) + 1)
+        reused = SameHostAddress(me.host, os.getuid(), child.pid, start_time(child.pid) + 1)
         assert "not the process that published" in check_peer(reused, via)
         assert check_peer(me, None) == "no control connection to check the claimed process against"
     finally:

@@ -37,7 +37,7 @@ from kvsvc.messages import (
 from kvsvc.testing.engines import LoopbackEngine
 from kvsvc.testing.hellos import unkeyed_frames
 from kvsvc.testing.plugin import LoopbackFactory
-from kvsvc.transport.samehost import _start_time, host_identity
+from kvsvc.transport.procfs import host_identity, start_time
 from kvsvc.transports import SameHostAddress
 
 pytest.importorskip("mooncake.engine")
@@ -69,7 +69,7 @@ class Victim:
     def address(self) -> str:
         import os
 
-        return str(SameHostAddress(host_identity(), os.getuid(), self.proc.pid, _start_time(self.proc.pid)))
+        return str(SameHostAddress(host_identity(), os.getuid(), self.proc.pid, start_time(self.proc.pid)))
 
     def sha(self) -> str:
         assert self.proc.stdin is not None and self.proc.stdout is not None

@@ -19,7 +19,14 @@ NOT_PURE = {
     "kvsvc.netns": "joins a network namespace (a system call), for tests and the demo",
 }
 # kvsvc.testing's pure parts: the harness for protocol tests with no event loop.
-PURE_TESTING = ["kvsvc.testing.clock", "kvsvc.testing.sim", "kvsvc.testing.pair"]
+PURE_TESTING = [
+    "kvsvc.testing.clock",
+    "kvsvc.testing.sim",
+    "kvsvc.testing.pair",
+    "kvsvc.testing.dataplane",
+    "kvsvc.testing.faults",
+    "kvsvc.testing.reports",
+]
 PURE_CORE = (
     sorted({f"kvsvc.{p.stem}" for p in ROOT.glob("*.py") if p.stem != "__init__"} - NOT_PURE.keys()) + PURE_TESTING
 )

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvsvc.transport.samehost import _scan_proc_net_tcp
+from kvsvc.transport.procfs import _scan_proc_net_tcp
 from kvsvc.transport.sockdiag import tcp_inode
 
 

@@ -122,12 +122,13 @@ def test_a_burst_of_small_writes_lands_in_one_group_and_large_writes_one_by_one(
 
     import numpy as np
 
-    from kvsvc.transport.samehost import GROUP_BYTES, _copy_all, _start_time
+    from kvsvc.transport.procfs import start_time
+    from kvsvc.transport.samehost import GROUP_BYTES, _copy_all
 
     src = np.arange(8 * GROUP_BYTES, dtype=np.uint64).view(np.uint8)
     dst = np.zeros_like(src)
 
-    start = _start_time(os.getpid())
+    start = start_time(os.getpid())
 
     def write(offset: int, length: int) -> tuple[int, int, int, np.ndarray]:
         table = np.array([[src.ctypes.data + offset, dst.ctypes.data + offset, length]], dtype=np.int64)

@@ -344,6 +344,17 @@ def test_a_round_that_arrives_after_the_receive_was_aborted_is_dropped_quietly()
     assert [n for n in pair.notices if n.level == "debug" and "late round" in n.text]
 
 
+def test_a_write_in_rounds_ps_job_no_longer_wants_stops_at_the_next_round_and_p_reports_once() -> None:
+    pair = _pair()
+    while not any(isinstance(e.message, WindowFilled) for e in pair._wire):  # a round landed, more to come
+        assert pair.step()
+    pair.abort_send("p-t")  # P's jobs drain: the write in rounds stops at its next round's start
+    _finish(pair)
+    assert pair.statistics().writes_pending == 0 and pair.statistics().writes_failed >= 1
+    assert pair.outcomes("p-t") == {("P", (0, 0)): ["finished_sending"], ("P", (0, 1)): ["finished_sending"]}
+    assert pair.outcomes("d-t") == {("D", (0, 0)): ["failed"]}
+
+
 @given(st.integers(0, 10_000), st.sampled_from([4 << 10, 8 << 10, 64 << 10]), st.integers(1, 80))
 @settings(max_examples=60, deadline=None)
 def test_any_order_of_steps_that_keeps_each_link_in_order_lands_every_byte_once(

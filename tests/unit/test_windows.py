@@ -334,3 +334,24 @@ def test_the_window_stream_of_a_block_run_is_the_stream_of_blocks_from_zero_shif
                 assert a.nbytes == b.nbytes
                 for column in ("gather_src", "gather_offset", "gather_length", "write_offset", "write_dst"):
                     assert np.array_equal(getattr(a, column), getattr(b, column))
+
+
+@pytest.mark.parametrize("lie", [-1, 1, 4096])  # (far larger: the Sender refuses the rounds first)
+def test_a_share_size_d_claims_that_ps_plan_does_not_make_is_refused_naming_both(lie: int) -> None:
+    pair = PeerPair(EngineSpec(tp_size=2), EngineSpec(tp_size=1), staging=ALWAYS, windows=True)
+    lend = pair._windowed
+
+    def lying(d: tuple[int, int], p: tuple[int, int], request: TransferRequest) -> TransferRequest:
+        request = lend(d, p, request)
+        return msgspec.structs.replace(request, share_bytes=request.share_bytes + lie)
+
+    pair._windowed = lying  # type: ignore[method-assign]
+    pair.start_send("p-t", "t", [0, 1, 2, 3], 16)
+    pair.start_recv("d-t", "t", [4, 5, 6, 7], 16)
+    pair.run_until_idle()
+    pair.advance(1000.0)
+    pair.run_until_idle()
+    reports = pair.take_reports()
+    reasons = " ".join(r.reason for r in reports if r.reason)
+    assert "D planned a share of" in reasons and "this P worker writes it" in reasons, reports
+    assert pair.statistics().writes_done == 0 and pair.statistics().windows_lent == 0

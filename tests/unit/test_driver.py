@@ -1,0 +1,132 @@
+"""The decisions every driver of the window protocol shares (`kvsvc.driver`): which object a frame goes to, what a
+write in rounds does next, and whether a request gets a window. The service and `PeerPair` both call these."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from kvsvc.driver import (
+    AwaitHalf,
+    RoundsFilled,
+    WriteRound,
+    carry_out_fill,
+    d_frame,
+    lent_window,
+    p_frame,
+    round_step,
+    share_refusal,
+    with_window,
+)
+from kvsvc.jobs import Notice
+from kvsvc.messages import Release, TransferDone, TransferRequest, WindowEmptied, WindowFilled, WorkerRef
+from kvsvc.sender import Submit
+from kvsvc.staging import Way, WindowPlan
+from kvsvc.windows import Announce, Deliver, Fail, FillEvent, FillingWindow, LentWindows, Scatter
+
+KEY = ("t", "prefill", (0, 0))
+
+
+def _fill(share: int = 400, window: int = 200) -> FillingWindow:
+    offset = np.arange(0, share, 100, dtype=np.int64)
+    return FillingWindow("t", (20_000 + offset, offset, np.full(offset.size, 100, dtype=np.int64)), 5_000, window, 5.0)
+
+
+def _lent() -> LentWindows:
+    offset = np.arange(0, 400, 100, dtype=np.int64)
+    plan = WindowPlan(400, 200, offset, 10_000 + offset, np.full(offset.size, 100, dtype=np.int64), Way.SCATTER)
+    lent = LentWindows()
+    lent.lend(KEY, "d-t", [1, 2], 5_000, plan)
+    return lent
+
+
+def test_a_write_in_rounds_writes_waits_then_fills_as_its_window_says() -> None:
+    fill = _fill()  # 4 rounds of 100 bytes, two halves
+    step = round_step(fill, lambda: True)
+    assert isinstance(step, WriteRound) and step.index == 0 and step.dst.tolist() == [5_000]
+    fill.landed(0.0)
+    fill.landed(0.0)
+    assert round_step(fill, lambda: True) == AwaitHalf(5.0)
+    fill.emptied(0)
+    fill.emptied(1)
+    fill.landed(1.0)
+    fill.landed(1.0)
+    assert round_step(fill, lambda: True) == RoundsFilled()
+
+
+def test_a_write_the_job_no_longer_wants_fails_at_the_next_rounds_start_never_before_the_first() -> None:
+    fill = _fill()
+    asked: list[int] = []
+
+    def unwanted() -> bool:
+        asked.append(fill.next_round)
+        return False
+
+    assert isinstance(round_step(fill, unwanted), WriteRound) and asked == []  # round 0 always goes
+    fill.landed(0.0)
+    step = round_step(fill, unwanted)
+    assert step == Fail("'t' aborted after 1 of 4 rounds of D's window", FillEvent.STOP)
+
+
+def test_a_write_that_lost_d_ends_with_the_fail_its_window_returned_and_the_fail_is_not_carried_out_twice() -> None:
+    fill = _fill()
+    assert fill.peer_lost("gone") == []  # round 0 is on the wire
+    landed = fill.landed(0.0)
+    assert landed == [Fail("gone", FillEvent.PEER_LOST)]
+    announced: list[WindowFilled] = []
+    logged: list[Notice] = []
+    carry_out_fill(landed, announced.append, logged.append)
+    assert announced == [] and logged == []
+    assert round_step(fill, lambda: True) == Fail("gone", FillEvent.PEER_LOST)
+
+
+def test_p_routes_window_emptied_to_its_write_and_everything_else_to_the_sender() -> None:
+    fill = _fill()
+    fill.landed(0.0)
+    fill.landed(0.0)
+    assert p_frame(WindowEmptied(transfer_id="t", round=0), {"t": fill}, "D0") == []
+    assert fill.next_round == 2 and isinstance(round_step(fill, lambda: True), WriteRound)
+    [late] = p_frame(WindowEmptied(transfer_id="u", round=0), {"t": fill}, "D0") or []
+    assert isinstance(late, Notice) and late.level == "debug" and "'u'" in late.text and "D0" in late.text
+    assert p_frame(Release(transfer_id="t", secret="s"), {"t": fill}, "D0") is None
+
+
+def test_d_routes_every_frame_through_its_windows_first() -> None:
+    lent = _lent()
+    key, [scatter] = d_frame(lent, "prefill", (0, 0), WindowFilled(transfer_id="t", round=0))
+    assert key == KEY and isinstance(scatter, Scatter)
+    done = TransferDone(transfer_id="other", bytes=1, descriptors=1)
+    assert d_frame(lent, "prefill", (0, 0), done) == (("other", "prefill", (0, 0)), [Deliver(done)])
+
+
+def test_a_request_keeps_its_window_asks_for_one_or_goes_without() -> None:
+    lent = _lent()
+    window = lent.get(KEY)
+    assert window is not None
+    assert lent_window(lent, KEY, "d-t") is window
+    assert lent_window(lent, KEY, "d-again") is None  # an earlier receive of the transfer id still holds it
+    assert lent_window(lent, ("u", "prefill", (0, 0)), "d-u") == "lend"
+    assert lent_window(lent, ("u", "prefill", (0, 0)), None) is None  # the receive ended
+    # A repeat while the same receive's request waits for room is held back; another receive's wait is replaced.
+    assert lent_window(lent, ("u", "prefill", (0, 0)), "d-u", waiting="d-u") == "hold"
+    assert lent_window(lent, ("u", "prefill", (0, 0)), "d-u", waiting="d-old") == "lend"
+    request = TransferRequest(transfer_id="t", block_ids=[0, 1], num_tokens=8, secret="s")
+    sized = with_window(request, window)
+    assert (sized.window_addr, sized.window_bytes, sized.share_bytes) == (5_000, 200, 400)
+
+
+def test_an_announcement_goes_to_d() -> None:
+    sent: list[WindowFilled] = []
+    carry_out_fill([Announce(WindowFilled(transfer_id="t", round=0))], sent.append, lambda n: None)
+    assert sent == [WindowFilled(transfer_id="t", round=0)]
+
+
+def test_p_refuses_a_share_size_its_own_plan_does_not_make_naming_both() -> None:
+    submit = Submit("t", WorkerRef("decode", "i", 0, 0), [0], [0], 4, window_addr=5_000, window_bytes=200)
+    assert share_refusal(submit, 200) is None  # no share size: the window's
+    rounds = replace(submit, share_bytes=400)
+    assert share_refusal(rounds, 400) is None
+    assert share_refusal(rounds, 399) == (
+        "D planned a share of 400 bytes for 't' (window of 200); this P worker writes it 399"
+    )
