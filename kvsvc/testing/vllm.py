@@ -244,8 +244,8 @@ def write_tiny_deepseek(
     if unknown:
         raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_DEEPSEEK)}")
     c = {**TINY_DEEPSEEK, **shape}
-    config = DeepseekV2Config(
-        **c,
+    settings: dict[str, Any] = dict(
+        c,
         num_key_value_heads=c["num_attention_heads"],
         head_dim=c["qk_rope_head_dim"],
         q_lora_rank=None,
@@ -262,9 +262,11 @@ def write_tiny_deepseek(
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
+    config = DeepseekV2Config(**settings)
     torch.manual_seed(seed)
     out = Path(path)
-    DeepseekV2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    model: Any = DeepseekV2ForCausalLM  # untyped in transformers
+    model(config).save_pretrained(out, safe_serialization=True)
     if tokenizer:
         _write_word_tokenizer(out, c["vocab_size"])
     return out
