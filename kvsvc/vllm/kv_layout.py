@@ -29,8 +29,16 @@ from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW, state_bytes
 from kvsvc.layout import dtype_size
 from kvsvc.messages import ConvPart, KVGroup, MambaState
 
-# vLLM's KV cache spec classes, by name, that kvsvc moves as a group of its kind.
-GROUP_KINDS = {"FullAttentionSpec": FULL, "SlidingWindowSpec": SLIDING_WINDOW, "MambaSpec": MAMBA}
+# vLLM's KV cache spec classes, by name, that kvsvc moves as a group of its kind. An MLA group (DeepSeek V2/V3, Kimi
+# K2) is full attention over one latent per token, the same on every TP rank: the worker publishes it `is_mla`
+# (vLLM's `use_mla`), which the planner reads, and the group itself as full attention.
+GROUP_KINDS = {
+    "FullAttentionSpec": FULL,
+    "MLAAttentionSpec": FULL,
+    "SlidingWindowSpec": SLIDING_WINDOW,
+    "MambaSpec": MAMBA,
+}
+MLA_SPEC = "MLAAttentionSpec"
 
 
 class UnknownKVLayout(TopologyError):
@@ -220,8 +228,14 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
 
     Raises:
         TopologyError: a group kvsvc cannot move (Gated DeltaNet or Mamba1 state, chunked local attention, ...),
-            naming its spec and layers, so that the engine refuses to start rather than send wrong KV.
+            naming its spec and layers, so that the engine refuses to start rather than send wrong KV; or an MLA
+            group beside groups of another kind (a worker's metadata is MLA for all its layers or for none).
     """
+    specs = sorted({group.spec for group in groups})
+    if MLA_SPEC in specs and len(specs) > 1:
+        raise TopologyError(
+            f"KV cache groups of specs {specs}: kvsvc moves an MLA model whose every KV cache group is {MLA_SPEC}"
+        )
     out = []
     for i, group in enumerate(groups):
         kind = GROUP_KINDS.get(group.spec)
@@ -230,7 +244,7 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
             what = f"{group.spec} ({group.mamba_type})" if group.mamba_type else group.spec
             raise TopologyError(
                 f"KV cache group {i} is a {what} ({len(group.layer_names)} layers, first {first}); kvsvc moves "
-                "full-attention, sliding-window and Mamba2 groups only"
+                "full-attention, MLA, sliding-window and Mamba2 groups only"
             )
         layers = sorted(layer_index(name) for name in group.layer_names)
         window = group.sliding_window if kind == SLIDING_WINDOW else 0

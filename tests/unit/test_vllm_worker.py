@@ -208,6 +208,18 @@ def test_groups_kvsvc_cannot_move_refuse_the_start_naming_spec_and_layers() -> N
         kv_groups_of([full, GroupView("ChunkedLocalAttentionSpec", ("model.layers.1.attn",))])
 
 
+def test_an_mla_group_is_full_attention_published_as_mla_and_never_mixed() -> None:
+    # vLLM 0.32's MLA cache: one latent of 576 per token, a [blocks, 1, block_size, 576] tensor per layer.
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
+    assert kv_groups_of([GroupView("MLAAttentionSpec", names)]) == []  # one full group: nothing published
+    caches = {name: torch.zeros(NB, 1, BS, 576) for name in names}
+    meta, _ = describe_kv_caches(caches, identity(is_mla=True, head_size=576, total_kv_heads=1))
+    assert (meta.is_mla, meta.num_kv_heads, meta.head_size, meta.num_blocks, meta.kv_groups) == (True, 1, 576, NB, [])
+    sliding = GroupView("SlidingWindowSpec", ("model.layers.3.self_attn.attn",), 64)
+    with pytest.raises(TopologyError, match=r"specs \['MLAAttentionSpec', 'SlidingWindowSpec'\]: kvsvc moves an MLA"):
+        kv_groups_of([GroupView("MLAAttentionSpec", names), sliding])
+
+
 def test_a_mamba2_group_is_described_from_vllms_shapes_at_any_tp_and_conv_layout() -> None:
     # The tiny Granite-4.0-H: 16 heads of 32, d_state 16, one B/C group, conv kernel 4.
     shapes = {1: ((3, 544), (16, 32, 16)), 2: ((3, 288), (8, 32, 16))}  # B/C replicated at TP 2
