@@ -30,6 +30,7 @@ from msgspec.structs import replace
 
 from kvsvc.auth import NONCE_BYTES, Key, hello_proof, hello_proof_verifies
 from kvsvc.bounds import check_hello_bounds
+from kvsvc.data_planes import check_transport_addr
 from kvsvc.errors import HandshakeError, PeerMismatch, TopologyError, VersionMismatch
 from kvsvc.layout import CROSS_LAYER
 from kvsvc.messages import (
@@ -48,7 +49,6 @@ from kvsvc.messages import (
     check_version,
 )
 from kvsvc.planner import check_compatible, expected_destinations
-from kvsvc.transports import check_transport_addr
 
 _NO_KEY: Final = "every engine of the deployment needs the same control token, or none has one"
 

@@ -90,14 +90,14 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     base_addrs: list[int]
     transport_addr: str = ""
     control_addr: str = ""
-    # The worker's registered staging region (`kvsvc.service.staging`), 0 and 0 when it has none: P gathers there,
+    # The worker's registered staging region (`kvsvc.service.staging_area`), 0 and 0 when it has none: P gathers there,
     # and writes into windows of it that D lends in a `TransferRequest`.
     staging_addr: int = 0
     staging_size: int = 0
     # Whether this worker, as P, writes into a window when a request carries one. False from peers that predate
     # windows: they would ignore the fields and write the blocks, so D never lends them one.
     accepts_windows: bool = False
-    # This worker's same-host plane (`kvsvc.transports.SameHostAddress`), published only for KV in CPU memory; ""
+    # This worker's same-host plane (`kvsvc.data_planes.SameHostAddress`), published only for KV in CPU memory; ""
     # when it offers none (another process on its host may then still reach it through Mooncake).
     samehost_addr: str = ""
     # A hybrid model's KV cache groups (`kvsvc.groups`); empty: one group of full attention over every layer. Both
@@ -183,9 +183,9 @@ class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True)
     predate it send and read 0.
 
     `window_bytes` > 0: write the share instead as one stream into D's staging region at `window_addr`
-    (`kvsvc.staging.window_plan`); D scatters it into the blocks before it reports. 0: write the blocks.
+    (`kvsvc.staging_plans.window_plan`); D scatters it into the blocks before it reports. 0: write the blocks.
     `share_bytes`: the stream's size as D planned it (0: `window_bytes`); larger than the window, it moves in rounds
-    (`kvsvc.staging.window_round_bytes`) with `WindowFilled` and `WindowEmptied`.
+    (`kvsvc.staging_plans.window_round_bytes`) with `WindowFilled` and `WindowEmptied`.
 
     `secret`: the transfer's secret, as P issued it with the hold (`kvsvc.sender.Sender.hold`); P serves only a
     request that carries it, and answers any other as it answers a transfer it does not hold."""

@@ -9,7 +9,7 @@ done answer before the last round). D takes P's frames about a window one scatte
 Neither side touches memory, a socket or a clock: each returns commands (`Scatter`, `TellP`, `Deliver`,
 `Announce`, `Notice`) that its driver (the service, or `kvsvc.testing.pair.PeerPair`, both through `kvsvc.driver`)
 carries out, and feeds back how they ended (`scattered`, `landed`). Round k is stream bytes `[k R, (k + 1) R)` in
-half `k % 2` of the window (`kvsvc.staging.window_round_bytes`); P writes round k once D emptied round k - 2, so P
+half `k % 2` of the window (`kvsvc.staging_plans.window_round_bytes`); P writes round k once D emptied round k - 2, so P
 fills one half while D empties the other. Pure module: standard library, numpy and kvsvc's pure core only.
 """
 
@@ -27,7 +27,7 @@ from kvsvc.errors import LocalProtocolError
 from kvsvc.jobs import Notice
 from kvsvc.messages import ErrorMessage, Message, TransferDone, TransferFailed, WindowEmptied, WindowFilled, Worker
 from kvsvc.receiver import RecvReport
-from kvsvc.staging import WindowPlan, stream_round, window_round_bytes, window_rounds
+from kvsvc.staging_plans import WindowPlan, stream_round, window_round_bytes, window_rounds
 
 # -- D: a lent window --------------------------------------------------------------------------------------------
 
@@ -429,7 +429,8 @@ FillCommand: TypeAlias = Announce | Fail | Notice
 class FillingWindow:
     """P's write of one share into D's window in rounds (module docstring): which round goes next, when it may go,
     and the frames that announce it. The stream is P's share as `(source, stream offset, length)` columns
-    (`kvsvc.staging.window_plan` at window address 0); `round_pieces` cuts it to one round at its place in the window.
+    (`kvsvc.staging_plans.window_plan` at window address 0); `round_pieces` cuts it to one round at its place in the
+    window.
 
     The driver writes `next_round` while `state` is FILLING, calls `landed` once it landed, waits while WAITING (until
     `deadline`, then `expire`), and stops on FILLED (done) or FAILED (`reason`).

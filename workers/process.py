@@ -30,8 +30,8 @@ from kvsvc.gather import TorchGather
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
-from kvsvc.service.staging import StagingArea
-from kvsvc.staging_region import staging_area
+from kvsvc.service.staging_area import StagingArea
+from kvsvc.staging_memory import staging_area
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
@@ -59,7 +59,7 @@ class WorkerOptions:
     transport: MooncakeConfig = field(default_factory=MooncakeConfig)
     log_level: str = "WARNING"
     netns: str | None = None  # joined before anything binds: the worker runs on that namespace's network
-    staging_bytes: int = 0  # a staging region of this size for staged writes (`kvsvc.service.staging`); 0: none
+    staging_bytes: int = 0  # a staging region of this size for staged writes (`kvsvc.service.staging_area`); 0: none
     torch_threads: int = 1  # torch intra-op threads (`EngineConfig.torch_threads`)
 
 

@@ -36,7 +36,7 @@ from kvsvc.layout import (
 )
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.planner import plan_transfer_arrays, source_heads
-from kvsvc.staging import StagingRule, Way, count_runs, region_ids, window_plan
+from kvsvc.staging_plans import StagingRule, Way, count_runs, region_ids, window_plan
 
 _ALIGN = 2 * 1024 * 1024
 P_BASE = 0x7F00_0000_0000

@@ -351,7 +351,7 @@ def build_admin_app(
     `token` None disables the POST endpoints (403); an empty token is refused, as it would match an empty header.
     GETs of /v1/transfers, /v1/peers and /v1/topology show ids and remote text only with the token (see module
     docstring); with `token` None, never.
-    Publish the handshake metadata with `bootstrap.publish_metadata(app, ...)` (or `KVSvcConnector`).
+    Publish the handshake metadata with `bootstrap.publish_metadata(app, ...)` (or `EngineCoreConnector`).
 
     Raises:
         ValueError: `token` is the empty string, or `max_body_bytes` < 1.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvsvc.auth import is_loopback
-from kvsvc.transports import SETTINGS
+from kvsvc.data_planes import SETTINGS
 
 __all__ = ["ServiceConfig", "is_loopback"]
 
@@ -59,7 +59,7 @@ class ServiceConfig:
     max_control_connections_per_host: int = 512
     """Of those, the ones from one remote address (every D worker of a host shares it)."""
     transport: str = "auto"
-    """Which data plane this worker's writes take, per D worker (`kvsvc.transports.choose_transport`): "auto" (the
+    """Which data plane this worker's writes take, per D worker (`kvsvc.data_planes.choose_transport`): "auto" (the
     same-host plane where both workers offer it on one host, else Mooncake), "mooncake", or "samehost" (the same as
     auto, but a pair that cannot use it is logged as a warning)."""
     control_token: str | None = field(default=None, repr=False)

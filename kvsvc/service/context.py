@@ -16,7 +16,7 @@ from kvsvc.histogram import LatencyHistogram
 from kvsvc.jobs import Notice
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.service.config import ServiceConfig
-from kvsvc.service.staging import StagingArea
+from kvsvc.service.staging_area import StagingArea
 from kvsvc.service.tasks import TaskGroup
 from kvsvc.transport.base import Transport
 

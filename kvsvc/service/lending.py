@@ -16,15 +16,15 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace as replace_plan
 
+from kvsvc.data_planes import choose_transport, rule_on
 from kvsvc.driver import carry_out_windows, d_frame, lent_window, with_window
 from kvsvc.layout import block_geometry
 from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata
 from kvsvc.planner import is_block_run
 from kvsvc.receiver import Receiver, RecvReport
 from kvsvc.service.context import ServiceContext, notice
-from kvsvc.service.staging import StagingArea, StagingFull
-from kvsvc.staging import WindowPlan, plan_window
-from kvsvc.transports import choose_transport, rule_on
+from kvsvc.service.staging_area import StagingArea, StagingFull
+from kvsvc.staging_plans import WindowPlan, plan_window
 from kvsvc.windows import Deliver, LentWindow, LentWindows, Scatter, WindowCommand, WindowKey
 
 _WINDOW_PLAN_CACHE_ENTRIES = 1024

@@ -22,7 +22,7 @@ from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import is_block_run, plan_transfer_arrays
 from kvsvc.sender import Submit
-from kvsvc.staging import StagedChunk, StagingRule, count_runs, plan_staged, region_ids, shift_chunks, window_plan
+from kvsvc.staging_plans import StagedChunk, StagingRule, count_runs, plan_staged, region_ids, shift_chunks, window_plan
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
 # Descriptors cached per D worker connection, all plans together: 24 MiB, and their staged forms and window streams

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
+from kvsvc.data_planes import Route, choose_transport, samehost_check_budget
 from kvsvc.driver import carry_out_fill
 from kvsvc.errors import (
     MalformedFrame,
@@ -41,7 +42,6 @@ from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.writing import BlockWriter, WriteTarget
-from kvsvc.transports import Route, choose_transport, samehost_check_budget
 
 log = logging.getLogger(__name__)
 

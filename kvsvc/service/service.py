@@ -30,7 +30,7 @@ from kvsvc.service.config import ServiceConfig
 from kvsvc.service.context import COUNTERS, EngineMetadata, ServiceContext
 from kvsvc.service.receiving import ReceivingRole
 from kvsvc.service.sending import SendingRole
-from kvsvc.service.staging import StagingArea
+from kvsvc.service.staging_area import StagingArea
 from kvsvc.service.tasks import TaskGroup
 from kvsvc.topology import TransferTopology
 from kvsvc.transport.base import Transport, TransportStatistics

@@ -18,7 +18,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.service import KVTransferService, ServiceStatistics
-from kvsvc.service.staging import StagingArea
+from kvsvc.service.staging_area import StagingArea
 from kvsvc.transport.base import Transport
 
 _T = TypeVar("_T")

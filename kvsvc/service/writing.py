@@ -4,11 +4,11 @@ Rules: each `Submit` is planned (its D worker's `PlanCache`, `kvsvc.service.plan
 once through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
 its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport's
 `start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written one
-descriptor per destination run (`kvsvc.service.staging`). A request with a window of D's staging region is written there
-as one stream (`kvsvc.staging.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than its
-window moves in rounds, as its `kvsvc.windows.FillingWindow` says: round k waits until D emptied round k - 2 (within
-the hold timeout), and each round but the last is announced. A layer-wise write stages each layer on its own when the
-rule picks it.
+descriptor per destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region is written
+there as one stream (`kvsvc.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share
+larger than its window moves in rounds, as its `kvsvc.windows.FillingWindow` says: round k waits until D emptied round
+k - 2 (within the hold timeout), and each round but the last is announced. A layer-wise write stages each layer on its
+own when the rule picks it.
 Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvsvc.coalesce import Int64Array
+from kvsvc.data_planes import rule_on
 from kvsvc.driver import AwaitHalf, RoundsFilled, carry_out_fill, p_frame, round_step
 from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.layout import is_cross_layer, layer_addrs
@@ -30,9 +31,8 @@ from kvsvc.messages import Message, WindowEmptied, Worker, WorkerMetadata, Worke
 from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.plans import PlanCache, Shifted
-from kvsvc.staging import StagedChunk
+from kvsvc.staging_plans import StagedChunk
 from kvsvc.transport.base import WriteFailed
-from kvsvc.transports import rule_on
 from kvsvc.windows import Fail, FillCommand, FillEvent, FillingWindow
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class WriteTarget:
     fills: dict[str, FillingWindow] = field(default_factory=dict)  # per transfer writing in rounds
     wakeups: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # a write in rounds that waits
     gone: str = ""  # why the control connection closed; "" while it is open
-    session: str = ""  # the transport session writes go to (`kvsvc.transports.Route`); "" means Mooncake's
+    session: str = ""  # the transport session writes go to (`kvsvc.data_planes.Route`); "" means Mooncake's
     plane: str = "mooncake"  # `Route.kind`: what a descriptor costs, so whether staging pays (`rule_on`)
 
     def __post_init__(self) -> None:

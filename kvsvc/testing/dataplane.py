@@ -20,7 +20,7 @@ from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import Worker
 from kvsvc.planner import Descriptor, plan_transfer
 from kvsvc.sender import Submit
-from kvsvc.staging import RangeAllocator, StagingRule, count_runs, plan_staged, region_ids
+from kvsvc.staging_plans import RangeAllocator, StagingRule, count_runs, plan_staged, region_ids
 from kvsvc.testing.sim import SimEngine, kv_pattern
 from kvsvc.windows import Scatter, WindowKey
 

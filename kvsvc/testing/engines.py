@@ -25,8 +25,8 @@ from kvsvc.layout import block_geometry
 from kvsvc.messages import Worker
 from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
-from kvsvc.service.staging import StagingArea
-from kvsvc.staging_region import staging_area
+from kvsvc.service.staging_area import StagingArea
+from kvsvc.staging_memory import staging_area
 from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport

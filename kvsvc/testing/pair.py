@@ -36,7 +36,7 @@ from kvsvc.messages import TransferRequest, Worker
 from kvsvc.planner import Descriptor, expected_destinations, release_notifier, sources_of
 from kvsvc.receiver import Receiver, RecvCommand
 from kvsvc.sender import Reply, SendCommand, Sender, Submit
-from kvsvc.staging import StagingRule, plan_window, region_ids, window_plan
+from kvsvc.staging_plans import StagingRule, plan_window, region_ids, window_plan
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.dataplane import Counts, ScatterCopy, SimPlane, Write
 from kvsvc.testing.faults import Envelope, Faults

@@ -6,7 +6,7 @@ Rules: every answer comes from /proc and the kernel, never from what a peer sent
 that cannot be read, answers "no" (-1, False or a reason), never raises. Reads only: nothing here writes or signals a
 process. Blocking file reads: callers run them off the event loop. The far end of a connection is found with one
 sock_diag lookup (`kvsvc.transport.sockdiag`), never a scan of every connection of the host. Imports the standard
-library, `kvsvc.transport.sockdiag` and `kvsvc.transports` only.
+library, `kvsvc.transport.sockdiag` and `kvsvc.data_planes` only.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import os
 import struct
 from pathlib import Path
 
+from kvsvc.data_planes import SameHostAddress
 from kvsvc.transport.sockdiag import tcp_inode
-from kvsvc.transports import SameHostAddress
 
 
 def host_identity() -> str:

@@ -2,7 +2,7 @@
 transport, for every peer) and the same-host transport (`kvsvc.transport.samehost`, for peers on this host whose
 pair chose it at the hello).
 
-Rules: nothing is decided here (`kvsvc.transports` decides per pair, the service asks `reachable` once); a session
+Rules: nothing is decided here (`kvsvc.data_planes` decides per pair, the service asks `reachable` once); a session
 goes to the same-host plane only when that plane admitted it (its process passed the check against its control
 connection), never because of what its string says, so a peer cannot name its way onto the plane; every other call
 goes to `primary`; registrations go to both; statistics are the sum of the planes'. Imports `kvsvc.transport.base`
@@ -15,9 +15,9 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import fields
 
+from kvsvc.data_planes import is_same_host
 from kvsvc.transport.base import Region, Transport, TransportStatistics
 from kvsvc.transport.samehost import SameHostTransport
-from kvsvc.transports import is_same_host
 
 
 class RoutedTransport:

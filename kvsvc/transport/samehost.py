@@ -33,6 +33,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from kvsvc.data_planes import SameHostAddress
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
@@ -46,7 +47,6 @@ from kvsvc.transport.base import (
 )
 from kvsvc.transport.completion import wait_uncancellable
 from kvsvc.transport.procfs import Endpoint, check_peer, host_identity, own_address, real_uid, start_time
-from kvsvc.transports import SameHostAddress
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any, Final
 
 import msgspec
 
+from kvsvc.data_planes import SETTINGS
 from kvsvc.service.config import ServiceConfig, is_loopback
-from kvsvc.transports import SETTINGS
 
 _SERVICE = ServiceConfig()
 # Where the control token is read when no `control_token_file` is given.

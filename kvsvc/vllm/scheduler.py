@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvsvc.auth import PARAMS_KEY, derive_key
-from kvsvc.engine.connector import check_engine_metadata
+from kvsvc.engine.core_connector import check_engine_metadata
 from kvsvc.engine.endpoint import BootstrapEndpoint
 from kvsvc.groups import FULL
 from kvsvc.messages import WorkerMetadata

@@ -27,9 +27,9 @@ from kvsvc.errors import KVSvcError
 from kvsvc.gather import TorchGather
 from kvsvc.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
-from kvsvc.service.staging import StagingArea
+from kvsvc.service.staging_area import StagingArea
 from kvsvc.service.threaded import ServiceThread
-from kvsvc.staging_region import staging_area
+from kvsvc.staging_memory import staging_area
 from kvsvc.streams import completion_future
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport

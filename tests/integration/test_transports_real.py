@@ -280,8 +280,8 @@ def test_a_claimed_process_must_be_alive_this_user_and_hold_the_hello_connection
     import subprocess
     import time
 
+    from kvsvc.data_planes import SameHostAddress
     from kvsvc.transport.procfs import check_peer, own_address, start_time
-    from kvsvc.transports import SameHostAddress
 
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from msgspec.structs import replace
 
+from kvsvc.data_planes import SameHostAddress
 from kvsvc.layout import layer_bytes
 from kvsvc.messages import (
     PROTOCOL_VERSION,
@@ -38,7 +39,6 @@ from kvsvc.testing.engines import LoopbackEngine
 from kvsvc.testing.hellos import unkeyed_frames
 from kvsvc.testing.plugin import LoopbackFactory
 from kvsvc.transport.procfs import host_identity, start_time
-from kvsvc.transports import SameHostAddress
 
 pytest.importorskip("mooncake.engine")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -22,7 +22,7 @@ from kvsvc.driver import (
 from kvsvc.jobs import Notice
 from kvsvc.messages import Release, TransferDone, TransferRequest, WindowEmptied, WindowFilled, WorkerRef
 from kvsvc.sender import Submit
-from kvsvc.staging import Way, WindowPlan
+from kvsvc.staging_plans import Way, WindowPlan
 from kvsvc.windows import Announce, Deliver, Fail, FillEvent, FillingWindow, LentWindows, Scatter
 
 KEY = ("t", "prefill", (0, 0))

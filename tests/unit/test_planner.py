@@ -29,7 +29,7 @@ from kvsvc.planner import (
     source_heads,
     sources_of,
 )
-from kvsvc.staging import count_runs
+from kvsvc.staging_plans import count_runs
 
 
 def engine(name: str = "P", **kw: Any) -> dict[tuple[int, int], WorkerMetadata]:

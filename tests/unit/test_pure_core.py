@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2] / "kvsvc"
 NOT_PURE = {
     "kvsvc.streams": "completion futures from CUDA events: asyncio and torch",
     "kvsvc.gather": "the torch copies of staged writes",
-    "kvsvc.staging_region": "builds a worker's staging region: the service's StagingArea, torch or numpy memory",
+    "kvsvc.staging_memory": "builds a worker's staging region: the service's StagingArea, torch or numpy memory",
     "kvsvc.netns": "joins a network namespace (a system call), for tests and the demo",
 }
 # kvsvc.testing's pure parts: the harness for protocol tests with no event loop.

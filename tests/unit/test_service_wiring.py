@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvsvc.data_planes import is_same_host
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.errors import ServiceClosed
 from kvsvc.layout import layer_bytes
@@ -39,7 +40,6 @@ from kvsvc.testing.hellos import unkeyed_frames
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Region
 from kvsvc.transport.samehost import own_address
-from kvsvc.transports import is_same_host
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 2, 2, 8, 4, 16
 

@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvsvc.service.staging import StagingArea, StagingFull
+from kvsvc.service.staging_area import StagingArea, StagingFull
 
 BASE = 0x1000
 

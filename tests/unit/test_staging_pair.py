@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvsvc.errors import TopologyError
 from kvsvc.layout import LAYOUTS
 from kvsvc.planner import check_compatible
-from kvsvc.staging import StagingRule
+from kvsvc.staging_plans import StagingRule
 from kvsvc.testing.pair import PeerPair
 from kvsvc.testing.sim import EngineSpec
 

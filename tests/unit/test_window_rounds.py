@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvsvc.errors import LocalProtocolError
 from kvsvc.jobs import Notice
 from kvsvc.messages import ErrorMessage, TransferDone, TransferFailed, WindowEmptied, WindowFilled
-from kvsvc.staging import StagingRule, Way, WindowPlan
+from kvsvc.staging_plans import StagingRule, Way, WindowPlan
 from kvsvc.testing.pair import Envelope, PeerPair
 from kvsvc.testing.sim import EngineSpec
 from kvsvc.windows import (

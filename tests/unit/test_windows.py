@@ -16,7 +16,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import TransferRequest
 from kvsvc.planner import check_window, plan_transfer_arrays
-from kvsvc.staging import (
+from kvsvc.staging_plans import (
     StagingRule,
     Way,
     plan_staged,
@@ -32,8 +32,8 @@ from kvsvc.staging import (
 from kvsvc.testing.pair import PeerPair
 from kvsvc.testing.sim import EngineSpec
 
-from .test_staging import DST_SIZE, SRC_SIZE, _direct, plans
 from .test_staging_pair import assume_compatible, layout_pairs
+from .test_staging_plans import DST_SIZE, SRC_SIZE, _direct, plans
 
 ALWAYS = StagingRule(gather_cost_s_per_byte=0.0, scatter_cost_s_per_byte=0.0)  # any way that saves a descriptor
 

@@ -112,7 +112,7 @@ class LayoutResult:
     cpu_ceiling_ratio: float
     verified: bool
     failures: int
-    transport: str = "mooncake"  # the plane P's writes took (`kvsvc.transports.Route.kind`)
+    transport: str = "mooncake"  # the plane P's writes took (`kvsvc.data_planes.Route.kind`)
 
     def targets(self) -> list[Target]:
         ratio = Target(f"{self.name}.ratio_to_homogeneous", self.ratio_to_homogeneous, LAYOUT_RATIO_TARGET, True)

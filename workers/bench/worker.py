@@ -20,11 +20,11 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
+from kvsvc.data_planes import SameHostAddress
 from kvsvc.service import KVTransferService
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.mooncake import MooncakeTransport
 from kvsvc.transport.samehost import copy_into
-from kvsvc.transports import SameHostAddress
 from workers.kv_pool import KVPool
 from workers.synthetic import fill
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from kvsvc.transports import SETTINGS
+from kvsvc.data_planes import SETTINGS
 from workers.bench.models import DEFAULT_MODEL, MODELS
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvsvc.data_planes import SETTINGS
 from kvsvc.layout import LAYOUTS  # pure core: no torch, keeps `kvsvc --help` fast
-from kvsvc.transports import SETTINGS
 from workers.demo.runner import DEVICES, HOSTS, DemoOptions
 
 if TYPE_CHECKING:

@@ -2,10 +2,10 @@
 out, and where D lends windows that P writes a share into and D scatters from.
 
 Rules: the region is registered with the transport by whoever owns its memory (the embedder), before the first
-write; the service only lends ranges of it (`kvsvc.staging.RangeAllocator`) and calls the injected `Gather`. Ranges
-are lent first come, first served, so a large chunk is never starved by small ones; a wait for room has a deadline
-and fails the write (never the service) when it passes. A range goes back only once nothing can still read it: its
-gather ended and its write finished or drained. D's windows wait in the same line, for `window_wait_s` at most
+write; the service only lends ranges of it (`kvsvc.staging_plans.RangeAllocator`) and calls the injected `Gather`.
+Ranges are lent first come, first served, so a large chunk is never starved by small ones; a wait for room has a
+deadline and fails the write (never the service) when it passes. A range goes back only once nothing can still read it:
+its gather ended and its write finished or drained. D's windows wait in the same line, for `window_wait_s` at most
 (then the request goes without one, and P writes the blocks). Cancellation (only `close` cancels writes) leaves the
 ranges of the cancelled writes lent: the region is not used after close.
 """
@@ -19,7 +19,7 @@ from typing import Protocol
 
 from kvsvc.coalesce import Int64Array
 from kvsvc.errors import Busy
-from kvsvc.staging import RangeAllocator, StagingRule
+from kvsvc.staging_plans import RangeAllocator, StagingRule
 
 
 class StagingFull(Busy):

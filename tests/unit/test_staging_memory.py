@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvsvc.gather import TorchGather
-from kvsvc.staging_region import staging_area
+from kvsvc.staging_memory import staging_area
 from kvsvc.testing.engines import MemmoveCopies
 
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvsvc.data_planes import SameHostAddress, choose_transport, is_same_host
 from kvsvc.messages import WorkerMetadata
-from kvsvc.transports import SameHostAddress, choose_transport, is_same_host
 
 BASE = WorkerMetadata(
     engine_id="e",
@@ -86,8 +86,8 @@ def test_an_unknown_setting_is_refused_naming_the_choices() -> None:
 
 
 def test_on_the_same_host_plane_a_gather_pays_only_for_pieces_of_a_few_kib() -> None:
-    from kvsvc.staging import StagingRule
-    from kvsvc.transports import rule_on
+    from kvsvc.data_planes import rule_on
+    from kvsvc.staging_plans import StagingRule
 
     mooncake, samehost = rule_on("mooncake", StagingRule()), rule_on("samehost", StagingRule())
     assert mooncake == StagingRule()

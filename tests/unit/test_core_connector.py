@@ -1,4 +1,5 @@
-"""Specification of kvsvc.engine.connector: `KVSvcConnector` checks one engine start's metadata and publishes it."""
+"""Specification of kvsvc.engine.core_connector: `EngineCoreConnector` checks one engine start's metadata and publishes
+it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvsvc.connector import MultiConnector
 from kvsvc.engine.bootstrap import add_metadata_route, published_metadata
-from kvsvc.engine.connector import KVSvcConnector, check_engine_metadata
+from kvsvc.engine.core_connector import EngineCoreConnector, check_engine_metadata
 from kvsvc.messages import METADATA_PATH, Worker, WorkerMetadata, decode_engine_metadata
 
 
@@ -48,7 +49,7 @@ def served(app: web.Application) -> dict[Worker, WorkerMetadata]:
 
 def test_pp_aware_metadata_is_kept_and_published() -> None:
     app = web.Application()
-    connector = KVSvcConnector(app, engine_id="p0")
+    connector = EngineCoreConnector(app, engine_id="p0")
     assert not connector.published and connector.metadata == {}
     connector.set_xfer_handshake_metadata_pp_aware(engine())
     assert connector.published
@@ -58,13 +59,13 @@ def test_pp_aware_metadata_is_kept_and_published() -> None:
 
 def test_legacy_tp_only_metadata_is_converted() -> None:
     app = web.Application()
-    connector = KVSvcConnector(app)
+    connector = EngineCoreConnector(app)
     connector.set_xfer_handshake_metadata({tp: meta(0, tp, pp_size=1) for tp in range(2)})
     assert served(app) == engine(pp_size=1)
 
 
 def test_legacy_form_refuses_pp_stages_and_mismatched_keys() -> None:
-    connector = KVSvcConnector(web.Application())
+    connector = EngineCoreConnector(web.Application())
     with pytest.raises(ValueError, match="PP stage 0"):
         connector.set_xfer_handshake_metadata({0: meta(1, 0)})
     with pytest.raises(ValueError, match=r"keys \[1\]"):
@@ -73,7 +74,7 @@ def test_legacy_form_refuses_pp_stages_and_mismatched_keys() -> None:
 
 def test_legacy_form_of_a_pp_engine_names_the_missing_stage() -> None:
     with pytest.raises(ValueError, match=r"missing \(pp_rank, tp_rank\) \[\(1, 0\), \(1, 1\)\]"):
-        KVSvcConnector(web.Application()).set_xfer_handshake_metadata({tp: meta(0, tp) for tp in range(2)})
+        EngineCoreConnector(web.Application()).set_xfer_handshake_metadata({tp: meta(0, tp) for tp in range(2)})
 
 
 def test_missing_workers_are_named() -> None:
@@ -120,7 +121,7 @@ def test_stage_workers_must_agree_on_layers_and_empty_is_refused() -> None:
 
 def test_refused_metadata_leaves_the_served_document_unchanged() -> None:
     app = web.Application()
-    connector = KVSvcConnector(app, engine_id="p0")
+    connector = EngineCoreConnector(app, engine_id="p0")
     connector.set_xfer_handshake_metadata_pp_aware(engine())
     with pytest.raises(ValueError, match="this connector serves 'p0'"):
         connector.set_xfer_handshake_metadata_pp_aware(
@@ -137,23 +138,23 @@ def test_refused_metadata_leaves_the_served_document_unchanged() -> None:
 def test_publish_workers_merges_what_each_worker_published() -> None:
     app = web.Application()
     per_worker = [{k: m} for k, m in engine().items()] + [None]
-    KVSvcConnector(app).publish_workers(per_worker)
+    EngineCoreConnector(app).publish_workers(per_worker)
     assert served(app) == engine()
     conflict = [{(0, 0): meta(0, 0)}, {(0, 0): meta(0, 0, num_blocks=1)}]
     with pytest.raises(ValueError, match="conflicting"):
-        KVSvcConnector(web.Application()).publish_workers(conflict)
+        EngineCoreConnector(web.Application()).publish_workers(conflict)
 
 
 def test_multi_connector_reaches_the_pp_aware_override() -> None:
     app = web.Application()
-    MultiConnector([KVSvcConnector(app)]).set_xfer_handshake_metadata_pp_aware(engine())
+    MultiConnector([EngineCoreConnector(app)]).set_xfer_handshake_metadata_pp_aware(engine())
     assert served(app) == engine()
 
 
 async def test_published_metadata_is_served_over_http() -> None:
     app = web.Application()
     add_metadata_route(app)
-    KVSvcConnector(app).set_xfer_handshake_metadata_pp_aware(engine(pp_size=1, tp_size=4))
+    EngineCoreConnector(app).set_xfer_handshake_metadata_pp_aware(engine(pp_size=1, tp_size=4))
     async with TestClient(TestServer(app)) as client:
         response = await client.get(METADATA_PATH)
         assert decode_engine_metadata(await response.read()) == engine(pp_size=1, tp_size=4)

@@ -1,4 +1,5 @@
-"""`KVSvcConnector`: the engine-core connector of kvsvc, which checks and publishes the engine's handshake metadata.
+"""`EngineCoreConnector`: the engine-core connector of kvsvc, which checks and publishes the engine's handshake
+metadata.
 
 Imports: aiohttp (for the application it publishes on) and kvsvc's pure core and bootstrap module; no asyncio
 work happens here. Invariants: what it publishes is one engine start's complete worker set (one engine_id and
@@ -55,7 +56,7 @@ def check_engine_metadata(metadata: Mapping[Worker, WorkerMetadata]) -> None:
             raise ValueError(f"workers of PP stage {pp} disagree on its layer range: {sorted(ranges)}")
 
 
-class KVSvcConnector(KVConnectorBase[WorkerMetadata]):
+class EngineCoreConnector(KVConnectorBase[WorkerMetadata]):
     """kvsvc's connector in the engine core: PP-aware, and publishes what it receives on the bootstrap endpoint.
 
     `app` is the engine's aiohttp application that serves `bootstrap.METADATA_PATH` (the one `build_admin_app`
@@ -125,4 +126,4 @@ class KVSvcConnector(KVConnectorBase[WorkerMetadata]):
         self.set_xfer_handshake_metadata_pp_aware(merge_handshake_metadata(per_worker))
 
 
-__all__ = ["KVSvcConnector", "check_engine_metadata"]
+__all__ = ["EngineCoreConnector", "check_engine_metadata"]

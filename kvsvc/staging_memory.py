@@ -3,7 +3,7 @@ out of it, and the `StagingArea` that lends it to the service; registered with t
 
 Used by the synthetic workers (`workers.process`), the loopback test engines (`kvsvc.testing.engines`) and the vLLM
 worker (`kvsvc.vllm.worker`); what differs between them is only where the memory lives and which copies run (torch
-kernels, or `memmove` in tests). Imports `kvsvc.service.staging` at module level; torch or numpy only at the call,
+kernels, or `memmove` in tests). Imports `kvsvc.service.staging_area` at module level; torch or numpy only at the call,
 for the kind of memory asked. Rules: nothing is registered unless the area was built (a refusal leaves the transport
 as it was); the caller keeps the memory alive while the service may use the area (a `TorchGather` holds its own).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsvc.service.staging import Gather, StagingArea
+from kvsvc.service.staging_area import Gather, StagingArea
 
 if TYPE_CHECKING:
     from kvsvc.coalesce import Int64Array

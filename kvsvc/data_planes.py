@@ -17,7 +17,7 @@ from typing import Final
 
 from kvsvc.errors import PeerMismatch
 from kvsvc.messages import WorkerMetadata
-from kvsvc.staging import StagingRule
+from kvsvc.staging_plans import StagingRule
 
 SCHEME: Final = "samehost"
 SAMEHOST_DESCRIPTOR_COST_S: Final = 1e-6
