@@ -23,9 +23,8 @@ from kvsvc.messages import METADATA_PATH
 # Labels of the derived keys: one per use of the control token.
 PARAMS_KEY: Final = "kvsvc/params/v1"
 HELLO_KEY: Final = "kvsvc/hello/v1"
-# Bytes of a hello nonce; a proof is one SHA-256 HMAC.
+# Bytes of a hello nonce.
 NONCE_BYTES: Final = 32
-PROOF_BYTES: Final = 32
 
 
 class Key:

@@ -1,3 +1,3 @@
-"""Engine-core side of kvsvc: the bootstrap (handshake) endpoint and, later, admin endpoints and aggregation."""
+"""Engine-core side of kvsvc: the handshake endpoint, the engine-core connector, the scheduler view, admin, metrics."""
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 Rules: `receive` returns whole messages or raises `MalformedFrame` (the peer sent garbage; close) or `PeerLost`
 (EOF, reset, or closed by us). `send` never blocks: frames queue and go out together at the end of the current
 loop iteration (one socket write for every frame sent meanwhile, in order), once `BATCH_FRAMES` are queued, or at
-`drain`/`close`; `drain` applies backpressure where the caller wants it. Closing flushes what was queued and is
-idempotent. Both ways keep a burst moving through the pair: a long run of sends (D starting thousands of receives
-in one engine call) reaches P while it is still running, and `receive` lets the loop turn after every
-`BATCH_FRAMES` messages it hands out from one read, so completions and answers flow while a burst is handled.
+`close`. Closing flushes what was queued and is idempotent. Both ways keep a burst moving through the pair: a long
+run of sends (D starting thousands of receives in one engine call) reaches P while it is still running, and `receive`
+lets the loop turn after every `BATCH_FRAMES` messages it hands out from one read, so completions and answers flow
+while a burst is handled.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ class ControlChannel:
         self.ends = (
             ((mine[0], mine[1]), (peer[0], peer[1])) if isinstance(peer, tuple) and isinstance(mine, tuple) else None
         )
-        self.frames_sent = 0
-        self.frames_received = 0
 
     @classmethod
     async def connect(cls, address: str, *, timeout_s: float) -> ControlChannel:
@@ -82,7 +80,6 @@ class ControlChannel:
         if self._closed or self._writer.is_closing():
             raise PeerLost(f"control connection to {self.peer} is closed")
         frame = encode(message)
-        self.frames_sent += 1
         if self._outbox:
             self._outbox.append(frame)
             if len(self._outbox) >= BATCH_FRAMES:
@@ -102,18 +99,6 @@ class ControlChannel:
             frames, self._outbox = self._outbox, []
             if not self._writer.is_closing():
                 self._writer.write(b"".join(frames))
-
-    async def drain(self) -> None:
-        """Wait until the write buffer is below its high-water mark.
-
-        Raises:
-            PeerLost: the connection broke.
-        """
-        self._flush()
-        try:
-            await self._writer.drain()
-        except (ConnectionError, RuntimeError) as exc:
-            raise PeerLost(f"control connection to {self.peer} broke: {exc}") from None
 
     async def receive(self) -> Message:
         """The next message.
@@ -139,7 +124,6 @@ class ControlChannel:
             if not data:
                 raise PeerLost(f"control connection to {self.peer} closed by the peer")
             self._inbox.extend(self._frames.feed(data))
-        self.frames_received += 1
         self._handed += 1
         return self._inbox.popleft()
 

@@ -1,4 +1,6 @@
-"""The data plane behind a small `Transport` protocol: Mooncake for real, a loopback fake for unit tests.
+"""The data planes behind a small `Transport` protocol: Mooncake, the same-host plane (`kvsvc.transport.samehost`) and
+the transport that routes each peer to one of them (`kvsvc.transport.routed`); a loopback fake for unit tests is in
+`kvsvc.testing.fakes`.
 
 Imports: `kvsvc.transport.base` eagerly; `MooncakeTransport` is importable from here without the `mooncake` package
 (it imports the engine only when constructed). Invariant: nothing here imports torch or starts an engine on import.

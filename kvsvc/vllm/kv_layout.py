@@ -141,11 +141,6 @@ def _per_layer(
     return None
 
 
-def tensor_bytes(view: TensorView, element_size: int) -> int:
-    """Bytes a dense tensor spans."""
-    return prod(view.shape) * element_size
-
-
 def layer_index(name: str) -> int:
     """The model layer a vLLM attention layer name belongs to: its one integer ("model.layers.3.self_attn.attn").
 
