@@ -16,7 +16,6 @@ import socket
 import struct
 import threading
 import time
-import tracemalloc
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -55,6 +54,7 @@ from kvsvc.service import ServiceConfig, ServiceStatistics
 from kvsvc.testing.engines import LoopbackEngine
 from kvsvc.testing.hellos import unkeyed_frames
 from kvsvc.testing.sim import EngineSpec
+from tests.unit.test_bounds import peak_bytes  # traces P's loop thread too: it runs in this process
 
 pytest.importorskip("mooncake.engine")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -156,19 +156,6 @@ def live() -> Iterator[Live]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
-
-
-@contextlib.contextmanager
-def peak_bytes() -> Iterator[Callable[[], int]]:
-    """The peak of allocations traced in this process (P's loop thread included) inside the block, read after it."""
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    peak = [0]
-    try:
-        yield lambda: peak[0]
-    finally:
-        peak[0] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
 
 
 def _connect(address: str, source: str = "127.0.0.1") -> socket.socket:
