@@ -25,16 +25,21 @@ MAX_LAYERS: Final = 1024
 # KV cache groups of a hybrid model (vLLM makes a handful), and sub-projections of a Mamba conv state (3 today).
 MAX_KV_GROUPS: Final = 64
 MAX_CONV_PARTS: Final = 16
+# GPU allocations a D worker exports for the GPU plane (one per distinct allocation of its KV pool and staging
+# region: vLLM and kvsvc's engines make one to a few per layer at most).
+MAX_IPC_HANDLES: Final = 256
 # A frame before the hello was accepted: the largest legitimate hello (MAX_LAYERS per-layer addresses and a hybrid
-# model's groups) is about 13 KiB, one of 128 layers 2.6 KiB. Past it the connection closes (MAX_FRAME_BYTES after).
-MAX_HELLO_FRAME_BYTES: Final = 16 * 1024
+# model's groups) is about 13 KiB, one of 128 layers 2.6 KiB; MAX_IPC_HANDLES handles add about 22 KiB. Past it the
+# connection closes (MAX_FRAME_BYTES after).
+MAX_HELLO_FRAME_BYTES: Final = 40 * 1024
 
 
 def check_hello_bounds(me: WorkerMetadata, hello: Hello) -> None:
     """Check that `hello` describes a D engine P worker `me` can lay out at bounded cost: parallel sizes within
     `MAX_PARALLEL` and `MAX_WORKERS`; a stage split of `pp_size` non-empty stages, contiguous from layer 0, within
-    `MAX_LAYERS` and covering `me`'s layers (all of the model's, where `me` holds its last stage); and D's metadata
-    lists of the lengths its layers give them.
+    `MAX_LAYERS` and covering `me`'s layers (all of the model's, where `me` holds its last stage); D's metadata
+    lists of the lengths its layers give them; at most `MAX_IPC_HANDLES` exported GPU allocations (each checked
+    against D's regions by `kvsvc.data_planes.check_ipc_handles` before P maps any).
 
     Raises:
         PeerMismatch: the first claim at fault, naming the D worker, the value and the limit.
@@ -50,6 +55,8 @@ def check_hello_bounds(me: WorkerMetadata, hello: Hello) -> None:
         )
     _check_stages(me, hello.stage_layers, d.pp_size, who)
     _check_lists(d, who)
+    if len(hello.ipc_handles) > MAX_IPC_HANDLES:
+        raise PeerMismatch(f"{who} exports {len(hello.ipc_handles)} GPU allocations, limit {MAX_IPC_HANDLES}")
 
 
 def _check_stages(me: WorkerMetadata, stages: list[tuple[int, int]], pp_size: int, who: str) -> None:

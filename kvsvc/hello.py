@@ -22,15 +22,15 @@ engine published, byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Final
 
 from msgspec.structs import replace
 
 from kvsvc.auth import NONCE_BYTES, Key, hello_proof, hello_proof_verifies
 from kvsvc.bounds import check_hello_bounds
-from kvsvc.data_planes import check_transport_addr
+from kvsvc.data_planes import check_transport_addr, choose_transport
 from kvsvc.errors import HandshakeError, PeerMismatch, TopologyError, VersionMismatch
 from kvsvc.layout import CROSS_LAYER
 from kvsvc.messages import (
@@ -41,6 +41,7 @@ from kvsvc.messages import (
     HelloOk,
     HelloRefused,
     HelloStart,
+    IpcHandle,
     KVGroup,
     Message,
     Worker,
@@ -71,6 +72,7 @@ class HelloAccepted:
     peer_engine: dict[Worker, WorkerMetadata]
     expected: frozenset[Worker]
     reply: HelloOk
+    ipc_handles: list[IpcHandle] = field(default_factory=list)  # D's GPU allocations, checked by P before mapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +110,10 @@ def answer_challenge(
     start: HelloStart,
     reply: Message,
     key: Key | None,
+    handles: Sequence[IpcHandle] = (),
 ) -> Hello:
-    """D's check of P worker `p`'s answer to `start`, and D's `Hello` once it holds: P's proof verified.
+    """D's check of P worker `p`'s answer to `start`, and D's `Hello` once it holds: P's proof verified. `handles`
+    are D's exported GPU allocations, which the hello carries only where the pair takes the GPU plane.
 
     Raises:
         HandshakeError: P refused, answered with something else, another version, a key D lacks (or none where D
@@ -132,7 +136,7 @@ def answer_challenge(
     if key is None:
         if reply.proof:
             raise HandshakeError(f"{ref} proves a control token and this D worker has none: {_NO_KEY}")
-        return make_hello(me, own_engine, p, b"")
+        return make_hello(me, own_engine, p, b"", handles)
     if not reply.proof:
         raise HandshakeError(f"{ref} proves no control token and this D worker has one: {_NO_KEY}")
     d_id, p_id = _identity(start), tuple(ref)
@@ -143,14 +147,19 @@ def answer_challenge(
             f"{ref} failed to prove this deployment's control token (its proof does not verify): this D worker "
             "sends it nothing more"
         )
-    return make_hello(me, own_engine, p, hello_proof(key, b"D", start.nonce, reply.nonce, d_id, p_id))
+    return make_hello(me, own_engine, p, hello_proof(key, b"D", start.nonce, reply.nonce, d_id, p_id), handles)
 
 
 def make_hello(
-    me: WorkerMetadata, own_engine: Mapping[Worker, WorkerMetadata], p: WorkerMetadata, proof: bytes
+    me: WorkerMetadata,
+    own_engine: Mapping[Worker, WorkerMetadata],
+    p: WorkerMetadata,
+    proof: bytes,
+    handles: Sequence[IpcHandle] = (),
 ) -> Hello:
     """D's hello to P worker `p` as `p`'s engine published it, with D's `proof`; `own_engine` is D's engine (its
-    stage split)."""
+    stage split). D's exported GPU allocations `handles` go only where the rule puts the pair on the GPU plane: a
+    handle lets its holder write the allocation, so no other P ever sees one."""
     stages = sorted({(m.pp_rank, m.start_layer, m.end_layer) for m in own_engine.values()})
     return Hello(
         version=PROTOCOL_VERSION,
@@ -161,6 +170,7 @@ def make_hello(
         expect_pp_rank=p.pp_rank,
         expect_tp_rank=p.tp_rank,
         proof=proof,
+        ipc_handles=list(handles) if choose_transport(p, me).kind == "cuda_ipc" else [],
     )
 
 
@@ -239,7 +249,8 @@ def accept_hello(
         return _refused(str(exc))
     d = second.sender
     expected = frozenset(expected_destinations(me, d_engine))
-    return HelloAccepted(WorkerRef.of(d), d, d_engine, expected, HelloOk(version=PROTOCOL_VERSION, sender=me))
+    reply = HelloOk(version=PROTOCOL_VERSION, sender=me)
+    return HelloAccepted(WorkerRef.of(d), d, d_engine, expected, reply, list(second.ipc_handles))
 
 
 def _identity(start: HelloStart) -> tuple[str, str, int, int]:

@@ -97,8 +97,9 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # Whether this worker, as P, writes into a window when a request carries one. False from peers that predate
     # windows: they would ignore the fields and write the blocks, so D never lends them one.
     accepts_windows: bool = False
-    # This worker's same-host plane (`kvsvc.data_planes.SameHostAddress`), published only for KV in CPU memory; ""
-    # when it offers none (another process on its host may then still reach it through Mooncake).
+    # This worker's same-host plane (`kvsvc.data_planes.SameHostAddress`): `samehost:...` for KV in CPU memory,
+    # `cudaipc:...:GPU-uuid` for KV on a GPU whose memory CUDA IPC can export; "" when it offers none (another
+    # process on its host may then still reach it through Mooncake).
     samehost_addr: str = ""
     # A hybrid model's KV cache groups (`kvsvc.groups`); empty: one group of full attention over every layer. Both
     # sides of a pair must group the model alike (checked at the hello).
@@ -145,6 +146,16 @@ class HelloChallenge(msgspec.Struct, tag="hello_challenge", frozen=True, kw_only
     proof: bytes
 
 
+class IpcHandle(msgspec.Struct, frozen=True, array_like=True):
+    """One GPU allocation holding D's KV pool (or staging region) as CUDA IPC exports it: the opaque `handle` and
+    where the allocation lies in D's address space. P maps it once and writes D's published regions through it
+    (`kvsvc.data_planes`, the GPU plane)."""
+
+    handle: bytes
+    base: int
+    size: int
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     """D to P, once P's proof verified: who D is and which P worker it expects to reach, with D's `proof` of the
     key (empty without a control token).
@@ -161,6 +172,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     expect_pp_rank: int
     expect_tp_rank: int
     proof: bytes = b""
+    # D's GPU allocations, exported for the GPU plane; sent only to a P whose proof verified and whose pair the
+    # rule puts on that plane (`kvsvc.hello.make_hello`), so the bootstrap document never carries them.
+    ipc_handles: list[IpcHandle] = []
 
 
 class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):

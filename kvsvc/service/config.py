@@ -60,8 +60,9 @@ class ServiceConfig:
     """Of those, the ones from one remote address (every D worker of a host shares it)."""
     transport: str = "auto"
     """Which data plane this worker's writes take, per D worker (`kvsvc.data_planes.choose_transport`): "auto" (the
-    same-host plane where both workers offer it on one host, else Mooncake), "mooncake", or "samehost" (the same as
-    auto, but a pair that cannot use it is logged as a warning)."""
+    same-host plane of the KV's memory where both workers offer it on one host: the kernel copy for CPU memory, CUDA
+    IPC for GPUs; else Mooncake), "mooncake", or "samehost" (the same as auto, but a pair that cannot use it is
+    logged as a warning)."""
     control_token: str | None = field(default=None, repr=False)
     """A secret shared by the deployment's engines, never sent: keys derived from it prove each side of a hello to
     the other, and sign the `kv_transfer_params` P hands out (docs/operations.md, Security). None (the default):

@@ -37,6 +37,7 @@ from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.lending import WindowLender
 from kvsvc.service.remotes import RemoteEngines, Routes
+from kvsvc.transport.routed import exported_handles
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +290,9 @@ class ReceivingRole:
                 start = open_hello(me, p, key, secrets.token_bytes(NONCE_BYTES))
                 channel.send(start)
                 # Nothing of this worker's pool goes out before P's proof verified (`answer_challenge`).
-                channel.send(answer_challenge(me, self._own_engine(), p, start, await channel.receive(), key))
+                reply = await channel.receive()
+                handles = exported_handles(self._ctx.transport)
+                channel.send(answer_challenge(me, self._own_engine(), p, start, reply, key, handles))
                 check_hello_reply(p, await channel.receive())
         except TimeoutError:
             channel.close()

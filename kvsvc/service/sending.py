@@ -31,6 +31,7 @@ from kvsvc.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
     HelloRefused,
+    IpcHandle,
     Message,
     WindowEmptied,
     Worker,
@@ -263,7 +264,7 @@ class SendingRole:
         try:
             # D's staging region too: P writes the windows D lends there.
             staging = [(d.staging_addr, d.staging_size)] if d.staging_size else []
-            route = await self._route(d, ref, pool_regions(d) + staging, channel.ends)
+            route = await self._route(d, ref, pool_regions(d) + staging, channel.ends, decision.ipc_handles)
         except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
@@ -289,32 +290,36 @@ class SendingRole:
         ref: WorkerRef,
         regions: list[tuple[int, int]],
         via: tuple[tuple[str, int], tuple[str, int]] | None,
+        handles: list[IpcHandle],
     ) -> Route:
-        """Pick the plane for D worker `d` (`choose_transport`), publish its regions there, and for the same-host plane
-        check the claimed process against the control connection `via` and ask the kernel once
-        (`Transport.reachable`): refused, the pair runs on Mooncake. Logs the route once.
+        """Pick the plane for D worker `d` (`choose_transport`), publish its regions there, and for a same-host plane
+        check the claimed process against the control connection `via` and probe once (`Transport.reachable`: the
+        kernel's ptrace policy, or opening the GPU allocations `handles` D exported): refused, the pair runs on
+        Mooncake. Logs the route once.
 
         Raises:
             TransportError / ValueError: a region no memory can be.
         """
         setting = self._ctx.config.transport
         route = choose_transport(self._ctx.metadata, d, setting)
-        if route.kind == "samehost":
+        if route.kind != "mooncake":
             # Well inside the hello's own budget: D waits that long for the answer, and Mooncake must still make it.
             budget_s = samehost_check_budget(self._ctx.config.handshake_timeout_s)
+            reach = self._ctx.transport.reachable(route.session, regions, via, handles)
             try:
-                refused = await asyncio.wait_for(self._ctx.transport.reachable(route.session, regions, via), budget_s)
+                refused = await asyncio.wait_for(reach, budget_s)
             except TimeoutError:
                 refused = f"no answer from the check of the process within {budget_s:g} s"
             if refused:
-                log.warning("writes to %s go over Mooncake: the same-host plane is refused: %s", ref, refused)
-                route = Route("mooncake", d.transport_addr, f"the same-host plane is refused: {refused}")
+                plane = _PLANES[route.kind]
+                log.warning("writes to %s go over Mooncake: the %s is refused: %s", ref, plane, refused)
+                route = Route("mooncake", d.transport_addr, f"the {plane} is refused: {refused}")
         self._ctx.transport.add_peer(route.session, regions)
         if route.kind == "mooncake":
             level = logging.WARNING if setting == "samehost" else logging.INFO  # asked for, and not had
             log.log(level, "writes to %s go over Mooncake: %s", ref, route.reason)
         else:
-            log.info("writes to %s go over the same-host plane: %s", ref, route.reason)
+            log.info("writes to %s go over the %s: %s", ref, _PLANES[route.kind], route.reason)
         return route
 
     def _refuse(self, channel: ControlChannel, reply: HelloRefused | ErrorMessage) -> None:
@@ -361,6 +366,9 @@ class SendingRole:
             self._run_send(self._sender.abort(req_id))
             return
         self._run_send(self._sender.ready(transfer_id))
+
+
+_PLANES = {"samehost": "same-host plane", "cuda_ipc": "GPU plane"}
 
 
 def _inbound_key(ref: WorkerRef) -> tuple[str, Worker]:

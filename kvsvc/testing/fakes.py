@@ -12,6 +12,7 @@ import ctypes
 import itertools
 from collections.abc import Sequence
 
+from kvsvc.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
@@ -133,7 +134,11 @@ class LoopbackTransport:
         return None
 
     async def reachable(
-        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+        self,
+        session: str,
+        regions: Sequence[Region],
+        via: tuple[tuple[str, int], tuple[str, int]] | None = None,
+        handles: Sequence[IpcHandle] = (),
     ) -> str:
         """Writes to any added peer can go as far as this transport knows: "" always."""
         return ""

@@ -1,10 +1,10 @@
 """The `Transport` protocol the asyncio service writes KV through, its statistics, errors and address checks.
 
-Imports: the standard library and `kvsvc.errors` only (no asyncio loop work, no mooncake, no torch), so the pure core,
-the service and the fakes can all share it. Invariants: a write is refused (`InvalidDescriptor`) before anything is
-submitted unless every source range lies inside registered local memory and every destination range inside the
-peer's published regions; a write never returns or raises while a descriptor it submitted may still move data,
-except a `WriteFailed` whose `drained` future says when that is over.
+Imports: the standard library and `kvsvc.errors` only (`kvsvc.messages` for a type; no asyncio loop work, no
+mooncake, no torch), so the pure core, the service and the fakes can all share it. Invariants: a write is refused
+(`InvalidDescriptor`) before anything is submitted unless every source range lies inside registered local memory
+and every destination range inside the peer's published regions; a write never returns or raises while a descriptor
+it submitted may still move data, except a `WriteFailed` whose `drained` future says when that is over.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import threading
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 
 from kvsvc.errors import TransportError
+
+if TYPE_CHECKING:
+    from kvsvc.messages import IpcHandle
 
 # Mooncake's own codes (transfer engine `error.h`), reused so every `TransportError.code` reads the same way.
 ERR_FAILED: Final = -1  # the engine reported the transfer failed, or refused to submit it
@@ -148,12 +151,17 @@ class Transport(Protocol):
         ...
 
     async def reachable(
-        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+        self,
+        session: str,
+        regions: Sequence[Region],
+        via: tuple[tuple[str, int], tuple[str, int]] | None = None,
+        handles: Sequence[IpcHandle] = (),
     ) -> str:
         """ "" when writes to peer `session`, which publishes `regions`, can go, else why not; asked before
-        `add_peer`, so a peer that fails it changes nothing. The same-host plane checks the claimed process against
-        the kernel and the control connection `via` (this end, far end) its hello came on, then asks the kernel once
-        (a ptrace policy, another user); other planes answer "". Raises nothing."""
+        `add_peer`, so a peer that fails it changes nothing. A same-host plane checks the claimed process against
+        the kernel and the control connection `via` (this end, far end) its hello came on, then probes once: the
+        kernel's ptrace policy, or for the GPU plane opening the peer's exported allocations `handles`; other planes
+        answer "". Raises nothing."""
         ...
 
     async def peer_gone(self, session: str) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsvc.errors import TransportError
+from kvsvc.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
@@ -372,7 +373,11 @@ class MooncakeTransport:
         )
 
     async def reachable(
-        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+        self,
+        session: str,
+        regions: Sequence[Region],
+        via: tuple[tuple[str, int], tuple[str, int]] | None = None,
+        handles: Sequence[IpcHandle] = (),
     ) -> str:
         """Writes to any added peer can go as far as this transport knows: "" always."""
         return ""

@@ -1,29 +1,41 @@
 """`RoutedTransport`: one worker's data planes behind the one `Transport` the service writes through: Mooncake (or any
-transport, for every peer) and the same-host transport (`kvsvc.transport.samehost`, for peers on this host whose
-pair chose it at the hello).
+transport, for every peer) and a same-host plane for peers on this host whose pair chose it at the hello: the kernel
+copy for KV in CPU memory (`kvsvc.transport.samehost`) or CUDA IPC for KV on a GPU (`kvsvc.transport.cuda_ipc`).
 
 Rules: nothing is decided here (`kvsvc.data_planes` decides per pair, the service asks `reachable` once); a session
 goes to the same-host plane only when that plane admitted it (its process passed the check against its control
 connection), never because of what its string says, so a peer cannot name its way onto the plane; every other call
-goes to `primary`; registrations go to both; statistics are the sum of the planes'. Imports `kvsvc.transport.base`
-and the same-host transport only.
+goes to `primary`; registrations go to both; statistics are the sum of the planes'. Imports `kvsvc.transport`
+modules only (the GPU plane's driver loads `libcuda` when that plane is built, never on import).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import Protocol
 
 from kvsvc.data_planes import is_same_host
+from kvsvc.messages import IpcHandle
 from kvsvc.transport.base import Region, Transport, TransportStatistics
+from kvsvc.transport.cuda_driver import CudaError
 from kvsvc.transport.samehost import SameHostTransport
+
+log = logging.getLogger(__name__)
+
+
+class LocalPlane(Transport, Protocol):
+    """A same-host plane: a `Transport` that writes only the sessions it admitted."""
+
+    def admits(self, session_id: str) -> bool: ...
 
 
 class RoutedTransport:
     """`primary` for every peer, `local` for same-host sessions (see module docstring)."""
 
-    def __init__(self, primary: Transport, local: SameHostTransport) -> None:
+    def __init__(self, primary: Transport, local: LocalPlane) -> None:
         self.primary, self.local = primary, local
 
     @property
@@ -49,12 +61,16 @@ class RoutedTransport:
         self._plane(session_id).remove_peer(session_id)
 
     async def reachable(
-        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+        self,
+        session: str,
+        regions: Sequence[Region],
+        via: tuple[tuple[str, int], tuple[str, int]] | None = None,
+        handles: Sequence[IpcHandle] = (),
     ) -> str:
-        """ "" when writes to `session` can go (a same-host session: the check and the kernel said so, and the
-        same-host plane admitted it), else why not."""
+        """ "" when writes to `session` can go (a same-host session: the checks and the plane's probe said so, and
+        the plane admitted it), else why not."""
         if is_same_host(session):
-            return await self.local.reachable(session, regions, via)
+            return await self.local.reachable(session, regions, via, handles)
         return ""
 
     async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
@@ -89,11 +105,28 @@ class RoutedTransport:
 
 
 def with_same_host(primary: Transport, device: str, setting: str = "auto") -> Transport:
-    """`primary` with the same-host plane beside it when the KV lives in CPU memory (`device` "cpu"), which is what
-    the plane can copy, and the worker's transport setting (`ServiceConfig.transport`) is not "mooncake"; `primary`
-    alone otherwise (for a GPU's memory the same question is CUDA IPC, not built), so a worker forced to Mooncake
-    has no same-host plane at all."""
-    return RoutedTransport(primary, SameHostTransport()) if device == "cpu" and setting != "mooncake" else primary
+    """`primary` with the same-host plane of the KV's memory beside it: the kernel copy for `device` "cpu", CUDA IPC
+    for "cuda" (or "cuda:N"); `primary` alone when the worker's transport setting (`ServiceConfig.transport`) is
+    "mooncake" (a worker forced to Mooncake has no same-host plane at all), or when no CUDA driver loads (logged)."""
+    if setting == "mooncake":
+        return primary
+    if device == "cpu":
+        return RoutedTransport(primary, SameHostTransport())
+    if device.startswith("cuda"):
+        from kvsvc.transport.cuda_ipc import CudaIpcTransport
+
+        try:
+            return RoutedTransport(primary, CudaIpcTransport())
+        except CudaError as exc:
+            log.warning("no GPU plane: %s; writes go over Mooncake", exc)
+    return primary
 
 
-__all__ = ["RoutedTransport", "with_same_host"]
+def exported_handles(transport: Transport) -> list[IpcHandle]:
+    """The IPC handles of this worker's GPU memory, as its GPU plane exported them; [] without that plane."""
+    local = transport.local if isinstance(transport, RoutedTransport) else None
+    exported = getattr(local, "exported", None)
+    return list(exported()) if exported is not None else []
+
+
+__all__ = ["LocalPlane", "RoutedTransport", "exported_handles", "with_same_host"]

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsvc.data_planes import SameHostAddress
+from kvsvc.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
@@ -249,7 +250,11 @@ class SameHostTransport:
         self._admitted.pop(session_id, None)
 
     async def reachable(
-        self, session: str, regions: Sequence[Region], via: tuple[Endpoint, Endpoint] | None = None
+        self,
+        session: str,
+        regions: Sequence[Region],
+        via: tuple[Endpoint, Endpoint] | None = None,
+        handles: Sequence[IpcHandle] = (),
     ) -> str:
         """ "" when writes into the peer `session` (publishing `regions`) may go, else why not. First what the peer
         claims is checked against the kernel (`check_peer`: a live process, this user, holding the far end of the
@@ -257,7 +262,7 @@ class SameHostTransport:
         region): another PID namespace, a ptrace policy. Passed, the session is admitted (`add_peer` takes it).
         Asked before `add_peer`, so a hello that fails it leaves a peer added by another hello as it was. Raises
         nothing. Cancelled (the caller's deadline), it admits nothing; the /proc reads may still end on their
-        thread."""
+        thread. `handles` are for the GPU plane: unused here."""
         if self._closed:
             return "the same-host transport is closed"
         try:

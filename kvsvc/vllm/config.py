@@ -40,8 +40,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     protocol: str = "tcp"
     """Mooncake transport: "tcp" or "rdma"."""
     transport: str = "auto"
-    """Data plane of this engine's writes, per decode worker: "auto" (the same-host plane where both workers share a
-    host and user, else Mooncake), "mooncake", or "samehost" (as auto, but a pair that cannot use it is a warning)."""
+    """Data plane of this engine's writes, per decode worker: "auto" (where both workers share a host and user, the
+    same-host plane: a kernel copy for CPU memory, CUDA IPC for GPUs; else Mooncake), "mooncake", or "samehost" (as
+    auto, but a pair that cannot use it is a warning)."""
     device_name: str = ""
     """RDMA devices for Mooncake ("" lets it discover them)."""
     control_token: str | None = None

@@ -79,15 +79,16 @@ def _has_cuda() -> bool:
 @pytest.mark.cuda
 @pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU and Mooncake's CUDA build")
 @pytest.mark.parametrize("staging_mib", ["64", "0"], ids=["staged", "direct"])
-def test_kv_in_gpu_memory_moves_over_mooncake_and_verifies(
-    capsys: pytest.CaptureFixture[str], staging_mib: str
+@pytest.mark.parametrize(("transport", "plane"), [("auto", "cuda_ipc"), ("mooncake", "mooncake")])
+def test_kv_in_gpu_memory_moves_on_each_plane_and_verifies(
+    capsys: pytest.CaptureFixture[str], staging_mib: str, transport: str, plane: str
 ) -> None:
-    """Every worker's KV on the GPU: P's gather into a GPU staging region on a side stream (staged) or Mooncake
-    reading the KV tensors themselves (direct); the same-host plane copies CPU memory only, so the rule picks
-    Mooncake."""
-    result = _run(capsys, "--device", "cuda", "--staging-mib", staging_mib)
+    """Every worker's KV on the GPU: P's gather into a GPU staging region on a side stream (staged) or the plane
+    reading the KV tensors themselves (direct); by the rule the GPU plane (CUDA IPC, one host), or Mooncake when
+    forced."""
+    result = _run(capsys, "--device", "cuda", "--staging-mib", staging_mib, "--transport", transport)
     _assert_all_verified(result)
-    assert result["planes"] == ["mooncake"]
+    assert result["planes"] == [plane]
 
 
 @pytest.mark.skipif(_has_cuda(), reason="this host has a GPU")

@@ -67,8 +67,8 @@ def test_forced_mooncake_is_mooncake_even_on_one_host() -> None:
 @pytest.mark.parametrize(
     ("p", "d", "why"),
     [
-        ("", D_ADDR, "this P worker offers no same-host transport"),
-        (P_ADDR, "", "D worker (0, 0) of 'd' offers no same-host transport"),
+        ("", D_ADDR, "this P worker offers no same-host plane"),
+        (P_ADDR, "", "D worker (0, 0) of 'd' offers no same-host plane"),
         (P_ADDR, "samehost:otherhost:0:200:7", f"another host (P {HOST}, D otherhost)"),
         (P_ADDR, f"samehost:{HOST}:1000:200:7", "another user (P uid 0, D uid 1000)"),
         (P_ADDR, "samehost:garbled", "is not a same-host session"),

@@ -27,6 +27,7 @@ from kvsvc.messages import (
     Hello,
     HelloChallenge,
     HelloRefused,
+    IpcHandle,
     Message,
     TransferRequest,
     WindowFilled,
@@ -383,7 +384,11 @@ class SameHostRefusedTransport(LoopbackTransport):
         return str(own_address())
 
     async def reachable(
-        self, session: str, regions: Sequence[Region], via: tuple[tuple[str, int], tuple[str, int]] | None = None
+        self,
+        session: str,
+        regions: Sequence[Region],
+        via: tuple[tuple[str, int], tuple[str, int]] | None = None,
+        handles: Sequence[IpcHandle] = (),
     ) -> str:
         return "process_vm_readv: Operation not permitted (errno 1)" if is_same_host(session) else ""
 

@@ -85,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transport",
         default=defaults.transport,
         choices=SETTINGS,
-        help="the data plane of P's writes: auto (default: the same-host plane, process_vm_writev, where P and D share "
-        "a host and user; else Mooncake), mooncake, or samehost",
+        help="the data plane of P's writes: auto (default: where P and D share a host and user, the same-host plane, "
+        "process_vm_writev, for KV in CPU memory, the GPU plane, CUDA IPC, for KV on GPUs; else Mooncake), mooncake, "
+        "or samehost",
     )
     add(
         "--device",

@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING
 
 from workers.stats import percentile
 
-PLANE_NAMES = {"samehost": "same-host plane (process_vm_writev)", "mooncake": "Mooncake (TCP)"}
+PLANE_NAMES = {
+    "samehost": "same-host plane (process_vm_writev)",
+    "cuda_ipc": "GPU plane (CUDA IPC)",
+    "mooncake": "Mooncake (TCP)",
+}
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -100,7 +100,9 @@ class DemoResult:
     errors: list[str] = field(default_factory=list)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # why receives failed, counted, first seen first
     hosts: dict[str, str] = field(default_factory=dict)  # role -> the address its engine listened on
-    planes: list[str] = field(default_factory=list)  # the data planes P's workers chose ("samehost", "mooncake")
+    planes: list[str] = field(
+        default_factory=list
+    )  # the data planes P's workers chose ("samehost", "cuda_ipc", "mooncake")
     homogeneous: DemoResult | None = None  # `--compare`: the same bytes with D laid out as P, run after this one
 
     def add_failure(self, transfer_id: str, reason: str) -> None:
