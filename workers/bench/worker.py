@@ -178,7 +178,7 @@ def handle_bench(runtime: _Runtime, command: BenchCommand) -> BenchResult | Coro
     if isinstance(command, CpuTime):
         return {"cpu": time.process_time()}
     if isinstance(command, PlaneWrite):
-        return _plane_write(_routed(runtime), command)
+        return _plane_write(_plane_named(runtime, command.plane), command)
     if isinstance(command, TorchCopy):
         return _torch_copy(_routed(runtime).local, command)
     if isinstance(command, RawWrite) and command.method == RAW_SAMEHOST:
@@ -329,10 +329,18 @@ def _routed(runtime: _Runtime) -> Any:
     return transport
 
 
-async def _plane_write(transport: Any, command: PlaneWrite) -> BenchResult:
-    if command.plane not in ("local", "primary"):
-        raise ValueError(f"unknown plane {command.plane!r}: local or primary")
-    plane: Transport = transport.local if command.plane == "local" else transport.primary
+def _plane_named(runtime: _Runtime, name: str) -> Transport:
+    """The worker's plane `name`: "local" (only a routed transport has it) or "primary" (Mooncake, the transport
+    itself where it is not routed). Raises ValueError for an unknown name or a missing plane."""
+    if name == "primary" and runtime.transport is not None and not hasattr(runtime.transport, "primary"):
+        return runtime.transport
+    if name not in ("local", "primary"):
+        raise ValueError(f"unknown plane {name!r}: local or primary")
+    plane: Transport = getattr(_routed(runtime), name)
+    return plane
+
+
+async def _plane_write(plane: Transport, command: PlaneWrite) -> BenchResult:
     for peer, regions in zip(command.peers, command.regions, strict=False):
         plane.add_peer(peer, regions)
     cpu, start = time.process_time(), time.perf_counter()
