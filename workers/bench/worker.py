@@ -196,9 +196,15 @@ def handle_bench(runtime: _Runtime, command: BenchCommand) -> BenchResult | Coro
 def _hold_many(runtime: _Runtime, state: BenchState, command: HoldMany) -> BenchResult:
     pool, service = runtime.pool, runtime.service
     loop = asyncio.get_running_loop()
-    for req_id, transfer_id, block_ids, num_tokens, seed in command.requests:
-        if command.fill:
-            fill(pool.layers, pool.meta, seed, block_ids, num_tokens)
+    for _, _, block_ids, num_tokens, seed in command.requests if command.fill else ():
+        fill(pool.layers, pool.meta, seed, block_ids, num_tokens)
+    if command.fill and pool.device.type == "cuda":
+        import torch
+
+        # The fills are kernels on this stream; the plane copies on its own: wait here, untimed, rather than hand
+        # every request a ready future the timed run would then wait on.
+        torch.cuda.synchronize()
+    for req_id, transfer_id, block_ids, num_tokens, _ in command.requests:
         if command.ready == "none":
             service.start_send(req_id, transfer_id, block_ids, num_tokens, None, secret=harness_secret(transfer_id))
             continue
