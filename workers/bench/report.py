@@ -252,6 +252,7 @@ class GpuReport:
     startup_s: float
     total_s: float
     layouts: list[LayoutResult] = field(default_factory=list)
+    device: str = "cuda"  # where the engines kept their KV
 
     def summary(self) -> dict[str, Any]:
         """The JSON object `kvsvc bench --device cuda --json` ends with (`gpu_summary`)."""
@@ -268,7 +269,7 @@ def gpu_summary(report: GpuReport) -> dict[str, Any]:
     ratio_keys = {GPU_TORCH: "kvsvc_over_torch_copy", GPU_MOONCAKE: "kvsvc_over_mooncake_tcp",
                   GPU_PLANE: "kvsvc_over_plane"}  # fmt: skip
     return {
-        "device": "cuda",
+        "device": report.device,
         "transport": large.transport,
         "model": report.sizes.model.name,
         "reps": report.sizes.reps,

@@ -189,7 +189,7 @@ class BenchRunner:
         self.progress("layer-wise")
         layerwise = self._gpu_layerwise()
         layouts = self._layouts()
-        return GpuReport(z, [large], layerwise, startup, time.perf_counter() - began, layouts)
+        return GpuReport(z, [large], layerwise, startup, time.perf_counter() - began, layouts, self.device)
 
     def _gpu_baselines(self, p: Executor, d: Executor, descs: list[list[Desc]]) -> dict[str, Any]:
         """The commands that move `descs[j]` (for D worker j) each baseline's way: the pair's own plane, torch's
