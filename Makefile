@@ -11,7 +11,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 # Mooncake's CUDA wheels are per CUDA major version: -cuda13 for a CUDA 13 driver, the plain one for CUDA 12.
 CUDA_EXTRA := $(shell nvidia-smi 2>/dev/null | grep -q 'CUDA Version: 1[3-9]' && echo cuda13 || echo cuda)
 
-.PHONY: setup setup-vllm demo plan test lint typecheck check bench clean
+.PHONY: setup setup-vllm demo plan test lint typecheck check bench clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -54,6 +54,17 @@ test: $(STAMP) $(VLLM_STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvsvc bench --quick
+
+# The GPU host (torch, no package index): `make gpu-wheels` here fills .gpu/wheels with what it lacks, carry .gpu
+# there and run `make gpu-check` (docs/testing.md, "On a GPU host without a package index").
+GPU_WHEELS := .gpu/wheels
+PIP_PY := $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-wheels:
+	$(PIP_PY) -m workers.gpu_check wheels $(GPU_WHEELS)
+
+gpu-check:
+	@GPU_WHEELS=$(GPU_WHEELS) bash scripts/gpu-check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

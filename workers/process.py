@@ -216,6 +216,7 @@ class WorkerRuntime:
         # req_id -> (direction, transfer_id, started): what `Transfers` lists; dropped once `get_finished` reports it.
         self.in_flight: dict[str, tuple[str, str, float]] = {}
         self.mooncake: MooncakeTransport | None = None  # the engine `kvsvc bench` measures its baselines on
+        self.transport: Transport | None = None  # the routed transport the service writes through (bench baselines)
         self.bench: BenchState | None = None
 
     def handle(self, command: Command) -> Result:
@@ -328,6 +329,7 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
         return 1
     runtime = WorkerRuntime(options, pool, service)
     runtime.mooncake = mooncake
+    runtime.transport = transport
     loop = asyncio.get_running_loop()
     shutdown_seq: list[int] = []
     later: set[asyncio.Task[None]] = set()

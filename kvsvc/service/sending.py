@@ -184,6 +184,7 @@ class SendingRole:
                 "state": "connected",
                 "expected_destinations": sorted(inbound.expected),
                 "transport": inbound.target.plane,
+                "session": inbound.target.session,
             }
             for inbound in self._inbound.values()
         ]

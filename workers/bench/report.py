@@ -205,4 +205,104 @@ class BenchReport:
         }
 
 
-__all__ = ["LAYOUT_RATIO_TARGET", "BenchReport", "LayerwiseResult", "LayoutResult", "ScenarioResult"]
+# -- with the KV on a GPU ---------------------------------------------------------------------------------------
+
+CUDA_IPC: Final = "cuda_ipc"  # the GPU plane's `Route.kind`
+GPU_PLANE: Final = "plane"  # the pair's own plane called alone on kvsvc's descriptors (CUDA IPC on one host)
+GPU_TORCH: Final = "torch_copy"  # torch's `copy_` into D's memory as mapped in P (only on the CUDA IPC plane)
+GPU_MOONCAKE: Final = "mooncake_tcp"  # Mooncake's TCP transport on the same GPU memory
+
+
+@dataclass
+class GpuScenarioResult:
+    """One scenario with every engine's KV on the GPU: GB/s per way (`kvsvc` and the baselines that ran, keyed
+    `GPU_PLANE`, `GPU_TORCH`, `GPU_MOONCAKE`), and kvsvc's speed over each baseline's (`ratios`, medians of
+    per-repetition ratios: baseline span / kvsvc span, > 1 means kvsvc is faster)."""
+
+    name: str
+    reps: int
+    requests: int
+    bytes_per_rep: int
+    transport: str
+    gbps: dict[str, float]
+    ratios: dict[str, float]
+    p50_ms: float
+    p99_ms: float
+    descriptors_per_request: float
+    verified: bool
+    failures: int
+
+
+@dataclass
+class GpuLayerwiseResult:
+    """The layer-wise comparison on the GPU, and each baseline's time to move the same request whole once the
+    compute ended (`baseline_ms`); `ratios` are baseline ms / kvsvc's layer-wise ms (> 1: kvsvc done sooner)."""
+
+    layerwise: LayerwiseResult
+    baseline_ms: dict[str, float]
+    ratios: dict[str, float]
+    failures: int = 0
+
+
+@dataclass
+class GpuReport:
+    sizes: Sizes
+    scenarios: list[GpuScenarioResult]
+    layerwise: GpuLayerwiseResult
+    startup_s: float
+    total_s: float
+    layouts: list[LayoutResult] = field(default_factory=list)
+    device: str = "cuda"  # where the engines kept their KV
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON object `kvsvc bench --device cuda --json` ends with (`gpu_summary`)."""
+        return gpu_summary(self)
+
+
+def gpu_summary(report: GpuReport) -> dict[str, Any]:
+    """The figures of a GPU run as one JSON-ready object: the headline ratios of the large scenario (kvsvc over
+    torch's copy, over Mooncake's TCP, over the plane alone; absent where that baseline did not run), the layer-wise
+    figures, each layout's ratio to homogeneous, and every scenario in full. `verified` holds only when every
+    scenario and layout verified; `failures` sums them all."""
+    large = next(s for s in report.scenarios if s.name == "large")
+    lw = report.layerwise
+    ratio_keys = {GPU_TORCH: "kvsvc_over_torch_copy", GPU_MOONCAKE: "kvsvc_over_mooncake_tcp",
+                  GPU_PLANE: "kvsvc_over_plane"}  # fmt: skip
+    return {
+        "device": report.device,
+        "transport": large.transport,
+        "model": report.sizes.model.name,
+        "reps": report.sizes.reps,
+        "kvsvc_gbps": large.gbps["kvsvc"],
+        **{f"{key}_gbps": large.gbps[key] for key in (GPU_PLANE, GPU_TORCH, GPU_MOONCAKE) if key in large.gbps},
+        **{ratio_keys[key]: value for key, value in large.ratios.items()},
+        "layerwise_ms": lw.layerwise.layer_ms,
+        "whole_request_ms": lw.layerwise.whole_ms,
+        "layerwise_ratio": lw.layerwise.ratio,
+        "layerwise_baseline_ms": dict(lw.baseline_ms),
+        "layerwise_ratios": {ratio_keys[k]: v for k, v in lw.ratios.items()},
+        "split_over_homogeneous": {x.name: x.ratio_to_homogeneous for x in report.layouts},
+        "verified": all(s.verified for s in report.scenarios) and all(x.verified for x in report.layouts),
+        "failures": sum(s.failures for s in report.scenarios) + lw.failures + sum(x.failures for x in report.layouts),
+        "startup_s": report.startup_s,
+        "total_s": report.total_s,
+        "scenarios": {s.name: {k: v for k, v in vars(s).items() if k != "name"} for s in report.scenarios}
+        | {x.name: {k: v for k, v in vars(x).items() if k != "name"} for x in report.layouts},
+    }
+
+
+__all__ = [
+    "CUDA_IPC",
+    "GPU_MOONCAKE",
+    "GPU_PLANE",
+    "GPU_TORCH",
+    "LAYOUT_RATIO_TARGET",
+    "BenchReport",
+    "GpuLayerwiseResult",
+    "GpuReport",
+    "GpuScenarioResult",
+    "LayerwiseResult",
+    "LayoutResult",
+    "ScenarioResult",
+    "gpu_summary",
+]

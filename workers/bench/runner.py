@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvsvc.layout import pool_regions
 from kvsvc.planner import plan_transfer, plan_transfer_arrays
 from kvsvc.service import ServiceConfig
 from workers.bench.measure import (
@@ -34,7 +35,19 @@ from workers.bench.measure import (
     split_per_half,
 )
 from workers.bench.models import Sizes
-from workers.bench.report import BenchReport, LayerwiseResult, LayoutResult, ScenarioResult
+from workers.bench.report import (
+    CUDA_IPC,
+    GPU_MOONCAKE,
+    GPU_PLANE,
+    GPU_TORCH,
+    BenchReport,
+    GpuLayerwiseResult,
+    GpuReport,
+    GpuScenarioResult,
+    LayerwiseResult,
+    LayoutResult,
+    ScenarioResult,
+)
 from workers.bench.worker import (
     BenchRequest,
     Collect,
@@ -43,11 +56,13 @@ from workers.bench.worker import (
     Desc,
     HoldMany,
     PeerStyleWrite,
+    PlaneWrite,
     RawWrite,
     RecvMany,
+    TorchCopy,
 )
 from workers.executor import EngineConfig, Executor, start_all
-from workers.process import Verify
+from workers.process import Peers, Verify
 from workers.stats import percentile
 from workers.synthetic import VerifyResult
 
@@ -62,12 +77,21 @@ STAGING_BYTES = 64 << 20  # the staging region of the layout scenarios' workers
 class BenchRunner:
     """Starts the engines (`start`), runs the scenarios (`run`), and closes them (`close`)."""
 
-    def __init__(self, sizes: Sizes, progress: Callable[[str], None] = lambda _: None, transport: str = "auto") -> None:
-        """`transport`: every engine's `ServiceConfig.transport` (the plane kvsvc's writes take)."""
+    def __init__(
+        self,
+        sizes: Sizes,
+        progress: Callable[[str], None] = lambda _: None,
+        transport: str = "auto",
+        device: str = "cpu",
+    ) -> None:
+        """`transport`: every engine's `ServiceConfig.transport` (the plane kvsvc's writes take); `device`: where
+        every engine keeps its KV and staging region ("cpu", or "cuda": the host's first GPU, for `run_gpu`)."""
         self.sizes = sizes
         self.progress = progress
+        self.device = device
         z, m = sizes, sizes.model
         hnd: dict[str, Any] = dict(
+            device=device,
             num_layers=m.num_layers,
             num_kv_heads=m.num_kv_heads,
             head_size=m.head_size,
@@ -76,6 +100,7 @@ class BenchRunner:
         )
         hnd_blocks = max(z.large_requests * z.large_blocks, z.hetero_requests * z.hetero_blocks) + 4
         small = dict(
+            device=device,
             service=ServiceConfig(transport=transport),
             num_layers=z.small_layers,
             num_kv_heads=z.small_kv_heads,
@@ -103,7 +128,7 @@ class BenchRunner:
         nhd = dict(lay, layout="NHD")
         self.pn = Executor(EngineConfig(engine_id="bench-pn", staging_bytes=staged, **nhd))
         self.dn2 = Executor(EngineConfig(engine_id="bench-dn2", role="decode", tp_size=2, staging_bytes=staged, **nhd))
-        self.executors = [self.p, self.d, self.d2, self.px, self.dx]
+        self.executors = [self.p, self.d] + ([] if device == "cuda" else [self.d2, self.px, self.dx])
         self.executors += [self.ps, self.ps2, self.dh, self.dh2, self.dwide, self.pn, self.dn2]
 
     def start(self) -> None:
@@ -132,6 +157,11 @@ class BenchRunner:
         )
         self.progress("layer-wise")
         layerwise = self._layerwise()
+        layouts = self._layouts()
+        return BenchReport(z, scenarios, layerwise, startup, time.perf_counter() - began, layouts)
+
+    def _layouts(self) -> list[LayoutResult]:
+        z = self.sizes
         layouts = []
         for name, p, d, layout in (
             ("hetero_tp_up", self.ps, self.dh2, "HND, P tp1 -> D tp2"),
@@ -141,7 +171,119 @@ class BenchRunner:
         ):
             self.progress(name)
             layouts.append(self._layout(name, layout, p, d, z.hetero_requests, z.hetero_blocks, z.hetero_reps))
-        return BenchReport(z, scenarios, layerwise, startup, time.perf_counter() - began, layouts)
+        return layouts
+
+    # -- on a GPU -------------------------------------------------------------------------------------------
+
+    def run_gpu(self) -> GpuReport:
+        """The run with every engine's KV on the GPU: the large scenario and the layer-wise one against the pair's
+        own plane, torch's copy into the same mapping and Mooncake's TCP on the same memory; the layout scenarios
+        against homogeneous."""
+        began = time.perf_counter()
+        self.progress("starting engines (KV on the GPU)")
+        self.start()
+        startup = time.perf_counter() - began
+        z = self.sizes
+        self.progress("large")
+        large = self._gpu_scenario("large", self.p, self.d, z.large_requests, z.large_blocks, 1000, z.reps)
+        self.progress("layer-wise")
+        layerwise = self._gpu_layerwise()
+        layouts = self._layouts()
+        return GpuReport(z, [large], layerwise, startup, time.perf_counter() - began, layouts, self.device)
+
+    def _gpu_baselines(self, p: Executor, d: Executor, descs: list[list[Desc]]) -> dict[str, Any]:
+        """The commands that move `descs[j]` (for D worker j) each baseline's way: the pair's own plane, torch's
+        copy (only where that plane is CUDA IPC) and Mooncake's TCP to D's `transport_addr`."""
+        d_metas = [d.metas[(0, tp)] for tp in range(d.config.tp_size)]
+        plane = _plane(p)
+        commands: dict[str, Any] = {}
+        if plane != "mooncake":
+            sessions = _local_sessions(p, d)
+            commands[GPU_PLANE] = PlaneWrite("local", sessions, descs)
+            if plane == CUDA_IPC:
+                commands[GPU_TORCH] = TorchCopy(sessions, descs)
+        mooncake = [m.transport_addr for m in d_metas]
+        commands[GPU_MOONCAKE] = PlaneWrite("primary", mooncake, descs, [pool_regions(m) for m in d_metas])
+        return commands
+
+    def _gpu_scenario(
+        self, name: str, p: Executor, d: Executor, count: int, blocks: int, seed0: int, reps: int
+    ) -> GpuScenarioResult:
+        p_meta = p.metas[(0, 0)]
+        d_metas = [d.metas[(0, tp)] for tp in range(d.config.tp_size)]
+        tokens = blocks * p_meta.block_size
+        shapes = [
+            (list(range(i * blocks, (i + 1) * blocks)), list(range(i * blocks, (i + 1) * blocks)), seed0 + i)
+            for i in range(count)
+        ]
+        plans = [[plan_transfer(p_meta, dm, pb, db, tokens) for dm in d_metas] for pb, db, _ in shapes]
+        total_bytes = sum(length for per_req in plans for plan in per_req for _, _, length in plan)
+        descs: list[list[Desc]] = [
+            [(x[0], x[1], x[2]) for per_req in plans for x in per_req[j]] for j in range(len(d_metas))
+        ]
+        self._kvsvc_round(p, d, f"{name}-warm", shapes[:1], fill=True)
+        plane = _plane(p)
+        baselines = self._gpu_baselines(p, d, descs)
+        for command in baselines.values():  # each way's first call (mappings, Mooncake's connection), untimed
+            self._raw(p, d, command)
+        spans: dict[str, list[float]] = {"kvsvc": [], **{k: [] for k in baselines}}
+        latencies: list[float] = []
+        verified, failures = True, 0
+        rng = random.Random(seed0)
+        for rep in range(reps):
+            order = list(baselines)
+            rng.shuffle(order)
+            order.insert(0 if rep == 0 else rng.randrange(len(order) + 1), "kvsvc")
+            for run in order:
+                if run == "kvsvc":
+                    round_ = self._kvsvc_round(p, d, f"{name}-{rep}", shapes, fill=rep == 0)
+                    span, bad = round_["span"], round_["failed"]
+                    latencies.extend(round_["latencies"])
+                    if rep == 0:
+                        verified = self._verify(d, shapes, tokens, 1.0)
+                else:
+                    span, _, bad = self._raw(p, d, baselines[run])
+                spans[run].append(span)
+                failures += int(bad)
+        gb = total_bytes / GB
+        return GpuScenarioResult(
+            name=name,
+            reps=reps,
+            requests=count,
+            bytes_per_rep=total_bytes,
+            transport=plane,
+            gbps={k: gb / statistics.median(v) for k, v in spans.items()},
+            ratios={k: paired_ratio(v, spans["kvsvc"]) for k, v in spans.items() if k != "kvsvc"},
+            p50_ms=1e3 * percentile(latencies, 50),
+            p99_ms=1e3 * percentile(latencies, 99),
+            descriptors_per_request=sum(len(x) for x in descs) / count / len(d_metas),
+            verified=verified,
+            failures=failures,
+        )
+
+    def _gpu_layerwise(self) -> GpuLayerwiseResult:
+        """The layer-wise comparison, and each baseline's time to move the same request once its compute ended
+        (the whole request then, as a program without kvsvc would): medians over the iterations."""
+        layerwise = self._layerwise()
+        p, d = self.p, self.d
+        blocks = list(range(self.sizes.large_blocks))
+        tokens = len(blocks) * p.metas[(0, 0)].block_size
+        plan = plan_transfer(p.metas[(0, 0)], d.metas[(0, 0)], blocks, blocks, tokens)
+        baselines = self._gpu_baselines(p, d, [[(x[0], x[1], x[2]) for x in plan]])
+        spans: dict[str, list[float]] = {k: [] for k in baselines}
+        failures = 0
+        for _ in range(max(3, self.sizes.layerwise_iterations)):
+            for key, command in baselines.items():
+                span, _, bad = self._raw(p, d, command)
+                spans[key].append(span)
+                failures += int(bad)
+        baseline_ms = {k: 1e3 * statistics.median(v) for k, v in spans.items()}
+        return GpuLayerwiseResult(
+            layerwise,
+            baseline_ms=baseline_ms,
+            ratios={k: ms / layerwise.layer_ms for k, ms in baseline_ms.items() if layerwise.layer_ms > 0},
+            failures=failures,
+        )
 
     # -- layouts that split heads or blocks -----------------------------------------------------------------
 
@@ -390,7 +532,9 @@ class BenchRunner:
             "threads": _thread_split(threads0, threads1),
         }
 
-    def _raw(self, p: Executor, d: Executor, command: RawWrite | PeerStyleWrite) -> tuple[float, float, int]:
+    def _raw(
+        self, p: Executor, d: Executor, command: RawWrite | PeerStyleWrite | PlaneWrite | TorchCopy
+    ) -> tuple[float, float, int]:
         d_cpu0 = sum(_cpu(r) for r in d.broadcast(CpuTime()))
         result = p.call(0, command, timeout_s=300)
         d_cpu1 = sum(_cpu(r) for r in d.broadcast(CpuTime()))
@@ -516,8 +660,29 @@ def _busy_share(rounds: Sequence[dict[str, float]]) -> float:
 
 
 def _plane(p: Executor) -> str:
-    """The plane P's writes to its D workers take: "samehost" when every pair chose it, else "mooncake"."""
-    return "samehost" if p.planes() == {"samehost"} else "mooncake"
+    """The plane P's writes to its D workers take: the one every pair chose ("samehost", "cuda_ipc"), else
+    "mooncake"."""
+    planes = p.planes()
+    return planes.pop() if len(planes) == 1 else "mooncake"
+
+
+def _local_sessions(p: Executor, d: Executor) -> list[str]:
+    """The session of each D worker (tp order) on the plane its pair chose, from P's peer table (worker 0's).
+
+    Raises:
+        ValueError: P's worker 0 has no hello from one of D's workers.
+    """
+    rows = p.call(0, Peers())
+    assert isinstance(rows, list)
+    found = {
+        int(row["peer_tp_rank"]): str(row["session"])
+        for row in rows
+        if row["direction"] == "from_d" and row["peer_engine_id"] == d.engine_id and row.get("session")
+    }
+    missing = [tp for tp in range(d.config.tp_size) if tp not in found]
+    if missing:
+        raise ValueError(f"P {p.engine_id!r} worker 0 has no session of D {d.engine_id!r} tp ranks {missing}")
+    return [found[tp] for tp in range(d.config.tp_size)]
 
 
 def _cpu(result: object) -> float:

@@ -23,6 +23,7 @@ import numpy as np
 from kvsvc.data_planes import SameHostAddress
 from kvsvc.service import KVTransferService
 from kvsvc.testing.holds import harness_secret
+from kvsvc.transport.base import Region, Transport
 from kvsvc.transport.mooncake import MooncakeTransport
 from kvsvc.transport.samehost import copy_into
 from workers.kv_pool import KVPool
@@ -39,6 +40,7 @@ class _Runtime(Protocol):
     pool: KVPool
     service: KVTransferService
     mooncake: MooncakeTransport | None
+    transport: Transport | None
     bench: BenchState | None
 
 
@@ -122,7 +124,30 @@ class PeerStyleWrite:
     threads: int = PEER_THREADS
 
 
-BenchCommand = HoldMany | Compute | RecvMany | Collect | CpuTime | RawWrite | PeerStyleWrite
+@dataclass(frozen=True, slots=True)
+class PlaneWrite:
+    """P: write `descriptors[i]` to `peers[i]` through one plane of the worker's routed transport, all peers at once
+    (the service's own call, without the service): `plane` "local" (the pair's own plane: CUDA IPC for KV on a GPU)
+    or "primary" (Mooncake; `regions[i]`, D's published KV, are added as `peers[i]`'s first, since a pair that took
+    the local plane never told Mooncake about D). Answers the span and the CPU it took."""
+
+    plane: str
+    peers: list[str]
+    descriptors: list[list[Desc]]
+    regions: list[list[Region]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class TorchCopy:
+    """P, KV on a GPU: copy `descriptors[i]` with torch into `peers[i]`'s memory as mapped in this process (the CUDA
+    IPC plane's `peer_pointer`), one `copy_` per contiguous run, then wait for the device. What a program that
+    opened the same mapping would do with torch alone."""
+
+    peers: list[str]
+    descriptors: list[list[Desc]]
+
+
+BenchCommand = HoldMany | Compute | RecvMany | Collect | CpuTime | RawWrite | PeerStyleWrite | PlaneWrite | TorchCopy
 BenchResult = dict[str, Any]
 
 
@@ -152,6 +177,10 @@ def handle_bench(runtime: _Runtime, command: BenchCommand) -> BenchResult | Coro
         return _collect(runtime.service, state, command)
     if isinstance(command, CpuTime):
         return {"cpu": time.process_time()}
+    if isinstance(command, PlaneWrite):
+        return _plane_write(_plane_named(runtime, command.plane), command)
+    if isinstance(command, TorchCopy):
+        return _torch_copy(_routed(runtime).local, command)
     if isinstance(command, RawWrite) and command.method == RAW_SAMEHOST:
         return _timed(lambda: _raw_samehost_write(command))
     if isinstance(command, RawWrite | PeerStyleWrite):
@@ -167,9 +196,15 @@ def handle_bench(runtime: _Runtime, command: BenchCommand) -> BenchResult | Coro
 def _hold_many(runtime: _Runtime, state: BenchState, command: HoldMany) -> BenchResult:
     pool, service = runtime.pool, runtime.service
     loop = asyncio.get_running_loop()
-    for req_id, transfer_id, block_ids, num_tokens, seed in command.requests:
-        if command.fill:
-            fill(pool.layers, pool.meta, seed, block_ids, num_tokens)
+    for _, _, block_ids, num_tokens, seed in command.requests if command.fill else ():
+        fill(pool.layers, pool.meta, seed, block_ids, num_tokens)
+    if command.fill and pool.device.type == "cuda":
+        import torch
+
+        # The fills are kernels on this stream; the plane copies on its own: wait here, untimed, rather than hand
+        # every request a ready future the timed run would then wait on.
+        torch.cuda.synchronize()
+    for req_id, transfer_id, block_ids, num_tokens, _ in command.requests:
         if command.ready == "none":
             service.start_send(req_id, transfer_id, block_ids, num_tokens, None, secret=harness_secret(transfer_id))
             continue
@@ -290,6 +325,88 @@ def _raw_samehost_write(command: RawWrite) -> int:
         except OSError:
             failures += 1
     return failures
+
+
+def _routed(runtime: _Runtime) -> Any:
+    """The worker's routed transport (`primary` and `local` planes). Raises ValueError when it has only one plane."""
+    transport = runtime.transport
+    if transport is None or not hasattr(transport, "local") or not hasattr(transport, "primary"):
+        raise ValueError("this worker has one data plane only (KV plane off or forced to Mooncake)")
+    return transport
+
+
+def _plane_named(runtime: _Runtime, name: str) -> Transport:
+    """The worker's plane `name`: "local" (only a routed transport has it) or "primary" (Mooncake, the transport
+    itself where it is not routed). Raises ValueError for an unknown name or a missing plane."""
+    if name == "primary" and runtime.transport is not None and not hasattr(runtime.transport, "primary"):
+        return runtime.transport
+    if name not in ("local", "primary"):
+        raise ValueError(f"unknown plane {name!r}: local or primary")
+    plane: Transport = getattr(_routed(runtime), name)
+    return plane
+
+
+async def _plane_write(plane: Transport, command: PlaneWrite) -> BenchResult:
+    for peer, regions in zip(command.peers, command.regions, strict=False):
+        plane.add_peer(peer, regions)
+    cpu, start = time.process_time(), time.perf_counter()
+    writes = [plane.write(peer, descs) for peer, descs in zip(command.peers, command.descriptors, strict=True) if descs]
+    results = await asyncio.gather(*writes, return_exceptions=True)
+    span = time.perf_counter() - start
+    return {
+        "span": span,
+        "cpu_start": cpu,
+        "cpu": time.process_time(),
+        "failures": sum(1 for r in results if isinstance(r, BaseException)),
+    }
+
+
+def contiguous_runs(descs: Sequence[Desc]) -> list[Desc]:
+    """`descs` with each descriptor that continues the one before it on both sides merged into it: the copies a
+    program would issue for the same bytes."""
+    runs: list[Desc] = []
+    for src, dst, length in descs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+        else:
+            runs.append((src, dst, length))
+    return runs
+
+
+class _CudaBytes:
+    """`length` bytes of device memory at `ptr`, as `__cuda_array_interface__` describes them to torch."""
+
+    def __init__(self, ptr: int, length: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+def _torch_copy(plane: Any, command: TorchCopy) -> BenchResult:
+    """The copies timed from the first `copy_` to the device done; wrapping the addresses as tensors, which a
+    program does once, is not.
+
+    Raises:
+        InvalidDescriptor: from `peer_pointer`, for a session or an address D did not publish.
+    """
+    import torch
+
+    copies = []
+    for peer, descs in zip(command.peers, command.descriptors, strict=True):
+        for src, dst, length in contiguous_runs(descs):
+            mapped = plane.peer_pointer(peer, dst)
+            copies.append((torch.as_tensor(_CudaBytes(src, length), device="cuda"),
+                           torch.as_tensor(_CudaBytes(mapped, length), device="cuda")))  # fmt: skip
+    torch.cuda.synchronize()  # what came before (the fill, kvsvc's writes) is not timed as the copies' own
+    cpu, start = time.process_time(), time.perf_counter()
+    for src_t, dst_t in copies:
+        dst_t.copy_(src_t)
+    torch.cuda.synchronize()
+    return {"span": time.perf_counter() - start, "cpu_start": cpu, "cpu": time.process_time(), "failures": 0}
 
 
 def _peer_style_write(engine: Any, command: PeerStyleWrite) -> int:

@@ -23,9 +23,10 @@ from rich.table import Table
 
 from kvsvc.data_planes import SETTINGS
 from workers.bench.models import DEFAULT_MODEL, MODELS
+from workers.demo.runner import DEVICES
 
 if TYPE_CHECKING:
-    from workers.bench.report import BenchReport, LayoutResult, ScenarioResult
+    from workers.bench.report import BenchReport, GpuReport, LayoutResult, ScenarioResult
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,6 +55,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the plane of kvsvc's writes: auto (default: the same-host plane on one host), mooncake, samehost; "
         "with --vllm, the kvsvc connector's default is measured and Mooncake forced beside it",
     )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where every engine keeps its KV and staging region (default cpu); cuda: the host's first GPU, where "
+        "the large and layer-wise scenarios run against the plane alone, torch's copy into the same mapping and "
+        "Mooncake's TCP on the same memory, and the layout scenarios against homogeneous (refused when torch sees "
+        "no GPU)",
+    )
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the test's sizes
     parser.add_argument(
         "--vllm",
@@ -79,6 +89,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    device = getattr(args, "device", "cpu")
+    if device == "cuda":
+        refusal = "--device cuda measures the synthetic engines, not --vllm" if args.vllm else gpu_missing()
+        if refusal:
+            print(f"kvsvc bench: {refusal}", file=sys.stderr)
+            return 2
+        return run_gpu(args)
     if args.vllm:
         return run_vllm(args)
     from workers.bench.models import FULL, QUICK, TINY
@@ -106,6 +123,75 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["verified"] and not summary["failures"] else 1
 
 
+def gpu_missing() -> str:
+    """Why `--device cuda` cannot run here ("" when it can): torch sees no CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ""
+    return f"device cuda: torch {torch.__version__} here sees no CUDA GPU"
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    """`kvsvc bench --device cuda`: the GPU table on the console (stderr with `--json`), the summary on stdout."""
+    from workers.bench.models import FULL, QUICK, TINY, gpu_sizes
+    from workers.bench.runner import BenchRunner
+
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    sizes = (
+        TINY if args.tiny else gpu_sizes(dataclasses.replace(QUICK if args.quick else FULL, model=MODELS[args.model]))
+    )
+    console = Console(stderr=args.json)
+    runner = BenchRunner(
+        sizes,
+        progress=lambda what: console.log(f"bench: {what}"),
+        transport=getattr(args, "transport", "auto"),
+        device="cuda",
+    )
+    try:
+        report = runner.run_gpu()
+    finally:
+        runner.close()
+    console.print(render_gpu(report))
+    if report.layouts:
+        console.print(render_layouts(report))
+    summary = report.summary()
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    return 0 if summary["verified"] and not summary["failures"] else 1
+
+
+def render_gpu(report: GpuReport) -> Table:
+    """The GPU run: metrics as rows, the large scenario and the layer-wise one as columns."""
+    from workers.bench.report import GPU_MOONCAKE, GPU_PLANE, GPU_TORCH
+
+    z, lw = report.sizes, report.layerwise
+    names = {GPU_PLANE: "plane alone", GPU_TORCH: "torch copy", GPU_MOONCAKE: "Mooncake TCP"}
+    table = Table(
+        title=f"kvsvc bench, KV on the GPU: model {z.model.name}; {z.reps} repetitions; medians, ratios paired per "
+        f"repetition (kvsvc's speed over the baseline's, > 1: kvsvc faster; GB = 1e9 B); startup "
+        f"{report.startup_s:.1f} s, total {report.total_s:.1f} s"
+    )
+    table.add_column("metric")
+    for s in report.scenarios:
+        table.add_column(f"{s.name} ({s.requests} req, {s.bytes_per_rep / 2**20:.0f} MiB, {s.transport})",
+                         justify="right")  # fmt: skip
+    lw_bytes = lw.layerwise.request_bytes / 2**20
+    table.add_column(f"layer-wise (1 req, {lw_bytes:.0f} MiB; ms after the compute)", justify="right")
+    table.add_row("kvsvc", *(f"{s.gbps['kvsvc']:.1f} GB/s" for s in report.scenarios),
+                  f"{lw.layerwise.layer_ms:.3f} ms (whole request {lw.layerwise.whole_ms:.3f})")  # fmt: skip
+    for key, label in names.items():
+        cells = [f"{s.gbps[key]:.1f} GB/s" if key in s.gbps else "-" for s in report.scenarios]
+        table.add_row(label, *cells, f"{lw.baseline_ms[key]:.3f} ms" if key in lw.baseline_ms else "-")
+        cells = [f"{s.ratios[key]:.2f}" if key in s.ratios else "-" for s in report.scenarios]
+        table.add_row(f"  kvsvc / {label}", *cells, f"{lw.ratios[key]:.2f}" if key in lw.ratios else "-")
+    table.add_row("kvsvc p50 / p99 ms", *(f"{s.p50_ms:.2f} / {s.p99_ms:.2f}" for s in report.scenarios), "")
+    table.add_row("descriptors/request", *(f"{s.descriptors_per_request:.1f}" for s in report.scenarios), "")
+    table.add_row("verified / failures", *(f"{s.verified} / {s.failures}" for s in report.scenarios),
+                  f"- / {lw.failures}")  # fmt: skip
+    return table
+
+
 def _by_column(
     title: str, items: Sequence[Any], header: Callable[[Any], str]
 ) -> tuple[Table, Callable[[str, str, Callable[[Any], Any]], None]]:
@@ -122,7 +208,7 @@ def _by_column(
     return table, row
 
 
-def render_layouts(report: BenchReport) -> Table:
+def render_layouts(report: BenchReport | GpuReport) -> Table:
     """The layout scenarios: metrics as rows, one column per layout pair."""
     table, row = _by_column(
         "layouts that split heads or blocks, each paired per repetition with P tp1 -> D tp1 (HND) moving the "

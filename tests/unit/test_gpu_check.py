@@ -1,0 +1,195 @@
+"""`make gpu-wheels` and `make gpu-check` on a CPU host, and `kvsvc bench --device cuda` where torch sees no GPU:
+the slim Mooncake repack (on a tiny fake wheel), the wheel download kept idempotent, the kvsvc dist-info that makes
+the entry points visible without pip, the check's JSON summary, its no-GPU answer (the script run with a PATH that
+has no nvidia-smi) and the bench's refusal by name. The GPU run itself needs a GPU (docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from workers import gpu_check
+from workers.bench.models import TINY
+from workers.bench.report import (
+    GPU_MOONCAKE,
+    GPU_PLANE,
+    GPU_TORCH,
+    GpuLayerwiseResult,
+    GpuReport,
+    GpuScenarioResult,
+    LayerwiseResult,
+    gpu_summary,
+)
+from workers.bench.worker import contiguous_runs
+from workers.gpu_check import StepResult, dist_info, last_json, repack_slim, summary
+
+REPO = Path(__file__).resolve().parents[2]
+DIST = "mooncake_transfer_engine_cuda13-0.3.14.dist-info"
+LIBS = "mooncake_transfer_engine_cuda13.libs"
+KEPT = {
+    "mooncake/__init__.py",
+    "mooncake/engine.so",
+    "mooncake/libasio.so",
+    "mooncake/libetcd_wrapper.so",
+    f"{DIST}/METADATA",
+    f"{DIST}/WHEEL",
+    f"{DIST}/RECORD",
+    f"{LIBS}/libglog-6ed04f2c.so.0.0.0",
+    f"{LIBS}/libyaml-cpp-2ec4b324.so.0.7.0",
+    f"{LIBS}/libjsoncpp-4b349785.so.1.8.4",
+    f"{LIBS}/libgflags-8aee0f6c.so.2.1.2",
+    f"{LIBS}/libunwind-7e4e9a3c.so.8.0.1",
+    f"{LIBS}/libasio-ffed6571.so",
+}
+DROPPED = {
+    "mooncake/transfer_engine_bench",
+    "mooncake/engine.pyi",
+    "mooncake/store.so",
+    f"{LIBS}/libcurl-0123abcd.so.4",
+    f"{LIBS}/libibverbs-0123abcd.so.1",
+}
+
+
+def _fake_wheel(path: Path, members: set[str]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name in sorted(members):
+            zf.writestr(name, f"bytes of {name}")
+        zf.writestr(f"{DIST}/RECORD", "".join(f"{n},sha256=x,1\n" for n in sorted(members)))
+    return path
+
+
+def test_the_slim_wheel_keeps_the_engine_and_its_libraries_only(tmp_path: Path) -> None:
+    full = _fake_wheel(tmp_path / "full.whl", (KEPT | DROPPED) - {f"{DIST}/RECORD"})
+    slim = repack_slim(full, tmp_path / "slim.whl")
+    with zipfile.ZipFile(slim) as zf:
+        assert set(zf.namelist()) == KEPT
+        assert zf.read("mooncake/engine.so") == b"bytes of mooncake/engine.so"
+        record = zf.read(f"{DIST}/RECORD").decode().split()
+    assert {line.split(",")[0] for line in record} == KEPT  # the RECORD lists what is there, not the full wheel
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_a_wheel_without_the_engine_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    other = _fake_wheel(tmp_path / "other.whl", KEPT - {"mooncake/engine.so", f"{DIST}/RECORD"})
+    with pytest.raises(ValueError, match=r"mooncake/engine\.so"):
+        repack_slim(other, tmp_path / "slim.whl")
+    assert not (tmp_path / "slim.whl").exists()
+
+
+def test_download_wheels_fetches_each_wheel_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def fake_download(python: str, spec: str, into: Path) -> None:
+        calls.append(spec)
+        name = spec.split("==")[0].replace("-", "_")
+        if name.startswith("mooncake"):
+            _fake_wheel(into / f"{name}-0.3.14-cp312-cp312-manylinux_2_28_x86_64.whl", KEPT - {f"{DIST}/RECORD"})
+        else:
+            (into / f"{name}-1.0-py3-none-any.whl").write_bytes(b"PK")
+
+    monkeypatch.setattr(gpu_check, "_pip_download", fake_download)
+    first = gpu_check.download_wheels(tmp_path / "wheels")
+    assert [p.name for p in first] == [
+        "mooncake_slim-cp312.whl",
+        "msgspec-1.0-py3-none-any.whl",
+        "pytest_asyncio-1.0-py3-none-any.whl",
+    ]
+    assert len(calls) == 3
+    assert gpu_check.download_wheels(tmp_path / "wheels") == first
+    assert len(calls) == 3  # the second run downloads nothing
+
+
+def test_the_dist_info_makes_kvsvc_entry_points_visible_without_pip(tmp_path: Path) -> None:
+    where = dist_info(REPO / "pyproject.toml", tmp_path)
+    assert where.name == "kvsvc-0.1.0.dist-info"
+    (dist,) = importlib.metadata.distributions(path=[str(tmp_path)])
+    points = {(e.group, e.name): e.value for e in dist.entry_points}
+    assert points[("kvsvc.commands", "bench")] == "workers.commands.bench:register"
+    assert points[("pytest11", "kvsvc")] == "kvsvc.testing.plugin"
+    assert points[("console_scripts", "kvsvc")] == "kvsvc.cli:main"
+
+
+def test_the_summary_reports_every_step_and_fails_on_any() -> None:
+    results = [StepResult("pytest_cuda", 0, 12.34, "a.log"), StepResult("demo_auto", -1, 60.0, "b.log")]
+    bench = {"kvsvc_gbps": 900.0, "kvsvc_over_torch_copy": 0.8, "scenarios": {"large": {}}, "verified": True}
+    found = summary(results, bench, "/logs")
+    assert found["gpu"] is True and found["ok"] is False and found["failed"] == ["demo_auto"]
+    assert found["steps"]["pytest_cuda"] == {"ok": True, "rc": 0, "seconds": 12.3, "log": "a.log"}
+    assert found["steps"]["demo_auto"]["ok"] is False
+    assert found["bench"] == {"kvsvc_gbps": 900.0, "kvsvc_over_torch_copy": 0.8, "verified": True}
+    assert summary(results[:1], None, "/logs")["ok"] is True
+    json.dumps(found)  # one JSON object
+
+
+def test_the_bench_figures_are_the_last_json_object_of_its_stdout() -> None:
+    assert last_json('{"a": 1}\nnoise\n{"b": 2}\n[1, 2]\ntrailing words\n') == {"b": 2}
+    assert last_json("no json here\n") is None
+
+
+def test_the_gpu_bench_summary_names_each_ratio() -> None:
+    large = GpuScenarioResult(
+        name="large", reps=3, requests=4, bytes_per_rep=1 << 28, transport="cuda_ipc",
+        gbps={"kvsvc": 900.0, GPU_PLANE: 1000.0, GPU_TORCH: 1200.0, GPU_MOONCAKE: 2.0},
+        ratios={GPU_PLANE: 0.9, GPU_TORCH: 0.75, GPU_MOONCAKE: 450.0},
+        p50_ms=0.5, p99_ms=0.9, descriptors_per_request=28.0, verified=True, failures=0,
+    )  # fmt: skip
+    layerwise = GpuLayerwiseResult(
+        LayerwiseResult(layer_ms=0.2, whole_ms=0.6, layer_time_ms=4.0, layers=28, request_bytes=1 << 26),
+        baseline_ms={GPU_TORCH: 0.1, GPU_MOONCAKE: 30.0},
+        ratios={GPU_TORCH: 0.5, GPU_MOONCAKE: 150.0},
+        failures=1,
+    )
+    found = gpu_summary(GpuReport(TINY, [large], layerwise, 10.0, 60.0))
+    assert found["device"] == "cuda" and found["transport"] == "cuda_ipc"
+    assert found["kvsvc_over_torch_copy"] == 0.75 and found["kvsvc_over_mooncake_tcp"] == 450.0
+    assert found["kvsvc_over_plane"] == 0.9 and found["torch_copy_gbps"] == 1200.0
+    assert found["layerwise_ratios"] == {"kvsvc_over_torch_copy": 0.5, "kvsvc_over_mooncake_tcp": 150.0}
+    assert found["failures"] == 1 and found["verified"] is True
+    assert set(found["scenarios"]) == {"large"}
+    json.dumps(found)
+
+
+def test_torch_copy_merges_only_runs_contiguous_on_both_sides() -> None:
+    descs = [(0, 100, 10), (10, 110, 5), (15, 200, 5), (20, 205, 5), (40, 210, 5)]
+    assert contiguous_runs(descs) == [(0, 100, 15), (15, 200, 10), (40, 210, 5)]
+    assert contiguous_runs([]) == []
+
+
+def test_gpu_check_without_nvidia_smi_says_no_gpu_and_succeeds(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTHONPATH")} | {"PATH": str(bin_dir)}
+    done = subprocess.run(
+        ["/bin/bash", str(REPO / "scripts" / "gpu-check.sh")], env=env, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line) for line in done.stdout.splitlines()] == [
+        {"gpu": False, "reason": "no nvidia-smi on PATH"}
+    ]
+
+
+def test_bench_on_cuda_is_refused_by_name_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    from workers.commands import bench
+
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--device", "cuda", "--quick"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "device cuda" in err and "sees no CUDA GPU" in err and torch.__version__ in err
