@@ -36,10 +36,11 @@ GB/s in one `kvsvc bench` run), about 1 us a piece, where Mooncake's TCP transpo
 SAMEHOST_GATHER_COST_S_PER_BYTE: Final = 0.1e-9
 """What gathering a byte costs before a same-host write: the copy alone (about 10 GB/s in place). The write after it
 runs at memory speed too, so the gather delays the first byte little, unlike before a Mooncake write."""
-GPU_DESCRIPTOR_COST_S: Final = 5e-6
-"""What one more piece costs a GPU-plane write: one copy call submitted from Python (5.4 us measured on an H100),
-while the copy itself runs at device speed; a gather on the device costs a kernel, not a byte."""
+GPU_DESCRIPTOR_COST_S: Final = 1e-6
+"""What one more piece costs a GPU-plane write: its share of the write's checks and of the one batched copy call
+(448 pieces in about 0.3 ms of P's loop), while the copy itself runs at device speed."""
 GPU_GATHER_COST_S_PER_BYTE: Final = 0.002e-9
+"""What gathering (on P) or scattering (on D) a byte costs on the GPU plane: a kernel on the device, about 1 TB/s."""
 SETTINGS: Final = ("auto", "mooncake", "samehost")
 SAMEHOST_CHECK_S: Final = 2.0
 """The most P waits for the check of a same-host peer's process (a few /proc reads and one kernel probe, about a
@@ -192,14 +193,17 @@ _ADDRESS_END: Final = 1 << 64
 def rule_on(kind: str, rule: StagingRule) -> StagingRule:
     """`rule` with the costs of plane `kind`: on the same-host plane a piece costs about a microsecond and a gathered
     byte its copy, so P gathers pieces of a few KiB and writes larger ones direct, and a window (a scatter on D's
-    loop) rarely pays; on the GPU plane a piece costs its copy call and a gather on the device almost nothing, so
-    P gathers whatever is split; on Mooncake `rule` as configured."""
+    loop) rarely pays; on the GPU plane a piece costs about a microsecond of P's loop and a gather or scatter on
+    the device almost nothing, so whatever is split is staged on the device; on Mooncake `rule` as configured."""
     if kind == "samehost":
         return replace(
             rule, descriptor_cost_s=SAMEHOST_DESCRIPTOR_COST_S, gather_cost_s_per_byte=SAMEHOST_GATHER_COST_S_PER_BYTE
         )
     if kind == "cuda_ipc":
-        return replace(rule, descriptor_cost_s=GPU_DESCRIPTOR_COST_S, gather_cost_s_per_byte=GPU_GATHER_COST_S_PER_BYTE)
+        byte = GPU_GATHER_COST_S_PER_BYTE
+        return replace(
+            rule, descriptor_cost_s=GPU_DESCRIPTOR_COST_S, gather_cost_s_per_byte=byte, scatter_cost_s_per_byte=byte
+        )
     return rule
 
 

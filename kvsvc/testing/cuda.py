@@ -5,7 +5,7 @@ How it stands in: an "allocation" is a memfd mapped into this process; its "IPC 
 descriptor, and "opening" it maps the same file again, through /proc, at another address (so a write through the
 mapping lands in the allocation, as CUDA IPC's would, and works between processes of one user too). Copies are
 `memmove`s done when enqueued; an event fires after `lag` queries. Knobs fail the next exports, opens or copies.
-Never the proof that the GPU plane works on a GPU: `make gpu-check` is. Imports the standard library only.
+Never the proof that the GPU plane works on a GPU: `make gpu-check` is. Imports the standard library and numpy.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import ctypes
 import mmap
 import os
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 from kvsvc.transport.cuda_driver import IPC_HANDLE_BYTES, CudaError, CudaEvent
 
@@ -128,9 +130,9 @@ class FakeCudaDriver:
     def new_stream(self) -> int:
         return 1
 
-    def copy(self, stream: int, pieces: Sequence[tuple[int, int, int]]) -> None:
+    def copy(self, stream: int, pieces: npt.NDArray[np.int64]) -> None:
         self.calls.append(len(pieces))
-        for i, (src, dst, length) in enumerate(pieces):
+        for i, (src, dst, length) in enumerate(pieces.tolist()):
             if self.fail_copies:
                 self.fail_copies -= 1
                 raise CudaError(f"cuMemcpyDtoDAsync failed on piece {i}: an illegal memory access", 700)

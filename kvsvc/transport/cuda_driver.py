@@ -6,7 +6,7 @@ fake can stand in for (`kvsvc.testing.cuda.FakeCudaDriver`) and CPU tests cover 
 primary context of the bound GPU current on the calling thread (the one torch and vLLM use, so their memory is this
 context's), and raises `CudaError` naming the call and the driver's own error text. A copy of many pieces is one
 `cuMemcpyBatchAsync` call where the driver has it and a self-test of it passed, else one call per piece (about 5 us
-each from Python). Imports the standard library only.
+each from Python). Imports the standard library and numpy.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
 from typing import Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from kvsvc.errors import TransportError
 
@@ -72,9 +74,10 @@ class CudaDriver(Protocol):
         """A non-blocking stream for copies. Raises `CudaError`."""
         ...
 
-    def copy(self, stream: int, pieces: Sequence[tuple[int, int, int]]) -> None:
-        """Enqueue every `(src, dst, length)` device-to-device copy on `stream`. Raises `CudaError` when a copy
-        could not be enqueued; those before it may still run (record an event to know when)."""
+    def copy(self, stream: int, pieces: npt.NDArray[np.int64]) -> None:
+        """Enqueue the device-to-device copy of every row `(src, dst, length)` of `pieces` on `stream`. Raises
+        `CudaError` when a copy could not be enqueued; those before it may still run (record an event to know
+        when)."""
         ...
 
     def record(self, stream: int) -> CudaEvent:
@@ -209,7 +212,7 @@ class LibCuda:
         self._check(self._lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
         return stream.value or 0
 
-    def copy(self, stream: int, pieces: Sequence[tuple[int, int, int]]) -> None:
+    def copy(self, stream: int, pieces: npt.NDArray[np.int64]) -> None:
         self._current()
         if len(pieces) >= BATCH_MIN_PIECES and self._batch is not False:
             if self._batch is None:
@@ -218,24 +221,24 @@ class LibCuda:
                 self._copy_batch(stream, pieces)
                 return
         copy, handle = self._lib.cuMemcpyDtoDAsync_v2, ctypes.c_void_p(stream)
-        for src, dst, length in pieces:
+        for src, dst, length in pieces.tolist():
             code = copy(dst, src, length, handle)
             if code:
                 self._check(code, f"cuMemcpyDtoDAsync({length} bytes to {dst:#x})")
 
-    def _copy_batch(self, stream: int, pieces: Sequence[tuple[int, int, int]]) -> None:
+    def _copy_batch(self, stream: int, pieces: npt.NDArray[np.int64]) -> None:
         n = len(pieces)
-        srcs, dsts, sizes = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)(), (ctypes.c_size_t * n)()
-        for i, (src, dst, length) in enumerate(pieces):
-            srcs[i], dsts[i], sizes[i] = src, dst, length
+        # Three contiguous 64-bit columns, which the driver reads as its pointer and size arrays.
+        srcs, dsts, sizes = (np.ascontiguousarray(pieces[:, i], dtype=np.uint64) for i in range(3))
+        as_u64 = ctypes.POINTER(ctypes.c_uint64)
         where = _Location(_LOCATION_DEVICE, self._device)
         attributes = _CopyAttributes(_SRC_ACCESS_ORDER_STREAM, where, where, 0)
         first = (ctypes.c_size_t * 1)(0)
         self._check(
             self._lib.cuMemcpyBatchAsync_v2(
-                dsts,
-                srcs,
-                sizes,
+                dsts.ctypes.data_as(as_u64),
+                srcs.ctypes.data_as(as_u64),
+                sizes.ctypes.data_as(as_u64),
                 ctypes.c_size_t(n),
                 ctypes.byref(attributes),
                 first,
@@ -258,9 +261,8 @@ class LibCuda:
             host = (ctypes.c_ubyte * (2 * n))(*([7] * n + [0] * n))
             self._check(lib.cuMemcpyHtoD_v2(scratch, host, ctypes.c_size_t(2 * n)), "cuMemcpyHtoD")
             quarter = n // 4
-            self._copy_batch(
-                stream, [(scratch.value + i * quarter, scratch.value + n + i * quarter, quarter) for i in range(4)]
-            )
+            pieces = [(scratch.value + i * quarter, scratch.value + n + i * quarter, quarter) for i in range(4)]
+            self._copy_batch(stream, np.array(pieces, dtype=np.int64))
             self._check(lib.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
             back = (ctypes.c_ubyte * (2 * n))()
             self._check(lib.cuMemcpyDtoH_v2(back, scratch, ctypes.c_size_t(2 * n)), "cuMemcpyDtoH")

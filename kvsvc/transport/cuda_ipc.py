@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+import numpy as np
+import numpy.typing as npt
+
 from kvsvc.data_planes import SameHostAddress, check_ipc_handles
 from kvsvc.errors import TransportError
 from kvsvc.messages import IpcHandle
@@ -50,6 +53,24 @@ CLOSE_TIMEOUT_S: Final = 30.0
 ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
 
 
+Table = npt.NDArray[np.int64]
+"""Descriptors as rows `(src, dst, length)`."""
+
+
+class _Ranges:
+    """Sorted, non-overlapping `[start, end)` ranges as arrays, for checks of a whole table at once."""
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        ordered = sorted(regions)
+        self.starts = np.array([a for a, _ in ordered], dtype=np.int64)
+        self.ends = np.array([a + n for a, n in ordered], dtype=np.int64)
+
+    def hold(self, addr: Table, length: Table) -> bool:
+        """Whether every `[addr, addr + length)` lies inside one range."""
+        i = np.searchsorted(self.starts, addr, side="right") - 1
+        return bool(np.all(i >= 0) and np.all(addr + length <= self.ends[np.maximum(i, 0)]))
+
+
 @dataclass(slots=True)
 class _Mapping:
     """D's allocations as mapped here: sorted by D's base, each `(d_base, size, base here)`."""
@@ -57,15 +78,23 @@ class _Mapping:
     spans: list[tuple[int, int, int]]
     handles: list[bytes]
     starts: list[int] = field(default_factory=list)
+    _bases: Table = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _shifts: Table = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
         self.spans.sort()
         self.starts = [span[0] for span in self.spans]
+        self._bases = np.array(self.starts, dtype=np.int64)
+        self._shifts = np.array([mapped - d_base for d_base, _, mapped in self.spans], dtype=np.int64)
 
     def here(self, addr: int) -> int:
         """Where D's `addr` is mapped in this process (the caller checked it lies in a published region)."""
         d_base, _, mapped = self.spans[bisect_right(self.starts, addr) - 1]
         return mapped + (addr - d_base)
+
+    def here_all(self, addr: Table) -> Table:
+        """`here` of every address of `addr` (each checked to lie in a published region)."""
+        return addr + self._shifts[np.searchsorted(self._bases, addr, side="right") - 1]
 
 
 @dataclass(slots=True)
@@ -73,6 +102,7 @@ class _Peer:
     address: SameHostAddress
     mapping: _Mapping
     regions: AddressRanges | None = None  # published by add_peer
+    arrays: _Ranges | None = None  # the same, for checks of a whole table
     in_flight: int = 0
     removed: bool = False
 
@@ -85,6 +115,7 @@ class CudaIpcTransport:
         self._me = own_address()
         self._gpu = ""
         self._local = AddressRanges()
+        self._local_arrays = _Ranges([])
         self._exports: dict[int, IpcHandle] = {}  # D's side: allocation base -> handle
         self._unexportable = ""  # why this worker's memory cannot be offered (logged once)
         self._peers: dict[str, _Peer] = {}  # admitted sessions
@@ -135,6 +166,7 @@ class CudaIpcTransport:
             raise TransportClosed("the GPU plane is closed")
         for addr, length in regions:
             self._local.add(addr, length)
+        self._local_arrays = _Ranges(self._local.regions())
         if self._unexportable:
             return
         try:
@@ -262,6 +294,7 @@ class CudaIpcTransport:
             peer.regions = AddressRanges(regions)
         except TransportError as exc:
             raise InvalidDescriptor(str(exc), ERR_FAILED) from None
+        peer.arrays = _Ranges(regions)
 
     def remove_peer(self, session_id: str) -> None:
         peer = self._peers.pop(session_id, None)
@@ -311,13 +344,27 @@ class CudaIpcTransport:
             self._counts["refused"] += 1
             raise TransportClosed("the GPU plane is closed")
         peer = self._peers.get(session)
-        known = peer is not None and not peer.removed
-        try:
-            total = check_descriptors(descriptors, self._local, peer.regions if peer and known else None, session)
-        except InvalidDescriptor:
-            self._counts["refused"] += 1
-            raise
+        table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
+        src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+        if (
+            peer is None
+            or peer.removed
+            or peer.arrays is None
+            or not len(table)
+            or not np.all(length > 0)
+            or not self._local_arrays.hold(src, length)
+            or not peer.arrays.hold(dst, length)
+        ):
+            # The slow check names the first descriptor at fault (or passes an empty write).
+            try:
+                check_descriptors(
+                    descriptors, self._local, peer.regions if peer and not peer.removed else None, session
+                )
+            except InvalidDescriptor:
+                self._counts["refused"] += 1
+                raise
         assert peer is not None
+        total = int(length.sum())
         loop = self._own.current()
         result: asyncio.Future[int] = loop.create_future()
         if start_time(peer.address.pid) != peer.address.start:
@@ -327,8 +374,7 @@ class CudaIpcTransport:
             message = f"GPU write to {session}: process {peer.address.pid} is gone"
             result.set_exception(WriteFailed(message, ERR_GONE, peer=session, drained=done))
             return result
-        here = peer.mapping.here
-        pieces = [(src, here(dst), length) for src, dst, length in descriptors]
+        pieces = np.stack([src, peer.mapping.here_all(dst), length], axis=1)
         self._in_flight += 1
         peer.in_flight += 1
         self._idle.clear()

@@ -381,3 +381,39 @@ def test_own_address_is_what_the_gpu_plane_offers(driver: FakeCudaDriver) -> Non
     assert SameHostAddress.parse(plane.local_session_id) == SameHostAddress(
         me.host, me.uid, me.pid, me.start, driver.uuid
     )
+
+
+class _StubLib:
+    """The two copy calls of libcuda, recording what `LibCuda` hands them."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, int, int]]] = []
+        self.singles: list[tuple[int, int, int]] = []
+        self.stream = 0
+
+    def cuMemcpyBatchAsync_v2(self, dsts, srcs, sizes, count, attrs, idxs, nattrs, stream) -> int:  # type: ignore[no-untyped-def]
+        n = count.value
+        self.batches.append([(srcs[i], dsts[i], sizes[i]) for i in range(n)])
+        self.stream = stream.value
+        return 0
+
+    def cuMemcpyDtoDAsync_v2(self, dst: int, src: int, length: int, stream: object) -> int:
+        self.singles.append((src, dst, length))
+        return 0
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_the_driver_is_handed_every_piece_in_one_batch_or_one_call_each(batched: bool) -> None:
+    import threading
+
+    lib = _StubLib()
+    driver = LibCuda.__new__(LibCuda)  # no libcuda here: the marshalling alone, against a stub
+    driver._lib, driver._device, driver._batch, driver._context = lib, 0, batched, 1  # type: ignore[assignment]
+    driver._bound = threading.local()
+    driver._bound.context = 1
+    pieces = [(1 << 40, 2 << 40, 4096), ((1 << 40) + 4096, 3 << 40, 8192), (5, 6, 7), (8, 9, 10), (11, 12, 13)]
+    driver.copy(77, np.array(pieces, dtype=np.int64))
+    if batched:
+        assert lib.batches == [pieces] and lib.stream == 77 and lib.singles == []
+    else:
+        assert lib.singles == pieces and lib.batches == []

@@ -118,15 +118,19 @@ TINY = Sizes(  # the test's sizes: every code path, seconds of work
 GPU_LARGE_FACTOR: Final = 32
 GPU_LARGE_REQUESTS: Final = 8
 GPU_REPS: Final = 5
+GPU_HETERO_FACTOR: Final = 8
 
 
 def gpu_sizes(sizes: Sizes) -> Sizes:
     """`sizes` for a run with the KV on a GPU: large requests `GPU_LARGE_FACTOR` times bigger and `GPU_LARGE_REQUESTS`
     of them (4 GiB a repetition from quick's 16 MiB), since a device copy moves 16 MiB in about 11 us, far under
-    what a request's control path costs; `GPU_REPS` repetitions, each a fraction of a second."""
+    what a request's control path costs; `GPU_REPS` repetitions, each a fraction of a second; the layout
+    scenarios' requests `GPU_HETERO_FACTOR` times bigger (32 MiB from 4: a request of about 600 tokens of the
+    default model), for the same reason."""
     return replace(
         sizes,
         large_request_bytes=sizes.large_request_bytes * GPU_LARGE_FACTOR,
+        hetero_request_bytes=sizes.hetero_request_bytes * GPU_HETERO_FACTOR,
         large_requests=GPU_LARGE_REQUESTS,
         reps=min(sizes.reps, GPU_REPS),
     )
