@@ -223,7 +223,7 @@ class WorkerSide:
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it."""
         report = self._service().get_finished()
-        while self._outcomes:  # after the report: every receive it ends was started before it was drained
+        while self._outcomes:  # drained after the report: a receive it names was queued as started before it
             self._outcomes.popleft()(self.reports)
         results = self.reports.report(
             finished_req_ids,
