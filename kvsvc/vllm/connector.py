@@ -3,7 +3,7 @@
 The only module of kvsvc that imports vllm. A thin adapter: vLLM's hooks go to `SchedulerSide` (engine core) or
 `WorkerSide` (each worker) by role, and the decisions are `kvsvc.vllm.flow`'s. Rules: every hook returns at once
 (the transfers run on each worker's kvsvc thread); what vLLM's scheduler is told follows its reporting rules
-(`kvsvc.vllm.worker`); stats reach vLLM as `KvsvcStats` and its Prometheus endpoint under kvsvc's metric names.
+(`kvsvc.vllm.finished`); stats reach vLLM as `KvsvcStats` and its Prometheus endpoint under kvsvc's metric names.
 """
 
 from __future__ import annotations

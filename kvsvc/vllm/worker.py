@@ -4,10 +4,10 @@ vLLM's scheduler may act on.
 Imports torch and kvsvc's service and transport, never vllm (the adapter hands in plain values and tensors). Rules:
 - The service runs on its own loop thread (`ServiceThread`); every hook hands it work and returns at once: starting
   a send or a receive never waits for the network, and every call has a deadline.
-- vLLM's scheduler asserts on what it is told, so each id is reported at most once, and only in the shape it
-  expects: a send once vLLM has seen the request finish (`finished_req_ids`), a receive only if this worker
-  started it, a failed receive both in `failed_recving` and `finished_recving`, with its blocks in the load errors
-  of the same step.
+- What vLLM's scheduler may be told is `kvsvc.vllm.finished`'s to decide (`TransferReports`); this module feeds it.
+  What a call on the service's loop decides (a receive started, a send or receive refused) reaches it through a
+  queue the loop appends to: a call that timed out still runs there later, and its outcome must reach vLLM all the
+  same.
 - On GPU a send waits for a CUDA event per layer recorded after that layer's attention wrote it (layer-wise sends);
   on CPU the forward is over when the hook runs, so the KV is ready at once.
 """
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -35,20 +34,12 @@ from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 from kvsvc.transport.routed import with_same_host
 from kvsvc.vllm.config import ConnectorConfig
-from kvsvc.vllm.flow import NULL_BLOCK, StepMetadata
+from kvsvc.vllm.finished import TransferReports, TransferResults
+from kvsvc.vllm.flow import StepMetadata
 from kvsvc.vllm.kv_caches import WorkerIdentity, describe_kv_caches
 from kvsvc.vllm.kv_layout import layer_index
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class TransferResults:
-    """One step's report for vLLM (see module docstring)."""
-
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    failed_recving: set[str] = field(default_factory=set)
 
 
 class WorkerSide:
@@ -61,15 +52,10 @@ class WorkerSide:
         self._thread: ServiceThread | None = None
         self._layer_of: dict[str, int] = {}
         self._device = "cpu"
-        self._receiving: dict[str, tuple[int, ...]] = {}  # started receives, with their blocks
-        self._start_failures: dict[str, tuple[int, ...]] = {}  # receives that could not start: fail next report
-        self._holding: set[str] = set()  # sends started (or refused), until reported
-        self._sent: set[str] = set()  # sends the service ended, waiting for vLLM to have seen the request finish
-        # Sends the service refused, appended on its loop: a `call` that timed out still runs there later, and what
-        # it refused must reach vLLM all the same (the deque's append and popleft are safe across threads).
-        self._refused: deque[str] = deque()
-        self._seen_finished: set[str] = set()  # holding ids vLLM has reported finished
-        self._invalid: set[int] = set()
+        self.reports = TransferReports()
+        # What the service's loop decided of a step's sends and receives, as events for `reports`: a `call` that
+        # timed out still runs there later (the deque's append and popleft are safe across threads).
+        self._outcomes: deque[Callable[[TransferReports], None]] = deque()
         self._stats: dict[str, int] = {}
         # Ids this worker reported to vLLM, over its life: a test checks that every worker of every PP stage reports.
         self.reported_sending = 0
@@ -162,7 +148,6 @@ class WorkerSide:
             self._service().set_engine_metadata(dict(step.engine))
         if not (step.recvs or step.aborts):
             return
-        failures: dict[str, tuple[int, ...]] = {}
 
         def run(service: Any) -> None:
             for req_id in step.aborts:
@@ -181,14 +166,15 @@ class WorkerSide:
                     )
                 except (KVSvcError, ValueError) as exc:  # blocks outside the pool, a repeated transfer id...
                     log.error("receive of %s (transfer %r) could not start: %s", spec.req_id, spec.transfer_id, exc)
-                    failures[spec.req_id] = spec.block_ids
+                    self._outcomes.append(
+                        partial(TransferReports.recv_refused, req_id=spec.req_id, block_ids=spec.block_ids)
+                    )
+                else:
+                    self._outcomes.append(
+                        partial(TransferReports.recv_started, req_id=spec.req_id, block_ids=spec.block_ids)
+                    )
 
         self._service().call(run)
-        for spec in step.recvs:
-            if spec.req_id in failures:
-                self._start_failures[spec.req_id] = spec.block_ids
-            else:
-                self._receiving[spec.req_id] = spec.block_ids
 
     def layer_saved(self, layer_name: str, step: StepMetadata) -> None:
         """`save_kv_layer`: on GPU, mark where this layer's KV is written, for this step's layer-wise sends."""
@@ -229,54 +215,33 @@ class WorkerSide:
                     )
                 except (KVSvcError, ValueError) as exc:
                     log.error("send of %s could not start: %s", spec.req_id, exc)
-                    # vLLM keeps the blocks until it hears of the id: report it ended, and D's fetch fails cleanly.
-                    self._refused.append(spec.req_id)
+                    self._outcomes.append(partial(TransferReports.send_refused, req_id=spec.req_id))
 
-        self._holding.update(spec.req_id for spec in step.sends)
+        self.reports.sends_handed(spec.req_id for spec in step.sends)
         self._service().call(run)
 
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
-        """`get_transfer_results`: what ended since the last call, in the shape vLLM's scheduler accepts."""
+        """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it."""
         report = self._service().get_finished()
-        results = TransferResults()
-        self._seen_finished |= finished_req_ids & self._holding
-        self._sent |= report.finished_sending or set()
-        while self._refused:
-            self._sent.add(self._refused.popleft())
-        ready = self._sent & self._seen_finished
-        if ready:
-            results.finished_sending = ready
-            self._sent -= ready
-            self._seen_finished -= ready
-            self._holding -= ready
-        failed = set(report.failed_recving or ())
-        for req_id in report.finished_recving or ():
-            if self._receiving.pop(req_id, None) is not None:
-                results.finished_recving.add(req_id)
-        ours = {req_id for req_id in failed if self._receiving.pop(req_id, None) is not None}
-        results.finished_recving |= ours
-        results.failed_recving |= ours
-        if ours:
-            self._log_failures(ours)
-        self._invalid |= report.invalid_block_ids
-        for req_id, blocks in self._start_failures.items():
-            results.finished_recving.add(req_id)
-            results.failed_recving.add(req_id)
-            self._invalid.update(blocks)
-        self._start_failures.clear()
+        while self._outcomes:  # drained after the report: a receive it names was queued as started before it
+            self._outcomes.popleft()(self.reports)
+        results = self.reports.report(
+            finished_req_ids,
+            report.finished_sending or (),
+            report.finished_recving or (),
+            report.failed_recving or (),
+            report.invalid_block_ids,
+        )
+        if results.service_failures:
+            self._log_failures(results.service_failures)
         self._count(report.kv_connector_stats, results)
         self.reported_sending += len(results.finished_sending)
         self.reported_recving += len(results.finished_recving)
         return results
 
     def load_errors(self) -> set[int]:
-        """`get_block_ids_with_load_errors`: blocks of failed receives since the last call. vLLM's null block, which
-        a sliding-window group's list holds where the window has passed, is never one: no request owns it. None for
-        a hybrid model, whose failed receives vLLM takes only in `failed_recving`."""
-        invalid, self._invalid = self._invalid, set()
-        if self._identity.kv_groups:
-            return set()  # vLLM takes a hybrid model's failures only as whole requests (`failed_recving`)
-        return invalid - {NULL_BLOCK}
+        """`get_block_ids_with_load_errors`: blocks of failed receives since the last call (`TransferReports`)."""
+        return self.reports.take_load_errors(hybrid=bool(self._identity.kv_groups))
 
     def take_stats(self) -> dict[str, int] | None:
         """Counters since the last call (None when nothing moved)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -48,3 +49,102 @@ def test_the_module_lists_name_every_module() -> None:
     docstring = kvsvc.__doc__ or ""
     top = [p.stem for p in modules if p.parent == package and not re.search(rf"\b{p.stem}\b", docstring)]
     assert not top, f"kvsvc/__init__.py's docstring does not name {top}"
+
+
+# The route tables of docs/contributing.md: `| file | function | what it decides |`, one row per hop.
+ROUTE_HEADER = "| file | function | what it decides |"
+
+
+def _definitions(path: Path) -> set[str]:
+    """The names `path` defines: top-level functions and classes, and `Class.method` for each method."""
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {
+                f"{node.name}.{item.name}"
+                for item in node.body
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+            }
+    return names
+
+
+def route_tables(text: str) -> list[list[tuple[str, list[str]]]]:
+    """Each route table of `text` as its rows: (the file cited, the function names cited), in order."""
+    tables: list[list[tuple[str, list[str]]]] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() != ROUTE_HEADER:
+            continue
+        rows: list[tuple[str, list[str]]] = []
+        for row in lines[i + 2 :]:
+            if not row.startswith("|"):
+                break
+            cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+            assert len(cells) == 3, f"docs/contributing.md: a route row has {len(cells)} cells: {row}"
+            files = re.findall(r"`([^`]+)`", cells[0])
+            functions = re.findall(r"`([^`]+)`", cells[1])
+            assert len(files) == 1 and functions, f"docs/contributing.md: a route row names no file or function: {row}"
+            rows.append((files[0], functions))
+        tables.append(rows)
+    return tables
+
+
+def test_every_function_the_route_cites_is_defined_in_the_file_it_names() -> None:
+    """Each row of the route tables in docs/contributing.md names a file of the repository and functions defined
+    there (`name` at the top level, `Class.method` in a class): a renamed or misspelled hop fails here."""
+    root = DOCS.parent
+    tables = route_tables((DOCS / "contributing.md").read_text())
+    assert len(tables) >= 2, "docs/contributing.md lost its route tables"
+    wrong = []
+    for rows in tables:
+        for file, functions in rows:
+            path = root / file
+            assert path.is_file(), f"docs/contributing.md cites {file}, which does not exist"
+            defined = _definitions(path)
+            wrong += [f"{file}: {name}" for name in functions if name not in defined]
+    assert not wrong, f"docs/contributing.md cites functions its files do not define: {wrong}"
+
+
+def test_the_route_says_how_many_files_the_direct_path_crosses() -> None:
+    text = (DOCS / "contributing.md").read_text()
+    direct = route_tables(text)[0]
+    said = re.search(r"one direct transfer crosses (\d+) files", text, re.IGNORECASE)
+    assert said is not None, "docs/contributing.md no longer says how many files one direct transfer crosses"
+    assert int(said.group(1)) == len({file for file, _ in direct})
+
+
+def _members() -> dict[str, set[str]]:
+    """Every class of kvsvc by name, with what it defines: methods, class fields and attributes set on `self`."""
+    members: dict[str, set[str]] = {}
+    for path in (DOCS.parent / "kvsvc").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            names = members.setdefault(node.name, set())
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+            for sub in ast.walk(node):  # attributes a method sets on `self`
+                if isinstance(sub, ast.Assign | ast.AnnAssign):
+                    targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+                    names |= {t.attr for t in targets if isinstance(t, ast.Attribute) and _on_self(t)}
+    return members
+
+
+def _on_self(target: ast.Attribute) -> bool:
+    return isinstance(target.value, ast.Name) and target.value.id == "self"
+
+
+def test_every_class_member_contributing_md_names_exists() -> None:
+    """Beside the tables, the prose and the ownership table of docs/contributing.md name `Class.member`s: each is
+    a method, field or attribute of a kvsvc class of that name."""
+    members = _members()
+    text = (DOCS / "contributing.md").read_text()
+    cited = set(re.findall(r"`([A-Z]\w*)\.(\w+)(?:\(\))?`", text))
+    missing = sorted(f"{cls}.{name}" for cls, name in cited if name not in members.get(cls, set()))
+    assert not missing, f"docs/contributing.md names members no kvsvc class has: {missing}"

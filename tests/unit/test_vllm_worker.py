@@ -365,7 +365,29 @@ def test_a_send_refused_by_a_call_that_timed_out_is_still_reported_and_nothing_s
     service.next = KVConnectorOutput(finished_sending={"p1"})
     assert side.transfer_results(set()).finished_sending == {"p1"}
     assert side.transfer_results(set()).finished_sending == set()
-    assert side.reported_sending == 2 and not (side._holding or side._sent or side._seen_finished)
+    assert side.reported_sending == 2 and side.reports.waiting == 0
+
+
+def test_a_receive_started_or_refused_by_a_call_that_timed_out_is_still_reported_once() -> None:
+    # The same for receives: vLLM waits for each id it handed in until it is reported, so a receive that a
+    # timed-out call starts (or fails to start) once the loop frees up must still be reported, failed or not.
+    service = FakeService()
+    service.refuse_recv = {"d2"}
+    service.late = []
+    side = worker_with(service)
+    recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0, "k" * 22) for i in (1, 2))
+    with pytest.raises(KVSvcTimeout):
+        side.begin_step(StepMetadata(recvs=recvs))
+    service.catch_up()
+    assert service.calls == ["recv d1"]
+    results = side.transfer_results(set())
+    assert (results.finished_recving, results.failed_recving) == ({"d2"}, {"d2"})
+    assert side.load_errors() == {2, 12}
+    service.next = KVConnectorOutput(finished_recving={"d1"})
+    assert side.transfer_results(set()).finished_recving == {"d1"}
+    service.next = KVConnectorOutput(finished_recving={"d1"})
+    assert side.transfer_results(set()).finished_recving == set()
+    assert side.reported_recving == 2 and side.reports.waiting == 0
 
 
 class FakeEvent:

@@ -1,0 +1,115 @@
+"""What one vLLM worker may tell vLLM's scheduler has finished, `TransferReports`: which request ids go out as
+finished sending, finished receiving and failed receiving, which wait, and which are dropped.
+
+Pure module: standard library and `kvsvc.vllm.flow` only (no torch, asyncio, vllm). `kvsvc.vllm.worker` feeds it one
+call per event (sends handed to the service, a send refused, a receive started or refused) and asks it for
+each step's report. Rules (vLLM's scheduler asserts on what it is told):
+- Each id is reported at most once, and only an id vLLM handed this worker: a send of the step's `sends`, a receive
+  of its `recvs`. Anything else the service reports (an id never handed in, a repeat) is dropped.
+- A send is reported once the service ended it (or refused it) and vLLM reported the request finished
+  (`finished_req_ids`); whichever comes first waits for the other.
+- A receive is reported once it ended; a failed one is in both `finished_recving` and `failed_recving`, with its
+  blocks in the load errors of the same step; one whose start was refused fails at the next report.
+- Load errors never name vLLM's null block (no request owns it), and none go out for a hybrid model, whose failed
+  receives vLLM takes only as whole requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvsvc.vllm.flow import NULL_BLOCK
+
+
+@dataclass(slots=True)
+class TransferResults:
+    """One step's report for vLLM (see module docstring). `service_failures`: the ids of `failed_recving` that
+    the service failed (the others could not start), whose reasons the worker logs."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    service_failures: set[str] = field(default_factory=set)
+
+
+class TransferReports:
+    """The ids of one worker between vLLM handing them in and vLLM hearing they finished (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._holding: set[str] = set()  # sends handed to the service (started or refused), until reported
+        self._ended: set[str] = set()  # of those, the ones the service ended, waiting for vLLM's finish
+        self._seen_finished: set[str] = set()  # of those, the ones vLLM reported finished, waiting for the end
+        self._receiving: dict[str, tuple[int, ...]] = {}  # started receives, with their blocks
+        self._refused: dict[str, tuple[int, ...]] = {}  # receives that could not start: fail at the next report
+        self._invalid: set[int] = set()  # blocks of failed receives, until `take_load_errors`
+
+    # -- events ------------------------------------------------------------------------------------------------
+
+    def sends_handed(self, req_ids: Iterable[str]) -> None:
+        """The step's sends go to the service: each is reported once it ended and vLLM saw its request finish."""
+        self._holding.update(req_ids)
+
+    def send_refused(self, req_id: str) -> None:
+        """The service refused to start a send handed in (vLLM keeps the blocks until it hears of the id, so it is
+        reported as if the send ended; D's fetch fails cleanly)."""
+        if req_id in self._holding:
+            self._ended.add(req_id)
+
+    def recv_started(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """The service started a receive of the step: reported once the service reports it ended."""
+        self._receiving[req_id] = tuple(block_ids)
+
+    def recv_refused(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """The service refused to start a receive of the step: reported failed at the next report."""
+        self._refused[req_id] = tuple(block_ids)
+
+    # -- each step's report ------------------------------------------------------------------------------------
+
+    def report(
+        self,
+        finished_req_ids: Iterable[str],
+        finished_sending: Iterable[str] = (),
+        finished_recving: Iterable[str] = (),
+        failed_recving: Iterable[str] = (),
+        invalid_block_ids: Iterable[int] = (),
+    ) -> TransferResults:
+        """What vLLM is told this step: `finished_req_ids` are the requests vLLM reports finished, the rest is the
+        service's report since the last step (`KVTransferService.get_finished`)."""
+        results = TransferResults()
+        self._seen_finished |= self._holding.intersection(finished_req_ids)
+        self._ended |= self._holding.intersection(finished_sending)
+        ready = self._ended & self._seen_finished
+        results.finished_sending = ready
+        self._ended -= ready
+        self._seen_finished -= ready
+        self._holding -= ready
+        failed = set(failed_recving)
+        for req_id in finished_recving:
+            if self._receiving.pop(req_id, None) is not None:
+                results.finished_recving.add(req_id)
+        ours = {req_id for req_id in failed if self._receiving.pop(req_id, None) is not None}
+        results.finished_recving |= ours
+        results.failed_recving |= ours
+        results.service_failures = ours
+        self._invalid.update(invalid_block_ids)
+        for req_id, blocks in self._refused.items():
+            results.finished_recving.add(req_id)
+            results.failed_recving.add(req_id)
+            self._invalid.update(blocks)
+        self._refused.clear()
+        return results
+
+    def take_load_errors(self, *, hybrid: bool) -> set[int]:
+        """The blocks of failed receives since the last call, less vLLM's null block (which a sliding-window group's
+        list holds where the window has passed); none for a `hybrid` model."""
+        invalid, self._invalid = self._invalid, set()
+        return set() if hybrid else invalid - {NULL_BLOCK}
+
+    @property
+    def waiting(self) -> int:
+        """Ids handed in and not reported yet: 0 once every transfer of this worker was reported."""
+        return len(self._holding) + len(self._receiving) + len(self._refused)
+
+
+__all__ = ["TransferReports", "TransferResults"]
