@@ -373,13 +373,6 @@ class Receiver:
         landed, self._landed = self._landed, []
         return landed
 
-    def pending(self, transfer_id: str) -> list[Worker]:
-        """Sources of `transfer_id` still waiting for their connection (for the driver to connect)."""
-        recv = self._recvs.get(transfer_id)
-        if recv is None:
-            return []
-        return [src for src, job in recv.jobs.items() if job.state is RecvState.PENDING]
-
     def waits_on(self, transfer_id: str, engine_id: str, src: Worker) -> bool:
         """Whether `transfer_id`'s receive from P worker `src` of `engine_id` has not ended (its blocks, and any
         window lent for it, may still be written)."""
@@ -396,10 +389,6 @@ class Receiver:
         """The req_id of `transfer_id`'s receive, while it has not ended."""
         recv = self._recvs.get(transfer_id)
         return recv.req_id if recv is not None else None
-
-    def engine_of(self, transfer_id: str) -> str | None:
-        recv = self._recvs.get(transfer_id)
-        return recv.engine_id if recv is not None else None
 
     def statistics(self) -> ReceiverStatistics:
         states: dict[str, int] = {}

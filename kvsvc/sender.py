@@ -443,9 +443,6 @@ class Sender:
         """Whether `transfer_id` is still held (its outcome not decided)."""
         return transfer_id in self._holds
 
-    def held_blocks(self) -> int:
-        return sum(len(h.block_ids) for h in self._holds.values())
-
     def statistics(self) -> SenderStatistics:
         states: dict[str, int] = {}
         for hold in self._holds.values():

@@ -192,7 +192,7 @@ class ReceivingRole:
         except (KVSvcError, ValueError, KeyError) as exc:  # unreachable, malformed or incompatible: all fail now
             self._run_recv(self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}"))
             return
-        self._route(transfer_id, engine_id, routes)
+        self._start_jobs(transfer_id, engine_id, routes)
 
     def _route_known(self, transfer_id: str, engine_id: str, url: str) -> bool:
         """`_resolve_sources` at once, when an earlier receive from the same start of `engine_id` computed its
@@ -200,10 +200,10 @@ class ReceivingRole:
         routes = self._remotes.known_routes(engine_id, url, self._engine)
         if routes is None:
             return False
-        self._route(transfer_id, engine_id, routes)
+        self._start_jobs(transfer_id, engine_id, routes)
         return True
 
-    def _route(self, transfer_id: str, engine_id: str, routes: Routes) -> None:
+    def _start_jobs(self, transfer_id: str, engine_id: str, routes: Routes) -> None:
         # Peers first: commands for a peer without a connection wait in its outbox (Releases, early Aborts).
         for worker in routes.peers:
             self._ensure_outbound(routes.p_engine[worker])

@@ -45,10 +45,10 @@ def test_a_receive_tells_the_p_workers_nobody_needs_to_release_their_hold() -> N
 def test_a_source_not_yet_connected_is_asked_once_its_connection_opens() -> None:
     receiver, _, out = started(connected={P0})
     assert kinds(out) == [(P0, TransferRequest)]
-    assert receiver.pending("t1") == [P1]
+    assert receiver.statistics().jobs_by_state == {"requested": 1, "pending": 1}
     assert kinds(receiver.connected("P", P1)) == [(P1, TransferRequest)]
     assert receiver.connected("P", P1) == []
-    assert receiver.pending("t1") == []
+    assert receiver.statistics().jobs_by_state == {"requested": 2}
 
 
 def test_a_receive_finishes_once_every_source_answered_done_and_is_reported_once() -> None:
@@ -253,7 +253,7 @@ def test_an_incompatible_or_unreachable_engine_fails_the_receives_that_wait_for_
     receiver.engine_failed("P", "P tp_size 3 does not divide D tp_size 4")
     report = receiver.take_report()
     assert report.failed == {"r1"} and report.invalid_block_ids == {4, 5, 6}
-    assert receiver.engine_of("t2") == "P" and receiver.engine_of("t3") == "other"
+    assert receiver.req_of("t2") == "r2" and receiver.req_of("t3") == "r3"  # not waiting on P's handshake: alive
 
 
 def test_statistics_count_receives_by_state() -> None:

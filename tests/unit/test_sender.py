@@ -17,7 +17,7 @@ from kvsvc.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.sender import Reply, SendCommand, Sender, Submit
+from kvsvc.sender import BLOCK_ID_BYTES, Reply, SendCommand, Sender, Submit
 from kvsvc.testing.clock import FakeClock
 
 S = "s" * 22  # the transfer secret of every hold here
@@ -164,7 +164,7 @@ def test_a_hold_nobody_asks_for_expires_and_is_reported_once() -> None:
     sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.expire(clock.advance(60))
     assert sender.take_finished() == {"r1"}
-    assert sender.held_blocks() == 0
+    assert sender.statistics().holds == 0 and not sender.holds("t1")
 
 
 def test_a_write_in_flight_at_expiry_delays_the_report_until_its_result() -> None:
@@ -376,7 +376,7 @@ def test_statistics_count_what_is_held_and_pending() -> None:
     sender.hold("r1", "t1", [1, 2, 3], 9, clock(), secret=S)
     sender.request(D0, BOTH, request("t2"), clock())
     stats = sender.statistics()
-    assert (stats.holds, stats.early_requests, sender.held_blocks()) == (1, 1, 3)
+    assert (stats.holds, stats.early_requests, stats.early_request_bytes) == (1, 1, 2 * BLOCK_ID_BYTES)
 
 
 def test_an_abort_from_another_d_engine_leaves_the_transfer_alone() -> None:
