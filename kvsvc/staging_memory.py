@@ -1,4 +1,4 @@
-"""`staging_area`: a worker's staging region built the one way every worker builds it: the memory, the copies in and
+"""`build_staging`: a worker's staging region built the one way every worker builds it: the memory, the copies in and
 out of it, and the `StagingArea` that lends it to the service; registered with the transport once all of that stood.
 
 Used by the synthetic workers (`workers.process`), the loopback test engines (`kvsvc.testing.engines`) and the vLLM
@@ -27,7 +27,7 @@ class Copies(Gather, Protocol):
     def scatter(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]: ...
 
 
-def staging_area(
+def build_staging(
     nbytes: int,
     copies: Callable[[Any], Copies],
     *,
@@ -59,4 +59,4 @@ def staging_area(
     return memory, area
 
 
-__all__ = ["Copies", "staging_area"]
+__all__ = ["Copies", "build_staging"]

@@ -31,7 +31,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.service.staging_area import StagingArea
-from kvsvc.staging_memory import staging_area
+from kvsvc.staging_memory import build_staging
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
@@ -308,7 +308,7 @@ def _staging_area(options: WorkerOptions, pool: KVPool, transport: Transport) ->
         return None
     sources = [pool.buffer] if pool.buffer is not None else pool.layers
     # The area's gather keeps the region alive for as long as the service holds the area.
-    _, area = staging_area(
+    _, area = build_staging(
         options.staging_bytes, partial(TorchGather, sources), device=pool.device, register=transport.register
     )
     return area

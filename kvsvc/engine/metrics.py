@@ -45,6 +45,11 @@ COUNTERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
         ("sender", "expired_holds"),
     ),
     ("kvsvc_aborted_holds", "P holds released by an abort.", ("sender", "aborted_holds")),
+    (
+        "kvsvc_refused_secrets",
+        "Requests, releases and aborts of a held transfer without its secret (a misconfigured or probing D).",
+        ("sender", "refused_secrets"),
+    ),
     ("kvsvc_received_transfers", "Receives that finished with their KV landed.", ("receiver", "finished")),
     ("kvsvc_receive_failures", "Receives that failed (their blocks were reported invalid).", ("receiver", "failed")),
     ("kvsvc_receive_expiries", "Receives failed because a P worker never answered in time.", ("receiver", "expired")),

@@ -26,7 +26,7 @@ from kvsvc.messages import Worker
 from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
 from kvsvc.service.staging_area import StagingArea
-from kvsvc.staging_memory import staging_area
+from kvsvc.staging_memory import build_staging
 from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport
@@ -104,7 +104,7 @@ class LoopbackEngine:
             transport.register([(arena.ctypes.data, arena.nbytes)])
             staging = None
             if self.staging_bytes:
-                region, staging = staging_area(self.staging_bytes, lambda _: self.copies, register=transport.register)
+                region, staging = build_staging(self.staging_bytes, lambda _: self.copies, register=transport.register)
                 self._regions.append(region)
                 self.staging[worker] = staging
             service = KVTransferService(

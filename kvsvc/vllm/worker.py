@@ -28,7 +28,7 @@ from kvsvc.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.staging_area import StagingArea
 from kvsvc.service.threaded import ServiceThread
-from kvsvc.staging_memory import staging_area
+from kvsvc.staging_memory import build_staging
 from kvsvc.streams import completion_future
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
@@ -115,7 +115,7 @@ class WorkerSide:
         tensors = list({t.data_ptr(): t for t in kv_caches.values()}.values())
         try:
             # Registered by the caller, with the KV tensors, in the service's thread.
-            _, area = staging_area(self._config.staging_bytes, partial(TorchGather, tensors), device=tensors[0].device)
+            _, area = build_staging(self._config.staging_bytes, partial(TorchGather, tensors), device=tensors[0].device)
         except ValueError as exc:
             log.warning("kvsvc: no staging region, every write goes direct: %s", exc)
             return None, []

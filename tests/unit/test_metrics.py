@@ -22,6 +22,7 @@ class _Sender:
     finished_pending_report: int = 0
     expired_holds: int = 7
     aborted_holds: int = 1
+    refused_secrets: int = 4
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def test_statistics_dict_flattens_nested_dataclasses() -> None:
         "finished_pending_report": 0,
         "expired_holds": 7,
         "aborted_holds": 1,
+        "refused_secrets": 4,
     }
     with pytest.raises(TypeError, match="dataclass instance"):
         statistics_dict({"bytes_sent": 1})
@@ -85,6 +87,7 @@ def test_every_documented_metric_is_exported_per_worker() -> None:
         assert set(by_worker(got[name])) == {("0", "0"), ("1", "0")}, name
     assert by_worker(got["kvsvc_sent_bytes"]) == {("0", "0"): float(1 << 20), ("1", "0"): 5.0}
     assert by_worker(got["kvsvc_expired_holds"])[("0", "0")] == 7.0
+    assert by_worker(got["kvsvc_refused_secrets"])[("0", "0")] == 4.0
     assert by_worker(got["kvsvc_receive_failures"])[("0", "0")] == 3.0
     assert by_worker(got["kvsvc_receive_expiries"])[("0", "0")] == 2.0
     assert by_worker(got["kvsvc_receives_in_flight"])[("0", "0")] == 5.0

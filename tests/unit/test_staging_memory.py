@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvsvc.gather import TorchGather
-from kvsvc.staging_memory import staging_area
+from kvsvc.staging_memory import build_staging
 from kvsvc.testing.engines import MemmoveCopies
 
 
@@ -25,7 +25,7 @@ def test_without_a_device_the_region_is_zeroed_host_memory_with_the_given_copies
         seen.append(memory)
         return copies
 
-    memory, area = staging_area(4096, copies_over, register=registered.append)
+    memory, area = build_staging(4096, copies_over, register=registered.append)
     assert isinstance(memory, np.ndarray) and memory.dtype == np.uint8 and not memory.any()
     assert seen == [memory]
     assert (area.addr, area.size) == (memory.ctypes.data, 4096)
@@ -35,7 +35,7 @@ def test_without_a_device_the_region_is_zeroed_host_memory_with_the_given_copies
 
 def test_on_a_torch_device_the_region_is_a_uint8_tensor_there_with_a_torch_gather_over_it() -> None:
     pool = torch.zeros(1024, dtype=torch.uint8)
-    memory, area = staging_area(2048, partial(TorchGather, [pool]), device=pool.device)
+    memory, area = build_staging(2048, partial(TorchGather, [pool]), device=pool.device)
     assert isinstance(memory, torch.Tensor) and memory.dtype == torch.uint8 and memory.device == pool.device
     assert (area.addr, area.size, area.chunk_bytes) == (memory.data_ptr(), 2048, 1024)
     assert isinstance(area.gather, TorchGather) and area.scatter is not None
@@ -45,7 +45,7 @@ def test_copies_that_refuse_the_region_register_nothing() -> None:
     registered: list[Sequence[tuple[int, int]]] = []
     not_contiguous = torch.zeros(8, 8, dtype=torch.uint8).t()
     with pytest.raises(ValueError, match="contiguous"):
-        staging_area(64, partial(TorchGather, [not_contiguous]), device="cpu", register=registered.append)
+        build_staging(64, partial(TorchGather, [not_contiguous]), device="cpu", register=registered.append)
     with pytest.raises(ValueError, match="at least 2 bytes"):
-        staging_area(1, lambda _: MemmoveCopies(), register=registered.append)
+        build_staging(1, lambda _: MemmoveCopies(), register=registered.append)
     assert registered == []
