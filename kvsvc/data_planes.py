@@ -42,6 +42,7 @@ GPU_DESCRIPTOR_COST_S: Final = 1e-6
 GPU_GATHER_COST_S_PER_BYTE: Final = 0.002e-9
 """What gathering (on P) or scattering (on D) a byte costs on the GPU plane: a kernel on the device, about 1 TB/s."""
 SETTINGS: Final = ("auto", "mooncake", "samehost")
+PLANES: Final = ("mooncake", "samehost", "cuda_ipc")  # `Route.kind`
 SAMEHOST_CHECK_S: Final = 2.0
 """The most P waits for the check of a same-host peer's process (a few /proc reads and one kernel probe, about a
 millisecond on an idle host) before the pair takes Mooncake instead."""
@@ -210,6 +211,7 @@ def rule_on(kind: str, rule: StagingRule) -> StagingRule:
 __all__ = [
     "GPU_SCHEME",
     "IPC_HANDLE_BYTES",
+    "PLANES",
     "SAMEHOST_CHECK_S",
     "SAMEHOST_DESCRIPTOR_COST_S",
     "SAMEHOST_GATHER_COST_S_PER_BYTE",

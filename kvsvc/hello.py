@@ -30,7 +30,7 @@ from msgspec.structs import replace
 
 from kvsvc.auth import NONCE_BYTES, Key, hello_proof, hello_proof_verifies
 from kvsvc.bounds import check_hello_bounds
-from kvsvc.data_planes import check_transport_addr, choose_transport
+from kvsvc.data_planes import PLANES, check_transport_addr, choose_transport
 from kvsvc.errors import HandshakeError, PeerMismatch, TopologyError, VersionMismatch
 from kvsvc.layout import CROSS_LAYER
 from kvsvc.messages import (
@@ -174,8 +174,9 @@ def make_hello(
     )
 
 
-def check_hello_reply(p: WorkerMetadata, reply: Message) -> None:
-    """D's check of P worker `p`'s answer to its hello.
+def check_hello_reply(p: WorkerMetadata, reply: Message) -> str:
+    """D's check of P worker `p`'s answer to its hello; the plane P said its writes take ("" when P named none or
+    one D does not know: D's staging rule then applies the plane rule itself).
 
     Raises:
         HandshakeError: P refused the hello (its reason), or answered with something else.
@@ -190,6 +191,7 @@ def check_hello_reply(p: WorkerMetadata, reply: Message) -> None:
         raise PeerMismatch(
             f"{ref} says it is {WorkerRef.of(reply.sender)} with other metadata than its engine published"
         )
+    return reply.plane if reply.plane in PLANES else ""
 
 
 # -- P's side ----------------------------------------------------------------------------------------------------

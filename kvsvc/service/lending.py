@@ -46,8 +46,14 @@ class WindowLender:
         self._windows = LentWindows()
         # Requests that wait for room for a window: the receive's req_id and the task that sends them.
         self._waiting_room: dict[WindowKey, tuple[str, asyncio.Task[None]]] = {}
-        # (P engine, incarnation, P worker, D blocks, tokens) -> the window plan of D blocks 0.. (None: no window)
-        self._plans: dict[tuple[str, str, Worker, int, int], WindowPlan | None] = {}
+        # (P engine, incarnation, P worker, plane, D blocks, tokens) -> the window plan of D blocks 0.. (None: none)
+        self._plans: dict[tuple[str, str, Worker, str, int, int], WindowPlan | None] = {}
+        # The plane each P worker said (`HelloOk.plane`) its writes into this worker take, at its last hello.
+        self._planes: dict[tuple[str, Worker], str] = {}
+
+    def plane_chosen(self, engine_id: str, worker: Worker, plane: str) -> None:
+        """P worker `worker` of `engine_id` said at its hello that its writes take `plane` ("": it said none)."""
+        self._planes[(engine_id, worker)] = plane
 
     @property
     def busy(self) -> bool:
@@ -128,14 +134,13 @@ class WindowLender:
         """`plan_window`, from a cache when D's blocks for the tokens are one run of consecutive ids and D holds no
         prefix: the plan of the run starting at block 0, its destinations shifted (as P's plan cache does)."""
         d, ids, tokens = self._ctx.metadata, request.block_ids, request.num_tokens
-        # P chooses the plane; D applies the same rule to the same metadata to know whether a window pays. A pair
-        # where they differ (P forced to Mooncake, the kernel's probe refused) still works, only less well staged.
-        plane = choose_transport(p, d, self._ctx.config.transport).kind
+        # P chose the plane and said so at the hello; a P that said none gets the rule applied to both metadata.
+        plane = self._planes.get((p.engine_id, p.worker)) or choose_transport(p, d, self._ctx.config.transport).kind
         rule, max_bytes = rule_on(plane, area.rule), area.chunk_bytes
         count = -(-tokens // d.block_size)
         if request.first_token or not 0 < count <= len(ids) or not is_block_run(ids, count):
             return plan_window(p, d, ids, tokens, request.first_token, rule, max_bytes)
-        key = (p.engine_id, p.incarnation, p.worker, count, tokens)  # the plane too: it follows from P's metadata
+        key = (p.engine_id, p.incarnation, p.worker, plane, count, tokens)
         if key in self._plans:
             unit = self._plans[key]
         else:

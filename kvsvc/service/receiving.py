@@ -293,7 +293,7 @@ class ReceivingRole:
                 reply = await channel.receive()
                 handles = exported_handles(self._ctx.transport)
                 channel.send(answer_challenge(me, self._own_engine(), p, start, reply, key, handles))
-                check_hello_reply(p, await channel.receive())
+                self._windows.plane_chosen(p.engine_id, p.worker, check_hello_reply(p, await channel.receive()))
         except TimeoutError:
             channel.close()
             raise HandshakeError(f"{peer.ref} did not answer the hello within {timeout_s:g} s") from None

@@ -15,6 +15,8 @@ import secrets
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
 from kvsvc.data_planes import Route, choose_transport, samehost_check_budget
@@ -274,7 +276,7 @@ class SendingRole:
         target = WriteTarget(ref, d, channel.send, session=route.session, plane=route.kind)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
-        channel.send(decision.reply)
+        channel.send(msgspec.structs.replace(decision.reply, plane=route.kind))  # D stages by it
         return inbound
 
     def _replace(self, key: tuple[str, Worker], ref: WorkerRef) -> None:

@@ -164,6 +164,16 @@ def test_the_hello_carries_handles_only_to_a_p_on_the_gpu_plane() -> None:
         assert make_hello(d, {(0, 0): d}, meta(other, "p"), b"", handles).ipc_handles == []
 
 
+def test_d_reads_the_plane_p_chose_from_its_hello_ok_and_ignores_one_it_does_not_know() -> None:
+    from kvsvc.hello import check_hello_reply
+    from kvsvc.messages import HelloOk
+
+    p = meta("", "p")
+    assert check_hello_reply(p, HelloOk(version=2, sender=p, plane="cuda_ipc")) == "cuda_ipc"
+    assert check_hello_reply(p, HelloOk(version=2, sender=p, plane="warp-drive")) == ""
+    assert check_hello_reply(p, HelloOk(version=2, sender=p)) == ""
+
+
 def test_a_hello_exporting_too_many_allocations_is_refused_by_name() -> None:
     d = meta("", "d")
     hello = make_hello(d, {(0, 0): d}, meta("", "p"), b"")
@@ -361,6 +371,8 @@ async def test_two_services_exchange_handles_in_the_hello_and_write_over_the_gpu
                 p_pool[at + 3 * per_block : at + 4 * per_block].tobytes()
             )
         (row,) = [r for r in p.peers() if r["direction"] == "from_d"]
+        # D stages by the plane P said it chose, not by its own guess (which says cuda_ipc either way).
+        assert d._receiving._windows._planes == {("prefill", (0, 0)): row["transport"]}
         gpu = p._ctx.transport.local  # type: ignore[attr-defined]
         if opens:
             assert row["transport"] == "cuda_ipc" and gpu.statistics().bytes_written > 0
