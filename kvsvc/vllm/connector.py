@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,7 +27,7 @@ from kvsvc.groups import FULL
 from kvsvc.messages import KVGroup
 from kvsvc.vllm.config import ConnectorConfig, parse_config
 from kvsvc.vllm.flow import StepMetadata
-from kvsvc.vllm.kv_layout import GroupView, check_pipeline, kv_groups_of
+from kvsvc.vllm.kv_layout import EXPERIMENTAL_GDN_ENV, GroupView, check_pipeline, kv_groups_of
 from kvsvc.vllm.scheduler import SchedulerSide
 from kvsvc.vllm.worker import WorkerIdentity, WorkerSide
 
@@ -301,6 +302,12 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
         return []
     hf_config = vllm_config.model_config.hf_config
     n_groups = next((int(getattr(hf_config, k)) for k in ("mamba_n_groups", "n_groups") if hasattr(hf_config, k)), 0)
+    # Qwen3.5 keeps its language model's fields in a text config; Qwen3-Next in the top one (the same object).
+    text_config = getattr(vllm_config.model_config, "hf_text_config", hf_config)
+    gdn_keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    gdn_dims = (
+        tuple(int(getattr(text_config, k)) for k in gdn_keys) if all(hasattr(text_config, k) for k in gdn_keys) else ()
+    )
     views = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -321,9 +328,10 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
                 n_groups=n_groups,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 conv_layout=get_conv_state_layout(),
+                gdn_dims=gdn_dims,
             )
         views.append(view)
-    groups = kv_groups_of(views)
+    groups = kv_groups_of(views, experimental_gdn=os.environ.get(EXPERIMENTAL_GDN_ENV) == "1")
     check_pipeline(groups, vllm_config.parallel_config.pipeline_parallel_size)
     if groups:
         log.info("kvsvc: %d KV cache groups: %s", len(groups), [(g.kind, g.layers, g.sliding_window) for g in groups])

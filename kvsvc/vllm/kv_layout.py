@@ -15,7 +15,10 @@ and what was expected. The layouts are those of `kvsvc.layout`:
 | FlashInfer (older vLLM)                                  | `[blocks, 2, block_size, H, head]`      | NHD / HND  |
 | MLA (`[blocks, 1, block_size, latent]` in 0.32+)          | `[blocks, block_size, latent]`          | MLA        |
 
-A hybrid model's KV cache groups (`kv_groups_of`) are described by their spec's class name and layer names.
+A hybrid model's KV cache groups (`kv_groups_of`) are described by their spec's class name and layer names. A Gated
+DeltaNet group (Qwen3-Next, Qwen3.5) is described only when the caller opts in (`experimental_gdn`, which the
+connector takes from `$KVSVC_EXPERIMENTAL_GDN`): its state is built from the model's config and checked against
+vLLM's shapes, but it has not been proven between engines.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ GROUP_KINDS = {
     "MambaSpec": MAMBA,
 }
 MLA_SPEC = "MLAAttentionSpec"
+MAMBA_TYPES = ("MAMBA2", "GDN_ATTN")
+EXPERIMENTAL_GDN_ENV = "KVSVC_EXPERIMENTAL_GDN"
 
 
 class UnknownKVLayout(TopologyError):
@@ -168,7 +173,9 @@ def merge_regions(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 class GroupView:
     """What kvsvc needs to know of one of vLLM's KV cache groups: its spec's class name, its layers' names and, for
     a sliding window, the window in tokens; for Mamba state, the spec's per-rank shapes and dtypes, its Mamba type,
-    the model's B/C groups (`n_groups`), this engine's TP size and the conv state layout ("SD" or "DS")."""
+    the model's B/C groups (`n_groups`), this engine's TP size and the conv state layout ("SD" or "DS"); for Gated
+    DeltaNet, the model's `(linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+    linear_value_head_dim)` (`gdn_dims`, empty when its config has none)."""
 
     spec: str
     layer_names: tuple[str, ...]
@@ -179,6 +186,7 @@ class GroupView:
     n_groups: int = 0
     tp_size: int = 1
     conv_layout: str = "SD"
+    gdn_dims: tuple[int, ...] = ()
 
 
 def mamba2_state(view: GroupView) -> MambaState:
@@ -217,14 +225,67 @@ def mamba2_state(view: GroupView) -> MambaState:
     return state
 
 
-def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
+def gdn_state(view: GroupView) -> MambaState:
+    """A Gated DeltaNet layer's state over the whole model, built from the model's `gdn_dims` and checked against
+    one rank's shapes as vLLM makes them: conv `(width, channels)` in the SD layout, `(channels, width)` in DS, of
+    `(2 * key_dim + value_dim) / TP` channels, and recurrent `(value_heads / TP, value_head_dim, key_head_dim)`.
+    The conv channels are Q and K (`key_dim` each, one group per key head) then V (`value_dim`, one group per value
+    head), each split over TP by heads; the recurrent state is one block per value head.
+
+    Raises:
+        TopologyError: the config has no GDN dimensions, its heads do not split over TP, or the shapes are not
+            those the config gives (naming the values).
+    """
+    tp = view.tp_size
+    if len(view.gdn_dims) != 4 or min(view.gdn_dims) < 1 or tp < 1:
+        raise TopologyError(
+            f"Gated DeltaNet state of shapes {view.shapes}: the model's config gives no linear_num_key_heads, "
+            f"linear_num_value_heads, linear_key_head_dim and linear_value_head_dim ({view.gdn_dims}, TP {tp})"
+        )
+    k_heads, v_heads, k_dim, v_dim = view.gdn_dims
+    if k_heads % tp or v_heads % tp:
+        raise TopologyError(
+            f"Gated DeltaNet of {k_heads} key heads and {v_heads} value heads: they do not split over TP {tp}"
+        )
+    if len(view.shapes) != 2 or len(view.shapes[0]) != 2 or len(view.dtypes) != 2:
+        raise TopologyError(
+            f"Gated DeltaNet state of shapes {view.shapes}, dtypes {view.dtypes}: expected conv and recurrent"
+        )
+    conv = view.shapes[0]
+    width, channels = conv if view.conv_layout == "SD" else conv[::-1]
+    recurrent = (v_heads // tp, v_dim, k_dim)
+    if channels != (2 * k_heads * k_dim + v_heads * v_dim) // tp or tuple(view.shapes[1]) != recurrent or width < 1:
+        raise TopologyError(
+            f"Gated DeltaNet state of shapes {view.shapes} ({view.conv_layout}) at TP {tp}: the config's {k_heads} "
+            f"key heads of {k_dim} and {v_heads} value heads of {v_dim} give a conv state of "
+            f"{(2 * k_heads * k_dim + v_heads * v_dim) // tp} channels and a recurrent state of {recurrent}"
+        )
+    key = ConvPart(channels=k_heads * k_dim, groups=k_heads)
+    state = MambaState(
+        conv_parts=[key, key, ConvPart(channels=v_heads * v_dim, groups=v_heads)],
+        conv_width=width,
+        conv_dtype=view.dtypes[0],
+        ssm_heads=v_heads,
+        ssm_head_bytes=v_dim * k_dim * dtype_size(view.dtypes[1]),
+        conv_layout=view.conv_layout,
+    )
+    expected = sum(prod(shape) * dtype_size(dtype) for shape, dtype in zip(view.shapes, view.dtypes, strict=True))
+    if state_bytes(state, tp) != expected:  # the shapes were checked: this guards the description itself
+        raise TopologyError(
+            f"Gated DeltaNet state of shapes {view.shapes}: {state_bytes(state, tp)} bytes, not {expected}"
+        )
+    return state
+
+
+def kv_groups_of(groups: Sequence[GroupView], *, experimental_gdn: bool = False) -> list[KVGroup]:
     """The model's KV cache groups as this worker publishes them (`WorkerMetadata.kv_groups`): empty for one group
     of full attention, which every peer takes for granted.
 
     Raises:
-        TopologyError: a group kvsvc cannot move (Gated DeltaNet or Mamba1 state, chunked local attention, ...),
-            naming its spec and layers, so that the engine refuses to start rather than send wrong KV; or an MLA
-            group beside groups of another kind (a worker's metadata is MLA for all its layers or for none).
+        TopologyError: a group kvsvc cannot move (Mamba1 state, chunked local attention, ..., and Gated DeltaNet
+            unless `experimental_gdn`), naming its spec and layers, so that the engine refuses to start rather than
+            send wrong KV; or an MLA group beside groups of another kind (a worker's metadata is MLA for all its
+            layers or for none).
     """
     specs = sorted({group.spec for group in groups})
     if MLA_SPEC in specs and len(specs) > 1:
@@ -235,15 +296,20 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
     for i, group in enumerate(groups):
         kind = GROUP_KINDS.get(group.spec)
         first = group.layer_names[0] if group.layer_names else "none"
-        if kind is None or (kind == MAMBA and group.mamba_type != "MAMBA2"):
-            what = f"{group.spec} ({group.mamba_type})" if group.mamba_type else group.spec
+        what = f"{group.spec} ({group.mamba_type})" if group.mamba_type else group.spec
+        where = f"KV cache group {i} is a {what} ({len(group.layer_names)} layers, first {first})"
+        if kind is None or (kind == MAMBA and group.mamba_type not in MAMBA_TYPES):
+            raise TopologyError(f"{where}; kvsvc moves full-attention, MLA, sliding-window and Mamba2 groups only")
+        if kind == MAMBA and group.mamba_type == "GDN_ATTN" and not experimental_gdn:
             raise TopologyError(
-                f"KV cache group {i} is a {what} ({len(group.layer_names)} layers, first {first}); kvsvc moves "
-                "full-attention, MLA, sliding-window and Mamba2 groups only"
+                f"{where}; kvsvc describes Gated DeltaNet state but has not proven it between engines: set "
+                f"{EXPERIMENTAL_GDN_ENV}=1 to move it anyway"
             )
         layers = sorted(layer_index(name) for name in group.layer_names)
         window = group.sliding_window if kind == SLIDING_WINDOW else 0
-        state = mamba2_state(group) if kind == MAMBA else None
+        state = None
+        if kind == MAMBA:
+            state = gdn_state(group) if group.mamba_type == "GDN_ATTN" else mamba2_state(group)
         out.append(KVGroup(kind=kind, layers=layers, sliding_window=window, mamba=state))
     return [] if len(out) == 1 and out[0].kind == FULL else out
 

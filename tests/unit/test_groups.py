@@ -4,6 +4,7 @@ Mamba state slots between P and D at any two TP sizes (hypothesis), with the bad
 from __future__ import annotations
 
 import random
+from math import lcm
 
 import msgspec
 import pytest
@@ -28,6 +29,7 @@ from kvsvc.groups import (
 from kvsvc.layout import block_geometry, dtype_size, layer_addrs, layer_bytes
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import plan_transfer, sources_of
+from kvsvc.vllm.kv_layout import GroupView, kv_groups_of
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -183,13 +185,15 @@ SLOT_STATE = MambaState(
 )
 
 
-def _hybrid_engine(name: str, tp: int) -> dict[tuple[int, int], WorkerMetadata]:
+def _hybrid_engine(
+    name: str, tp: int, state: MambaState = SLOT_STATE, heads: int = 8, head_size: int = 8
+) -> dict[tuple[int, int], WorkerMetadata]:
     """Layer 0 keeps Mamba state, layer 1 full attention; addresses are offsets into one arena per worker."""
     engine = synthetic_engine(
-        name, pp_size=1, tp_size=tp, num_layers=2, num_kv_heads=8, head_size=8, dtype="float16", block_size=16,
-        num_blocks=8, base_addr=0, layer_gap=0,
+        name, pp_size=1, tp_size=tp, num_layers=2, num_kv_heads=heads, head_size=head_size, dtype="float16",
+        block_size=16, num_blocks=8, base_addr=0, layer_gap=0,
     )  # fmt: skip
-    groups = [KVGroup(kind=MAMBA, layers=[0], mamba=SLOT_STATE), KVGroup(kind=FULL, layers=[1])]
+    groups = [KVGroup(kind=MAMBA, layers=[0], mamba=state), KVGroup(kind=FULL, layers=[1])]
     return {key: msgspec.structs.replace(meta, kv_groups=groups) for key, meta in engine.items()}
 
 
@@ -234,3 +238,94 @@ def test_the_planner_writes_every_d_ranks_state_slot_byte_exact(
         assert set(writes[slot : slot + len(want)]) == {1}  # every byte of the slot once
         assert sum(writes[state : state + layer_bytes(d_meta)]) == state_bytes(SLOT_STATE, d_tp)  # nothing else
         assert sources_of(d_meta, p_engine)  # routing counts the state's sources
+
+
+# -- Gated DeltaNet state, as vLLM shapes and splits it, through the planner ---------------------------------------
+
+
+def _gdn_of(dims: tuple[int, int, int, int], width: int, tp: int) -> MambaState:
+    """The state kvsvc describes from vLLM's per-rank shapes (DS layout) of a GDN layer at `tp`."""
+    k_heads, v_heads, k_dim, v_dim = dims
+    view = GroupView(
+        "MambaSpec", ("model.layers.0.linear_attn",), mamba_type="GDN_ATTN",
+        shapes=(((2 * k_heads * k_dim + v_heads * v_dim) // tp, width), (v_heads // tp, v_dim, k_dim)),
+        dtypes=("bfloat16", "float32"), tp_size=tp, conv_layout="DS", gdn_dims=dims,
+    )  # fmt: skip
+    (group,) = kv_groups_of([view], experimental_gdn=True)
+    assert group.mamba is not None
+    return group.mamba
+
+
+def _vllm_gdn_slot(parts: list[bytes], recurrent: bytes, tp: int, rank: int) -> bytes:
+    """vLLM's slot of rank `rank` of `tp`, written out as its weight loader and shapes split it: of each of Q, K
+    and V (`parts`, the whole model's channel rows) the rank's contiguous `1 / tp` of the channels, one after
+    another, then its `1 / tp` of the value heads' recurrent state."""
+    out = b"".join(data[rank * len(data) // tp : (rank + 1) * len(data) // tp] for data in parts)
+    return out + recurrent[rank * len(recurrent) // tp : (rank + 1) * len(recurrent) // tp]
+
+
+# Every pair of TP sizes 1 to 4 that the planner takes: one divides the other (3 against 2 or 4 is refused).
+TP_PAIRS_TO_4 = [(p, d) for p in range(1, 5) for d in range(1, 5) if max(p, d) % min(p, d) == 0]
+
+
+@given(
+    tps=st.sampled_from(TP_PAIRS_TO_4),
+    key_heads_per_lcm=st.integers(1, 2),
+    v_per_k=st.integers(1, 2),
+    k_dim=st.integers(1, 3),
+    v_dim=st.integers(1, 3),
+    width=st.integers(1, 3),
+    slots=st.tuples(st.integers(1, 7), st.integers(1, 7)),
+    seed=st.integers(0, 99),
+)
+def test_gdn_state_moves_byte_exact_between_any_tp_sizes_from_1_to_4(
+    tps: tuple[int, int],
+    key_heads_per_lcm: int,
+    v_per_k: int,
+    k_dim: int,
+    v_dim: int,
+    width: int,
+    slots: tuple[int, int],
+    seed: int,
+) -> None:
+    p_tp, d_tp = tps
+    k_heads = lcm(p_tp, d_tp) * key_heads_per_lcm
+    dims = (k_heads, k_heads * v_per_k, k_dim, v_dim)
+    state = _gdn_of(dims, width, p_tp)
+    assert _gdn_of(dims, width, d_tp) == state  # both sides describe one model alike (check_same_groups)
+    rng = random.Random(seed)
+    row = width * 2  # bfloat16 conv state
+    parts = [rng.randbytes(k_heads * k_dim * row) for _ in "QK"] + [rng.randbytes(dims[1] * v_dim * row)]
+    recurrent = rng.randbytes(dims[1] * v_dim * k_dim * 4)
+    p_engine, d_engine = _hybrid_engine("P", p_tp, state, 12, 32), _hybrid_engine("D", d_tp, state, 12, 32)
+    p_slot, d_slot = slots
+    p_ids = [0, 0, p_slot, *[i for i in range(1, 8) if i != p_slot][:3]]
+    d_ids = [0, 0, d_slot, *[i for i in range(1, 8) if i != d_slot][:3]]
+    p_arena = bytearray(_end(p_engine))
+    for (_, p_rank), p_meta in p_engine.items():
+        slot = layer_addrs(p_meta)[0] + p_slot * block_geometry(p_meta).block_stride
+        data = _vllm_gdn_slot(parts, recurrent, p_tp, p_rank)
+        assert len(data) == state_bytes(state, p_tp)
+        p_arena[slot : slot + len(data)] = data
+    d_arena, writes = bytearray(_end(d_engine)), [0] * _end(d_engine)
+    for d_meta in d_engine.values():
+        for p_meta in p_engine.values():
+            for src, dst, length in plan_transfer(p_meta, d_meta, p_ids, d_ids, 40):
+                d_arena[dst : dst + length] = p_arena[src : src + length]
+                writes[dst : dst + length] = [w + 1 for w in writes[dst : dst + length]]
+    for (_, d_rank), d_meta in d_engine.items():
+        tensor = layer_addrs(d_meta)[0]
+        slot = tensor + d_slot * block_geometry(d_meta).block_stride
+        want = _vllm_gdn_slot(parts, recurrent, d_tp, d_rank)
+        assert bytes(d_arena[slot : slot + len(want)]) == want
+        assert set(writes[slot : slot + len(want)]) == {1}  # every byte of the slot once, by one P rank
+        assert sum(writes[tensor : tensor + layer_bytes(d_meta)]) == len(want)  # nothing else in the state tensor
+
+
+def test_gdn_state_in_the_time_step_major_layout_is_refused_between_two_tp_sizes() -> None:
+    state = msgspec.structs.replace(_gdn_of((4, 8, 2, 2), 3, 2), conv_layout="SD")
+    assert plan_state(state, (0, 2), (0, 2)) == [(0, 0, state_bytes(state, 2))]
+    with pytest.raises(
+        TopologyError, match=r"P TP 2 and D TP 1 split the Mamba conv state.*VLLM_SSM_CONV_STATE_LAYOUT"
+    ):
+        plan_state(state, (0, 2), (0, 1))

@@ -8,6 +8,7 @@ element the tensor holds for (block, K/V, head, token). Unknown shapes and strid
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -240,6 +241,58 @@ def test_a_mamba2_group_is_described_from_vllms_shapes_at_any_tp_and_conv_layout
                       dtypes=("float32", "float32"), n_groups=1)  # fmt: skip
     with pytest.raises(TopologyError, match="540 channels per rank"):
         kv_groups_of([wrong])
+
+
+QWEN3_NEXT_GDN = (16, 32, 128, 128)  # key heads, value heads, key head dim, value head dim
+
+
+def _gdn_view(tp: int, layout: str, dims: tuple[int, ...] = QWEN3_NEXT_GDN, **changes: object) -> GroupView:
+    """A Gated DeltaNet group as vLLM 0.32 shapes it per rank (`gated_delta_net_state_shape`, conv kernel 4)."""
+    k_heads, v_heads, k_dim, v_dim = dims
+    conv = (3, (2 * k_heads * k_dim + v_heads * v_dim) // tp)
+    view = GroupView(
+        "MambaSpec", ("model.layers.0.linear_attn", "model.layers.2.linear_attn"), mamba_type="GDN_ATTN",
+        shapes=(conv if layout == "SD" else conv[::-1], (v_heads // tp, v_dim, k_dim)),
+        dtypes=("bfloat16", "float32"), tp_size=tp, conv_layout=layout, gdn_dims=dims,
+    )  # fmt: skip
+    return dataclasses.replace(view, **changes)  # type: ignore[arg-type]
+
+
+def test_a_gdn_group_is_q_k_and_v_by_heads_and_recurrent_state_per_value_head_at_any_tp_and_layout() -> None:
+    states = []
+    for tp in (1, 2, 4, 8, 16):
+        for layout in ("SD", "DS"):
+            view = _gdn_view(tp, layout)
+            (group,) = kv_groups_of([view], experimental_gdn=True)
+            assert group.mamba is not None and group.layers == [0, 2]
+            conv, recurrent = view.shapes
+            assert state_bytes(group.mamba, tp) == conv[0] * conv[1] * 2 + recurrent[0] * 128 * 128 * 4
+            states.append(msgspec.structs.replace(group.mamba, conv_layout="DS"))
+    assert all(state == states[0] for state in states)  # one model, whatever the TP or layout
+    key = ConvPart(16 * 128, 16)
+    assert states[0].conv_parts == [key, key, ConvPart(32 * 128, 32)]
+    assert (states[0].conv_width, states[0].ssm_heads, states[0].ssm_head_bytes) == (3, 32, 128 * 128 * 4)
+
+
+def test_gdn_is_refused_unless_opted_in_and_wherever_vllms_shapes_are_not_the_configs() -> None:
+    with pytest.raises(TopologyError, match=r"group 0 is a MambaSpec \(GDN_ATTN\) \(2 layers, first model.layers.0"
+                       r".*has not proven it between engines: set KVSVC_EXPERIMENTAL_GDN=1"):  # fmt: skip
+        kv_groups_of([_gdn_view(1, "DS")])
+    with pytest.raises(TopologyError, match=r"config gives no linear_num_key_heads"):
+        kv_groups_of([_gdn_view(1, "DS", gdn_dims=())], experimental_gdn=True)
+    with pytest.raises(TopologyError, match=r"2 key heads and 4 value heads: they do not split over TP 4"):
+        kv_groups_of([_gdn_view(4, "DS", (4, 4, 8, 8), gdn_dims=(2, 4, 8, 8))], experimental_gdn=True)
+    # Another GDN_ATTN layer (Kimi Linear's KDA, ...) shapes its state its own way: not the config's sizes.
+    with pytest.raises(TopologyError, match=r"shapes \(\(4000, 3\), \(16, 128, 128\)\) \(DS\) at TP 2: the config's "
+                       r"16 key heads of 128 and 32 value heads of 128 give a conv state of 4096 channels and a "
+                       r"recurrent state of \(16, 128, 128\)"):  # fmt: skip
+        kv_groups_of([_gdn_view(2, "DS", shapes=((4000, 3), (16, 128, 128)))], experimental_gdn=True)
+    with pytest.raises(TopologyError, match=r"at TP 2: .* recurrent state of \(16, 128, 128\)"):
+        kv_groups_of([_gdn_view(2, "DS", shapes=((4096, 3), (16, 128, 64)))], experimental_gdn=True)
+    with pytest.raises(TopologyError, match=r"expected conv and recurrent"):
+        kv_groups_of([_gdn_view(1, "DS", dtypes=("bfloat16",))], experimental_gdn=True)
+    with pytest.raises(TopologyError, match=r"Mamba2 groups only"):
+        kv_groups_of([_gdn_view(1, "DS", mamba_type="MAMBA1")], experimental_gdn=True)
 
 
 def test_mamba_state_at_pp_above_1_is_refused_at_start_naming_the_layers() -> None:

@@ -1,0 +1,87 @@
+"""A Gated DeltaNet (Qwen3-Next, Qwen3.5) KV cache group as the connector reads it from vLLM: the state spec vLLM's
+own shape calculator builds at each TP size and conv layout, under a stand-in engine config, described by
+`kvsvc.vllm.connector._kv_groups` only where `$KVSVC_EXPERIMENTAL_GDN` is 1. The state moving between real
+engines is not proven by this file."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvsvc.errors import TopologyError
+from kvsvc.groups import state_bytes
+from kvsvc.messages import ConvPart
+
+pytestmark = pytest.mark.vllm
+
+# A tiny Qwen3-Next: 2 key heads and 4 value heads of 128, conv kernel 4, bfloat16;
+# layers 0 and 2 linear attention (GDN), 1 and 3 full attention.
+TEXT = SimpleNamespace(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128
+)
+
+
+def _groups(tp: int, layout: str, monkeypatch: pytest.MonkeyPatch, hf_text_config: Any = TEXT) -> list[Any]:
+    import torch
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvsvc.vllm.connector import _kv_groups
+
+    # As an engine started with VLLM_SSM_CONV_STATE_LAYOUT: vLLM reads it once per process, so the cache is cleared.
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", layout)
+    mamba_utils.get_conv_state_layout.cache_clear()
+    try:
+        shapes = mamba_utils.MambaStateShapeCalculator.gated_delta_net_state_shape(tp, 2, 4, 128, 128, 4)
+        gdn = MambaSpec(
+            block_size=16, shapes=tuple(shapes), dtypes=(torch.bfloat16, torch.bfloat16),
+            mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        )  # fmt: skip
+        full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(), hf_text_config=hf_text_config),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        )
+        groups = [(gdn, "linear_attn", (0, 2)), (full, "self_attn.attn", (1, 3))]
+        kv_cache_config = SimpleNamespace(
+            kv_cache_groups=[
+                SimpleNamespace(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.{name}" for i in layers])
+                for spec, name, layers in groups
+            ]
+        )
+        return _kv_groups(config, kv_cache_config)  # type: ignore[arg-type]
+    finally:
+        mamba_utils.get_conv_state_layout.cache_clear()
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+def test_a_qwen3_next_gdn_group_is_described_from_vllms_spec_at_tp_1_and_2(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSVC_EXPERIMENTAL_GDN", "1")
+    states = []
+    for tp in (1, 2):
+        gdn, full = _groups(tp, layout, monkeypatch)
+        assert (gdn.kind, gdn.layers, full.kind, full.layers) == ("mamba", [0, 2], "full", [1, 3])
+        state = gdn.mamba
+        # conv: (2 * 256 + 512) / tp channels of 3 steps in bfloat16; recurrent: 4 / tp heads of 128 x 128.
+        assert state_bytes(state, tp) == (1024 // tp * 3 + 4 // tp * 128 * 128) * 2
+        assert state.conv_parts == [ConvPart(256, 2), ConvPart(256, 2), ConvPart(512, 4)]
+        assert (state.conv_width, state.ssm_heads, state.ssm_head_bytes, state.conv_layout) == (3, 4, 32768, layout)
+        states.append(state)
+    assert states[0] == states[1]  # one model: P and D at TP 1 and 2 publish the same state
+
+
+def test_a_gdn_group_stops_the_engine_unless_opted_in_or_without_the_configs_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVSVC_EXPERIMENTAL_GDN", raising=False)
+    with pytest.raises(TopologyError, match=r"group 0 is a MambaSpec \(GDN_ATTN\) \(2 layers, first model.layers.0"
+                       r".*set KVSVC_EXPERIMENTAL_GDN=1 to move it anyway"):  # fmt: skip
+        _groups(1, "DS", monkeypatch)
+    monkeypatch.setenv("KVSVC_EXPERIMENTAL_GDN", "1")
+    with pytest.raises(TopologyError, match=r"config gives no linear_num_key_heads"):
+        _groups(2, "DS", monkeypatch, hf_text_config=SimpleNamespace())
