@@ -217,6 +217,61 @@ class AddressRanges:
         return len(self._starts)
 
 
+class WriteLedger:
+    """The counters and in-flight level of a plane that finishes its own writes (the same-host and GPU planes): what
+    their `statistics` and `drained` read. A write is `started` once it passed its checks and `ended` exactly once."""
+
+    def __init__(self) -> None:
+        self.bytes = self.descriptors = self.completed = self.failures = self.refused = 0
+        self.in_flight = 0  # writes started and not ended
+        self.descriptors_in_flight = 0
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
+
+    def started(self, descriptors: int) -> None:
+        self.in_flight += 1
+        self.descriptors_in_flight += descriptors
+        self._idle.clear()
+
+    def ended(self, descriptors: int, nbytes: int | None) -> None:
+        """A started write ended: its `nbytes` landed, or it failed (`nbytes` None)."""
+        self.in_flight -= 1
+        self.descriptors_in_flight -= descriptors
+        if not self.in_flight:
+            self._idle.set()
+        if nbytes is None:
+            self.failures += 1
+        else:
+            self.bytes += nbytes
+            self.descriptors += descriptors
+            self.completed += 1
+
+    async def drained(self) -> None:
+        """Return once no write is in flight. Cancellation-safe."""
+        while self.in_flight:
+            await self._idle.wait()
+
+    def statistics(self, peers: int, registered_bytes: int) -> TransportStatistics:
+        return TransportStatistics(
+            bytes_written=self.bytes,
+            descriptors_written=self.descriptors,
+            writes_completed=self.completed,
+            failures=self.failures,
+            refused=self.refused,
+            writes_in_flight=self.in_flight,
+            descriptors_in_flight=self.descriptors_in_flight,
+            peers=peers,
+            registered_bytes=registered_bytes,
+        )
+
+
+def settled(loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    """A `WriteFailed.drained` for a write of which nothing can still move."""
+    done: asyncio.Future[None] = loop.create_future()
+    done.set_result(None)
+    return done
+
+
 # Forks seen by this process: a child forked from a loop's thread keeps its memory but runs no loop.
 _forks = 0
 

@@ -41,11 +41,13 @@ from kvsvc.transport.base import (
     TransportClosed,
     TransportStatistics,
     WriteFailed,
+    WriteLedger,
     check_descriptors,
+    settled,
 )
 from kvsvc.transport.completion import wait_uncancellable
 from kvsvc.transport.cuda_driver import CudaDriver, CudaError, CudaEvent, LibCuda
-from kvsvc.transport.procfs import Endpoint, check_peer, own_address, start_time
+from kvsvc.transport.procfs import Endpoint, check_peer, own_address, process_gone
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +125,10 @@ class CudaIpcTransport:
         self._stream = 0
         self._checker: concurrent.futures.ThreadPoolExecutor | None = None
         self._own = OwnLoop()
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._ledger = WriteLedger()
         self._closed = False
         self._closing: asyncio.Future[None] | None = None
         self._close_timeout_s = close_timeout_s
-        self._counts = {"bytes": 0, "descriptors": 0, "completed": 0, "failures": 0, "refused": 0, "inflight_desc": 0}
 
     # -- what this worker offers ---------------------------------------------------------------------------------
 
@@ -279,7 +278,7 @@ class CudaIpcTransport:
         """
         peer = self._peers.get(session_id)
         if peer is None or peer.removed:
-            self._counts["refused"] += 1
+            self._ledger.refused += 1
             raise InvalidDescriptor(
                 f"GPU session {session_id!r} was not admitted: only a peer whose process passed the check and whose "
                 "IPC handles opened is written",
@@ -341,7 +340,7 @@ class CudaIpcTransport:
 
     def _submit(self, session: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int]:
         if self._closed:
-            self._counts["refused"] += 1
+            self._ledger.refused += 1
             raise TransportClosed("the GPU plane is closed")
         peer = self._peers.get(session)
         table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
@@ -361,24 +360,20 @@ class CudaIpcTransport:
                     descriptors, self._local, peer.regions if peer and not peer.removed else None, session
                 )
             except InvalidDescriptor:
-                self._counts["refused"] += 1
+                self._ledger.refused += 1
                 raise
         assert peer is not None
         total = int(length.sum())
         loop = self._own.current()
         result: asyncio.Future[int] = loop.create_future()
-        if start_time(peer.address.pid) != peer.address.start:
-            self._counts["failures"] += 1
-            done: asyncio.Future[None] = loop.create_future()
-            done.set_result(None)
+        if process_gone(session, self._me.host):
+            self._ledger.failures += 1
             message = f"GPU write to {session}: process {peer.address.pid} is gone"
-            result.set_exception(WriteFailed(message, ERR_GONE, peer=session, drained=done))
+            result.set_exception(WriteFailed(message, ERR_GONE, peer=session, drained=settled(loop)))
             return result
         pieces = np.stack([src, peer.mapping.here_all(dst), length], axis=1)
-        self._in_flight += 1
+        self._ledger.started(len(pieces))
         peer.in_flight += 1
-        self._idle.clear()
-        self._counts["inflight_desc"] += len(pieces)
         failure: CudaError | None = None
         try:
             if not self._stream:
@@ -407,54 +402,33 @@ class CudaIpcTransport:
     ) -> None:
         if event is not None:
             self._driver.release(event)
-        self._in_flight -= 1
         peer.in_flight -= 1
-        self._counts["inflight_desc"] -= pieces
-        if not self._in_flight:
-            self._idle.set()
         if peer.removed:
             self._retire(peer)
         error = failure or (None if landed.cancelled() else landed.exception())
-        if error is None and not landed.cancelled():
-            self._counts["bytes"] += total
-            self._counts["descriptors"] += pieces
-            self._counts["completed"] += 1
+        ok = error is None and not landed.cancelled()
+        self._ledger.ended(pieces, total if ok else None)
+        if ok:
             if not result.done():
                 result.set_result(total)
             return
-        self._counts["failures"] += 1
-        done = landed.get_loop().create_future()
-        done.set_result(None)  # the event fired or failed: nothing of this write still moves
-        failed = WriteFailed(f"GPU write to {session}: {error or 'cancelled'}", ERR_FAILED, peer=session, drained=done)
+        # The event fired or failed: nothing of this write still moves.
+        message = f"GPU write to {session}: {error or 'cancelled'}"
+        failed = WriteFailed(message, ERR_FAILED, peer=session, drained=settled(landed.get_loop()))
         if not result.done():
             result.set_exception(failed)
 
     async def drained(self, peer: str | None = None) -> None:
         """Return once no copy is in flight (to any peer: they share one stream). Cancellation-safe."""
-        while self._in_flight:
-            await self._idle.wait()
+        await self._ledger.drained()
 
     async def peer_gone(self, session: str) -> bool:
         """True when the process `session` names no longer exists (or its pid belongs to a later process)."""
-        try:
-            address = SameHostAddress.parse(session)
-        except ValueError:
-            return False
-        return address.host == self._me.host and start_time(address.pid) != address.start
+        return process_gone(session, self._me.host)
 
     def statistics(self) -> TransportStatistics:
-        c = self._counts
-        return TransportStatistics(
-            bytes_written=c["bytes"],
-            descriptors_written=c["descriptors"],
-            writes_completed=c["completed"],
-            failures=c["failures"],
-            refused=c["refused"],
-            writes_in_flight=self._in_flight,
-            descriptors_in_flight=c["inflight_desc"],
-            peers=sum(1 for p in self._peers.values() if not p.removed),
-            registered_bytes=self._local.total_bytes,
-        )
+        peers = sum(1 for p in self._peers.values() if not p.removed)
+        return self._ledger.statistics(peers, self._local.total_bytes)
 
     async def close(self) -> None:
         """Refuse new writes, wait up to `close_timeout_s` for the copies in flight, then close every mapping and the
@@ -469,7 +443,7 @@ class CudaIpcTransport:
         try:
             await asyncio.wait_for(self.drained(), self._close_timeout_s)
         except TimeoutError:
-            log.warning("closing the GPU plane with %d write(s) still copying", self._in_flight)
+            log.warning("closing the GPU plane with %d write(s) still copying", self._ledger.in_flight)
             return
         for session in list(self._peers):
             self.remove_peer(session)

@@ -131,10 +131,29 @@ def check_peer(address: SameHostAddress, via: tuple[Endpoint, Endpoint] | None) 
     return ""
 
 
+def process_gone(session: str, host: str) -> bool:
+    """True when the same-host session `session` names a process of host `host` that no longer exists (or whose pid
+    now belongs to a later process); False for a live one, another host's or no same-host session."""
+    try:
+        address = SameHostAddress.parse(session)
+    except ValueError:
+        return False
+    return address.host == host and start_time(address.pid) != address.start
+
+
 def own_address() -> SameHostAddress:
     """This process's same-host address."""
     pid = os.getpid()
     return SameHostAddress(host_identity(), os.getuid(), pid, start_time(pid))
 
 
-__all__ = ["Endpoint", "check_peer", "holds_connection", "host_identity", "own_address", "real_uid", "start_time"]
+__all__ = [
+    "Endpoint",
+    "check_peer",
+    "holds_connection",
+    "host_identity",
+    "own_address",
+    "process_gone",
+    "real_uid",
+    "start_time",
+]

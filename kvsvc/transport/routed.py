@@ -27,9 +27,12 @@ log = logging.getLogger(__name__)
 
 
 class LocalPlane(Transport, Protocol):
-    """A same-host plane: a `Transport` that writes only the sessions it admitted."""
+    """A same-host plane: a `Transport` that writes only the sessions it admitted, and hands a peer's hello what it
+    exported (the GPU plane's IPC handles; nothing for the kernel copy)."""
 
     def admits(self, session_id: str) -> bool: ...
+
+    def exported(self) -> list[IpcHandle]: ...
 
 
 class RoutedTransport:
@@ -124,9 +127,7 @@ def with_same_host(primary: Transport, device: str, setting: str = "auto") -> Tr
 
 def exported_handles(transport: Transport) -> list[IpcHandle]:
     """The IPC handles of this worker's GPU memory, as its GPU plane exported them; [] without that plane."""
-    local = transport.local if isinstance(transport, RoutedTransport) else None
-    exported = getattr(local, "exported", None)
-    return list(exported()) if exported is not None else []
+    return transport.local.exported() if isinstance(transport, RoutedTransport) else []
 
 
 __all__ = ["LocalPlane", "RoutedTransport", "exported_handles", "with_same_host"]

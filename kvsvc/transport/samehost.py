@@ -44,10 +44,20 @@ from kvsvc.transport.base import (
     TransportClosed,
     TransportStatistics,
     WriteFailed,
+    WriteLedger,
     check_descriptors,
+    settled,
 )
 from kvsvc.transport.completion import wait_uncancellable
-from kvsvc.transport.procfs import Endpoint, check_peer, host_identity, own_address, real_uid, start_time
+from kvsvc.transport.procfs import (
+    Endpoint,
+    check_peer,
+    host_identity,
+    own_address,
+    process_gone,
+    real_uid,
+    start_time,
+)
 
 log = logging.getLogger(__name__)
 
@@ -188,15 +198,12 @@ class SameHostTransport:
         self._admitted: dict[str, int] = {}  # sessions that passed `reachable` -> the real uid then
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
         self._checker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._in_flight = 0  # writes submitted and not finished
-        self._idle = asyncio.Event()  # set while nothing is in flight
-        self._idle.set()
+        self._ledger = WriteLedger()
         self._own = OwnLoop()
         self._queue: list[_Queued] = []  # submitted in this loop iteration, not yet handed to the copy thread
         self._closed = False
         self._closing: asyncio.Future[None] | None = None
         self._close_timeout_s = close_timeout_s
-        self._counts = {"bytes": 0, "descriptors": 0, "completed": 0, "failures": 0, "refused": 0, "inflight_desc": 0}
 
     @property
     def session_id(self) -> str:
@@ -217,6 +224,10 @@ class SameHostTransport:
         for addr, length in regions:
             self._local.add(addr, length)
 
+    def exported(self) -> list[IpcHandle]:
+        """Nothing: the kernel copy needs no handle from this worker."""
+        return []
+
     def admits(self, session_id: str) -> bool:
         """Whether `session_id` passed `reachable` (and was not removed since): the only sessions this plane writes."""
         return session_id in self._admitted
@@ -229,7 +240,7 @@ class SameHostTransport:
                 same-host session, or a region is empty or ends past the address space.
         """
         if session_id not in self._admitted:
-            self._counts["refused"] += 1
+            self._ledger.refused += 1
             raise InvalidDescriptor(
                 f"same-host session {session_id!r} was not admitted: only a peer whose process passed the check "
                 "against its control connection is written",
@@ -322,21 +333,19 @@ class SameHostTransport:
 
     def _submit(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int]:
         if self._closed:
-            self._counts["refused"] += 1
+            self._ledger.refused += 1
             raise TransportClosed("same-host transport is closed")
         known = self._peers.get(peer)
         try:
             total = check_descriptors(descriptors, self._local, known[0] if known else None, peer)
         except InvalidDescriptor:
-            self._counts["refused"] += 1
+            self._ledger.refused += 1
             raise
         assert known is not None
         table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
         loop = self._own.current()
         result: asyncio.Future[int] = loop.create_future()
-        self._in_flight += 1
-        self._idle.clear()
-        self._counts["inflight_desc"] += len(table)
+        self._ledger.started(len(table))
         self._queue.append(_Queued(peer, known[1].pid, known[1].start, self._admitted[peer], table, total, result))
         if len(self._queue) == 1:
             # Writes submitted in this loop iteration ride one hop to the copy thread: a burst of one-block
@@ -376,51 +385,30 @@ class SameHostTransport:
         if queued.finished:
             return
         queued.finished = True
-        self._in_flight -= 1
-        if not self._in_flight:
-            self._idle.set()
-        self._counts["inflight_desc"] -= len(queued.table)
-        if not isinstance(outcome, BaseException):
-            self._counts["bytes"] += queued.total
-            self._counts["descriptors"] += len(queued.table)
-            self._counts["completed"] += 1
+        landed = not isinstance(outcome, BaseException)
+        self._ledger.ended(len(queued.table), queued.total if landed else None)
+        if landed:
             if not queued.result.done():
                 queued.result.set_result(queued.total)
             return
-        self._counts["failures"] += 1
         code = ERR_GONE if isinstance(outcome, OSError) and outcome.errno == errno.ESRCH else ERR_FAILED
-        drained: asyncio.Future[None] = loop.create_future()
-        drained.set_result(None)  # the call returned: nothing of this write still moves
-        failure = WriteFailed(f"same-host write to {queued.peer}: {outcome}", code, peer=queued.peer, drained=drained)
+        # The call returned: nothing of this write still moves.
+        failure = WriteFailed(
+            f"same-host write to {queued.peer}: {outcome}", code, peer=queued.peer, drained=settled(loop)
+        )
         if not queued.result.done():
             queued.result.set_exception(failure)
 
     async def drained(self, peer: str | None = None) -> None:
         """Return once no copy is in flight (to any peer: copies run one at a time). Cancellation-safe."""
-        while self._in_flight:
-            await self._idle.wait()
+        await self._ledger.drained()
 
     async def peer_gone(self, session: str) -> bool:
         """True when the process `session` names no longer exists (or its pid belongs to a later process)."""
-        try:
-            address = SameHostAddress.parse(session)
-        except ValueError:
-            return False
-        return address.host == self._address.host and start_time(address.pid) != address.start
+        return process_gone(session, self._address.host)
 
     def statistics(self) -> TransportStatistics:
-        c = self._counts
-        return TransportStatistics(
-            bytes_written=c["bytes"],
-            descriptors_written=c["descriptors"],
-            writes_completed=c["completed"],
-            failures=c["failures"],
-            refused=c["refused"],
-            writes_in_flight=self._in_flight,
-            descriptors_in_flight=c["inflight_desc"],
-            peers=len(self._peers),
-            registered_bytes=self._local.total_bytes,
-        )
+        return self._ledger.statistics(len(self._peers), self._local.total_bytes)
 
     async def close(self) -> None:
         """Refuse new writes, wait up to `close_timeout_s` for the copies in flight, stop the copy thread.
@@ -437,7 +425,7 @@ class SameHostTransport:
         try:
             await asyncio.wait_for(self.drained(), self._close_timeout_s)
         except TimeoutError:
-            log.warning("closing the same-host transport with %d write(s) still copying", self._in_flight)
+            log.warning("closing the same-host transport with %d write(s) still copying", self._ledger.in_flight)
         for pool in (self._copier, self._checker):
             if pool is not None:
                 pool.shutdown(wait=False)

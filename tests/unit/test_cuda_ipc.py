@@ -36,7 +36,7 @@ from kvsvc.staging_plans import StagingRule
 from kvsvc.testing.cuda import FakeCudaDriver
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.holds import harness_secret
-from kvsvc.transport import InvalidDescriptor, TransportClosed, WriteFailed, cuda_ipc
+from kvsvc.transport import InvalidDescriptor, TransportClosed, WriteFailed, cuda_ipc, procfs
 from kvsvc.transport.cuda_driver import CudaError, LibCuda
 from kvsvc.transport.cuda_ipc import CudaIpcTransport
 from kvsvc.transport.procfs import own_address
@@ -270,7 +270,7 @@ async def test_a_dead_peer_fails_the_next_write_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     await pair.admit(connection)
-    monkeypatch.setattr(cuda_ipc, "start_time", lambda pid: -1)  # the pid now names no process of that start
+    monkeypatch.setattr(procfs, "start_time", lambda pid: -1)  # the pid now names no process of that start
     with pytest.raises(WriteFailed, match="is gone") as failed:
         await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
     assert failed.value.code == cuda_ipc.ERR_GONE and pair.driver.calls == []

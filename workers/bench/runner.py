@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvsvc.layout import pool_regions
-from kvsvc.planner import plan_transfer, plan_transfer_arrays
+from kvsvc.planner import Descriptor, plan_transfer, plan_transfer_arrays
 from kvsvc.service import ServiceConfig
 from workers.bench.measure import (
     GB,
@@ -213,18 +213,8 @@ class BenchRunner:
     def _gpu_scenario(
         self, name: str, p: Executor, d: Executor, count: int, blocks: int, seed0: int, reps: int
     ) -> GpuScenarioResult:
-        p_meta = p.metas[(0, 0)]
         d_metas = [d.metas[(0, tp)] for tp in range(d.config.tp_size)]
-        tokens = blocks * p_meta.block_size
-        shapes = [
-            (list(range(i * blocks, (i + 1) * blocks)), list(range(i * blocks, (i + 1) * blocks)), seed0 + i)
-            for i in range(count)
-        ]
-        plans = [[plan_transfer(p_meta, dm, pb, db, tokens) for dm in d_metas] for pb, db, _ in shapes]
-        total_bytes = sum(length for per_req in plans for plan in per_req for _, _, length in plan)
-        descs: list[list[Desc]] = [
-            [(x[0], x[1], x[2]) for per_req in plans for x in per_req[j]] for j in range(len(d_metas))
-        ]
+        tokens, shapes, plans, total_bytes, descs = _contiguous_requests(p, d, count, blocks, seed0)
         self._kvsvc_round(p, d, f"{name}-warm", shapes[:1], fill=True)
         plane = _plane(p)
         first = [[(x[0], x[1], x[2]) for x in plans[0][j]] for j in range(len(d_metas))]
@@ -419,16 +409,7 @@ class BenchRunner:
         d_metas = [d.metas[(0, tp)] for tp in range(d.config.tp_size)]
         peers = [m.transport_addr for m in d_metas]
         local_peers = [m.samehost_addr for m in d_metas] if all(m.samehost_addr for m in d_metas) else []
-        tokens = blocks * p_meta.block_size
-        shapes = [
-            (list(range(i * blocks, (i + 1) * blocks)), list(range(i * blocks, (i + 1) * blocks)), seed0 + i)
-            for i in range(count)
-        ]
-        plans = [[plan_transfer(p_meta, dm, pb, db, tokens) for dm in d_metas] for pb, db, _ in shapes]
-        total_bytes = sum(length for per_req in plans for plan in per_req for _, _, length in plan)
-        raw_descs: list[list[Desc]] = [
-            [(x[0], x[1], x[2]) for per_req in plans for x in per_req[j]] for j in range(len(d_metas))
-        ]
+        tokens, shapes, plans, total_bytes, raw_descs = _contiguous_requests(p, d, count, blocks, seed0)
         naive = [
             [split_per_half(plan, p_meta, dm) for plan, dm in zip(per_req, d_metas, strict=True)] for per_req in plans
         ]
@@ -668,6 +649,27 @@ def _busy_share(rounds: Sequence[dict[str, float]]) -> float:
     half a quick round)."""
     total = sum(r["all_jiffies"] for r in rounds)
     return sum(r["busy_jiffies"] for r in rounds) / total if total > 0 else 0.0
+
+
+def _contiguous_requests(
+    p: Executor, d: Executor, count: int, blocks: int, seed0: int
+) -> tuple[int, list[tuple[list[int], list[int], int]], list[list[list[Descriptor]]], int, list[list[Desc]]]:
+    """`count` requests of `blocks` consecutive blocks on both sides (request i at blocks i*blocks.., seed seed0+i):
+    their tokens, shapes `(P blocks, D blocks, seed)`, plans per D worker, total bytes, and every request's
+    descriptors per D worker in one list each."""
+    p_meta = p.metas[(0, 0)]
+    d_metas = [d.metas[(0, tp)] for tp in range(d.config.tp_size)]
+    tokens = blocks * p_meta.block_size
+    shapes = [
+        (list(range(i * blocks, (i + 1) * blocks)), list(range(i * blocks, (i + 1) * blocks)), seed0 + i)
+        for i in range(count)
+    ]
+    plans = [[plan_transfer(p_meta, dm, pb, db, tokens) for dm in d_metas] for pb, db, _ in shapes]
+    total_bytes = sum(length for per_req in plans for plan in per_req for _, _, length in plan)
+    descs: list[list[Desc]] = [
+        [(x[0], x[1], x[2]) for per_req in plans for x in per_req[j]] for j in range(len(d_metas))
+    ]
+    return tokens, shapes, plans, total_bytes, descs
 
 
 def _plane(p: Executor) -> str:

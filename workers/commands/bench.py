@@ -95,10 +95,10 @@ def run(args: argparse.Namespace) -> int:
         if refusal:
             print(f"kvsvc bench: {refusal}", file=sys.stderr)
             return 2
-        return run_gpu(args)
-    if args.vllm:
+    elif args.vllm:
         return run_vllm(args)
-    from workers.bench.models import FULL, QUICK, TINY
+    from workers.bench.models import FULL, QUICK, TINY, gpu_sizes
+    from workers.bench.report import GpuReport
     from workers.bench.runner import BenchRunner
 
     # Mooncake logs every blocking batch at INFO (the peers' way makes thousands); keep the table readable.
@@ -106,15 +106,19 @@ def run(args: argparse.Namespace) -> int:
     sizes = TINY if args.tiny else QUICK if args.quick else FULL
     if not args.tiny:
         sizes = dataclasses.replace(sizes, model=MODELS[args.model])
+        sizes = gpu_sizes(sizes) if device == "cuda" else sizes
     console = Console(stderr=args.json)
     runner = BenchRunner(
-        sizes, progress=lambda what: console.log(f"bench: {what}"), transport=getattr(args, "transport", "auto")
+        sizes,
+        progress=lambda what: console.log(f"bench: {what}"),
+        transport=getattr(args, "transport", "auto"),
+        device=device,
     )
     try:
-        report = runner.run()
+        report: BenchReport | GpuReport = runner.run_gpu() if device == "cuda" else runner.run()
     finally:
         runner.close()
-    console.print(render_table(report))
+    console.print(render_gpu(report) if isinstance(report, GpuReport) else render_table(report))
     if report.layouts:
         console.print(render_layouts(report))
     summary = report.summary()
@@ -130,35 +134,6 @@ def gpu_missing() -> str:
     if torch.cuda.is_available():
         return ""
     return f"device cuda: torch {torch.__version__} here sees no CUDA GPU"
-
-
-def run_gpu(args: argparse.Namespace) -> int:
-    """`kvsvc bench --device cuda`: the GPU table on the console (stderr with `--json`), the summary on stdout."""
-    from workers.bench.models import FULL, QUICK, TINY, gpu_sizes
-    from workers.bench.runner import BenchRunner
-
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    sizes = (
-        TINY if args.tiny else gpu_sizes(dataclasses.replace(QUICK if args.quick else FULL, model=MODELS[args.model]))
-    )
-    console = Console(stderr=args.json)
-    runner = BenchRunner(
-        sizes,
-        progress=lambda what: console.log(f"bench: {what}"),
-        transport=getattr(args, "transport", "auto"),
-        device="cuda",
-    )
-    try:
-        report = runner.run_gpu()
-    finally:
-        runner.close()
-    console.print(render_gpu(report))
-    if report.layouts:
-        console.print(render_layouts(report))
-    summary = report.summary()
-    if args.json:
-        print(json.dumps(summary, sort_keys=True))
-    return 0 if summary["verified"] and not summary["failures"] else 1
 
 
 def render_gpu(report: GpuReport) -> Table:
