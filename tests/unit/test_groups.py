@@ -201,6 +201,24 @@ def _end(engine: dict[tuple[int, int], WorkerMetadata]) -> int:
     return max(layer_addrs(m)[-1] + layer_bytes(m) for m in engine.values())
 
 
+def _moved(
+    p_engine: dict[tuple[int, int], WorkerMetadata],
+    d_engine: dict[tuple[int, int], WorkerMetadata],
+    p_arena: bytearray,
+    p_ids: list[int],
+    d_ids: list[int],
+) -> tuple[bytearray, list[int]]:
+    """Every D worker's plan from every P worker carried out over 40 tokens: D's arena, and how often each byte was
+    written."""
+    d_arena, writes = bytearray(_end(d_engine)), [0] * _end(d_engine)
+    for d_meta in d_engine.values():
+        for p_meta in p_engine.values():
+            for src, dst, length in plan_transfer(p_meta, d_meta, p_ids, d_ids, 40):
+                d_arena[dst : dst + length] = p_arena[src : src + length]
+                writes[dst : dst + length] = [w + 1 for w in writes[dst : dst + length]]
+    return d_arena, writes
+
+
 @given(
     tps=st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2), (4, 2), (1, 4), (4, 4)]),
     p_slot=st.integers(1, 7),
@@ -224,12 +242,7 @@ def test_the_planner_writes_every_d_ranks_state_slot_byte_exact(
         slot = layer_addrs(p_meta)[0] + p_slot * block_geometry(p_meta).block_stride
         data = _rank_slot(SLOT_STATE, whole, ssm, p_tp, p_rank)
         p_arena[slot : slot + len(data)] = data
-    d_arena, writes = bytearray(_end(d_engine)), [0] * _end(d_engine)
-    for d_meta in d_engine.values():
-        for p_meta in p_engine.values():
-            for src, dst, length in plan_transfer(p_meta, d_meta, p_ids, d_ids, 40):
-                d_arena[dst : dst + length] = p_arena[src : src + length]
-                writes[dst : dst + length] = [w + 1 for w in writes[dst : dst + length]]
+    d_arena, writes = _moved(p_engine, d_engine, p_arena, p_ids, d_ids)
     for (_, d_rank), d_meta in d_engine.items():
         state = layer_addrs(d_meta)[0]  # layer 0's tensor
         slot = state + d_slot * block_geometry(d_meta).block_stride
@@ -307,12 +320,7 @@ def test_gdn_state_moves_byte_exact_between_any_tp_sizes_from_1_to_4(
         data = _vllm_gdn_slot(parts, recurrent, p_tp, p_rank)
         assert len(data) == state_bytes(state, p_tp)
         p_arena[slot : slot + len(data)] = data
-    d_arena, writes = bytearray(_end(d_engine)), [0] * _end(d_engine)
-    for d_meta in d_engine.values():
-        for p_meta in p_engine.values():
-            for src, dst, length in plan_transfer(p_meta, d_meta, p_ids, d_ids, 40):
-                d_arena[dst : dst + length] = p_arena[src : src + length]
-                writes[dst : dst + length] = [w + 1 for w in writes[dst : dst + length]]
+    d_arena, writes = _moved(p_engine, d_engine, p_arena, p_ids, d_ids)
     for (_, d_rank), d_meta in d_engine.items():
         tensor = layer_addrs(d_meta)[0]
         slot = tensor + d_slot * block_geometry(d_meta).block_stride
