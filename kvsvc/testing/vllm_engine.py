@@ -54,7 +54,7 @@ class _Engine:
         self.llm = LLM(
             model=config["model"],
             skip_tokenizer_init=True,
-            dtype="float32",
+            dtype=config["dtype"],
             seed=0,
             enforce_eager=True,
             block_size=config["block_size"],

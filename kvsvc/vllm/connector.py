@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,7 +26,7 @@ from kvsvc.groups import FULL
 from kvsvc.messages import KVGroup
 from kvsvc.vllm.config import ConnectorConfig, parse_config
 from kvsvc.vllm.flow import StepMetadata
-from kvsvc.vllm.kv_layout import EXPERIMENTAL_GDN_ENV, GroupView, check_pipeline, kv_groups_of
+from kvsvc.vllm.kv_layout import GroupView, check_pipeline, kv_groups_of
 from kvsvc.vllm.scheduler import SchedulerSide
 from kvsvc.vllm.worker import WorkerIdentity, WorkerSide
 
@@ -331,7 +330,7 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
                 gdn_dims=gdn_dims,
             )
         views.append(view)
-    groups = kv_groups_of(views, experimental_gdn=os.environ.get(EXPERIMENTAL_GDN_ENV) == "1")
+    groups = kv_groups_of(views)
     check_pipeline(groups, vllm_config.parallel_config.pipeline_parallel_size)
     if groups:
         log.info("kvsvc: %d KV cache groups: %s", len(groups), [(g.kind, g.layers, g.sliding_window) for g in groups])

@@ -15,10 +15,9 @@ and what was expected. The layouts are those of `kvsvc.layout`:
 | FlashInfer (older vLLM)                                  | `[blocks, 2, block_size, H, head]`      | NHD / HND  |
 | MLA (`[blocks, 1, block_size, latent]` in 0.32+)          | `[blocks, block_size, latent]`          | MLA        |
 
-A hybrid model's KV cache groups (`kv_groups_of`) are described by their spec's class name and layer names. A Gated
-DeltaNet group (Qwen3-Next, Qwen3.5) is described only when the caller opts in (`experimental_gdn`, which the
-connector takes from `$KVSVC_EXPERIMENTAL_GDN`): its state is built from the model's config and checked against
-vLLM's shapes, but it has not been proven between engines.
+A hybrid model's KV cache groups (`kv_groups_of`) are described by their spec's class name and layer names. A state
+group's split comes from the model's config (Mamba2's B/C groups, Gated DeltaNet's key and value heads) and is
+checked against the shapes vLLM built, so a layer that shapes its state another way is refused, not guessed.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ GROUP_KINDS = {
 }
 MLA_SPEC = "MLAAttentionSpec"
 MAMBA_TYPES = ("MAMBA2", "GDN_ATTN")
-EXPERIMENTAL_GDN_ENV = "KVSVC_EXPERIMENTAL_GDN"
 
 
 class UnknownKVLayout(TopologyError):
@@ -277,13 +275,13 @@ def gdn_state(view: GroupView) -> MambaState:
     return state
 
 
-def kv_groups_of(groups: Sequence[GroupView], *, experimental_gdn: bool = False) -> list[KVGroup]:
+def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
     """The model's KV cache groups as this worker publishes them (`WorkerMetadata.kv_groups`): empty for one group
     of full attention, which every peer takes for granted.
 
     Raises:
-        TopologyError: a group kvsvc cannot move (Mamba1 state, chunked local attention, ..., and Gated DeltaNet
-            unless `experimental_gdn`), naming its spec and layers, so that the engine refuses to start rather than
+        TopologyError: a group kvsvc cannot move (Mamba1 state, chunked local attention, ...), naming its spec and
+            layers, so that the engine refuses to start rather than
             send wrong KV; or an MLA group beside groups of another kind (a worker's metadata is MLA for all its
             layers or for none).
     """
@@ -299,17 +297,17 @@ def kv_groups_of(groups: Sequence[GroupView], *, experimental_gdn: bool = False)
         what = f"{group.spec} ({group.mamba_type})" if group.mamba_type else group.spec
         where = f"KV cache group {i} is a {what} ({len(group.layer_names)} layers, first {first})"
         if kind is None or (kind == MAMBA and group.mamba_type not in MAMBA_TYPES):
-            raise TopologyError(f"{where}; kvsvc moves full-attention, MLA, sliding-window and Mamba2 groups only")
-        if kind == MAMBA and group.mamba_type == "GDN_ATTN" and not experimental_gdn:
             raise TopologyError(
-                f"{where}; kvsvc describes Gated DeltaNet state but has not proven it between engines: set "
-                f"{EXPERIMENTAL_GDN_ENV}=1 to move it anyway"
+                f"{where}; kvsvc moves full-attention, MLA, sliding-window, Mamba2 and Gated DeltaNet groups only"
             )
         layers = sorted(layer_index(name) for name in group.layer_names)
         window = group.sliding_window if kind == SLIDING_WINDOW else 0
         state = None
         if kind == MAMBA:
-            state = gdn_state(group) if group.mamba_type == "GDN_ATTN" else mamba2_state(group)
+            try:
+                state = gdn_state(group) if group.mamba_type == "GDN_ATTN" else mamba2_state(group)
+            except TopologyError as e:
+                raise TopologyError(f"{where}: {e}") from e
         out.append(KVGroup(kind=kind, layers=layers, sliding_window=window, mamba=state))
     return [] if len(out) == 1 and out[0].kind == FULL else out
 

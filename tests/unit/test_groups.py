@@ -264,7 +264,7 @@ def _gdn_of(dims: tuple[int, int, int, int], width: int, tp: int) -> MambaState:
         shapes=(((2 * k_heads * k_dim + v_heads * v_dim) // tp, width), (v_heads // tp, v_dim, k_dim)),
         dtypes=("bfloat16", "float32"), tp_size=tp, conv_layout="DS", gdn_dims=dims,
     )  # fmt: skip
-    (group,) = kv_groups_of([view], experimental_gdn=True)
+    (group,) = kv_groups_of([view])
     assert group.mamba is not None
     return group.mamba
 

@@ -1,7 +1,6 @@
 """A Gated DeltaNet (Qwen3-Next, Qwen3.5) KV cache group as the connector reads it from vLLM: the state spec vLLM's
 own shape calculator builds at each TP size and conv layout, under a stand-in engine config, described by
-`kvsvc.vllm.connector._kv_groups` only where `$KVSVC_EXPERIMENTAL_GDN` is 1. The state moving between real
-engines is not proven by this file."""
+`kvsvc.vllm.connector._kv_groups`. The state moving between real engines is tests/vllm/test_vllm_gdn.py."""
 
 from __future__ import annotations
 
@@ -61,7 +60,6 @@ def _groups(tp: int, layout: str, monkeypatch: pytest.MonkeyPatch, hf_text_confi
 def test_a_qwen3_next_gdn_group_is_described_from_vllms_spec_at_tp_1_and_2(
     layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("KVSVC_EXPERIMENTAL_GDN", "1")
     states = []
     for tp in (1, 2):
         gdn, full = _groups(tp, layout, monkeypatch)
@@ -75,13 +73,6 @@ def test_a_qwen3_next_gdn_group_is_described_from_vllms_spec_at_tp_1_and_2(
     assert states[0] == states[1]  # one model: P and D at TP 1 and 2 publish the same state
 
 
-def test_a_gdn_group_stops_the_engine_unless_opted_in_or_without_the_configs_sizes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("KVSVC_EXPERIMENTAL_GDN", raising=False)
-    with pytest.raises(TopologyError, match=r"group 0 is a MambaSpec \(GDN_ATTN\) \(2 layers, first model.layers.0"
-                       r".*set KVSVC_EXPERIMENTAL_GDN=1 to move it anyway"):  # fmt: skip
-        _groups(1, "DS", monkeypatch)
-    monkeypatch.setenv("KVSVC_EXPERIMENTAL_GDN", "1")
+def test_a_gdn_group_stops_the_engine_without_the_configs_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TopologyError, match=r"config gives no linear_num_key_heads"):
         _groups(2, "DS", monkeypatch, hf_text_config=SimpleNamespace())

@@ -202,8 +202,13 @@ def test_a_hybrid_models_groups_share_tensors_and_are_published() -> None:
 
 def test_groups_kvsvc_cannot_move_refuse_the_start_naming_spec_and_layers() -> None:
     full = GroupView("FullAttentionSpec", ("model.layers.0.attn",))
+    mamba1 = GroupView("MambaSpec", ("model.layers.1.mixer", "model.layers.2.mixer"), mamba_type="MAMBA1")
+    with pytest.raises(TopologyError, match=r"group 1 is a MambaSpec \(MAMBA1\) \(2 layers, first model.layers.1"):
+        kv_groups_of([full, mamba1])
+    # A GDN layer whose config lacks its sizes: the group and its layers named before what is missing.
     gdn = GroupView("MambaSpec", ("model.layers.1.linear_attn", "model.layers.2.linear_attn"), mamba_type="GDN_ATTN")
-    with pytest.raises(TopologyError, match=r"group 1 is a MambaSpec \(GDN_ATTN\) \(2 layers, first model.layers.1"):
+    with pytest.raises(TopologyError, match=r"group 1 is a MambaSpec \(GDN_ATTN\) \(2 layers, first model.layers.1"
+                       r".*: Gated DeltaNet state .* gives no linear_num_key_heads"):  # fmt: skip
         kv_groups_of([full, gdn])
     with pytest.raises(TopologyError, match=r"group 1 is a ChunkedLocalAttentionSpec"):
         kv_groups_of([full, GroupView("ChunkedLocalAttentionSpec", ("model.layers.1.attn",))])
@@ -263,7 +268,7 @@ def test_a_gdn_group_is_q_k_and_v_by_heads_and_recurrent_state_per_value_head_at
     for tp in (1, 2, 4, 8, 16):
         for layout in ("SD", "DS"):
             view = _gdn_view(tp, layout)
-            (group,) = kv_groups_of([view], experimental_gdn=True)
+            (group,) = kv_groups_of([view])
             assert group.mamba is not None and group.layers == [0, 2]
             conv, recurrent = view.shapes
             assert state_bytes(group.mamba, tp) == conv[0] * conv[1] * 2 + recurrent[0] * 128 * 128 * 4
@@ -274,25 +279,22 @@ def test_a_gdn_group_is_q_k_and_v_by_heads_and_recurrent_state_per_value_head_at
     assert (states[0].conv_width, states[0].ssm_heads, states[0].ssm_head_bytes) == (3, 32, 128 * 128 * 4)
 
 
-def test_gdn_is_refused_unless_opted_in_and_wherever_vllms_shapes_are_not_the_configs() -> None:
-    with pytest.raises(TopologyError, match=r"group 0 is a MambaSpec \(GDN_ATTN\) \(2 layers, first model.layers.0"
-                       r".*has not proven it between engines: set KVSVC_EXPERIMENTAL_GDN=1"):  # fmt: skip
-        kv_groups_of([_gdn_view(1, "DS")])
+def test_gdn_is_refused_wherever_vllms_shapes_are_not_the_configs() -> None:
     with pytest.raises(TopologyError, match=r"config gives no linear_num_key_heads"):
-        kv_groups_of([_gdn_view(1, "DS", gdn_dims=())], experimental_gdn=True)
+        kv_groups_of([_gdn_view(1, "DS", gdn_dims=())])
     with pytest.raises(TopologyError, match=r"2 key heads and 4 value heads: they do not split over TP 4"):
-        kv_groups_of([_gdn_view(4, "DS", (4, 4, 8, 8), gdn_dims=(2, 4, 8, 8))], experimental_gdn=True)
+        kv_groups_of([_gdn_view(4, "DS", (4, 4, 8, 8), gdn_dims=(2, 4, 8, 8))])
     # Another GDN_ATTN layer (Kimi Linear's KDA, ...) shapes its state its own way: not the config's sizes.
     with pytest.raises(TopologyError, match=r"shapes \(\(4000, 3\), \(16, 128, 128\)\) \(DS\) at TP 2: the config's "
                        r"16 key heads of 128 and 32 value heads of 128 give a conv state of 4096 channels and a "
                        r"recurrent state of \(16, 128, 128\)"):  # fmt: skip
-        kv_groups_of([_gdn_view(2, "DS", shapes=((4000, 3), (16, 128, 128)))], experimental_gdn=True)
+        kv_groups_of([_gdn_view(2, "DS", shapes=((4000, 3), (16, 128, 128)))])
     with pytest.raises(TopologyError, match=r"at TP 2: .* recurrent state of \(16, 128, 128\)"):
-        kv_groups_of([_gdn_view(2, "DS", shapes=((4096, 3), (16, 128, 64)))], experimental_gdn=True)
+        kv_groups_of([_gdn_view(2, "DS", shapes=((4096, 3), (16, 128, 64)))])
     with pytest.raises(TopologyError, match=r"expected conv and recurrent"):
-        kv_groups_of([_gdn_view(1, "DS", dtypes=("bfloat16",))], experimental_gdn=True)
-    with pytest.raises(TopologyError, match=r"Mamba2 groups only"):
-        kv_groups_of([_gdn_view(1, "DS", mamba_type="MAMBA1")], experimental_gdn=True)
+        kv_groups_of([_gdn_view(1, "DS", dtypes=("bfloat16",))])
+    with pytest.raises(TopologyError, match=r"Mamba2 and Gated DeltaNet groups only"):
+        kv_groups_of([_gdn_view(1, "DS", mamba_type="MAMBA1")])
 
 
 def test_mamba_state_at_pp_above_1_is_refused_at_start_naming_the_layers() -> None:

