@@ -372,6 +372,8 @@ def started_engines(
         yield started
     finally:
         for engine in started.values():
+            engine.ask_to_exit()
+        for engine in started.values():
             engine.close()
 
 
@@ -444,6 +446,7 @@ class VllmEngine:
         self._log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvsvc-vllm-"))
         self.log_path = self._log_dir / f"{name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._exit_asked = False  # of the current child
         self._buffer = b""
         self._replies: dict[int, dict[str, Any]] = {}
         self._next_id = 0
@@ -490,6 +493,7 @@ class VllmEngine:
             extra.setdefault("staging_bytes", int(staging))  # a whole suite run with (or without) staging
         config = json.dumps({**asdict(self.config), "extra_config": extra})
         # A process group of its own: a multiprocess engine's workers (TP or PP > 1) are reaped with it.
+        self._exit_asked = False
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvsvc.testing.vllm_engine", config, str(self.log_path)],
             stdin=subprocess.PIPE,
@@ -504,18 +508,27 @@ class VllmEngine:
             raise EngineError(f"{self.name} is not started")
         return self._proc.pid
 
+    def ask_to_exit(self) -> None:
+        """Ask the child to exit (the connector closes) without waiting: engines closed together shut down side by
+        side. Raises nothing; `close` waits."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None or self._exit_asked:
+            return
+        self._exit_asked = True
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGCONT)
+            assert proc.stdin is not None
+            proc.stdin.write(b'{"op": "exit", "id": 0}\n')
+            proc.stdin.flush()
+
     def close(self, timeout_s: float = 60.0) -> None:
         """Ask the child to exit (the connector closes), then kill what is left of its process group (a
         multiprocess engine's shutdown can hang). Idempotent."""
+        self.ask_to_exit()
         proc, self._proc = self._proc, None
         if proc is None:
             return
         if proc.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGCONT)
-                assert proc.stdin is not None
-                proc.stdin.write(b'{"op": "exit", "id": 0}\n')
-                proc.stdin.flush()
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
