@@ -42,6 +42,18 @@ class EngineError(RuntimeError):
     """A vLLM engine child failed, died or did not answer in time; the message ends with its log's tail."""
 
 
+def _shape(defaults: Mapping[str, int], shape: Mapping[str, int]) -> dict[str, int]:
+    """`defaults` with `shape`'s keys over them.
+
+    Raises:
+        ValueError: `shape` names a key `defaults` lacks (naming it and the known ones).
+    """
+    unknown = sorted(set(shape) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **shape}
+
+
 def write_tiny_llama(
     path: Path | str,
     *,
@@ -69,10 +81,7 @@ def write_tiny_llama(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    unknown = sorted(set(shape) - set(TINY_LLAMA))
-    if unknown:
-        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_LLAMA)}")
-    c = {**TINY_LLAMA, **shape}
+    c = _shape(TINY_LLAMA, shape)
     hidden, inter, heads, kv_heads, head_dim = (
         c["hidden_size"],
         c["intermediate_size"],
@@ -179,10 +188,7 @@ def write_tiny_granite(
     import torch
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-    unknown = sorted(set(shape) - set(TINY_GRANITE))
-    if unknown:
-        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_GRANITE)}")
-    c = {**TINY_GRANITE, **shape}
+    c = _shape(TINY_GRANITE, shape)
     layers = ["linear_attention", "full_attention"] * c["num_hidden_layers"]
     settings: dict[str, Any] = dict(
         c,
@@ -240,10 +246,7 @@ def write_tiny_deepseek(
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    unknown = sorted(set(shape) - set(TINY_DEEPSEEK))
-    if unknown:
-        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_DEEPSEEK)}")
-    c = {**TINY_DEEPSEEK, **shape}
+    c = _shape(TINY_DEEPSEEK, shape)
     settings: dict[str, Any] = dict(
         c,
         num_key_value_heads=c["num_attention_heads"],
@@ -309,10 +312,7 @@ def write_tiny_qwen3_next(
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    unknown = sorted(set(shape) - set(TINY_QWEN3_NEXT))
-    if unknown:
-        raise ValueError(f"unknown model shape keys {unknown}; known: {sorted(TINY_QWEN3_NEXT)}")
-    c = {**TINY_QWEN3_NEXT, **shape}
+    c = _shape(TINY_QWEN3_NEXT, shape)
     layers = c["num_hidden_layers"]
     settings: dict[str, Any] = dict(
         c,

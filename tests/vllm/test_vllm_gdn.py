@@ -15,9 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvsvc.testing.vllm import TINY_QWEN3_NEXT, EngineConfig, VllmEngine, started_engines, write_tiny_qwen3_next
-from tests.vllm.test_vllm_connector import assert_clean, prompts
-from tests.vllm.test_vllm_hybrid import bytes_sent
-from tests.vllm.test_vllm_mamba import block_size
+from tests.vllm.test_vllm_connector import prompts
+from tests.vllm.test_vllm_mamba import assert_other_weights_change_tokens, block_size, moved, whole_blocks_and_slots
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -75,33 +74,13 @@ def test_the_hybrid_manager_stays_on_with_a_deltanet_group(engines: dict[str, Vl
 def test_d_generates_a_single_engines_tokens_from_the_state_and_kv_p_sent(
     engines: dict[str, VllmEngine], p_name: str, d_name: str
 ) -> None:
-    p, d = engines[p_name], engines[d_name]
     first = {("P", "D"): 10, ("P", "D_tp2"): 20, ("P_tp2", "D"): 30}[(p_name, d_name)]
-    batch = prompts(first, LENGTHS, seed=1)
-    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
-    params = p.prefill(batch)
-    sent_before = bytes_sent(p.stats(workers=True))
-    got = d.generate(batch, max_tokens=8, params=params)
-    assert [o.token_ids for o in got] == want
-    stats = assert_clean(d)
-    assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) == 0
-    loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
-    assert loads == [[0, n - 1] for n in LENGTHS]
-    sent = bytes_sent(assert_clean(p)) - sent_before
+    sent = moved(engines, p_name, d_name, prompts(first, LENGTHS, seed=1))
     # Every pairing moves each attention token and each state byte once, whatever the split. (A TP 2 engine's workers
     # log in processes of their own; the TP 1 engine of the same model chose the same block size.)
-    block = block_size(engines["P"])
-    attention = 2 * TOKEN_BYTES * block * sum(-(-(n - 1) // block) for n in LENGTHS)
-    assert sent == attention + 2 * STATE_BYTES * len(LENGTHS)
+    assert sent == whole_blocks_and_slots(block_size(engines["P"]), LENGTHS, TOKEN_BYTES, STATE_BYTES)
 
 
 def test_p_with_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
     """The negative control: the same comparison fails when the state and KV come from other weights."""
-    batch = prompts(50, LENGTHS, seed=2)
-    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
-    got = engines["D"].generate(batch, max_tokens=8, params=engines["P_other"].prefill(batch))
-    stats = assert_clean(engines["D"])
-    assert list(stats["flow"]["recent_loads"].values())[-len(batch) :] == [[0, n - 1] for n in LENGTHS]
-    for prompt, expected, output in zip(batch, want, got, strict=True):
-        assert output.token_ids != expected, f"a state of other weights for {len(prompt)} tokens went unnoticed"
-    assert_clean(engines["P_other"])
+    assert_other_weights_change_tokens(engines, prompts(50, LENGTHS, seed=2))

@@ -69,13 +69,10 @@ def test_the_hybrid_manager_stays_on_with_a_mamba_group(engines: dict[str, VllmE
         assert "kvsvc: 2 KV cache groups: [('mamba', [0, 2], 0), ('full', [1, 3], 0)]" in log, name
 
 
-@pytest.mark.parametrize(("p_name", "d_name"), [("P", "D"), ("P", "D_tp2"), ("P_tp2", "D")])
-def test_d_generates_a_single_engines_tokens_from_the_state_and_kv_p_sent(
-    engines: dict[str, VllmEngine], p_name: str, d_name: str
-) -> None:
+def moved(engines: dict[str, VllmEngine], p_name: str, d_name: str, batch: list[list[int]]) -> int:
+    """Move `batch` from P to D and check what a state model promises: D's tokens are a single engine's (`base`), no
+    receive failed, each load is the first N-1 tokens, and both ends are clean. Returns the bytes P sent for it."""
     p, d = engines[p_name], engines[d_name]
-    first = {("P", "D"): 10, ("P", "D_tp2"): 20, ("P_tp2", "D"): 30}[(p_name, d_name)]
-    batch = prompts(first, LENGTHS, seed=1)
     want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
     params = p.prefill(batch)
     sent_before = bytes_sent(p.stats(workers=True))
@@ -85,24 +82,43 @@ def test_d_generates_a_single_engines_tokens_from_the_state_and_kv_p_sent(
     assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) == 0
     # D loaded the first N-1 tokens' KV and the state after them; it computed the last token itself.
     loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
-    assert loads == [[0, n - 1] for n in LENGTHS]
-    sent = bytes_sent(assert_clean(p)) - sent_before
+    assert loads == [[0, len(prompt) - 1] for prompt in batch]
+    return bytes_sent(assert_clean(p)) - sent_before
+
+
+def whole_blocks_and_slots(block: int, lengths: list[int], token_bytes: int, state_bytes: int) -> int:
+    """What a state model's P sends for prompts of `lengths`: whole blocks of the first N-1 tokens on each of the two
+    attention layers, and one state slot on each of the two state layers."""
+    attention = 2 * token_bytes * block * sum(-(-(n - 1) // block) for n in lengths)
+    return attention + 2 * state_bytes * len(lengths)
+
+
+def assert_other_weights_change_tokens(engines: dict[str, VllmEngine], batch: list[list[int]]) -> None:
+    """The negative control: D's tokens differ from a single engine's for every prompt when the state and KV come
+    from `P_other`, a P with other weights, though every load completes."""
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    got = engines["D"].generate(batch, max_tokens=8, params=engines["P_other"].prefill(batch))
+    stats = assert_clean(engines["D"])
+    loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
+    assert loads == [[0, len(prompt) - 1] for prompt in batch]
+    for prompt, expected, output in zip(batch, want, got, strict=True):
+        assert output.token_ids != expected, f"a state of other weights for {len(prompt)} tokens went unnoticed"
+    assert_clean(engines["P_other"])
+
+
+@pytest.mark.parametrize(("p_name", "d_name"), [("P", "D"), ("P", "D_tp2"), ("P_tp2", "D")])
+def test_d_generates_a_single_engines_tokens_from_the_state_and_kv_p_sent(
+    engines: dict[str, VllmEngine], p_name: str, d_name: str
+) -> None:
+    first = {("P", "D"): 10, ("P", "D_tp2"): 20, ("P_tp2", "D"): 30}[(p_name, d_name)]
+    sent = moved(engines, p_name, d_name, prompts(first, LENGTHS, seed=1))
     if (p_name, d_name) == ("P", "D"):  # TP 1 -> 1: whole blocks and whole slots
-        block = block_size(p)
-        attention = 2 * TOKEN_BYTES * block * sum(-(-(n - 1) // block) for n in LENGTHS)
-        assert sent == attention + 2 * STATE_BYTES * len(LENGTHS)
+        assert sent == whole_blocks_and_slots(block_size(engines["P"]), LENGTHS, TOKEN_BYTES, STATE_BYTES)
 
 
 def test_p_with_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
     """The negative control: the same comparison fails when the state and KV come from other weights."""
-    batch = prompts(50, LENGTHS, seed=2)
-    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
-    got = engines["D"].generate(batch, max_tokens=8, params=engines["P_other"].prefill(batch))
-    stats = assert_clean(engines["D"])
-    assert list(stats["flow"]["recent_loads"].values())[-len(batch) :] == [[0, n - 1] for n in LENGTHS]
-    for prompt, expected, output in zip(batch, want, got, strict=True):
-        assert output.token_ids != expected, f"a state of other weights for {len(prompt)} tokens went unnoticed"
-    assert_clean(engines["P_other"])
+    assert_other_weights_change_tokens(engines, prompts(50, LENGTHS, seed=2))
 
 
 def test_a_one_token_prompt_has_no_state_to_move_and_d_computes_it(engines: dict[str, VllmEngine]) -> None:
