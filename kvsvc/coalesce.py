@@ -42,6 +42,51 @@ def merge_runs(
     return src[heads], dst[heads], np.add.reduceat(length, heads)
 
 
+MAX_PITCH = (1 << 31) - 1  # the largest pitch a CUDA 2D copy takes on current GPUs (CU_DEVICE_ATTRIBUTE_MAX_PITCH)
+
+
+def pitched_runs(table: Int64Array, min_rows: int) -> tuple[Int64Array, Int64Array]:
+    """Split a descriptor table (rows `(src, dst, length)`, sorted by source) into pitched runs and the rest.
+
+    A pitched run is at least `min_rows` consecutive rows of one length whose sources step by one constant pitch
+    and whose destinations by another, each pitch at least the length (rows never overlap) and at most
+    `MAX_PITCH`: what one 2D copy moves. A split layout's plan is mostly such runs (a head share of every block,
+    layer after layer), which a copy engine moves as one call each instead of one per row. Returns
+    `(pitched, rest)`: `pitched` has rows `(src, dst, width, height, src_pitch, dst_pitch)`, `rest` the rows of
+    `table` no run took, in their order; together they cover exactly the bytes of `table`. Runs are taken
+    greedily from the start, so a row where two runs meet goes to the first.
+    """
+    empty = np.zeros((0, 6), dtype=np.int64)
+    n = len(table)
+    if n < max(2, min_rows):
+        return empty, table
+    src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+    step_src, step_dst = np.diff(src), np.diff(dst)
+    width = length[:-1]
+    # Pair j joins rows j and j + 1; a run is a stretch of joinable pairs with one pair of steps.
+    joins = (length[1:] == width) & (step_src >= width) & (step_dst >= width)
+    joins &= (step_src <= MAX_PITCH) & (step_dst <= MAX_PITCH)
+    same = np.zeros(n - 1, dtype=bool)
+    same[1:] = joins[1:] & joins[:-1] & (step_src[1:] == step_src[:-1]) & (step_dst[1:] == step_dst[:-1])
+    firsts = np.flatnonzero(joins & ~same)  # the first pair of each stretch
+    lasts = np.flatnonzero(joins & ~np.append(same[1:], False))
+    # A stretch of k pairs spans k + 1 rows, one of which an earlier stretch may have taken.
+    keep = lasts - firsts + 2 >= min_rows
+    runs, taken = [], np.zeros(n, dtype=bool)
+    free = 0
+    for first, last in zip(firsts[keep].tolist(), lasts[keep].tolist(), strict=True):
+        start = max(first, free)
+        height = last + 2 - start
+        if height < min_rows:
+            continue
+        runs.append((src[start], dst[start], width[start], height, step_src[first], step_dst[first]))
+        taken[start : start + height] = True
+        free = start + height
+    if not runs:
+        return empty, table
+    return np.array(runs, dtype=np.int64), table[~taken]
+
+
 def _segment_runs(
     gs: BlockGeometry,
     gd: BlockGeometry,

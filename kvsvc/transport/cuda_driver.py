@@ -6,7 +6,9 @@ fake can stand in for (`kvsvc.testing.cuda.FakeCudaDriver`) and CPU tests cover 
 primary context of the bound GPU current on the calling thread (the one torch and vLLM use, so their memory is this
 context's), and raises `CudaError` naming the call and the driver's own error text. A copy of many pieces is one
 `cuMemcpyBatchAsync` call where the driver has it and a self-test of it passed, else one call per piece (about 5 us
-each from Python). Imports the standard library and numpy.
+each from Python); before that, each stretch of pieces at constant pitches (a split layout's head share of every
+block) is one 2D copy (`kvsvc.coalesce.pitched_runs`), since the copy engine spends about a microsecond per piece of
+a batch whatever its size. Imports the standard library, numpy and the pure `kvsvc.coalesce`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvsvc.coalesce import pitched_runs
 from kvsvc.errors import TransportError
 
 log = logging.getLogger(__name__)
@@ -32,6 +36,9 @@ _EVENT_DISABLE_TIMING: Final = 2
 _SRC_ACCESS_ORDER_STREAM: Final = 1
 _LOCATION_DEVICE: Final = 1
 BATCH_MIN_PIECES: Final = 4  # fewer pieces go one call each: the batch's attribute arrays cost about as much
+PITCHED_MIN_ROWS: Final = 8  # a 2D copy costs one driver call, as about 8 pieces of a batch cost the copy engine
+_MEMORY_DEVICE: Final = 2  # CU_MEMORYTYPE_DEVICE
+_PATTERN: Final = bytes(i % 251 + 1 for i in range(4096))  # the self-tests' bytes: no zero, no period of 4096/8
 
 
 class CudaError(TransportError):
@@ -110,6 +117,29 @@ class _CopyAttributes(ctypes.Structure):
     ]
 
 
+class _Copy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D, for device pointers only."""
+
+    _fields_ = [
+        ("src_x", ctypes.c_size_t),
+        ("src_y", ctypes.c_size_t),
+        ("src_type", ctypes.c_int),
+        ("src_host", ctypes.c_void_p),
+        ("src_device", ctypes.c_uint64),
+        ("src_array", ctypes.c_void_p),
+        ("src_pitch", ctypes.c_size_t),
+        ("dst_x", ctypes.c_size_t),
+        ("dst_y", ctypes.c_size_t),
+        ("dst_type", ctypes.c_int),
+        ("dst_host", ctypes.c_void_p),
+        ("dst_device", ctypes.c_uint64),
+        ("dst_array", ctypes.c_void_p),
+        ("dst_pitch", ctypes.c_size_t),
+        ("width", ctypes.c_size_t),
+        ("height", ctypes.c_size_t),
+    ]
+
+
 class _Event:
     __slots__ = ("_driver", "handle")
 
@@ -139,6 +169,7 @@ class LibCuda:
         self._device = -1
         self._bound = threading.local()
         self._batch: bool | None = None if hasattr(lib, "cuMemcpyBatchAsync_v2") else False
+        self._pitched: bool | None = None
         self._check(lib.cuInit(0), "cuInit")
 
     def _check(self, code: int, call: str) -> None:
@@ -214,6 +245,13 @@ class LibCuda:
 
     def copy(self, stream: int, pieces: npt.NDArray[np.int64]) -> None:
         self._current()
+        if len(pieces) >= PITCHED_MIN_ROWS and self._pitched is not False:
+            if self._pitched is None:
+                self._pitched = self._self_test(stream, "2D copies", self._copy_pitched_test)
+            if self._pitched:
+                runs, pieces = pitched_runs(pieces, PITCHED_MIN_ROWS)
+                for src, dst, width, height, src_pitch, dst_pitch in runs.tolist():
+                    self._copy_2d(stream, src, dst, width, height, src_pitch, dst_pitch)
         if len(pieces) >= BATCH_MIN_PIECES and self._batch is not False:
             if self._batch is None:
                 self._batch = self._batch_works(stream)
@@ -248,31 +286,64 @@ class LibCuda:
             f"cuMemcpyBatchAsync({n} copies)",
         )
 
+    def _copy_2d(
+        self, stream: int, src: int, dst: int, width: int, height: int, src_pitch: int, dst_pitch: int
+    ) -> None:
+        spec = _Copy2D(
+            src_type=_MEMORY_DEVICE,
+            src_device=src,
+            src_pitch=src_pitch,
+            dst_type=_MEMORY_DEVICE,
+            dst_device=dst,
+            dst_pitch=dst_pitch,
+            width=width,
+            height=height,
+        )
+        self._check(
+            self._lib.cuMemcpy2DAsync_v2(ctypes.byref(spec), ctypes.c_void_p(stream)),
+            f"cuMemcpy2DAsync({height} rows of {width} bytes to {dst:#x})",
+        )
+
+    def _copy_pitched_test(self, stream: int, first: int, second: int, n: int) -> bytes:
+        """Rows of n/8 bytes from the start of `first`, contiguous, into `second` at a pitch of n/4."""
+        row = n // 8
+        self._copy_2d(stream, first, second, row, 4, row, 2 * row)
+        return b"".join(_PATTERN[i * row : (i + 1) * row] + bytes(row) for i in range(4))
+
+    def _copy_batch_test(self, stream: int, first: int, second: int, n: int) -> bytes:
+        """`first` into `second` in four pieces, the last first."""
+        quarter = n // 4
+        pieces = [(first + i * quarter, second + i * quarter, quarter) for i in reversed(range(4))]
+        self._copy_batch(stream, np.array(pieces, dtype=np.int64))
+        return _PATTERN
+
     def _batch_works(self, stream: int) -> bool:
-        """Whether one batched copy of this driver lands its bytes: a scratch allocation is copied within itself in
-        four pieces and read back. A driver whose batch call differs (another ABI) falls back to one call a piece."""
-        lib, n = self._lib, 4096
+        return self._self_test(stream, "batched CUDA copies", self._copy_batch_test)
+
+    def _self_test(self, stream: int, what: str, copy: Callable[[int, int, int, int], bytes]) -> bool:
+        """Whether `copy` lands its bytes where it should: `copy(stream, first, second, n)` enqueues copies from a
+        scratch allocation's first half (`_PATTERN`) into its zeroed second half and says what that half should
+        then hold; it is read back. A driver whose call differs (another ABI) falls back to the plain path."""
+        lib, n = self._lib, len(_PATTERN)
         scratch = ctypes.c_uint64()
         try:
             self._check(lib.cuMemAlloc_v2(ctypes.byref(scratch), ctypes.c_size_t(2 * n)), "cuMemAlloc")
         except CudaError:
             return False
         try:
-            host = (ctypes.c_ubyte * (2 * n))(*([7] * n + [0] * n))
+            host = (ctypes.c_ubyte * (2 * n)).from_buffer_copy(_PATTERN + bytes(n))
             self._check(lib.cuMemcpyHtoD_v2(scratch, host, ctypes.c_size_t(2 * n)), "cuMemcpyHtoD")
-            quarter = n // 4
-            pieces = [(scratch.value + i * quarter, scratch.value + n + i * quarter, quarter) for i in range(4)]
-            self._copy_batch(stream, np.array(pieces, dtype=np.int64))
+            want = copy(stream, scratch.value, scratch.value + n, n)
             self._check(lib.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
             back = (ctypes.c_ubyte * (2 * n))()
             self._check(lib.cuMemcpyDtoH_v2(back, scratch, ctypes.c_size_t(2 * n)), "cuMemcpyDtoH")
-            works = bytes(back[n:]) == bytes([7] * n)
+            works = bytes(back) == _PATTERN + want
         except CudaError as exc:
-            log.info("batched CUDA copies are off: %s", exc)
+            log.info("%s are off: %s", what, exc)
             works = False
         finally:
             lib.cuMemFree_v2(scratch)
-        log.info("batched CUDA copies: %s", "on" if works else "off (one call a piece)")
+        log.info("%s: %s", what, "on" if works else "off")
         return works
 
     @property

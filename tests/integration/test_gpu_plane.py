@@ -121,6 +121,33 @@ async def test_p_writes_d_s_gpu_memory_large_and_in_many_pieces(peer: Peer) -> N
         await plane.close()
 
 
+async def test_rows_at_constant_pitches_land_where_each_row_says(peer: Peer) -> None:
+    # A split layout's plan: contiguous rows of P into every other row of D (a head share of each block). The plane
+    # moves them as 2D copies; each row must land at its own place and the gaps keep what D held.
+    src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device="cuda")
+    zeros = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    plane = CudaIpcTransport()
+    plane.register([(src.data_ptr(), NBYTES), (zeros.data_ptr(), NBYTES)])
+    session = str(peer.offer["session"])
+    try:
+        assert await plane.reachable(session, peer.regions, peer.via, peer.handles) == ""
+        plane.add_peer(session, peer.regions)
+        d = peer.regions[0][0]
+        assert await plane.write(session, [(zeros.data_ptr(), d, NBYTES)]) == NBYTES
+        row = 8192
+        rows = [(src.data_ptr() + i * row, d + 2 * i * row, row) for i in range(NBYTES // (2 * row))]
+        rows.append((src.data_ptr() + NBYTES - row, d + NBYTES - 3 * row, row))  # breaks the pitch at the end
+        assert await plane.write(session, rows) == NBYTES // 2 + row
+        data = src.cpu().numpy().tobytes()
+        want = bytearray(NBYTES)
+        for s, t, n in rows:
+            want[t - d : t - d + n] = data[s - src.data_ptr() : s - src.data_ptr() + n]
+        assert peer.sha(0, NBYTES) == hashlib.sha256(bytes(want)).hexdigest()
+    finally:
+        await plane.close()
+
+
 async def test_a_dead_d_fails_the_next_write_at_once(peer: Peer) -> None:
     src = torch.zeros(4096, dtype=torch.uint8, device="cuda")
     plane = CudaIpcTransport()

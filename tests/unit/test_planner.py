@@ -11,9 +11,13 @@ import random
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
+from kvsvc.coalesce import pitched_runs
 from kvsvc.errors import TopologyError
 from kvsvc.layout import CROSS_LAYER, block_bytes
 from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
@@ -425,3 +429,48 @@ def test_the_null_block_of_a_sliding_window_is_no_block_of_the_request(side: str
         plain = msgspec.structs.replace(meta, null_block=-1)
         with pytest.raises(ValueError, match=r"D block ids \[0\] appear more than once"):
             check_block_ids(plain, full + first + second, 96, side)
+
+
+# -- pitched runs (the GPU plane's 2D copies) ------------------------------------------------------------------
+
+
+def _rows_of(runs: np.ndarray, rest: np.ndarray) -> list[tuple[int, int, int]]:
+    rows = [(s, d, n) for s, d, n in rest.tolist()]
+    for src, dst, width, height, src_pitch, dst_pitch in runs.tolist():
+        rows += [(src + i * src_pitch, dst + i * dst_pitch, width) for i in range(height)]
+    return sorted(rows)
+
+
+stretch = st.tuples(
+    st.integers(1, 64), st.integers(1, 12), st.integers(-2, 40), st.integers(-2, 40), st.integers(0, 100)
+)
+
+
+@given(st.lists(stretch, max_size=8), st.integers(2, 9))
+def test_pitched_runs_take_whole_rows_at_constant_pitches_and_leave_the_rest(
+    stretches: list[tuple[int, int, int, int, int]], min_rows: int
+) -> None:
+    # Each stretch is `height` rows of `width` bytes at pitches width + extra (an extra below 0 breaks the pitch:
+    # such rows overlap or step backwards and must stay single); stretches sit one after another, gap apart.
+    rows, src, dst = [], 0, 1 << 40
+    for width, height, extra_src, extra_dst, gap in stretches:
+        rows += [(src + i * (width + extra_src), dst + i * (width + extra_dst), width) for i in range(height)]
+        src += height * (width + abs(extra_src)) + gap + 64
+        dst += 1 << 20
+    rows.sort()
+    table = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    runs, rest = pitched_runs(table, min_rows)
+    assert _rows_of(runs, rest) == rows
+    assert all(h >= min_rows and sp >= w and dp >= w for _, _, w, h, sp, dp in runs.tolist())
+    remaining = iter(rows)
+    assert all(tuple(r) in remaining for r in rest.tolist())  # the rest keeps the table's order
+
+
+def test_a_head_split_plan_is_one_pitched_run_per_layer() -> None:
+    # P at TP 2 into D at TP 1 (HND): P's K and V of a block are next to one another, D's sit half a block apart, so
+    # every row of a layer steps by one pitch on each side.
+    p, d = one("P", tp_size=2), one("D")
+    table = np.stack(plan_transfer_arrays(p, d, list(range(8)), list(range(8, 16))), axis=1)
+    runs, rest = pitched_runs(table, 8)
+    assert len(table) == 4 * 8 * 2 and runs[:, 3].tolist() == [16] * 4 and len(rest) == 0
+    assert _rows_of(runs, rest) == sorted(map(tuple, table.tolist()))

@@ -130,6 +130,14 @@ class BenchRunner:
         self.dn2 = Executor(EngineConfig(engine_id="bench-dn2", role="decode", tp_size=2, staging_bytes=staged, **nhd))
         self.executors = [self.p, self.d] + ([] if device == "cuda" else [self.d2, self.px, self.dx])
         self.executors += [self.ps, self.ps2, self.dh, self.dh2, self.dwide, self.pn, self.dn2]
+        # On a GPU, a split layout also without staging regions: the plane's own copies of a direct plan (2D copies
+        # of its pitched rows), beside the staged and windowed ways.
+        self.direct: list[tuple[str, Executor, Executor, str]] = []
+        if device == "cuda":
+            ps2d = Executor(EngineConfig(engine_id="bench-ps2-direct", tp_size=2, **lay))
+            dhd = Executor(EngineConfig(engine_id="bench-dh-direct", role="decode", **lay))
+            self.direct = [("hetero_tp_down_direct", ps2d, dhd, "HND, P tp2 -> D tp1, no staging region")]
+            self.executors += [ps2d, dhd]
 
     def start(self) -> None:
         start_all(self.executors)
@@ -168,6 +176,7 @@ class BenchRunner:
             ("hetero_tp_down", self.ps2, self.dh, "HND, P tp2 -> D tp1"),
             ("block_mismatch", self.ps, self.dwide, "HND, P block b -> D block 2b"),
             ("nhd_hetero_tp", self.pn, self.dn2, "NHD, P tp1 -> D tp2"),
+            *self.direct,
         ):
             self.progress(name)
             layouts.append(self._layout(name, layout, p, d, z.hetero_requests, z.hetero_blocks, z.hetero_reps))
