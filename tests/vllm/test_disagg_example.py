@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvsvc.vllm.config import PROVEN_VLLM
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "vllm_disagg" / "run.py"
@@ -28,7 +30,9 @@ def test_the_example_answers_like_a_single_engine_behind_vllm_router(tmp_path: P
     assert "OK: 8 answers through P and D equal a single engine's" in done.stdout
     assert "D received 8 transfers" in done.stdout
     # kvsvc's INFO lines reach the server's log through vLLM's handler: P's choice of plane for its D worker.
-    assert "go over the same-host plane" in (tmp_path / "prefill0.log").read_text(errors="replace")
+    p_log = (tmp_path / "prefill0.log").read_text(errors="replace")
+    assert "go over the same-host plane" in p_log
+    assert f"vLLM {PROVEN_VLLM}, the version kvsvc's tests prove" in p_log
     assert "VllmPDRouter" in (tmp_path / "proxy.log").read_text(errors="replace")  # vllm-router's, not proxy.py
 
 
