@@ -53,18 +53,20 @@ def pitched_runs(table: Int64Array, min_rows: int) -> tuple[Int64Array, Int64Arr
     `MAX_PITCH`: what one 2D copy moves. A split layout's plan is mostly such runs (a head share of every block,
     layer after layer), which a copy engine moves as one call each instead of one per row. Returns
     `(pitched, rest)`: `pitched` has rows `(src, dst, width, height, src_pitch, dst_pitch)`, `rest` the rows of
-    `table` no run took, in their order; together they cover exactly the bytes of `table`. Runs are taken
-    greedily from the start, so a row where two runs meet goes to the first.
+    `table` no run took, in their order; together they cover exactly the bytes of `table`. Runs are found in the
+    table's order (a plan sorted by source has them), taken greedily from the start, so a row where two runs meet
+    goes to the first. `min_rows` below 2 counts as 2; rows of length 0 join no run.
     """
     empty = np.zeros((0, 6), dtype=np.int64)
+    min_rows = max(2, min_rows)
     n = len(table)
-    if n < max(2, min_rows):
+    if n < min_rows:
         return empty, table
     src, dst, length = table[:, 0], table[:, 1], table[:, 2]
     step_src, step_dst = np.diff(src), np.diff(dst)
     width = length[:-1]
     # Pair j joins rows j and j + 1; a run is a stretch of joinable pairs with one pair of steps.
-    joins = (length[1:] == width) & (step_src >= width) & (step_dst >= width)
+    joins = (width > 0) & (length[1:] == width) & (step_src >= width) & (step_dst >= width)
     joins &= (step_src <= MAX_PITCH) & (step_dst <= MAX_PITCH)
     same = np.zeros(n - 1, dtype=bool)
     same[1:] = joins[1:] & joins[:-1] & (step_src[1:] == step_src[:-1]) & (step_dst[1:] == step_dst[:-1])
@@ -79,7 +81,7 @@ def pitched_runs(table: Int64Array, min_rows: int) -> tuple[Int64Array, Int64Arr
         height = last + 2 - start
         if height < min_rows:
             continue
-        runs.append((src[start], dst[start], width[start], height, step_src[first], step_dst[first]))
+        runs.append((src[start], dst[start], length[start], height, step_src[first], step_dst[first]))
         taken[start : start + height] = True
         free = start + height
     if not runs:

@@ -169,7 +169,7 @@ class LibCuda:
         self._device = -1
         self._bound = threading.local()
         self._batch: bool | None = None if hasattr(lib, "cuMemcpyBatchAsync_v2") else False
-        self._pitched: bool | None = None
+        self._pitched: bool | None = None if hasattr(lib, "cuMemcpy2DAsync_v2") else False
         self._check(lib.cuInit(0), "cuInit")
 
     def _check(self, code: int, call: str) -> None:
@@ -345,6 +345,11 @@ class LibCuda:
             lib.cuMemFree_v2(scratch)
         log.info("%s: %s", what, "on" if works else "off")
         return works
+
+    @property
+    def pitched(self) -> bool | None:
+        """Whether stretches of pieces at constant pitches go as 2D copies (None: not tried yet)."""
+        return self._pitched
 
     @property
     def batched(self) -> bool | None:

@@ -163,8 +163,8 @@ def version_note(found: str) -> tuple[int, str]:
     if found.split("+", 1)[0] == PROVEN_VLLM:
         return logging.INFO, f"kvsvc: vLLM {found}, the version kvsvc's tests prove"
     return logging.WARNING, (
-        f"kvsvc: vLLM {found} is not {PROVEN_VLLM}, the version kvsvc's tests prove; its KV cache layouts and "
-        "request fields are checked at start, but this pairing has not been run"
+        f"kvsvc: vLLM {found} is not {PROVEN_VLLM}, the version kvsvc's tests prove; its KV cache layouts are "
+        "checked at start, but this pairing has not been run"
     )
 
 

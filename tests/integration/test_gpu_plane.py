@@ -35,6 +35,7 @@ if not _has_cuda():
 
 import torch  # noqa: E402
 
+from kvsvc.transport.cuda_driver import LibCuda  # noqa: E402
 from kvsvc.transport.cuda_ipc import CudaIpcTransport  # noqa: E402
 
 
@@ -144,6 +145,7 @@ async def test_rows_at_constant_pitches_land_where_each_row_says(peer: Peer) -> 
         for s, t, n in rows:
             want[t - d : t - d + n] = data[s - src.data_ptr() : s - src.data_ptr() + n]
         assert peer.sha(0, NBYTES) == hashlib.sha256(bytes(want)).hexdigest()
+        assert isinstance(plane._driver, LibCuda) and plane._driver.pitched  # as 2D copies, not the batch
     finally:
         await plane.close()
 

