@@ -9,6 +9,7 @@ model's layers fall into groups that share one block table each (vLLM's KV cache
 |------------------|-----------------------------------------------|------------------------------------------------|
 | `full`           | one block per `block_size` tokens             | every block of the prompt                      |
 | `sliding_window` | the blocks of its last `window` tokens        | the last `cdiv(window, block_size) + 1` blocks |
+| `chunked_local`  | the blocks of its current chunk                | the blocks from the next token's chunk start   |
 | `mamba`          | one state slot (conv state, then SSM state)   | the slot holding the state after the prompt    |
 
 A Mamba (or Gated DeltaNet) state slot of one TP rank is its conv state, channel-major (vLLM's "DS" layout: one row
@@ -35,8 +36,11 @@ from kvsvc.messages import ConvPart, KVGroup, MambaState
 
 FULL: Final = "full"
 SLIDING_WINDOW: Final = "sliding_window"
+CHUNKED_LOCAL: Final = "chunked_local"
 MAMBA: Final = "mamba"
-GROUP_KINDS: Final = (FULL, SLIDING_WINDOW, MAMBA)
+GROUP_KINDS: Final = (FULL, SLIDING_WINDOW, CHUNKED_LOCAL, MAMBA)
+# Kinds whose blocks before the next token's reach are vLLM's null block (dropped as the request goes on).
+DROPPING: Final = (SLIDING_WINDOW, CHUNKED_LOCAL)
 
 
 class SlotRun(NamedTuple):
@@ -62,6 +66,8 @@ def check_groups(groups: Sequence[KVGroup], layers: int | range, side: str = "")
             raise TopologyError(f"{where}: unknown kind; expected one of {', '.join(GROUP_KINDS)}")
         if (group.kind == SLIDING_WINDOW) != (group.sliding_window > 0):
             raise TopologyError(f"{where}: sliding_window {group.sliding_window} does not fit the kind")
+        if (group.kind == CHUNKED_LOCAL) != (group.attention_chunk > 0):
+            raise TopologyError(f"{where}: attention_chunk {group.attention_chunk} does not fit the kind")
         if (group.kind == MAMBA) != (group.mamba is not None):
             raise TopologyError(f"{where}: a Mamba state is required for kind mamba and only for it")
         for layer in group.layers:
@@ -110,6 +116,8 @@ def blocks_to_move(group: KVGroup, num_blocks: int, block_size: int, num_tokens:
     if group.kind == SLIDING_WINDOW:
         window_blocks = -(-group.sliding_window // block_size) + 1
         return range(max(0, needed - window_blocks), needed)
+    if group.kind == CHUNKED_LOCAL:
+        return range(first_read_token(group, num_tokens) // block_size, needed)
     return range(needed)
 
 
@@ -117,7 +125,9 @@ def first_read_token(group: KVGroup, num_tokens: int) -> int:
     """The first of a request's `num_tokens` tokens that D's next step reads in `group`: 0 but for a sliding window,
     where the query of token `num_tokens` attends to itself and the `sliding_window - 1` tokens before it (vLLM's
     `get_num_skipped_tokens` for a sliding window: what lies before is dropped, and its blocks become the null
-    block)."""
+    block); for a chunked local group, the start of that query's chunk (vLLM's `get_num_skipped_tokens` there)."""
+    if group.kind == CHUNKED_LOCAL:
+        return num_tokens // group.attention_chunk * group.attention_chunk
     if group.kind != SLIDING_WINDOW:
         return 0
     return max(0, num_tokens - group.sliding_window + 1)
@@ -132,7 +142,7 @@ def leading_null_blocks(group: KVGroup, ids: Sequence[int], null_block: int, sid
         ValueError: the null block stands after a block of the request (an engine drops a window's blocks from the
             front only), naming `side`, the group's kind and the position.
     """
-    if group.kind != SLIDING_WINDOW or null_block < 0:
+    if group.kind not in DROPPING or null_block < 0:
         return 0
     lead = 0
     while lead < len(ids) and ids[lead] == null_block:
@@ -157,6 +167,13 @@ def window_first_token(group: KVGroup, num_tokens: int, src_block_size: int, dst
     """
     if group.kind == MAMBA:
         raise TopologyError("a Mamba group moves its state slot, not a range of tokens")
+    if group.kind == CHUNKED_LOCAL:
+        # The chunk's start lies in a block both sides keep: each holds the chunk of the tokens it has.
+        return (
+            first_read_token(group, num_tokens)
+            // lcm(src_block_size, dst_block_size)
+            * lcm(src_block_size, dst_block_size)
+        )
     if group.kind != SLIDING_WINDOW:
         return 0
     step = lcm(src_block_size, dst_block_size)
@@ -283,6 +300,8 @@ def _merged(runs: list[SlotRun]) -> list[SlotRun]:
 
 
 __all__ = [
+    "CHUNKED_LOCAL",
+    "DROPPING",
     "FULL",
     "GROUP_KINDS",
     "MAMBA",

@@ -61,6 +61,9 @@ class KVGroup(msgspec.Struct, frozen=True, kw_only=True):
     layers: list[int]
     sliding_window: int = 0
     """Tokens a `sliding_window` group attends to; 0 for the other kinds."""
+    attention_chunk: int = 0
+    """Tokens of a `chunked_local` group's chunks (a query attends to its own chunk's tokens up to itself); 0 for the
+    other kinds."""
     mamba: MambaState | None = None
 
 

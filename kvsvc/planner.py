@@ -250,9 +250,10 @@ def check_block_ids(
             continue
         nulls = leading_null_blocks(groups[i], ids, meta.null_block, f"{side}: ")
         if nulls * meta.block_size > first_read_token(groups[i], num_tokens):
+            reach = groups[i].sliding_window or groups[i].attention_chunk
             raise ValueError(
-                f"{side}: the null block stands for tokens [0, {nulls * meta.block_size}){where}, but the window "
-                f"of {groups[i].sliding_window} tokens after {num_tokens} reads from token "
+                f"{side}: the null block stands for tokens [0, {nulls * meta.block_size}){where}, but the "
+                f"{groups[i].kind} reach of {reach} tokens after {num_tokens} reads from token "
                 f"{first_read_token(groups[i], num_tokens)}"
             )
         if side == "D":

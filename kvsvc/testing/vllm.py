@@ -336,6 +336,56 @@ def write_tiny_qwen3_next(
     return out
 
 
+# The tiny Llama 4 (text only): chunked local attention of 64 tokens on its RoPE layers (0-2), full attention on its
+# NoPE layer (3), 2 experts (1 per token) on every layer, vocabulary 1024.
+TINY_LLAMA4 = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "attention_chunk_size": 64,
+    "vocab_size": 1024,
+}
+
+
+def write_tiny_llama4(path: Path | str, *, seed: int = 0, std: float = 0.05, **shape: int) -> Path:
+    """Write a Llama 4 text model (`Llama4ForCausalLM`) with seeded random float32 weights into `path`; returns it.
+    Its RoPE layers attend within chunks of `attention_chunk_size` tokens (vLLM's chunked local attention group),
+    the last layer to all. `shape` overrides keys of `TINY_LLAMA4`.
+
+    Raises:
+        ImportError: torch or transformers is missing.
+        OSError: `path` cannot be written.
+    """
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    c = _shape(TINY_LLAMA4, shape)
+    layers = c["num_hidden_layers"]
+    settings: dict[str, Any] = dict(
+        c,
+        intermediate_size_mlp=c["intermediate_size"],
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        no_rope_layers=[1] * (layers - 1) + [0],
+        interleave_moe_layer_step=1,
+        max_position_embeddings=4096,
+        initializer_range=std,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    config = Llama4TextConfig(**settings)
+    torch.manual_seed(seed)
+    out = Path(path)
+    model: Any = Llama4ForCausalLM  # untyped in transformers
+    model(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -316,6 +316,7 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
             type(spec).__name__,
             tuple(group.layer_names),
             int(getattr(spec, "sliding_window", 0) or 0),
+            int(getattr(spec, "attention_chunk_size", 0) or 0),
         )
         if hasattr(spec, "mamba_type"):
             mamba: Any = spec  # vLLM's MambaSpec
@@ -335,5 +336,9 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
     groups = kv_groups_of(views)
     check_pipeline(groups, vllm_config.parallel_config.pipeline_parallel_size)
     if groups:
-        log.info("kvsvc: %d KV cache groups: %s", len(groups), [(g.kind, g.layers, g.sliding_window) for g in groups])
+        log.info(
+            "kvsvc: %d KV cache groups: %s",
+            len(groups),
+            [(g.kind, g.layers, g.sliding_window or g.attention_chunk) for g in groups],
+        )
     return groups

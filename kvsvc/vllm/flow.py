@@ -25,7 +25,7 @@ from enum import Enum
 from typing import Any
 
 from kvsvc.auth import Key
-from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW
+from kvsvc.groups import DROPPING, FULL, MAMBA
 from kvsvc.vllm.params import (
     ParamsError,
     RemotePrefill,
@@ -189,8 +189,9 @@ class SchedulerFlow:
         itself. A state model's state cannot be un-applied. A sliding-window model's D drops the blocks the window
         has passed as of the tokens it loads; loading the whole prompt, vLLM recomputes its last token, whose window
         reaches one token further back, into a block D already dropped (its null block): so D loads one token less
-        and computes the last, whose window its blocks then hold."""
-        drops = self.keeps_state or SLIDING_WINDOW in self.group_kinds
+        and computes the last, whose window its blocks then hold. A chunked local group drops likewise, at chunk
+        starts."""
+        drops = self.keeps_state or any(kind in DROPPING for kind in self.group_kinds)
         return prompt_len - 1 if drops and prompt_len > 1 else prompt_len
 
     def _flat(self, groups: Sequence[Sequence[int]], num_tokens: int) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from math import prod
 
 from kvsvc.errors import TopologyError
-from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW, state_bytes
+from kvsvc.groups import CHUNKED_LOCAL, FULL, MAMBA, SLIDING_WINDOW, state_bytes
 from kvsvc.layout import dtype_size
 from kvsvc.messages import ConvPart, KVGroup, MambaState
 
@@ -38,6 +38,7 @@ GROUP_KINDS = {
     "FullAttentionSpec": FULL,
     "MLAAttentionSpec": FULL,
     "SlidingWindowSpec": SLIDING_WINDOW,
+    "ChunkedLocalAttentionSpec": CHUNKED_LOCAL,
     "MambaSpec": MAMBA,
 }
 MLA_SPEC = "MLAAttentionSpec"
@@ -170,14 +171,16 @@ def merge_regions(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 @dataclass(frozen=True, slots=True)
 class GroupView:
     """What kvsvc needs to know of one of vLLM's KV cache groups: its spec's class name, its layers' names and, for
-    a sliding window, the window in tokens; for Mamba state, the spec's per-rank shapes and dtypes, its Mamba type,
-    the model's B/C groups (`n_groups`), this engine's TP size and the conv state layout ("SD" or "DS"); for Gated
+    a sliding window, the window in tokens; for chunked local attention, the chunk in tokens; for Mamba state, the
+    spec's per-rank shapes and dtypes, its Mamba type, the model's B/C groups (`n_groups`), this engine's TP size
+    and the conv state layout ("SD" or "DS"); for Gated
     DeltaNet, the model's `(linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
     linear_value_head_dim)` (`gdn_dims`, empty when its config has none)."""
 
     spec: str
     layer_names: tuple[str, ...]
     sliding_window: int = 0
+    attention_chunk: int = 0
     mamba_type: str = ""
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
@@ -280,7 +283,7 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
     of full attention, which every peer takes for granted.
 
     Raises:
-        TopologyError: a group kvsvc cannot move (Mamba1 state, chunked local attention, ...), naming its spec and
+        TopologyError: a group kvsvc cannot move (Mamba1 state, short conv, ...), naming its spec and
             layers, so that the engine refuses to start rather than
             send wrong KV; or an MLA group beside groups of another kind (a worker's metadata is MLA for all its
             layers or for none).
@@ -298,17 +301,19 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
         where = f"KV cache group {i} is a {what} ({len(group.layer_names)} layers, first {first})"
         if kind is None or (kind == MAMBA and group.mamba_type not in MAMBA_TYPES):
             raise TopologyError(
-                f"{where}; kvsvc moves full-attention, MLA, sliding-window, Mamba2 and Gated DeltaNet groups only"
+                f"{where}; kvsvc moves full-attention, MLA, sliding-window, chunked local attention, Mamba2 and "
+                "Gated DeltaNet groups only"
             )
         layers = sorted(layer_index(name) for name in group.layer_names)
         window = group.sliding_window if kind == SLIDING_WINDOW else 0
+        chunk = group.attention_chunk if kind == CHUNKED_LOCAL else 0
         state = None
         if kind == MAMBA:
             try:
                 state = gdn_state(group) if group.mamba_type == "GDN_ATTN" else mamba2_state(group)
             except TopologyError as e:
                 raise TopologyError(f"{where}: {e}") from e
-        out.append(KVGroup(kind=kind, layers=layers, sliding_window=window, mamba=state))
+        out.append(KVGroup(kind=kind, layers=layers, sliding_window=window, attention_chunk=chunk, mamba=state))
     return [] if len(out) == 1 and out[0].kind == FULL else out
 
 

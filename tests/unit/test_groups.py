@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.errors import TopologyError
 from kvsvc.groups import (
+    CHUNKED_LOCAL,
     FULL,
     MAMBA,
     SLIDING_WINDOW,
@@ -23,8 +24,11 @@ from kvsvc.groups import (
     blocks_to_move,
     check_groups,
     check_same_groups,
+    first_read_token,
+    leading_null_blocks,
     plan_state,
     state_bytes,
+    window_first_token,
 )
 from kvsvc.layout import block_geometry, dtype_size, layer_addrs, layer_bytes
 from kvsvc.messages import WorkerMetadata
@@ -55,6 +59,45 @@ def test_a_sliding_window_group_moves_the_blocks_of_its_window_and_at_most_one_m
     assert moved.stop == needed  # nothing past the prompt's blocks
     full = blocks_to_move(KVGroup(kind=FULL, layers=[0]), needed + extra, block_size, tokens)
     assert full == range(needed) and set(moved) <= set(full)
+
+
+@given(
+    chunk=st.sampled_from([16, 32, 48, 64, 128, 8192]),
+    block_size=st.sampled_from([4, 16, 32]),
+    d_block_size=st.sampled_from([4, 16, 32]),
+    tokens=st.integers(1, 2000),
+)
+def test_a_chunked_local_group_moves_the_blocks_of_the_next_tokens_chunk(
+    chunk: int, block_size: int, d_block_size: int, tokens: int
+) -> None:
+    # Token `tokens` (the one D computes next) attends to its chunk's tokens before it; nothing earlier is read,
+    # and vLLM has made those blocks its null block on both sides.
+    group = KVGroup(kind=CHUNKED_LOCAL, layers=[0], attention_chunk=chunk)
+    start = tokens // chunk * chunk
+    assert first_read_token(group, tokens) == start
+    needed = -(-tokens // block_size)
+    moved = blocks_to_move(group, needed, block_size, tokens)
+    assert {t // block_size for t in range(start, tokens)} <= set(moved) and moved.stop == needed
+    assert moved.start == start // block_size  # the blocks before hold no token D reads
+    first = window_first_token(group, tokens, block_size, d_block_size)
+    assert first <= start and first % block_size == first % d_block_size == 0
+    nulls = [0] * (start // block_size)
+    assert leading_null_blocks(group, [*nulls, *range(1, needed - len(nulls) + 1)], 0) == len(nulls)
+
+
+def test_a_chunked_local_group_needs_its_chunk_and_only_that_kind_has_one() -> None:
+    with pytest.raises(TopologyError, match="attention_chunk 0 does not fit the kind"):
+        check_groups([KVGroup(kind=CHUNKED_LOCAL, layers=[0])], 1)
+    with pytest.raises(TopologyError, match="attention_chunk 64 does not fit the kind"):
+        check_groups([KVGroup(kind=FULL, layers=[0], attention_chunk=64)], 1)
+    views = [
+        GroupView("FullAttentionSpec", ("model.layers.3.self_attn.attn",)),
+        GroupView("ChunkedLocalAttentionSpec", tuple(f"model.layers.{i}.self_attn.attn" for i in range(3)), 0, 64),
+    ]
+    assert kv_groups_of(views) == [
+        KVGroup(kind=FULL, layers=[3]),
+        KVGroup(kind=CHUNKED_LOCAL, layers=[0, 1, 2], attention_chunk=64),
+    ]
 
 
 def test_a_mamba_group_moves_its_last_slot_and_a_short_block_list_is_refused() -> None:

@@ -210,8 +210,8 @@ def test_groups_kvsvc_cannot_move_refuse_the_start_naming_spec_and_layers() -> N
     with pytest.raises(TopologyError, match=r"group 1 is a MambaSpec \(GDN_ATTN\) \(2 layers, first model.layers.1"
                        r".*: Gated DeltaNet state .* gives no linear_num_key_heads"):  # fmt: skip
         kv_groups_of([full, gdn])
-    with pytest.raises(TopologyError, match=r"group 1 is a ChunkedLocalAttentionSpec"):
-        kv_groups_of([full, GroupView("ChunkedLocalAttentionSpec", ("model.layers.1.attn",))])
+    with pytest.raises(TopologyError, match=r"group 1 is a CircularBufferSpec"):
+        kv_groups_of([full, GroupView("CircularBufferSpec", ("model.layers.1.attn",))])
 
 
 def test_an_mla_group_is_full_attention_published_as_mla_and_never_mixed() -> None:
