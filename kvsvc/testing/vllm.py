@@ -243,7 +243,6 @@ def write_tiny_deepseek(
         ImportError: torch or transformers is missing.
         OSError: `path` cannot be written.
     """
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     c = _shape(TINY_DEEPSEEK, shape)
@@ -265,11 +264,7 @@ def write_tiny_deepseek(
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    config = DeepseekV2Config(**settings)
-    torch.manual_seed(seed)
-    out = Path(path)
-    model: Any = DeepseekV2ForCausalLM  # untyped in transformers
-    model(config).save_pretrained(out, safe_serialization=True)
+    out = _save_random(DeepseekV2ForCausalLM, DeepseekV2Config(**settings), path, seed)
     if tokenizer:
         _write_word_tokenizer(out, c["vocab_size"])
     return out
@@ -359,7 +354,6 @@ def write_tiny_llama4(path: Path | str, *, seed: int = 0, std: float = 0.05, **s
         ImportError: torch or transformers is missing.
         OSError: `path` cannot be written.
     """
-    import torch
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
     c = _shape(TINY_LLAMA4, shape)
@@ -378,10 +372,17 @@ def write_tiny_llama4(path: Path | str, *, seed: int = 0, std: float = 0.05, **s
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    config = Llama4TextConfig(**settings)
+    out = _save_random(Llama4ForCausalLM, Llama4TextConfig(**settings), path, seed)
+    return out
+
+
+def _save_random(model: Any, config: Any, path: Path | str, seed: int) -> Path:
+    """`model` (a transformers class, untyped there) built from `config` with torch's generator seeded by `seed`,
+    saved as safetensors into `path`; returns it."""
+    import torch
+
     torch.manual_seed(seed)
     out = Path(path)
-    model: Any = Llama4ForCausalLM  # untyped in transformers
     model(config).save_pretrained(out, safe_serialization=True)
     return out
 
