@@ -376,6 +376,59 @@ def write_tiny_llama4(path: Path | str, *, seed: int = 0, std: float = 0.05, **s
     return out
 
 
+# The tiny LFM2: short-conv layers (a conv window of `conv_L_cache - 1` steps over `conv_dim` channels, vLLM's
+# short-conv Mamba state) and full attention in turn, vocabulary 1024.
+TINY_LFM2 = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "conv_L_cache": 3,
+    "vocab_size": 1024,
+}
+
+
+def write_tiny_lfm2(path: Path | str, *, seed: int = 0, std: float = 0.2, **shape: int) -> Path:
+    """Write an LFM2 style hybrid (`Lfm2ForCausalLM`: short-conv layers, then full attention, in turn) with seeded
+    random float32 weights into `path`; returns it. `shape` overrides keys of `TINY_LFM2`. vLLM's LFM2 reads
+    `conv_dim`, `block_dim` and the `block_*` feed-forward keys that published LFM2 checkpoints carry and
+    transformers' config drops, so they are added to `config.json` here.
+
+    Raises:
+        ImportError: torch or transformers is missing.
+        OSError: `path` cannot be written.
+    """
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    c = _shape(TINY_LFM2, shape)
+    layers = c["num_hidden_layers"]
+    settings: dict[str, Any] = dict(
+        c,
+        layer_types=(["conv", "full_attention"] * layers)[:layers],
+        block_auto_adjust_ff_dim=False,
+        max_position_embeddings=4096,
+        initializer_range=std,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    out = _save_random(Lfm2ForCausalLM, Lfm2Config(**settings), path, seed)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(
+        conv_dim=c["hidden_size"],
+        block_dim=c["hidden_size"],
+        block_multiple_of=256,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+    )
+    config_path.write_text(json.dumps(config, indent=2))
+    return out
+
+
 def _save_random(model: Any, config: Any, path: Path | str, seed: int) -> Path:
     """`model` (a transformers class, untyped there) built from `config` with torch's generator seeded by `seed`,
     saved as safetensors into `path`; returns it."""

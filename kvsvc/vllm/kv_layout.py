@@ -42,7 +42,6 @@ GROUP_KINDS = {
     "MambaSpec": MAMBA,
 }
 MLA_SPEC = "MLAAttentionSpec"
-MAMBA_TYPES = ("MAMBA2", "GDN_ATTN")
 
 
 class UnknownKVLayout(TopologyError):
@@ -278,12 +277,41 @@ def gdn_state(view: GroupView) -> MambaState:
     return state
 
 
+def short_conv_state(view: GroupView) -> MambaState:
+    """A short-conv layer's state (LFM2) over the whole model, from one rank's only shape: a conv window, `(width,
+    channels)` in the SD layout, `(channels, width)` in DS, whose channels TP ranks split in contiguous slices (vLLM
+    splits the conv's channels as a column-parallel linear). There is no SSM state.
+
+    Raises:
+        TopologyError: the shapes are not one conv window (naming them).
+    """
+    if len(view.shapes) != 1 or len(view.shapes[0]) != 2 or len(view.dtypes) != 1 or min(view.shapes[0]) < 1:
+        raise TopologyError(
+            f"short-conv state of shapes {view.shapes} and dtypes {view.dtypes}: expected one conv window"
+        )
+    conv = view.shapes[0]
+    width, channels = conv if view.conv_layout == "SD" else conv[::-1]
+    total = channels * view.tp_size
+    # Every channel is a group of its own: any TP size that divides the channels splits them.
+    return MambaState(
+        conv_parts=[ConvPart(channels=total, groups=total)],
+        conv_width=width,
+        conv_dtype=view.dtypes[0],
+        ssm_heads=0,
+        ssm_head_bytes=0,
+        conv_layout=view.conv_layout,
+    )
+
+
+STATES = {"MAMBA2": mamba2_state, "GDN_ATTN": gdn_state, "SHORT_CONV": short_conv_state}
+
+
 def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
     """The model's KV cache groups as this worker publishes them (`WorkerMetadata.kv_groups`): empty for one group
     of full attention, which every peer takes for granted.
 
     Raises:
-        TopologyError: a group kvsvc cannot move (Mamba1 state, short conv, ...), naming its spec and
+        TopologyError: a group kvsvc cannot move (Mamba1 state, ...), naming its spec and
             layers, so that the engine refuses to start rather than
             send wrong KV; or an MLA group beside groups of another kind (a worker's metadata is MLA for all its
             layers or for none).
@@ -299,10 +327,10 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
         first = group.layer_names[0] if group.layer_names else "none"
         what = f"{group.spec} ({group.mamba_type})" if group.mamba_type else group.spec
         where = f"KV cache group {i} is a {what} ({len(group.layer_names)} layers, first {first})"
-        if kind is None or (kind == MAMBA and group.mamba_type not in MAMBA_TYPES):
+        if kind is None or (kind == MAMBA and group.mamba_type not in STATES):
             raise TopologyError(
-                f"{where}; kvsvc moves full-attention, MLA, sliding-window, chunked local attention, Mamba2 and "
-                "Gated DeltaNet groups only"
+                f"{where}; kvsvc moves full-attention, MLA, sliding-window, chunked local attention, Mamba2, "
+                "Gated DeltaNet and short-conv groups only"
             )
         layers = sorted(layer_index(name) for name in group.layer_names)
         window = group.sliding_window if kind == SLIDING_WINDOW else 0
@@ -310,7 +338,7 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
         state = None
         if kind == MAMBA:
             try:
-                state = gdn_state(group) if group.mamba_type == "GDN_ATTN" else mamba2_state(group)
+                state = STATES[group.mamba_type](group)
             except TopologyError as e:
                 raise TopologyError(f"{where}: {e}") from e
         out.append(KVGroup(kind=kind, layers=layers, sliding_window=window, attention_chunk=chunk, mamba=state))

@@ -160,12 +160,13 @@ def states(draw: st.DrawFn) -> MambaState:
     for _ in range(draw(st.integers(1, 4))):
         groups = draw(st.sampled_from([1, 2, 4, 8, 16]))
         parts.append(ConvPart(groups * draw(st.integers(1, 3)), groups))
+    heads = draw(st.sampled_from([0, 1, 2, 4, 8, 16]))  # 0: a short conv, which keeps no SSM state
     return MambaState(
         conv_parts=parts,
         conv_width=draw(st.integers(1, 4)),
         conv_dtype=draw(st.sampled_from(["bfloat16", "float32"])),
-        ssm_heads=draw(st.sampled_from([1, 2, 4, 8, 16])),
-        ssm_head_bytes=draw(st.integers(1, 48)),
+        ssm_heads=heads,
+        ssm_head_bytes=draw(st.integers(1, 48)) if heads else 0,
     )
 
 
@@ -371,6 +372,51 @@ def test_gdn_state_moves_byte_exact_between_any_tp_sizes_from_1_to_4(
         assert bytes(d_arena[slot : slot + len(want)]) == want
         assert set(writes[slot : slot + len(want)]) == {1}  # every byte of the slot once, by one P rank
         assert sum(writes[tensor : tensor + layer_bytes(d_meta)]) == len(want)  # nothing else in the state tensor
+
+
+@given(
+    tps=st.sampled_from(TP_PAIRS_TO_4),
+    channels_per_lcm=st.integers(1, 8),
+    width=st.integers(1, 3),
+    slots=st.tuples(st.integers(1, 7), st.integers(1, 7)),
+    seed=st.integers(0, 99),
+)
+def test_short_conv_state_moves_byte_exact_between_any_tp_sizes_from_1_to_4(
+    tps: tuple[int, int], channels_per_lcm: int, width: int, slots: tuple[int, int], seed: int
+) -> None:
+    p_tp, d_tp = tps
+    channels = lcm(p_tp, d_tp) * channels_per_lcm
+
+    def described(tp: int) -> MambaState:
+        view = GroupView(
+            "MambaSpec", ("model.layers.0.conv",), mamba_type="SHORT_CONV", shapes=((channels // tp, width),),
+            dtypes=("float32",), tp_size=tp, conv_layout="DS",
+        )  # fmt: skip
+        (group,) = kv_groups_of([view])
+        assert group.mamba is not None
+        return group.mamba
+
+    state = described(p_tp)
+    assert described(d_tp) == state
+    conv = random.Random(seed).randbytes(channels * width * 4)
+    p_engine, d_engine = _hybrid_engine("P", p_tp, state, 12, 32), _hybrid_engine("D", d_tp, state, 12, 32)
+    p_slot, d_slot = slots
+    p_ids = [0, 0, p_slot, *[i for i in range(1, 8) if i != p_slot][:3]]
+    d_ids = [0, 0, d_slot, *[i for i in range(1, 8) if i != d_slot][:3]]
+    p_arena = bytearray(_end(p_engine))
+    for (_, p_rank), p_meta in p_engine.items():
+        slot = layer_addrs(p_meta)[0] + p_slot * block_geometry(p_meta).block_stride
+        data = _vllm_gdn_slot([conv], b"", p_tp, p_rank)  # a rank's contiguous slice of the channel rows
+        assert len(data) == state_bytes(state, p_tp)
+        p_arena[slot : slot + len(data)] = data
+    d_arena, writes = _moved(p_engine, d_engine, p_arena, p_ids, d_ids)
+    for (_, d_rank), d_meta in d_engine.items():
+        tensor = layer_addrs(d_meta)[0]
+        slot = tensor + d_slot * block_geometry(d_meta).block_stride
+        want = _vllm_gdn_slot([conv], b"", d_tp, d_rank)
+        assert bytes(d_arena[slot : slot + len(want)]) == want
+        assert set(writes[slot : slot + len(want)]) == {1}
+        assert sum(writes[tensor : tensor + layer_bytes(d_meta)]) == len(want)
 
 
 def test_gdn_state_in_the_time_step_major_layout_is_refused_between_two_tp_sizes() -> None:

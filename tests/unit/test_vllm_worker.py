@@ -293,8 +293,31 @@ def test_gdn_is_refused_wherever_vllms_shapes_are_not_the_configs() -> None:
         kv_groups_of([_gdn_view(2, "DS", shapes=((4096, 3), (16, 128, 64)))])
     with pytest.raises(TopologyError, match=r"expected conv and recurrent"):
         kv_groups_of([_gdn_view(1, "DS", dtypes=("bfloat16",))])
-    with pytest.raises(TopologyError, match=r"Mamba2 and Gated DeltaNet groups only"):
+    with pytest.raises(TopologyError, match=r"Mamba2, Gated DeltaNet and short-conv groups only"):
         kv_groups_of([_gdn_view(1, "DS", mamba_type="MAMBA1")])
+
+
+def test_a_short_conv_group_is_contiguous_channels_with_no_ssm_state_at_any_tp_and_layout() -> None:
+    # The tiny LFM2: a conv window of 2 steps over 256 channels, float32.
+    states = []
+    for tp in (1, 2, 4):
+        for layout in ("SD", "DS"):
+            conv = (2, 256 // tp)
+            view = GroupView(
+                "MambaSpec", ("model.layers.0.conv", "model.layers.2.conv"), mamba_type="SHORT_CONV",
+                shapes=(conv if layout == "SD" else conv[::-1],), dtypes=("float32",), tp_size=tp, conv_layout=layout,
+            )  # fmt: skip
+            (group,) = kv_groups_of([view])
+            assert group.mamba is not None and group.layers == [0, 2]
+            assert state_bytes(group.mamba, tp) == 2 * 256 // tp * 4
+            states.append(msgspec.structs.replace(group.mamba, conv_layout="DS"))
+    assert all(state == states[0] for state in states)  # one model, whatever the TP or layout
+    assert (states[0].conv_parts, states[0].ssm_heads, states[0].ssm_head_bytes) == ([ConvPart(256, 256)], 0, 0)
+    two = GroupView("MambaSpec", ("model.layers.0.conv",), mamba_type="SHORT_CONV", shapes=((2, 256), (4, 8)),
+                    dtypes=("float32", "float32"))  # fmt: skip
+    with pytest.raises(TopologyError, match=r"group 0 is a MambaSpec \(SHORT_CONV\).*shapes \(\(2, 256\), \(4, 8\)\).*"
+                       r"expected one conv window"):  # fmt: skip
+        kv_groups_of([two])
 
 
 def test_mamba_state_at_pp_above_1_is_refused_at_start_naming_the_layers() -> None:

@@ -69,14 +69,15 @@ def test_the_hybrid_manager_stays_on_with_a_mamba_group(engines: dict[str, VllmE
         assert "kvsvc: 2 KV cache groups: [('mamba', [0, 2], 0), ('full', [1, 3], 0)]" in log, name
 
 
-def moved(engines: dict[str, VllmEngine], p_name: str, d_name: str, batch: list[list[int]]) -> int:
-    """Move `batch` from P to D and check what a state model promises: D's tokens are a single engine's (`base`), no
-    receive failed, each load is the first N-1 tokens, and both ends are clean. Returns the bytes P sent for it."""
+def moved(engines: dict[str, VllmEngine], p_name: str, d_name: str, batch: list[list[int]], max_tokens: int = 8) -> int:
+    """Move `batch` from P to D and check what a state model promises: D's first `max_tokens` tokens are a single
+    engine's (`base`), no receive failed, each load is the first N-1 tokens, and both ends are clean. Returns the
+    bytes P sent for it."""
     p, d = engines[p_name], engines[d_name]
-    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=max_tokens)]
     params = p.prefill(batch)
     sent_before = bytes_sent(p.stats(workers=True))
-    got = d.generate(batch, max_tokens=8, params=params)
+    got = d.generate(batch, max_tokens=max_tokens, params=params)
     assert [o.token_ids for o in got] == want
     stats = assert_clean(d)
     assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) == 0
@@ -93,11 +94,13 @@ def whole_blocks_and_slots(block: int, lengths: list[int], token_bytes: int, sta
     return attention + 2 * state_bytes * len(lengths)
 
 
-def assert_other_weights_change_tokens(engines: dict[str, VllmEngine], batch: list[list[int]]) -> None:
-    """The negative control: D's tokens differ from a single engine's for every prompt when the state and KV come
-    from `P_other`, a P with other weights, though every load completes."""
-    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
-    got = engines["D"].generate(batch, max_tokens=8, params=engines["P_other"].prefill(batch))
+def assert_other_weights_change_tokens(
+    engines: dict[str, VllmEngine], batch: list[list[int]], max_tokens: int = 8
+) -> None:
+    """The negative control: D's first `max_tokens` tokens differ from a single engine's for every prompt when the
+    state and KV come from `P_other`, a P with other weights, though every load completes."""
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=max_tokens)]
+    got = engines["D"].generate(batch, max_tokens=max_tokens, params=engines["P_other"].prefill(batch))
     stats = assert_clean(engines["D"])
     loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
     assert loads == [[0, len(prompt) - 1] for prompt in batch]
