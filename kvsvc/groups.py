@@ -12,14 +12,14 @@ model's layers fall into groups that share one block table each (vLLM's KV cache
 | `chunked_local`  | the blocks of its current chunk                | the blocks from the next token's chunk start   |
 | `mamba`          | one state slot (conv state, then SSM state)   | the slot holding the state after the prompt    |
 
-A Mamba, Gated DeltaNet or short-conv state slot of one TP rank is its conv state, channel-major (vLLM's "DS"
-layout: one row of `conv_width` elements per channel, the sub-projections one after another), then its SSM state
-(its slice of the heads, each head's state contiguous; none for a short conv). A sub-projection is made of groups of channels (heads for x, Q, K and V; the
-B/C groups of Mamba2) and a rank holds `groups / tp` of them; where TP exceeds the groups (Mamba2's single B/C
-group at TP 2), vLLM gives each rank one group, so ranks share it and D takes it from the first P rank that holds
-it. Rules: groups that neither divide nor are divided by a side's TP, or two sides that disagree on a group's kind,
-window or state, are a `TopologyError` naming the values; runs are byte offsets within one slot, in source order,
-every byte of D's slot written by exactly one P rank.
+A Mamba, Gated DeltaNet or short-conv state slot of one TP rank is its conv state, channel-major (vLLM's "DS" layout:
+one row of `conv_width` elements per channel, the sub-projections one after another), then its SSM state (its slice of
+the heads, each head's state contiguous; none for a short conv). A sub-projection is made of groups of channels (heads
+for x, Q, K and V; the B/C groups of Mamba2; single channels of a short conv) and a rank holds `groups / tp` of them;
+where TP exceeds the groups (Mamba2's single B/C group at TP 2), vLLM gives each rank one group, so ranks share it and
+D takes it from the first P rank that holds it. Rules: groups that neither divide nor are divided by a side's TP, or
+two sides that disagree on a group's kind, window or state, are a `TopologyError` naming the values; runs are byte
+offsets within one slot, in source order, every byte of D's slot written by exactly one P rank.
 """
 
 from __future__ import annotations

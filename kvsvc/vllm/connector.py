@@ -293,6 +293,21 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler
 
 
+def _mla_variant(spec: Any) -> str:
+    """What sets vLLM's MLA `spec` apart from plain MLA, in words (`GroupView.variant`): a cache role other than the
+    attention's own (DeepSeek V3.2's sparse-attention indexer), a model version (DeepSeek V4), several tokens per
+    state; empty for plain MLA and for other specs."""
+    if not hasattr(spec, "cache_role"):  # only MLA specs have one; other specs may not define tokens_per_state
+        return ""
+    role = str(getattr(spec.cache_role, "value", spec.cache_role))
+    out = [f"cache role {role}"] if role != "sparse" else []
+    if getattr(spec, "model_version", None):
+        out.append(f"model version {spec.model_version}")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        out.append(f"{spec.tokens_per_state} tokens per state")
+    return ", ".join(out)
+
+
 def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> list[KVGroup]:
     """The model's KV cache groups (`kv_groups_of`); none known (an older vLLM): one group of full attention.
 
@@ -317,6 +332,7 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
             tuple(group.layer_names),
             int(getattr(spec, "sliding_window", 0) or 0),
             int(getattr(spec, "attention_chunk_size", 0) or 0),
+            variant=_mla_variant(spec),
         )
         if hasattr(spec, "mamba_type"):
             mamba: Any = spec  # vLLM's MambaSpec

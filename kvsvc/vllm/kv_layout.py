@@ -187,6 +187,9 @@ class GroupView:
     tp_size: int = 1
     conv_layout: str = "SD"
     gdn_dims: tuple[int, ...] = ()
+    variant: str = ""
+    """What sets an MLA spec apart from plain MLA (DeepSeek V3.2's indexer cache, DeepSeek V4's compressed cache),
+    in words: empty for plain MLA and every other spec."""
 
 
 def mamba2_state(view: GroupView) -> MambaState:
@@ -311,8 +314,8 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
     of full attention, which every peer takes for granted.
 
     Raises:
-        TopologyError: a group kvsvc cannot move (Mamba1 state, ...), naming its spec and
-            layers, so that the engine refuses to start rather than
+        TopologyError: a group kvsvc cannot move (Mamba1 state, DeepSeek V3.2's indexer cache, ...), naming its
+            spec and layers, so that the engine refuses to start rather than
             send wrong KV; or an MLA group beside groups of another kind (a worker's metadata is MLA for all its
             layers or for none).
     """
@@ -327,6 +330,8 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
         first = group.layer_names[0] if group.layer_names else "none"
         what = f"{group.spec} ({group.mamba_type})" if group.mamba_type else group.spec
         where = f"KV cache group {i} is a {what} ({len(group.layer_names)} layers, first {first})"
+        if group.variant:
+            raise TopologyError(f"{where}, {group.variant}; kvsvc moves plain MLA only, one latent per token")
         if kind is None or (kind == MAMBA and group.mamba_type not in STATES):
             raise TopologyError(
                 f"{where}; kvsvc moves full-attention, MLA, sliding-window, chunked local attention, Mamba2, "

