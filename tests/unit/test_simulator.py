@@ -9,7 +9,9 @@ ran: each slot D needs holds P's code and was written once; the slots of the las
 A hybrid model (`window` > 0) makes the odd layers one or more sliding-window groups with block lists of their own,
 which hold vLLM's null block where the window has passed on each side, as often as it has passed a block (vLLM's
 rule on D; on P that rule or fewer null blocks, as a P that has not yet dropped them): D then needs only the tokens
-its next step reads, may get the rest of its kept blocks, and its null block is never written.
+its next step reads, may get the rest of its kept blocks, and its null block is never written. With `chunked` those
+groups are chunked local attention instead (Llama 4), of chunks of `window` tokens: D needs its chunk from the
+chunk's start.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.groups import FULL, SLIDING_WINDOW, KVGroup, blocks_to_move, first_read_token
+from kvsvc.groups import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, KVGroup, blocks_to_move
 from kvsvc.layout import (
     CROSS_LAYER,
     FUSED,
@@ -78,6 +80,20 @@ class Layouts:
     window: int = 0  # > 0: the odd layers are sliding-window groups of this many tokens
     window_groups: int = 1  # how many sliding-window groups the odd layers make (vLLM groups layers by count)
     p_drops: bool = True  # P's lists hold the null block as vLLM's rule says, or only before the blocks kvsvc moves
+    chunked: bool = False  # the window groups are chunked local attention of chunks of `window` tokens
+
+
+def _first_read(s: Layouts) -> int:
+    """The first token D's next step reads in a window group, written out apart from `kvsvc.groups`: the query of
+    token `tokens` attends to the `window - 1` tokens before it, or to its chunk from the chunk's start."""
+    return s.tokens // s.window * s.window if s.chunked else max(0, s.tokens - s.window + 1)
+
+
+def _window_kind(s: Layouts, layers: list[int]) -> KVGroup:
+    """A window group of the case over `layers`: a sliding window, or chunked local attention."""
+    if s.chunked:
+        return KVGroup(kind=CHUNKED_LOCAL, layers=layers, attention_chunk=s.window)
+    return KVGroup(kind=SLIDING_WINDOW, layers=layers, sliding_window=s.window)
 
 
 NULL = 0  # vLLM's null block: a hybrid case's block lists never use it for a token
@@ -92,17 +108,16 @@ def _groups(s: Layouts, start: int, end: int) -> list[KVGroup]:
     """The hybrid case's KV cache groups, as a worker holding layers `[start, end)` publishes them."""
     layers = range(start, end)
     return [KVGroup(kind=FULL, layers=[i for i in layers if _list_of(i, s) == 0])] + [
-        KVGroup(kind=SLIDING_WINDOW, layers=[i for i in layers if _list_of(i, s) == g], sliding_window=s.window)
-        for g in range(1, s.window_groups + 1)
+        _window_kind(s, [i for i in layers if _list_of(i, s) == g]) for g in range(1, s.window_groups + 1)
     ]
 
 
 def _window_ids(full: list[int], block: int, s: Layouts, group: int, vllm_rule: bool) -> list[int]:
     """Sliding-window group `group`'s list beside `full`: fresh ids for the blocks it keeps, the null block before
     (vLLM's rule: every block whose tokens all lie before the first token D's next step reads; else fewer)."""
-    kind = KVGroup(kind=SLIDING_WINDOW, layers=[1], sliding_window=s.window)
+    kind = _window_kind(s, [1])
     if vllm_rule:
-        kept = range(first_read_token(kind, s.tokens) // block, len(full))
+        kept = range(_first_read(s) // block, len(full))
     else:
         kept = blocks_to_move(kind, len(full), block, s.tokens) if s.tokens else range(0)
     top = max(full, default=0) + 1 + group * len(full)
@@ -244,8 +259,8 @@ def simulate(s: Layouts) -> int:
             got = _view(d_arena, d_meta, i)
             count = _bytes(writes, d_meta, i)
             listed = expected >= 0
-            # A sliding-window layer needs the tokens D's next step reads; the rest of its kept blocks may come too.
-            needed = max(s.first, s.tokens - s.window + 1) if _list_of(layer, s) else s.first
+            # A window layer needs the tokens D's next step reads; the rest of its kept blocks may come too.
+            needed = max(s.first, _first_read(s)) if _list_of(layer, s) else s.first
             required = listed & (token >= needed) & (token < s.tokens)
             optional = listed & (((token >= s.first) & (token < needed)) | ((token >= s.tokens) & (token < last_end)))
             untouched = ~(required | optional)
@@ -374,6 +389,15 @@ CASES = {
     "two window groups, blocks 32 -> 48, window ends on a block": Layouts(
         window=96, window_groups=2, tokens=223, p_block=32, d_block=48, layers=6, p_tp=2, d_tp=1
     ),
+    "chunked local (vLLM CPU)": Layouts(layout=FUSED, window=64, chunked=True, tokens=150),
+    "chunked local, a chunk starts at the last token": Layouts(window=64, chunked=True, tokens=128, p_tp=2, d_tp=1),
+    "chunked local, blocks 16 -> 24, head split, PP change": Layouts(
+        window=48, chunked=True, tokens=97, d_block=24, p_tp=1, d_tp=2, d_pp=2, layers=6
+    ),
+    "chunked local, D holds a prefix": Layouts(window=32, chunked=True, tokens=90, first=80),
+    "two chunked groups, chunks shorter than a block": Layouts(
+        window=24, chunked=True, window_groups=2, tokens=223, p_block=32, d_block=16, layers=6
+    ),
 }
 
 
@@ -470,6 +494,7 @@ def layouts(draw: st.DrawFn) -> Layouts:
         window=draw(st.one_of(st.just(0), st.integers(1, 80))),
         window_groups=draw(st.integers(1, 3)),
         p_drops=draw(st.booleans()),
+        chunked=draw(st.booleans()),
         # A prefix D holds already: whole D blocks (as a prefix cache hit is), or any token off the fused layout.
         first=draw(
             st.sampled_from(range(0, tokens + 1, d_block))
