@@ -31,23 +31,26 @@ HEADER_BYTES: Final = _HEADER.size
 
 
 class ConvPart(msgspec.Struct, frozen=True):
-    """One sub-projection of a conv state (x, B or C of Mamba2; Q, K or V of GDN): its channels over the whole
-    model, in `groups` equal groups that TP ranks split (heads, or Mamba2's B/C groups); `kvsvc.groups`."""
+    """One sub-projection of a conv state (x, B or C of Mamba2; Q, K or V of GDN; a short conv's only one): its
+    channels over the whole model, in `groups` equal groups that TP ranks split (heads, Mamba2's B/C groups, a
+    short conv's single channels, or one group that every rank holds whole); `kvsvc.groups`."""
 
     channels: int
     groups: int
 
 
 class MambaState(msgspec.Struct, frozen=True, kw_only=True):
-    """The state one Mamba/GDN layer keeps per request, as sizes over the whole model (before the TP split)."""
+    """The state one Mamba, GDN or short-conv layer keeps per request, as sizes over the whole model (before the TP
+    split)."""
 
     conv_parts: list[ConvPart]
     conv_width: int
-    """Elements per conv channel: the kernel size minus one."""
+    """Elements per conv channel: the kernel size minus one (plus vLLM's speculative tokens, if any)."""
     conv_dtype: str
     ssm_heads: int
     ssm_head_bytes: int
-    """Bytes of one head's SSM state (Mamba2: head_dim x d_state x dtype; GDN: v_dim x k_dim x dtype)."""
+    """Bytes of one head's SSM state (Mamba2: head_dim x d_state x dtype; GDN: v_dim x k_dim x dtype); a short conv
+    has none (`ssm_heads` 0, this 0)."""
     conv_layout: str = "DS"
     """The conv state's order in a slot: "DS" (channel-major, as `kvsvc.groups` splits it across TP sizes) or "SD"
     (time-step-major, vLLM's default, which only the same TP size on both sides can copy)."""

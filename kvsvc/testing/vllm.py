@@ -392,8 +392,8 @@ TINY_LFM2 = {
 def write_tiny_lfm2(path: Path | str, *, seed: int = 0, std: float = 0.2, **shape: int) -> Path:
     """Write an LFM2 style hybrid (`Lfm2ForCausalLM`: short-conv layers, then full attention, in turn) with seeded
     random float32 weights into `path`; returns it. `shape` overrides keys of `TINY_LFM2`. vLLM's LFM2 reads
-    `conv_dim`, `block_dim` and the `block_*` feed-forward keys that published LFM2 checkpoints carry and
-    transformers' config drops, so they are added to `config.json` here.
+    `conv_dim` and `block_dim`, which published LFM2 checkpoints carry and transformers' config does not, so they
+    are added to `config.json` here.
 
     Raises:
         ImportError: torch or transformers is missing.
@@ -418,13 +418,7 @@ def write_tiny_lfm2(path: Path | str, *, seed: int = 0, std: float = 0.2, **shap
     out = _save_random(Lfm2ForCausalLM, Lfm2Config(**settings), path, seed)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
-    config.update(
-        conv_dim=c["hidden_size"],
-        block_dim=c["hidden_size"],
-        block_multiple_of=256,
-        block_ffn_dim_multiplier=1.0,
-        block_auto_adjust_ff_dim=False,
-    )
+    config.update(conv_dim=c["hidden_size"], block_dim=c["hidden_size"])
     config_path.write_text(json.dumps(config, indent=2))
     return out
 

@@ -347,6 +347,7 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 conv_layout=get_conv_state_layout(),
                 gdn_dims=gdn_dims,
+                tp_replicated=bool(getattr(mamba, "tp_replicated", False)),
             )
         views.append(view)
     groups = kv_groups_of(views)

@@ -17,7 +17,9 @@ and what was expected. The layouts are those of `kvsvc.layout`:
 
 A hybrid model's KV cache groups (`kv_groups_of`) are described by their spec's class name and layer names. A state
 group's split comes from the model's config (Mamba2's B/C groups, Gated DeltaNet's key and value heads) and is
-checked against the shapes vLLM built, so a layer that shapes its state another way is refused, not guessed.
+checked against the shapes vLLM built, so a layer that shapes its state another way is refused, not guessed; a
+short conv has one conv window whose channels are the split itself, or, where vLLM says the state is replicated
+(`tp_replicated`), whole on every rank.
 """
 
 from __future__ import annotations
@@ -187,6 +189,8 @@ class GroupView:
     tp_size: int = 1
     conv_layout: str = "SD"
     gdn_dims: tuple[int, ...] = ()
+    tp_replicated: bool = False
+    """vLLM's `MambaSpec.tp_replicated`: every TP rank holds the whole state."""
     variant: str = ""
     """What sets an MLA spec apart from plain MLA (DeepSeek V3.2's indexer cache, DeepSeek V4's compressed cache),
     in words: empty for plain MLA and every other spec."""
@@ -283,7 +287,8 @@ def gdn_state(view: GroupView) -> MambaState:
 def short_conv_state(view: GroupView) -> MambaState:
     """A short-conv layer's state (LFM2) over the whole model, from one rank's only shape: a conv window, `(width,
     channels)` in the SD layout, `(channels, width)` in DS, whose channels TP ranks split in contiguous slices (vLLM
-    splits the conv's channels as a column-parallel linear). There is no SSM state.
+    splits the conv's channels as a column-parallel linear), or hold whole where the spec is `tp_replicated` (one
+    group: D takes it from P's first rank). There is no SSM state.
 
     Raises:
         TopologyError: the shapes are not one conv window (naming them).
@@ -294,10 +299,12 @@ def short_conv_state(view: GroupView) -> MambaState:
         )
     conv = view.shapes[0]
     width, channels = conv if view.conv_layout == "SD" else conv[::-1]
-    total = channels * view.tp_size
-    # Every channel is a group of its own: any TP size that divides the channels splits them.
+    if view.tp_replicated:
+        part = ConvPart(channels=channels, groups=1)
+    else:  # every channel a group of its own: any TP size that divides the channels splits them
+        part = ConvPart(channels=channels * view.tp_size, groups=channels * view.tp_size)
     return MambaState(
-        conv_parts=[ConvPart(channels=total, groups=total)],
+        conv_parts=[part],
         conv_width=width,
         conv_dtype=view.dtypes[0],
         ssm_heads=0,
@@ -306,6 +313,7 @@ def short_conv_state(view: GroupView) -> MambaState:
     )
 
 
+# vLLM's Mamba types kvsvc moves, each with what describes its state from a `GroupView`.
 STATES = {"MAMBA2": mamba2_state, "GDN_ATTN": gdn_state, "SHORT_CONV": short_conv_state}
 
 
@@ -342,6 +350,8 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
         chunk = group.attention_chunk if kind == CHUNKED_LOCAL else 0
         state = None
         if kind == MAMBA:
+            if group.tp_replicated and group.mamba_type != "SHORT_CONV":
+                raise TopologyError(f"{where}: a TP-replicated {group.mamba_type} state; kvsvc has proven none")
             try:
                 state = STATES[group.mamba_type](group)
             except TopologyError as e:

@@ -3,12 +3,15 @@ needs both the per-request transfer and the batch's span, and the chart is a PNG
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from workers.bench.plot import plot_comparison
 from workers.bench.vllm_compare import FULL, QUICK, Result, Run, Workload, summarize
+from workers.bench.vllm_ttft import TtftRun, cpu_seconds
 from workers.commands.bench import VLLM_WORKLOADS
 
 WORKLOADS = (Workload("long", (10, 20)), Workload("burst", (5,) * 4))
@@ -95,3 +98,45 @@ def test_mla_is_reported_beside_the_targets_and_its_tokens_not_compared() -> Non
     assert summary["workloads"]["mla"]["tokens_compared"] is False
     assert summary["workloads"]["mla"]["nixl"]["same_tokens_as_kvsvc"] is False
     assert summary["workloads"]["long"]["tokens_compared"] is True
+
+
+def test_ttft_exposes_each_prompts_ttft_over_the_single_engines_of_the_same_repetition() -> None:
+    result = _result(12.0, 24.0)
+    result.single_ttft_ms = [[100.0, 200.0], [110.0, 210.0]]
+    result.ttft = {
+        "kvsvc": [
+            TtftRun([130.0, 240.0], [100.0, 200.0], 0.5, 0.25),
+            TtftRun([150.0, 250.0], [100.0, 200.0], 0.7, 0.25),
+        ],
+        "nixl": [TtftRun([160.0, 260.0], [100.0, 200.0], 0.5, 0.5), TtftRun([170.0, 270.0], [100.0, 200.0], 0.5, 0.5)],
+    }
+    summary = summarize(result, (*WORKLOADS, Workload("ttft", (10, 20))))
+    ttft = summary["workloads"]["ttft"]
+    assert ttft["single_ttft_ms_p50"] == pytest.approx(155.0)
+    # kvsvc's exposed: 30, 40 (first repetition), 40, 40 (second): median 40; NIXL's: 60, 60, 60, 60.
+    assert (ttft["kvsvc"]["exposed_ms_p50"], ttft["nixl"]["exposed_ms_p50"]) == (40.0, 60.0)
+    assert ttft["kvsvc"]["ttft_ms_p50"] == pytest.approx(195.0)
+    assert ttft["kvsvc"]["p_cpu_s_per_request"] == pytest.approx(0.6)
+    assert ttft["kvsvc"]["d_ms_p50"] == pytest.approx(45.0)  # 30, 40, 50, 50
+    assert "load_ratio" not in ttft["nixl"]  # the transfer targets judge the transfer workloads only
+    assert summary["targets"]["load_1_2x_faster_than_nixl"]
+    assert plot_comparison(summary, Path(tempfile.mkdtemp()) / "chart.png").exists()  # the chart leaves ttft out
+    result.ttft["nixl"].pop()
+    with pytest.raises(ValueError, match="nixl: 1 repetitions of ttft against the single engine's 2"):
+        summarize(result, (Workload("ttft", (10, 20)),))
+
+
+def test_cpu_seconds_reads_the_engines_processes() -> None:
+    class Me:
+        pid = os.getpid()
+
+        def worker_pids(self) -> list[int]:
+            return []
+
+    me = Me()
+    before = cpu_seconds(me)  # type: ignore[arg-type]
+    for _ in range(10_000):  # spend CPU until the kernel's clock ticks over
+        if cpu_seconds(me) > before:  # type: ignore[arg-type]
+            break
+        sum(range(100_000))
+    assert cpu_seconds(me) > before  # type: ignore[arg-type]

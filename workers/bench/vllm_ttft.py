@@ -1,0 +1,143 @@
+"""The `ttft` workload of `kvsvc bench --vllm`: a user's time to first token through disaggregation, and how much of
+the transfer it exposes, per connector.
+
+The bench process plays the router's pull flow (vLLM's toy proxy and vllm-router without push): it sends a prompt to
+P with `max_tokens` 1, and once P answered, to D with P's params. End-to-end TTFT runs from P's submission to D's
+first token; exposed transfer is that minus a single engine's TTFT on the same prompt (no connector, the same
+model), which is what disaggregation adds. Prompts go one at a time, so neither engine batches them. CPU seconds per
+request are each engine's processes' user and system time (`/proc`), over the prompts of one run.
+
+Pure arithmetic and `/proc` reads; the engines are `kvsvc.testing.vllm.VllmEngine`s that the caller starts.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvsvc.testing.vllm import Output
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+class Engine(Protocol):
+    """What this module needs of a `VllmEngine`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def worker_pids(self) -> list[int]: ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, params: Sequence[Any] | None = None
+    ) -> list[Output]: ...
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, params: Sequence[Any] | None = None
+    ) -> int: ...
+
+    def result(self, call_id: int, timeout_s: float = ...) -> list[Output]: ...
+
+    def settle(self, timeout_s: float = ...) -> dict[str, Any]: ...
+
+
+@dataclass
+class TtftRun:
+    """One connector, one repetition: per prompt, end-to-end TTFT and P's part of it (ms); CPU seconds per request
+    of P's and D's engine processes."""
+
+    ttft_ms: list[float]
+    p_ms: list[float]
+    p_cpu_s: float
+    d_cpu_s: float
+
+
+def cpu_seconds(engine: Engine) -> float:
+    """User and system CPU seconds of `engine`'s process and its worker processes so far.
+
+    Raises:
+        OSError: a process is gone.
+    """
+    total = 0
+    for pid in (engine.pid, *engine.worker_pids()):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return total * _TICK_S
+
+
+def single_engine_ms(base: Engine, prompts: Sequence[Sequence[int]]) -> list[float]:
+    """A single engine's TTFT (ms) for each prompt, one at a time."""
+    out = []
+    for prompt in prompts:
+        (o,) = base.generate([prompt], max_tokens=1)
+        out.append((o.ttft_s or 0.0) * 1e3)
+    return out
+
+
+def one_at_a_time(
+    p: Engine,
+    d: Engine,
+    prompts: Sequence[Sequence[int]],
+    p_params: Callable[[int], list[dict[str, Any]]],
+    d_params: Callable[[list[Output], int], list[dict[str, Any]]],
+) -> TtftRun:
+    """Each prompt through P then D, as a router's pull flow sends it; the figures of `TtftRun`. `p_params(k)` and
+    `d_params(p_outputs, k)` make prompt k's params for P and D.
+
+    Raises:
+        EngineError: an engine failed or did not answer.
+    """
+    ttft, p_part = [], []
+    p_cpu, d_cpu = cpu_seconds(p), cpu_seconds(d)
+    for k, prompt in enumerate(prompts):
+        started = time.monotonic()
+        p_out = p.generate([prompt], max_tokens=1, params=p_params(k))
+        handed = time.monotonic()
+        call = d.submit([prompt], max_tokens=1, params=d_params(p_out, k))
+        p.settle(timeout_s=300)  # vLLM's connectors (NIXL without its progress thread) need P to step until D fetched
+        (d_out,) = d.result(call, timeout_s=300)
+        # D's TTFT runs from its own call's start: add the time until D was asked.
+        ttft.append((handed - started + (d_out.ttft_s or 0.0)) * 1e3)
+        p_part.append((handed - started) * 1e3)
+    n = len(prompts)
+    return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
+
+
+def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) -> dict[str, Any]:
+    """Per connector, medians over every prompt of every repetition: `ttft_ms_p50`, `exposed_ms_p50` (each prompt's
+    TTFT minus the single engine's in the same repetition), P's part (`p_ms_p50`) and D's (`d_ms_p50`), and CPU
+    seconds per request of P and D; and the single engine's `single_ttft_ms_p50`.
+
+    Raises:
+        ValueError: a connector's repetitions are not as many as the single engine's.
+    """
+    out: dict[str, Any] = {
+        "kind": "ttft",
+        "requests": len(single[0]) if single else 0,
+        "single_ttft_ms_p50": statistics.median(x for rep in single for x in rep) if single else None,
+    }
+    for name, reps in runs.items():
+        if len(reps) != len(single):
+            raise ValueError(f"{name}: {len(reps)} repetitions of ttft against the single engine's {len(single)}")
+        exposed = [
+            t - s for run, base in zip(reps, single, strict=True) for t, s in zip(run.ttft_ms, base, strict=True)
+        ]
+        out[name] = {
+            "ttft_ms_p50": statistics.median(x for run in reps for x in run.ttft_ms),
+            "exposed_ms_p50": statistics.median(exposed),
+            "p_ms_p50": statistics.median(x for run in reps for x in run.p_ms),
+            # D's part: from P's answer to D's first token, the transfer and D's step without P's prefill, whose
+            # spread on a shared host is larger than a transfer.
+            "d_ms_p50": statistics.median(t - p for run in reps for t, p in zip(run.ttft_ms, run.p_ms, strict=True)),
+            "p_cpu_s_per_request": statistics.median(run.p_cpu_s for run in reps),
+            "d_cpu_s_per_request": statistics.median(run.d_cpu_s for run in reps),
+        }
+    return out
+
+
+__all__ = ["TtftRun", "cpu_seconds", "one_at_a_time", "single_engine_ms", "summarize_ttft"]
