@@ -4,6 +4,7 @@ Mamba state slots between P and D at any two TP sizes (hypothesis), with the bad
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from math import lcm
 
 import msgspec
@@ -321,6 +322,33 @@ def _vllm_gdn_slot(parts: list[bytes], recurrent: bytes, tp: int, rank: int) -> 
     return out + recurrent[rank * len(recurrent) // tp : (rank + 1) * len(recurrent) // tp]
 
 
+def _assert_slots_move(
+    state: MambaState, tps: tuple[int, int], slots: tuple[int, int], vllm_slot: Callable[[int, int], bytes]
+) -> None:
+    """Fill each P rank's state slot (`slots[0]`) with `vllm_slot(tp, rank)`, vLLM's bytes for that rank, run every
+    plan, and check each D rank's slot (`slots[1]`): its own `vllm_slot` bytes, each written once, by one P rank,
+    and nothing else of the state tensor written."""
+    p_tp, d_tp = tps
+    p_engine, d_engine = _hybrid_engine("P", p_tp, state, 12, 32), _hybrid_engine("D", d_tp, state, 12, 32)
+    p_slot, d_slot = slots
+    p_ids = [0, 0, p_slot, *[i for i in range(1, 8) if i != p_slot][:3]]
+    d_ids = [0, 0, d_slot, *[i for i in range(1, 8) if i != d_slot][:3]]
+    p_arena = bytearray(_end(p_engine))
+    for (_, p_rank), p_meta in p_engine.items():
+        slot = layer_addrs(p_meta)[0] + p_slot * block_geometry(p_meta).block_stride
+        data = vllm_slot(p_tp, p_rank)
+        assert len(data) == state_bytes(state, p_tp)
+        p_arena[slot : slot + len(data)] = data
+    d_arena, writes = _moved(p_engine, d_engine, p_arena, p_ids, d_ids)
+    for (_, d_rank), d_meta in d_engine.items():
+        tensor = layer_addrs(d_meta)[0]
+        slot = tensor + d_slot * block_geometry(d_meta).block_stride
+        want = vllm_slot(d_tp, d_rank)
+        assert bytes(d_arena[slot : slot + len(want)]) == want
+        assert set(writes[slot : slot + len(want)]) == {1}  # every byte of the slot once, by one P rank
+        assert sum(writes[tensor : tensor + layer_bytes(d_meta)]) == len(want)  # nothing else in the state tensor
+
+
 # Every pair of TP sizes 1 to 4 that the planner takes: one divides the other (3 against 2 or 4 is refused).
 TP_PAIRS_TO_4 = [(p, d) for p in range(1, 5) for d in range(1, 5) if max(p, d) % min(p, d) == 0]
 
@@ -354,24 +382,7 @@ def test_gdn_state_moves_byte_exact_between_any_tp_sizes_from_1_to_4(
     row = width * 2  # bfloat16 conv state
     parts = [rng.randbytes(k_heads * k_dim * row) for _ in "QK"] + [rng.randbytes(dims[1] * v_dim * row)]
     recurrent = rng.randbytes(dims[1] * v_dim * k_dim * 4)
-    p_engine, d_engine = _hybrid_engine("P", p_tp, state, 12, 32), _hybrid_engine("D", d_tp, state, 12, 32)
-    p_slot, d_slot = slots
-    p_ids = [0, 0, p_slot, *[i for i in range(1, 8) if i != p_slot][:3]]
-    d_ids = [0, 0, d_slot, *[i for i in range(1, 8) if i != d_slot][:3]]
-    p_arena = bytearray(_end(p_engine))
-    for (_, p_rank), p_meta in p_engine.items():
-        slot = layer_addrs(p_meta)[0] + p_slot * block_geometry(p_meta).block_stride
-        data = _vllm_gdn_slot(parts, recurrent, p_tp, p_rank)
-        assert len(data) == state_bytes(state, p_tp)
-        p_arena[slot : slot + len(data)] = data
-    d_arena, writes = _moved(p_engine, d_engine, p_arena, p_ids, d_ids)
-    for (_, d_rank), d_meta in d_engine.items():
-        tensor = layer_addrs(d_meta)[0]
-        slot = tensor + d_slot * block_geometry(d_meta).block_stride
-        want = _vllm_gdn_slot(parts, recurrent, d_tp, d_rank)
-        assert bytes(d_arena[slot : slot + len(want)]) == want
-        assert set(writes[slot : slot + len(want)]) == {1}  # every byte of the slot once, by one P rank
-        assert sum(writes[tensor : tensor + layer_bytes(d_meta)]) == len(want)  # nothing else in the state tensor
+    _assert_slots_move(state, tps, slots, lambda tp, rank: _vllm_gdn_slot(parts, recurrent, tp, rank))
 
 
 @given(
@@ -399,24 +410,8 @@ def test_short_conv_state_moves_byte_exact_between_any_tp_sizes_from_1_to_4(
     state = described(p_tp)
     assert described(d_tp) == state
     conv = random.Random(seed).randbytes(channels * width * 4)
-    p_engine, d_engine = _hybrid_engine("P", p_tp, state, 12, 32), _hybrid_engine("D", d_tp, state, 12, 32)
-    p_slot, d_slot = slots
-    p_ids = [0, 0, p_slot, *[i for i in range(1, 8) if i != p_slot][:3]]
-    d_ids = [0, 0, d_slot, *[i for i in range(1, 8) if i != d_slot][:3]]
-    p_arena = bytearray(_end(p_engine))
-    for (_, p_rank), p_meta in p_engine.items():
-        slot = layer_addrs(p_meta)[0] + p_slot * block_geometry(p_meta).block_stride
-        data = _vllm_gdn_slot([conv], b"", p_tp, p_rank)  # a rank's contiguous slice of the channel rows
-        assert len(data) == state_bytes(state, p_tp)
-        p_arena[slot : slot + len(data)] = data
-    d_arena, writes = _moved(p_engine, d_engine, p_arena, p_ids, d_ids)
-    for (_, d_rank), d_meta in d_engine.items():
-        tensor = layer_addrs(d_meta)[0]
-        slot = tensor + d_slot * block_geometry(d_meta).block_stride
-        want = _vllm_gdn_slot([conv], b"", d_tp, d_rank)
-        assert bytes(d_arena[slot : slot + len(want)]) == want
-        assert set(writes[slot : slot + len(want)]) == {1}
-        assert sum(writes[tensor : tensor + layer_bytes(d_meta)]) == len(want)
+    # A rank's slot is its contiguous slice of the channel rows.
+    _assert_slots_move(state, tps, slots, lambda tp, rank: _vllm_gdn_slot([conv], b"", tp, rank))
 
 
 def test_gdn_state_in_the_time_step_major_layout_is_refused_between_two_tp_sizes() -> None:

@@ -3,6 +3,8 @@ P's answers. No sockets or event loop: two workers' metadata talk back to back."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -22,7 +24,19 @@ from kvsvc.hello import (
     make_hello,
     open_hello,
 )
-from kvsvc.messages import PROTOCOL_VERSION, ErrorMessage, Hello, HelloChallenge, HelloOk, HelloRefused, Ping, encode
+from kvsvc.messages import (
+    PROTOCOL_VERSION,
+    ConvPart,
+    ErrorMessage,
+    Hello,
+    HelloChallenge,
+    HelloOk,
+    HelloRefused,
+    KVGroup,
+    MambaState,
+    Ping,
+    encode,
+)
 
 P = synthetic_engine("P", pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
 D = synthetic_engine("D", pp_size=2, tp_size=2, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
@@ -247,3 +261,53 @@ def test_p_lays_out_a_hybrid_d_at_pp2_from_one_stage_hello() -> None:
         assert decision.expected == frozenset(d)
         assert decision.peer_engine[(0, 0)].kv_groups == d[(0, 0)].kv_groups
         assert decision.peer_engine[(1, 0)].kv_groups == d[(1, 0)].kv_groups
+
+
+@pytest.mark.parametrize(
+    ("crafted", "reason"),
+    [
+        # A chunk other than P's: P would write the wrong tokens' blocks.
+        (lambda groups: [groups[0], msgspec.structs.replace(groups[1], attention_chunk=32), groups[2]], "differs"),
+        # The short conv claimed whole on every rank (one group): P would write its whole slot where D holds a slice.
+        (
+            lambda groups: [
+                msgspec.structs.replace(
+                    groups[0],
+                    mamba=msgspec.structs.replace(groups[0].mamba, conv_parts=[ConvPart(channels=64, groups=1)]),
+                ),
+                *groups[1:],
+            ],
+            "differs",
+        ),
+        # A chunk on a full-attention group.
+        (lambda groups: [*groups[:2], msgspec.structs.replace(groups[2], attention_chunk=64)], "attention_chunk 64"),
+    ],
+)
+def test_p_refuses_a_hello_whose_short_conv_or_chunked_groups_are_not_its_own(
+    crafted: Callable[[list[KVGroup]], list[KVGroup]], reason: str
+) -> None:
+    """The group fields of a D worker's hello come from whoever holds a control connection: a state or a chunk
+    other than P's own is refused before P plans any byte from it."""
+    short_conv = MambaState(
+        conv_parts=[ConvPart(channels=64, groups=64)], conv_width=2, conv_dtype="float16", ssm_heads=0, ssm_head_bytes=0
+    )
+    groups = [
+        KVGroup(kind="mamba", layers=[0], mamba=short_conv),
+        KVGroup(kind="chunked_local", layers=[1], attention_chunk=64),
+        KVGroup(kind="full", layers=[2, 3]),
+    ]
+    shape = dict(pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
+    p = msgspec.structs.replace(synthetic_engine("P", **shape)[(0, 0)], kv_groups=groups, null_block=0)
+    d = {
+        w: msgspec.structs.replace(m, kv_groups=groups, null_block=0) for w, m in synthetic_engine("D", **shape).items()
+    }
+    sender = d[(0, 0)]
+    start = open_hello(sender, p, None, D_NONCE)
+    challenged = challenge_hello(p, start, None, P_NONCE)
+    assert isinstance(challenged, HelloChallenged)
+    honest = answer_challenge(sender, d, p, start, challenged.reply, None)
+    assert isinstance(accept_hello(p, challenged, honest, None), HelloAccepted)  # the same groups pass
+    lying = msgspec.structs.replace(sender, kv_groups=crafted(groups))
+    hello = answer_challenge(lying, {(0, 0): lying}, p, start, challenged.reply, None)
+    decision = accept_hello(p, challenged, hello, None)
+    assert isinstance(decision, HelloRefusal) and reason in decision.reason, decision

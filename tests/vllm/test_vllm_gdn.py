@@ -14,9 +14,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsvc.testing.vllm import TINY_QWEN3_NEXT, EngineConfig, VllmEngine, started_engines, write_tiny_qwen3_next
+from kvsvc.testing.vllm import TINY_QWEN3_NEXT, VllmEngine, write_tiny_qwen3_next
 from tests.vllm.test_vllm_connector import prompts
-from tests.vllm.test_vllm_mamba import assert_other_weights_change_tokens, block_size, moved, whole_blocks_and_slots
+from tests.vllm.test_vllm_mamba import (
+    assert_hybrid_manager_on,
+    assert_other_weights_change_tokens,
+    block_size,
+    moved,
+    state_engines,
+    whole_blocks_and_slots,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -40,34 +47,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
     root = tmp_path_factory.mktemp("gdn")
     model = str(write_tiny_qwen3_next(root / "qwen3-next", seed=0))
     other = str(write_tiny_qwen3_next(root / "qwen3-next-other", seed=1))
-
-    def config(weights: str, role: str | None = None, tp: int = 1) -> EngineConfig:
-        return EngineConfig(
-            weights,
-            role,
-            tensor_parallel_size=tp,
-            enable_prefix_caching=False,
-            dtype="bfloat16",
-            env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"},
-        )
-
-    configs = {
-        "base": config(model),
-        "P": config(model, "kv_producer"),
-        "P_other": config(other, "kv_producer"),
-        "D": config(model, "kv_consumer"),
-        "P_tp2": config(model, "kv_producer", tp=2),
-        "D_tp2": config(model, "kv_consumer", tp=2),
-    }
-    with started_engines(configs, root, timeout_s=400) as started:
-        yield started
+    yield from state_engines(root, model, other, dtype="bfloat16")
 
 
 def test_the_hybrid_manager_stays_on_with_a_deltanet_group(engines: dict[str, VllmEngine]) -> None:
-    for name in ("P", "D", "P_tp2", "D_tp2"):
-        log = engines[name].log_path.read_text()
-        assert "Turning off hybrid kv cache manager" not in log, name
-        assert "kvsvc: 2 KV cache groups: [('mamba', [0, 2], 0), ('full', [1, 3], 0)]" in log, name
+    assert_hybrid_manager_on(engines)
 
 
 @pytest.mark.parametrize(("p_name", "d_name"), [("P", "D"), ("P", "D_tp2"), ("P_tp2", "D")])

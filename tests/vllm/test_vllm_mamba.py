@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,32 +29,48 @@ STATE_BYTES = ((512 + 16 + 16) * 3 + 16 * 32 * 16) * 4
 TOKEN_BYTES = 4 * 2 * 32 * 4
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
-    """A single engine, P, P with other weights, D, and P and D at TP 2, all with the DS conv layout."""
-    root = tmp_path_factory.mktemp("mamba")
-    model = str(write_tiny_granite(root / "granite", seed=0))
-    other = str(write_tiny_granite(root / "granite-other", seed=1))
+def state_engines(root: Path, model: str, other: str, **config: Any) -> Iterator[dict[str, VllmEngine]]:
+    """A state model's engines, all with the DS conv layout and prefix caching off: a single engine (`base`), P, P
+    with other weights (`other`), D, and P and D at TP 2; `config` adds `EngineConfig` fields to each."""
 
-    def config(weights: str, role: str | None = None, tp: int = 1) -> EngineConfig:
+    def engine(weights: str, role: str | None = None, tp: int = 1) -> EngineConfig:
         return EngineConfig(
             weights,
             role,
             tensor_parallel_size=tp,
             enable_prefix_caching=False,
             env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"},
+            **config,
         )
 
     configs = {
-        "base": config(model),
-        "P": config(model, "kv_producer"),
-        "P_other": config(other, "kv_producer"),
-        "D": config(model, "kv_consumer"),
-        "P_tp2": config(model, "kv_producer", tp=2),
-        "D_tp2": config(model, "kv_consumer", tp=2),
+        "base": engine(model),
+        "P": engine(model, "kv_producer"),
+        "P_other": engine(other, "kv_producer"),
+        "D": engine(model, "kv_consumer"),
+        "P_tp2": engine(model, "kv_producer", tp=2),
+        "D_tp2": engine(model, "kv_consumer", tp=2),
     }
-    with started_engines(configs, root) as started:
+    with started_engines(configs, root, timeout_s=400) as started:
         yield started
+
+
+def assert_hybrid_manager_on(engines: dict[str, VllmEngine]) -> None:
+    """vLLM kept its hybrid KV cache manager on every kvsvc engine, and kvsvc saw a state group on layers 0 and 2
+    beside full attention on 1 and 3."""
+    for name in ("P", "D", "P_tp2", "D_tp2"):
+        log = engines[name].log_path.read_text()
+        assert "Turning off hybrid kv cache manager" not in log, name
+        assert "kvsvc: 2 KV cache groups: [('mamba', [0, 2], 0), ('full', [1, 3], 0)]" in log, name
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
+    """The state model's engines (`state_engines`) of a tiny Granite-4.0-H."""
+    root = tmp_path_factory.mktemp("mamba")
+    model = str(write_tiny_granite(root / "granite", seed=0))
+    other = str(write_tiny_granite(root / "granite-other", seed=1))
+    yield from state_engines(root, model, other)
 
 
 def block_size(engine: VllmEngine) -> int:
@@ -63,10 +81,7 @@ def block_size(engine: VllmEngine) -> int:
 
 
 def test_the_hybrid_manager_stays_on_with_a_mamba_group(engines: dict[str, VllmEngine]) -> None:
-    for name in ("P", "D", "P_tp2", "D_tp2"):
-        log = engines[name].log_path.read_text()
-        assert "Turning off hybrid kv cache manager" not in log, name
-        assert "kvsvc: 2 KV cache groups: [('mamba', [0, 2], 0), ('full', [1, 3], 0)]" in log, name
+    assert_hybrid_manager_on(engines)
 
 
 def moved(engines: dict[str, VllmEngine], p_name: str, d_name: str, batch: list[list[int]], max_tokens: int = 8) -> int:
