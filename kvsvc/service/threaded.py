@@ -1,8 +1,10 @@
 """A thread-safe facade over `KVTransferService` for synchronous worker code.
 
 Rules: the service lives on its own uvloop event loop in a daemon thread; every method here hands the call to that
-loop and waits for its answer with a deadline (`call_timeout_s`), so a wedged loop surfaces as `KVSvcTimeout`, never
-as a hang. Exceptions raised by the service are re-raised in the caller's thread unchanged.
+loop, in order, and waits for its answer with a deadline (`call_timeout_s`), so a wedged loop surfaces as
+`KVSvcTimeout`, never as a hang. Exceptions raised by the service are re-raised in the caller's thread unchanged. Two
+calls let an engine's step go on past a busy loop: `post` does not wait, and `get_finished` waits `report_wait_s` at
+most, then hands its report to a later call; only a loop silent for `call_timeout_s` fails it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -25,6 +28,9 @@ _T = TypeVar("_T")
 # What a close may take past the writes' drain: the transport's own close (Mooncake waits up to 60 s for descriptors
 # in flight), a peer probe it lets finish (up to about 5 s) and the engine's destruction (about 1 s), and slack.
 CLOSE_SLACK_S = 90.0
+# How long `get_finished` waits for the loop before the step goes on without its report: a drain takes microseconds,
+# so only a loop busy with something else (a long copy, a stalled transport call) makes it wait this long.
+REPORT_WAIT_S = 1.0
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -53,6 +59,7 @@ class ServiceThread:
         call_timeout_s: float = 30.0,
         close_timeout_s: float | None = None,
         staging: StagingArea | None = None,
+        report_wait_s: float = REPORT_WAIT_S,
     ) -> None:
         """`staging`: a staging region the transport factory registers, for the writes its rule picks (P side)."""
         self._metadata = metadata
@@ -65,7 +72,10 @@ class ServiceThread:
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvsvc-loop", daemon=True)
         self._service: KVTransferService | None = None
+        self._report_wait = min(report_wait_s, call_timeout_s)
+        # A report the loop has not handed back yet, and when it was asked for: the next calls deliver it.
         self._late_report: concurrent.futures.Future[KVConnectorOutput] | None = None
+        self._late_since = 0.0
         self.metadata: WorkerMetadata = metadata
 
     def start(self) -> WorkerMetadata:
@@ -99,6 +109,19 @@ class ServiceThread:
             return fn(self.service)
 
         return self._run(run())
+
+    def post(self, fn: Callable[[KVTransferService], object]) -> concurrent.futures.Future[object]:
+        """Hand `fn(service)` to the loop and return at once; it runs in order with every other call. What it
+        raises lands in the returned future only, so `fn` must deliver its outcomes itself.
+
+        Raises:
+            ServiceClosed: the loop is not running.
+        """
+
+        async def run() -> object:
+            return fn(self.service)
+
+        return self._submit(run())
 
     def set_engine_metadata(self, metas: dict[tuple[int, int], WorkerMetadata]) -> None:
         self.call(lambda s: s.set_engine_metadata(metas))
@@ -148,23 +171,32 @@ class ServiceThread:
         self.call(lambda s: s.abort(req_id))
 
     def get_finished(self) -> KVConnectorOutput:
-        """As `KVTransferService.get_finished`. A call that timed out is not cancelled (the loop may have drained
-        already): its report is merged into the next call's, so nothing reported is ever lost.
+        """As `KVTransferService.get_finished`, waiting `report_wait_s` at most. A report the loop has not handed
+        back by then is kept, never cancelled (the loop may have drained already), and delivered by a later call,
+        merged with that call's own: nothing reported is ever lost or repeated. While it is pending, calls return an
+        empty report at once and ask the loop nothing more.
 
         Raises:
-            KVSvcTimeout: the loop did not answer in time (the report comes with the next call).
+            KVSvcTimeout: the loop has not answered a report for `call_timeout_s` (it is wedged, not busy).
             ServiceClosed: after `close`.
         """
+        now = time.monotonic()
         late, self._late_report = self._late_report, None
+        if late is not None and not late.done():
+            self._late_report = late
+            if now - self._late_since >= self._timeout:
+                raise KVSvcTimeout(
+                    f"kvsvc loop of worker {self.metadata.worker} has not answered get_finished for "
+                    f"{now - self._late_since:.1f} s (call_timeout_s {self._timeout:g})"
+                )
+            return KVConnectorOutput()
         future = self._submit(self._drain())
         try:
-            report = future.result(self._timeout)
+            report = future.result(self._report_wait)
         except concurrent.futures.TimeoutError:
-            self._late_report = _chain(late, future)
-            raise KVSvcTimeout(f"kvsvc loop did not answer get_finished within {self._timeout:g} s") from None
-        if late is not None:
-            report = _merge(late.result(self._timeout), report)
-        return report
+            self._late_report, self._late_since = future, now
+            report = KVConnectorOutput()
+        return report if late is None else _merge(late.result(), report)
 
     async def _drain(self) -> KVConnectorOutput:
         return self.service.get_finished()
@@ -232,23 +264,3 @@ def _sum_stats(a: object, b: object) -> object:
     if isinstance(a, dict) and isinstance(b, dict):
         return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
     return b if a is None else a
-
-
-def _chain(
-    late: concurrent.futures.Future[KVConnectorOutput] | None, future: concurrent.futures.Future[KVConnectorOutput]
-) -> concurrent.futures.Future[KVConnectorOutput]:
-    """One future for two pending reports, in order (both must be delivered by the next call)."""
-    if late is None:
-        return future
-    merged: concurrent.futures.Future[KVConnectorOutput] = concurrent.futures.Future()
-
-    def done(_: object) -> None:
-        if late.done() and future.done() and not merged.done():
-            try:
-                merged.set_result(_merge(late.result(), future.result()))
-            except BaseException as exc:  # the service raised: hand it to the caller
-                merged.set_exception(exc)
-
-    late.add_done_callback(done)
-    future.add_done_callback(done)
-    return merged

@@ -3,11 +3,12 @@ vLLM's scheduler may act on.
 
 Imports torch and kvsvc's service and transport, never vllm (the adapter hands in plain values and tensors). Rules:
 - The service runs on its own loop thread (`ServiceThread`); every hook hands it work and returns at once: starting
-  a send or a receive never waits for the network, and every call has a deadline.
+  a send or a receive waits neither for the network nor for the loop, and the step's report waits a bounded time.
+  A busy loop delays reports, never the engine's step; only a loop that stops answering for `call_timeout_s` fails
+  the step (`KVSvcTimeout`), since its transfers may still write into blocks vLLM would hand to other requests.
 - What vLLM's scheduler may be told is `kvsvc.vllm.finished`'s to decide (`TransferReports`); this module feeds it.
-  What a call on the service's loop decides (a receive started, a send or receive refused) reaches it through a
-  queue the loop appends to: a call that timed out still runs there later, and its outcome must reach vLLM all the
-  same.
+  What work handed to the loop decides (a receive started, a send or receive refused) reaches it through a queue
+  the loop appends to, whenever the loop gets to it; every id handed in gets an outcome there, whatever it raised.
 - On GPU a send waits for a CUDA event per layer recorded after that layer's attention wrote it (layer-wise sends);
   on CPU the forward is over when the hook runs, so the KV is ready at once.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvsvc.errors import KVSvcError
+from kvsvc.errors import KVSvcError, KVSvcTimeout
 from kvsvc.gather import TorchGather
 from kvsvc.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
@@ -144,12 +145,15 @@ class WorkerSide:
     def begin_step(self, step: StepMetadata) -> None:
         """`start_load_kv`: start this step's receives and carry out its aborts."""
         self._events.clear()
-        if step.engine is not None:
-            self._service().set_engine_metadata(dict(step.engine))
-        if not (step.recvs or step.aborts):
+        if step.engine is None and not (step.recvs or step.aborts):
             return
 
         def run(service: Any) -> None:
+            if step.engine is not None:
+                try:
+                    service.set_engine_metadata(dict(step.engine))
+                except ValueError as exc:  # the scheduler's view of the engine lacks this worker: its receives fail
+                    log.error("kvsvc: this step's engine metadata is unusable: %s", exc)
             for req_id in step.aborts:
                 service.abort(req_id)
             for spec in step.recvs:
@@ -164,7 +168,7 @@ class WorkerSide:
                         spec.first_token,
                         secret=spec.secret,
                     )
-                except (KVSvcError, ValueError) as exc:  # blocks outside the pool, a repeated transfer id...
+                except Exception as exc:  # blocks outside the pool, a repeated transfer id, a defect: it fails alone
                     log.error("receive of %s (transfer %r) could not start: %s", spec.req_id, spec.transfer_id, exc)
                     self._outcomes.append(
                         partial(TransferReports.recv_refused, req_id=spec.req_id, block_ids=spec.block_ids)
@@ -174,7 +178,7 @@ class WorkerSide:
                         partial(TransferReports.recv_started, req_id=spec.req_id, block_ids=spec.block_ids)
                     )
 
-        self._service().call(run)
+        self._service().post(run)
 
     def layer_saved(self, layer_name: str, step: StepMetadata) -> None:
         """`save_kv_layer`: on GPU, mark where this layer's KV is written, for this step's layer-wise sends."""
@@ -213,15 +217,19 @@ class WorkerSide:
                     service.start_send(
                         spec.req_id, spec.transfer_id, blocks, spec.num_tokens, ready, secret=spec.secret
                     )
-                except (KVSvcError, ValueError) as exc:
+                except Exception as exc:  # as for receives: the send fails alone, and is reported so
                     log.error("send of %s could not start: %s", spec.req_id, exc)
                     self._outcomes.append(partial(TransferReports.send_refused, req_id=spec.req_id))
 
         self.reports.sends_handed(spec.req_id for spec in step.sends)
-        self._service().call(run)
+        self._service().post(run)
 
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
-        """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it."""
+        """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it.
+
+        Raises:
+            KVSvcTimeout: the service's loop has not answered for `call_timeout_s` (`ServiceThread.get_finished`).
+        """
         report = self._service().get_finished()
         while self._outcomes:  # drained after the report: a receive it names was queued as started before it
             self._outcomes.popleft()(self.reports)
@@ -262,9 +270,12 @@ class WorkerSide:
     def _log_failures(self, req_ids: set[str]) -> None:
         """One warning per failed receive with the service's reason: vLLM itself only sees the blocks invalid, and
         recomputes them (or fails the request) without saying why."""
-        reasons = self._service().call(lambda service: {r: service.failure_reason(r) for r in req_ids})
+        try:
+            reasons = self._service().call(lambda service: {r: service.failure_reason(r) for r in req_ids})
+        except KVSvcTimeout:  # a busy loop: the failures are reported all the same, only their reasons are lost
+            reasons = {}
         for req_id in sorted(req_ids):
-            why = reasons[req_id] or "the service no longer remembers why"
+            why = reasons.get(req_id) or "the service no longer remembers why"
             log.warning("kvsvc: receive of %s failed, its blocks are reported invalid: %s", req_id, why)
 
     def _count(self, deltas: object, results: TransferResults) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -17,7 +18,7 @@ from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.holds import harness_secret
 
 
-def test_a_report_drained_by_a_timed_out_get_finished_comes_with_the_next_call() -> None:
+def _thread(**timeouts: float) -> ServiceThread:
     meta = WorkerMetadata(
         engine_id="p", incarnation="1", pp_rank=0, pp_size=1, tp_rank=0, tp_size=1, start_layer=0, end_layer=1,
         num_kv_heads=1, head_size=8, dtype="float16", block_size=4, num_blocks=4, layout="HND", is_mla=False,
@@ -29,27 +30,73 @@ def test_a_report_drained_by_a_timed_out_get_finished_comes_with_the_next_call()
     def transport() -> LoopbackTransport:
         t = LoopbackTransport()
         t.register([(pool.ctypes.data, pool.nbytes)])
+        t.pool = pool  # type: ignore[attr-defined]  # kept alive with the transport
         return t
 
-    thread = ServiceThread(meta, transport, ServiceConfig(hold_timeout_s=0.05), call_timeout_s=0.3)
+    thread = ServiceThread(meta, transport, ServiceConfig(hold_timeout_s=0.05), **timeouts)
     thread.start()
+    return thread
+
+
+def test_a_report_the_loop_hands_back_late_comes_with_the_next_call_once() -> None:
+    thread = _thread(call_timeout_s=5.0, report_wait_s=0.1)
     try:
         thread.start_send("p1", "t1", [0], 4, secret=harness_secret("t1"))
         time.sleep(0.3)  # the hold expired: its report waits in the service
         service = thread.service
         real = service.get_finished
+        drained = threading.Event()
+        release = threading.Event()
 
         def slow_get_finished() -> KVConnectorOutput:
             report = real()  # drained: from here on only the caller holds this report
-            time.sleep(0.6)  # ...and it reaches the caller after its timeout
+            drained.set()
+            release.wait(5)  # ...and it reaches the caller after its wait
             return report
 
         service.get_finished = slow_get_finished  # type: ignore[method-assign]
-        with pytest.raises(KVSvcTimeout):
-            thread.get_finished()
+        assert thread.get_finished() == KVConnectorOutput()  # the step goes on without it
+        assert drained.wait(5)
+        assert thread.get_finished() == KVConnectorOutput()  # still pending: nothing more asked of the loop
         service.get_finished = real  # type: ignore[method-assign]
-        time.sleep(0.6)
+        release.set()
+        _wait_done(thread)
         assert thread.get_finished().finished_sending == {"p1"}
         assert thread.get_finished().finished_sending is None
     finally:
         thread.close()
+
+
+def test_a_loop_silent_for_the_call_timeout_fails_the_report_naming_it_and_a_busy_one_does_not() -> None:
+    thread = _thread(call_timeout_s=0.5, report_wait_s=0.05)
+    try:
+        wedge = threading.Event()
+        drains = 0
+        real = thread.service.get_finished
+
+        def counted() -> KVConnectorOutput:
+            nonlocal drains
+            drains += 1
+            return real()
+
+        thread.service.get_finished = counted  # type: ignore[method-assign]
+        thread.post(lambda _: wedge.wait(10))  # the loop is stuck in one call
+        posted = thread.post(lambda _: "ran")  # handed in behind it: runs once the loop frees up
+        assert thread.get_finished() == KVConnectorOutput()
+        assert thread.get_finished() == KVConnectorOutput()  # busy for less than the timeout: the step goes on
+        time.sleep(0.6)
+        with pytest.raises(KVSvcTimeout, match=r"has not answered get_finished for \d+\.\d s \(call_timeout_s 0\.5\)"):
+            thread.get_finished()
+        wedge.set()
+        assert posted.result(5) == "ran"
+        _wait_done(thread)
+        assert thread.get_finished() == KVConnectorOutput()
+        assert drains == 2  # the one that timed out and the last: calls while it was pending asked nothing
+    finally:
+        wedge.set()
+        thread.close()
+
+
+def _wait_done(thread: ServiceThread) -> None:
+    """Until the loop has run everything handed to it so far."""
+    thread.call(lambda _: None)

@@ -368,7 +368,8 @@ class FakeService:
         self.calls: list[str] = []
         self.refuse_recv: set[str] = set()
         self.refuse_send: set[str] = set()
-        self.late: list[Any] | None = None  # when a list: each call times out, its work kept to run on the loop later
+        self.crash: set[str] = set()  # start_recv / start_send raise what no contract names
+        self.late: list[Any] | None = None  # when a list: a busy loop, work handed to it runs at `catch_up`
         self.secrets: list[str] = []  # what each start_send / start_recv was given
 
     def get_finished(self) -> KVConnectorOutput:
@@ -384,6 +385,15 @@ class FakeService:
             raise KVSvcTimeout("kvsvc loop did not answer within 30 s")
         return asyncio.run(on_loop())
 
+    def post(self, fn: Any) -> None:
+        async def on_loop() -> Any:
+            return fn(self)
+
+        if self.late is not None:
+            self.late.append(on_loop)
+        else:
+            asyncio.run(on_loop())
+
     def catch_up(self) -> None:
         """The loop frees up and runs the calls that timed out."""
         for on_loop in self.late or ():
@@ -394,12 +404,16 @@ class FakeService:
         self.secrets.append(secret)
         if req_id in self.refuse_recv:
             raise ValueError(f"block ids of {req_id} outside the pool")
+        if req_id in self.crash:
+            raise RuntimeError(f"a defect met {req_id}")
         self.calls.append(f"recv {req_id}")
 
     def start_send(self, req_id: str, *args: object, secret: str) -> None:
         self.secrets.append(secret)
         if req_id in self.refuse_send:
             raise ValueError(f"block ids of {req_id} outside the pool")
+        if req_id in self.crash:
+            raise RuntimeError(f"a defect met {req_id}")
         self.calls.append(f"send {req_id}")
         self.ready = args[-1]
 
@@ -427,16 +441,16 @@ def test_a_send_is_reported_only_once_vllm_saw_its_request_finish() -> None:
     assert side.transfer_results({"p1"}).finished_sending == set()  # once
 
 
-def test_a_send_refused_by_a_call_that_timed_out_is_still_reported_and_nothing_stays_held() -> None:
-    # A timed-out call still runs on the loop once it frees up: a send it refused must still reach vLLM (which
-    # keeps the request's blocks until it hears of the id), once, like the send it started.
+def test_a_send_refused_by_a_busy_loop_is_still_reported_and_nothing_stays_held() -> None:
+    # The hook returns at once and the work runs on the loop once it frees up: a send it refused must still reach
+    # vLLM (which keeps the request's blocks until it hears of the id), once, like the send it started.
     service = FakeService()
     service.refuse_send = {"p2"}
     service.late = []
     side = worker_with(service)
     sends = tuple(SendSpec(f"p{i}", f"p{i}", (i,), 4, "k" * 22) for i in (1, 2))
-    with pytest.raises(KVSvcTimeout):
-        side.end_step(StepMetadata(sends=sends))
+    side.end_step(StepMetadata(sends=sends))
+    assert service.calls == []  # the step went on: nothing ran yet
     service.catch_up()
     assert service.calls == ["send p1"]
     assert side.transfer_results({"p1", "p2"}).finished_sending == {"p2"}
@@ -446,16 +460,16 @@ def test_a_send_refused_by_a_call_that_timed_out_is_still_reported_and_nothing_s
     assert side.reported_sending == 2 and side.reports.waiting == 0
 
 
-def test_a_receive_started_or_refused_by_a_call_that_timed_out_is_still_reported_once() -> None:
-    # The same for receives: vLLM waits for each id it handed in until it is reported, so a receive that a
-    # timed-out call starts (or fails to start) once the loop frees up must still be reported, failed or not.
+def test_a_receive_started_or_refused_by_a_busy_loop_is_still_reported_once() -> None:
+    # The same for receives: vLLM waits for each id it handed in until it is reported, so a receive that a busy
+    # loop starts (or fails to start) once it frees up must still be reported, failed or not.
     service = FakeService()
     service.refuse_recv = {"d2"}
     service.late = []
     side = worker_with(service)
     recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0, "k" * 22) for i in (1, 2))
-    with pytest.raises(KVSvcTimeout):
-        side.begin_step(StepMetadata(recvs=recvs))
+    side.begin_step(StepMetadata(recvs=recvs))
+    assert side.transfer_results(set()).finished_recving == set()  # nothing ran yet: nothing to report
     service.catch_up()
     assert service.calls == ["recv d1"]
     results = side.transfer_results(set())
@@ -466,6 +480,21 @@ def test_a_receive_started_or_refused_by_a_call_that_timed_out_is_still_reported
     service.next = KVConnectorOutput(finished_recving={"d1"})
     assert side.transfer_results(set()).finished_recving == set()
     assert side.reported_recving == 2 and side.reports.waiting == 0
+
+
+def test_a_start_that_raises_what_no_contract_names_fails_that_transfer_alone() -> None:
+    # The work runs on the loop after the hook returned, so nothing it raises could reach vLLM: each id must get
+    # its outcome there, and the others of the step still start.
+    service = FakeService()
+    service.crash = {"d1", "p1"}
+    side = worker_with(service)
+    recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i,), 4, 0, "k" * 22) for i in (1, 2))
+    side.begin_step(StepMetadata(recvs=recvs))
+    side.end_step(StepMetadata(sends=tuple(SendSpec(f"p{i}", f"p{i}", (i,), 4, "k" * 22) for i in (1, 2))))
+    assert service.calls == ["recv d2", "send p2"]
+    results = side.transfer_results({"p1", "p2"})
+    assert (results.finished_recving, results.failed_recving, results.finished_sending) == ({"d1"}, {"d1"}, {"p1"})
+    assert side.load_errors() == {1}
 
 
 class FakeEvent:
