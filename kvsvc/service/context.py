@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,37 @@ COUNTERS = (
 """The service's monotonic counters (`ServiceContext.counts`), reported as deltas by `get_finished`."""
 
 
+class PeerLog:
+    """Warnings a peer's input triggers, at most `burst` of each kind in any `window_s`: anyone who can reach the
+    control port can send a bad hello or frame per connection, and must not be able to flood the engine's log.
+    What is held back is counted and named in the next line of its kind that goes out; the service's counters
+    (`protocol_errors`) still count every one."""
+
+    def __init__(self, clock: Callable[[], float], burst: int = 20, window_s: float = 60.0) -> None:
+        self._clock = clock
+        self._burst = burst
+        self._window_s = window_s
+        self._sent: dict[str, deque[float]] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        self.log(logging.WARNING, kind, message, *args)
+
+    def log(self, level: int, kind: str, message: str, *args: object) -> None:
+        now = self._clock()
+        sent = self._sent.setdefault(kind, deque())
+        while sent and now - sent[0] >= self._window_s:
+            sent.popleft()
+        if len(sent) >= self._burst:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        sent.append(now)
+        held = self._held.pop(kind, 0)
+        if held:
+            message, args = f"{message} (and {held} more of these in the last {self._window_s:g} s)", args
+        log.log(level, message, *args)
+
+
 @dataclass(slots=True, eq=False)
 class ServiceContext:
     metadata: WorkerMetadata
@@ -57,6 +89,8 @@ class ServiceContext:
     the wait for their layers."""
     recv_durations: LatencyHistogram
     """D: from `start_recv` to the receive finished with its KV landed."""
+    peer_log: PeerLog
+    """Where warnings that a peer's input triggers go (`PeerLog`)."""
     staging: StagingArea | None = None
     """The staging region: P's writes gather into it when `StagingArea.rule` picks it, D lends windows of it; None
     writes every plan direct."""
@@ -70,6 +104,9 @@ class ServiceContext:
 
 def notice(ctx: ServiceContext, what: Notice) -> None:
     """Carry out a protocol object's `Notice`: log it, and count a protocol error if it is one."""
+    level = logging.DEBUG if what.level == "debug" else logging.WARNING
     if what.protocol_error:
         ctx.counts["protocol_errors"] += 1
-    log.log(logging.DEBUG if what.level == "debug" else logging.WARNING, "%s", what.text)
+        ctx.peer_log.log(level, "protocol error", "%s", what.text)
+    else:
+        log.log(level, "%s", what.text)

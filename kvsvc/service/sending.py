@@ -218,7 +218,7 @@ class SendingRole:
                 self._on_d_message(inbound, await channel.receive())
         except MalformedFrame as exc:
             self._ctx.counts["protocol_errors"] += 1
-            log.warning("closing control connection from %s: %s", channel.peer, exc)
+            self._ctx.peer_log.warning("malformed frame", "closing control connection from %s: %s", channel.peer, exc)
             with contextlib.suppress(PeerLost):
                 channel.send(ErrorMessage(reason=str(exc)))
         except PeerLost:
@@ -327,7 +327,7 @@ class SendingRole:
 
     def _refuse(self, channel: ControlChannel, reply: HelloRefused | ErrorMessage) -> None:
         self._ctx.counts["protocol_errors"] += 1
-        log.warning("refusing hello from %s: %s", channel.peer, reply.reason)
+        self._ctx.peer_log.warning("hello refused", "refusing hello from %s: %s", channel.peer, reply.reason)
         with contextlib.suppress(PeerLost):
             channel.send(reply)
 

@@ -27,7 +27,7 @@ from kvsvc.outputs import KVConnectorOutput
 from kvsvc.receiver import ReceiverStatistics
 from kvsvc.sender import SenderStatistics
 from kvsvc.service.config import ServiceConfig
-from kvsvc.service.context import COUNTERS, EngineMetadata, ServiceContext
+from kvsvc.service.context import COUNTERS, EngineMetadata, PeerLog, ServiceContext
 from kvsvc.service.receiving import ReceivingRole
 from kvsvc.service.sending import SendingRole
 from kvsvc.service.staging_area import StagingArea
@@ -103,6 +103,7 @@ class KVTransferService:
             reports=asyncio.Event(),
             send_durations=LatencyHistogram(),
             recv_durations=LatencyHistogram(),
+            peer_log=PeerLog(clock),
             staging=staging,
         )
         self._sending = SendingRole(self._ctx)

@@ -214,6 +214,23 @@ async def test_garbage_on_the_control_port_gets_an_error_and_the_service_keeps_s
     await test_a_transfer_moves_every_byte_and_reports_once_on_each_side((p, d, url))
 
 
+async def test_a_flood_of_garbage_connections_logs_a_bounded_number_of_lines_and_counts_every_one(
+    pair: tuple[Side, Side, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Anyone who reaches the control port can open connections with bad frames: each is answered and counted, but
+    # the engine's log takes only a burst of them per window (`PeerLog`), however many come.
+    p, d, url = pair
+    before = p.service.statistics().protocol_errors
+    with caplog.at_level(logging.WARNING, logger="kvsvc.service"):
+        for _ in range(60):
+            (reply,) = await raw_exchange(p.service.metadata.control_addr, struct.pack(">I", 1) + b"\xc1")
+            assert isinstance(reply, ErrorMessage)
+    lines = [r for r in caplog.records if "closing control connection" in r.getMessage()]
+    assert len(lines) == 20
+    assert p.service.statistics().protocol_errors - before == 60
+    await test_a_transfer_moves_every_byte_and_reports_once_on_each_side((p, d, url))
+
+
 async def test_a_wrong_protocol_version_is_refused_naming_both_versions(pair: tuple[Side, Side, str]) -> None:
     p, d, _ = pair
     pm = p.service.metadata
