@@ -132,6 +132,7 @@ class Sender:
         early_request_timeout_s: float = 10.0,
         max_early_requests: int = 65536,
         max_early_request_bytes: int = 16 * 1024 * 1024,
+        max_early_request_bytes_total: int = 64 * 1024 * 1024,
         remembered_outcomes: int = 65536,
     ) -> None:
         self._hold_timeout = hold_timeout_s
@@ -148,6 +149,7 @@ class Sender:
         self._early = OrderedDict()
         self._max_early_bytes = max_early_request_bytes
         self._early_bytes: Counter[WorkerRef] = Counter()  # block-id bytes of each D worker's early requests
+        self._max_early_total = max_early_request_bytes_total  # and of all D workers together
         # Outcomes of finished transfers, so a repeated request is answered again rather than left to fail.
         # Keyed by the D worker's whole identity: another engine, or a restart, must never be told an old outcome.
         self._outcomes: OrderedDict[tuple[str, WorkerRef], TransferDone | TransferFailed] = OrderedDict()
@@ -486,6 +488,13 @@ class Sender:
             reason = (
                 f"P worker busy: D worker {dst} has {self._early_bytes[dst]} bytes of block ids waiting for transfers "
                 f"not held yet; this request's {cost} would pass max_early_request_bytes={self._max_early_bytes}"
+            )
+            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
+        total = sum(self._early_bytes.values())  # one entry per D worker: at most the connection cap
+        if total + cost > self._max_early_total:
+            reason = (
+                f"P worker busy: D workers have {total} bytes of block ids waiting for transfers not held yet; this "
+                f"request's {cost} would pass max_early_request_bytes_total={self._max_early_total}"
             )
             return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
         self._early[key] = (now + self._early_timeout, dst, message, expected)

@@ -53,6 +53,8 @@ class ServiceConfig:
     max_early_request_bytes: int = 16 * 1024 * 1024
     """Of those, the block ids one D worker may have waiting, at 8 bytes each (2M ids: hundreds of long requests);
     past it, its new ones are answered busy."""
+    max_early_request_bytes_total: int = 64 * 1024 * 1024
+    """The same for all D workers together, so that many of them cannot add up past what one P worker budgets."""
     max_control_connections: int = 1024
     """Control connections a P worker holds at once, accepted or before their hello; past it, a new one gets a
     `HelloRefused` naming the limit and is closed. A D engine of TP 8 x PP 4 x DP 8 opens at most 256 to each."""

@@ -71,6 +71,7 @@ class SendingRole:
             early_request_timeout_s=config.early_request_timeout_s,
             max_early_requests=config.max_early_requests,
             max_early_request_bytes=config.max_early_request_bytes,
+            max_early_request_bytes_total=config.max_early_request_bytes_total,
         )
         self._connections = ControlConnections(config.max_control_connections, config.max_control_connections_per_host)
         self._inbound: dict[tuple[str, Worker], _Inbound] = {}

@@ -278,6 +278,25 @@ def test_early_requests_are_bounded_in_block_id_bytes_per_d_worker() -> None:
     assert sender.statistics().early_request_bytes == 1600
 
 
+def test_early_requests_are_bounded_in_block_id_bytes_across_d_workers_too() -> None:
+    sender = Sender(max_early_request_bytes=8 * 100, max_early_request_bytes_total=8 * 150)
+    assert sender.request(D0_REF, EVERY_D, early("t1", 100), 0.0) == []
+    refused = sender.request(D1, EVERY_D, early("t2", 51), 0.0)  # within D1's own bound, past the total
+    assert refused == [
+        Reply(
+            D1,
+            TransferFailed(
+                transfer_id="t2",
+                reason="P worker busy: D workers have 800 bytes of block ids waiting for transfers not held yet; "
+                "this request's 408 would pass max_early_request_bytes_total=1200",
+            ),
+        )
+    ]
+    assert sender.request(D1, EVERY_D, early("t3", 50), 0.0) == []  # up to the total exactly
+    sender.expire(11.0)
+    assert sender.request(D1, EVERY_D, early("t4", 100), 12.0) == []  # given back when they leave
+
+
 @pytest.mark.parametrize("how", ["hold", "expire", "peer_lost", "abort", "shut_down"])
 def test_the_bytes_of_an_early_request_are_given_back_however_it_leaves(how: str) -> None:
     sender = Sender(max_early_request_bytes=8 * 100, early_request_timeout_s=10.0)
