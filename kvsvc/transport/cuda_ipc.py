@@ -47,7 +47,7 @@ from kvsvc.transport.base import (
 )
 from kvsvc.transport.completion import wait_uncancellable
 from kvsvc.transport.cuda_driver import CudaDriver, CudaError, CudaEvent, LibCuda
-from kvsvc.transport.procfs import Endpoint, check_peer, own_address, process_gone
+from kvsvc.transport.procfs import Endpoint, ProcessWatch, check_peer, own_address, process_gone
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ class _Mapping:
 class _Peer:
     address: SameHostAddress
     mapping: _Mapping
+    watch: ProcessWatch  # asked before each write: a copy into a dead process's memory must not start
     regions: AddressRanges | None = None  # published by add_peer
     arrays: _Ranges | None = None  # the same, for checks of a whole table
     in_flight: int = 0
@@ -240,7 +241,7 @@ class CudaIpcTransport:
         old = self._peers.pop(session, None)
         if old is not None:
             self._retire(old)
-        self._peers[session] = _Peer(address, _Mapping(spans, opened))
+        self._peers[session] = _Peer(address, _Mapping(spans, opened), ProcessWatch(address))
         return ""
 
     def _open(self, handle: bytes) -> int:
@@ -264,6 +265,7 @@ class CudaIpcTransport:
     def _retire(self, peer: _Peer) -> None:
         """Close `peer`'s mappings once its writes finished (now, or when the last one ends)."""
         peer.removed = True
+        peer.watch.close()
         if peer.in_flight == 0:
             for handle in peer.mapping.handles:
                 self._unref(handle)
@@ -366,7 +368,7 @@ class CudaIpcTransport:
         total = int(length.sum())
         loop = self._own.current()
         result: asyncio.Future[int] = loop.create_future()
-        if process_gone(session, self._me.host):
+        if peer.watch.gone():
             self._ledger.failures += 1
             message = f"GPU write to {session}: process {peer.address.pid} is gone"
             result.set_exception(WriteFailed(message, ERR_GONE, peer=session, drained=settled(loop)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import select
 import struct
 from pathlib import Path
 
@@ -141,6 +142,44 @@ def process_gone(session: str, host: str) -> bool:
     return address.host == host and start_time(address.pid) != address.start
 
 
+class ProcessWatch:
+    """Whether the process `address` names has exited, asked before every write of a plane that cannot see it die
+    itself (the GPU plane). A pidfd polled without waiting answers in about a microsecond, where `process_gone`'s
+    /proc read costs tens: one per write showed in a GPU plane's profile. Where pidfds are missing (before Linux
+    5.3) each call reads /proc as `process_gone` does. `close` is idempotent; a closed watch answers gone."""
+
+    def __init__(self, address: SameHostAddress) -> None:
+        self._address = address
+        self._fd = -1
+        self._poll: select.poll | None = None
+        self._closed = False
+        try:
+            fd = os.pidfd_open(address.pid)
+        except (AttributeError, OSError):  # no pidfds here, or no such process: `gone` reads /proc
+            return
+        self._fd = fd
+        # Checked after the open: the pid may have named a later process by then, and the pidfd would watch that.
+        if start_time(address.pid) != address.start:
+            self.close()
+            return
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def gone(self) -> bool:
+        if self._closed:
+            return True
+        if self._poll is None:
+            return start_time(self._address.pid) != self._address.start
+        return bool(self._poll.poll(0))
+
+    def close(self) -> None:
+        self._closed = True
+        self._poll = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 def own_address() -> SameHostAddress:
     """This process's same-host address."""
     pid = os.getpid()
@@ -149,6 +188,7 @@ def own_address() -> SameHostAddress:
 
 __all__ = [
     "Endpoint",
+    "ProcessWatch",
     "check_peer",
     "holds_connection",
     "host_identity",

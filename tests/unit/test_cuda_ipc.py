@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 
 import msgspec
@@ -264,13 +267,24 @@ async def test_a_failed_copy_or_event_fails_the_write_with_nothing_left_moving(p
     assert (stats.failures, stats.writes_completed, stats.writes_in_flight) == (2, 1, 0)
 
 
+def watch_of_an_exited_process() -> procfs.ProcessWatch:
+    """A real process's watch (a pidfd polled), taken while it ran and read after it exited."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    watch = procfs.ProcessWatch(
+        SameHostAddress(own_address().host, os.getuid(), child.pid, procfs.start_time(child.pid))
+    )
+    child.wait()
+    return watch
+
+
 async def test_a_dead_peer_fails_the_next_write_at_once(
     pair: Pair,
     connection: Via,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     await pair.admit(connection)
-    monkeypatch.setattr(procfs, "start_time", lambda pid: -1)  # the pid now names no process of that start
+    pair.p._peers[pair.session].watch = watch_of_an_exited_process()  # the peer's process exits
+    monkeypatch.setattr(procfs, "start_time", lambda pid: -1)  # and `peer_gone`'s /proc read says the same
     with pytest.raises(WriteFailed, match="is gone") as failed:
         await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
     assert failed.value.code == cuda_ipc.ERR_GONE and pair.driver.calls == []
