@@ -664,15 +664,17 @@ class VllmEngine:
 
     # -- calls -------------------------------------------------------------------------------------------------
 
-    def prefill(self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], timeout_s: float = 300.0, names: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
         """Prefill `prompts` for a remote decode (one token, `do_remote_decode`), as a router's P request does; the
-        `kv_transfer_params` a D engine continues from.
+        `kv_transfer_params` a D engine continues from. `names`: as for `generate`.
 
         Raises:
             EngineError: as `generate`. AssertionError: the connector returned no remote-prefill params.
         """
         outputs = self.generate(
-            prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts), timeout_s=timeout_s
+            prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts), names=names, timeout_s=timeout_s
         )
         params = [o.kv_transfer_params for o in outputs]
         assert all(x is not None and x["do_remote_prefill"] for x in params), params
@@ -684,14 +686,16 @@ class VllmEngine:
         *,
         max_tokens: int,
         params: Sequence[Mapping[str, Any] | None] | None = None,
+        names: Sequence[str] | None = None,
         timeout_s: float = 300.0,
     ) -> list[Output]:
-        """Greedy generation of `max_tokens` tokens per prompt (EOS ignored), each with its `kv_transfer_params`.
+        """Greedy generation of `max_tokens` tokens per prompt (EOS ignored), each with its `kv_transfer_params`;
+        `names`: the request ids to give vLLM, as a server derives them from `X-Request-Id` (default: unique ones).
 
         Raises:
             EngineError: the child failed or did not answer within `timeout_s`.
         """
-        return self.result(self.submit(prompts, max_tokens=max_tokens, params=params), timeout_s)
+        return self.result(self.submit(prompts, max_tokens=max_tokens, params=params, names=names), timeout_s)
 
     def submit(
         self,
@@ -699,12 +703,12 @@ class VllmEngine:
         *,
         max_tokens: int,
         params: Sequence[Mapping[str, Any] | None] | None = None,
+        names: Sequence[str] | None = None,
     ) -> int:
         """Start `generate` in the child and return its call id (for `result`)."""
         chosen = list(params) if params is not None else [None] * len(prompts)
-        return self._send(
-            {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "params": chosen}
-        )
+        message = {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "params": chosen}
+        return self._send(message | ({"names": list(names)} if names is not None else {}))
 
     def result(self, call_id: int, timeout_s: float = 300.0) -> list[Output]:
         """The outputs of the `submit` call `call_id`, in prompt order.

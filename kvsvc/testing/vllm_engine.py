@@ -76,15 +76,21 @@ class _Engine:
             self._out.flush()
 
     def generate(
-        self, call_id: int, prompts: list[list[int]], max_tokens: int, params: list[Any]
+        self,
+        call_id: int,
+        prompts: list[list[int]],
+        max_tokens: int,
+        params: list[Any],
+        names: list[str] | None = None,
     ) -> list[dict[str, Any]]:
         """`LLM.generate`'s loop, written out so aborts (`abort`) land between two steps and each request's time to
-        its first token is known; request `i` of this call is named `f"{call_id}-{i}"`."""
+        its first token is known; request `i` of this call is named `names[i]`, else `f"{call_id}-{i}"` (vLLM
+        appends its random suffix to either, as to a server's `X-Request-Id`)."""
         from vllm import RequestOutput, SamplingParams
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
-        names = [f"{call_id}-{i}" for i in range(len(prompts))]
+        names = names or [f"{call_id}-{i}" for i in range(len(prompts))]
         for name, prompt, p in zip(names, prompts, params, strict=True):
             sampling = SamplingParams(
                 temperature=0.0,
@@ -231,7 +237,9 @@ def main() -> None:
         while (call := calls.get()) is not None:
             try:
                 if call["op"] == "generate":
-                    outputs = engine.generate(call["id"], call["prompts"], call["max_tokens"], call["params"])
+                    outputs = engine.generate(
+                        call["id"], call["prompts"], call["max_tokens"], call["params"], call.get("names")
+                    )
                     engine.reply({"id": call["id"], "outputs": outputs})
                 elif call["op"] == "settle":
                     engine.settle(call["timeout_s"])

@@ -59,6 +59,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     abort_grace_s: float = _SERVICE.abort_grace_s
     call_timeout_s: float = 30.0
     """How long a vLLM hook waits for the worker's kvsvc loop before it gives up (a wedged loop never hangs vLLM)."""
+    mode: str = "pull"
+    """"push" (P): hold each request under a transfer D can derive, and tell vllm-router so, which then sends D the
+    request at the same time as P; D's fetch waits at P until P's hold starts. "pull" (the default): P's params
+    name the transfer, D fetches once P finished."""
+    push_peers: list[str] = []
+    """D: the P handshake endpoints ("host:port", as P advertises them) that a router's push params may name; D
+    takes push params from no other (router params are unsigned)."""
     staging_bytes: int = 0
     """Each worker's staging region (on the KV cache's device), where writes of many small pieces are gathered and
     sent as one descriptor per contiguous run; 0 (the default, until it is measured with vLLM): every write direct."""
@@ -75,6 +82,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         for name in ("hold_timeout_s", "recv_timeout_s", "handshake_timeout_s", "abort_grace_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {getattr(self, name)}")
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"kv_connector_extra_config['mode'] is {self.mode!r}; expected 'pull' or 'push'")
+        for peer in self.push_peers:
+            host, _, port = peer.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"kv_connector_extra_config['push_peers'] holds {peer!r}; expected 'host:port'")
         if self.staging_bytes < 0:
             raise ValueError(f"kv_connector_extra_config['staging_bytes'] must be >= 0, got {self.staging_bytes}")
         if self.control_token is not None:  # the message never echoes the value
@@ -151,6 +164,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             recv_timeout_s=self.recv_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
             abort_grace_s=self.abort_grace_s,
+            # A pushing P's early requests wait for its prefill, queue included: as long as D waits for them.
+            early_request_timeout_s=self.recv_timeout_s if self.mode == "push" else _SERVICE.early_request_timeout_s,
             control_token=control_token,
             transport=self.transport,
         )

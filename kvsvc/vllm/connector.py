@@ -151,7 +151,8 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             # `<id>_dp<rank>`, and its handshake endpoint gets a port of its own.
             dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
             kinds = tuple(group.kind for group in groups) or (FULL,)
-            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank, kinds)
+            tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank, kinds, tp_size)
             return
         parallel, model = vllm_config.parallel_config, vllm_config.model_config
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group

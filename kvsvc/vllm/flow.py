@@ -14,6 +14,10 @@ Pure module: standard library and `kvsvc.vllm.params` only (no vllm, torch, asyn
   that cannot be used, which the adapter logs before computing the request locally.
 - P draws each held request's transfer secret here (`draw_secret`), once: the workers hold with it, and the params
   D receives carry it; D's workers present it to P.
+- Push mode (`push`, on P): P holds each request under a transfer and secret D can derive alone
+  (`kvsvc.vllm.params.push_transfer_id`, `push_secret`) and announces push in its params, so a router may send D
+  the request at the same time as P; D's request may then reach P before P's hold, which P keeps as an early
+  request until the hold starts. D takes router push params only from P endpoints in `push_peers`.
 """
 
 from __future__ import annotations
@@ -29,9 +33,14 @@ from kvsvc.groups import DROPPING, FULL, MAMBA
 from kvsvc.vllm.params import (
     ParamsError,
     RemotePrefill,
+    is_push_request,
+    parse_push_prefill,
     parse_remote_prefill,
     producer_params,
     prompt_hash,
+    push_announcement,
+    push_secret,
+    push_transfer_id,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -85,7 +94,8 @@ class _Producer:
     prompt_hash: str
     early: bool  # ends in its prefill step: held from that step's forward on
     moved: int  # the prompt tokens whose KV moves (`SchedulerFlow._moved`)
-    secret: str  # the transfer's, drawn when the request arrives
+    transfer_id: str  # the request id; in push mode, what D derives from its own (`push_transfer_id`)
+    secret: str  # the transfer's, drawn when the request arrives (derived in push mode)
     held: bool = False
 
 
@@ -135,6 +145,9 @@ class SchedulerFlow:
     group_kinds: tuple[str, ...] = (FULL,)
     params_key: Key | None = None  # signs P's params, verifies D's (`kvsvc.auth.PARAMS_KEY`); None: no token
     new_secret: Callable[[], str] = draw_secret  # what draws each transfer's secret (tests pin it)
+    push: bool = False  # P: hold under transfers D derives, and announce push (`kvsvc.vllm.params`)
+    push_peers: frozenset[str] = frozenset()  # D: the P endpoints ("host:port") router push params may name
+    tp_size: int = 1  # P: announced with push, as vllm-router expects it
     _producers: dict[str, _Producer] = field(default_factory=dict)
     _consumers: dict[str, _Consumer] = field(default_factory=dict)
     _sends: list[SendSpec] = field(default_factory=list)
@@ -159,11 +172,21 @@ class SchedulerFlow:
                 return  # no state of fewer tokens to move: D computes the prompt itself
             early = max_tokens == 1 or self.keeps_state  # P stops after the prefill of a state model
             moved = self._moved(len(prompt))
-            self._producers[req_id] = _Producer(len(prompt), prompt_hash(prompt), early, moved, self.new_secret())
+            digest = prompt_hash(prompt)
+            transfer_id, secret = req_id, ""
+            if self.push:
+                transfer_id = push_transfer_id(req_id)
+                secret = push_secret(self.params_key, transfer_id, len(prompt), digest)
+            self._producers[req_id] = _Producer(
+                len(prompt), digest, early, moved, transfer_id, secret or self.new_secret()
+            )
         elif wants_remote_prefill(params):
             assert params is not None
             try:
-                remote = parse_remote_prefill(params, self.params_key)
+                if is_push_request(params):
+                    remote = parse_push_prefill(params, req_id, prompt, self.params_key, self.push_peers)
+                else:
+                    remote = parse_remote_prefill(params, self.params_key)
                 if remote.num_tokens != len(prompt) or remote.prompt_hash != prompt_hash(prompt):
                     raise ParamsError(
                         f"kv_transfer_params describe a prompt of {remote.num_tokens} tokens (hash "
@@ -291,7 +314,7 @@ class SchedulerFlow:
             return
         producer.held = True
         blocks = self._flat(groups, producer.moved)
-        self._sends.append(SendSpec(req_id, req_id, blocks, producer.moved, producer.secret))
+        self._sends.append(SendSpec(req_id, producer.transfer_id, blocks, producer.moved, producer.secret))
         self._counts["holds"] += 1
 
     # -- either side: the end of a request ---------------------------------------------------------------------
@@ -317,9 +340,15 @@ class SchedulerFlow:
                 self._aborts.append(req_id)
                 return True, None
             remote = RemotePrefill(
-                self.engine_id, self.bootstrap_addr, req_id, producer.prompt_len, producer.prompt_hash, producer.secret
+                self.engine_id,
+                self.bootstrap_addr,
+                producer.transfer_id,
+                producer.prompt_len,
+                producer.prompt_hash,
+                producer.secret,
             )
-            return True, producer_params(remote, self.params_key)
+            push = push_announcement(self.bootstrap_addr, self.tp_size) if self.push else None
+            return True, producer_params(remote, self.params_key, push)
         consumer = self._consumers.pop(req_id, None)
         if consumer is not None and consumer.phase is RecvPhase.LOADING and not completed:
             self._aborts.append(req_id)

@@ -8,10 +8,19 @@ only signed fields of params whose signature verifies: a client can neither forg
 router add are ignored. D refuses params it cannot use with a `ParamsError` naming the key and value (never a
 secret), so the request is computed locally instead of waiting on a transfer that cannot happen. Every value is a
 msgpack-native type: vLLM carries the dict between its processes with msgpack.
+
+Push mode (`push_announcement`, `parse_push_prefill`): a P that pushes says so in its params in the form vllm-router
+reads, and the router then sends D params of its own making, at the same time as it sends P the request, so they
+carry nothing P drew. Both sides derive the transfer from what they share: the id (`push_transfer_id`, the router's
+request id as vLLM embeds it in each engine's request id) and the secret (`push_secret`, a MAC under the
+deployment's key over that id and the prompt's length and digest). A D whose prompt differs presents another
+secret, which P refuses: a client naming another request's id gets nothing. Router params are unsigned, so D opens
+only P endpoints its own config lists (`push_peers`).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from array import array
 from collections.abc import Mapping, Sequence
@@ -30,6 +39,14 @@ DO_REMOTE_PREFILL: Final = "do_remote_prefill"
 # The names of the signed fields, and their signature (`kvsvc.auth.sign_fields`); absent without a control token.
 SIGNED: Final = "kvsvc_signed"
 SIGNATURE: Final = "kvsvc_signature"
+# The keys of push mode, as vllm-router reads them from P's params and writes them into D's.
+TRANSFER_MODE: Final = "transfer_mode"
+PUSH: Final = "push"
+REMOTE_REQUEST_ID: Final = "remote_request_id"
+MAX_REQUEST_ID_CHARS: Final = 512  # a router's id with vLLM's prefix and suffix, with room to spare
+# Without a control token there is no trust boundary (loopback only), but the push secret is still a MAC over the
+# request, so a D with another prompt is still refused.
+_LOOPBACK_PUSH_KEY: Final = Key(b"kvsvc/push/loopback")
 
 
 class ParamsError(ValueError):
@@ -63,9 +80,10 @@ def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
     return bool(params) and bool(params.get(DO_REMOTE_PREFILL))  # type: ignore[union-attr]
 
 
-def producer_params(remote: RemotePrefill, key: Key | None) -> dict[str, Any]:
+def producer_params(remote: RemotePrefill, key: Key | None, push: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The dict P returns in `RequestOutput.kv_transfer_params`: what D's `parse_remote_prefill` reads, signed
-    with `key` (derived from the control token; None: unsigned, for loopback deployments).
+    with `key` (derived from the control token; None: unsigned, for loopback deployments), and where P pushes,
+    its `push_announcement`.
 
     A new dict on every call: vLLM adds keys of its own to it.
     """
@@ -79,6 +97,7 @@ def producer_params(remote: RemotePrefill, key: Key | None) -> dict[str, Any]:
         "remote_prompt_hash": remote.prompt_hash,
         "transfer_secret": remote.secret,
         "kvsvc_params_version": PARAMS_VERSION,
+        **(push or {}),
     }
     if key is None:
         return fields
@@ -113,6 +132,86 @@ def parse_remote_prefill(params: Mapping[str, Any], key: Key | None) -> RemotePr
         num_tokens=_get(fields, "remote_num_tokens", int),
         prompt_hash=_get(fields, "remote_prompt_hash", str),
         secret=_secret(fields),
+    )
+
+
+def push_transfer_id(req_id: str) -> str:
+    """The transfer a push-mode request is held under on P and asked for on D: its vLLM request id less the random
+    suffix vLLM appends (`-` and 8 hex digits). Both engines' ids embed the router's id (`X-Request-Id`) the same
+    way, so both derive the same transfer.
+
+    Raises:
+        ParamsError: the id is longer than `MAX_REQUEST_ID_CHARS`.
+    """
+    if len(req_id) > MAX_REQUEST_ID_CHARS:
+        raise ParamsError(f"request id of {len(req_id)} characters, limit {MAX_REQUEST_ID_CHARS}")
+    head, sep, tail = req_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+        req_id = head
+    return f"push-{req_id}"
+
+
+def push_secret(key: Key | None, transfer_id: str, prompt_len: int, digest: str) -> str:
+    """The secret of a push-mode transfer (22 URL-safe characters), which P holds with and D presents: a MAC under
+    `key` (the deployment's, from the control token) over the transfer and the prompt's length and digest."""
+    mac = (key or _LOOPBACK_PUSH_KEY).mac(b"push", transfer_id.encode(), str(prompt_len).encode(), digest.encode())
+    return base64.urlsafe_b64encode(mac[:16]).decode().rstrip("=")
+
+
+def push_announcement(bootstrap_addr: str, tp_size: int) -> dict[str, Any]:
+    """The keys a pushing P adds to its params: vllm-router dispatches P and D at once from then on, and hands D
+    P's endpoint as `remote_host` and `remote_port`."""
+    host, _, port = bootstrap_addr.removeprefix("http://").rpartition(":")
+    return {TRANSFER_MODE: PUSH, "remote_host": host.strip("[]"), "remote_port": int(port), "tp_size": tp_size}
+
+
+def is_push_request(params: Mapping[str, Any]) -> bool:
+    """Whether D's params are a router's push-mode params (they name the router's request, not P's transfer)."""
+    return REMOTE_REQUEST_ID in params and "kvsvc_params_version" not in params
+
+
+def parse_push_prefill(
+    params: Mapping[str, Any], req_id: str, prompt: Sequence[int], key: Key | None, push_peers: frozenset[str]
+) -> RemotePrefill:
+    """What D fetches for push-mode params (`is_push_request`) of its request `req_id` with `prompt`: the transfer
+    and secret derived from its own id and prompt (`push_transfer_id`, `push_secret`), from the P endpoint the
+    params name, which must be one of `push_peers` ("host:port").
+
+    Raises:
+        ParamsError: this engine lists no push peers, or not that one; a key missing or of the wrong type; a
+            `remote_request_id` that is not part of this request's id; an endpoint D does not fetch from.
+    """
+    host = _get(params, "remote_host", str)
+    port = _get(params, "remote_port", int)
+    peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if not push_peers:
+        raise ParamsError(
+            f"kv_transfer_params ask for a push from {peer}, and this engine's kv_connector_extra_config lists no "
+            "push_peers: add the P endpoints it may fetch from"
+        )
+    if peer not in push_peers:
+        raise ParamsError(f"kv_transfer_params name P endpoint {peer}, not one of push_peers {sorted(push_peers)}")
+    addr = f"http://{peer}"
+    try:
+        parse_bootstrap_addr(addr, keyed=key is not None)
+    except ValueError as exc:
+        raise ParamsError(f"kv_transfer_params['remote_host'], ['remote_port']: {exc}") from None
+    router_id = _get(params, REMOTE_REQUEST_ID, str)
+    if len(router_id) > MAX_REQUEST_ID_CHARS or router_id not in req_id:
+        shown = router_id if len(router_id) <= 80 else f"{router_id[:80]}... ({len(router_id)} characters)"
+        raise ParamsError(
+            f"kv_transfer_params[{REMOTE_REQUEST_ID!r}] {shown!r} is not part of this request's id {req_id!r}: "
+            "the router must send D the X-Request-Id it sent P"
+        )
+    transfer_id = push_transfer_id(req_id)
+    digest = prompt_hash(prompt)
+    return RemotePrefill(
+        engine_id=_get(params, "remote_engine_id", str),
+        bootstrap_addr=addr,
+        transfer_id=transfer_id,
+        num_tokens=len(prompt),
+        prompt_hash=digest,
+        secret=push_secret(key, transfer_id, len(prompt), digest),
     )
 
 

@@ -44,10 +44,11 @@ class SchedulerSide:
         block_size: int,
         dp_rank: int = 0,
         group_kinds: tuple[str, ...] = (FULL,),
+        tp_size: int = 1,
     ) -> None:
         """`dp_rank`: this engine core's data-parallel rank (its endpoint's port, `bootstrap_port_of`);
         `group_kinds`: the kind of each of the model's KV cache groups (vLLM's hybrid KV cache manager gives each
-        its own block list).
+        its own block list); `tp_size`: the engine's, which a pushing P announces.
 
         Raises:
             ValueError: as `ConnectorConfig.bootstrap_port_of` and `read_control_token`. OSError: the token file
@@ -56,7 +57,16 @@ class SchedulerSide:
         self._config = config
         self._endpoint = BootstrapEndpoint(config.bootstrap_host, config.bootstrap_port_of(dp_rank))
         key = derive_key(config.read_control_token(), PARAMS_KEY)
-        self.flow = SchedulerFlow(engine_id, "", block_size, group_kinds, params_key=key)
+        self.flow = SchedulerFlow(
+            engine_id,
+            "",
+            block_size,
+            group_kinds,
+            params_key=key,
+            push=config.mode == "push",
+            push_peers=frozenset(config.push_peers),
+            tp_size=tp_size,
+        )
         self._requests: dict[str, Any] = {}  # P requests held from their prefill step, until it is scheduled
         self._kv_cache_manager: Any = None
         self.metadata: dict[tuple[int, int], WorkerMetadata] = {}

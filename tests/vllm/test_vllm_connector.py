@@ -8,7 +8,9 @@ receive, no request left in vLLM's scheduler, every block free.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,21 +36,37 @@ def prompts(first: int, lengths: list[int], seed: int) -> list[list[int]]:
 LENGTHS = [1, BLOCK, BLOCK + 1, 11, 2 * BLOCK, 100, 257, 500]
 
 
+def free_ports(count: int) -> list[int]:
+    """Ports free now, for P endpoints D engines must be configured with before either starts."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
     """A baseline engine (no connector), two P engines and three D engines (failure policies recompute and fail, and
-    one of TP 2), started side by side. P2 holds for 5 s only, and is the one the fault tests kill."""
+    one of TP 2), started side by side. Both P engines push (`mode` "push"): every pull test here is also the proof
+    that a pushing P serves a router that passes its params. P2 has other weights, holds for 5 s only, and is the
+    one the fault tests kill."""
     root = tmp_path_factory.mktemp("vllm")
     model = str(write_tiny_llama(root / "tiny-llama", seed=0))
+    other = str(write_tiny_llama(root / "tiny-llama-other", seed=1))
+    p_port, p2_port = free_ports(2)
+    peers = {"push_peers": [f"127.0.0.1:{p_port}", f"127.0.0.1:{p2_port}"]}
     configs = {
         "base": EngineConfig(model),
-        "P": EngineConfig(model, "kv_producer"),
-        "P2": EngineConfig(model, "kv_producer", extra_config={"hold_timeout_s": 5}),
-        "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute"),
-        "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail"),
+        "P": EngineConfig(model, "kv_producer", extra_config={"mode": "push", "bootstrap_port": p_port}),
+        "P2": EngineConfig(
+            other, "kv_producer", extra_config={"hold_timeout_s": 5, "mode": "push", "bootstrap_port": p2_port}
+        ),
+        "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute", extra_config=peers),
+        "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail", extra_config=peers),
         # TP 2 on vLLM's CPU backend: worker processes of its own (`kvsvc.testing.vllm`), unbound (bound one per
         # core, their spinning waits starve every other process of a 2-core host: docs/vllm.md, "Limits").
-        "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
+        "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2, extra_config=peers),
     }
     with started_engines(configs, root) as started:
         yield started
@@ -147,6 +165,61 @@ def test_heterogeneous_tp_p_tp1_to_d_tp2_gives_the_same_tokens(engines: dict[str
     # Each D rank fetched its two KV heads of every request from P's one worker.
     assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]
     assert_clean(p)
+
+
+def router_params(announced: dict[str, Any], router_id: str) -> dict[str, Any]:
+    """What vllm-router 0.1.17 sends D in push mode, at the same time as it sends P the request (measured against
+    fake servers: it keeps these keys of P's first answer and adds its own request id)."""
+    keep = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
+    return {"do_remote_prefill": True, "do_remote_decode": False, **{k: announced[k] for k in keep}} | {
+        "remote_request_id": router_id
+    }
+
+
+def push(p: VllmEngine, d: VllmEngine, batch: list[list[int]], tag: str) -> tuple[list[Output], dict[str, Any]]:
+    """A router's push flow with D first: the router learns from P's first answer that P pushes (that request runs
+    as pull), then sends D each request, and P the same request only once D's fetches wait at P. Returns D's
+    outputs and P's statistics once D had them."""
+    (first,) = prompts(7, [40], seed=len(tag))
+    (announced,) = p.prefill([first])
+    assert announced["transfer_mode"] == "push"
+    d.generate([first], max_tokens=1, params=[announced])
+    ids = [f"router-{tag}-{i}" for i in range(len(batch))]
+    names = [f"cmpl-{rid}-0" for rid in ids]  # as vLLM's server names a completion from X-Request-Id
+    # Asked before D runs the batch: a worker call beside a running step of a TP engine mixes up their answers.
+    fetches = len(batch) * len(d.stats(workers=True)["workers"])
+    early = int(p.stats()["service"]["sender"]["early_requests"])
+    call = d.submit(batch, max_tokens=8, params=[router_params(announced, rid) for rid in ids], names=names)
+    wait_for(p, lambda s: int(s["service"]["sender"]["early_requests"]) == early + fetches)
+    p.prefill(batch, names=names)
+    return d.result(call), p.stats()
+
+
+@pytest.mark.parametrize("d_name", ["D", "D_tp2"])
+def test_push_d_first_gives_a_single_engines_tokens(engines: dict[str, VllmEngine], d_name: str) -> None:
+    p, d = engines["P"], engines[d_name]
+    batch = prompts(150 if d_name == "D" else 160, [BLOCK + 1, 100, 257], seed=13)
+    want = baseline(engines, batch)
+    sent_before = p.stats()["service"]["bytes_sent"]
+    got, _ = push(p, d, batch, d_name)
+    assert [o.token_ids for o in got] == want
+    stats = assert_clean(d)
+    loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
+    assert loads == [[0, len(x)] for x in batch]
+    sent = assert_clean(p)["service"]["bytes_sent"] - sent_before
+    assert sent == KV_BYTES_PER_BLOCK * (2 + sum(-(-len(x) // BLOCK) for x in batch))  # and the first request
+
+
+def test_push_from_a_p_of_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
+    """The negative control of the push comparisons: the same flow from P2, whose weights differ."""
+    batch = prompts(170, [BLOCK + 1, 100], seed=14)
+    want = baseline(engines, batch)
+    got, _ = push(engines["P2"], engines["D"], batch, "other")
+    stats = assert_clean(engines["D"])
+    assert list(stats["flow"]["recent_loads"].values())[-len(batch) :] == [[0, len(x)] for x in batch]
+    for expected, output in zip(want, got, strict=True):
+        assert output.token_ids != expected  # the KV of other weights came over and was used
+    assert_clean(engines["P2"])
 
 
 def test_unfetched_holds_expire_and_free_p_blocks(engines: dict[str, VllmEngine]) -> None:

@@ -1,0 +1,140 @@
+"""Push mode's pure decisions: P and D derive one transfer and secret from what a router gives each, D takes router
+params only from its push peers, and a D with another prompt presents a secret P refuses. No vLLM, no sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvsvc.auth import PARAMS_KEY, derive_key
+from kvsvc.messages import TransferRequest, WorkerRef
+from kvsvc.sender import Reply, Sender
+from kvsvc.vllm.config import parse_config
+from kvsvc.vllm.flow import SchedulerFlow
+from kvsvc.vllm.params import (
+    ParamsError,
+    parse_remote_prefill,
+    push_transfer_id,
+)
+
+BS = 16
+PROMPT = list(range(100, 140))
+KEY = derive_key("deployment-secret-0123", PARAMS_KEY)
+P_ADDR = "10.0.0.1:8998"
+ROUTER_ID = "___prefill_addr_10.0.0.1:8000___decode_addr_10.0.0.2:8000_0f3c2a9e8b7d4c1aa5e6f7081928374b"
+
+
+def p_flow() -> SchedulerFlow:
+    return SchedulerFlow("P-engine", f"http://{P_ADDR}", BS, params_key=KEY, push=True, tp_size=2)
+
+
+def d_flow(peers: frozenset[str] = frozenset({P_ADDR})) -> SchedulerFlow:
+    return SchedulerFlow("D-engine", "", BS, params_key=KEY, push_peers=peers)
+
+
+def router_params(p_params: dict[str, Any], router_id: str = ROUTER_ID) -> dict[str, Any]:
+    """What vllm-router 0.1.17 sends D in push mode, built from P's first answer (measured: it keeps these keys)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": p_params["remote_engine_id"],
+        "remote_host": p_params["remote_host"],
+        "remote_port": p_params["remote_port"],
+        "tp_size": p_params["tp_size"],
+        "remote_request_id": router_id,
+    }
+
+
+def p_holds(f: SchedulerFlow, req_id: str, prompt: list[int] = PROMPT) -> tuple[Any, dict[str, Any]]:
+    f.on_new_request(req_id, prompt, {"do_remote_decode": True}, max_tokens=1)
+    f.scheduled(req_id, 0, len(prompt), [[7, 8, 9]])
+    (send,) = f.build().sends
+    _, params = f.finished(req_id, [[7, 8, 9]], completed=True)
+    assert params is not None
+    return send, params
+
+
+def d_loads(f: SchedulerFlow, req_id: str, params: dict[str, Any], prompt: list[int] = PROMPT) -> Any:
+    f.on_new_request(req_id, prompt, params)
+    f.after_alloc(req_id, [[3, 4, 5]], len(prompt), len(prompt))
+    (recv,) = f.build().recvs
+    return recv
+
+
+def test_p_announces_push_as_vllm_router_reads_it_and_d_derives_p_s_transfer_and_secret() -> None:
+    send, params = p_holds(p_flow(), f"cmpl-{ROUTER_ID}-0-1a2b3c4d")
+    assert (params["transfer_mode"], params["remote_host"], params["remote_port"], params["tp_size"]) == (
+        "push",
+        "10.0.0.1",
+        8998,
+        2,
+    )
+    recv = d_loads(d_flow(), f"cmpl-{ROUTER_ID}-0-9e8d7c6b", router_params(params))  # its own random suffix
+    assert (recv.transfer_id, recv.secret) == (send.transfer_id, send.secret)
+    assert (recv.engine_id, recv.bootstrap_addr, recv.num_tokens) == ("P-engine", f"http://{P_ADDR}", len(PROMPT))
+    # A router that passes P's params unchanged (pull) reaches the same transfer: P's params name it, signed.
+    pulled = parse_remote_prefill(params, KEY)
+    assert (pulled.transfer_id, pulled.secret) == (send.transfer_id, send.secret)
+
+
+def test_a_d_with_another_prompt_derives_another_secret_and_p_serves_it_nothing() -> None:
+    send, params = p_holds(p_flow(), f"cmpl-{ROUTER_ID}-0-1a2b3c4d")
+    other = [*PROMPT[:-1], 999]  # a client naming the victim's request with its own prompt
+    recv = d_loads(d_flow(), f"cmpl-{ROUTER_ID}-0-9e8d7c6b", router_params(params), other)
+    assert recv.transfer_id == send.transfer_id and recv.secret != send.secret
+    sender = Sender(early_request_timeout_s=5.0)
+    d_worker = WorkerRef(engine_id="D-engine", incarnation="1", pp_rank=0, tp_rank=0)
+    early = TransferRequest(transfer_id=recv.transfer_id, block_ids=[3, 4, 5], num_tokens=40, secret=recv.secret)
+    assert sender.request(d_worker, frozenset(), early, 0.0) == []  # D first: it waits for P's hold
+    assert sender.hold("r", send.transfer_id, [7, 8, 9], 40, 1.0, secret=send.secret) == []  # not applied
+    (answer,) = sender.expire(6.0)
+    assert isinstance(answer, Reply) and "not held" in answer.message.reason
+
+
+@pytest.mark.parametrize(
+    ("peers", "change", "match"),
+    [
+        (frozenset(), {}, "lists no push_peers"),
+        (frozenset({"10.0.0.9:8998"}), {}, r"10\.0\.0\.1:8998, not one of push_peers \['10\.0\.0\.9:8998'\]"),
+        (frozenset({P_ADDR}), {"remote_request_id": "another-request"}, "is not part of this request's id"),
+        (frozenset({P_ADDR}), {"remote_port": "8998"}, r"\['remote_port'\] is '8998', expected a non-empty int"),
+        (frozenset({P_ADDR}), {"remote_engine_id": None}, r"\['remote_engine_id'\] is None"),
+    ],
+)
+def test_d_refuses_router_push_params_it_cannot_trust_naming_the_value(
+    peers: frozenset[str], change: dict[str, Any], match: str
+) -> None:
+    _, params = p_holds(p_flow(), f"cmpl-{ROUTER_ID}-0-1a2b3c4d")
+    with pytest.raises(ParamsError, match=match):
+        d_flow(peers).on_new_request(f"cmpl-{ROUTER_ID}-0-9e8d7c6b", PROMPT, router_params(params) | change)
+
+
+def test_without_a_token_d_takes_push_params_only_from_loopback_peers() -> None:
+    f = SchedulerFlow("D", "", BS, push_peers=frozenset({P_ADDR}))
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "10.0.0.1", "remote_port": 8998}
+    with pytest.raises(ParamsError, match="remote_host"):
+        f.on_new_request(f"cmpl-{ROUTER_ID}-0-9e8d7c6b", PROMPT, params | {"remote_request_id": ROUTER_ID})
+
+
+@given(st.text(alphabet="abcdef0123456789-_xyz", min_size=1, max_size=60), st.integers(0, 5))
+def test_two_engines_ids_for_one_router_id_give_one_transfer(router_id: str, index: int) -> None:
+    ids = [f"cmpl-{router_id}-{index}-{suffix}" for suffix in ("0a1b2c3d", "ffffffff")]
+    assert push_transfer_id(ids[0]) == push_transfer_id(ids[1]) == f"push-cmpl-{router_id}-{index}"
+
+
+def test_an_overlong_request_id_is_refused() -> None:
+    with pytest.raises(ParamsError, match="request id of 600 characters, limit 512"):
+        push_transfer_id("x" * 600)
+
+
+def test_push_config_is_checked_and_a_pushing_p_keeps_early_requests_as_long_as_d_waits() -> None:
+    config = parse_config({"mode": "push", "recv_timeout_s": 90.0, "push_peers": ["10.0.0.1:8998", "[::1]:9"]})
+    assert config.service_config(None).early_request_timeout_s == 90.0
+    assert parse_config({}).service_config(None).early_request_timeout_s == 10.0
+    with pytest.raises(ValueError, match=r"\['mode'\] is 'stream'; expected 'pull' or 'push'"):
+        parse_config({"mode": "stream"})
+    with pytest.raises(ValueError, match=r"\['push_peers'\] holds '10.0.0.1'; expected 'host:port'"):
+        parse_config({"push_peers": ["10.0.0.1"]})
