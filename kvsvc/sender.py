@@ -120,6 +120,8 @@ class SenderStatistics:
     # Requests, releases and aborts of a held (or recently held) transfer without its secret: 0 unless a D worker is
     # misconfigured or probing.
     refused_secrets: int = 0
+    # Requests that reached P before its hold and were served from the hold's start on (push mode's overlap).
+    early_served: int = 0
 
 
 class Sender:
@@ -160,6 +162,7 @@ class Sender:
         self._expired_count = 0
         self._aborted_count = 0
         self._refused_secrets = 0
+        self.early_served = 0  # requests served from a hold's start that reached P before it (`SenderStatistics`)
 
     # -- events from the engine -------------------------------------------------------------------------------
 
@@ -202,6 +205,7 @@ class Sender:
             elif isinstance(message, Release):
                 commands += self.release(dst, expected, message, now)
             else:
+                self.early_served += 1
                 commands += self.request(dst, expected, message, now)
         return commands
 
@@ -459,6 +463,7 @@ class Sender:
             expired_holds=self._expired_count,
             aborted_holds=self._aborted_count,
             refused_secrets=self._refused_secrets,
+            early_served=self.early_served,
         )
 
     # -- internals ---------------------------------------------------------------------------------------------

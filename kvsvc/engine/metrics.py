@@ -50,6 +50,11 @@ COUNTERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
         "Requests, releases and aborts of a held transfer without its secret (a misconfigured or probing D).",
         ("sender", "refused_secrets"),
     ),
+    (
+        "kvsvc_early_served",
+        "D requests that reached P before its hold, served from the hold's start (push mode's overlap).",
+        ("sender", "early_served"),
+    ),
     ("kvsvc_received_transfers", "Receives that finished with their KV landed.", ("receiver", "finished")),
     ("kvsvc_receive_failures", "Receives that failed (their blocks were reported invalid).", ("receiver", "failed")),
     ("kvsvc_receive_expiries", "Receives failed because a P worker never answered in time.", ("receiver", "expired")),

@@ -34,6 +34,7 @@ COUNTERS = (
     "reconnects",
     "staged",
     "scattered",
+    "early_served",
 )
 """The service's monotonic counters (`ServiceContext.counts`), reported as deltas by `get_finished`."""
 

@@ -133,6 +133,7 @@ class SendingRole:
         if layered and len(ready) != meta.num_layers:  # type: ignore[arg-type]
             raise ValueError(f"layer-wise ready has {len(ready)} futures for {meta.num_layers} local layers")  # type: ignore[arg-type]
         self._run_send(self._sender.hold(req_id, transfer_id, block_ids, num_tokens, self._ctx.clock(), secret=secret))
+        self._ctx.counts["early_served"] = self._sender.early_served
         if ready is None:
             self._run_send(self._sender.ready(transfer_id))
         elif isinstance(ready, Sequence):

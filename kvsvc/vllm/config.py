@@ -86,8 +86,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"kv_connector_extra_config['mode'] is {self.mode!r}; expected 'pull' or 'push'")
         for peer in self.push_peers:
             host, _, port = peer.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-                raise ValueError(f"kv_connector_extra_config['push_peers'] holds {peer!r}; expected 'host:port'")
+            bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+            if not host or bare_ipv6 or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(
+                    f"kv_connector_extra_config['push_peers'] holds {peer!r}; expected 'host:port' ('[addr]:port' "
+                    "for IPv6)"
+                )
         if self.staging_bytes < 0:
             raise ValueError(f"kv_connector_extra_config['staging_bytes'] must be >= 0, got {self.staging_bytes}")
         if self.control_token is not None:  # the message never echoes the value

@@ -53,6 +53,7 @@ STAT_METRICS = {
     "reconnects": "kvsvc_reconnects",
     "received": "kvsvc_received_transfers",
     "receive_failures": "kvsvc_receive_failures",
+    "early_served": "kvsvc_early_served",
 }
 
 
@@ -152,7 +153,8 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
             kinds = tuple(group.kind for group in groups) or (FULL,)
             tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank, kinds, tp_size)
+            dp_size = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank, kinds, tp_size, dp_size)
             return
         parallel, model = vllm_config.parallel_config, vllm_config.model_config
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group

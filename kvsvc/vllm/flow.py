@@ -17,7 +17,9 @@ Pure module: standard library and `kvsvc.vllm.params` only (no vllm, torch, asyn
 - Push mode (`push`, on P): P holds each request under a transfer and secret D can derive alone
   (`kvsvc.vllm.params.push_transfer_id`, `push_secret`) and announces push in its params, so a router may send D
   the request at the same time as P; D's request may then reach P before P's hold, which P keeps as an early
-  request until the hold starts. D takes router push params only from P endpoints in `push_peers`.
+  request until the hold starts. D takes router push params only from P endpoints in `push_peers`, and each push
+  transfer once: a repeated router id would derive the transfer again, and P answers a transfer it finished with
+  its outcome, so D would take blocks nothing wrote as loaded.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ class FlowStatistics:
 
 
 RECENT_LOADS = 1024
+# Push transfers a D engine remembers having taken: at least as many as P remembers outcomes of
+# (`kvsvc.sender.Sender`'s `remembered_outcomes`), so none that P could answer again is ever taken twice.
+REMEMBERED_PUSHES = 65536
 
 
 def draw_secret() -> str:
@@ -155,6 +160,7 @@ class SchedulerFlow:
     _aborts: list[str] = field(default_factory=list)
     _counts: dict[str, int] = field(default_factory=lambda: {"holds": 0, "loads": 0, "refused": 0})
     _recent: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _pushed: dict[str, None] = field(default_factory=dict)  # push transfers taken, oldest first (`REMEMBERED_PUSHES`)
 
     # -- a request arrives -------------------------------------------------------------------------------------
 
@@ -185,6 +191,7 @@ class SchedulerFlow:
             try:
                 if is_push_request(params):
                     remote = parse_push_prefill(params, req_id, prompt, self.params_key, self.push_peers)
+                    self._take_push(remote.transfer_id)
                 else:
                     remote = parse_remote_prefill(params, self.params_key)
                 if remote.num_tokens != len(prompt) or remote.prompt_hash != prompt_hash(prompt):
@@ -197,6 +204,21 @@ class SchedulerFlow:
                 self._counts["refused"] += 1
                 raise
             self._consumers[req_id] = _Consumer(remote)
+
+    def _take_push(self, transfer_id: str) -> None:
+        """Remember push transfer `transfer_id` as taken by this engine.
+
+        Raises:
+            ParamsError: it was taken before (a repeated router request id).
+        """
+        if transfer_id in self._pushed:
+            raise ParamsError(
+                f"push transfer {transfer_id[:120]!r} was already taken by this engine: a repeated X-Request-Id is "
+                "computed here, never loaded twice"
+            )
+        self._pushed[transfer_id] = None
+        if len(self._pushed) > REMEMBERED_PUSHES:
+            del self._pushed[next(iter(self._pushed))]
 
     @property
     def keeps_state(self) -> bool:

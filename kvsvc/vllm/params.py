@@ -181,16 +181,16 @@ def parse_push_prefill(
         ParamsError: this engine lists no push peers, or not that one; a key missing or of the wrong type; a
             `remote_request_id` that is not part of this request's id; an endpoint D does not fetch from.
     """
-    host = _get(params, "remote_host", str)
+    host = _get(params, "remote_host", str)[:255]
     port = _get(params, "remote_port", int)
     peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if not push_peers:
         raise ParamsError(
-            f"kv_transfer_params ask for a push from {peer}, and this engine's kv_connector_extra_config lists no "
+            f"kv_transfer_params ask for a push from {peer!r}, and this engine's kv_connector_extra_config lists no "
             "push_peers: add the P endpoints it may fetch from"
         )
     if peer not in push_peers:
-        raise ParamsError(f"kv_transfer_params name P endpoint {peer}, not one of push_peers {sorted(push_peers)}")
+        raise ParamsError(f"kv_transfer_params name P endpoint {peer!r}, not one of push_peers {sorted(push_peers)}")
     addr = f"http://{peer}"
     try:
         parse_bootstrap_addr(addr, keyed=key is not None)
@@ -200,7 +200,7 @@ def parse_push_prefill(
     if len(router_id) > MAX_REQUEST_ID_CHARS or router_id not in req_id:
         shown = router_id if len(router_id) <= 80 else f"{router_id[:80]}... ({len(router_id)} characters)"
         raise ParamsError(
-            f"kv_transfer_params[{REMOTE_REQUEST_ID!r}] {shown!r} is not part of this request's id {req_id!r}: "
+            f"kv_transfer_params[{REMOTE_REQUEST_ID!r}] {shown!r} is not part of this request's id {req_id[:200]!r}: "
             "the router must send D the X-Request-Id it sent P"
         )
     transfer_id = push_transfer_id(req_id)

@@ -45,10 +45,12 @@ class SchedulerSide:
         dp_rank: int = 0,
         group_kinds: tuple[str, ...] = (FULL,),
         tp_size: int = 1,
+        dp_size: int = 1,
     ) -> None:
         """`dp_rank`: this engine core's data-parallel rank (its endpoint's port, `bootstrap_port_of`);
         `group_kinds`: the kind of each of the model's KV cache groups (vLLM's hybrid KV cache manager gives each
-        its own block list); `tp_size`: the engine's, which a pushing P announces.
+        its own block list); `tp_size`: the engine's, which a pushing P announces; `dp_size`: its data-parallel
+        size.
 
         Raises:
             ValueError: as `ConnectorConfig.bootstrap_port_of` and `read_control_token`. OSError: the token file
@@ -56,6 +58,12 @@ class SchedulerSide:
         """
         self._config = config
         self._endpoint = BootstrapEndpoint(config.bootstrap_host, config.bootstrap_port_of(dp_rank))
+        if config.mode == "push" and dp_size > 1:
+            log.warning(
+                "kvsvc: mode push needs data parallel size 1 (a router names P's endpoint to D before P's server "
+                "picks a rank); this engine, at data parallel size %d, runs the pull flow",
+                dp_size,
+            )
         key = derive_key(config.read_control_token(), PARAMS_KEY)
         self.flow = SchedulerFlow(
             engine_id,
@@ -63,7 +71,9 @@ class SchedulerSide:
             block_size,
             group_kinds,
             params_key=key,
-            push=config.mode == "push",
+            # vllm-router names P's endpoint to D before P's server picks a data-parallel rank: D would wait at
+            # another rank's endpoint. A P at DP > 1 runs the pull flow (logged below).
+            push=config.mode == "push" and dp_size == 1,
             push_peers=frozenset(config.push_peers),
             tp_size=tp_size,
         )

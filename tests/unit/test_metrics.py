@@ -23,6 +23,7 @@ class _Sender:
     expired_holds: int = 7
     aborted_holds: int = 1
     refused_secrets: int = 4
+    early_served: int = 3
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ def test_statistics_dict_flattens_nested_dataclasses() -> None:
         "expired_holds": 7,
         "aborted_holds": 1,
         "refused_secrets": 4,
+        "early_served": 3,
     }
     with pytest.raises(TypeError, match="dataclass instance"):
         statistics_dict({"bytes_sent": 1})

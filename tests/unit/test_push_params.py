@@ -19,6 +19,7 @@ from kvsvc.vllm.params import (
     parse_remote_prefill,
     push_transfer_id,
 )
+from kvsvc.vllm.scheduler import SchedulerSide
 
 BS = 16
 PROMPT = list(range(100, 140))
@@ -98,7 +99,7 @@ def test_a_d_with_another_prompt_derives_another_secret_and_p_serves_it_nothing(
     ("peers", "change", "match"),
     [
         (frozenset(), {}, "lists no push_peers"),
-        (frozenset({"10.0.0.9:8998"}), {}, r"10\.0\.0\.1:8998, not one of push_peers \['10\.0\.0\.9:8998'\]"),
+        (frozenset({"10.0.0.9:8998"}), {}, r"'10\.0\.0\.1:8998', not one of push_peers \['10\.0\.0\.9:8998'\]"),
         (frozenset({P_ADDR}), {"remote_request_id": "another-request"}, "is not part of this request's id"),
         (frozenset({P_ADDR}), {"remote_port": "8998"}, r"\['remote_port'\] is '8998', expected a non-empty int"),
         (frozenset({P_ADDR}), {"remote_engine_id": None}, r"\['remote_engine_id'\] is None"),
@@ -138,3 +139,40 @@ def test_push_config_is_checked_and_a_pushing_p_keeps_early_requests_as_long_as_
         parse_config({"mode": "stream"})
     with pytest.raises(ValueError, match=r"\['push_peers'\] holds '10.0.0.1'; expected 'host:port'"):
         parse_config({"push_peers": ["10.0.0.1"]})
+
+
+def test_a_d_that_came_first_with_the_derived_secret_is_served_at_the_hold_and_counted() -> None:
+    send, params = p_holds(p_flow(), f"cmpl-{ROUTER_ID}-0-1a2b3c4d")
+    recv = d_loads(d_flow(), f"cmpl-{ROUTER_ID}-0-9e8d7c6b", router_params(params))
+    sender = Sender()
+    d_worker = WorkerRef(engine_id="D-engine", incarnation="1", pp_rank=0, tp_rank=0)
+    early = TransferRequest(transfer_id=recv.transfer_id, block_ids=[3, 4, 5], num_tokens=40, secret=recv.secret)
+    assert sender.request(d_worker, frozenset(), early, 0.0) == []
+    sender.hold("r", send.transfer_id, [7, 8, 9], 40, 1.0, secret=send.secret)
+    stats = sender.statistics()
+    assert (stats.early_requests, stats.early_served, stats.refused_secrets) == (0, 1, 0)
+    assert stats.jobs_by_state  # the request became a job of the hold
+
+
+def test_d_takes_each_push_transfer_once_so_a_repeated_router_id_is_computed_locally() -> None:
+    # P answers a transfer it finished with its outcome again (for a D that re-sends after a reconnect): a second
+    # receive of the same derived transfer would take blocks nothing wrote as loaded.
+    _, params = p_holds(p_flow(), f"cmpl-{ROUTER_ID}-0-1a2b3c4d")
+    d = d_flow()
+    d_loads(d, f"cmpl-{ROUTER_ID}-0-9e8d7c6b", router_params(params))
+    with pytest.raises(ParamsError, match="was already taken by this engine"):
+        d.on_new_request(f"cmpl-{ROUTER_ID}-0-00ff00ff", PROMPT, router_params(params))
+    d_loads(d, f"cmpl-{ROUTER_ID}-1-00ff00ff", router_params(params))  # the request's next prompt is another
+
+
+def test_a_p_at_data_parallel_above_1_runs_the_pull_flow(caplog: pytest.LogCaptureFixture) -> None:
+    side = SchedulerSide(parse_config({"mode": "push"}), "P", BS, dp_rank=1, dp_size=2)
+    assert not side.flow.push
+    assert "runs the pull flow" in caplog.text
+    assert SchedulerSide(parse_config({"mode": "push"}), "P", BS).flow.push
+
+
+def test_an_ipv6_push_peer_must_be_bracketed() -> None:
+    assert parse_config({"push_peers": ["[::1]:8998"]}).push_peers == ["[::1]:8998"]
+    with pytest.raises(ValueError, match=r"'::1:8998'; expected 'host:port' \('\[addr\]:port' for IPv6\)"):
+        parse_config({"push_peers": ["::1:8998"]})
