@@ -11,7 +11,8 @@ after `make test` (or `make setup-vllm`): `.venv/bin/python examples/vllm_disagg
 at pipeline parallel size 2, `--prefill dp2` at data parallel size 2; repeat `--prefill` or `--decode` for several
 servers, which the proxy takes in turn. `--model sliding` serves a hybrid Llama whose every other layer attends to a
 window of 64 tokens, `--model granite` a Granite-4.0-H style Mamba2 hybrid (float32, prefix caching off), `--model
-gdn` a Qwen3-Next style Gated DeltaNet hybrid (bfloat16, prefix caching off).
+gdn` a Qwen3-Next style Gated DeltaNet hybrid (bfloat16, prefix caching off). `--mode push` (with `--router
+vllm-router`) runs P in push mode: the router then sends each request to D at the same time as to P.
 """
 
 from __future__ import annotations
@@ -99,13 +100,21 @@ def write_model(kind: str, path: Path, seed: int) -> Path:
 
 
 def start_engine(
-    model: Path, port: int, role: str, log: Path, chat_template: Path, sizes: dict[str, int], kind: str
+    model: Path,
+    port: int,
+    role: str,
+    log: Path,
+    chat_template: Path,
+    sizes: dict[str, int],
+    kind: str,
+    extra: dict[str, Any],
 ) -> subprocess.Popen[bytes]:
     transfer = {
         "kv_connector": "KvsvcConnector",
         "kv_connector_module_path": "kvsvc.vllm",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
     }
     command = [
         *serve_command(),
@@ -259,6 +268,12 @@ def main() -> None:
         help="what routes the requests: this directory's proxy.py, or vLLM's production router (vllm-router)",
     )
     parser.add_argument(
+        "--mode",
+        choices=("pull", "push"),
+        default="pull",
+        help="push: P announces push mode and vllm-router sends D each request at the same time as P",
+    )
+    parser.add_argument(
         "--prefill-seed",
         type=int,
         default=0,
@@ -266,6 +281,8 @@ def main() -> None:
         "model, a negative control under which the answers must differ",
     )
     args = parser.parse_args()
+    if args.mode == "push" and args.router != "vllm-router":
+        parser.error("--mode push needs --router vllm-router (this directory's proxy runs the pull flow)")
     prefills, decodes = args.prefill or [layout("pp1")], args.decode or [layout("pp1")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvsvc-disagg-"))
     model = write_model(args.model, work / f"tiny-{args.model}", seed=0)
@@ -296,12 +313,31 @@ def main() -> None:
     single.launch()
     procs: list[subprocess.Popen[bytes]] = []
     try:
+        # In push mode D takes the router's params only from P endpoints it lists: each P server's handshake
+        # endpoint gets a port chosen here, and each of its data-parallel ranks the ports after it.
+        bootstrap = {i: free_port() for role, i, _ in servers if role == "prefill"}
+        peers = [
+            f"127.0.0.1:{bootstrap[i] + r}"
+            for role, i, sizes in servers
+            if role == "prefill"
+            for r in range(sizes["dp"])
+        ]
         starts = []
-        for (role, _, sizes), log in zip(servers, logs, strict=False):
+        for (role, i, sizes), log in zip(servers, logs, strict=False):
             weights, kv_role = (p_model, "kv_producer") if role == "prefill" else (model, "kv_consumer")
+            extra: dict[str, Any] = {}
+            if args.mode == "push":
+                extra = {"mode": "push", "bootstrap_port": bootstrap[i]} if role == "prefill" else {"push_peers": peers}
             starts.append(
                 functools.partial(
-                    start_engine, weights, role=kv_role, log=log, chat_template=template, sizes=sizes, kind=args.model
+                    start_engine,
+                    weights,
+                    role=kv_role,
+                    log=log,
+                    chat_template=template,
+                    sizes=sizes,
+                    kind=args.model,
+                    extra=extra,
                 )
             )
         ports = start_on_free_ports(starts, logs[:-1], procs, timeout_s=400)
@@ -314,9 +350,11 @@ def main() -> None:
 
         def start_proxy(port: int) -> subprocess.Popen[bytes]:
             if args.router == "vllm-router":
+                # Its metrics port too: the default one is taken by any other router of the host.
                 command = [
                     router_command(), "--vllm-pd-disaggregation", *proxy_args,
                     "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+                    "--prometheus-port", str(free_port()),
                 ]  # fmt: skip
             else:
                 command = [sys.executable, str(HERE / "proxy.py"), *proxy_args, "--port", str(port)]
@@ -354,7 +392,9 @@ def main() -> None:
             received = sum(metric(f"{url}/metrics", "kvsvc_received_transfers_total") for url in urls["decode"])
             time.sleep(0.5)
         sent = sum(metric(f"{url}/metrics", "kvsvc_sent_bytes_total") for url in urls["prefill"])
+        first = sum(metric(f"{url}/metrics", "kvsvc_early_served_total") for url in urls["prefill"])
         print(f"D received {received:g} transfers; P sent {sent:,.0f} bytes of KV")
+        print(f"P served {first:g} fetches that reached it before its prefill ended (push mode's overlap)")
         if failures or received < landings:
             sys.exit(
                 f"{failures} answers differ from a single engine, {received:g} of {landings} transfers "

@@ -10,11 +10,15 @@ Imports torch and kvsvc's service and transport, never vllm (the adapter hands i
   What work handed to the loop decides (a receive started, a send or receive refused) reaches it through a queue
   the loop appends to, whenever the loop gets to it; every id handed in gets an outcome there, whatever it raised.
 - On GPU a send waits for a CUDA event per layer recorded after that layer's attention wrote it (layer-wise sends);
-  on CPU the forward is over when the hook runs, so the KV is ready at once.
+  on CPU the forward is over when the hook runs, so the KV is ready at once. A pushing P on CPU starts the step's
+  sends before the forward instead, each layer ready once `save_kv_layer` saw it written: D's fetch already waits
+  at P, so the transfer runs beside the forward.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -62,6 +66,9 @@ class WorkerSide:
         self.reported_sending = 0
         self.reported_recving = 0
         self._events: dict[int, Any] = {}  # this step's CUDA events per local layer, for layer-wise sends
+        # A pushing P on CPU: this step's sends started before the forward, one future per local layer that
+        # `layer_saved` resolves (and `end_step` for any layer it never saw).
+        self._layers_ready: list[concurrent.futures.Future[None]] = []
 
     # -- start and stop ----------------------------------------------------------------------------------------
 
@@ -143,8 +150,13 @@ class WorkerSide:
     # -- each step ---------------------------------------------------------------------------------------------
 
     def begin_step(self, step: StepMetadata) -> None:
-        """`start_load_kv`: start this step's receives and carry out its aborts."""
+        """`start_load_kv`: start this step's receives and carry out its aborts; a pushing P on CPU also starts
+        its sends, each layer ready once the forward wrote it."""
         self._events.clear()
+        self._layers_ready = []
+        if step.sends and self._device == "cpu" and self._config.mode == "push":
+            self._layers_ready = [concurrent.futures.Future() for _ in range(len(self._layer_of))]
+            self._start_sends(step, list(self._layers_ready))
         if step.engine is None and not (step.recvs or step.aborts):
             return
 
@@ -181,7 +193,13 @@ class WorkerSide:
         self._service().post(run)
 
     def layer_saved(self, layer_name: str, step: StepMetadata) -> None:
-        """`save_kv_layer`: on GPU, mark where this layer's KV is written, for this step's layer-wise sends."""
+        """`save_kv_layer`: mark where this layer's KV is written, for this step's layer-wise sends (a CUDA event
+        on GPU; on CPU, where the write is done, the layer's future of a pushing P)."""
+        if self._layers_ready:
+            index = self._layer_of.get(layer_name)
+            if index is not None and not self._layers_ready[index].done():
+                self._layers_ready[index].set_result(None)
+            return
         if not step.sends or self._device != "cuda":
             return
         layer = self._layer_of.get(layer_name)
@@ -191,7 +209,14 @@ class WorkerSide:
             self._events[layer] = event
 
     def end_step(self, step: StepMetadata) -> None:
-        """`wait_for_save`: hold this step's sends (their forward is over on CPU, enqueued on GPU)."""
+        """`wait_for_save`: hold this step's sends (their forward is over on CPU, enqueued on GPU); for sends a
+        pushing P started before the forward, every layer is written now."""
+        if self._layers_ready:
+            for ready in self._layers_ready:
+                if not ready.done():  # a layer `save_kv_layer` never named (a state layer): written all the same
+                    ready.set_result(None)
+            self._layers_ready = []
+            return
         if not step.sends:
             return
         events: list[Any] | Any | None = None
@@ -205,10 +230,18 @@ class WorkerSide:
                 events = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 events.record()
 
+        self._start_sends(step, events)
+
+    def _start_sends(self, step: StepMetadata, events: Any) -> None:
+        """Hand the step's sends to the service, each ready once `events` are: one CUDA event, one per layer,
+        futures per layer (a pushing P on CPU), or None (the KV is written)."""
+
         def run(service: Any) -> None:
             for spec in step.sends:
                 ready: Any = None
-                if isinstance(events, list):
+                if isinstance(events, list) and events and isinstance(events[0], concurrent.futures.Future):
+                    ready = [asyncio.wrap_future(f) for f in events]  # run on the loop: its futures
+                elif isinstance(events, list):
                     ready = [completion_future(e) for e in events]
                 elif events is not None:
                     ready = completion_future(events)

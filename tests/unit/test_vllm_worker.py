@@ -528,6 +528,28 @@ def test_on_gpu_a_send_waits_for_each_layer_event_or_for_one_after_the_forward(m
     assert service.ready is None  # the CPU forward is over when the hook runs
 
 
+def test_a_pushing_p_on_cpu_starts_its_sends_before_the_forward_each_layer_ready_once_written() -> None:
+    # D's fetch already waits at a pushing P: the send starts with the step, and each layer's write with the layer.
+    service = FakeService()
+    side = WorkerSide(ConnectorConfig(mode="push"), ServiceConfig(), identity())
+    side._thread = service  # type: ignore[assignment]
+    side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
+    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    side.begin_step(step)
+    assert service.calls == ["send p1"]  # before any layer was computed
+    layers = list(side._layers_ready)
+    assert len(layers) == 3 and not any(f.done() for f in layers)
+    side.layer_saved("model.layers.1.attn", step)
+    assert [f.done() for f in layers] == [False, True, False]
+    side.layer_saved("model.layers.0.attn", step)
+    side.end_step(step)  # layer 2 never named (a state layer, say): written once the forward ended
+    assert all(f.done() for f in layers) and service.calls == ["send p1"]  # not started again
+    pulling = worker_with(FakeService())
+    pulling._layer_of = side._layer_of
+    pulling.begin_step(step)
+    assert pulling._thread.calls == []  # type: ignore[union-attr]  # a pulling P holds after the forward
+
+
 def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step(caplog: pytest.LogCaptureFixture) -> None:
     service = FakeService()
     service.refuse_recv = {"d3"}

@@ -48,8 +48,8 @@ def multi(role: str, store: Path, extra: dict[str, Any] | None = None) -> dict[s
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
     """A baseline (no connector); P at PP 1 and 2 with the baseline's weights, P at PP 2 with kvsvc under vLLM's
-    MultiConnector, and P at PP 1 and 2 with other weights (the negative controls, the PP 2 one under MultiConnector
-    too); D at PP 1, PP 2 and TP 2. Started side by side. P1, D2 and the MultiConnector children name the connector
+    MultiConnector, and P at PP 2 with other weights under MultiConnector too (the negative control of every pair);
+    D at PP 1, PP 2 and TP 2. Started side by side. P1, D2 and the MultiConnector children name the connector
     only (the plugin registered it); the others give its module path too."""
     root = tmp_path_factory.mktemp("vllm-pp")
     model = str(write_tiny_llama(root / "tiny-llama", seed=0))
@@ -68,7 +68,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
             **by_name,
             **pp2,
         ),
-        "X1": EngineConfig(other, "kv_producer"),
         "X2": EngineConfig(
             other,
             "kv_producer",
@@ -106,8 +105,8 @@ def per_worker(stats: dict[str, Any], key: str) -> dict[tuple[int, int], int]:
 
 def transfer(engines: dict[str, VllmEngine], p_name: str, d_name: str, control: str, first: int, seed: int) -> None:
     """P `p_name` prefills, D `d_name` decodes from its KV: D's tokens equal the baseline's, every worker of every
-    P stage wrote and reported, every D worker received; then the same through `control` (other weights) changes
-    D's tokens."""
+    P stage wrote and reported, every D worker received; then the same through `control` (other weights, at PP 2)
+    changes D's tokens."""
     p, d, x = engines[p_name], engines[d_name], engines[control]
     batch = prompts(first, LENGTHS, seed)
     want = baseline(engines, batch)
@@ -128,7 +127,7 @@ def transfer(engines: dict[str, VllmEngine], p_name: str, d_name: str, control: 
     assert all(n == len(batch) for n in received.values()), received
     assert all(int(w["receiver"]["failed"]) == 0 for w in d_after["workers"]), d.log_tail()
 
-    # Negative control: the same prompts from a P with other weights, laid out as P: D's tokens change.
+    # Negative control: the same prompts from a P with other weights: D's tokens change.
     control_batch = prompts(first + 20, LENGTHS, seed)
     control_want = baseline(engines, control_batch)
     control_got = d.generate(control_batch, max_tokens=8, params=x.prefill(control_batch))
@@ -144,7 +143,7 @@ def test_p_pp2_to_d_pp1_gives_a_single_engines_tokens(engines: dict[str, VllmEng
 
 
 def test_p_pp1_to_d_pp2_gives_a_single_engines_tokens(engines: dict[str, VllmEngine]) -> None:
-    transfer(engines, "P1", "D2", "X1", first=60, seed=2)
+    transfer(engines, "P1", "D2", "X2", first=60, seed=2)
 
 
 def test_p_pp2_to_d_pp2_gives_a_single_engines_tokens(engines: dict[str, VllmEngine]) -> None:

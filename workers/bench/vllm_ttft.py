@@ -1,11 +1,13 @@
 """The `ttft` workload of `kvsvc bench --vllm`: a user's time to first token through disaggregation, and how much of
 the transfer it exposes, per connector.
 
-The bench process plays the router's pull flow (vLLM's toy proxy and vllm-router without push): it sends a prompt to
-P with `max_tokens` 1, and once P answered, to D with P's params. End-to-end TTFT runs from P's submission to D's
-first token; exposed transfer is that minus a single engine's TTFT on the same prompt (no connector, the same
-model), which is what disaggregation adds. Prompts go one at a time, so neither engine batches them. CPU seconds per
-request are each engine's processes' user and system time (`/proc`), over the prompts of one run.
+The bench process plays the router's pull flow (vLLM's toy proxy and vllm-router without push): it sends a prompt to P
+with `max_tokens` 1, and once P answered, to D with P's params; and for a pushing P, vllm-router's push flow
+(`push_one_at_a_time`): D first with the router's params, P at once after, both named from one router request id.
+End-to-end TTFT runs from P's submission to D's first token; exposed transfer is that minus a single engine's TTFT on
+the same prompt (no connector, the same model), which is what disaggregation adds. Prompts go one at a time, so neither
+engine batches them. CPU seconds per request are each engine's processes' user and system time (`/proc`), over the
+prompts of one run.
 
 Pure arithmetic and `/proc` reads; the engines are `kvsvc.testing.vllm.VllmEngine`s that the caller starts.
 """
@@ -33,11 +35,21 @@ class Engine(Protocol):
     def worker_pids(self) -> list[int]: ...
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, params: Sequence[Any] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        params: Sequence[Any] | None = None,
+        names: Sequence[str] | None = None,
     ) -> list[Output]: ...
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], *, max_tokens: int, params: Sequence[Any] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        params: Sequence[Any] | None = None,
+        names: Sequence[str] | None = None,
     ) -> int: ...
 
     def result(self, call_id: int, timeout_s: float = ...) -> list[Output]: ...
@@ -108,6 +120,37 @@ def one_at_a_time(
     return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
 
 
+def push_one_at_a_time(
+    p: Engine,
+    d: Engine,
+    prompts: Sequence[Sequence[int]],
+    router_params: Callable[[str], dict[str, Any]],
+    tag: str,
+) -> TtftRun:
+    """Each prompt as vllm-router's push flow sends it: to D with the router's params and to P at once, both named
+    from one router request id (vLLM's server names a completion `cmpl-<X-Request-Id>-0`); the figures of `TtftRun`,
+    P's part being P's own answer time.
+
+    Raises:
+        EngineError: an engine failed or did not answer.
+    """
+    ttft, p_part = [], []
+    p_cpu, d_cpu = cpu_seconds(p), cpu_seconds(d)
+    for k, prompt in enumerate(prompts):
+        router_id = f"{tag}-{k}"
+        name = [f"cmpl-{router_id}-0"]
+        started = time.monotonic()
+        d_call = d.submit([prompt], max_tokens=1, params=[router_params(router_id)], names=name)
+        asked = time.monotonic()
+        p_call = p.submit([prompt], max_tokens=1, params=[{"do_remote_decode": True}], names=name)
+        p.result(p_call, timeout_s=300)
+        p_part.append((time.monotonic() - started) * 1e3)
+        (d_out,) = d.result(d_call, timeout_s=300)
+        ttft.append((asked - started + (d_out.ttft_s or 0.0)) * 1e3)
+    n = len(prompts)
+    return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
+
+
 def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) -> dict[str, Any]:
     """Per connector, medians over every prompt of every repetition: `ttft_ms_p50`, `exposed_ms_p50` (each prompt's
     TTFT minus the single engine's in the same repetition), P's part (`p_ms_p50`) and D's (`d_ms_p50`), and CPU
@@ -140,4 +183,4 @@ def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) ->
     return out
 
 
-__all__ = ["TtftRun", "cpu_seconds", "one_at_a_time", "single_engine_ms", "summarize_ttft"]
+__all__ = ["TtftRun", "cpu_seconds", "one_at_a_time", "push_one_at_a_time", "single_engine_ms", "summarize_ttft"]

@@ -280,8 +280,9 @@ def _ttft_table(entry: dict[str, Any], order: Sequence[str]) -> Table:
     """The ttft workload: end-to-end time to first token through P then D, one prompt at a time, and what the
     disaggregation exposes over a single engine."""
     table = Table(
-        title=f"ttft: {entry['requests']} long prompts one at a time through P then D (the router's pull flow); "
-        f"a single engine's TTFT {entry['single_ttft_ms_p50']:.1f} ms (p50)"
+        title=f"ttft: {entry['requests']} long prompts one at a time through P then D (the router's pull flow; "
+        f"_push: D and P asked at once, vllm-router's push flow); a single engine's TTFT "
+        f"{entry['single_ttft_ms_p50']:.1f} ms (p50)"
     )
     for column in ("connector", "TTFT ms", "exposed ms", "P's part ms", "D's part ms", "P CPU s/req", "D CPU s/req"):
         table.add_column(column, justify="left" if column == "connector" else "right")
@@ -366,7 +367,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         console.print("".join(f"{name} skipped: {why}\n" for name, why in summary["skipped"].items()))
     ttft = summary["workloads"].get("ttft")
     if ttft is not None:
-        console.print(_ttft_table(ttft, ORDER))
+        console.print(_ttft_table(ttft, [n for name in ORDER for n in (f"{name}_push", name)]))
     if getattr(args, "plot", None):
         from workers.bench.plot import plot_comparison
 
