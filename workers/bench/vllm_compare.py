@@ -66,6 +66,7 @@ BENCH_MODEL: _Shape = {
 }
 KV_BYTES_PER_TOKEN = 8 * 8 * 2 * 128 * 4
 MOONCAKE_BOOTSTRAP_PORT = 18998
+VOCAB = 1024  # the bench models' (`kvsvc.testing.vllm.write_tiny_llama`'s default)
 KVSVC_BOOTSTRAP_PORTS = {"kvsvc": 18990, "kvsvc_mooncake": 18991}  # kvsvc's P endpoints, which D's push_peers list
 HEAD_SPLIT_STAGING_BYTES = 64 << 20  # the standalone workers' default region
 NIXL_SIDE_CHANNEL_PORT = 15600
@@ -535,7 +536,10 @@ def _ttft_rep(
             peer.d.settle(timeout_s=120)
             pushed = None
             if peer.router_push_params is not None:
-                pushed = push_one_at_a_time(peer.p, peer.d, prompts, peer.router_push_params, f"{tag}{peer_name}")
+                # Prompts of the same lengths that neither engine's prefix cache holds: the pull run just computed
+                # these (P) and loaded them (D). Their first token is one no pull prompt starts with.
+                fresh = [[VOCAB - 1 - prompt[0] % (VOCAB // 2), *prompt[1:]] for prompt in prompts]
+                pushed = push_one_at_a_time(peer.p, peer.d, fresh, peer.router_push_params, f"{tag}{peer_name}")
                 peer.d.settle(timeout_s=120)
         except RuntimeError as exc:  # EngineError is one
             failed.append((peer_name, exc))
