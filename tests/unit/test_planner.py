@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
@@ -447,6 +447,7 @@ stretch = st.tuples(
 
 
 @given(st.lists(stretch, max_size=8), st.integers(0, 9))
+@example([(0, 1, 0, 0, -1)], 0)  # a first stretch that goes on from no earlier row
 def test_pitched_runs_take_whole_rows_at_constant_pitches_and_leave_the_rest(
     stretches: list[tuple[int, int, int, int, int]], min_rows: int
 ) -> None:
@@ -456,7 +457,7 @@ def test_pitched_runs_take_whole_rows_at_constant_pitches_and_leave_the_rest(
     rows: list[tuple[int, int, int]] = []
     src, dst = 0, 1 << 40
     for width, height, extra_src, extra_dst, gap in stretches:
-        shared = gap < 0 and rows and rows[-1][2] == width
+        shared = gap < 0 and bool(rows) and rows[-1][2] == width
         if shared:
             src, dst = rows[-1][0], rows[-1][1]
         rows += [
