@@ -227,6 +227,29 @@ class Sender:
             return []
         return self._abort_hold(self._holds[transfer_id], "aborted by P")
 
+    def withdraw(self, transfer_id: str, secret: str, reason: str) -> list[SendCommand]:
+        """P's engine will never hold `transfer_id` (its request ended before its KV was computed: aborted or
+        failed mid-prefill). D workers whose requests for it wait early, with its `secret`, are answered failed now
+        instead of at their early deadline, and later ones at once, as for a transfer that ended (`reason`). A held
+        transfer is left alone: its engine aborts it by request id. Requests with another secret keep waiting.
+
+        Raises:
+            ValueError: `secret` is refused by `check_secret`.
+        """
+        check_secret(secret, transfer_id)
+        if transfer_id in self._holds:
+            return []
+        encoded = _encode(secret)
+        commands: list[SendCommand] = []
+        for key in [k for k in self._early if k[0] == transfer_id and _matches(encoded, k[2])]:
+            _, dst, message, _ = self._pop_early(key)
+            if isinstance(message, TransferRequest):  # an early abort was answered when it came; a release needs none
+                commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
+        self._closed[transfer_id] = (reason, encoded)
+        while len(self._closed) > self._remembered:
+            self._closed.popitem(last=False)
+        return commands
+
     def shut_down(self, reason: str) -> list[SendCommand]:
         """The worker is closing: answer failed every D request that waits (early ones, and jobs whose KV never
         became ready), as an engine abort of every hold would, so that D need not wait for its deadlines.

@@ -145,6 +145,9 @@ class SendingRole:
     def abort(self, req_id: str) -> None:
         self._run_send(self._sender.abort(req_id))
 
+    def withdraw(self, transfer_id: str, secret: str, reason: str) -> None:
+        self._run_send(self._sender.withdraw(transfer_id, secret, reason))
+
     def expire(self, now: float) -> None:
         self._run_send(self._sender.expire(now))
 

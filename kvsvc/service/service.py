@@ -251,6 +251,15 @@ class KVTransferService:
         self._sending.abort(req_id)
         self._receiving.abort(req_id)
 
+    def withdraw(self, transfer_id: str, secret: str, reason: str) -> None:
+        """P: this engine will never hold `transfer_id` (its request ended mid-prefill); D workers that asked
+        for it early, with `secret`, are answered failed now (`Sender.withdraw`).
+
+        Raises:
+            ValueError: `secret` is too short to be a transfer's.
+        """
+        self._sending.withdraw(transfer_id, secret, reason)
+
     def get_finished(self) -> KVConnectorOutput:
         """Drain what ended since the last call: each req_id appears exactly once over the service's life."""
         self._ctx.reports.clear()

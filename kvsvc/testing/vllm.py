@@ -704,11 +704,14 @@ class VllmEngine:
         max_tokens: int,
         params: Sequence[Mapping[str, Any] | None] | None = None,
         names: Sequence[str] | None = None,
+        abort_after_steps: int | None = None,
     ) -> int:
-        """Start `generate` in the child and return its call id (for `result`)."""
+        """Start `generate` in the child and return its call id (for `result`). With `abort_after_steps`, the
+        child aborts the call's requests still running after that many engine steps."""
         chosen = list(params) if params is not None else [None] * len(prompts)
         message = {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "params": chosen}
-        return self._send(message | ({"names": list(names)} if names is not None else {}))
+        message |= {"names": list(names)} if names is not None else {}
+        return self._send(message | {"abort_after_steps": abort_after_steps})
 
     def result(self, call_id: int, timeout_s: float = 300.0) -> list[Output]:
         """The outputs of the `submit` call `call_id`, in prompt order.

@@ -82,10 +82,13 @@ class _Engine:
         max_tokens: int,
         params: list[Any],
         names: list[str] | None = None,
+        abort_after_steps: int | None = None,
     ) -> list[dict[str, Any]]:
         """`LLM.generate`'s loop, written out so aborts (`abort`) land between two steps and each request's time to
         its first token is known; request `i` of this call is named `names[i]`, else `f"{call_id}-{i}"` (vLLM
-        appends its random suffix to either, as to a server's `X-Request-Id`)."""
+        appends its random suffix to either, as to a server's `X-Request-Id`). With `abort_after_steps`, every request
+        of the call still running after that many engine steps is aborted (a fault at a known point: before its
+        prefill with 0, mid-prefill on an engine that prefills in chunks)."""
         from vllm import RequestOutput, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -102,13 +105,17 @@ class _Engine:
         done: dict[str, dict[str, Any]] = {}
         started = time.monotonic()
         first_token: dict[str, float] = {}
+        steps = 0
         while engine.has_unfinished_requests():
+            if steps == abort_after_steps:
+                self.aborts.put([name for name in names if name not in done])
             while not self.aborts.empty():
                 aborted = [name for name in self.aborts.get() if name in names and name not in done]
                 engine.abort_request(aborted)
                 # An aborted request yields no output of its own.
                 done.update({name: {**_EMPTY, "finish_reason": "abort"} for name in aborted})
             outputs = engine.step()
+            steps += 1
             if not outputs:
                 # Nothing computed (requests wait for their KV): pause as vLLM's serving loop does between empty
                 # steps, rather than spin a core that the transfers need.
@@ -238,7 +245,12 @@ def main() -> None:
             try:
                 if call["op"] == "generate":
                     outputs = engine.generate(
-                        call["id"], call["prompts"], call["max_tokens"], call["params"], call.get("names")
+                        call["id"],
+                        call["prompts"],
+                        call["max_tokens"],
+                        call["params"],
+                        call.get("names"),
+                        call.get("abort_after_steps"),
                     )
                     engine.reply({"id": call["id"], "outputs": outputs})
                 elif call["op"] == "settle":
@@ -251,6 +263,7 @@ def main() -> None:
                 logging.exception("call %s failed", call["op"])
                 engine.reply({"id": call["id"], "error": f"{call['op']} failed: {type(exc).__name__}: {exc}"})
 
+    names_of: dict[int, list[str] | None] = {}  # each generate call's request names, for its aborts
     runner = threading.Thread(target=run_calls, name="engine-calls")
     runner.start()
     for line in sys.__stdin__ or ():
@@ -263,9 +276,12 @@ def main() -> None:
             except Exception as exc:
                 engine.reply({"id": call["id"], "error": f"stats failed: {type(exc).__name__}: {exc}"})
         elif call["op"] == "abort":
-            engine.aborts.put([f"{call['call']}-{i}" for i in call["indexes"]])
+            named = names_of.get(call["call"])
+            engine.aborts.put([named[i] if named else f"{call['call']}-{i}" for i in call["indexes"]])
             engine.reply({"id": call["id"]})
         else:
+            if call["op"] == "generate":
+                names_of[call["id"]] = call.get("names")
             calls.put(call)
     calls.put(None)  # stdin closed or "exit": the parent is done with this engine, or gone
     runner.join()

@@ -200,7 +200,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = self._worker_side().transfer_results(finished_req_ids)
+        results = self._worker_side().transfer_results(finished_req_ids, idle=self._step().idle)
         return KVConnectorTransferResults(
             finished_sending=results.finished_sending,
             finished_recving=results.finished_recving,

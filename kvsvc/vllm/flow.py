@@ -19,7 +19,8 @@ Pure module: standard library and `kvsvc.vllm.params` only (no vllm, torch, asyn
   the request at the same time as P; D's request may then reach P before P's hold, which P keeps as an early
   request until the hold starts. D takes router push params only from P endpoints in `push_peers`, and each push
   transfer once: a repeated router id would derive the transfer again, and P answers a transfer it finished with
-  its outcome, so D would take blocks nothing wrote as loaded.
+  its outcome, so D would take blocks nothing wrote as loaded. A pushing P's request that ends unheld (aborted or
+  failed mid-prefill) is withdrawn on every worker, so D's waiting fetch fails now, not at its deadline.
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ class RecvSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class Withdrawal:
+    """P (push mode): the engine will never hold `transfer_id`; D's fetches that wait for it fail with `reason`."""
+
+    transfer_id: str
+    secret: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepMetadata:
     """What one engine step asks of every worker: started after the forward (sends), before or after it (receives,
     aborts). Immutable: vLLM may hand the same object to a worker in the same process."""
@@ -82,6 +92,8 @@ class StepMetadata:
     recvs: tuple[RecvSpec, ...] = ()
     aborts: tuple[str, ...] = ()
     engine: Mapping[tuple[int, int], Any] | None = None  # the engine's merged worker metadata, in one step
+    withdrawn: tuple[Withdrawal, ...] = ()
+    idle: bool = False  # the step computes nothing: its report may wait for the service's news (`TransferReports`)
 
 
 class RecvPhase(Enum):
@@ -114,6 +126,7 @@ class FlowStatistics:
     holds_started: int
     loads_started: int
     params_refused: int
+    withdrawn: int  # P (push): transfers withdrawn, their requests ended unheld
     recent_loads: dict[str, tuple[int, int]]  # req_id -> (first_token, num_tokens) of the latest loads
 
 
@@ -158,7 +171,8 @@ class SchedulerFlow:
     _sends: list[SendSpec] = field(default_factory=list)
     _recvs: list[RecvSpec] = field(default_factory=list)
     _aborts: list[str] = field(default_factory=list)
-    _counts: dict[str, int] = field(default_factory=lambda: {"holds": 0, "loads": 0, "refused": 0})
+    _withdrawn: list[Withdrawal] = field(default_factory=list)
+    _counts: dict[str, int] = field(default_factory=lambda: {"holds": 0, "loads": 0, "refused": 0, "withdrawn": 0})
     _recent: dict[str, tuple[int, int]] = field(default_factory=dict)
     _pushed: dict[str, None] = field(default_factory=dict)  # push transfers taken, oldest first (`REMEMBERED_PUSHES`)
 
@@ -357,6 +371,11 @@ class SchedulerFlow:
             if completed and self._holds_all(groups, producer.moved):
                 self._hold(req_id, producer, groups)
             if not producer.held:
+                if self.push:  # D may already wait at P for it: end that wait now
+                    why = "completed with its KV not held" if completed else "aborted or failed before its KV was held"
+                    reason = f"P's request {req_id[:120]!r} {why}: nothing will be pushed"
+                    self._withdrawn.append(Withdrawal(producer.transfer_id, producer.secret, reason))
+                    self._counts["withdrawn"] += 1
                 return False, None
             if not completed:
                 self._aborts.append(req_id)
@@ -380,8 +399,10 @@ class SchedulerFlow:
 
     def build(self) -> StepMetadata:
         """What this step tells the workers; each spec is handed out once."""
-        step = StepMetadata(tuple(self._sends), tuple(self._recvs), tuple(self._aborts))
-        self._sends, self._recvs, self._aborts = [], [], []
+        step = StepMetadata(
+            tuple(self._sends), tuple(self._recvs), tuple(self._aborts), withdrawn=tuple(self._withdrawn)
+        )
+        self._sends, self._recvs, self._aborts, self._withdrawn = [], [], [], []
         return step
 
     def statistics(self) -> FlowStatistics:
@@ -391,5 +412,6 @@ class SchedulerFlow:
             holds_started=self._counts["holds"],
             loads_started=self._counts["loads"],
             params_refused=self._counts["refused"],
+            withdrawn=self._counts["withdrawn"],
             recent_loads=dict(self._recent),
         )

@@ -161,6 +161,8 @@ class SchedulerSide:
             if not self.flow.wants_blocks(req_id):
                 del self._requests[req_id]
         step = self.flow.build()
+        if not scheduler_output.total_num_scheduled_tokens:
+            step = dataclasses.replace(step, idle=True)
         if self._engine_untold:  # D workers of a PP engine need their own engine's layer split
             self._engine_untold = False
             step = dataclasses.replace(step, engine=dict(self.metadata))

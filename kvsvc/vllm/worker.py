@@ -157,7 +157,7 @@ class WorkerSide:
         if step.sends and self._device == "cpu" and self._config.mode == "push":
             self._layers_ready = [concurrent.futures.Future() for _ in range(len(self._layer_of))]
             self._start_sends(step, list(self._layers_ready))
-        if step.engine is None and not (step.recvs or step.aborts):
+        if step.engine is None and not (step.recvs or step.aborts or step.withdrawn):
             return
 
         def run(service: Any) -> None:
@@ -168,6 +168,11 @@ class WorkerSide:
                     log.error("kvsvc: this step's engine metadata is unusable: %s", exc)
             for req_id in step.aborts:
                 service.abort(req_id)
+            for gone in step.withdrawn:
+                try:
+                    service.withdraw(gone.transfer_id, gone.secret, gone.reason)
+                except ValueError as exc:  # a secret no hold could have had: nothing waits for it
+                    log.error("kvsvc: withdrawal of transfer %r refused: %s", gone.transfer_id, exc)
             for spec in step.recvs:
                 try:
                     service.start_recv(
@@ -257,13 +262,16 @@ class WorkerSide:
         self.reports.sends_handed(spec.req_id for spec in step.sends)
         self._service().post(run)
 
-    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
-        """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it.
+    def transfer_results(self, finished_req_ids: set[str], *, idle: bool = False) -> TransferResults:
+        """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it. An
+        `idle` step (nothing computed) waits up to `idle_wait_s` for the service's news while it owes one
+        (`TransferReports.may_wait`): vLLM would otherwise spin through empty steps on the cores a prefill needs.
 
         Raises:
             KVSvcTimeout: the service's loop has not answered for `call_timeout_s` (`ServiceThread.get_finished`).
         """
-        report = self._service().get_finished()
+        wait = idle and not self._outcomes and self.reports.may_wait(finished_req_ids)
+        report = self._service().get_finished(self._config.idle_wait_s if wait else 0.0)
         while self._outcomes:  # drained after the report: a receive it names was queued as started before it
             self._outcomes.popleft()(self.reports)
         results = self.reports.report(

@@ -176,3 +176,30 @@ def test_an_ipv6_push_peer_must_be_bracketed() -> None:
     assert parse_config({"push_peers": ["[::1]:8998"]}).push_peers == ["[::1]:8998"]
     with pytest.raises(ValueError, match=r"'::1:8998'; expected 'host:port' \('\[addr\]:port' for IPv6\)"):
         parse_config({"push_peers": ["::1:8998"]})
+
+
+def test_a_pushing_p_withdraws_a_request_that_ends_unheld_so_ds_waiting_fetch_fails_now() -> None:
+    """P aborted mid-prefill (before its hold): D's fetch, sent by the router at the same time, waits at P; the
+    step tells every P worker to withdraw the transfer, with the transfer and secret D derived. A pulling P, or a
+    held request, withdraws nothing (no D waits, or the hold is aborted)."""
+    p, d = p_flow(), d_flow()
+    req = f"cmpl-{ROUTER_ID}-0-1a2b3c4d"
+    p.on_new_request(req, PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    p.scheduled(req, 0, BS, [[7]])  # a first chunk: not held yet
+    assert p.build().sends == ()
+    assert p.finished(req, [[7]], completed=False) == (False, None)
+    (gone,) = p.build().withdrawn
+    _, params = p_holds(p_flow(), "cmpl-other-0-00000000")
+    recv = d_loads(d, f"cmpl-{ROUTER_ID}-0-9e8d7c6b", router_params(params))
+    assert (gone.transfer_id, gone.secret) == (recv.transfer_id, recv.secret)
+    assert "aborted or failed before its KV was held" in gone.reason
+    pull = SchedulerFlow("P-engine", f"http://{P_ADDR}", BS, params_key=KEY)
+    pull.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    pull.finished("r1", [[7]], completed=False)
+    assert pull.build().withdrawn == ()
+    held = p_flow()
+    held.on_new_request(req, PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    held.scheduled(req, 0, len(PROMPT), [[7, 8, 9]])
+    held.finished(req, [[7, 8, 9]], completed=False)
+    step = held.build()
+    assert step.withdrawn == () and step.aborts == (req,)

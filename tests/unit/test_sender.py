@@ -137,6 +137,29 @@ def test_an_early_request_is_answered_failed_once_if_p_never_holds() -> None:
     assert sender.next_deadline() is None
 
 
+def test_a_withdrawn_transfer_answers_its_early_requests_failed_now_and_later_ones_at_once() -> None:
+    """A pushing P's request aborted mid-prefill: D's fetches that wait early end now, not at their deadline; one
+    with another secret is no answer to an attacker and keeps waiting; a held transfer is not withdrawn."""
+    sender, clock = make()
+    other = TransferRequest(transfer_id="t1", block_ids=[9], num_tokens=6, secret="x" * 22)
+    assert sender.request(D0, ONLY_D0, request(), clock()) == []
+    assert sender.request(D1, ONLY_D0, other, clock()) == []
+    assert replies(sender.remote_abort(D1, Abort(transfer_id="t1", reason="x", secret=S), clock(), BOTH)) == [
+        (D1, TransferFailed)
+    ]  # answered when it came, never again
+    out = sender.withdraw("t1", S, "P's request 'r1' was aborted")
+    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason="P's request 'r1' was aborted"))]
+    late = sender.request(D0, ONLY_D0, request(), clock())
+    assert replies(late) == [(D0, TransferFailed)]
+    assert "no longer held by P: P's request 'r1' was aborted" in late[0].message.reason  # type: ignore[union-attr]
+    assert sender.statistics().early_requests == 1  # D1's, with another secret, still waits
+    assert replies(sender.expire(clock.advance(10))) == [(D1, TransferFailed)]
+    sender.hold("r2", "t2", [1], 6, clock(), secret=S)
+    assert sender.withdraw("t2", S, "aborted") == [] and sender.holds("t2")
+    with pytest.raises(ValueError, match="secret"):
+        sender.withdraw("t3", "short", "aborted")
+
+
 def test_an_early_request_table_that_is_full_answers_busy_at_once() -> None:
     sender = Sender(max_early_requests=1)
     sender.request(D0, BOTH, request("t1"), 0.0)

@@ -100,3 +100,25 @@ def test_a_loop_silent_for_the_call_timeout_fails_the_report_naming_it_and_a_bus
 def _wait_done(thread: ServiceThread) -> None:
     """Until the loop has run everything handed to it so far."""
     thread.call(lambda _: None)
+
+
+def test_a_report_asked_to_wait_wakes_on_the_services_news_not_at_the_end_of_its_wait() -> None:
+    """An idle step's report (`wait_s`) ends when a transfer ends, however long it may wait: here a hold that
+    expires after 0.05 s, with a wait of 120 s the caller's 30 s bound would catch."""
+    thread = _thread(call_timeout_s=200.0, report_wait_s=0.05)
+    try:
+        assert thread.get_finished(wait_s=0.01) == KVConnectorOutput()  # nothing happens: the wait ends, empty
+        thread.start_send("p1", "t1", [0], 4, secret=harness_secret("t1"))
+        sent: list[set[str] | None] = []
+
+        def idle_steps() -> None:  # wake-ups may be spurious (the hold starting is news too): a few steps at most
+            while len(sent) < 5 and not any(sent):
+                sent.append(thread.get_finished(wait_s=120.0).finished_sending)
+
+        waiter = threading.Thread(target=idle_steps)
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive(), "the report waited past the news of the expired hold"
+        assert sent[-1] == {"p1"}
+    finally:
+        thread.close()

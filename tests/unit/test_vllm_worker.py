@@ -371,8 +371,10 @@ class FakeService:
         self.crash: set[str] = set()  # start_recv / start_send raise what no contract names
         self.late: list[Any] | None = None  # when a list: a busy loop, work handed to it runs at `catch_up`
         self.secrets: list[str] = []  # what each start_send / start_recv was given
+        self.waits: list[float] = []  # what each get_finished was told to wait for news
 
-    def get_finished(self) -> KVConnectorOutput:
+    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:
+        self.waits.append(wait_s)
         report, self.next = self.next, KVConnectorOutput()
         return report
 
@@ -572,3 +574,17 @@ def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step(cap
     assert side.take_stats() == {"bytes": 5, "received": 1, "receive_failures": 2}
     service.next = KVConnectorOutput(finished_recving={"d1", "stranger"})  # a repeat, and an id never started
     assert side.transfer_results(set()).finished_recving == set()
+
+
+def test_an_idle_step_waits_for_news_only_while_a_transfer_is_owed() -> None:
+    service = FakeService()
+    side = worker_with(service)
+    side.transfer_results(set(), idle=True)  # nothing handed in: no wait
+    recv = RecvSpec("d1", "d1", "P", "http://p", (1,), 4, 0, "k" * 22)
+    side.begin_step(StepMetadata(recvs=(recv,)))
+    side.transfer_results(set(), idle=False)  # the step computed something: no wait
+    side.transfer_results(set(), idle=True)  # d1 is owed: wait
+    service.next = KVConnectorOutput(finished_recving={"d1"})
+    assert side.transfer_results(set(), idle=True).finished_recving == {"d1"}
+    side.transfer_results(set(), idle=True)  # nothing owed any more
+    assert service.waits == [0.0, 0.0, 0.02, 0.02, 0.0]

@@ -49,8 +49,8 @@ def free_ports(count: int) -> list[int]:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
     """A baseline engine (no connector), two P engines and three D engines (failure policies recompute and fail, and
     one of TP 2), started side by side. Both P engines push (`mode` "push"): every pull test here is also the proof
-    that a pushing P serves a router that passes its params. P2 has other weights, holds for 5 s only, and is the
-    one the fault tests kill."""
+    that a pushing P serves a router that passes its params. P2 has other weights, holds for 5 s only, prefills in
+    chunks, and is the one the fault tests kill."""
     root = tmp_path_factory.mktemp("vllm")
     model = str(write_tiny_llama(root / "tiny-llama", seed=0))
     other = str(write_tiny_llama(root / "tiny-llama-other", seed=1))
@@ -60,7 +60,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         "base": EngineConfig(model),
         "P": EngineConfig(model, "kv_producer", extra_config={"mode": "push", "bootstrap_port": p_port}),
         "P2": EngineConfig(
-            other, "kv_producer", extra_config={"hold_timeout_s": 5, "mode": "push", "bootstrap_port": p2_port}
+            other,
+            "kv_producer",
+            extra_config={"hold_timeout_s": 5, "mode": "push", "bootstrap_port": p2_port},
+            max_num_batched_tokens=64,  # prefills in chunks: a fault can land mid-prefill
         ),
         "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute", extra_config=peers),
         "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail", extra_config=peers),
@@ -176,10 +179,10 @@ def router_params(announced: dict[str, Any], router_id: str) -> dict[str, Any]:
     }
 
 
-def push(p: VllmEngine, d: VllmEngine, batch: list[list[int]], tag: str) -> tuple[list[Output], dict[str, Any]]:
-    """A router's push flow with D first: the router learns from P's first answer that P pushes (that request runs
-    as pull), then sends D each request, and P the same request only once D's fetches wait at P. Returns D's
-    outputs and P's statistics once D had them."""
+def d_first(p: VllmEngine, d: VllmEngine, batch: list[list[int]], tag: str) -> tuple[int, list[str]]:
+    """The first half of a router's push flow, D first: the router learns from P's first answer that P pushes (that
+    request runs as pull), then sends D each request of `batch`; returns once D's fetches wait at P, with D's call
+    and the request names P must be given (the router's ids, as vLLM's server names them)."""
     (first,) = prompts(7, [40], seed=len(tag))
     (announced,) = p.prefill([first])
     assert announced["transfer_mode"] == "push"
@@ -191,6 +194,13 @@ def push(p: VllmEngine, d: VllmEngine, batch: list[list[int]], tag: str) -> tupl
     early = int(p.stats()["service"]["sender"]["early_requests"])
     call = d.submit(batch, max_tokens=8, params=[router_params(announced, rid) for rid in ids], names=names)
     wait_for(p, lambda s: int(s["service"]["sender"]["early_requests"]) == early + fetches)
+    return call, names
+
+
+def push(p: VllmEngine, d: VllmEngine, batch: list[list[int]], tag: str) -> tuple[list[Output], dict[str, Any]]:
+    """A router's push flow with D first (`d_first`), then P given the same requests. Returns D's outputs and P's
+    statistics once D had them."""
+    call, names = d_first(p, d, batch, tag)
     p.prefill(batch, names=names)
     return d.result(call), p.stats()
 
@@ -220,6 +230,42 @@ def test_push_from_a_p_of_other_weights_changes_d_tokens(engines: dict[str, Vllm
     for expected, output in zip(want, got, strict=True):
         assert output.token_ids != expected  # the KV of other weights came over and was used
     assert_clean(engines["P2"])
+
+
+def test_a_pushing_p_aborted_mid_prefill_ends_ds_waiting_fetch_and_d_computes_the_request(
+    engines: dict[str, VllmEngine],
+) -> None:
+    """P2 prefills in chunks of 64 tokens, so an abort after its first step lands mid-prefill, before any hold. D's
+    fetches already wait at P2 (D first): P2 withdraws each transfer and they fail now, with P's reason, not at a
+    deadline; D (failure policy recompute) computes the prompts itself, a single engine's tokens."""
+    p2, d = engines["P2"], engines["D"]
+    batch = prompts(180, [257, 200], seed=15)
+    want = baseline(engines, batch)
+    failed_before = d.stats()["service"]["receiver"]["failed"]
+    withdrawn_before = p2.stats()["flow"]["withdrawn"]
+    call, names = d_first(p2, d, batch, "aborted-p")
+    params = [{"do_remote_decode": True}] * len(batch)
+    aborted = p2.result(p2.submit(batch, max_tokens=1, params=params, names=names, abort_after_steps=1))
+    assert [o.finish_reason for o in aborted] == ["abort", "abort"]
+    assert [o.token_ids for o in d.result(call)] == want
+    assert p2.stats()["flow"]["withdrawn"] - withdrawn_before == len(batch)
+    assert assert_clean(d)["service"]["receiver"]["failed"] - failed_before == len(batch)
+    assert d.log_tail(400).count("aborted or failed before its KV was held") >= len(batch)
+    assert_clean(p2)
+
+
+def test_d_aborted_while_its_push_fetch_waits_at_p_frees_p_as_soon_as_p_holds(engines: dict[str, VllmEngine]) -> None:
+    """D gives up while its fetches wait at P; P's hold, when it comes, counts D served at once (the early abort),
+    so P frees the blocks without waiting for the hold to expire."""
+    p, d = engines["P"], engines["D"]
+    batch = prompts(190, [40, 100], seed=16)
+    expired_before = p.stats()["service"]["sender"]["expired_holds"]
+    call, names = d_first(p, d, batch, "aborted-d")
+    d.abort(call, [0, 1])
+    assert [o.finish_reason for o in d.result(call)] == ["abort", "abort"]
+    assert_clean(d)
+    p.prefill(batch, names=names)
+    assert assert_clean(p)["service"]["sender"]["expired_holds"] == expired_before
 
 
 def test_unfetched_holds_expire_and_free_p_blocks(engines: dict[str, VllmEngine]) -> None:
