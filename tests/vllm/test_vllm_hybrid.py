@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_llama
-from tests.vllm.test_vllm_connector import assert_clean, prompts
+from tests.vllm.test_vllm_connector import assert_clean, free_ports, prompts, push
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -43,16 +43,20 @@ def bytes_sent(stats: dict[str, Any]) -> int:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
     """A single engine (no connector), P, P with other weights (its holds expire after 3 s), D, D at TP 2 and P at
-    PP 2."""
+    PP 2. P and P_other push (`mode` "push"), which serves the pull flow all the same."""
     root = tmp_path_factory.mktemp("hybrid")
     model = str(write_tiny_llama(root / "sliding", seed=0, sliding_window=WINDOW))
     other = str(write_tiny_llama(root / "sliding-other", seed=1, sliding_window=WINDOW))
+    p_port, other_port = free_ports(2)
+    peers = {"push_peers": [f"127.0.0.1:{p_port}", f"127.0.0.1:{other_port}"]}
     configs = {
         "base": EngineConfig(model),
-        "P": EngineConfig(model, "kv_producer"),
-        "P_other": EngineConfig(other, "kv_producer", extra_config={"hold_timeout_s": 3}),
-        "D": EngineConfig(model, "kv_consumer"),
-        "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
+        "P": EngineConfig(model, "kv_producer", extra_config={"mode": "push", "bootstrap_port": p_port}),
+        "P_other": EngineConfig(
+            other, "kv_producer", extra_config={"hold_timeout_s": 3, "mode": "push", "bootstrap_port": other_port}
+        ),
+        "D": EngineConfig(model, "kv_consumer", extra_config=peers),
+        "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2, extra_config=peers),
         "P_pp2": EngineConfig(model, "kv_producer", pipeline_parallel_size=2),
     }
     with started_engines(configs, root) as started:
@@ -117,3 +121,29 @@ def test_a_failed_receive_is_recomputed_by_d(engines: dict[str, VllmEngine]) -> 
     assert [o.token_ids for o in got] == want
     stats = assert_clean(d)
     assert sum(int(w["receiver"]["failed"]) for w in stats["workers"]) - failed_before == 2
+
+
+@pytest.mark.parametrize("p_name", ["P", "P_other"])
+def test_push_d_first_moves_only_the_window_and_gives_a_single_engines_tokens(
+    engines: dict[str, VllmEngine], p_name: str
+) -> None:
+    """vllm-router's push flow (D first) on the hybrid model: P streams the full layers' blocks and the window's
+    blocks of the sliding ones; D's tokens are a single engine's, and differ from it with P_other's KV (the
+    negative control)."""
+    p, d = engines[p_name], engines["D"]
+    lengths = [40, 65, 200]
+    batch = prompts(90 if p_name == "P" else 95, lengths, seed=4)
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    sent_before = bytes_sent(p.stats(workers=True))
+    got, _ = push(p, d, batch, f"hybrid-{p_name}")
+    stats = assert_clean(d)
+    assert list(stats["flow"]["recent_loads"].values())[-len(batch) :] == [[0, moved(n)] for n in lengths]
+    if p_name == "P":
+        assert [o.token_ids for o in got] == want
+        sent = bytes_sent(assert_clean(p)) - sent_before
+        every = [40, *lengths]  # `push` first sends a 40-token prompt the pull way: the router learns P pushes
+        full_layers = 2 * LAYER_BLOCK_BYTES * sum(-(-moved(n) // BLOCK) for n in every)
+        assert sent == full_layers + 2 * LAYER_BLOCK_BYTES * sum(window_blocks(moved(n)) for n in every)
+    else:
+        assert all(o.token_ids != w for o, w in zip(got, want, strict=True)), "KV of other weights went unnoticed"
+        assert_clean(p)

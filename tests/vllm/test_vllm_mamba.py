@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_granite
-from tests.vllm.test_vllm_connector import assert_clean, prompts
+from tests.vllm.test_vllm_connector import assert_clean, free_ports, prompts, push
 from tests.vllm.test_vllm_hybrid import bytes_sent
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -31,25 +31,30 @@ TOKEN_BYTES = 4 * 2 * 32 * 4
 
 def state_engines(root: Path, model: str, other: str, **config: Any) -> Iterator[dict[str, VllmEngine]]:
     """A state model's engines, all with the DS conv layout and prefix caching off: a single engine (`base`), P, P
-    with other weights (`other`), D, and P and D at TP 2; `config` adds `EngineConfig` fields to each."""
+    with other weights (`other`), D, and P and D at TP 2; `config` adds `EngineConfig` fields to each. P and P_other
+    push (serving the pull flow all the same), and D engines take their push params."""
 
-    def engine(weights: str, role: str | None = None, tp: int = 1) -> EngineConfig:
+    p_port, other_port = free_ports(2)
+    peers = {"push_peers": [f"127.0.0.1:{p_port}", f"127.0.0.1:{other_port}"]}
+
+    def engine(weights: str, role: str | None = None, tp: int = 1, extra: dict[str, Any] | None = None) -> EngineConfig:
         return EngineConfig(
             weights,
             role,
             tensor_parallel_size=tp,
             enable_prefix_caching=False,
             env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"},
+            extra_config=extra or {},
             **config,
         )
 
     configs = {
         "base": engine(model),
-        "P": engine(model, "kv_producer"),
-        "P_other": engine(other, "kv_producer"),
-        "D": engine(model, "kv_consumer"),
+        "P": engine(model, "kv_producer", extra={"mode": "push", "bootstrap_port": p_port}),
+        "P_other": engine(other, "kv_producer", extra={"mode": "push", "bootstrap_port": other_port}),
+        "D": engine(model, "kv_consumer", extra=peers),
         "P_tp2": engine(model, "kv_producer", tp=2),
-        "D_tp2": engine(model, "kv_consumer", tp=2),
+        "D_tp2": engine(model, "kv_consumer", tp=2, extra=peers),
     }
     with started_engines(configs, root, timeout_s=400) as started:
         yield started
@@ -146,3 +151,24 @@ def test_a_one_token_prompt_has_no_state_to_move_and_d_computes_it(engines: dict
     assert p_out.kv_transfer_params is None  # P holds nothing: the router sends D the plain request
     assert [o.token_ids for o in engines["D"].generate(batch, max_tokens=8)] == want
     assert assert_clean(engines["P"])["holds"] == 0
+
+
+def assert_push_moves_the_state(engines: dict[str, VllmEngine], batch: list[list[int]], first: bool) -> None:
+    """vllm-router's push flow (D first) on a state model: D loads the state after N-1 tokens, which P writes once its
+    prefill's last forward ended; D's tokens are a single engine's from P, and differ from them from P_other."""
+    want = [o.token_ids for o in engines["base"].generate(batch, max_tokens=8)]
+    got, _ = push(engines["P" if first else "P_other"], engines["D"], batch, f"state-{first}")
+    stats = assert_clean(engines["D"])
+    assert list(stats["flow"]["recent_loads"].values())[-len(batch) :] == [[0, len(x) - 1] for x in batch]
+    if first:
+        assert [o.token_ids for o in got] == want
+    else:
+        assert all(o.token_ids != w for o, w in zip(got, want, strict=True)), "a state of other weights went unnoticed"
+    assert_clean(engines["P" if first else "P_other"])
+
+
+@pytest.mark.parametrize("from_p", [True, False], ids=["P", "P_other"])
+def test_push_d_first_moves_the_state_and_gives_a_single_engines_tokens(
+    engines: dict[str, VllmEngine], from_p: bool
+) -> None:
+    assert_push_moves_the_state(engines, prompts(90 if from_p else 95, [40, 129], seed=4), from_p)
