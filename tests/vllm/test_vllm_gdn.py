@@ -19,6 +19,7 @@ from tests.vllm.test_vllm_connector import prompts
 from tests.vllm.test_vllm_mamba import (
     assert_hybrid_manager_on,
     assert_other_weights_change_tokens,
+    assert_push_moves_the_state,
     block_size,
     moved,
     state_engines,
@@ -68,3 +69,10 @@ def test_d_generates_a_single_engines_tokens_from_the_state_and_kv_p_sent(
 def test_p_with_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
     """The negative control: the same comparison fails when the state and KV come from other weights."""
     assert_other_weights_change_tokens(engines, prompts(50, LENGTHS, seed=2))
+
+
+@pytest.mark.parametrize("from_p", [True, False], ids=["P", "P_other"])
+def test_push_d_first_moves_the_state_and_gives_a_single_engines_tokens(
+    engines: dict[str, VllmEngine], from_p: bool
+) -> None:
+    assert_push_moves_the_state(engines, prompts(90 if from_p else 95, [40, 129], seed=4), from_p)
