@@ -59,9 +59,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     abort_grace_s: float = _SERVICE.abort_grace_s
     call_timeout_s: float = 30.0
     """How long a vLLM hook waits for the worker's kvsvc loop before it gives up (a wedged loop never hangs vLLM)."""
-    idle_wait_s: float = 0.02
-    """How long a step that computes nothing waits for a transfer's news before vLLM's next step (0: never): vLLM
-    steps without pause while a request waits for its KV; a transfer that ends wakes the step at once."""
+    idle_wait_s: float = 0.01
+    """D: how long a step that computes nothing waits for a receive's news before vLLM's next step (0: never):
+    vLLM steps without pause while a request waits for its KV; a receive that ends wakes the step at once."""
     mode: str = "pull"
     """"push" (P): hold each request under a transfer D can derive, and tell vllm-router so, which then sends D the
     request at the same time as P; D's fetch waits at P until P's hold starts. "pull" (the default): P's params

@@ -12,9 +12,9 @@ each step's report. Rules (vLLM's scheduler asserts on what it is told):
   blocks in the load errors of the same step; one whose start was refused fails at the next report.
 - Load errors never name vLLM's null block (no request owns it), and none go out for a hybrid model, whose failed
   receives vLLM takes only as whole requests.
-- vLLM's engine steps without pause while a request waits for its KV or for its send to end, even when it has nothing
-  to compute; such an idle step may wait for the service's news instead (`may_wait`), but only while the service owes
-  this worker an outcome and nothing is ready to report.
+- vLLM's engine steps without pause while a request waits for its KV, even when it has nothing to compute; such an
+  idle step may wait for the service's news instead (`may_wait`), but only while a receive is owed and nothing is
+  ready to report.
 """
 
 from __future__ import annotations
@@ -110,13 +110,13 @@ class TransferReports:
         return set() if hybrid else invalid - {NULL_BLOCK}
 
     def may_wait(self, finished_req_ids: Iterable[str]) -> bool:
-        """Whether an idle step may wait for the service's news before it reports: true while a receive or a send
-        has not ended in the service, and nothing could be reported now (a refused receive, a send ended in the
-        service whose request vLLM reports finished now or earlier)."""
-        if self._refused:
+        """Whether an idle step may wait for the service's news before it reports: true while a receive has not
+        ended in the service and nothing could be reported now (a refused receive, a send ended in the service
+        whose request vLLM reports finished now or earlier). Sends alone never make a step wait: that step is P's,
+        where a new request's prefill would wait behind it, and D's fetch ends P's wait soon."""
+        if self._refused or not self._receiving:
             return False
-        ended_and_finished = self._ended & (self._seen_finished | self._holding.intersection(finished_req_ids))
-        return not ended_and_finished and bool(self._receiving or self._holding - self._ended)
+        return not self._ended & (self._seen_finished | self._holding.intersection(finished_req_ids))
 
     @property
     def waiting(self) -> int:

@@ -264,7 +264,7 @@ class WorkerSide:
 
     def transfer_results(self, finished_req_ids: set[str], *, idle: bool = False) -> TransferResults:
         """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it. An
-        `idle` step (nothing computed) waits up to `idle_wait_s` for the service's news while it owes one
+        `idle` step (nothing computed) waits up to `idle_wait_s` for the service's news while a receive is owed
         (`TransferReports.may_wait`): vLLM would otherwise spin through empty steps on the cores a prefill needs.
 
         Raises:

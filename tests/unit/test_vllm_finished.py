@@ -114,7 +114,7 @@ def test_each_id_is_reported_once_only_if_vllm_handed_it_in_and_every_ended_one_
             reports.send_refused(event[1])
         elif event[0] == "report":
             _, finished, sending, recving, failed = event
-            _check_may_wait(reports, set(finished), run.handed_sends)
+            _check_may_wait(reports, set(finished))
             report(set(finished), set(sending), set(recving), set(failed))
     # The service ends everything handed in (again, for some), vLLM finishes every send: every id went out, once.
     report(set(run.handed_sends), set(run.handed_sends), set(run.handed_recvs), set())
@@ -123,32 +123,33 @@ def test_each_id_is_reported_once_only_if_vllm_handed_it_in_and_every_ended_one_
     assert reports.waiting == 0
 
 
-def _check_may_wait(reports: TransferReports, finished: set[str], handed_sends: set[str]) -> None:
-    """An idle step waits only when that delays no report and the service still owes one: if `may_wait`, a report
-    without the service's news says nothing; if not, either it says something or the service owes nothing (vLLM
-    finishing every send then reports everything that waits)."""
+def _check_may_wait(reports: TransferReports, finished: set[str]) -> None:
+    """An idle step waits only when that delays no report and a receive is owed: if `may_wait`, a report without
+    the service's news says nothing; if not, either it says something or no receive is owed (the service ending
+    every receive then leaves none waiting)."""
     quiet = copy.deepcopy(reports).report(finished)
     said = quiet.finished_sending or quiet.finished_recving or quiet.failed_recving
     if reports.may_wait(finished):
         assert not said
     elif not said:
         owed = copy.deepcopy(reports)
-        owed.report(finished | handed_sends)
-        assert owed.waiting == 0
+        assert owed.report(finished, finished_recving=set(IDS)).finished_recving == set()
 
 
-def test_an_idle_step_waits_only_while_the_service_owes_an_outcome_and_nothing_is_ready() -> None:
+def test_an_idle_step_waits_only_while_a_receive_is_owed_and_nothing_is_ready() -> None:
     reports = TransferReports()
     assert not reports.may_wait(set())  # nothing handed in: nothing to wait for
+    reports.sends_handed(["p1"])
+    assert not reports.may_wait(set())  # a send alone: P's step never waits
     reports.recv_started("d1", (1,))
-    assert reports.may_wait(set())
+    assert reports.may_wait({"p1"})  # vLLM finished p1, the service has not ended it
     reports.recv_refused("d2", (2,))
     assert not reports.may_wait(set())  # d2 fails at once
-    reports.report(set(), finished_recving={"d1"})
-    reports.sends_handed(["p1"])
-    assert reports.may_wait({"p1"})  # vLLM finished it, the service has not ended it
+    reports.report(set())
     reports.report(set(), finished_sending={"p1"})
     assert not reports.may_wait({"p1"})  # ended in the service, vLLM finishes it now: report at once
+    reports.report({"p1"}, finished_recving={"d1"})
+    assert not reports.may_wait(set())
 
 
 def test_the_reports_module_imports_no_torch_asyncio_or_vllm() -> None:

@@ -587,4 +587,4 @@ def test_an_idle_step_waits_for_news_only_while_a_transfer_is_owed() -> None:
     service.next = KVConnectorOutput(finished_recving={"d1"})
     assert side.transfer_results(set(), idle=True).finished_recving == {"d1"}
     side.transfer_results(set(), idle=True)  # nothing owed any more
-    assert service.waits == [0.0, 0.0, 0.02, 0.02, 0.0]
+    assert service.waits == [0.0, 0.0, 0.01, 0.01, 0.0]
