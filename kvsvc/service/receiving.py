@@ -9,8 +9,10 @@ When a connection breaks after asking, the receive's blocks stay held for the ab
 prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTransport` can tell): then only for
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
 receives wait) and P answers their aborts, which it does once their writes ended.
-Windows of D's staging region are its `WindowLender`'s (`kvsvc.service.lending`): a request may carry one, and
-every frame from a P worker passes through the lender before it reaches the `Receiver`.
+Windows of D's staging region are its `WindowLender`'s (`kvsvc.service.lending`), which exists only where D can lend
+them (a region it can scatter from, one KV cache group): a request may carry one, and every frame from a P worker
+passes through the lender before it reaches the `Receiver`. Without one, requests go out as they are and P's frames go
+straight to the `Receiver`.
 """
 
 from __future__ import annotations
@@ -70,7 +72,11 @@ class ReceivingRole:
         self._reconnects = Backoff()  # per lost P worker: the wait before the next try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._planned_bytes: dict[tuple[str, str, Worker, int, int, int], int | None] = {}
-        self._windows = WindowLender(ctx, self._receiver, self._tell_p, self._on_answer)
+        area = ctx.staging
+        self._windows: WindowLender | None = None
+        # A hybrid model's groups each start at their own token: P writes their blocks (decision 24).
+        if area is not None and area.scatter is not None and not ctx.metadata.kv_groups:
+            self._windows = WindowLender(ctx, area, self._receiver, self._tell_p, self._on_answer)
         self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -133,7 +139,7 @@ class ReceivingRole:
         """Receives that ended since the last call (see `Receiver.take_report`), except failed ones whose window a
         scatter still copies into their blocks: those wait for a later call, once it ended."""
         report = self._receiver.take_report()
-        return self._windows.hold_back(report) if self._windows.busy else report
+        return self._windows.hold_back(report) if self._windows is not None and self._windows.busy else report
 
     def forget_engine(self, engine_id: str) -> None:
         """As `KVTransferService.forget_engine`."""
@@ -246,6 +252,7 @@ class ReceivingRole:
 
     async def _run_outbound(self, peer: _Outbound) -> None:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
+        on_frame = self._windows.on_p_message if self._windows is not None else self._on_answer
         channel: ControlChannel | None = None
         try:
             channel = await self._connect(peer)
@@ -257,7 +264,7 @@ class ReceivingRole:
             self._run_recv(self._receiver.connected(engine_id, src))
             self._run_recv(self._receiver.reconnected(engine_id, src, peer.ref.incarnation))
             while True:
-                self._on_p_message(peer, await channel.receive())
+                on_frame(engine_id, src, await channel.receive())
         except (PeerLost, MalformedFrame, HandshakeError) as exc:
             peer.last_error = str(exc)
             if isinstance(exc, MalformedFrame):
@@ -293,7 +300,9 @@ class ReceivingRole:
                 reply = await channel.receive()
                 handles = exported_handles(self._ctx.transport)
                 channel.send(answer_challenge(me, self._own_engine(), p, start, reply, key, handles))
-                self._windows.plane_chosen(p.engine_id, p.worker, check_hello_reply(p, await channel.receive()))
+                plane = check_hello_reply(p, await channel.receive())
+                if self._windows is not None:
+                    self._windows.plane_chosen(p.engine_id, p.worker, plane)
         except TimeoutError:
             channel.close()
             raise HandshakeError(f"{peer.ref} did not answer the hello within {timeout_s:g} s") from None
@@ -302,11 +311,8 @@ class ReceivingRole:
             raise
         return channel
 
-    def _on_p_message(self, peer: _Outbound, message: Message) -> None:
-        self._windows.on_p_message(peer.ref.engine_id, peer.ref.worker, message)
-
     def _on_answer(self, engine_id: str, src: Worker, message: Message) -> None:
-        """P's frame, once the window protocol passed it on: the `Receiver`'s."""
+        """P's frame (once the window protocol passed it on, where D lends windows): the `Receiver`'s."""
         self._run_recv(self._receiver.receive(engine_id, src, message))
         now = self._ctx.clock()
         for started in self._receiver.take_landed():
@@ -324,11 +330,11 @@ class ReceivingRole:
             if peer is None:
                 continue
             message: Message | None = command.message
-            if isinstance(message, TransferRequest):
+            if isinstance(message, TransferRequest) and self._windows is not None:
                 message = self._windows.windowed(peer.meta, message)
             if message is not None:
                 self._send(peer, message)
-        if self._windows.busy:
+        if self._windows is not None and self._windows.busy:
             self._windows.tidy()
 
     # -- frames to P workers ----------------------------------------------------------------------------------
