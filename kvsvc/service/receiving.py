@@ -2,8 +2,9 @@
 
 Rules: protocol decisions live in `Receiver`; this module carries out its commands on the control connections it
 opens to P workers, and feeds it events (routes found, connections opened or lost, answers). What D knows of remote
-engines (metadata, routes, topology) lives in its `RemoteEngines`, dropped when a connection breaks. Commands for a
-peer without a connection wait in its outbox. Shares only a `ServiceContext`; never imports the P role; never waits
+engines (metadata, topology) lives in its `RemoteEngines`, dropped when a connection breaks; the routes computed
+from a fetch are kept here for the receives that follow, until then. Commands for a peer without a connection wait in
+its outbox. Shares only a `ServiceContext`; never imports the P role; never waits
 in start_recv.
 When a connection breaks after asking, the receive's blocks stay held for the abort grace, unless the transport can
 prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTransport` can tell): then only for
@@ -59,6 +60,15 @@ class _Outbound:
     last_error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class _KnownRoutes:
+    """The routes to one start of a P engine, as published at `url`, for the own engine `own` (`set_own_engine`)."""
+
+    url: str
+    own: EngineMetadata | None
+    routes: Routes
+
+
 class ReceivingRole:
     """D's side of one worker's service (see module docstring): remote engines, connections to P, receives."""
 
@@ -69,6 +79,7 @@ class ReceivingRole:
         self.topology = self._remotes.topology
         self._engine: EngineMetadata | None = None
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
+        self._known_routes: dict[str, _KnownRoutes] = {}  # per P engine id, once a receive computed them
         self._reconnects = Backoff()  # per lost P worker: the wait before the next try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._planned_bytes: dict[tuple[str, str, Worker, int, int, int], int | None] = {}
@@ -123,7 +134,10 @@ class ReceivingRole:
         if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token, secret):
             return
         self._ctx.changed()  # a new receive deadline
-        if not self._route_known(transfer_id, engine_id, url):
+        known = self._known_routes.get(engine_id)
+        if known is not None and known.url == url and known.own is self._engine:
+            self._start_jobs(transfer_id, engine_id, known.routes)  # no task: the routes of an earlier receive
+        else:
             self._ctx.tasks.spawn(self._resolve_sources(transfer_id, engine_id, url), name=f"kvsvc-route-{req_id}")
 
     def abort(self, req_id: str) -> None:
@@ -147,6 +161,7 @@ class ReceivingRole:
             if key[0] == engine_id:
                 self._drop_outbound(peer, f"engine {engine_id!r} forgotten by the operator")
         self._remotes.forget(engine_id)
+        self._known_routes.pop(engine_id, None)
 
     # -- how full it is ----------------------------------------------------------------------------------------
 
@@ -193,21 +208,16 @@ class ReceivingRole:
     # -- remote engines and routes -----------------------------------------------------------------------------
 
     async def _resolve_sources(self, transfer_id: str, engine_id: str, url: str) -> None:
+        own = self._engine
+        self._known_routes.pop(engine_id, None)  # this fetch may find another start of the engine
         try:
-            routes = await self._remotes.routes(engine_id, url, self._own_engine, self._engine)
+            routes = await self._remotes.routes(engine_id, url, self._own_engine)
         except (KVSvcError, ValueError, KeyError) as exc:  # unreachable, malformed or incompatible: all fail now
             self._run_recv(self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}"))
             return
+        if self._remotes.current(engine_id, url, routes.p_engine):  # not marked out of date while it ran
+            self._known_routes[engine_id] = _KnownRoutes(url, own, routes)
         self._start_jobs(transfer_id, engine_id, routes)
-
-    def _route_known(self, transfer_id: str, engine_id: str, url: str) -> bool:
-        """`_resolve_sources` at once, when an earlier receive from the same start of `engine_id` computed its
-        routes (`RemoteEngines.known_routes`); False, having done nothing, otherwise."""
-        routes = self._remotes.known_routes(engine_id, url, self._engine)
-        if routes is None:
-            return False
-        self._start_jobs(transfer_id, engine_id, routes)
-        return True
 
     def _start_jobs(self, transfer_id: str, engine_id: str, routes: Routes) -> None:
         # Peers first: commands for a peer without a connection wait in its outbox (Releases, early Aborts).
@@ -275,6 +285,7 @@ class ReceivingRole:
                 del self._outbound[(engine_id, src)]
                 # A lost connection may mean a restart: fetch the engine's metadata again next time.
                 self._remotes.invalidate(engine_id)
+                self._known_routes.pop(engine_id, None)
             if current:  # else `_drop_outbound` already reported it, and a newer connection may own the jobs
                 reason = peer.last_error or f"connection to {peer.ref} closed"
                 self._lost(peer, reason)
