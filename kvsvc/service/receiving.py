@@ -2,10 +2,9 @@
 
 Rules: protocol decisions live in `Receiver`; this module carries out its commands on the control connections it
 opens to P workers, and feeds it events (routes found, connections opened or lost, answers). What D knows of remote
-engines (metadata, topology) lives in its `RemoteEngines`, dropped when a connection breaks; the routes computed
-from a fetch are kept here for the receives that follow, until then. Commands for a peer without a connection wait in
-its outbox. Shares only a `ServiceContext`; never imports the P role; never waits
-in start_recv.
+engines (metadata, topology) lives in its `RemoteEngines`; the routes computed from a fetch are kept here for the
+receives that follow; both are dropped when a connection breaks. Commands for a peer without a connection wait in its
+outbox. Shares only a `ServiceContext`; never imports the P role; never waits in start_recv.
 When a connection breaks after asking, the receive's blocks stay held for the abort grace, unless the transport can
 prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTransport` can tell): then only for
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such

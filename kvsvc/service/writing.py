@@ -1,8 +1,9 @@
-"""P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s through the transport.
+"""P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s, each through the plane
+its D worker's pair chose at the hello (`WriteTarget.transport`).
 
 Rules: each `Submit` is planned (its D worker's `PlanCache`, `kvsvc.service.plans`), written, and its result handed back
 once through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
-its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport's
+its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the plane's
 `start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written one
 descriptor per destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region is written
 there as one stream (`kvsvc.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share
