@@ -27,6 +27,7 @@ from kvsvc.messages import (
     TransferDone,
     TransferFailed,
     TransferRequest,
+    WindowFilled,
     Worker,
     WorkerMetadata,
 )
@@ -286,8 +287,10 @@ class Receiver:
         return commands
 
     def receive(self, engine_id: str, src: Worker, message: Message) -> list[RecvCommand]:
-        """A frame from P worker `src` of `engine_id` on an open connection: every driver hands each frame here.
-        Anything that is not a P-to-D message is answered with an error and noticed as a protocol error."""
+        """A frame from P worker `src` of `engine_id` on an open connection: every driver hands each frame here
+        (with windows lent, after they took theirs). A `WindowFilled` that no window took (given back, or none ever
+        lent) is dropped at debug level. Anything that is not a P-to-D message is answered with an error and noticed
+        as a protocol error."""
         if isinstance(message, TransferDone | TransferFailed):
             error = (
                 message.reason if isinstance(message, TransferFailed) else self._wrong_bytes(engine_id, src, message)
@@ -303,6 +306,8 @@ class Receiver:
             return [notice, *(self.answer(engine_id, src, message.transfer_id, f"P error: {message.reason}") or [])]
         if isinstance(message, Pong):
             return []
+        if isinstance(message, WindowFilled):
+            return [Notice(f"late round {message.round} of {message.transfer_id!r} from P{src}", level="debug")]
         what = f"unexpected {type(message).__name__} from P worker {src} of {engine_id!r}"
         return [Notice(what, protocol_error=True), SendToSource(engine_id, src, ErrorMessage(reason=what))]
 

@@ -291,16 +291,13 @@ class LentWindows:
         return window
 
     def receive(self, engine_id: str, src: Worker, message: Message) -> list[WindowCommand]:
-        """A frame from P worker `src` of `engine_id`: its window's commands when it is about a lent window; a
-        `WindowFilled` for a window given back (late) is dropped with a debug notice; anything else is delivered
-        to the `Receiver` as it is."""
-        if not isinstance(message, WindowFilled | TransferDone | TransferFailed | ErrorMessage):
-            return [Deliver(message)]  # the Receiver answers what it does not expect
-        window = self._windows.get((message.transfer_id, engine_id, src))
-        if window is not None:
-            return window.receive(message)
-        if isinstance(message, WindowFilled):
-            return [Notice(f"late round {message.round} of {message.transfer_id!r} from P{src}", "debug")]
+        """A frame from P worker `src` of `engine_id`: its window's commands when it is about a lent window; else
+        delivered to the `Receiver` as it is (which drops a late `WindowFilled` and answers what it does not
+        expect)."""
+        if isinstance(message, WindowFilled | TransferDone | TransferFailed | ErrorMessage):
+            window = self._windows.get((message.transfer_id, engine_id, src))
+            if window is not None:
+                return window.receive(message)
         return [Deliver(message)]
 
     def scattered(self, key: WindowKey, error: str | None) -> list[WindowCommand]:

@@ -7,7 +7,8 @@ carries out the commands: each scatter is a task of the service's `TaskGroup`, a
 `LentWindows.scattered`. Every frame from a P worker passes through `on_p_message` before the `Receiver` sees it. A
 window goes back once the receive from its P worker ended and no scatter reads it (`tidy`); a failed receive whose
 window a scatter still copies into is reported only after that copy (`hold_back`). Part of the D role
-(`kvsvc.service.receiving` owns it); never imports the P role.
+(`kvsvc.service.receiving` owns one when D can lend windows at all: a region it can scatter from, one KV cache group);
+never imports the P role.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ connection, by the receiving role)."""
 
 
 class WindowLender:
-    """The windows of one D worker (see module docstring). `send` reaches a P worker's control connection;
-    `deliver` hands P's answer to the `Receiver` and carries out what it returns."""
+    """The windows of one D worker in `area`, which can scatter (see module docstring). `send` reaches a P worker's
+    control connection; `deliver` hands P's answer to the `Receiver` and carries out what it returns."""
 
-    def __init__(self, ctx: ServiceContext, receiver: Receiver, send: Send, deliver: Send) -> None:
+    def __init__(self, ctx: ServiceContext, area: StagingArea, receiver: Receiver, send: Send, deliver: Send) -> None:
         self._ctx = ctx
+        self._area = area
         self._receiver = receiver
         self._send = send
         self._deliver = deliver
@@ -75,10 +77,7 @@ class WindowLender:
         """`request` with a window of the staging region, when the staging rule sends P's share through one and
         there is room now; `request` as it is when the rule does not (P writes the blocks, directly or gathered);
         None when the request waits for room (a task sends it then)."""
-        area = self._ctx.staging
-        # A hybrid model's groups each start at their own token: P writes their blocks (decision 24).
-        if area is None or area.scatter is None or self._ctx.metadata.kv_groups:
-            return request
+        area = self._area
         key = (request.transfer_id, p.engine_id, p.worker)
         req_id = self._receiver.req_of(request.transfer_id)
         waiting = self._waiting_room.get(key)
@@ -110,8 +109,7 @@ class WindowLender:
         """Wait up to `window_wait_s` for room for `request`'s window, then ask P, with the window or without it.
         Nothing is asked if the receive ended or is being aborted meanwhile (P answers its abort alone); the wait
         is cancelled then (`tidy`), which leaves nothing lent."""
-        area = self._ctx.staging
-        assert area is not None
+        area = self._area
         addr: int | None = None
         try:
             addr = await area.lend(plan.window_bytes, self._ctx.config.window_wait_s)
@@ -175,8 +173,8 @@ class WindowLender:
 
     def _scatter(self, key: WindowKey, command: Scatter) -> None:
         """Start copying one round of a window into the blocks now; a task of the service's group awaits the copy."""
-        area = self._ctx.staging
-        assert area is not None and area.scatter is not None
+        area = self._area
+        assert area.scatter is not None
         copy: Awaitable[None]
         try:
             copy = area.scatter(command.src, command.dst, command.length)
@@ -210,11 +208,8 @@ class WindowLender:
             if receiver.req_of(key[0]) != req_id or receiver.ending(key[0]):
                 task.cancel()
                 del self._waiting_room[key]
-        if self._windows:
-            area = self._ctx.staging
-            assert area is not None
-            for addr in self._windows.tidy(lambda key: receiver.waits_on(*key), receiver.ending):
-                area.give_back(addr)
+        for addr in self._windows.tidy(lambda key: receiver.waits_on(*key), receiver.ending):
+            self._area.give_back(addr)
 
     def hold_back(self, report: RecvReport) -> RecvReport:
         """`report` less the failed receives that a scatter still copies into (`LentWindows.hold_back`)."""

@@ -2,15 +2,17 @@
 
 Rules: protocol decisions live in `Receiver`; this module carries out its commands on the control connections it
 opens to P workers, and feeds it events (routes found, connections opened or lost, answers). What D knows of remote
-engines (metadata, routes, topology) lives in its `RemoteEngines`, dropped when a connection breaks. Commands for a
-peer without a connection wait in its outbox. Shares only a `ServiceContext`; never imports the P role; never waits
-in start_recv.
+engines (metadata, topology) lives in its `RemoteEngines`; the routes computed from a fetch are kept here for the
+receives that follow; both are dropped when a connection breaks. Commands for a peer without a connection wait in its
+outbox. Shares only a `ServiceContext`; never imports the P role; never waits in start_recv.
 When a connection breaks after asking, the receive's blocks stay held for the abort grace, unless the transport can
 prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTransport` can tell): then only for
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
 receives wait) and P answers their aborts, which it does once their writes ended.
-Windows of D's staging region are its `WindowLender`'s (`kvsvc.service.lending`): a request may carry one, and
-every frame from a P worker passes through the lender before it reaches the `Receiver`.
+Windows of D's staging region are its `WindowLender`'s (`kvsvc.service.lending`), which exists only where D can lend
+them (a region it can scatter from, one KV cache group): a request may carry one, and every frame from a P worker
+passes through the lender before it reaches the `Receiver`. Without one, requests go out as they are and P's frames go
+straight to the `Receiver`.
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ class _Outbound:
     last_error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class _KnownRoutes:
+    """The routes to one start of a P engine, as published at `url`, for the own engine `own` (`set_own_engine`)."""
+
+    url: str
+    own: EngineMetadata | None
+    routes: Routes
+
+
 class ReceivingRole:
     """D's side of one worker's service (see module docstring): remote engines, connections to P, receives."""
 
@@ -67,10 +78,15 @@ class ReceivingRole:
         self.topology = self._remotes.topology
         self._engine: EngineMetadata | None = None
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
+        self._known_routes: dict[str, _KnownRoutes] = {}  # per P engine id, once a receive computed them
         self._reconnects = Backoff()  # per lost P worker: the wait before the next try
         self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
         self._planned_bytes: dict[tuple[str, str, Worker, int, int, int], int | None] = {}
-        self._windows = WindowLender(ctx, self._receiver, self._tell_p, self._on_answer)
+        area = ctx.staging
+        self._windows: WindowLender | None = None
+        # A hybrid model's groups each start at their own token: P writes their blocks (decision 24).
+        if area is not None and area.scatter is not None and not ctx.metadata.kv_groups:
+            self._windows = WindowLender(ctx, area, self._receiver, self._tell_p, self._on_answer)
         self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -117,7 +133,10 @@ class ReceivingRole:
         if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token, secret):
             return
         self._ctx.changed()  # a new receive deadline
-        if not self._route_known(transfer_id, engine_id, url):
+        known = self._known_routes.get(engine_id)
+        if known is not None and known.url == url and known.own is self._engine:
+            self._start_jobs(transfer_id, engine_id, known.routes)  # no task: the routes of an earlier receive
+        else:
             self._ctx.tasks.spawn(self._resolve_sources(transfer_id, engine_id, url), name=f"kvsvc-route-{req_id}")
 
     def abort(self, req_id: str) -> None:
@@ -133,7 +152,7 @@ class ReceivingRole:
         """Receives that ended since the last call (see `Receiver.take_report`), except failed ones whose window a
         scatter still copies into their blocks: those wait for a later call, once it ended."""
         report = self._receiver.take_report()
-        return self._windows.hold_back(report) if self._windows.busy else report
+        return self._windows.hold_back(report) if self._windows is not None and self._windows.busy else report
 
     def forget_engine(self, engine_id: str) -> None:
         """As `KVTransferService.forget_engine`."""
@@ -141,6 +160,7 @@ class ReceivingRole:
             if key[0] == engine_id:
                 self._drop_outbound(peer, f"engine {engine_id!r} forgotten by the operator")
         self._remotes.forget(engine_id)
+        self._known_routes.pop(engine_id, None)
 
     # -- how full it is ----------------------------------------------------------------------------------------
 
@@ -187,21 +207,16 @@ class ReceivingRole:
     # -- remote engines and routes -----------------------------------------------------------------------------
 
     async def _resolve_sources(self, transfer_id: str, engine_id: str, url: str) -> None:
+        own = self._engine
+        self._known_routes.pop(engine_id, None)  # this fetch may find another start of the engine
         try:
-            routes = await self._remotes.routes(engine_id, url, self._own_engine, self._engine)
+            routes = await self._remotes.routes(engine_id, url, self._own_engine)
         except (KVSvcError, ValueError, KeyError) as exc:  # unreachable, malformed or incompatible: all fail now
             self._run_recv(self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}"))
             return
+        if self._remotes.current(engine_id, url, routes.p_engine):  # not marked out of date while it ran
+            self._known_routes[engine_id] = _KnownRoutes(url, own, routes)
         self._start_jobs(transfer_id, engine_id, routes)
-
-    def _route_known(self, transfer_id: str, engine_id: str, url: str) -> bool:
-        """`_resolve_sources` at once, when an earlier receive from the same start of `engine_id` computed its
-        routes (`RemoteEngines.known_routes`); False, having done nothing, otherwise."""
-        routes = self._remotes.known_routes(engine_id, url, self._engine)
-        if routes is None:
-            return False
-        self._start_jobs(transfer_id, engine_id, routes)
-        return True
 
     def _start_jobs(self, transfer_id: str, engine_id: str, routes: Routes) -> None:
         # Peers first: commands for a peer without a connection wait in its outbox (Releases, early Aborts).
@@ -246,6 +261,7 @@ class ReceivingRole:
 
     async def _run_outbound(self, peer: _Outbound) -> None:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
+        on_frame = self._windows.on_p_message if self._windows is not None else self._on_answer
         channel: ControlChannel | None = None
         try:
             channel = await self._connect(peer)
@@ -257,7 +273,7 @@ class ReceivingRole:
             self._run_recv(self._receiver.connected(engine_id, src))
             self._run_recv(self._receiver.reconnected(engine_id, src, peer.ref.incarnation))
             while True:
-                self._on_p_message(peer, await channel.receive())
+                on_frame(engine_id, src, await channel.receive())
         except (PeerLost, MalformedFrame, HandshakeError) as exc:
             peer.last_error = str(exc)
             if isinstance(exc, MalformedFrame):
@@ -268,6 +284,7 @@ class ReceivingRole:
                 del self._outbound[(engine_id, src)]
                 # A lost connection may mean a restart: fetch the engine's metadata again next time.
                 self._remotes.invalidate(engine_id)
+                self._known_routes.pop(engine_id, None)
             if current:  # else `_drop_outbound` already reported it, and a newer connection may own the jobs
                 reason = peer.last_error or f"connection to {peer.ref} closed"
                 self._lost(peer, reason)
@@ -293,7 +310,9 @@ class ReceivingRole:
                 reply = await channel.receive()
                 handles = exported_handles(self._ctx.transport)
                 channel.send(answer_challenge(me, self._own_engine(), p, start, reply, key, handles))
-                self._windows.plane_chosen(p.engine_id, p.worker, check_hello_reply(p, await channel.receive()))
+                plane = check_hello_reply(p, await channel.receive())
+                if self._windows is not None:
+                    self._windows.plane_chosen(p.engine_id, p.worker, plane)
         except TimeoutError:
             channel.close()
             raise HandshakeError(f"{peer.ref} did not answer the hello within {timeout_s:g} s") from None
@@ -302,11 +321,8 @@ class ReceivingRole:
             raise
         return channel
 
-    def _on_p_message(self, peer: _Outbound, message: Message) -> None:
-        self._windows.on_p_message(peer.ref.engine_id, peer.ref.worker, message)
-
     def _on_answer(self, engine_id: str, src: Worker, message: Message) -> None:
-        """P's frame, once the window protocol passed it on: the `Receiver`'s."""
+        """P's frame (once the window protocol passed it on, where D lends windows): the `Receiver`'s."""
         self._run_recv(self._receiver.receive(engine_id, src, message))
         now = self._ctx.clock()
         for started in self._receiver.take_landed():
@@ -324,11 +340,11 @@ class ReceivingRole:
             if peer is None:
                 continue
             message: Message | None = command.message
-            if isinstance(message, TransferRequest):
+            if isinstance(message, TransferRequest) and self._windows is not None:
                 message = self._windows.windowed(peer.meta, message)
             if message is not None:
                 self._send(peer, message)
-        if self._windows.busy:
+        if self._windows is not None and self._windows.busy:
             self._windows.tidy()
 
     # -- frames to P workers ----------------------------------------------------------------------------------

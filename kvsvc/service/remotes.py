@@ -2,10 +2,10 @@
 registered from it, and this worker's routes to each (which P workers it fetches from, which it must release).
 
 Rules: one metadata fetch per engine start, shared by the receives that wait on it; a failed fetch is forgotten so
-that the next receive fetches again; a refetch unregisters what the old start registered. Routes are cached per
-fetch and per own-engine layout, so a new start of either side computes them again. Part of the D role
-(`kvsvc.service.receiving` owns it): no connections, no receives. The metadata client
-(`fetch_engine_metadata`, against the endpoint of `kvsvc.engine.bootstrap`) lives here.
+that the next receive fetches again; a refetch unregisters what the old start registered. Routes are computed from
+a fetch; the receiving role reuses them while that fetch is `current`, for the same own-engine layout. Part of the D
+role (`kvsvc.service.receiving` owns it): no connections, no receives. The metadata client (`fetch_engine_metadata`,
+against the endpoint of `kvsvc.engine.bootstrap`) lives here.
 """
 
 from __future__ import annotations
@@ -57,9 +57,6 @@ class _RemoteEngine:
     engine_id: str
     url: str
     fetch: asyncio.Task[EngineMetadata]
-    # Once computed: the routes, valid for the own engine they were computed for (`own_key`); None until then.
-    routes: Routes | None = None
-    own_key: EngineMetadata | None = None
     refused: Refusal | None = None  # the fetched start cannot be received from
 
 
@@ -96,19 +93,15 @@ class RemoteEngines:
     def __len__(self) -> int:
         return len(self._remotes)
 
-    def known_routes(self, engine_id: str, url: str, own_key: EngineMetadata | None) -> Routes | None:
-        """The routes an earlier receive from the same start of `engine_id` computed (same URL, same metadata fetch,
-        same own engine `own_key`), or None: then `routes` must run."""
+    def current(self, engine_id: str, url: str, p_engine: EngineMetadata) -> bool:
+        """Whether `p_engine` is what the latest fetch of `engine_id` from `url` returned, and nothing marked it out
+        of date since: routes computed from it still hold."""
         remote = self._remotes.get(engine_id)
-        if remote is None or remote.routes is None or remote.url != url or remote.own_key is not own_key:
-            return None
-        return remote.routes
+        return remote is not None and remote.url == url and _fetched(remote) is p_engine
 
-    async def routes(
-        self, engine_id: str, url: str, own: Callable[[], EngineMetadata], own_key: EngineMetadata | None
-    ) -> Routes:
+    async def routes(self, engine_id: str, url: str, own: Callable[[], EngineMetadata]) -> Routes:
         """This worker's routes to `engine_id` as `url` publishes it, fetching its metadata unless a fetch of that
-        start is done or running. `own` builds this worker's engine; `own_key` is what `known_routes` checks.
+        start is done or running. `own` builds this worker's engine.
 
         Raises:
             TopologyError: the engine's layout does not fit this worker's. Decided once per engine start: the
@@ -133,11 +126,7 @@ class RemoteEngines:
         except (KVSvcError, ValueError, KeyError):
             self._remotes.pop(engine_id, None)
             raise
-        routes = Routes(p_engine, sources, releases, sorted({*sources, *releases}))
-        remote = self._remotes.get(engine_id)
-        if remote is not None and remote.url == url and _fetched(remote) is p_engine:
-            remote.routes, remote.own_key = routes, own_key  # this very fetch: later receives reuse it
-        return routes
+        return Routes(p_engine, sources, releases, sorted({*sources, *releases}))
 
     def refusals(self) -> list[Refusal]:
         """The P engine starts this worker refused to receive from, and why."""

@@ -45,6 +45,7 @@ from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.writing import BlockWriter, WriteTarget
+from kvsvc.transport.routed import plane_of
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,8 @@ class SendingRole:
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
         self._replace(key, ref)  # another hello of this D worker was accepted while this one was routed
-        target = WriteTarget(ref, d, channel.send, session=route.session, plane=route.kind)
+        writes_via = plane_of(self._ctx.transport, route.session)  # once per pair, not per write
+        target = WriteTarget(ref, d, writes_via, channel.send, session=route.session, plane=route.kind)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
         channel.send(msgspec.structs.replace(decision.reply, plane=route.kind))  # D stages by it

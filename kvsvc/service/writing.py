@@ -1,8 +1,9 @@
-"""P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s through the transport.
+"""P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s, each through the plane
+its D worker's pair chose at the hello (`WriteTarget.transport`).
 
 Rules: each `Submit` is planned (its D worker's `PlanCache`, `kvsvc.service.plans`), written, and its result handed back
 once through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
-its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the transport's
+its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the plane's
 `start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written one
 descriptor per destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region is written
 there as one stream (`kvsvc.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share
@@ -32,7 +33,7 @@ from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.plans import PlanCache, Shifted
 from kvsvc.staging_plans import StagedChunk
-from kvsvc.transport.base import WriteFailed
+from kvsvc.transport.base import Transport, WriteFailed
 from kvsvc.windows import Fail, FillCommand, FillEvent, FillingWindow
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class WriteTarget:
 
     ref: WorkerRef
     meta: WorkerMetadata
+    transport: Transport
+    """The plane this pair's writes take (`kvsvc.transport.routed.plane_of`), chosen at the hello."""
     send: Callable[[Message], None] = _nowhere
     """Sends a frame to this D worker on its control connection; raises `PeerLost` when it is closed."""
     plans: PlanCache = field(default_factory=PlanCache)  # what this P worker writes to this D worker, cached
@@ -118,11 +121,10 @@ class BlockWriter:
         self._wanted = wanted
         self._layer_ready: dict[str, list[asyncio.Future[None]]] = {}
         self._writes: set[asyncio.Task[None]] = set()
-        # Writes submitted without a task (`_start_write`): their result futures, and `drained` futures of failed
+        # Writes submitted without a task (`_submit_now`): their result futures, and `drained` futures of failed
         # ones whose descriptors may still move (their blocks stay held until these resolve).
         self._started: set[asyncio.Future[Any]] = set()
         self._began: dict[int, float] = {}  # id(Submit) -> when its write started, for the latency histogram
-        self._start_write = ctx.transport.start_write
 
     def submit(self, command: Submit) -> None:
         """Start the write `command` asks for; its end reaches `write_result` later, never from this call."""
@@ -218,7 +220,7 @@ class BlockWriter:
                 return False  # a staged write waits for room and for its gather: it needs the task
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
-        result = self._start_write(target.session, _tuples(table))
+        result = target.transport.start_write(target.session, _tuples(table))
         if result is None:
             return False
         self._started.add(result)
@@ -288,8 +290,8 @@ class BlockWriter:
         """
         chunks = self._staged(target, table, command.window_bytes > 0, unit)
         if chunks is not None:
-            return await self._write_staged(target.session, chunks)
-        return await self._ctx.transport.write(target.session, _tuples(table)), len(table)
+            return await self._write_staged(target, chunks)
+        return await target.transport.write(target.session, _tuples(table)), len(table)
 
     async def _write_rounds(self, target: WriteTarget, command: Submit) -> tuple[int, int]:
         """Write a share larger than its window in rounds, as its `FillingWindow` says (module docstring); (bytes,
@@ -324,18 +326,18 @@ class BlockWriter:
         finally:
             target.fills.pop(transfer_id, None)
 
-    async def _write_staged(self, peer: str, chunks: list[StagedChunk]) -> tuple[int, int]:
+    async def _write_staged(self, target: WriteTarget, chunks: list[StagedChunk]) -> tuple[int, int]:
         """Write `chunks` through the staging region, each as soon as it has room; returns (bytes, descriptors).
 
         Raises:
             WriteFailed / StagingFull / what the gather raises: the first failure, once no chunk of the write can
                 move any more bytes.
         """
-        written = await _all_written(self._write_chunk(peer, chunk) for chunk in chunks)
+        written = await _all_written(self._write_chunk(target, chunk) for chunk in chunks)
         self._ctx.counts["staged"] += 1
         return written
 
-    async def _write_chunk(self, peer: str, chunk: StagedChunk) -> tuple[int, int]:
+    async def _write_chunk(self, target: WriteTarget, chunk: StagedChunk) -> tuple[int, int]:
         """Lend room for `chunk`, gather its pieces there, write its runs; the room goes back once nothing can read
         it any more (after a failed write's drain). A cancelled chunk keeps its room: only `close` cancels."""
         area = self._ctx.staging
@@ -351,7 +353,7 @@ class BlockWriter:
         columns = ((addr + chunk.write_offset).tolist(), chunk.write_dst.tolist(), chunk.write_length.tolist())
         descriptors = list(zip(*columns, strict=True))
         try:
-            nbytes = await self._ctx.transport.write(peer, descriptors)
+            nbytes = await target.transport.write(target.session, descriptors)
         except asyncio.CancelledError:
             raise
         except WriteFailed as exc:

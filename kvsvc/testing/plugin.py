@@ -4,8 +4,9 @@ Fixtures:
 - `fake_clock`: a `FakeClock` at 0, for `KVTransferService(clock=...)` or `Sender`/`Receiver` `now` values.
 - `peer_pair`: a factory `peer_pair(p_spec, d_spec, **kwargs) -> PeerPair`: protocol objects back to back.
 - `loopback_engines`: an async factory `await loopback_engines(prefill_spec, decode_spec, config=...,
-  transport="mooncake", staging_bytes=0)` returning started `(P, D)` `LoopbackEngine`s on real Mooncake (with a
-  staging region per worker when `staging_bytes` > 0); all are closed at teardown.
+  transport="mooncake", staging_bytes=0, decode_staging_bytes=None)` returning started `(P, D)` `LoopbackEngine`s on
+  real Mooncake (with a staging region per worker when `staging_bytes` > 0, D's of `decode_staging_bytes` where
+  given: 0 for none); all are closed at teardown.
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ async def loopback_engines() -> AsyncIterator[LoopbackFactory]:
         transport: Literal["mooncake", "samehost", "fake"] = "mooncake",
         clock: Callable[[], float] = time.monotonic,
         staging_bytes: int = 0,
+        decode_staging_bytes: int | None = None,
     ) -> tuple[LoopbackEngine, LoopbackEngine]:
         options = dict(config=config, transport=transport, clock=clock, staging_bytes=staging_bytes)
         p = LoopbackEngine("prefill", prefill or EngineSpec(), **options)  # type: ignore[arg-type]
         started.append(p)
         await p.start()
+        if decode_staging_bytes is not None:
+            options["staging_bytes"] = decode_staging_bytes
         d = LoopbackEngine("decode", decode or EngineSpec(), **options)  # type: ignore[arg-type]
         started.append(d)
         await d.start()

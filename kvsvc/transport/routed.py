@@ -2,10 +2,11 @@
 transport, for every peer) and a same-host plane for peers on this host whose pair chose it at the hello: the kernel
 copy for KV in CPU memory (`kvsvc.transport.samehost`) or CUDA IPC for KV on a GPU (`kvsvc.transport.cuda_ipc`).
 
-Rules: nothing is decided here (`kvsvc.data_planes` decides per pair, the service asks `reachable` once); a session
-goes to the same-host plane only when that plane admitted it (its process passed the check against its control
-connection), never because of what its string says, so a peer cannot name its way onto the plane; every other call
-goes to `primary`; registrations go to both; statistics are the sum of the planes'. Imports `kvsvc.transport`
+Rules: nothing is decided here (`kvsvc.data_planes` decides per pair, the service asks `reachable` once, then holds
+the pair's plane, `plane_of`, for its writes); a session goes to the same-host plane only when that plane admitted it
+(its process passed the check against its control connection), never because of what its string says, so a peer
+cannot name its way onto the plane; every other call goes to `primary`; registrations go to both; statistics are
+the sum of the planes'. Imports `kvsvc.transport`
 modules only (the GPU plane's driver loads `libcuda` when that plane is built, never on import).
 """
 
@@ -50,7 +51,8 @@ class RoutedTransport:
         """The same-host plane's session (`WorkerMetadata.samehost_addr`)."""
         return self.local.session_id
 
-    def _plane(self, session: str) -> Transport:
+    def plane(self, session: str) -> Transport:
+        """The plane that writes to `session`: the same-host one once it admitted the session, else `primary`."""
         return self.local if self.local.admits(session) else self.primary
 
     def register(self, regions: Sequence[Region]) -> None:
@@ -58,10 +60,10 @@ class RoutedTransport:
         self.local.register(regions)
 
     def add_peer(self, session_id: str, regions: Sequence[Region]) -> None:
-        self._plane(session_id).add_peer(session_id, regions)
+        self.plane(session_id).add_peer(session_id, regions)
 
     def remove_peer(self, session_id: str) -> None:
-        self._plane(session_id).remove_peer(session_id)
+        self.plane(session_id).remove_peer(session_id)
 
     async def reachable(
         self,
@@ -77,10 +79,10 @@ class RoutedTransport:
         return ""
 
     async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
-        return await self._plane(peer).write(peer, descriptors)
+        return await self.plane(peer).write(peer, descriptors)
 
     def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
-        return self._plane(peer).start_write(peer, descriptors)
+        return self.plane(peer).start_write(peer, descriptors)
 
     async def drained(self, peer: str | None = None) -> None:
         if peer is not None and self.local.admits(peer):
@@ -92,7 +94,7 @@ class RoutedTransport:
         await asyncio.gather(self.primary.drained(), self.local.drained())
 
     async def peer_gone(self, session: str) -> bool:
-        return await self._plane(session).peer_gone(session)
+        return await self.plane(session).peer_gone(session)
 
     def statistics(self) -> TransportStatistics:
         """The planes' sums; the registered memory once (both planes bound the same regions)."""
@@ -125,9 +127,15 @@ def with_same_host(primary: Transport, device: str, setting: str = "auto") -> Tr
     return primary
 
 
+def plane_of(transport: Transport, session: str) -> Transport:
+    """The plane writes to `session` take through `transport` (`RoutedTransport.plane`; `transport` itself when it
+    has one plane). Asked once the session passed `reachable` and `add_peer`: the writer holds it per pair."""
+    return transport.plane(session) if isinstance(transport, RoutedTransport) else transport
+
+
 def exported_handles(transport: Transport) -> list[IpcHandle]:
     """The IPC handles of this worker's GPU memory, as its GPU plane exported them; [] without that plane."""
     return transport.local.exported() if isinstance(transport, RoutedTransport) else []
 
 
-__all__ = ["LocalPlane", "RoutedTransport", "exported_handles", "with_same_host"]
+__all__ = ["LocalPlane", "RoutedTransport", "exported_handles", "plane_of", "with_same_host"]

@@ -43,10 +43,7 @@ async def _until(condition: object, timeout_s: float = 20.0) -> None:
 async def test_each_p_worker_writes_its_share_into_a_window_that_d_scatters(
     loopback_engines: LoopbackFactory, d_region: bool
 ) -> None:
-    p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=1 << 20)
-    if not d_region:
-        for service in d.services.values():
-            service._ctx.staging = None  # as a D worker built without a region
+    p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=1 << 20, decode_staging_bytes=None if d_region else 0)
     p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS)
     d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
     assert await d.wait("d1") == "finished"

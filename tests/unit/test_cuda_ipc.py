@@ -35,8 +35,10 @@ from kvsvc.hello import make_hello
 from kvsvc.layout import layer_bytes
 from kvsvc.messages import IpcHandle, WorkerMetadata
 from kvsvc.service import KVTransferService, ServiceConfig
+from kvsvc.service.staging_area import StagingArea
 from kvsvc.staging_plans import StagingRule
 from kvsvc.testing.cuda import FakeCudaDriver
+from kvsvc.testing.engines import MemmoveCopies
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport import InvalidDescriptor, TransportClosed, WriteFailed, cuda_ipc, procfs
@@ -341,7 +343,9 @@ def test_without_a_cuda_driver_the_worker_keeps_mooncake_alone(caplog: pytest.Lo
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 2, 2, 8, 4, 16
 
 
-def gpu_side(engine_id: str, driver: FakeCudaDriver, seed: int) -> tuple[KVTransferService, np.ndarray]:
+def gpu_side(
+    engine_id: str, driver: FakeCudaDriver, seed: int, staging: bool = False
+) -> tuple[KVTransferService, np.ndarray]:
     m = msgspec.structs.replace(
         meta("", engine_id), end_layer=LAYERS, num_kv_heads=HEADS, head_size=HEAD, block_size=BLOCK,
         num_blocks=BLOCKS, base_addrs=[0] * LAYERS, incarnation=f"{engine_id}-1",
@@ -354,14 +358,20 @@ def gpu_side(engine_id: str, driver: FakeCudaDriver, seed: int) -> tuple[KVTrans
     transport = RoutedTransport(LoopbackTransport(), CudaIpcTransport(driver))
     transport.register([(base, LAYERS * per_layer)])
     config = ServiceConfig(hold_timeout_s=5, recv_timeout_s=5, handshake_timeout_s=2)
-    return KVTransferService(m, transport, config), pool
+    area = None
+    if staging:  # a region D can lend windows of (`StagingRule` writes one block direct all the same)
+        copies, nbytes = MemmoveCopies(), 1 << 16
+        addr = driver.alloc(nbytes)
+        transport.register([(addr, nbytes)])
+        area = StagingArea(addr, nbytes, copies, scatter=copies.scatter)
+    return KVTransferService(m, transport, config, staging=area), pool
 
 
 @pytest.mark.parametrize("opens", [True, False], ids=["gpu-plane", "open-refused"])
 async def test_two_services_exchange_handles_in_the_hello_and_write_over_the_gpu_plane(
     driver: FakeCudaDriver, opens: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    (p, p_pool), (d, d_pool) = gpu_side("prefill", driver, 1), gpu_side("decode", driver, 2)
+    (p, p_pool), (d, d_pool) = gpu_side("prefill", driver, 1), gpu_side("decode", driver, 2, staging=True)
     p_meta = await p.start()
     d_meta = await d.start()
     assert d_meta.samehost_addr.startswith("cudaipc:") and d_meta.samehost_addr.endswith(driver.uuid)
@@ -386,6 +396,7 @@ async def test_two_services_exchange_handles_in_the_hello_and_write_over_the_gpu
             )
         (row,) = [r for r in p.peers() if r["direction"] == "from_d"]
         # D stages by the plane P said it chose, not by its own guess (which says cuda_ipc either way).
+        assert d._receiving._windows is not None
         assert d._receiving._windows._planes == {("prefill", (0, 0)): row["transport"]}
         gpu = p._ctx.transport.local  # type: ignore[attr-defined]
         if opens:

@@ -185,13 +185,14 @@ async def test_a_routed_transport_counts_its_memory_once_and_closes_the_same_hos
 
 async def test_the_same_host_plane_writes_only_sessions_its_check_admitted() -> None:
     """A session string is no key to the plane: `add_peer` refuses one that never passed `reachable`, and the routed
-    transport sends an unadmitted `samehost:` session to the primary plane, never to the kernel copy."""
+    transport sends an unadmitted `samehost:` session to the primary plane, never to the kernel copy (nor does the
+    plane a writer holds for the pair, `plane_of`)."""
     import ctypes
     import socket
 
     from kvsvc.testing.fakes import LoopbackTransport
     from kvsvc.transport import InvalidDescriptor
-    from kvsvc.transport.routed import RoutedTransport
+    from kvsvc.transport.routed import RoutedTransport, plane_of
     from kvsvc.transport.samehost import SameHostTransport, own_address
 
     raw = ctypes.create_string_buffer(4096)
@@ -205,6 +206,7 @@ async def test_the_same_host_plane_writes_only_sessions_its_check_admitted() -> 
         assert not local.admits(me) and local.statistics().refused == 1
         routed.add_peer(me, regions)  # goes to the primary plane: the string alone routes nothing to the kernel
         assert local.statistics().peers == 0 and routed.primary.statistics().peers == 1
+        assert plane_of(routed, me) is routed.primary
         # This process holds the client end of a real connection: the check passes, and the session is admitted.
         with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()):
             accepted, _ = server.accept()
@@ -213,7 +215,7 @@ async def test_the_same_host_plane_writes_only_sessions_its_check_admitted() -> 
                 assert await routed.reachable(me, regions, via) == ""
         assert local.admits(me)
         routed.add_peer(me, regions)
-        assert local.statistics().peers == 1
+        assert local.statistics().peers == 1 and plane_of(routed, me) is local
         routed.remove_peer(me)
         assert not local.admits(me)
     finally:

@@ -305,6 +305,18 @@ def test_every_frame_from_p_goes_through_receive() -> None:
     assert kinds([c for c in odd if isinstance(c, SendToSource)]) == [(P0, ErrorMessage)]
 
 
+def test_a_window_round_no_window_took_is_dropped_at_debug_level_and_never_answered() -> None:
+    """A round for a window D gave back, or never lent (D lends none without a region to scatter from), reaches the
+    `Receiver`: it is late, not an attack on the receive, and leaves the receive as it was."""
+    from kvsvc.jobs import Notice
+    from kvsvc.messages import WindowFilled
+
+    receiver, _, _ = started()
+    late = receiver.receive("P", P0, WindowFilled(transfer_id="t1", round=0))
+    assert late == [Notice("late round 0 of 't1' from P(0, 0)", level="debug")]
+    assert receiver.statistics().jobs_by_state == {"requested": 2}
+
+
 def test_a_done_answer_with_other_bytes_than_d_planned_fails_the_receive_naming_both_counts() -> None:
     receiver, clock = Receiver(recv_timeout_s=60, abort_grace_s=30), FakeClock()
     assert receiver.start("r1", "t1", "P", BLOCKS, 10, clock())

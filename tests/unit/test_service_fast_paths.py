@@ -159,3 +159,36 @@ async def test_d_computes_a_p_engines_routes_once_per_start(
     d.service.start_recv("d9", "t9", "prefill", url, [9], BLOCK, secret=harness_secret("t9"))
     await wait_output(d.service, "failed_recving", "d9")
     assert len(calls) > first
+
+
+async def test_routes_from_a_fetch_marked_out_of_date_while_it_ran_are_not_reused(
+    fast_pair: tuple[Side, Side, str, StartingTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection to the engine lost during the fetch may mean a restart: the receive that fetched still goes on,
+    but the next one fetches again instead of reusing routes to a start that may be gone."""
+    p, d, url, _ = fast_pair
+    fetches: list[int] = []
+    real_fetch = remotes_module.fetch_engine_metadata
+
+    async def counting_fetch(*args: Any, **kwargs: Any) -> Any:
+        fetches.append(1)
+        return await real_fetch(*args, **kwargs)
+
+    remotes = d.service._receiving._remotes
+    real_routes = remotes.routes
+
+    async def routes_then_lost(engine_id: str, url: str, own: Any) -> Any:
+        routes = await real_routes(engine_id, url, own)
+        remotes.invalidate(engine_id)  # as when a connection to that engine broke meanwhile
+        return routes
+
+    monkeypatch.setattr(remotes_module, "fetch_engine_metadata", counting_fetch)
+    monkeypatch.setattr(remotes, "routes", routes_then_lost)
+    p.service.start_send("p0", "t0", [0], BLOCK, secret=harness_secret("t0"))
+    d.service.start_recv("d0", "t0", "prefill", url, [0], BLOCK, secret=harness_secret("t0"))
+    await wait_output(d.service, "finished_recving", "d0")
+    monkeypatch.setattr(remotes, "routes", real_routes)
+    p.service.start_send("p1", "t1", [1], BLOCK, secret=harness_secret("t1"))
+    d.service.start_recv("d1", "t1", "prefill", url, [1], BLOCK, secret=harness_secret("t1"))
+    await wait_output(d.service, "finished_recving", "d1")
+    assert len(fetches) == 2

@@ -153,12 +153,12 @@ def test_frames_after_the_answer_are_late_rounds_or_repeats_for_the_receiver() -
     assert _kinds(lent.receive("prefill", (0, 0), DONE)) == ["deliver TransferDone"]  # the Receiver drops repeats
 
 
-def test_a_late_round_for_a_window_given_back_or_never_lent_is_dropped_not_a_protocol_error() -> None:
+def test_a_late_round_for_a_window_given_back_or_never_lent_goes_to_the_receiver_which_drops_it() -> None:
     empty = LentWindows()  # this D worker lent no window at all
-    assert _kinds(empty.receive("prefill", (0, 0), _filled(3))) == ["notice debug"]
+    assert _kinds(empty.receive("prefill", (0, 0), _filled(3))) == ["deliver WindowFilled"]
     lent = _lent()
     assert lent.tidy(lambda key: False, lambda transfer_id: False) == [5_000]  # its receive ended: given back
-    assert _kinds(lent.receive("prefill", (0, 0), _filled(1))) == ["notice debug"]
+    assert _kinds(lent.receive("prefill", (0, 0), _filled(1))) == ["deliver WindowFilled"]
 
 
 def test_frames_about_no_window_go_to_the_receiver_as_they_are() -> None:
