@@ -29,6 +29,15 @@ from kvsvc.messages import ErrorMessage, Message, TransferDone, TransferFailed, 
 from kvsvc.receiver import RecvReport
 from kvsvc.staging_plans import WindowPlan, stream_round, window_round_bytes, window_rounds
 
+
+def lends_windows(can_scatter: bool, num_kv_groups: int) -> bool:
+    """Whether a D worker lends windows at all: it needs a staging region it can scatter from, and a model that
+    publishes no KV cache groups (a hybrid model's groups each start at their own token, so P writes their blocks:
+    decision 24). A D worker that lends none sends its requests as they are, P's frames going straight to its
+    `Receiver`."""
+    return can_scatter and num_kv_groups == 0
+
+
 # -- D: a lent window --------------------------------------------------------------------------------------------
 
 
@@ -570,4 +579,5 @@ __all__ = [
     "TellP",
     "WindowCommand",
     "WindowKey",
+    "lends_windows",
 ]

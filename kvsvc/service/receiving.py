@@ -40,6 +40,7 @@ from kvsvc.service.context import EngineMetadata, ServiceContext, notice
 from kvsvc.service.lending import WindowLender
 from kvsvc.service.remotes import RemoteEngines, Routes
 from kvsvc.transport.routed import exported_handles
+from kvsvc.windows import lends_windows
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,7 @@ class ReceivingRole:
         self._planned_bytes: dict[tuple[str, str, Worker, int, int, int], int | None] = {}
         area = ctx.staging
         self._windows: WindowLender | None = None
-        # A hybrid model's groups each start at their own token: P writes their blocks (decision 24).
-        if area is not None and area.scatter is not None and not ctx.metadata.kv_groups:
+        if area is not None and lends_windows(area.scatter is not None, len(ctx.metadata.kv_groups)):
             self._windows = WindowLender(ctx, area, self._receiver, self._tell_p, self._on_answer)
         self._closing = False
 

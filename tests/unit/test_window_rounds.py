@@ -29,6 +29,7 @@ from kvsvc.windows import (
     Scatter,
     ScatterState,
     TellP,
+    lends_windows,
 )
 
 ALWAYS = StagingRule(gather_cost_s_per_byte=0.0, scatter_cost_s_per_byte=0.0)
@@ -396,3 +397,9 @@ def test_negative_control_rounds_written_into_one_half_corrupt_the_kv() -> None:
         FillingWindow.round_pieces = original  # type: ignore[method-assign]
     with pytest.raises(AssertionError):
         pair.assert_received("t")
+
+
+def test_d_lends_windows_only_with_a_region_to_scatter_from_and_no_kv_cache_groups() -> None:
+    assert lends_windows(True, 0)
+    assert not lends_windows(False, 0)  # no region, or one it cannot scatter from: requests go out as they are
+    assert not lends_windows(True, 2)  # a hybrid model: P writes each group's blocks
