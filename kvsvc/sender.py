@@ -190,6 +190,7 @@ class Sender:
                 raise ValueError(f"transfer {transfer_id!r} is already held for {req_id!r} with another secret")
             return []
         deadline = now + self._hold_timeout
+        self._closed.pop(transfer_id, None)  # held again (a withdrawal or an end of an earlier request with its id)
         hold = _Hold(req_id, transfer_id, block_ids, num_tokens, deadline, _encode(secret))
         self._holds[transfer_id] = hold
         self._deadlines.set(transfer_id, deadline)
@@ -246,6 +247,7 @@ class Sender:
             if isinstance(message, TransferRequest):  # an early abort was answered when it came; a release needs none
                 commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
         self._closed[transfer_id] = (reason, encoded)
+        self._closed.move_to_end(transfer_id)
         while len(self._closed) > self._remembered:
             self._closed.popitem(last=False)
         return commands
@@ -617,6 +619,7 @@ class Sender:
         self._finished.add(hold.req_id)
         reason = hold.ended.value if hold.ended else "every D worker that needed it was served"
         self._closed[hold.transfer_id] = (reason, hold.secret)
+        self._closed.move_to_end(hold.transfer_id)
         while len(self._closed) > self._remembered:
             self._closed.popitem(last=False)
         for worker, job in hold.jobs.items():

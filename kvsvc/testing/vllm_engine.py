@@ -277,6 +277,9 @@ def main() -> None:
                 engine.reply({"id": call["id"], "error": f"stats failed: {type(exc).__name__}: {exc}"})
         elif call["op"] == "abort":
             named = names_of.get(call["call"])
+            if named and any(not 0 <= i < len(named) for i in call["indexes"]):
+                engine.reply({"id": call["id"], "error": f"abort of {call['indexes']}: call has {len(named)} requests"})
+                continue
             engine.aborts.put([named[i] if named else f"{call['call']}-{i}" for i in call["indexes"]])
             engine.reply({"id": call["id"]})
         else:

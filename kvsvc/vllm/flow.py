@@ -174,6 +174,7 @@ class SchedulerFlow:
     _withdrawn: list[Withdrawal] = field(default_factory=list)
     _counts: dict[str, int] = field(default_factory=lambda: {"holds": 0, "loads": 0, "refused": 0, "withdrawn": 0})
     _recent: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _pushing: dict[str, str] = field(default_factory=dict)  # P: push transfer -> the live request prefilling it
     _pushed: dict[str, None] = field(default_factory=dict)  # push transfers taken, oldest first (`REMEMBERED_PUSHES`)
 
     # -- a request arrives -------------------------------------------------------------------------------------
@@ -184,8 +185,9 @@ class SchedulerFlow:
         """Track `req_id` if its params ask for a transfer in either direction; `max_tokens` is its sampling limit.
 
         Raises:
-            ParamsError: D params that cannot be used (malformed, or another prompt's KV); the request is not
-                tracked, so vLLM computes it locally.
+            ParamsError: D params that cannot be used (malformed, or another prompt's KV), or a pushing P's
+                request whose transfer another live request prefills; the request is not tracked, so vLLM computes
+                it locally (P: without holding its KV).
         """
         if wants_remote_decode(params):
             if len(prompt) < 2 and self.keeps_state:
@@ -196,6 +198,13 @@ class SchedulerFlow:
             transfer_id, secret = req_id, ""
             if self.push:
                 transfer_id = push_transfer_id(req_id)
+                if transfer_id in self._pushing:
+                    # A repeated X-Request-Id: one hold per transfer, and this one's abort would withdraw the other.
+                    raise ParamsError(
+                        f"push transfer {transfer_id[:120]!r} is being prefilled here for request "
+                        f"{self._pushing[transfer_id][:120]!r} already: P computes this one without holding its KV"
+                    )
+                self._pushing[transfer_id] = req_id
                 secret = push_secret(self.params_key, transfer_id, len(prompt), digest)
             self._producers[req_id] = _Producer(
                 len(prompt), digest, early, moved, transfer_id, secret or self.new_secret()
@@ -368,6 +377,8 @@ class SchedulerFlow:
         """
         producer = self._producers.pop(req_id, None)
         if producer is not None:
+            if self._pushing.get(producer.transfer_id) == req_id:
+                del self._pushing[producer.transfer_id]
             if completed and self._holds_all(groups, producer.moved):
                 self._hold(req_id, producer, groups)
             if not producer.held:

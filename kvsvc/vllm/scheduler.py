@@ -133,7 +133,7 @@ class SchedulerSide:
         try:
             self.flow.on_new_request(request.request_id, request.prompt_token_ids, params, max_tokens)
         except ParamsError as exc:
-            log.error("request %s: kvsvc cannot load its KV, computing it locally: %s", request.request_id, exc)
+            log.error("request %s: kvsvc moves none of its KV, computing it locally: %s", request.request_id, exc)
             return
         if self.flow.drops_last_token(request.request_id):
             # P prefills one token less (a Mamba state holds every token it saw); D computes the last one.

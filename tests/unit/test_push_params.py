@@ -203,3 +203,22 @@ def test_a_pushing_p_withdraws_a_request_that_ends_unheld_so_ds_waiting_fetch_fa
     held.finished(req, [[7, 8, 9]], completed=False)
     step = held.build()
     assert step.withdrawn == () and step.aborts == (req,)
+
+
+def test_a_repeated_router_id_while_its_first_request_prefills_is_computed_without_push_and_withdraws_nothing() -> None:
+    """Two live P requests with one X-Request-Id would share a transfer: the second is refused (P computes it
+    without holding), so its abort cannot withdraw the first's transfer, which D's fetch waits for."""
+    p = p_flow()
+    first, second = f"cmpl-{ROUTER_ID}-0-1a2b3c4d", f"cmpl-{ROUTER_ID}-0-5e6f7a8b"
+    p.on_new_request(first, PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    with pytest.raises(ParamsError, match=r"is being prefilled here for request .* already"):
+        p.on_new_request(second, PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    assert p.finished(second, [[7]], completed=False) == (False, None)
+    assert p.build().withdrawn == ()
+    p.scheduled(first, 0, len(PROMPT), [[7, 8, 9]])
+    (send,) = p.build().sends
+    assert p.finished(first, [[7, 8, 9]], completed=True)[0]
+    p.on_new_request(second, PROMPT, {"do_remote_decode": True}, max_tokens=1)  # the first is over: taken again
+    p.finished(second, [[7]], completed=False)
+    (gone,) = p.build().withdrawn
+    assert gone.transfer_id == send.transfer_id

@@ -156,6 +156,9 @@ def test_a_withdrawn_transfer_answers_its_early_requests_failed_now_and_later_on
     assert replies(sender.expire(clock.advance(10))) == [(D1, TransferFailed)]
     sender.hold("r2", "t2", [1], 6, clock(), secret=S)
     assert sender.withdraw("t2", S, "aborted") == [] and sender.holds("t2")
+    sender.hold("r1b", "t1", [1, 2], 6, clock(), secret=S)  # the transfer held after all: a request is served
+    sender.ready("t1")
+    assert submits(sender.request(D0, ONLY_D0, request(), clock())) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
     with pytest.raises(ValueError, match="secret"):
         sender.withdraw("t3", "short", "aborted")
 
