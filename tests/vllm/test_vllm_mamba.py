@@ -165,10 +165,3 @@ def assert_push_moves_the_state(engines: dict[str, VllmEngine], batch: list[list
     else:
         assert all(o.token_ids != w for o, w in zip(got, want, strict=True)), "a state of other weights went unnoticed"
     assert_clean(engines["P" if first else "P_other"])
-
-
-@pytest.mark.parametrize("from_p", [True, False], ids=["P", "P_other"])
-def test_push_d_first_moves_the_state_and_gives_a_single_engines_tokens(
-    engines: dict[str, VllmEngine], from_p: bool
-) -> None:
-    assert_push_moves_the_state(engines, prompts(90 if from_p else 95, [40, 129], seed=4), from_p)
