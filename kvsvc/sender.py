@@ -246,10 +246,7 @@ class Sender:
             _, dst, message, _ = self._pop_early(key)
             if isinstance(message, TransferRequest):  # an early abort was answered when it came; a release needs none
                 commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
-        self._closed[transfer_id] = (reason, encoded)
-        self._closed.move_to_end(transfer_id)
-        while len(self._closed) > self._remembered:
-            self._closed.popitem(last=False)
+        self._remember_closed(transfer_id, reason, encoded)
         return commands
 
     def shut_down(self, reason: str) -> list[SendCommand]:
@@ -531,6 +528,14 @@ class Sender:
         self._early_bytes[dst] += cost
         return []
 
+    def _remember_closed(self, transfer_id: str, reason: str, secret: bytes) -> None:
+        """Answer later requests for `transfer_id` with `reason` (`_early_or_outcome`); the newest
+        `remembered_outcomes` are kept."""
+        self._closed[transfer_id] = (reason, secret)
+        self._closed.move_to_end(transfer_id)
+        while len(self._closed) > self._remembered:
+            self._closed.popitem(last=False)
+
     def _pop_early(
         self, key: tuple[str, WorkerRef, str]
     ) -> tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]:
@@ -618,10 +623,7 @@ class Sender:
         self._by_req.pop(hold.req_id, None)
         self._finished.add(hold.req_id)
         reason = hold.ended.value if hold.ended else "every D worker that needed it was served"
-        self._closed[hold.transfer_id] = (reason, hold.secret)
-        self._closed.move_to_end(hold.transfer_id)
-        while len(self._closed) > self._remembered:
-            self._closed.popitem(last=False)
+        self._remember_closed(hold.transfer_id, reason, hold.secret)
         for worker, job in hold.jobs.items():
             self._outcomes[(hold.transfer_id, hold.refs[worker])] = _outcome(hold, job)
         while len(self._outcomes) > self._remembered:

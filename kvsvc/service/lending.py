@@ -7,8 +7,8 @@ carries out the commands: each scatter is a task of the service's `TaskGroup`, a
 `LentWindows.scattered`. Every frame from a P worker passes through `on_p_message` before the `Receiver` sees it. A
 window goes back once the receive from its P worker ended and no scatter reads it (`tidy`); a failed receive whose
 window a scatter still copies into is reported only after that copy (`hold_back`). Part of the D role
-(`kvsvc.service.receiving` owns one when D can lend windows at all: a region it can scatter from, one KV cache group);
-never imports the P role.
+(`kvsvc.service.receiving` owns one when D can lend windows at all, `kvsvc.windows.lends_windows`); never imports the
+P role.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTranspo
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
 receives wait) and P answers their aborts, which it does once their writes ended.
 Windows of D's staging region are its `WindowLender`'s (`kvsvc.service.lending`), which exists only where D can lend
-them (a region it can scatter from, one KV cache group): a request may carry one, and every frame from a P worker
-passes through the lender before it reaches the `Receiver`. Without one, requests go out as they are and P's frames go
-straight to the `Receiver`.
+them (`kvsvc.windows.lends_windows`): a request may carry one, and every frame from a P worker passes through the
+lender before it reaches the `Receiver`. Without one, requests go out as they are and P's frames go straight to the
+`Receiver`.
 """
 
 from __future__ import annotations
