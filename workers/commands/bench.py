@@ -26,7 +26,7 @@ from workers.bench.models import DEFAULT_MODEL, MODELS
 from workers.demo.runner import DEVICES
 
 # `workers.bench.vllm_compare`'s workloads, named here so the CLI starts without importing the vLLM harness.
-VLLM_WORKLOADS = ("long", "burst", "hybrid", "mla", "gdn", "ttft")
+VLLM_WORKLOADS = ("long", "burst", "hybrid", "mla", "gdn", "ttft", "ttft_concurrent")
 
 if TYPE_CHECKING:
     from workers.bench.report import BenchReport, GpuReport, LayoutResult, ScenarioResult
@@ -276,11 +276,12 @@ def _per_request_cpu(s: ScenarioResult) -> str:
     return " / ".join(f"{cpu.get(k, 0.0):.1f}" for k in ("p_loop", "p_threads", "d_loop", "d_threads"))
 
 
-def _ttft_table(entry: dict[str, Any], order: Sequence[str]) -> Table:
-    """The ttft workload: end-to-end time to first token through P then D, one prompt at a time, and what the
-    disaggregation exposes over a single engine."""
+def _ttft_table(workload: str, entry: dict[str, Any], order: Sequence[str]) -> Table:
+    """A ttft workload: end-to-end time to first token through P then D, one prompt at a time or all at once, and
+    what the disaggregation exposes over a single engine asked the same way."""
+    how = "all at once" if workload == "ttft_concurrent" else "one at a time"
     table = Table(
-        title=f"ttft: {entry['requests']} long prompts one at a time through P then D (the router's pull flow; "
+        title=f"{workload}: {entry['requests']} long prompts {how} through P then D (the router's pull flow; "
         f"_push: D and P asked at once, vllm-router's push flow); a single engine's TTFT "
         f"{entry['single_ttft_ms_p50']:.1f} ms (p50)"
     )
@@ -365,9 +366,10 @@ def run_vllm(args: argparse.Namespace) -> int:
         console.print(table)
     elif summary["skipped"]:  # the caption that names them is not shown
         console.print("".join(f"{name} skipped: {why}\n" for name, why in summary["skipped"].items()))
-    ttft = summary["workloads"].get("ttft")
-    if ttft is not None:
-        console.print(_ttft_table(ttft, [n for name in ORDER for n in (f"{name}_push", name)]))
+    for workload in ("ttft", "ttft_concurrent"):
+        entry = summary["workloads"].get(workload)
+        if entry is not None:
+            console.print(_ttft_table(workload, entry, [n for name in ORDER for n in (f"{name}_push", name)]))
     if getattr(args, "plot", None):
         from workers.bench.plot import plot_comparison
 
