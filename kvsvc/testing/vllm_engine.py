@@ -199,7 +199,23 @@ def _parallel(tp_size: int, pp_size: int) -> dict[str, Any]:
     from kvsvc.testing.vllm_worker import WORKER_CLS, calm_waits
 
     calm_waits()  # this process reads the workers' answers from vLLM's queues too
+    _fork_workers()
     return {"pipeline_parallel_size": pp_size, "distributed_executor_backend": "mp", "worker_cls": WORKER_CLS}
+
+
+def _fork_workers() -> None:
+    """Fork the engine's workers where vLLM's CPU platform would spawn them: a spawned worker imports torch and vLLM
+    afresh, about 20 CPU seconds on a 2-core host, and a test module starts up to a dozen. Forking is safe here
+    because this process has run no kernel (so no OpenMP pool) when the executor starts its workers."""
+    from vllm.platforms import cpu
+
+    update = cpu.CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        update(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # what the platform has just set to "spawn"
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
 
 
 def _worker_statistics(_worker: Any) -> dict[str, Any] | None:
