@@ -83,6 +83,12 @@ def cpu_seconds(engine: Engine) -> float:
     return total * _TICK_S
 
 
+def completion_name(router_id: str) -> str:
+    """The request name vLLM's OpenAI server gives a completion whose `X-Request-Id` is `router_id`: what P and D
+    must both be given in vllm-router's push flow."""
+    return f"cmpl-{router_id}-0"
+
+
 def single_engine_ms(base: Engine, prompts: Sequence[Sequence[int]]) -> list[float]:
     """A single engine's TTFT (ms) for each prompt, one at a time."""
     out = []
@@ -129,7 +135,7 @@ def push_one_at_a_time(
     tag: str,
 ) -> TtftRun:
     """Each prompt as vllm-router's push flow sends it: to D with the router's params and to P at once, both named
-    from one router request id (vLLM's server names a completion `cmpl-<X-Request-Id>-0`); the figures of `TtftRun`,
+    from one router request id (`completion_name`); the figures of `TtftRun`,
     P's part being P's own answer time.
 
     Raises:
@@ -139,7 +145,7 @@ def push_one_at_a_time(
     p_cpu, d_cpu = cpu_seconds(p), cpu_seconds(d)
     for k, prompt in enumerate(prompts):
         router_id = f"{tag}-{k}"
-        name = [f"cmpl-{router_id}-0"]
+        name = [completion_name(router_id)]
         started = time.monotonic()
         d_call = d.submit([prompt], max_tokens=1, params=[router_params(router_id)], names=name)
         asked = time.monotonic()
@@ -198,7 +204,7 @@ def push_together(
     """
     n = len(prompts)
     ids = [f"{tag}-{k}" for k in range(n)]
-    names = [f"cmpl-{router_id}-0" for router_id in ids]
+    names = [completion_name(router_id) for router_id in ids]
     p_cpu, d_cpu = cpu_seconds(p), cpu_seconds(d)
     started = time.monotonic()
     d_call = d.submit(prompts, max_tokens=1, params=[router_params(i) for i in ids], names=names)
@@ -246,6 +252,7 @@ def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) ->
 
 __all__ = [
     "TtftRun",
+    "completion_name",
     "cpu_seconds",
     "one_at_a_time",
     "push_one_at_a_time",
