@@ -1,10 +1,11 @@
 """Completion futures from CUDA events (docs/design.md, "Completion futures"): the send job awaits the compute
 that wrote a request's KV.
 
-Imports: stdlib only at module level; torch lazily inside `record_event` (no mooncake, never its *_on_cuda calls).
-Invariants: the event loop is never blocked (events are polled with `query()` from `call_later`, backing off from
-20 us to 1 ms); a future made from `None` is already resolved (the CPU path); cancelling a future stops its polling
-and never affects the GPU work.
+Imports: stdlib and `kvsvc.transport.finetimer` at module level; torch lazily inside `record_event` (no mooncake,
+never its *_on_cuda calls).
+Invariants: the event loop is never blocked (a loop's pending events are polled together with `query()` from one
+timer, naps growing from 20 us to 200 us, then 1 ms for an event pending over 5 ms); a future made from `None` is
+already resolved (the CPU path); cancelling a future stops its polling and never affects the GPU work.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
 
+from kvsvc.transport.finetimer import FineTimer
+
 MIN_POLL_S: Final = 20e-6
+FINE_POLL_MAX_S: Final = 200e-6  # the longest nap while an event is young: a device copy ends in microseconds
+FINE_WINDOW_S: Final = 5e-3  # an event pending longer (a layer still computing) is polled on MAX_POLL_S
 MAX_POLL_S: Final = 1e-3
 
 
@@ -23,50 +28,109 @@ class EventLike(Protocol):
     def query(self) -> bool: ...
 
 
+class _Poller:
+    """Every pending event of one loop, queried together: one timer for all of them, never one per event.
+
+    Naps double from `MIN_POLL_S` while nothing completes (back to it when something did) up to `FINE_POLL_MAX_S`
+    while the youngest event is under `FINE_WINDOW_S` old, else up to `MAX_POLL_S`. Sub-millisecond naps come from
+    a `FineTimer` (uvloop's timers count whole milliseconds and spin the loop on anything shorter, so a copy of
+    tens of microseconds was seen a millisecond late); where there is none, the loop's timers. It exists while
+    events are pending: the last one resolved or cancelled, it closes its timer and leaves `_POLLERS`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._timer = FineTimer.open(loop)
+        self._handle: asyncio.TimerHandle | None = None
+        self._pending: list[tuple[EventLike, asyncio.Future[None], float]] = []
+        self._delay = self._min_delay = MIN_POLL_S
+
+    def add(self, event: EventLike, fut: asyncio.Future[None], min_poll_s: float) -> None:
+        self._pending.append((event, fut, self._loop.time()))
+        self._min_delay = self._delay = min_poll_s  # a new event: poll soon again
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self._timer is not None and self._delay < MAX_POLL_S:
+            self._timer.call_after(self._delay, self._poll)
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = self._loop.call_later(self._delay, self._poll)
+
+    def _poll(self) -> None:
+        self._handle = None
+        still: list[tuple[EventLike, asyncio.Future[None], float]] = []
+        resolved = False
+        for event, fut, born in self._pending:
+            if fut.done():  # cancelled by its owner: no more queries
+                continue
+            try:
+                ready = event.query()
+            except Exception as exc:
+                fut.set_exception(exc)
+                resolved = True
+                continue
+            if ready:
+                fut.set_result(None)
+                resolved = True
+            else:
+                still.append((event, fut, born))
+        self._pending = still
+        if not still:
+            self._close()
+            return
+        young = self._loop.time() - max(born for _, _, born in still) < FINE_WINDOW_S
+        cap = FINE_POLL_MAX_S if young else MAX_POLL_S
+        self._delay = self._min_delay if resolved else min(self._delay * 2, cap)
+        self._schedule()
+
+    def _close(self) -> None:
+        if _POLLERS.get(self._loop) is self:
+            del _POLLERS[self._loop]
+        if self._timer is not None:
+            self._timer.close()
+        if self._handle is not None:
+            self._handle.cancel()
+
+
+_POLLERS: dict[asyncio.AbstractEventLoop, _Poller] = {}
+
+
 def completion_future(
     event: EventLike | None,
     *,
     loop: asyncio.AbstractEventLoop | None = None,
     min_poll_s: float = MIN_POLL_S,
-    max_poll_s: float = MAX_POLL_S,
 ) -> asyncio.Future[None]:
     """A future that resolves once `event.query()` returns True; already resolved when `event` is None.
 
-    `loop` defaults to the running loop (so call it from a coroutine or pass one). The event is queried at once,
-    then from `call_later` with intervals doubling from `min_poll_s` to `max_poll_s` (the loop's timers round
-    sub-millisecond delays, so in practice it settles at about 1 ms).
+    `loop` defaults to the running loop (so call it from a coroutine or pass one; only from its thread). The event
+    is queried at once, then with every other pending event of the loop, after naps from `min_poll_s` up to 200 us
+    while it is young and 1 ms later (`_Poller`): a copy is seen within a nap of its end, and each nap takes the GIL
+    of the process once, whatever the number of events.
 
     Raises:
         RuntimeError: no running loop and none given.
-    The future carries the exception if `query()` raises (a CUDA error). Cancelling it stops the polling.
+    The future carries the exception if `query()` raises (a CUDA error). Cancelling it stops its queries.
     """
     loop = loop or asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
     if event is None:
         fut.set_result(None)
         return fut
-    handle: list[asyncio.TimerHandle] = []
-
-    def poll(delay: float) -> None:
-        handle.clear()
-        if fut.done():  # cancelled by its owner: stop querying
-            return
-        try:
-            ready = event.query()
-        except Exception as exc:
-            fut.set_exception(exc)
-            return
-        if ready:
-            fut.set_result(None)
-        else:
-            handle.append(loop.call_later(delay, poll, min(delay * 2, max_poll_s)))
-
-    def stop(_: asyncio.Future[None]) -> None:
-        for h in handle:
-            h.cancel()
-
-    fut.add_done_callback(stop)
-    poll(min_poll_s)
+    try:
+        ready = event.query()
+    except Exception as exc:
+        fut.set_exception(exc)
+        return fut
+    if ready:
+        fut.set_result(None)
+        return fut
+    poller = _POLLERS.get(loop)
+    if poller is None:
+        poller = _POLLERS[loop] = _Poller(loop)
+    poller.add(event, fut, min_poll_s)
     return fut
 
 

@@ -5,7 +5,8 @@ a poller on the loop's timers sees a descriptor up to a millisecond after it lan
 hundred microseconds turns readable on time and wakes the loop through its selector: no thread, no spinning
 (measured on uvloop: a 200 us sleep takes about 250 us and 40 us of CPU). Linux only, through libc with ctypes
 (`os.timerfd_create` exists from Python 3.13 on): `FineTimer.open` returns None where it is unavailable, and the
-caller keeps the loop's timers. One sleeper at a time; the poller is the only one.
+caller keeps the loop's timers. One sleeper or one callback at a time: each user (the Mooncake poller, the CUDA
+event poller of `kvsvc.streams`) opens its own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, Final
 
 _CLOCK_MONOTONIC: Final = 1
@@ -45,6 +47,7 @@ class FineTimer:
     def __init__(self, loop: asyncio.AbstractEventLoop, libc: Any, fd: int) -> None:
         self._loop, self._libc, self._fd = loop, libc, fd
         self._waiter: asyncio.Future[None] | None = None
+        self._callback: Callable[[], object] | None = None
         loop.add_reader(fd, self._fired)
 
     @classmethod
@@ -70,7 +73,7 @@ class FineTimer:
         """
         if self._fd < 0:
             raise RuntimeError("FineTimer is closed")
-        if self._waiter is not None:
+        if self._waiter is not None or self._callback is not None:
             raise RuntimeError("FineTimer.sleep is already pending")
         self._arm(max(1000, int(delay * _NS)))
         self._waiter = waiter = self._loop.create_future()
@@ -81,6 +84,20 @@ class FineTimer:
             if (not waiter.done() or waiter.cancelled()) and self._fd >= 0:
                 self._arm(0)  # cancelled before it fired: disarm, so that it cannot wake a later sleep early
 
+    def call_after(self, delay: float, callback: Callable[[], object]) -> None:
+        """Call `callback` on the loop after `delay` seconds (at least 1 us), replacing a callback not yet called
+        (the timer is re-armed for the new delay). For callers that keep no task: a poller driven by callbacks.
+
+        Raises:
+            RuntimeError: a `sleep` is pending, or the timer is closed or could not be armed (errno named).
+        """
+        if self._fd < 0:
+            raise RuntimeError("FineTimer is closed")
+        if self._waiter is not None:
+            raise RuntimeError("FineTimer.sleep is pending")
+        self._callback = callback
+        self._arm(max(1000, int(delay * _NS)))
+
     def close(self) -> None:
         """Stop watching the fd and close it; a pending `sleep` is cancelled. Idempotent."""
         if self._fd < 0:
@@ -88,6 +105,7 @@ class FineTimer:
         self._loop.remove_reader(self._fd)
         os.close(self._fd)
         self._fd = -1
+        self._callback = None
         if self._waiter is not None and not self._waiter.done():
             self._waiter.cancel()
 
@@ -103,6 +121,9 @@ class FineTimer:
             return
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
 
 
 __all__ = ["FineTimer"]

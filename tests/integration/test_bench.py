@@ -86,3 +86,22 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
         assert scenario["raw_method"] in ("submit_poll", "batch", "samehost")
         assert scenario["transport"] in ("mooncake", "samehost")
         assert scenario["descriptors_per_request"] <= scenario["naive_descriptors_per_request"]
+
+
+def test_poll_latency_reports_both_ways_at_every_copy_duration() -> None:
+    from workers.bench.poll_latency import DURATIONS_S
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvsvc.cli", "bench", "--poll-latency", "--tiny", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["poll_latency"]
+    assert {(r["way"], r["copy_us"]) for r in rows} == {
+        (way, d * 1e6) for way in ("kvsvc", "loop_timers") for d in DURATIONS_S
+    }
+    # Every event was seen after it completed (the stand-in's time), never before: a delay is never negative.
+    assert all(r["late_us_p50"] >= 0 and r["late_us_p90"] >= r["late_us_p50"] for r in rows)

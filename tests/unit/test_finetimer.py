@@ -116,3 +116,25 @@ def test_open_declines_where_there_is_no_timerfd(monkeypatch: pytest.MonkeyPatch
         assert FineTimer.open(asyncio.get_running_loop()) is None
 
     run(main)
+
+
+def test_call_after_calls_the_latest_callback_once_and_refuses_beside_a_sleep(run: Runner) -> None:
+    async def main() -> None:
+        timer = _open()
+        calls: list[str] = []
+        done = asyncio.get_running_loop().create_future()
+        timer.call_after(0.05, lambda: calls.append("replaced"))
+        timer.call_after(200e-6, lambda: (calls.append("latest"), done.set_result(None)))  # re-armed sooner
+        await done
+        await asyncio.sleep(0.06)  # past the first delay: the replaced callback never runs
+        assert calls == ["latest"]
+        sleeping = asyncio.ensure_future(timer.sleep(0.001))
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="pending"):
+            timer.call_after(0.001, lambda: None)
+        await sleeping
+        timer.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            timer.call_after(0.001, lambda: None)
+
+    run(main)

@@ -131,3 +131,59 @@ def test_record_event_is_none_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA present: covered by test_streams_cuda")
     assert record_event() is None
+
+
+async def test_pending_events_of_a_loop_share_one_poller_that_leaves_with_the_last() -> None:
+    from kvsvc import streams
+
+    loop = asyncio.get_running_loop()
+    events = [FakeEvent() for _ in range(3)]
+    futures = [completion_future(e) for e in events]
+    poller = streams._POLLERS[loop]
+    assert len(streams._POLLERS) == 1 and len(poller._pending) == 3
+    timer = poller._timer
+    events[1].fire()
+    await asyncio.wait_for(futures[1], 5)
+    assert streams._POLLERS.get(loop) is poller and not futures[0].done()
+    futures[0].cancel()  # its owner gave up: dropped at the next poll, never queried again
+    seen = events[0].queries
+    events[2].fire()
+    await asyncio.wait_for(futures[2], 5)
+    await asyncio.sleep(0.002)
+    assert events[0].queries == seen
+    assert loop not in streams._POLLERS
+    assert timer is None or timer._fd == -1  # the timerfd went with it
+
+
+@pytest.mark.parametrize("factory", ["asyncio", "uvloop"])
+def test_events_resolve_on_either_loop_whatever_their_order(factory: str) -> None:
+    import uvloop
+
+    from kvsvc import streams
+
+    async def main() -> None:
+        events = [FakeEvent() for _ in range(4)]
+        futures = [completion_future(e) for e in events]
+        for i in (2, 0, 3, 1):
+            events[i].fire()
+            await asyncio.wait_for(futures[i], 5)
+        assert all(f.done() for f in futures) and not streams._POLLERS
+        late = FakeEvent(polls=3)  # a new poller for a new burst
+        await asyncio.wait_for(completion_future(late), 5)
+        assert late.queries == 3
+
+    loop_factory = uvloop.new_event_loop if factory == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())
+
+
+async def test_an_event_pending_long_backs_off_to_the_loops_timers() -> None:
+    from kvsvc import streams
+
+    event = FakeEvent()
+    fut = completion_future(event)
+    poller = streams._POLLERS[asyncio.get_running_loop()]
+    await asyncio.sleep(streams.FINE_WINDOW_S + 0.01)
+    assert poller._delay == streams.MAX_POLL_S  # a layer still computing is not polled every 200 us
+    event.fire()
+    await asyncio.wait_for(fut, 5)

