@@ -13,7 +13,7 @@ import pytest
 from kvsvc.testing.vllm import Output
 from workers.bench.plot import plot_comparison
 from workers.bench.vllm_compare import FULL, QUICK, Result, Run, Workload, summarize
-from workers.bench.vllm_ttft import TtftRun, cpu_seconds, push_together, together
+from workers.bench.vllm_ttft import TtftRun, cpu_seconds, push_together, summarize_ttft, together
 from workers.commands.bench import VLLM_WORKLOADS
 
 WORKLOADS = (Workload("long", (10, 20)), Workload("burst", (5,) * 4))
@@ -187,3 +187,32 @@ def test_concurrent_push_asks_d_then_p_once_each_under_the_router_ids() -> None:
     assert d.calls == [(2, [{"remote_request_id": "t-0"}, {"remote_request_id": "t-1"}], ["cmpl-t-0-0", "cmpl-t-1-0"])]
     assert p.calls == [(2, [{"do_remote_decode": True}] * 2, ["cmpl-t-0-0", "cmpl-t-1-0"])]
     assert run.ttft_ms[0] == pytest.approx(1500.0, abs=50) and run.ttft_ms[1] == pytest.approx(2500.0, abs=50)
+
+
+def test_push_targets_compare_each_push_flow_with_its_baseline_of_the_same_run() -> None:
+    def runs(ttft: float, p: float) -> list[TtftRun]:
+        return [TtftRun([ttft, ttft], [p, p], 0.5, 0.5)]
+
+    single = [[100.0, 100.0]]
+    summary = summarize_ttft(
+        {
+            "kvsvc": runs(160.0, 100.0),  # exposed 60
+            "kvsvc_push": runs(115.0, 100.0),  # exposed 15: at most a third of 60
+            "nixl": runs(110.0, 100.0),  # push's 115 is slower: missed on one host
+            "kvsvc_mooncake_push": runs(150.0, 100.0),
+            "nixl_tcp": runs(200.0, 100.0),  # 150 <= 0.8 x 200: met across hosts
+        },
+        single,
+    )
+    targets = summary["targets"]
+    assert targets["push_exposed_at_most_a_third_of_pull"]["met"]
+    assert targets["push_exposed_at_most_a_third_of_pull"]["ratio"] == pytest.approx(0.25)
+    assert not targets["push_ttft_at_most_nixl_one_host"]["met"]
+    assert targets["push_ttft_at_most_0_8_nixl_across_hosts"]["ratio"] == pytest.approx(0.75)
+    assert targets["push_ttft_at_most_0_8_nixl_across_hosts"]["met"]
+    # A pull flow that exposes nothing has no ratio, and push must then expose nothing either.
+    tied = summarize_ttft({"kvsvc": runs(100.0, 60.0), "kvsvc_push": runs(101.0, 60.0)}, single)["targets"]
+    assert tied["push_exposed_at_most_a_third_of_pull"]["ratio"] is None
+    assert not tied["push_exposed_at_most_a_third_of_pull"]["met"]
+    # A run without a baseline claims nothing.
+    assert summarize_ttft({"kvsvc_push": runs(101.0, 60.0)}, single)["targets"] == {}

@@ -20,7 +20,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from kvsvc.testing.vllm import Output
 
@@ -218,10 +218,38 @@ def push_together(
     return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
 
 
+# Push mode's targets, each read in one run: (key, kvsvc's connector, the baseline, the figure, the bound of
+# kvsvc's figure as a multiple of the baseline's). Across hosts is kvsvc forced to Mooncake against NIXL over TCP.
+PUSH_TARGETS: Final = (
+    ("push_exposed_at_most_a_third_of_pull", "kvsvc_push", "kvsvc", "exposed_ms_p50", 1 / 3),
+    ("push_ttft_at_most_nixl_one_host", "kvsvc_push", "nixl", "ttft_ms_p50", 1.0),
+    ("push_ttft_at_most_0_8_nixl_across_hosts", "kvsvc_mooncake_push", "nixl_tcp", "ttft_ms_p50", 0.8),
+)
+
+
+def push_targets(entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each of `PUSH_TARGETS` whose two connectors ran in `entry` (a `summarize_ttft` result): both figures, their
+    ratio (None when the baseline's is not positive: a pull flow can expose nothing, or less than nothing, over
+    a single engine's noise) and `met` (kvsvc's figure at most the bound times the baseline's)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, ours, theirs, figure, bound in PUSH_TARGETS:
+        if not isinstance(entry.get(ours), dict) or not isinstance(entry.get(theirs), dict):
+            continue
+        mine, base = entry[ours][figure], entry[theirs][figure]
+        out[key] = {
+            ours: mine,
+            theirs: base,
+            "ratio": mine / base if base > 0 else None,
+            "bound": bound,
+            "met": mine <= bound * base,
+        }
+    return out
+
+
 def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) -> dict[str, Any]:
     """Per connector, medians over every prompt of every repetition: `ttft_ms_p50`, `exposed_ms_p50` (each prompt's
     TTFT minus the single engine's in the same repetition), P's part (`p_ms_p50`) and D's (`d_ms_p50`), and CPU
-    seconds per request of P and D; and the single engine's `single_ttft_ms_p50`.
+    seconds per request of P and D; the single engine's `single_ttft_ms_p50`; and `targets` (`push_targets`).
 
     Raises:
         ValueError: a connector's repetitions are not as many as the single engine's.
@@ -247,6 +275,7 @@ def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) ->
             "p_cpu_s_per_request": statistics.median(run.p_cpu_s for run in reps),
             "d_cpu_s_per_request": statistics.median(run.d_cpu_s for run in reps),
         }
+    out["targets"] = push_targets(out)
     return out
 
 
@@ -256,6 +285,7 @@ __all__ = [
     "cpu_seconds",
     "one_at_a_time",
     "push_one_at_a_time",
+    "push_targets",
     "push_together",
     "single_engine_ms",
     "single_engine_together_ms",

@@ -323,6 +323,11 @@ def _ttft_table(workload: str, entry: dict[str, Any], order: Sequence[str]) -> T
                 f"{row['p_cpu_s_per_request']:.3f}",
                 f"{row['d_cpu_s_per_request']:.3f}",
             )
+    lines = []
+    for key, target in entry.get("targets", {}).items():
+        ratio = "n/a" if target["ratio"] is None else f"{target['ratio']:.2f}"
+        lines.append(f"{key}: ratio {ratio}, bound {target['bound']:.2f}: {'met' if target['met'] else 'MISSED'}")
+    table.caption = "\n".join(lines)
     return table
 
 
