@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import cProfile
 import dataclasses
 import gc
 import logging
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 GC_THRESHOLDS: Final = (50_000, 20, 100)  # gc.set_threshold for worker processes, see `_serve`
 
 _CLOSE_TIMEOUT_S: Final = 60.0
+# A folder named here gets each worker's cProfile statistics at its exit (one file per process, named by engine,
+# role and ranks): how the time of a bench or demo's workers splits, on a host where a profiler cannot attach.
+PROFILE_ENV: Final = "KVSVC_PROFILE_DIR"
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,6 +410,10 @@ def worker_main(options: WorkerOptions, conn: Connection) -> None:
         format=f"%(asctime)s {options.role}[pp{options.shape.pp_rank},tp{options.shape.tp_rank}] %(name)s: %(message)s",
     )
     code = 1
+    profile_dir = os.environ.get(PROFILE_ENV)
+    profiler = cProfile.Profile() if profile_dir else None
+    if profiler is not None:
+        profiler.enable()
     try:
         import torch
 
@@ -419,6 +427,12 @@ def worker_main(options: WorkerOptions, conn: Connection) -> None:
     finally:
         with contextlib.suppress(OSError):
             conn.close()
+        if profiler is not None and profile_dir:
+            profiler.disable()
+            shape = options.shape
+            name = f"{shape.engine_id}-{options.role}-pp{shape.pp_rank}-tp{shape.tp_rank}-{os.getpid()}.prof"
+            with contextlib.suppress(OSError):
+                profiler.dump_stats(os.path.join(profile_dir, name))
         sys.stdout.flush()
         sys.stderr.flush()
         # Skip interpreter teardown: Mooncake's native threads and static destructors can stall a normal exit.

@@ -6,15 +6,17 @@ own transfer ids. Polls with deadlines; never asserts durations.
 
 from __future__ import annotations
 
+import pstats
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine
 from workers.executor import EngineConfig, Executor, WorkerError, start_all
-from workers.process import Batch, Verify
+from workers.process import PROFILE_ENV, Batch, Verify
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -165,3 +167,16 @@ def test_a_batch_of_checks_answers_per_command_and_names_a_bad_one(
     assert isinstance(decode, DecodeEngine)
     with pytest.raises(WorkerError, match=r"command 0 of the batch of 1 \(Verify\).*outside the pool"):
         decode.executor.broadcast(Batch([Verify(1, [10**6], 4)]))
+
+
+def test_a_profile_folder_gets_each_workers_statistics_at_its_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path))  # the spawned workers inherit it
+    executor = Executor(EngineConfig(engine_id="profiled", role="prefill", tp_size=2, **GEOMETRY))
+    start_all([executor])
+    executor.close()
+    files = sorted(p.name for p in tmp_path.glob("*.prof"))
+    assert [f.rsplit("-", 1)[0] for f in files] == ["profiled-prefill-pp0-tp0", "profiled-prefill-pp0-tp1"]
+    served = [key for key in pstats.Stats(str(tmp_path / files[0])).stats if key[2] == "_serve"]  # type: ignore[attr-defined]
+    assert served, "the worker's service loop is in its profile"
