@@ -220,7 +220,7 @@ class BlockWriter:
                 return False  # a staged write waits for room and for its gather: it needs the task
         except (TopologyError, ValueError):
             return False  # `_write` plans again and reports why
-        result = target.transport.start_write(target.session, _tuples(table))
+        result = target.transport.start_write(target.session, table)
         if result is None:
             return False
         self._started.add(result)
@@ -291,7 +291,7 @@ class BlockWriter:
         chunks = self._staged(target, table, command.window_bytes > 0, unit)
         if chunks is not None:
             return await self._write_staged(target, chunks)
-        return await target.transport.write(target.session, _tuples(table)), len(table)
+        return await target.transport.write(target.session, table), len(table)
 
     async def _write_rounds(self, target: WriteTarget, command: Submit) -> tuple[int, int]:
         """Write a share larger than its window in rounds, as its `FillingWindow` says (module docstring); (bytes,
@@ -350,8 +350,7 @@ class BlockWriter:
         except BaseException:
             area.give_back(addr)
             raise
-        columns = ((addr + chunk.write_offset).tolist(), chunk.write_dst.tolist(), chunk.write_length.tolist())
-        descriptors = list(zip(*columns, strict=True))
+        descriptors = np.column_stack((addr + chunk.write_offset, chunk.write_dst, chunk.write_length))
         try:
             nbytes = await target.transport.write(target.session, descriptors)
         except asyncio.CancelledError:
@@ -413,12 +412,6 @@ async def _computed(layers: Sequence[asyncio.Future[None]]) -> None:
         await asyncio.gather(*layers)
     except Exception as exc:
         raise TransferAborted(f"the compute of a layer failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _tuples(table: Int64Array) -> list[tuple[int, int, int]]:
-    """A descriptor table as the `(source, destination, length)` tuples the transport's writes take."""
-    src, dst, length = table.T.tolist()
-    return list(zip(src, dst, length, strict=True))
 
 
 async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int, int]:

@@ -16,10 +16,12 @@ from kvsvc.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
+    Descriptors,
     Region,
     TransportClosed,
     TransportStatistics,
     WriteFailed,
+    as_rows,
     check_descriptors,
 )
 
@@ -87,10 +89,11 @@ class LoopbackTransport:
     def remove_peer(self, session_id: str) -> None:
         self._peers.pop(session_id, None)
 
-    async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
+    async def write(self, peer: str, descriptors: Descriptors) -> int:
         """Copy the descriptors into the peer's memory. Raises InvalidDescriptor (before copying anything),
         WriteFailed (switched on by `fail_next_writes`), TransportClosed. Cancellation while stalled leaves
         nothing copied; the copy itself is synchronous, so it cannot be interrupted halfway."""
+        descriptors = as_rows(descriptors)
         if self._closed:
             self._refused += 1
             raise TransportClosed(f"transport closed; write to {peer} refused")
@@ -129,7 +132,7 @@ class LoopbackTransport:
     async def drained(self, peer: str | None = None) -> None:
         """Nothing ever moves in the background here: returns at once."""
 
-    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
         """No fast path: every write goes through `write` (the service then runs it as a task)."""
         return None
 

@@ -1,10 +1,13 @@
 """The `Transport` protocol the asyncio service writes KV through, its statistics, errors and address checks.
 
-Imports: the standard library and `kvsvc.errors` only (`kvsvc.messages` for a type; no asyncio loop work, no
-mooncake, no torch), so the pure core, the service and the fakes can all share it. Invariants: a write is refused
-(`InvalidDescriptor`) before anything is submitted unless every source range lies inside registered local memory
-and every destination range inside the peer's published regions; a write never returns or raises while a descriptor
-it submitted may still move data, except a `WriteFailed` whose `drained` future says when that is over.
+Imports: the standard library, numpy and `kvsvc.errors` only (`kvsvc.messages` for a type; no asyncio loop work, no
+mooncake, no torch), so the pure core, the service and the fakes can all share it. A write's descriptors come as
+tuples or as one (N, 3) int64 table (`Descriptors`), the service's form: a plan of thousands of pieces then costs no
+Python object per piece on the way to the copy (a 4,032-piece table made tuples and back took 1.3 ms on the CI
+machine, where its device copies take microseconds), and is checked whole (`check_table`). Invariants: a write is
+refused (`InvalidDescriptor`) before anything is submitted unless every source range lies inside registered local
+memory and every destination range inside the peer's published regions; a write never returns or raises while a
+descriptor it submitted may still move data, except a `WriteFailed` whose `drained` future says when that is over.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 from kvsvc.errors import TransportError
 
@@ -29,6 +35,16 @@ ERR_ADDRESS_OVERLAPPED: Final = -7  # a registration overlaps one already regist
 
 Region = tuple[int, int]
 """`(addr, length)` of a registered or published memory range."""
+
+# Up to this many rows a table is checked row by row: the array operations cost about 15 us whatever the rows, a
+# row about 0.2 us (a one-block request is the many-small-requests path).
+ROWS_CHECKED_ONE_BY_ONE: Final = 48
+
+DescriptorTable = npt.NDArray[np.int64]
+"""A write's descriptors as an (N, 3) int64 table, rows `(src_addr, dst_addr, length)`."""
+
+Descriptors = Sequence[tuple[int, int, int]] | DescriptorTable
+"""What `Transport.write` takes: `(src_addr, dst_addr, length)` tuples, or the same rows as a table."""
 
 
 class InvalidDescriptor(TransportError, ValueError):
@@ -121,8 +137,9 @@ class Transport(Protocol):
         """Forget a peer (idempotent): later writes to it are refused; writes in flight finish on their own."""
         ...
 
-    async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
-        """Write every `(src_addr, dst_addr, length)` into `peer`; return the bytes written once all landed.
+    async def write(self, peer: str, descriptors: Descriptors) -> int:
+        """Write every `(src_addr, dst_addr, length)` into `peer` (tuples or a table); return the bytes written once
+        all landed.
 
         Raises:
             InvalidDescriptor: before anything is submitted, when a range is outside registered local memory or
@@ -143,7 +160,7 @@ class Transport(Protocol):
         """Return once no descriptor to `peer` (to any peer when None) is in flight. Cancellation-safe."""
         ...
 
-    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
         """Optional fast path for small writes: submit now, from the running loop, without a task, and return a
         future that ends as `write` would (bytes written, `WriteFailed`, `TransportClosed`); or return None, having
         submitted nothing, whenever `write` would do anything but submit at once. A transport without the fast
@@ -186,6 +203,7 @@ class AddressRanges:
     def __init__(self, regions: Iterable[Region] = ()) -> None:
         self._starts: list[int] = []
         self._ends: list[int] = []
+        self._arrays: tuple[DescriptorTable, DescriptorTable] | None = None  # for `holds`, built when first asked
         for addr, length in regions:
             self.add(addr, length)
 
@@ -200,11 +218,20 @@ class AddressRanges:
             )
         self._starts.insert(i, addr)
         self._ends.insert(i, addr + length)
+        self._arrays = None
 
     def contains(self, addr: int, length: int) -> bool:
         """True when `[addr, addr + length)` lies inside one range."""
         i = bisect_right(self._starts, addr) - 1
         return i >= 0 and addr + length <= self._ends[i]
+
+    def holds(self, addr: DescriptorTable, length: DescriptorTable) -> bool:
+        """`contains` of every `[addr[i], addr[i] + length[i])` at once (lengths taken as positive)."""
+        if self._arrays is None:
+            self._arrays = (np.array(self._starts, dtype=np.int64), np.array(self._ends, dtype=np.int64))
+        starts, ends = self._arrays
+        i = np.searchsorted(starts, addr, side="right") - 1
+        return bool(np.all(i >= 0) and np.all(addr + length <= ends[np.maximum(i, 0)]))
 
     def regions(self) -> list[Region]:
         return [(s, e - s) for s, e in zip(self._starts, self._ends, strict=True)]
@@ -309,6 +336,59 @@ class OwnLoop:
         loop = asyncio.get_running_loop()
         self.loop, self._thread, self._forks = loop, threading.get_ident(), _forks
         return loop
+
+
+def as_table(descriptors: Descriptors) -> DescriptorTable:
+    """`descriptors` as an (N, 3) int64 table: a table is returned as it is, tuples are copied into one.
+
+    Raises:
+        InvalidDescriptor: they are not rows of three integers.
+    """
+    try:
+        return np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidDescriptor(f"descriptors must be (src, dst, length) rows of integers: {exc}", ERR_FAILED) from None
+
+
+def as_rows(descriptors: Descriptors) -> Sequence[tuple[int, int, int]]:
+    """`descriptors` as `(src, dst, length)` tuples of Python ints, for an engine whose calls take them one by one."""
+    if not isinstance(descriptors, np.ndarray):
+        return descriptors
+    src, dst, length = descriptors.reshape(-1, 3).T.tolist()
+    return list(zip(src, dst, length, strict=True))
+
+
+def check_table(table: DescriptorTable, local: AddressRanges, remote: AddressRanges | None, peer: str) -> int:
+    """`check_descriptors` of a whole table at once: a handful of array operations whatever its length, then, only
+    when something is wrong, the row by row check that names the first offending descriptor.
+
+    Raises:
+        InvalidDescriptor: as `check_descriptors`.
+    """
+    if remote is None or not len(table):
+        return check_descriptors([], local, remote, peer)
+    if len(table) <= ROWS_CHECKED_ONE_BY_ONE:
+        return check_descriptors(table.tolist(), local, remote, peer)
+    src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+    if bool(np.all(length > 0)) and local.holds(src, length) and remote.holds(dst, length):
+        return int(length.sum())
+    return check_descriptors(as_rows(table), local, remote, peer)
+
+
+def checked_table(
+    descriptors: Descriptors, local: AddressRanges, remote: AddressRanges | None, peer: str
+) -> tuple[DescriptorTable, int]:
+    """`descriptors` as a table and their total length, checked as `check_descriptors` does (tuples one by one, a
+    table whole): what a plane that copies from a table does first.
+
+    Raises:
+        InvalidDescriptor: as `check_descriptors`, or rows that are not three integers.
+    """
+    if isinstance(descriptors, np.ndarray):
+        table = as_table(descriptors)
+        return table, check_table(table, local, remote, peer)
+    total = check_descriptors(descriptors, local, remote, peer)
+    return as_table(descriptors), total
 
 
 def check_descriptors(

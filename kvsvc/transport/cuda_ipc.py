@@ -35,6 +35,7 @@ from kvsvc.streams import completion_future
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
+    Descriptors,
     InvalidDescriptor,
     OwnLoop,
     Region,
@@ -42,7 +43,7 @@ from kvsvc.transport.base import (
     TransportStatistics,
     WriteFailed,
     WriteLedger,
-    check_descriptors,
+    checked_table,
     settled,
 )
 from kvsvc.transport.completion import wait_uncancellable
@@ -57,20 +58,6 @@ ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
 
 Table = npt.NDArray[np.int64]
 """Descriptors as rows `(src, dst, length)`."""
-
-
-class _Ranges:
-    """Sorted, non-overlapping `[start, end)` ranges as arrays, for checks of a whole table at once."""
-
-    def __init__(self, regions: Sequence[Region]) -> None:
-        ordered = sorted(regions)
-        self.starts = np.array([a for a, _ in ordered], dtype=np.int64)
-        self.ends = np.array([a + n for a, n in ordered], dtype=np.int64)
-
-    def hold(self, addr: Table, length: Table) -> bool:
-        """Whether every `[addr, addr + length)` lies inside one range."""
-        i = np.searchsorted(self.starts, addr, side="right") - 1
-        return bool(np.all(i >= 0) and np.all(addr + length <= self.ends[np.maximum(i, 0)]))
 
 
 @dataclass(slots=True)
@@ -105,7 +92,6 @@ class _Peer:
     mapping: _Mapping
     watch: ProcessWatch  # asked before each write: a copy into a dead process's memory must not start
     regions: AddressRanges | None = None  # published by add_peer
-    arrays: _Ranges | None = None  # the same, for checks of a whole table
     in_flight: int = 0
     removed: bool = False
 
@@ -118,7 +104,6 @@ class CudaIpcTransport:
         self._me = own_address()
         self._gpu = ""
         self._local = AddressRanges()
-        self._local_arrays = _Ranges([])
         self._exports: dict[int, IpcHandle] = {}  # D's side: allocation base -> handle
         self._unexportable = ""  # why this worker's memory cannot be offered (logged once)
         self._peers: dict[str, _Peer] = {}  # admitted sessions
@@ -166,7 +151,6 @@ class CudaIpcTransport:
             raise TransportClosed("the GPU plane is closed")
         for addr, length in regions:
             self._local.add(addr, length)
-        self._local_arrays = _Ranges(self._local.regions())
         if self._unexportable:
             return
         try:
@@ -295,7 +279,6 @@ class CudaIpcTransport:
             peer.regions = AddressRanges(regions)
         except TransportError as exc:
             raise InvalidDescriptor(str(exc), ERR_FAILED) from None
-        peer.arrays = _Ranges(regions)
 
     def remove_peer(self, session_id: str) -> None:
         peer = self._peers.pop(session_id, None)
@@ -315,7 +298,7 @@ class CudaIpcTransport:
 
     # -- writes ----------------------------------------------------------------------------------------------------
 
-    async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
+    async def write(self, peer: str, descriptors: Descriptors) -> int:
         """As `Transport.write`: every byte copied on the device, or `WriteFailed`.
 
         Raises:
@@ -333,39 +316,27 @@ class CudaIpcTransport:
             await wait_uncancellable(future)
             raise
 
-    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
         """As `Transport.start_write`: the copies are enqueued now. None when `write` would refuse."""
         try:
             return self._submit(peer, descriptors)
         except (InvalidDescriptor, TransportClosed):
             return None
 
-    def _submit(self, session: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int]:
+    def _submit(self, session: str, descriptors: Descriptors) -> asyncio.Future[int]:
         if self._closed:
             self._ledger.refused += 1
             raise TransportClosed("the GPU plane is closed")
         peer = self._peers.get(session)
-        table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
-        src, dst, length = table[:, 0], table[:, 1], table[:, 2]
-        if (
-            peer is None
-            or peer.removed
-            or peer.arrays is None
-            or not len(table)
-            or not np.all(length > 0)
-            or not self._local_arrays.hold(src, length)
-            or not peer.arrays.hold(dst, length)
-        ):
-            # The slow check names the first descriptor at fault (or passes an empty write).
-            try:
-                check_descriptors(
-                    descriptors, self._local, peer.regions if peer and not peer.removed else None, session
-                )
-            except InvalidDescriptor:
-                self._ledger.refused += 1
-                raise
+        try:
+            table, total = checked_table(
+                descriptors, self._local, peer.regions if peer and not peer.removed else None, session
+            )
+        except InvalidDescriptor:
+            self._ledger.refused += 1
+            raise
         assert peer is not None
-        total = int(length.sum())
+        src, dst, length = table[:, 0], table[:, 1], table[:, 2]
         loop = self._own.current()
         result: asyncio.Future[int] = loop.create_future()
         if peer.watch.gone():

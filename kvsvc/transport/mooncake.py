@@ -23,11 +23,13 @@ from kvsvc.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
+    Descriptors,
     OwnLoop,
     Region,
     TransportClosed,
     TransportStatistics,
     WriteFailed,
+    as_rows,
     check_descriptors,
 )
 from kvsvc.transport.completion import LOOP_TIMER_FLOOR_S, CompletionPoller, Write, wait_uncancellable
@@ -205,10 +207,11 @@ class MooncakeTransport:
 
     # -- writes ---------------------------------------------------------------------------------------------------
 
-    async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
+    async def write(self, peer: str, descriptors: Descriptors) -> int:
         """See `Transport.write`: raises InvalidDescriptor before submitting, WriteFailed, TransportClosed;
         cancellation waits for the submitted descriptors (bounded by the engine's progress timeout plus
-        `drain_timeout_s`) before re-raising."""
+        `drain_timeout_s`) before re-raising. A table is taken as tuples: the engine submits one at a time."""
+        descriptors = as_rows(descriptors)
         if self._closed:
             self._counts["refused"] += 1
             raise TransportClosed(f"transport closed; write to {peer} refused")
@@ -243,7 +246,7 @@ class MooncakeTransport:
         finally:
             self._end_op(op, counted=not cancelled)
 
-    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
         """Submit a small write at once, from the running loop, without a task: the many-small-requests path.
 
         Returns a future that resolves exactly as `write` returns or raises (bytes written, or `WriteFailed` whose
@@ -252,6 +255,7 @@ class MooncakeTransport:
         window, stuck descriptors, more than `submit_chunk` descriptors, a refused descriptor, a closed transport.
         The caller then uses `write`, which raises what applies. Cancelling the future cancels nothing.
         """
+        descriptors = as_rows(descriptors)
         if (
             self._closed
             or not descriptors

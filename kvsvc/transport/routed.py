@@ -20,7 +20,7 @@ from typing import Protocol
 
 from kvsvc.data_planes import is_same_host
 from kvsvc.messages import IpcHandle
-from kvsvc.transport.base import Region, Transport, TransportStatistics
+from kvsvc.transport.base import Descriptors, Region, Transport, TransportStatistics
 from kvsvc.transport.cuda_driver import CudaError
 from kvsvc.transport.samehost import SameHostTransport
 
@@ -78,10 +78,10 @@ class RoutedTransport:
             return await self.local.reachable(session, regions, via, handles)
         return ""
 
-    async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
+    async def write(self, peer: str, descriptors: Descriptors) -> int:
         return await self.plane(peer).write(peer, descriptors)
 
-    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
         return self.plane(peer).start_write(peer, descriptors)
 
     async def drained(self, peer: str | None = None) -> None:

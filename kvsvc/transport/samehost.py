@@ -38,6 +38,7 @@ from kvsvc.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
+    Descriptors,
     InvalidDescriptor,
     OwnLoop,
     Region,
@@ -45,7 +46,7 @@ from kvsvc.transport.base import (
     TransportStatistics,
     WriteFailed,
     WriteLedger,
-    check_descriptors,
+    checked_table,
     settled,
 )
 from kvsvc.transport.completion import wait_uncancellable
@@ -306,7 +307,7 @@ class SameHostTransport:
             self._admitted[session] = uid
         return refused
 
-    async def write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> int:
+    async def write(self, peer: str, descriptors: Descriptors) -> int:
         """As `Transport.write`: every byte copied by the kernel, or `WriteFailed` with nothing left moving.
 
         Raises:
@@ -323,7 +324,7 @@ class SameHostTransport:
             await wait_uncancellable(future)
             raise
 
-    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
         """As `Transport.start_write`: the copy is handed to the copy thread at the end of this loop iteration. None
         when `write` would refuse (it raises the reason then)."""
         try:
@@ -331,18 +332,17 @@ class SameHostTransport:
         except (InvalidDescriptor, TransportClosed):
             return None
 
-    def _submit(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int]:
+    def _submit(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int]:
         if self._closed:
             self._ledger.refused += 1
             raise TransportClosed("same-host transport is closed")
         known = self._peers.get(peer)
         try:
-            total = check_descriptors(descriptors, self._local, known[0] if known else None, peer)
+            table, total = checked_table(descriptors, self._local, known[0] if known else None, peer)
         except InvalidDescriptor:
             self._ledger.refused += 1
             raise
         assert known is not None
-        table = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
         loop = self._own.current()
         result: asyncio.Future[int] = loop.create_future()
         self._ledger.started(len(table))

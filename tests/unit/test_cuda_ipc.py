@@ -42,6 +42,7 @@ from kvsvc.testing.engines import MemmoveCopies
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport import InvalidDescriptor, TransportClosed, WriteFailed, cuda_ipc, procfs
+from kvsvc.transport.base import ROWS_CHECKED_ONE_BY_ONE
 from kvsvc.transport.cuda_driver import CudaError, LibCuda
 from kvsvc.transport.cuda_ipc import CudaIpcTransport
 from kvsvc.transport.procfs import own_address
@@ -454,3 +455,16 @@ def test_the_driver_is_handed_every_piece_in_one_batch_or_one_call_each(batched:
         assert lib.batches == [pieces] and lib.stream == 77 and lib.singles == []
     else:
         assert lib.singles == pieces and lib.batches == []
+
+
+async def test_a_table_of_many_pieces_is_checked_whole_and_lands(pair: Pair, connection: Via) -> None:
+    await pair.admit(connection)
+    n = 4 * ROWS_CHECKED_ONE_BY_ONE  # past the row by row check: the array one
+    table = np.stack([pair.src + 64 * np.arange(n), pair.dst + 128 * np.arange(n), np.full(n, 64)], axis=1)
+    assert await pair.p.write(pair.session, table.astype(np.int64)) == 64 * n
+    for i in (0, n // 2, n - 1):
+        assert view(pair.dst + 128 * i, 64).tobytes() == view(pair.src + 64 * i, 64).tobytes()
+    table[n // 2, 1] = pair.dst + SIZE - 8  # one row past D's region: refused whole, naming it
+    with pytest.raises(InvalidDescriptor, match=f"descriptor {n // 2} to .*outside the peer's regions"):
+        await pair.p.write(pair.session, table.astype(np.int64))
+    assert pair.p.statistics().refused == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.holds import harness_secret
-from kvsvc.transport.base import WriteFailed
+from kvsvc.transport.base import Descriptors, WriteFailed, as_rows
 from tests.unit.test_service_wiring import BLOCK, LAYERS, Side, block_bytes_of, make_side, wait_output
 
 
@@ -31,7 +31,8 @@ class StartingTransport(LoopbackTransport):
         self.fail_dst: set[int] = set()
         self.hold_drain: asyncio.Future[None] | None = None
 
-    def start_write(self, peer: str, descriptors: Sequence[tuple[int, int, int]]) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+        descriptors = as_rows(descriptors)  # the service hands a table
         loop = asyncio.get_running_loop()
         result: asyncio.Future[int] = loop.create_future()
         self.started += 1
