@@ -1,19 +1,20 @@
-"""`TorchGather`: the `Gather` a staged write calls, as torch copies from a worker's KV tensors into its staging
-tensor, and its inverse `scatter`, from a window of the staging tensor into the KV tensors; on GPU on a side CUDA
-stream whose event completes the returned future, on CPU at the call up to a bound (`INLINE_COPY_BYTES` and
+"""`TorchGather`: the `Gather` a staged write calls, as torch copies from a worker's KV tensors into its staging tensor,
+and its inverse `scatter`, from a window of the staging tensor into the KV tensors; on GPU on a side CUDA stream
+whose event completes the returned future, on CPU at the call up to a bound (`INLINE_COPY_BYTES` and
 `INLINE_KERNELS`: about half a millisecond of the loop) and in a worker thread above it.
 
 Imports torch lazily (at construction), `kvsvc.streams` for the CUDA completion future. Rules: a call is checked
 whole and its kernels prepared on the loop's thread before any byte moves, so a bad piece (outside the registered
-tensors, or pieces that do not tile one range of the staging tensor in order) is a `ValueError` that copied
-nothing; when the call's pieces are whole rows at their common size (the layouts' usual case: heads, merged or
-not), those from one tensor are one row kernel (numpy's `take` on CPU, on numpy views of the same memory;
-`index_select` on a device), every index computed for the call at once, else one `torch.cat`, so a chunk costs one
-kernel per tensor it reads, whatever its piece count; a call whose pieces lie at the same offsets from its first
-piece as an earlier call's (a cached plan shifted to other blocks) reuses that call's row index, shifted, once its
-shifted pieces are checked to stay in their tensors; a scatter is the same with the roles swapped (numpy's indexed
-assignment on CPU, `index_copy_` on a device, else one copy per piece). A copy large enough for the executor
-(`INLINE_COPY_BYTES`) runs there without the GIL: numpy's kernels release it at that size, as torch's do.
+tensors, or pieces that do not tile one range of the staging tensor in order) is a `ValueError` that copied nothing;
+when the call's pieces are whole rows at their common size (the layouts' usual case: heads, merged or not), those
+from one tensor are one row kernel (numpy's `take` on CPU, on numpy views of the same memory; `index_select` on a
+device), every index computed for the call at once, else one `torch.cat`, so a chunk costs one kernel per tensor it
+reads, whatever its piece count; a call whose pieces lie at the same offsets from its first piece as an earlier
+call's (a cached plan shifted to other blocks; found by a key of a few pieces, then compared whole) reuses that
+call's row index, on the device since its first call, once its shifted pieces are checked to stay in their tensors; a
+scatter is the same with the roles swapped (numpy's indexed assignment on CPU, `index_copy_` on a device, else one
+copy per piece). A copy large enough for the executor (`INLINE_COPY_BYTES`) runs there without the GIL: numpy's
+kernels release it at that size, as torch's do.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class _RowPlan:
     total: int  # bytes of the call
     index: Int64Array
     runs: tuple[tuple[int, int, int, int, int], ...]  # (tensor, first row, row after the last, lowest offset, end)
+    shape: tuple[Int64Array, Int64Array, Int64Array]  # the pieces' offsets from the first, staging offsets, lengths
+    device_index: list[Any]  # `index` where the copy runs, made at the first call that needs it (`_device_index`)
 
 
 class TorchGather:
@@ -84,8 +87,8 @@ class TorchGather:
         for view in self._bytes:
             self._alignment |= view.data_ptr() | view.storage_offset()
         self._tables: dict[tuple[int, int, int], Any] = {}  # (source, row bytes, word bytes) -> its rows
-        # (direction, pieces' offsets from the first, staging offsets from the first, lengths) -> the call's rows
-        self._shapes: dict[tuple[str, bytes, bytes, bytes], _RowPlan] = {}
+        # A call's rows by a key that names its shape in O(1) (`_shape_key`), checked exactly before reuse.
+        self._shapes: dict[tuple[object, ...], _RowPlan] = {}
         self.shapes_reused = 0  # calls that reused an earlier call's rows, for tests and profiling
         self._staging = staging
         # On CPU the row kernels are numpy's, on numpy views of the same memory (see `_kernels`); on a device,
@@ -186,13 +189,15 @@ class TorchGather:
                 ready.append(partial(piece.copy_, self._staging[end - n : end]))
         return ready
 
-    def _on_device(self, index: Int64Array) -> Any:
-        """A row index where the copy runs: as it is on CPU (numpy's kernels), else as a tensor on the device,
-        copied once per call (non-blocking: from pageable memory the host may still wait for the copy, but no
-        kernel queued on the device waits for it)."""
+    def _device_index(self, plan: _RowPlan) -> Any:
+        """`plan`'s row index where the copy runs: as it is on CPU (numpy's kernels), else a tensor on the device,
+        copied there once per plan (non-blocking: from pageable memory the host may still wait for that copy, but
+        no kernel queued on the device waits for it)."""
         if self._numpy:
-            return index
-        return self._torch.from_numpy(index).to(self._staging.device, non_blocking=True)
+            return plan.index
+        if not plan.device_index:
+            plan.device_index.append(self._torch.from_numpy(plan.index).to(self._staging.device, non_blocking=True))
+        return plan.device_index[0]
 
     def _segments(self, addrs: Int64Array, length: Int64Array, first: int) -> list[tuple[int, int, int]]:
         """The pieces split where the registered tensor they lie in changes: `(lo, hi, staging offset)` for each
@@ -242,22 +247,22 @@ class TorchGather:
         Raises:
             ValueError: as `_tiled`.
         """
-        key = (what, (addrs - addrs[0]).tobytes(), (tiled - tiled[0]).tobytes(), length.tobytes())
+        key = _shape_key(what, addrs, tiled, length)
         plan = self._shapes.get(key)
-        if plan is not None:
+        if plan is not None and _same_shape(plan.shape, addrs, tiled, length):
             first, _ = self._tiled(tiled, length, what, plan.total)
             rows = self._shifted(plan, int(addrs[0]), first)
             if rows is not None:
                 self.shapes_reused += 1
                 return first, rows
         first, _ = self._tiled(tiled, length, what)
-        plan = self._row_plan(addrs, length)
+        plan = self._row_plan(addrs, tiled, length)
         if plan is None:
             return first, None
         if len(self._shapes) >= _MAX_SHAPES:
             self._shapes.clear()
         self._shapes[key] = plan
-        return first, self._kernels(plan, plan.index, first)
+        return first, self._kernels(plan, 0, first)
 
     def _shifted(self, plan: _RowPlan, addr: int, first: int) -> list[tuple[Any, Any, Any]] | None:
         """`plan`'s kernels for a call whose first piece is at `addr`, or None when the shift is not whole rows or
@@ -274,10 +279,9 @@ class TorchGather:
             start = starts[source]
             if bisect_right(starts, start + highest + shift - 1) - 1 != source:
                 return None
-        index = plan.index + shift // plan.n if shift else plan.index
-        return self._kernels(plan, index, first)
+        return self._kernels(plan, shift // plan.n, first)
 
-    def _row_plan(self, addrs: Int64Array, length: Int64Array) -> _RowPlan | None:
+    def _row_plan(self, addrs: Int64Array, tiled: Int64Array, length: Int64Array) -> _RowPlan | None:
         """The call as rows of one size `n`, the largest of which every piece's length and offset in its tensor are
         multiples (the planner merges adjacent pieces, so lengths are multiples of a head's run, not one length):
         the index of each row the pieces cover, in order, cut into runs of pieces in one tensor. None when there is
@@ -310,23 +314,29 @@ class TorchGather:
             np.maximum.reduceat(ends, pieces_at).tolist(),
             strict=True,
         )
-        return _RowPlan(int(addrs[0]), n, int(length.sum()), index, tuple(runs))
+        shape = (addrs - addrs[0], tiled - tiled[0], length.copy())
+        return _RowPlan(int(addrs[0]), n, int(length.sum()), index, tuple(runs), shape, [])
 
-    def _kernels(self, plan: _RowPlan, index: Int64Array, first: int) -> list[tuple[Any, Any, Any]]:
-        """For each of `plan`'s runs: (its tensor as rows of `n` bytes, the run's rows of `index`, where the copy
-        runs (`_on_device`), the staging range from `first` they tile as as many rows). Rows are seen as the widest
-        machine words that divide them, because torch's index kernels (those on a device) copy one element at a time
-        (on CPU, bytes moved at a tenth of memcpy speed, 8-byte words at half); numpy's copy whole rows either
-        way."""
+    def _kernels(self, plan: _RowPlan, row_shift: int, first: int) -> list[tuple[Any, Any, Any]]:
+        """For each of `plan`'s runs, its pieces moved by `row_shift` rows: (its tensor as rows of `n` bytes, the
+        run's rows of the plan's index where the copy runs (`_device_index`), the staging range from `first` they
+        tile as as many rows). A shift forward is a view of the tensor from that row on, so the index made for the
+        plan serves every later call as it is (no index is computed or copied to the device per call); a shift back
+        adds to the index. Rows are seen as the widest machine words that divide them, because torch's index
+        kernels (those on a device) copy one element at a time (on CPU, bytes moved at a tenth of memcpy speed,
+        8-byte words at half); numpy's copy whole rows either way."""
         n = plan.n
         word = next(w for w in (8, 4, 2, 1) if (n | first | self._alignment) % w == 0)
-        on_device = self._on_device(index)
+        index = self._device_index(plan)
+        if row_shift < 0:
+            index = index + row_shift
+        start = max(row_shift, 0)
         dtype = self._words[word]
         kernels = []
         for source, lo, hi, _, _ in plan.runs:
             at = first + lo * n
             window = self._staging_rows[at : at + (hi - lo) * n].view(dtype).reshape(-1, n // word)
-            kernels.append((self._table(source, n, word), on_device[lo:hi], window))
+            kernels.append((self._table(source, n, word)[start:], index[lo:hi], window))
         return kernels
 
     def _table(self, source: int, n: int, word: int) -> Any:
@@ -341,6 +351,36 @@ class TorchGather:
             flat = view[: rows * n].numpy() if self._numpy else view[: rows * n]
             table = self._tables[key] = flat.view(self._words[word]).reshape(rows, n // word)
         return table
+
+
+def _shape_key(what: str, addrs: Int64Array, tiled: Int64Array, length: Int64Array) -> tuple[object, ...]:
+    """A call's shape named in O(1): direction, piece count, bytes, and a few pieces' offsets from the first. Calls
+    of one shape share it; so may others, rarely, which `_same_shape` tells apart before a plan is reused (hashing
+    whole arrays cost half a millisecond at 28,000 pieces, several times the device copy)."""
+    n = int(addrs.size)
+    probes = sorted(i for i in {0, 1, n // 3, n // 2, n - 2, n - 1} if 0 <= i < n)
+    return (
+        what,
+        n,
+        int(length.sum()),
+        tuple(int(addrs[i] - addrs[0]) for i in probes),
+        tuple(int(tiled[i] - tiled[0]) for i in probes),
+        tuple(int(length[i]) for i in probes),
+    )
+
+
+def _same_shape(
+    shape: tuple[Int64Array, Int64Array, Int64Array], addrs: Int64Array, tiled: Int64Array, length: Int64Array
+) -> bool:
+    """Whether a call's pieces lie exactly as `shape`'s, shifted (its offsets from the first piece, on both sides,
+    and its lengths): element comparisons, no hashing."""
+    offsets, staged, lengths = shape
+    return (
+        offsets.size == addrs.size
+        and bool(np.array_equal(lengths, length))
+        and bool(np.array_equal(offsets, addrs - addrs[0]))
+        and bool(np.array_equal(staged, tiled - tiled[0]))
+    )
 
 
 def _run_all(kernels: Sequence[Callable[[], object]]) -> None:

@@ -17,8 +17,9 @@ from kvsvc.gather import INLINE_KERNELS, TorchGather
 
 def _row_kernels(gather: TorchGather, addrs: np.ndarray, length: np.ndarray, first: int) -> list | None:
     """The call's row kernels with the staging range at `first`, or None (not whole rows): what a first call runs."""
-    plan = gather._row_plan(addrs, length)
-    return None if plan is None else gather._kernels(plan, plan.index, first)
+    tiled = first + np.concatenate(([0], np.cumsum(length)[:-1]))  # the staging range the pieces tile, in order
+    plan = gather._row_plan(addrs, tiled, length)
+    return None if plan is None else gather._kernels(plan, 0, first)
 
 
 def _run(gather: TorchGather, src: list[int], dst: list[int], length: list[int], *, scatter: bool = False) -> None:
@@ -321,3 +322,37 @@ def test_where_registered_tensors_overlap_a_repeat_call_is_refused_as_a_first_ca
     with pytest.raises(ValueError, match="outside the registered tensors"):
         _run(gather, [big.data_ptr() + 1536], [staging.data_ptr()], [768])
     assert gather.shapes_reused == 0 and not staging.any()
+
+
+def test_a_shape_that_agrees_only_where_the_key_looks_is_planned_afresh() -> None:
+    """The shape key reads a few pieces; a call that differs elsewhere (here the third piece's source) shares the key
+    but not the rows: it is planned afresh and lands its own bytes."""
+    pool = torch.arange(8192, dtype=torch.int32).view(torch.uint8)  # 32 KiB, rows of 1 KiB
+    staging = torch.zeros(16384, dtype=torch.uint8)
+    gather = TorchGather([pool], staging)
+    flat, base, at = pool.numpy(), pool.data_ptr(), staging.data_ptr()
+    rows = np.arange(10, dtype=np.int64) * 2
+    dst = (at + 1024 * np.arange(10)).tolist()
+    _run(gather, (base + 1024 * rows).tolist(), dst, [1024] * 10)
+    other = rows.copy()
+    other[2] = 5  # piece 2 is no probe of the key
+    _run(gather, (base + 1024 * other).tolist(), dst, [1024] * 10)
+    assert gather.shapes_reused == 0
+    want = np.concatenate([flat[1024 * r : 1024 * (r + 1)] for r in other])
+    assert np.array_equal(staging.numpy()[:10240], want)
+
+
+def test_a_shape_reused_at_lower_rows_lands_those_rows() -> None:
+    """The first call of a shape at high rows, the next lower: the reused index moves back (a shift forward is a
+    view of the tensor instead)."""
+    pool = torch.arange(8192, dtype=torch.int32).view(torch.uint8)
+    staging = torch.zeros(4096, dtype=torch.uint8)
+    gather = TorchGather([pool], staging)
+    flat, base, at = pool.numpy(), pool.data_ptr(), staging.data_ptr()
+    rows = np.array([20, 22, 24, 26], dtype=np.int64)
+    dst = (at + 1024 * np.arange(4)).tolist()
+    for shift in (0, -17, 3):
+        _run(gather, (base + 1024 * (rows + shift)).tolist(), dst, [1024] * 4)
+        want = np.concatenate([flat[1024 * r : 1024 * (r + 1)] for r in rows + shift])
+        assert np.array_equal(staging.numpy(), want), shift
+    assert gather.shapes_reused == 2

@@ -63,3 +63,20 @@ def test_the_awaitable_resolves_only_after_a_large_gather_landed() -> None:
     got = staging.view(len(pieces), row)
     want = torch.stack([tensors[i].view(rows, row)[r] for i, r in pieces])
     assert torch.equal(got, want)
+
+
+def test_a_reused_shape_copies_its_index_to_the_device_once_and_lands_each_calls_rows() -> None:
+    """Calls of one shape at other rows (forward and back) reuse the plan's device index: one copy to the device
+    for all of them, each call's own bytes in the staging tensor."""
+    pool = torch.arange(8192, dtype=torch.int32, device="cuda").view(torch.uint8)
+    staging = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+    gather = TorchGather([pool], staging)
+    flat, base, at = pool.cpu().numpy(), pool.data_ptr(), staging.data_ptr()
+    rows = np.array([20, 22, 24, 26], dtype=np.int64)
+    dst = (at + 1024 * np.arange(4)).tolist()
+    for shift in (0, 5, -17):
+        _run(gather, (base + 1024 * (rows + shift)).tolist(), dst, [1024] * 4)
+        want = np.concatenate([flat[1024 * r : 1024 * (r + 1)] for r in rows + shift])
+        assert np.array_equal(staging.cpu().numpy(), want), shift
+    (plan,) = gather._shapes.values()
+    assert gather.shapes_reused == 2 and len(plan.device_index) == 1
