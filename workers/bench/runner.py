@@ -130,14 +130,26 @@ class BenchRunner:
         self.dn2 = Executor(EngineConfig(engine_id="bench-dn2", role="decode", tp_size=2, staging_bytes=staged, **nhd))
         self.executors = [self.p, self.d] + ([] if device == "cuda" else [self.d2, self.px, self.dx])
         self.executors += [self.ps, self.ps2, self.dh, self.dh2, self.dwide, self.pn, self.dn2]
-        # On a GPU, a split layout also without staging regions: the plane's own copies of a direct plan (2D copies
-        # of its pitched rows), beside the staged and windowed ways.
+        # On a GPU, every split layout also without staging regions: the plane's own copies of a direct plan (2D
+        # copies of its pitched rows) beside the staged and windowed ways, so one run says which way the rule should
+        # pick there.
         self.direct: list[tuple[str, Executor, Executor, str]] = []
         if device == "cuda":
-            ps2d = Executor(EngineConfig(engine_id="bench-ps2-direct", tp_size=2, **lay))
-            dhd = Executor(EngineConfig(engine_id="bench-dh-direct", role="decode", **lay))
-            self.direct = [("hetero_tp_down_direct", ps2d, dhd, "HND, P tp2 -> D tp1, no staging region")]
-            self.executors += [ps2d, dhd]
+
+            def bare(name: str, role: str = "prefill", **shape: Any) -> Executor:
+                return Executor(EngineConfig(engine_id=f"bench-{name}-direct", role=role, **{**lay, **shape}))
+
+            ps_d, ps2_d, pn_d = bare("ps"), bare("ps2", tp_size=2), bare("pn", layout="NHD")
+            dh_d, dh2_d = bare("dh", "decode"), bare("dh2", "decode", tp_size=2)
+            dwide_d = bare("dwide", "decode", block_size=2 * m.block_size)
+            dn2_d = bare("dn2", "decode", tp_size=2, layout="NHD")
+            self.direct = [
+                ("hetero_tp_up_direct", ps_d, dh2_d, "HND, P tp1 -> D tp2, no staging region"),
+                ("hetero_tp_down_direct", ps2_d, dh_d, "HND, P tp2 -> D tp1, no staging region"),
+                ("block_mismatch_direct", ps_d, dwide_d, "HND, P block b -> D block 2b, no staging region"),
+                ("nhd_hetero_tp_direct", pn_d, dn2_d, "NHD, P tp1 -> D tp2, no staging region"),
+            ]
+            self.executors += [ps_d, ps2_d, pn_d, dh_d, dh2_d, dwide_d, dn2_d]
 
     def start(self) -> None:
         start_all(self.executors)
