@@ -189,12 +189,21 @@ def d_first(p: VllmEngine, d: VllmEngine, batch: list[list[int]], tag: str) -> t
     d.generate([first], max_tokens=1, params=[announced])
     ids = [f"router-{tag}-{i}" for i in range(len(batch))]
     names = [f"cmpl-{rid}-0" for rid in ids]  # as vLLM's server names a completion from X-Request-Id
-    # Asked before D runs the batch: a worker call beside a running step of a TP engine mixes up their answers.
-    fetches = len(batch) * len(d.stats(workers=True)["workers"])
-    early = int(p.stats()["service"]["sender"]["early_requests"])
+    # Asked before D runs the batch: a worker call beside a running step of a TP engine mixes up their answers. Every
+    # D worker asks every P worker (one side has one worker here, or D is at PP 1): P counts each ask as it comes.
+    fetches = len(batch) * len(d.stats(workers=True)["workers"]) * len(p.stats(workers=True)["workers"])
+    early = early_requests(p)
     call = d.submit(batch, max_tokens=8, params=[router_params(announced, rid) for rid in ids], names=names)
-    wait_for(p, lambda s: int(s["service"]["sender"]["early_requests"]) == early + fetches)
+    deadline = time.monotonic() + 60
+    while early_requests(p) != early + fetches:
+        assert time.monotonic() < deadline, f"{p.name}: {early_requests(p) - early} of {fetches} fetches arrived"
+        time.sleep(0.05)
     return call, names
+
+
+def early_requests(p: VllmEngine) -> int:
+    """The fetches that reached P's workers before their hold, all workers together (P is idle: it may be asked)."""
+    return sum(int(w["sender"]["early_requests"]) for w in p.stats(workers=True)["workers"])
 
 
 def push(p: VllmEngine, d: VllmEngine, batch: list[list[int]], tag: str) -> tuple[list[Output], dict[str, Any]]:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_llama
+from tests.vllm.test_vllm_connector import free_ports, push
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -50,16 +51,19 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
     """A baseline (no connector); P at PP 1 and 2 with the baseline's weights, P at PP 2 with kvsvc under vLLM's
     MultiConnector, and P at PP 2 with other weights under MultiConnector too (the negative control of every pair);
     D at PP 1, PP 2 and TP 2. Started side by side. P1, D2 and the MultiConnector children name the connector
-    only (the plugin registered it); the others give its module path too."""
+    only (the plugin registered it); the others give its module path too. P2 and X2 push (serving the pull flow all
+    the same), and D1 takes their push params."""
     root = tmp_path_factory.mktemp("vllm-pp")
     model = str(write_tiny_llama(root / "tiny-llama", seed=0))
     other = str(write_tiny_llama(root / "tiny-llama-other", seed=1))
     by_name = {"connector_module": ""}
     pp2: dict[str, Any] = {"pipeline_parallel_size": 2}
+    p2_port, x2_port = free_ports(2)
+    push_peers = {"push_peers": [f"127.0.0.1:{p2_port}", f"127.0.0.1:{x2_port}"]}
     configs = {
         "base": EngineConfig(model),
         "P1": EngineConfig(model, "kv_producer", **by_name),
-        "P2": EngineConfig(model, "kv_producer", **pp2),
+        "P2": EngineConfig(model, "kv_producer", extra_config={"mode": "push", "bootstrap_port": p2_port}, **pp2),
         "MP2": EngineConfig(
             model,
             "kv_producer",
@@ -74,9 +78,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
             connector="MultiConnector",
             **by_name,
             **pp2,
-            extra_config=multi("kv_producer", root / "store-other", {"hold_timeout_s": 10}),
+            extra_config=multi(
+                "kv_producer", root / "store-other", {"hold_timeout_s": 10, "mode": "push", "bootstrap_port": x2_port}
+            ),
         ),
-        "D1": EngineConfig(model, "kv_consumer"),
+        "D1": EngineConfig(model, "kv_consumer", extra_config=push_peers),
         "D2": EngineConfig(model, "kv_consumer", **by_name, **pp2),
         "DT": EngineConfig(model, "kv_consumer", tensor_parallel_size=2),
     }
@@ -165,6 +171,28 @@ def test_kvsvc_under_multiconnector_at_pp2_gives_a_single_engines_tokens_and_its
     before = sum(1 for _ in store.rglob("*")) if store.exists() else 0
     transfer(engines, "MP2", "D1", "X2", first=260, seed=6)
     assert sum(1 for _ in store.rglob("*")) > before, "the sibling connector saved nothing"
+
+
+def test_push_d_first_from_p_at_pp2_gives_a_single_engines_tokens_and_other_weights_change_them(
+    engines: dict[str, VllmEngine],
+) -> None:
+    """vllm-router's push flow (D first) with P at PP 2: each P stage writes its layers as they are computed into
+    D's waiting fetches; D's tokens are a single engine's, and from X2 (other weights, at PP 2 under MultiConnector)
+    they differ."""
+    p, d, x = engines["P2"], engines["D1"], engines["X2"]
+    batch = prompts(310, [BLOCK + 1, 100, 257], seed=7)
+    before = assert_clean(p)
+    got, _ = push(p, d, batch, "pp2")
+    assert [o.token_ids for o in got] == baseline(engines, batch), d.log_tail()
+    after = assert_clean(p)
+    sent = {w: per_worker(after, "bytes_sent")[w] - n for w, n in per_worker(before, "bytes_sent").items()}
+    assert len(sent) == 2 and all(n > 0 for n in sent.values()), f"a P stage wrote nothing: {sent}"
+    control = prompts(330, [BLOCK + 1, 100, 257], seed=7)
+    other, _ = push(x, d, control, "pp2-other")
+    for output, expected in zip(other, baseline(engines, control), strict=True):
+        assert output.token_ids != expected, "the KV of other weights went unnoticed"
+    assert_clean(x)
+    assert_clean(d)
 
 
 def test_a_p_stage_killed_mid_transfer_leaves_d_to_recompute(engines: dict[str, VllmEngine]) -> None:
