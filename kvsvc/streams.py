@@ -34,8 +34,9 @@ class _Poller:
     Naps double from `MIN_POLL_S` while nothing completes (back to it when something did) up to `FINE_POLL_MAX_S`
     while the youngest event is under `FINE_WINDOW_S` old, else up to `MAX_POLL_S`. Sub-millisecond naps come from
     a `FineTimer` (uvloop's timers count whole milliseconds and spin the loop on anything shorter, so a copy of
-    tens of microseconds was seen a millisecond late); where there is none, the loop's timers. It exists while
-    events are pending: the last one resolved or cancelled, it closes its timer and leaves `_POLLERS`.
+    tens of microseconds was seen a millisecond late), every nap from it; where there is none, the loop's timers.
+    It exists while events are pending: the last one resolved or cancelled, it closes its timer and leaves
+    `_POLLERS`.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -51,7 +52,8 @@ class _Poller:
         self._schedule()
 
     def _schedule(self) -> None:
-        if self._timer is not None and self._delay < MAX_POLL_S:
+        """The next poll after the current nap, replacing one not yet run: one chain of polls per loop."""
+        if self._timer is not None:
             self._timer.call_after(self._delay, self._poll)
             return
         if self._handle is not None:

@@ -345,9 +345,16 @@ def as_table(descriptors: Descriptors) -> DescriptorTable:
         InvalidDescriptor: they are not rows of three integers.
     """
     try:
-        return np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
+        table = np.asarray(descriptors, dtype=np.int64)
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidDescriptor(f"descriptors must be (src, dst, length) rows of integers: {exc}", ERR_FAILED) from None
+    if table.size == 0:
+        return table.reshape(0, 3)
+    if table.ndim != 2 or table.shape[1] != 3:
+        raise InvalidDescriptor(
+            f"descriptors must be (src, dst, length) rows of integers, not of shape {table.shape}", ERR_FAILED
+        )
+    return table
 
 
 def as_rows(descriptors: Descriptors) -> Sequence[tuple[int, int, int]]:

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -35,16 +36,22 @@ NUMBERS = (
 SCENARIO_NUMBERS = ("kvsvc_gbps", "raw_gbps", "peer_gbps", "p50_ms", "p99_ms", "kvsvc_cpu_s_per_gb")
 
 
-def test_bench_json_has_every_key_with_sane_types() -> None:
+def bench_json(*args: str, timeout_s: float) -> dict[str, Any]:
+    """`kvsvc bench ARGS --tiny --json` in a process of its own: the JSON object ending its stdout (exit 0 asserted)."""
     done = subprocess.run(
-        [sys.executable, "-m", "kvsvc.cli", "bench", "--quick", "--tiny", "--json"],
+        [sys.executable, "-m", "kvsvc.cli", "bench", *args, "--tiny", "--json"],
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=timeout_s,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return summary
+
+
+def test_bench_json_has_every_key_with_sane_types() -> None:
+    summary = bench_json("--quick", timeout_s=170)
     for key in NUMBERS:
         value = summary[key]
         assert isinstance(value, int | float) and not isinstance(value, bool), key
@@ -91,15 +98,7 @@ def test_bench_json_has_every_key_with_sane_types() -> None:
 def test_poll_latency_reports_both_ways_at_every_copy_duration() -> None:
     from workers.bench.poll_latency import DURATIONS_S
 
-    done = subprocess.run(
-        [sys.executable, "-m", "kvsvc.cli", "bench", "--poll-latency", "--tiny", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])["poll_latency"]
+    rows = bench_json("--poll-latency", timeout_s=120)["poll_latency"]
     assert {(r["way"], r["copy_us"]) for r in rows} == {
         (way, d * 1e6) for way in ("kvsvc", "loop_timers") for d in DURATIONS_S
     }
