@@ -528,6 +528,7 @@ class Output:
     num_cached_tokens: int
     kv_transfer_params: dict[str, Any] | None
     ttft_s: float | None = None  # from the call's start to this request's first token
+    num_preemptions: int = 0  # how often P's scheduler freed its blocks and queued it again
 
 
 class VllmEngine:
@@ -684,13 +685,14 @@ class VllmEngine:
         self,
         prompts: Sequence[Sequence[int]],
         *,
-        max_tokens: int,
+        max_tokens: int | Sequence[int],
         params: Sequence[Mapping[str, Any] | None] | None = None,
         names: Sequence[str] | None = None,
         timeout_s: float = 300.0,
     ) -> list[Output]:
-        """Greedy generation of `max_tokens` tokens per prompt (EOS ignored), each with its `kv_transfer_params`;
-        `names`: the request ids to give vLLM, as a server derives them from `X-Request-Id` (default: unique ones).
+        """Greedy generation of `max_tokens` tokens per prompt (one count, or one per prompt; EOS ignored), each with
+        its `kv_transfer_params`; `names`: the request ids to give vLLM, as a server derives them from `X-Request-Id`
+        (default: unique ones).
 
         Raises:
             EngineError: the child failed or did not answer within `timeout_s`.
@@ -701,7 +703,7 @@ class VllmEngine:
         self,
         prompts: Sequence[Sequence[int]],
         *,
-        max_tokens: int,
+        max_tokens: int | Sequence[int],
         params: Sequence[Mapping[str, Any] | None] | None = None,
         names: Sequence[str] | None = None,
         abort_after_steps: int | None = None,
@@ -709,7 +711,13 @@ class VllmEngine:
         """Start `generate` in the child and return its call id (for `result`). With `abort_after_steps`, the
         child aborts the call's requests still running after that many engine steps."""
         chosen = list(params) if params is not None else [None] * len(prompts)
-        message = {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "params": chosen}
+        counts = max_tokens if isinstance(max_tokens, int) else list(max_tokens)
+        message: dict[str, Any] = {
+            "op": "generate",
+            "prompts": [list(p) for p in prompts],
+            "max_tokens": counts,
+            "params": chosen,
+        }
         message |= {"names": list(names)} if names is not None else {}
         return self._send(message | {"abort_after_steps": abort_after_steps})
 

@@ -30,6 +30,7 @@ _EMPTY: dict[str, Any] = {
     "num_cached_tokens": 0,
     "kv_transfer_params": None,
     "ttft_s": None,
+    "num_preemptions": 0,
 }
 
 
@@ -79,7 +80,7 @@ class _Engine:
         self,
         call_id: int,
         prompts: list[list[int]],
-        max_tokens: int,
+        max_tokens: int | list[int],
         params: list[Any],
         names: list[str] | None = None,
         abort_after_steps: int | None = None,
@@ -94,17 +95,22 @@ class _Engine:
 
         engine = self.llm.llm_engine
         names = names or [f"{call_id}-{i}" for i in range(len(prompts))]
-        for name, prompt, p in zip(names, prompts, params, strict=True):
+        counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        internal: dict[str, str] = {}  # the scheduler's id of each request: the name and vLLM's suffix
+        for name, prompt, p, count in zip(names, prompts, params, counts, strict=True):
             sampling = SamplingParams(
                 temperature=0.0,
-                max_tokens=max_tokens,
+                max_tokens=count,
                 ignore_eos=True,
                 extra_args={"kv_transfer_params": p} if p is not None else None,
             )
-            engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), sampling)
+            internal[name] = engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), sampling)
         done: dict[str, dict[str, Any]] = {}
         started = time.monotonic()
         first_token: dict[str, float] = {}
+        # How often the scheduler preempted each request (its blocks freed, its prefill started again): read while it
+        # runs, as vLLM's outputs do not carry it.
+        preemptions = dict.fromkeys(names, 0)
         steps = 0
         while engine.has_unfinished_requests():
             if steps == abort_after_steps:
@@ -116,6 +122,10 @@ class _Engine:
                 done.update({name: {**_EMPTY, "finish_reason": "abort"} for name in aborted})
             outputs = engine.step()
             steps += 1
+            for name in names:
+                request = self.core.scheduler.requests.get(internal[name])
+                if request is not None:
+                    preemptions[name] = max(preemptions[name], request.num_preemptions)
             if not outputs:
                 # Nothing computed (requests wait for their KV): pause as vLLM's serving loop does between empty
                 # steps, rather than spin a core that the transfers need.
@@ -132,6 +142,7 @@ class _Engine:
                         "num_cached_tokens": o.num_cached_tokens or 0,
                         "kv_transfer_params": o.kv_transfer_params,
                         "ttft_s": first_token.get(o.request_id),
+                        "num_preemptions": preemptions[o.request_id],
                     }
         return [done[name] for name in names]
 

@@ -20,7 +20,9 @@ Pure module: standard library and `kvsvc.vllm.params` only (no vllm, torch, asyn
   request until the hold starts. D takes router push params only from P endpoints in `push_peers`, and each push
   transfer once: a repeated router id would derive the transfer again, and P answers a transfer it finished with
   its outcome, so D would take blocks nothing wrote as loaded. A pushing P's request that ends unheld (aborted or
-  failed mid-prefill) is withdrawn on every worker, so D's waiting fetch fails now, not at its deadline.
+  failed mid-prefill) is withdrawn on every worker, so D's waiting fetch fails now, not at its deadline. A
+  preemption before the hold changes nothing here: the hold starts with the step that ends the prompt, from the
+  request's blocks as vLLM lists them then.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
     """A baseline engine (no connector), two P engines and three D engines (failure policies recompute and fail, and
     one of TP 2), started side by side. Both P engines push (`mode` "push"): every pull test here is also the proof
     that a pushing P serves a router that passes its params. P2 has other weights, holds for 5 s only, prefills in
-    chunks, and is the one the fault tests kill."""
+    chunks, has room for 15 blocks, and is the one the fault tests kill."""
     root = tmp_path_factory.mktemp("vllm")
     model = str(write_tiny_llama(root / "tiny-llama", seed=0))
     other = str(write_tiny_llama(root / "tiny-llama-other", seed=1))
@@ -64,6 +64,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
             "kv_producer",
             extra_config={"hold_timeout_s": 5, "mode": "push", "bootstrap_port": p2_port},
             max_num_batched_tokens=64,  # prefills in chunks: a fault can land mid-prefill
+            # 16 blocks (15 and vLLM's null block): two long requests at once do not fit, so one is preempted
+            kv_cache_bytes=16 * KV_BYTES_PER_BLOCK,
+            max_model_len=15 * BLOCK,
         ),
         "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute", extra_config=peers),
         "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail", extra_config=peers),
@@ -260,6 +263,34 @@ def test_a_pushing_p_aborted_mid_prefill_ends_ds_waiting_fetch_and_d_computes_th
     assert p2.stats()["flow"]["withdrawn"] - withdrawn_before == len(batch)
     assert assert_clean(d)["service"]["receiver"]["failed"] - failed_before == len(batch)
     assert d.log_tail(400).count("aborted or failed before its KV was held") >= len(batch)
+    assert_clean(p2)
+
+
+def test_a_pushing_p_preempted_mid_prefill_serves_ds_waiting_fetch_from_its_second_prefill(
+    engines: dict[str, VllmEngine],
+) -> None:
+    """P2 has room for 15 blocks and prefills in chunks of 64 tokens. A plain request of 190 tokens (6 blocks) that
+    decodes there arrives first; vLLM admits the pushed prompt of 257 tokens (9 blocks: the two fit), but the plain
+    one grows into a 7th block, so the pushed one runs out of room in its last chunk and is preempted: its blocks are
+    freed and its prefill starts again once the plain request ended. D's fetch, waiting at P2 since before (D first),
+    is served by the hold that second prefill starts, from its new blocks: D's tokens are those D_fail produces from
+    P2's KV by pull, with no preemption, where D computing the prompt itself would give the single engine's."""
+    p2, d = engines["P2"], engines["D"]
+    plain, pushed = prompts(200, [190, 257], seed=17)
+    call, names = d_first(p2, d, [pushed], "preempted-p")
+    outputs = p2.generate(
+        [plain, pushed], max_tokens=[100, 1], params=[None, {"do_remote_decode": True}], names=["plain-x", names[0]]
+    )
+    assert outputs[1].num_preemptions >= 1, outputs  # the path under test was taken
+    (got,) = d.result(call)
+    stats = assert_clean(d)
+    assert list(stats["flow"]["recent_loads"].values())[-1] == [0, len(pushed)]
+    assert_clean(p2)
+    # D_fail has not seen the prompt: it fetches all of it.
+    (want,) = engines["D_fail"].generate([pushed], max_tokens=8, params=p2.prefill([pushed]))
+    assert want.token_ids != baseline(engines, [pushed])[0]  # so D computing the prompt would not pass
+    assert got.token_ids == want.token_ids
+    assert_clean(engines["D_fail"])
     assert_clean(p2)
 
 
