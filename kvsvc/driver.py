@@ -1,8 +1,10 @@
-"""What every driver of the window protocol decides the same way: the service (`kvsvc.service.sending`, `writing`,
-`lending`) and the test harness (`kvsvc.testing.pair.PeerPair`) both call these, so they cannot drift apart.
+"""What every driver of the core's objects decides the same way: the service (`kvsvc.service.sending`, `receiving`,
+`writing`, `lending`) and the test harness (`kvsvc.testing.pair.PeerPair`) both call these, so they cannot drift apart.
 
 Rules: a frame that arrives is routed here to the core object it is about (`p_frame`, `d_frame`); the commands those
-objects return are dispatched by type here (`carry_out_fill`, `carry_out_windows`) to callbacks the driver injects;
+objects return are dispatched by type here (`carry_out_send`, `carry_out_recv`, `carry_out_fill`,
+`carry_out_windows`) to callbacks the driver injects, so a new command type is added here once and each driver's
+missing callback is a type error;
 what P's write in rounds does next is read from its `FillingWindow` here (`round_step`), the one place where a failed
 write in rounds ends (its `Fail`). Whether P takes D's size of a share (`share_refusal`), and whether a request gets a
 window lent, keeps the one it has or goes without (`lent_window`), are decided here too. Drivers only do the I/O.
@@ -20,7 +22,8 @@ from msgspec.structs import replace
 from kvsvc.coalesce import Int64Array
 from kvsvc.jobs import Notice
 from kvsvc.messages import Message, TransferRequest, WindowEmptied, WindowFilled, Worker
-from kvsvc.sender import Submit
+from kvsvc.receiver import RecvCommand, ToSource
+from kvsvc.sender import Reply, SendCommand, Submit
 from kvsvc.windows import (
     Announce,
     Deliver,
@@ -35,6 +38,45 @@ from kvsvc.windows import (
     WindowCommand,
     WindowKey,
 )
+
+# -- the job tables' commands ------------------------------------------------------------------------------------
+
+
+def carry_out_send(
+    commands: Sequence[SendCommand],
+    submit: Callable[[Submit], None],
+    reply: Callable[[Reply], None],
+    log: Callable[[Notice], None],
+) -> None:
+    """Carry out what P's `Sender` decided, in order: start a write, answer a D worker, log."""
+    for command in commands:
+        if isinstance(command, Submit):
+            submit(command)
+        elif isinstance(command, Reply):
+            reply(command)
+        else:
+            log(command)
+
+
+def carry_out_recv(
+    commands: Sequence[RecvCommand],
+    send: Callable[[str, Worker, ToSource], None],
+    windowed: Callable[[str, Worker, TransferRequest], TransferRequest | None],
+    log: Callable[[Notice], None],
+) -> None:
+    """Carry out what D's `Receiver` decided, in order: send a frame to P worker `src` of `engine_id`, a
+    `TransferRequest` as `windowed` makes it (with a window lent for its share; None: held back until there is
+    room, the driver sends it then), or log."""
+    for command in commands:
+        if isinstance(command, Notice):
+            log(command)
+            continue
+        message: ToSource | None = command.message
+        if isinstance(message, TransferRequest):
+            message = windowed(command.engine_id, command.src, message)
+        if message is not None:
+            send(command.engine_id, command.src, message)
+
 
 # -- P: frames from D, and the write in rounds -------------------------------------------------------------------
 
@@ -180,6 +222,8 @@ __all__ = [
     "RoundsFilled",
     "WriteRound",
     "carry_out_fill",
+    "carry_out_recv",
+    "carry_out_send",
     "carry_out_windows",
     "d_frame",
     "lent_window",

@@ -175,11 +175,12 @@ def make_hello(
 
 
 def check_hello_reply(p: WorkerMetadata, reply: Message) -> str:
-    """D's check of P worker `p`'s answer to its hello; the plane P said its writes take ("" when P named none or
-    one D does not know: D's staging rule then applies the plane rule itself).
+    """D's check of P worker `p`'s answer to its hello; the plane P said its writes take, which D's staging rule
+    takes (the plane is chosen once, on P).
 
     Raises:
-        HandshakeError: P refused the hello (its reason), or answered with something else.
+        HandshakeError: P refused the hello (its reason), answered with something else, or named a plane D does not
+            know (none, or one of another release).
         PeerMismatch: P accepted, but is not the worker its engine published (another start, other metadata).
     """
     ref = WorkerRef.of(p)
@@ -191,7 +192,9 @@ def check_hello_reply(p: WorkerMetadata, reply: Message) -> str:
         raise PeerMismatch(
             f"{ref} says it is {WorkerRef.of(reply.sender)} with other metadata than its engine published"
         )
-    return reply.plane if reply.plane in PLANES else ""
+    if reply.plane not in PLANES:
+        raise HandshakeError(f"{ref} says its writes take plane {reply.plane[:40]!r}; this D knows {', '.join(PLANES)}")
+    return reply.plane
 
 
 # -- P's side ----------------------------------------------------------------------------------------------------

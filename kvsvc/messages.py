@@ -185,8 +185,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
 
 class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):
     """P to D: the hello is accepted; P's own metadata, for D to check against what P's engine published, and the
-    plane P chose for its writes into D (`kvsvc.data_planes.Route.kind`; "" from a P that predates it), which D's
-    staging rule takes instead of guessing."""
+    plane P chose for its writes into D (`kvsvc.data_planes.Route.kind`), which D's staging rule takes; D refuses a
+    plane it does not know, or none."""
 
     version: int
     sender: WorkerMetadata

@@ -33,6 +33,9 @@ from kvsvc.messages import (
 )
 from kvsvc.planner import plan_transfer_arrays
 
+ToSource: TypeAlias = TransferRequest | Release | Abort | ErrorMessage
+"""What D's `Receiver` sends P workers."""
+
 
 @dataclass(frozen=True, slots=True)
 class SendToSource:
@@ -40,7 +43,7 @@ class SendToSource:
 
     engine_id: str
     src: Worker
-    message: TransferRequest | Release | Abort | ErrorMessage
+    message: ToSource
 
 
 RecvCommand: TypeAlias = SendToSource | Notice

@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace as replace_plan
 
-from kvsvc.data_planes import choose_transport, rule_on
+from kvsvc.data_planes import rule_on
 from kvsvc.driver import carry_out_windows, d_frame, lent_window, with_window
 from kvsvc.layout import block_geometry
 from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata
@@ -54,7 +54,7 @@ class WindowLender:
         self._planes: dict[tuple[str, Worker], str] = {}
 
     def plane_chosen(self, engine_id: str, worker: Worker, plane: str) -> None:
-        """P worker `worker` of `engine_id` said at its hello that its writes take `plane` ("": it said none)."""
+        """P worker `worker` of `engine_id` said at its hello that its writes take `plane`."""
         self._planes[(engine_id, worker)] = plane
 
     @property
@@ -132,8 +132,8 @@ class WindowLender:
         """`plan_window`, from a cache when D's blocks for the tokens are one run of consecutive ids and D holds no
         prefix: the plan of the run starting at block 0, its destinations shifted (as P's plan cache does)."""
         d, ids, tokens = self._ctx.metadata, request.block_ids, request.num_tokens
-        # P chose the plane and said so at the hello; a P that said none gets the rule applied to both metadata.
-        plane = self._planes.get((p.engine_id, p.worker)) or choose_transport(p, d, self._ctx.config.transport).kind
+        # P chose the plane and said so at its hello, which ended before the Receiver asks it for anything.
+        plane = self._planes[(p.engine_id, p.worker)]
         rule, max_bytes = rule_on(plane, area.rule), area.chunk_bytes
         count = -(-tokens // d.block_size)
         if request.first_token or not 0 < count <= len(ids) or not is_block_run(ids, count):

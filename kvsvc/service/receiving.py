@@ -28,9 +28,9 @@ from msgspec.structs import replace
 
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.backoff import Backoff
+from kvsvc.driver import carry_out_recv
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
 from kvsvc.hello import answer_challenge, check_hello_reply, open_hello
-from kvsvc.jobs import Notice
 from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef
 from kvsvc.planner import check_block_ids
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
@@ -332,20 +332,17 @@ class ReceivingRole:
         """Carry out what the `Receiver` decided on its last event, and signal the change (as `start_recv` does for a
         new receive, and the lender for a scatter that ended)."""
         self._ctx.changed()
-        for command in commands:
-            if isinstance(command, Notice):
-                notice(self._ctx, command)
-                continue
-            peer = self._outbound.get((command.engine_id, command.src))
-            if peer is None:
-                continue
-            message: Message | None = command.message
-            if isinstance(message, TransferRequest) and self._windows is not None:
-                message = self._windows.windowed(peer.meta, message)
-            if message is not None:
-                self._send(peer, message)
+        carry_out_recv(commands, self._tell_p, self._windowed, lambda n: notice(self._ctx, n))
         if self._windows is not None and self._windows.busy:
             self._windows.tidy()
+
+    def _windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest | None:
+        """`request` as it goes to P worker `src` (`WindowLender.windowed`); None: not now (no such peer, or held
+        back until there is room)."""
+        peer = self._outbound.get((engine_id, src))
+        if peer is None:
+            return None
+        return self._windows.windowed(peer.meta, request) if self._windows is not None else request
 
     # -- frames to P workers ----------------------------------------------------------------------------------
 

@@ -20,14 +20,13 @@ import msgspec
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
 from kvsvc.data_planes import Route, choose_transport, samehost_check_budget
-from kvsvc.driver import carry_out_fill
+from kvsvc.driver import carry_out_fill, carry_out_send
 from kvsvc.errors import (
     MalformedFrame,
     PeerLost,
     TransportError,
 )
 from kvsvc.hello import HelloRefusal, accept_hello, challenge_hello
-from kvsvc.jobs import Notice
 from kvsvc.layout import pool_regions
 from kvsvc.messages import (
     PROTOCOL_VERSION,
@@ -35,13 +34,12 @@ from kvsvc.messages import (
     HelloRefused,
     IpcHandle,
     Message,
-    WindowEmptied,
     Worker,
     WorkerMetadata,
     WorkerRef,
 )
 from kvsvc.planner import check_block_ids
-from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics, Submit
+from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.writing import BlockWriter, WriteTarget
@@ -339,8 +337,9 @@ class SendingRole:
             channel.send(reply)
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
-        if isinstance(message, WindowEmptied):  # part of a write in rounds, not of the job tables (`p_frame`)
-            carry_out_fill(inbound.target.window_emptied(message), inbound.target.send, lambda n: notice(self._ctx, n))
+        fill = inbound.target.frame(message)  # a write in rounds takes its frames first (`kvsvc.driver.p_frame`)
+        if fill is not None:
+            carry_out_fill(fill, inbound.target.send, lambda n: notice(self._ctx, n))
             return
         now = self._ctx.clock()
         self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))
@@ -350,16 +349,13 @@ class SendingRole:
     def _run_send(self, commands: list[SendCommand]) -> None:
         """Carry out what the `Sender` decided on its last event (the one place the P role signals a change)."""
         self._ctx.changed()
-        for command in commands:
-            if isinstance(command, Notice):
-                notice(self._ctx, command)
-            elif isinstance(command, Submit):
-                self._writer.submit(command)
-            elif isinstance(command, Reply):
-                inbound = self._inbound.get(_inbound_key(command.dst))
-                if inbound is not None and inbound.ref == command.dst and not inbound.channel.closed:
-                    with contextlib.suppress(PeerLost):
-                        inbound.channel.send(command.message)
+        carry_out_send(commands, self._writer.submit, self._reply, lambda n: notice(self._ctx, n))
+
+    def _reply(self, command: Reply) -> None:
+        inbound = self._inbound.get(_inbound_key(command.dst))
+        if inbound is not None and inbound.ref == command.dst and not inbound.channel.closed:
+            with contextlib.suppress(PeerLost):
+                inbound.channel.send(command.message)
 
     def _write_target(self, dst: WorkerRef) -> WriteTarget | None:
         inbound = self._inbound.get(_inbound_key(dst))

@@ -28,7 +28,7 @@ from kvsvc.data_planes import rule_on
 from kvsvc.driver import AwaitHalf, RoundsFilled, carry_out_fill, p_frame, round_step
 from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.layout import is_cross_layer, layer_addrs
-from kvsvc.messages import Message, WindowEmptied, Worker, WorkerMetadata, WorkerRef
+from kvsvc.messages import Message, Worker, WorkerMetadata, WorkerRef
 from kvsvc.sender import Submit
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.plans import PlanCache, Shifted
@@ -67,10 +67,12 @@ class WriteTarget:
     def __post_init__(self) -> None:
         self.session = self.session or self.meta.transport_addr
 
-    def window_emptied(self, message: WindowEmptied) -> list[FillCommand]:
-        """D emptied a round of a window (`kvsvc.driver.p_frame`); the write waiting for its half goes on."""
-        commands = p_frame(message, self.fills, str(self.ref)) or []
-        self._wake(message.transfer_id)
+    def frame(self, message: Message) -> list[FillCommand] | None:
+        """A frame from this D worker, when it is a write in rounds' (`kvsvc.driver.p_frame`): D emptied a round of
+        a window, and the write waiting for its half goes on. None: the frame is the job tables'."""
+        commands = p_frame(message, self.fills, str(self.ref))
+        if commands is not None:
+            self._wake(getattr(message, "transfer_id", ""))
         return commands
 
     async def wait(self, fill: FillingWindow, clock: Callable[[], float]) -> None:

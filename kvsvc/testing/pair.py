@@ -17,11 +17,14 @@ from functools import partial
 
 import numpy as np
 
+from kvsvc.data_planes import rule_on
 from kvsvc.driver import (
     AwaitHalf,
     RoundStep,
     WriteRound,
     carry_out_fill,
+    carry_out_recv,
+    carry_out_send,
     carry_out_windows,
     d_frame,
     lent_window,
@@ -277,36 +280,39 @@ class PeerPair(Reports, SimPlane, Faults):
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _run_p(self, worker: Worker, commands: Sequence[SendCommand]) -> None:
-        for command in commands:
-            if isinstance(command, Notice):
-                self.notices.append(command)
-            elif isinstance(command, Submit):
-                self._seq += 1
-                self._writes.append(Write(worker, command, self._seq))
-            elif (command.dst.engine_id, command.dst.incarnation) == (self.d.engine_id, self.d.incarnation):
+        def submit(command: Submit) -> None:
+            self._seq += 1
+            self._writes.append(Write(worker, command, self._seq))
+
+        def reply(command: Reply) -> None:
+            if (command.dst.engine_id, command.dst.incarnation) == (self.d.engine_id, self.d.incarnation):
                 self._post("D", command.dst.worker, worker, command.message)
             else:
                 self.undeliverable.append(command)
 
+        carry_out_send(commands, submit, reply, self.notices.append)
+
     def _run_d(self, worker: Worker, commands: Sequence[RecvCommand]) -> None:
-        for command in commands:
-            if isinstance(command, Notice):
-                self.notices.append(command)
-            elif isinstance(command.message, TransferRequest) and self._window_ranges:
-                self._post("P", worker, command.src, self._windowed(worker, command.src, command.message))
-            else:
-                self._post("P", worker, command.src, command.message)
+        carry_out_recv(
+            commands,
+            lambda _engine, src, message: self._post("P", worker, src, message),
+            lambda _engine, src, request: self._windowed(worker, src, request),
+            self.notices.append,
+        )
         self._tidy_windows(worker)
 
     def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
-        """As the D service (`kvsvc.driver.lent_window`): a window for the share when the rule sends it through D
-        and there is room now (the pair never waits for room, so never holds a request back)."""
+        """As the D service (`kvsvc.driver.lent_window`): a window when the rule on Mooncake sends the share through
+        D and there is room now (the pair never waits for room, so never holds a request back)."""
+        if not self._window_ranges:
+            return request
         key, lent = (request.transfer_id, self.p.engine_id, p), self._lent[d]
         req_id = self.receivers[d].req_of(request.transfer_id)
         window = lent_window(lent, key, req_id)
         if window == "lend":
             assert self.staging is not None and req_id is not None
-            args = (request.block_ids, request.num_tokens, request.first_token, self.staging, self.staging_bytes // 2)
+            rule = rule_on("mooncake", self.staging)
+            args = (request.block_ids, request.num_tokens, request.first_token, rule, self.staging_bytes // 2)
             plan = plan_window(self.p.metas[p], self.d.metas[d], *args)
             offset = self._window_ranges[d].allocate(plan.window_bytes) if plan is not None else None
             if plan is None or offset is None:

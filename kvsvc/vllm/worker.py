@@ -259,8 +259,10 @@ class WorkerSide:
                     log.error("send of %s could not start: %s", spec.req_id, exc)
                     self._outcomes.append(partial(TransferReports.send_refused, req_id=spec.req_id))
 
-        self.reports.sends_handed(spec.req_id for spec in step.sends)
         self._service().post(run)
+        # After the post, which raises on a closed loop: sends never handed in are never owed a report. Outcomes
+        # the loop posts are drained on this thread (`transfer_results`), so never before this.
+        self.reports.sends_handed(spec.req_id for spec in step.sends)
 
     def transfer_results(self, finished_req_ids: set[str], *, idle: bool = False) -> TransferResults:
         """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it. An

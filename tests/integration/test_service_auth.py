@@ -215,7 +215,7 @@ def test_a_p_that_answers_done_without_writing_fails_the_load(engines: tuple[Exe
         if isinstance(message, Hello) and fake.challenged is not None:
             accepted = accept_hello(fake.published, fake.challenged, message, key)
             assert isinstance(accepted, HelloAccepted), accepted
-            return [accepted.reply]
+            return [msgspec.structs.replace(accepted.reply, plane="mooncake")]  # as P's service names its plane
         if isinstance(message, TransferRequest):
             return [TransferDone(transfer_id=message.transfer_id, bytes=0, descriptors=0)]
         return []

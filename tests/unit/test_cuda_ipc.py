@@ -170,14 +170,17 @@ def test_the_hello_carries_handles_only_to_a_p_on_the_gpu_plane() -> None:
         assert make_hello(d, {(0, 0): d}, meta(other, "p"), b"", handles).ipc_handles == []
 
 
-def test_d_reads_the_plane_p_chose_from_its_hello_ok_and_ignores_one_it_does_not_know() -> None:
+def test_d_reads_the_plane_p_chose_from_its_hello_ok_and_refuses_one_it_does_not_know_by_name() -> None:
+    from kvsvc.errors import HandshakeError
     from kvsvc.hello import check_hello_reply
     from kvsvc.messages import HelloOk
 
     p = meta("", "p")
     assert check_hello_reply(p, HelloOk(version=2, sender=p, plane="cuda_ipc")) == "cuda_ipc"
-    assert check_hello_reply(p, HelloOk(version=2, sender=p, plane="warp-drive")) == ""
-    assert check_hello_reply(p, HelloOk(version=2, sender=p)) == ""
+    with pytest.raises(HandshakeError, match="plane 'warp-drive'; this D knows mooncake, samehost, cuda_ipc"):
+        check_hello_reply(p, HelloOk(version=2, sender=p, plane="warp-drive"))
+    with pytest.raises(HandshakeError, match="plane ''"):
+        check_hello_reply(p, HelloOk(version=2, sender=p))
 
 
 def test_a_hello_exporting_too_many_allocations_is_refused_by_name() -> None:

@@ -69,7 +69,8 @@ def test_p_accepts_a_hello_meant_for_it_and_learns_which_d_workers_it_serves(key
     assert decision.peer_meta == D0 and decision.expected == frozenset(D)  # P's one worker sources all of D
     assert decision.reply == HelloOk(version=PROTOCOL_VERSION, sender=P0)
     assert sorted(decision.peer_engine) == sorted(D)
-    check_hello_reply(P0, decision.reply)  # and D takes the answer
+    # and D takes the answer, once P's service named the plane it chose (`SendingRole._route`, which probes)
+    assert check_hello_reply(P0, msgspec.structs.replace(decision.reply, plane="mooncake")) == "mooncake"
 
 
 def test_the_token_and_d_s_pool_never_go_out_before_p_proved_the_key() -> None:
