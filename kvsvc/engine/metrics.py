@@ -26,6 +26,12 @@ PeerRow = Mapping[str, object]
 TransferRole = Literal["P", "D"]
 # (role label, the statistics key of that role's `HistogramStatistics`)
 DURATIONS: Final[tuple[tuple[TransferRole, str], ...]] = (("P", "send_durations"), ("D", "recv_durations"))
+# (part label, the statistics key): P's layer-wise writes (`kvsvc.service.context.ServiceContext.layer_compute`...)
+LAYER_WISE: Final[tuple[tuple[str, str], ...]] = (
+    ("compute", "layer_compute"),
+    ("copy", "layer_copy"),
+    ("after_last_layer", "after_last_layer"),
+)
 
 # (metric name without `_total`, help, path into the statistics dict). Exported per worker (pp_rank, tp_rank).
 COUNTERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
@@ -175,7 +181,27 @@ class _SnapshotCollector(Collector):
                         if isinstance(count, int | float) and not isinstance(count, bool):
                             jobs.add_metric([*_worker_labels(worker), str(state)], float(count))
             yield jobs
-        yield _durations(items)
+        yield _histograms(
+            HistogramMetricFamily(
+                "kvsvc_transfer_duration_seconds",
+                "Transfer durations measured by each worker. P: from a write's start (D's request met the held KV) to"
+                " its last byte landed, per D worker; D: from start_recv to the KV landed.",
+                labels=["pp_rank", "tp_rank", "role"],
+            ),
+            items,
+            DURATIONS,
+        )
+        yield _histograms(
+            HistogramMetricFamily(
+                "kvsvc_layer_wise_seconds",
+                "P's layer-wise writes: compute, from one layer's KV computed to the next one's (writes that waited"
+                " for their layers); copy, from a layer's KV computed to its bytes landed; after_last_layer, from the"
+                " last layer's KV computed to the write's last byte landed.",
+                labels=["pp_rank", "tp_rank", "part"],
+            ),
+            items,
+            LAYER_WISE,
+        )
 
     @staticmethod
     def _per_peer(peers: Sequence[PeerRow]) -> Iterator[Metric]:
@@ -207,16 +233,13 @@ class _SnapshotCollector(Collector):
         yield peer_up
 
 
-def _durations(items: Sequence[tuple[Worker, StatsDict]]) -> Metric:
-    """`kvsvc_transfer_duration_seconds` from the histograms each worker keeps (`kvsvc.histogram`)."""
-    family = HistogramMetricFamily(
-        "kvsvc_transfer_duration_seconds",
-        "Transfer durations measured by each worker. P: from a write's start (D's request met the held KV) to its"
-        " last byte landed, per D worker; D: from start_recv to the KV landed.",
-        labels=["pp_rank", "tp_rank", "role"],
-    )
+def _histograms(
+    family: HistogramMetricFamily, items: Sequence[tuple[Worker, StatsDict]], series: Sequence[tuple[str, str]]
+) -> Metric:
+    """`family` from the histograms each worker keeps (`kvsvc.histogram`): one series per (label, statistics key)
+    of `series` and worker."""
     for worker, stats in items:
-        for role, key in DURATIONS:
+        for role, key in series:
             hist = stats.get(key)
             if not isinstance(hist, Mapping):
                 continue

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvsvc.histogram import LatencyHistogram
 from kvsvc.jobs import Notice
@@ -95,6 +95,14 @@ class ServiceContext:
     staging: StagingArea | None = None
     """The staging region: P's writes gather into it when `StagingArea.rule` picks it, D lends windows of it; None
     writes every plan direct."""
+    layer_compute: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """P, a layer-wise write that waited for its layers: from one layer's compute done to the next one's (the
+    engine's compute of a layer, as the write sees it)."""
+    layer_copy: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """P, a layer-wise write: from a layer's compute done to its bytes landed on D."""
+    after_last_layer: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """P, a layer-wise write that waited for its last layer: from that layer's compute done to the write's last
+    byte landed; what streaming the layers leaves after P's forward."""
 
     def changed(self) -> None:
         """A protocol object took an event: a deadline may have moved and a transfer may have ended. Each role

@@ -16,7 +16,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec.structs import replace
 
@@ -66,6 +66,10 @@ class ServiceStatistics:
     staging_in_use: int = 0  # bytes of the staging region lent now, gathers and windows (0 when idle, else a leak)
     staging_waits: int = 0  # P: gathers that had to wait for room
     control_connections: int = 0  # P: control connections open now, accepted or before their hello
+    # P's layer-wise writes (`ServiceContext.layer_compute`, `layer_copy`, `after_last_layer`)
+    layer_compute: HistogramStatistics = field(default_factory=lambda: LatencyHistogram().statistics())
+    layer_copy: HistogramStatistics = field(default_factory=lambda: LatencyHistogram().statistics())
+    after_last_layer: HistogramStatistics = field(default_factory=lambda: LatencyHistogram().statistics())
 
     @property
     def holds(self) -> int:
@@ -325,6 +329,9 @@ class KVTransferService:
             staging_in_use=self._ctx.staging.in_use if self._ctx.staging is not None else 0,
             staging_waits=self._ctx.staging.waits if self._ctx.staging is not None else 0,
             control_connections=self._sending.control_connections,
+            layer_compute=self._ctx.layer_compute.statistics(),
+            layer_copy=self._ctx.layer_copy.statistics(),
+            after_last_layer=self._ctx.after_last_layer.statistics(),
         )
 
     def peers(self) -> list[dict[str, object]]:

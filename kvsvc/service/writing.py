@@ -393,11 +393,26 @@ class BlockWriter:
             layer = by_start[np.searchsorted(addrs[by_start], table[:, 0], side="right") - 1]
             per_layer = [table[layer == i] for i in range(len(layers))]
 
+        clock, ctx = self._ctx.clock, self._ctx
+        waited = [not ready.done() for ready in layers]  # computed while the write waits, not before it began
+        computed_at = [0.0] * len(layers)
+
         async def one(layer: int) -> tuple[int, int]:
             await _computed(layers if is_cross_layer(meta) else [layers[layer]])
-            return await self._write_once(target, per_layer[layer], command) if len(per_layer[layer]) else (0, 0)
+            computed_at[layer] = clock()
+            if not len(per_layer[layer]):
+                return 0, 0
+            written = await self._write_once(target, per_layer[layer], command)
+            ctx.layer_copy.observe(clock() - computed_at[layer])
+            return written
 
-        return await _all_written(one(i) for i in range(len(layers)))
+        written = await _all_written(one(i) for i in range(len(layers)))
+        for i in range(1, len(layers)):
+            if waited[i - 1] and waited[i]:
+                ctx.layer_compute.observe(max(0.0, computed_at[i] - computed_at[i - 1]))
+        if waited[-1]:
+            ctx.after_last_layer.observe(clock() - computed_at[-1])
+        return written
 
 
 async def _awaited(ready: Awaitable[None]) -> None:

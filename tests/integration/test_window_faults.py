@@ -154,7 +154,30 @@ async def test_a_layer_wise_send_is_gathered_layer_by_layer(
         assert stats.staged_writes == 2 * 4 and stats.descriptors_sent == 2 * 4
     else:  # per D worker, per layer: a piece per block and K/V
         assert stats.staged_writes == 0 and stats.descriptors_sent == 2 * 4 * 4 * 2
+    # The layer-wise figures, per D worker's write: each layer's copy; the last layer, waited for, and what followed
+    # it; no layer's compute, as the first three were done before the write began.
+    assert (stats.layer_copy.count, stats.after_last_layer.count, stats.layer_compute.count) == (2 * 4, 2, 0)
     assert _lent(p, d) == 0 and p.holds() == 0 and d.holds() == 0
+
+
+async def test_a_layer_wise_send_measures_each_layer_it_waited_for(loopback_engines: LoopbackFactory) -> None:
+    """P's layers are computed one by one while its writes wait (push): the figures hold the compute of each layer
+    after the first, each layer's copy and what followed the last layer, per write to a D worker."""
+    p, d = await loopback_engines(D_SPEC, P_SPEC)
+    loop = asyncio.get_running_loop()
+    (futures,) = ([loop.create_future() for _ in range(GEOMETRY["num_layers"])] for _ in p.workers)
+    (service,) = p.services.values()
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS, ready={w: futures for w in p.workers})
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    await _until(lambda: service.statistics().writes_in_flight == 2)  # both D workers' writes wait for layer 0
+    for future in futures:
+        future.set_result(None)
+        await asyncio.sleep(0.02)  # the next layer computes
+    assert await d.wait("d1") == "finished"
+    d.check_received("t1", BLOCKS, TOKENS)
+    stats = service.statistics()
+    assert (stats.layer_compute.count, stats.layer_copy.count, stats.after_last_layer.count) == (2 * 3, 2 * 4, 2)
+    assert stats.layer_compute.total >= 2 * 3 * 0.02  # each gap at least the nap between two layers
 
 
 async def test_a_receive_that_ends_while_its_window_scatters_is_reported_after_the_scatter() -> None:

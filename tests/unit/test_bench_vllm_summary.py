@@ -169,6 +169,18 @@ class _Scripted:
     def settle(self, timeout_s: float = 0.0) -> dict[str, Any]:
         return {}
 
+    def stats(self, timeout_s: float = 0.0, *, workers: bool = False) -> dict[str, Any]:
+        """Each call, as if one more write of 4 layers ran on each of two workers: 3 gaps of 0.5 s, 4 copies of
+        0.01 s, 0.02 s after the last layer (a histogram's count is the sum of its buckets)."""
+        self.asked = getattr(self, "asked", -1) + 1
+        n = self.asked
+
+        def hist(count: int, each_s: float) -> dict[str, Any]:
+            return {"bounds": [1.0], "counts": [n * count, 0], "total": n * count * each_s}
+
+        worker = {"layer_compute": hist(3, 0.5), "layer_copy": hist(4, 0.01), "after_last_layer": hist(1, 0.02)}
+        return {"workers": [worker, worker]}
+
 
 def test_concurrent_ttft_adds_each_prompts_first_token_on_p_to_its_first_token_on_d() -> None:
     p, d = _Scripted([1.0, 2.0, 3.0]), _Scripted([0.1, 0.2, 0.3])
@@ -187,6 +199,15 @@ def test_concurrent_push_asks_d_then_p_once_each_under_the_router_ids() -> None:
     assert d.calls == [(2, [{"remote_request_id": "t-0"}, {"remote_request_id": "t-1"}], ["cmpl-t-0-0", "cmpl-t-1-0"])]
     assert p.calls == [(2, [{"do_remote_decode": True}] * 2, ["cmpl-t-0-0", "cmpl-t-1-0"])]
     assert run.ttft_ms[0] == pytest.approx(1500.0, abs=50) and run.ttft_ms[1] == pytest.approx(2500.0, abs=50)
+    # P's layer-wise figures over the run: what its workers' counters gained between before and after
+    gained = {"layer_compute": (6, 3.0), "layer_copy": (8, 0.08), "after_last_layer": (2, 0.04)}
+    assert {k: pytest.approx(v) for k, v in run.layers.items()} == gained
+    single = [[1000.0, 2000.0]]
+    entry = summarize_ttft({"kvsvc_push": [run], "kvsvc": [TtftRun([1.0, 2.0], [1.0, 2.0], 0.1, 0.1)]}, single)
+    assert entry["kvsvc_push"]["layer_wise"] == pytest.approx(
+        {"compute_ms_per_layer": 500.0, "copy_ms_per_layer": 10.0, "after_last_layer_ms": 20.0}
+    )
+    assert "layer_wise" not in entry["kvsvc"]  # a pull flow's run has none
 
 
 def test_push_targets_compare_each_push_flow_with_its_baseline_of_the_same_run() -> None:

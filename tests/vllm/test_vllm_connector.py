@@ -222,14 +222,19 @@ def test_push_d_first_gives_a_single_engines_tokens(engines: dict[str, VllmEngin
     p, d = engines["P"], engines[d_name]
     batch = prompts(150 if d_name == "D" else 160, [BLOCK + 1, 100, 257], seed=13)
     want = baseline(engines, batch)
-    sent_before = p.stats()["service"]["bytes_sent"]
+    before = p.stats()["service"]
     got, _ = push(p, d, batch, d_name)
     assert [o.token_ids for o in got] == want
     stats = assert_clean(d)
     loads = list(stats["flow"]["recent_loads"].values())[-len(batch) :]
     assert loads == [[0, len(x)] for x in batch]
-    sent = assert_clean(p)["service"]["bytes_sent"] - sent_before
+    after = assert_clean(p)["service"]
+    sent = after["bytes_sent"] - before["bytes_sent"]
     assert sent == KV_BYTES_PER_BLOCK * (2 + sum(-(-len(x) // BLOCK) for x in batch))  # and the first request
+    # Every send of a pushing P on CPU goes layer by layer, and each layer's copy is measured: 4 layers for each
+    # request (the first one's too) and D worker.
+    copies = sum(after["layer_copy"]["counts"]) - sum(before["layer_copy"]["counts"])
+    assert copies == 4 * (len(batch) + 1) * len(stats["workers"])
 
 
 def test_push_from_a_p_of_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:

@@ -8,7 +8,8 @@ End-to-end TTFT runs from P's submission to D's first token; exposed transfer is
 the same prompt (no connector, the same model), which is what disaggregation adds. Prompts go one at a time, so neither
 engine batches them; the `ttft_concurrent` workload sends them all at once (`together`, `push_together`), against a
 single engine given them all at once. CPU seconds per request are each engine's processes' user and system time
-(`/proc`), over the prompts of one run.
+(`/proc`), over the prompts of one run. A pushing P's run also says where its time went, from kvsvc's own figures
+of its layer-wise writes (`layer_figures`): a layer's compute, a layer's copy, and what followed the last layer.
 
 Pure arithmetic and `/proc` reads; the engines are `kvsvc.testing.vllm.VllmEngine`s that the caller starts.
 """
@@ -19,7 +20,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from kvsvc.testing.vllm import Output
@@ -57,6 +58,8 @@ class Engine(Protocol):
 
     def settle(self, timeout_s: float = ...) -> dict[str, Any]: ...
 
+    def stats(self, timeout_s: float = ..., *, workers: bool = ...) -> dict[str, Any]: ...
+
 
 @dataclass
 class TtftRun:
@@ -67,6 +70,32 @@ class TtftRun:
     p_ms: list[float]
     p_cpu_s: float
     d_cpu_s: float
+    layers: dict[str, tuple[int, float]] = field(default_factory=dict)  # `layer_figures` over the run (push)
+
+
+# kvsvc's figures of P's layer-wise writes (`kvsvc.service.ServiceStatistics`) and the summary's name for each mean.
+LAYER_FIGURES: Final = (
+    ("layer_compute", "compute_ms_per_layer"),
+    ("layer_copy", "copy_ms_per_layer"),
+    ("after_last_layer", "after_last_layer_ms"),
+)
+
+
+def layer_figures(p: Engine) -> dict[str, tuple[int, float]]:
+    """P's layer-wise figures so far, its workers' summed: per figure, how many and their total seconds; {} for an
+    engine without kvsvc. Asked between generations (a multiprocess engine's workers answer only then)."""
+    workers = p.stats(workers=True).get("workers") or []
+    out: dict[str, tuple[int, float]] = {}
+    for key, _ in LAYER_FIGURES:
+        hists = [w[key] for w in workers if isinstance(w.get(key), dict)]
+        if hists:
+            out[key] = (sum(sum(h["counts"]) for h in hists), sum(float(h["total"]) for h in hists))
+    return out
+
+
+def _since(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:
+    zero = (0, 0.0)
+    return {k: (n - before.get(k, zero)[0], t - before.get(k, zero)[1]) for k, (n, t) in after.items()}
 
 
 def cpu_seconds(engine: Engine) -> float:
@@ -142,7 +171,7 @@ def push_one_at_a_time(
         EngineError: an engine failed or did not answer.
     """
     ttft, p_part = [], []
-    p_cpu, d_cpu = cpu_seconds(p), cpu_seconds(d)
+    p_cpu, d_cpu, layers = cpu_seconds(p), cpu_seconds(d), layer_figures(p)
     for k, prompt in enumerate(prompts):
         router_id = f"{tag}-{k}"
         name = [completion_name(router_id)]
@@ -155,7 +184,8 @@ def push_one_at_a_time(
         (d_out,) = d.result(d_call, timeout_s=300)
         ttft.append((asked - started + (d_out.ttft_s or 0.0)) * 1e3)
     n = len(prompts)
-    return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
+    p_cpu_s, d_cpu_s = (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n
+    return TtftRun(ttft, p_part, p_cpu_s, d_cpu_s, _since(layers, layer_figures(p)))
 
 
 def single_engine_together_ms(base: Engine, prompts: Sequence[Sequence[int]]) -> list[float]:
@@ -205,7 +235,7 @@ def push_together(
     n = len(prompts)
     ids = [f"{tag}-{k}" for k in range(n)]
     names = [completion_name(router_id) for router_id in ids]
-    p_cpu, d_cpu = cpu_seconds(p), cpu_seconds(d)
+    p_cpu, d_cpu, layers = cpu_seconds(p), cpu_seconds(d), layer_figures(p)
     started = time.monotonic()
     d_call = d.submit(prompts, max_tokens=1, params=[router_params(i) for i in ids], names=names)
     asked = time.monotonic()
@@ -215,7 +245,8 @@ def push_together(
     lead = (asked - started) * 1e3
     p_part = [lead + (o.ttft_s or 0.0) * 1e3 for o in p_outs]
     ttft = [lead + (o.ttft_s or 0.0) * 1e3 for o in d_outs]  # as `push_one_at_a_time`: D's asking time counted
-    return TtftRun(ttft, p_part, (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n)
+    p_cpu_s, d_cpu_s = (cpu_seconds(p) - p_cpu) / n, (cpu_seconds(d) - d_cpu) / n
+    return TtftRun(ttft, p_part, p_cpu_s, d_cpu_s, _since(layers, layer_figures(p)))
 
 
 # Push mode's targets, each read in one run: (key, kvsvc's connector, the baseline, the figure, the bound of
@@ -246,10 +277,22 @@ def push_targets(entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def layer_means(reps: Sequence[TtftRun]) -> dict[str, float | None]:
+    """The mean of each of P's layer-wise figures over every repetition (ms), None where none was taken: a layer's
+    compute (between two layers a write waited for), a layer's copy, what followed the last layer."""
+    out: dict[str, float | None] = {}
+    for key, name in LAYER_FIGURES:
+        count = sum(run.layers.get(key, (0, 0.0))[0] for run in reps)
+        total = sum(run.layers.get(key, (0, 0.0))[1] for run in reps)
+        out[name] = total / count * 1e3 if count else None
+    return out
+
+
 def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) -> dict[str, Any]:
     """Per connector, medians over every prompt of every repetition: `ttft_ms_p50`, `exposed_ms_p50` (each prompt's
     TTFT minus the single engine's in the same repetition), P's part (`p_ms_p50`) and D's (`d_ms_p50`), and CPU
-    seconds per request of P and D; the single engine's `single_ttft_ms_p50`; and `targets` (`push_targets`).
+    seconds per request of P and D, and a pushing P's `layer_wise` means (`layer_means`); the single engine's
+    `single_ttft_ms_p50`; and `targets` (`push_targets`).
 
     Raises:
         ValueError: a connector's repetitions are not as many as the single engine's.
@@ -275,14 +318,19 @@ def summarize_ttft(runs: dict[str, list[TtftRun]], single: list[list[float]]) ->
             "p_cpu_s_per_request": statistics.median(run.p_cpu_s for run in reps),
             "d_cpu_s_per_request": statistics.median(run.d_cpu_s for run in reps),
         }
+        if any(run.layers for run in reps):
+            out[name]["layer_wise"] = layer_means(reps)
     out["targets"] = push_targets(out)
     return out
 
 
 __all__ = [
+    "LAYER_FIGURES",
     "TtftRun",
     "completion_name",
     "cpu_seconds",
+    "layer_figures",
+    "layer_means",
     "one_at_a_time",
     "push_one_at_a_time",
     "push_targets",

@@ -324,6 +324,14 @@ def _ttft_table(workload: str, entry: dict[str, Any], order: Sequence[str]) -> T
                 f"{row['d_cpu_s_per_request']:.3f}",
             )
     lines = []
+    for name in order:
+        layers = entry.get(name, {}).get("layer_wise") if isinstance(entry.get(name), dict) else None
+        if layers:
+            ms = {k: "n/a" if v is None else f"{v:.1f}" for k, v in layers.items()}
+            lines.append(
+                f"{name}, P's layer-wise writes: a layer's compute {ms['compute_ms_per_layer']} ms, its copy "
+                f"{ms['copy_ms_per_layer']} ms; after the last layer {ms['after_last_layer_ms']} ms"
+            )
     for key, target in entry.get("targets", {}).items():
         ratio = "n/a" if target["ratio"] is None else f"{target['ratio']:.2f}"
         lines.append(f"{key}: ratio {ratio}, bound {target['bound']:.2f}: {'met' if target['met'] else 'MISSED'}")
