@@ -247,6 +247,7 @@ def _worker_statistics(_worker: Any) -> dict[str, Any] | None:
         tp_rank=side.metadata.tp_rank,
         reported_sending=side.reported_sending,
         reported_recving=side.reported_recving,
+        streamed_layers=side.streamed_layers,
     )
     return figures
 

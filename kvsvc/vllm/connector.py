@@ -183,6 +183,11 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self) -> Any:
         return self._worker_side().metadata
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:  # vLLM binds before every forward: the one hook that surely precedes it
+            self._worker.bind_step(self._step())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker_side().begin_step(self._step())
 

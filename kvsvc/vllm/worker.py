@@ -11,8 +11,9 @@ Imports torch and kvsvc's service and transport, never vllm (the adapter hands i
   the loop appends to, whenever the loop gets to it; every id handed in gets an outcome there, whatever it raised.
 - On GPU a send waits for a CUDA event per layer recorded after that layer's attention wrote it (layer-wise sends);
   on CPU the forward is over when the hook runs, so the KV is ready at once. A pushing P on CPU starts the step's
-  sends before the forward instead, each layer ready once `save_kv_layer` saw it written: D's fetch already waits
-  at P, so the transfer runs beside the forward.
+  sends before the forward instead (`bind_step`: vLLM binds a step's metadata before its forward, and since 0.32
+  calls `start_load_kv` after it), each layer ready once `save_kv_layer` saw it written: D's fetch already waits
+  at P, so the transfer runs beside the forward. A step's per-layer state is reset at its bind, never later.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class WorkerSide:
         # Ids this worker reported to vLLM, over its life: a test checks that every worker of every PP stage reports.
         self.reported_sending = 0
         self.reported_recving = 0
+        # Layers a pushing P on CPU saw written while their sends were already started: the proof that it streams.
+        self.streamed_layers = 0
         self._events: dict[int, Any] = {}  # this step's CUDA events per local layer, for layer-wise sends
         # A pushing P on CPU: this step's sends started before the forward, one future per local layer that
         # `layer_saved` resolves (and `end_step` for any layer it never saw).
@@ -149,14 +152,18 @@ class WorkerSide:
 
     # -- each step ---------------------------------------------------------------------------------------------
 
-    def begin_step(self, step: StepMetadata) -> None:
-        """`start_load_kv`: start this step's receives and carry out its aborts; a pushing P on CPU also starts
-        its sends, each layer ready once the forward wrote it."""
+    def bind_step(self, step: StepMetadata) -> None:
+        """`bind_connector_metadata`, before the step's forward: forget the last step's per-layer marks; a pushing
+        P on CPU starts the step's sends here, each layer ready once the forward wrote it (`layer_saved`)."""
         self._events.clear()
         self._layers_ready = []
         if step.sends and self._device == "cpu" and self._config.mode == "push":
             self._layers_ready = [concurrent.futures.Future() for _ in range(len(self._layer_of))]
             self._start_sends(step, list(self._layers_ready))
+
+    def begin_step(self, step: StepMetadata) -> None:
+        """`start_load_kv` (after the forward since vLLM 0.32, before it earlier): start this step's receives and
+        carry out its aborts."""
         if step.engine is None and not (step.recvs or step.aborts or step.withdrawn):
             return
 
@@ -204,6 +211,7 @@ class WorkerSide:
             index = self._layer_of.get(layer_name)
             if index is not None and not self._layers_ready[index].done():
                 self._layers_ready[index].set_result(None)
+                self.streamed_layers += 1
             return
         if not step.sends or self._device != "cuda":
             return

@@ -516,11 +516,15 @@ def test_on_gpu_a_send_waits_for_each_layer_event_or_for_one_after_the_forward(m
     side._device = "cuda"
     side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
     step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    # vLLM 0.32's order: bind, the forward, then start_load_kv (which must not forget the forward's events), then
+    # wait_for_save.
+    side.bind_step(step)
     for i in range(3):
         side.layer_saved(f"model.layers.{i}.attn", step)
+    side.begin_step(step)
     side.end_step(step)
     assert isinstance(service.ready, list) and len(service.ready) == 3  # layer-wise: one future per layer
-    side.begin_step(StepMetadata())
+    side.bind_step(step)
     side.layer_saved("model.layers.0.attn", step)  # a CUDA graph replayed the other layers: no event of theirs
     recorded = FakeEvent.recorded
     side.end_step(step)
@@ -530,24 +534,27 @@ def test_on_gpu_a_send_waits_for_each_layer_event_or_for_one_after_the_forward(m
     assert service.ready is None  # the CPU forward is over when the hook runs
 
 
-def test_a_pushing_p_on_cpu_starts_its_sends_before_the_forward_each_layer_ready_once_written() -> None:
+def test_a_pushing_p_on_cpu_starts_its_sends_at_the_bind_before_the_forward_each_layer_ready_once_written() -> None:
     # D's fetch already waits at a pushing P: the send starts with the step, and each layer's write with the layer.
     service = FakeService()
     side = WorkerSide(ConnectorConfig(mode="push"), ServiceConfig(), identity())
     side._thread = service  # type: ignore[assignment]
     side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
     step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
-    side.begin_step(step)
+    side.bind_step(step)  # vLLM binds a step's metadata before its forward
     assert service.calls == ["send p1"]  # before any layer was computed
     layers = list(side._layers_ready)
     assert len(layers) == 3 and not any(f.done() for f in layers)
     side.layer_saved("model.layers.1.attn", step)
     assert [f.done() for f in layers] == [False, True, False]
     side.layer_saved("model.layers.0.attn", step)
+    side.begin_step(step)  # start_load_kv comes after the forward in vLLM 0.32: it starts nothing more
+    assert [f.done() for f in layers] == [True, True, False] and service.calls == ["send p1"]
     side.end_step(step)  # layer 2 never named (a state layer, say): written once the forward ended
     assert all(f.done() for f in layers) and service.calls == ["send p1"]  # not started again
     pulling = worker_with(FakeService())
     pulling._layer_of = side._layer_of
+    pulling.bind_step(step)
     pulling.begin_step(step)
     assert pulling._thread.calls == []  # type: ignore[union-attr]  # a pulling P holds after the forward
 

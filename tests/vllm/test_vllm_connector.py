@@ -235,6 +235,10 @@ def test_push_d_first_gives_a_single_engines_tokens(engines: dict[str, VllmEngin
     # request (the first one's too) and D worker.
     copies = sum(after["layer_copy"]["counts"]) - sum(before["layer_copy"]["counts"])
     assert copies == 4 * (len(batch) + 1) * len(stats["workers"])
+    # ...and streams: P's sends started before the forward that wrote their layers (vLLM binds a step's metadata
+    # before its forward, and calls start_load_kv after it), so save_kv_layer found each layer's send waiting.
+    streamed = after["streamed_layers"] - before["streamed_layers"]
+    assert streamed >= 4 and streamed % 4 == 0  # every layer of each step that held a request
 
 
 def test_push_from_a_p_of_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -> None:
