@@ -128,6 +128,17 @@ class Route:
     reason: str
 
 
+PLANE_NAMES: Final = {"mooncake": "Mooncake", "samehost": "same-host plane", "cuda_ipc": "GPU plane"}
+
+
+def probed(route: Route, d: WorkerMetadata, refused: str) -> Route:
+    """`route` after P's one probe of its plane (`Transport.reachable`, which may also never answer): as it was when
+    the probe passed (`refused` ""), else Mooncake to D worker `d`, saying why."""
+    if not refused or route.kind == "mooncake":
+        return route
+    return Route("mooncake", d.transport_addr, f"the {PLANE_NAMES[route.kind]} is refused: {refused}")
+
+
 def choose_transport(p: WorkerMetadata, d: WorkerMetadata, setting: str = "auto") -> Route:
     """The route of P worker `p`'s writes into D worker `d` (module docstring).
 
@@ -212,6 +223,7 @@ __all__ = [
     "GPU_SCHEME",
     "IPC_HANDLE_BYTES",
     "PLANES",
+    "PLANE_NAMES",
     "SAMEHOST_CHECK_S",
     "SAMEHOST_DESCRIPTOR_COST_S",
     "SAMEHOST_GATHER_COST_S_PER_BYTE",
@@ -223,6 +235,7 @@ __all__ = [
     "check_transport_addr",
     "choose_transport",
     "is_same_host",
+    "probed",
     "rule_on",
     "samehost_check_budget",
 ]

@@ -19,7 +19,7 @@ import msgspec
 
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
-from kvsvc.data_planes import Route, choose_transport, samehost_check_budget
+from kvsvc.data_planes import PLANE_NAMES, Route, choose_transport, probed, samehost_check_budget
 from kvsvc.driver import carry_out_fill, carry_out_send
 from kvsvc.errors import (
     MalformedFrame,
@@ -309,7 +309,7 @@ class SendingRole:
             TransportError / ValueError: a region no memory can be.
         """
         setting = self._ctx.config.transport
-        route = choose_transport(self._ctx.metadata, d, setting)
+        route, refused = choose_transport(self._ctx.metadata, d, setting), ""
         if route.kind != "mooncake":
             # Well inside the hello's own budget: D waits that long for the answer, and Mooncake must still make it.
             budget_s = samehost_check_budget(self._ctx.config.handshake_timeout_s)
@@ -318,16 +318,14 @@ class SendingRole:
                 refused = await asyncio.wait_for(reach, budget_s)
             except TimeoutError:
                 refused = f"no answer from the check of the process within {budget_s:g} s"
-            if refused:
-                plane = _PLANES[route.kind]
-                log.warning("writes to %s go over Mooncake: the %s is refused: %s", ref, plane, refused)
-                route = Route("mooncake", d.transport_addr, f"the {plane} is refused: {refused}")
+            route = probed(route, d, refused)
         self._ctx.transport.add_peer(route.session, regions)
         if route.kind == "mooncake":
-            level = logging.WARNING if setting == "samehost" else logging.INFO  # asked for, and not had
+            # A plane asked for, or one the rule picked and the probe refused, and not had: a warning.
+            level = logging.WARNING if setting == "samehost" or refused else logging.INFO
             log.log(level, "writes to %s go over Mooncake: %s", ref, route.reason)
         else:
-            log.info("writes to %s go over the %s: %s", ref, _PLANES[route.kind], route.reason)
+            log.info("writes to %s go over the %s: %s", ref, PLANE_NAMES[route.kind], route.reason)
         return route
 
     def _refuse(self, channel: ControlChannel, reply: HelloRefused | ErrorMessage) -> None:
@@ -372,9 +370,6 @@ class SendingRole:
             self._run_send(self._sender.abort(req_id))
             return
         self._run_send(self._sender.ready(transfer_id))
-
-
-_PLANES = {"samehost": "same-host plane", "cuda_ipc": "GPU plane"}
 
 
 def _inbound_key(ref: WorkerRef) -> tuple[str, Worker]:

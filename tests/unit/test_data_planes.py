@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.data_planes import SameHostAddress, choose_transport, is_same_host
+from kvsvc.data_planes import SameHostAddress, choose_transport, is_same_host, probed
 from kvsvc.messages import WorkerMetadata
 
 BASE = WorkerMetadata(
@@ -56,6 +56,17 @@ def test_anything_else_is_not_a_same_host_address(text: str) -> None:
 def test_two_workers_on_one_host_as_one_user_take_the_same_host_plane() -> None:
     route = choose_transport(worker(P_ADDR), worker(D_ADDR, "d"))
     assert (route.kind, route.session) == ("samehost", D_ADDR)
+
+
+def test_a_plane_the_probe_refused_falls_back_to_mooncake_saying_why_and_one_it_passed_stays() -> None:
+    d = worker(D_ADDR, "d")
+    route = choose_transport(worker(P_ADDR), d)
+    assert probed(route, d, "") == route
+    fallen = probed(route, d, "ptrace: operation not permitted")
+    assert (fallen.kind, fallen.session) == ("mooncake", d.transport_addr)
+    assert fallen.reason == "the same-host plane is refused: ptrace: operation not permitted"
+    mooncake = choose_transport(worker(P_ADDR), d, "mooncake")
+    assert probed(mooncake, d, "anything") == mooncake  # nothing was probed
 
 
 def test_forced_mooncake_is_mooncake_even_on_one_host() -> None:
