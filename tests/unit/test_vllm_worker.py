@@ -559,6 +559,27 @@ def test_a_pushing_p_on_cpu_starts_its_sends_at_the_bind_before_the_forward_each
     assert pulling._thread.calls == []  # type: ignore[union-attr]  # a pulling P holds after the forward
 
 
+def test_a_forward_that_raised_fails_the_layers_it_had_not_written_and_a_pull_send_waits_on_that_failure() -> None:
+    # vLLM calls wait_for_save from a `finally`: the forward's exception is in flight there, and the KV of the layers
+    # it did not reach was never written, so no send may take those blocks as ready (D would load them).
+    service = FakeService()
+    side = WorkerSide(ConnectorConfig(mode="push"), ServiceConfig(), identity())
+    side._thread = service  # type: ignore[assignment]
+    side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
+    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    side.bind_step(step)
+    layers = list(side._layers_ready)
+    side.layer_saved("model.layers.0.attn", step)
+    side.end_step(step, failed=RuntimeError("out of memory in layer 1"))
+    assert layers[0].result() is None  # written before the failure: still good
+    assert [type(f.exception()) for f in layers[1:]] == [RuntimeError, RuntimeError]
+    pulling = worker_with(FakeService())
+    pulling.end_step(step, failed=RuntimeError("out of memory"))
+    assert pulling._thread.ready is not None  # type: ignore[union-attr]  # not "written": it waits, and fails
+    pulling.end_step(step)
+    assert pulling._thread.ready is None  # type: ignore[union-attr]  # the negative: a forward that ended
+
+
 def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step(caplog: pytest.LogCaptureFixture) -> None:
     service = FakeService()
     service.refuse_recv = {"d3"}

