@@ -43,6 +43,7 @@ from kvsvc.testing.vllm import (
     MLA_BLOCK_SIZE,
     EngineConfig,
     VllmEngine,
+    spare_ports,
     write_tiny_deepseek,
     write_tiny_granite,
     write_tiny_llama,
@@ -85,9 +86,9 @@ def layout(text: str) -> dict[str, int]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, outside the kernel's ephemeral range (`spare_ports`): no server's own listener takes it
+    before the server it is picked for binds it."""
+    return spare_ports(1)[0]
 
 
 def free_port_run(count: int, tries: int = 50) -> int:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -449,6 +451,38 @@ def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
         "model_max_length": 4096,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# Above Mooncake's RPC ports (15000-17000, docs/mooncake.md), which its engines draw at random.
+SPARE_PORTS_FROM = 20000
+
+
+def spare_ports(count: int) -> list[int]:
+    """Ports free now on loopback, between `SPARE_PORTS_FROM` and the kernel's ephemeral range, for the P endpoints
+    D engines must be configured with before either starts. A port the kernel hands out for a bind to port 0 (any
+    engine's own listeners) is never one of them, so none is taken between this check and the engine's bind, as one
+    drawn from that range was (a started engine's listener got it first).
+
+    Raises:
+        OSError: `count` free ports not found in 1,000 tries.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.SystemRandom()
+    found: list[int] = []
+    for _ in range(1000):
+        port = rng.randrange(SPARE_PORTS_FROM, max(low, SPARE_PORTS_FROM + 1000))
+        if port in found:
+            continue
+        with contextlib.suppress(OSError), socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+            found.append(port)
+        if len(found) == count:
+            return found
+    raise OSError(f"no {count} free ports below {low} in 1,000 tries")
 
 
 @contextlib.contextmanager

@@ -8,16 +8,14 @@ receive, no request left in vLLM's scheduler, every block free.
 
 from __future__ import annotations
 
-import contextlib
 import random
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, Output, VllmEngine, started_engines, write_tiny_llama
+from kvsvc.testing.vllm import EngineConfig, Output, VllmEngine, spare_ports, started_engines, write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -36,15 +34,6 @@ def prompts(first: int, lengths: list[int], seed: int) -> list[list[int]]:
 LENGTHS = [1, BLOCK, BLOCK + 1, 11, 2 * BLOCK, 100, 257, 500]
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports free now, for P endpoints D engines must be configured with before either starts."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
     """A baseline engine (no connector), two P engines and three D engines (failure policies recompute and fail, and
@@ -54,7 +43,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
     root = tmp_path_factory.mktemp("vllm")
     model = str(write_tiny_llama(root / "tiny-llama", seed=0))
     other = str(write_tiny_llama(root / "tiny-llama-other", seed=1))
-    p_port, p2_port = free_ports(2)
+    p_port, p2_port = spare_ports(2)
     peers = {"push_peers": [f"127.0.0.1:{p_port}", f"127.0.0.1:{p2_port}"]}
     configs = {
         "base": EngineConfig(model),

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_llama
-from tests.vllm.test_vllm_connector import assert_clean, free_ports, prompts, push
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_llama
+from tests.vllm.test_vllm_connector import assert_clean, prompts, push
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -47,7 +47,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
     root = tmp_path_factory.mktemp("hybrid")
     model = str(write_tiny_llama(root / "sliding", seed=0, sliding_window=WINDOW))
     other = str(write_tiny_llama(root / "sliding-other", seed=1, sliding_window=WINDOW))
-    p_port, other_port = free_ports(2)
+    p_port, other_port = spare_ports(2)
     peers = {"push_peers": [f"127.0.0.1:{p_port}", f"127.0.0.1:{other_port}"]}
     configs = {
         "base": EngineConfig(model),

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_granite
-from tests.vllm.test_vllm_connector import assert_clean, free_ports, prompts, push
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_granite
+from tests.vllm.test_vllm_connector import assert_clean, prompts, push
 from tests.vllm.test_vllm_hybrid import bytes_sent
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -34,7 +34,7 @@ def state_engines(root: Path, model: str, other: str, **config: Any) -> Iterator
     with other weights (`other`), D, and P and D at TP 2; `config` adds `EngineConfig` fields to each. P and P_other
     push (serving the pull flow all the same), and D engines take their push params."""
 
-    p_port, other_port = free_ports(2)
+    p_port, other_port = spare_ports(2)
     peers = {"push_peers": [f"127.0.0.1:{p_port}", f"127.0.0.1:{other_port}"]}
 
     def engine(weights: str, role: str | None = None, tp: int = 1, extra: dict[str, Any] | None = None) -> EngineConfig:

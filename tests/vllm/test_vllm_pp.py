@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, started_engines, write_tiny_llama
-from tests.vllm.test_vllm_connector import free_ports, push
+from kvsvc.testing.vllm import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_llama
+from tests.vllm.test_vllm_connector import push
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -58,7 +58,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
     other = str(write_tiny_llama(root / "tiny-llama-other", seed=1))
     by_name = {"connector_module": ""}
     pp2: dict[str, Any] = {"pipeline_parallel_size": 2}
-    p2_port, x2_port = free_ports(2)
+    p2_port, x2_port = spare_ports(2)
     push_peers = {"push_peers": [f"127.0.0.1:{p2_port}", f"127.0.0.1:{x2_port}"]}
     configs = {
         "base": EngineConfig(model),
