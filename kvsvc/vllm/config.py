@@ -62,6 +62,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     idle_wait_s: float = 0.01
     """D: how long a step that computes nothing waits for a receive's news before vLLM's next step (0: never):
     vLLM steps without pause while a request waits for its KV; a receive that ends wakes the step at once."""
+    push_idle_wait_s: float = 0.1
+    """D: as `idle_wait_s` while every receive owed waits for a pushing P's prefill (router push params), which the
+    router started at the same time: those steps would compute nothing for hundreds of milliseconds, on cores P's
+    forward may share. A request arriving meanwhile waits up to this long to be scheduled."""
     mode: str = "pull"
     """"push" (P): hold each request under a transfer D can derive, and tell vllm-router so, which then sends D the
     request at the same time as P; D's fetch waits at P until P's hold starts. "pull" (the default): P's params
@@ -85,8 +89,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         for name in ("hold_timeout_s", "recv_timeout_s", "handshake_timeout_s", "abort_grace_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.idle_wait_s <= 1:
-            raise ValueError(f"kv_connector_extra_config['idle_wait_s'] must be in [0, 1], got {self.idle_wait_s}")
+        for name in ("idle_wait_s", "push_idle_wait_s"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be in [0, 1], got {getattr(self, name)}")
         if self.mode not in ("pull", "push"):
             raise ValueError(f"kv_connector_extra_config['mode'] is {self.mode!r}; expected 'pull' or 'push'")
         for peer in self.push_peers:

@@ -44,6 +44,7 @@ class TransferReports:
         self._ended: set[str] = set()  # of those, the ones the service ended, waiting for vLLM's finish
         self._seen_finished: set[str] = set()  # of those, the ones vLLM reported finished, waiting for the end
         self._receiving: dict[str, tuple[int, ...]] = {}  # started receives, with their blocks
+        self._pushed: set[str] = set()  # those of them that wait for a pushing P's prefill (router push params)
         self._refused: dict[str, tuple[int, ...]] = {}  # receives that could not start: fail at the next report
         self._invalid: set[int] = set()  # blocks of failed receives, until `take_load_errors`
 
@@ -59,9 +60,12 @@ class TransferReports:
         if req_id in self._holding:
             self._ended.add(req_id)
 
-    def recv_started(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """The service started a receive of the step: reported once the service reports it ended."""
+    def recv_started(self, req_id: str, block_ids: Sequence[int], push: bool = False) -> None:
+        """The service started a receive of the step: reported once the service reports it ended. `push`: it waits
+        for a pushing P's prefill, which the router started at the same time."""
         self._receiving[req_id] = tuple(block_ids)
+        if push:
+            self._pushed.add(req_id)
 
     def recv_refused(self, req_id: str, block_ids: Sequence[int]) -> None:
         """The service refused to start a receive of the step: reported failed at the next report."""
@@ -89,8 +93,10 @@ class TransferReports:
         self._holding -= ready
         failed = set(failed_recving)
         for req_id in finished_recving:
+            self._pushed.discard(req_id)
             if self._receiving.pop(req_id, None) is not None:
                 results.finished_recving.add(req_id)
+        self._pushed.difference_update(failed)
         ours = {req_id for req_id in failed if self._receiving.pop(req_id, None) is not None}
         results.finished_recving |= ours
         results.failed_recving |= ours
@@ -117,6 +123,15 @@ class TransferReports:
         if self._refused or not self._receiving:
             return False
         return not self._ended & (self._seen_finished | self._holding.intersection(finished_req_ids))
+
+    def idle_wait(self, finished_req_ids: Iterable[str], pull_s: float, push_s: float) -> float:
+        """How long an idle step waits for the service's news (a receive's end wakes it at once): 0 unless
+        `may_wait`; `push_s` while every receive owed waits for a pushing P's prefill, hundreds of milliseconds of
+        steps that would compute nothing and take the cores P's forward may share; else `pull_s`, as a new request
+        arriving meanwhile waits for the step's end."""
+        if not self.may_wait(finished_req_ids):
+            return 0.0
+        return push_s if self._pushed.issuperset(self._receiving) else pull_s
 
     @property
     def waiting(self) -> int:

@@ -74,6 +74,7 @@ class RecvSpec:
     num_tokens: int
     first_token: int
     secret: str  # as P issued it in the params
+    push: bool = False  # router push params: the fetch waits at P for a prefill that started with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,7 @@ class _Producer:
 class _Consumer:
     remote: RemotePrefill
     phase: RecvPhase = RecvPhase.WAITING
+    push: bool = False
 
 
 @dataclass(slots=True)
@@ -213,8 +215,9 @@ class SchedulerFlow:
             )
         elif wants_remote_prefill(params):
             assert params is not None
+            push = is_push_request(params)
             try:
-                if is_push_request(params):
+                if push:
                     remote = parse_push_prefill(params, req_id, prompt, self.params_key, self.push_peers)
                     self._take_push(remote.transfer_id)
                 else:
@@ -228,7 +231,7 @@ class SchedulerFlow:
             except ParamsError:
                 self._counts["refused"] += 1
                 raise
-            self._consumers[req_id] = _Consumer(remote)
+            self._consumers[req_id] = _Consumer(remote, push=push)
 
     def _take_push(self, transfer_id: str) -> None:
         """Remember push transfer `transfer_id` as taken by this engine.
@@ -322,6 +325,7 @@ class SchedulerFlow:
                 num_tokens=end,
                 first_token=end - num_external,
                 secret=remote.secret,
+                push=consumer.push,
             )
         )
         self._counts["loads"] += 1

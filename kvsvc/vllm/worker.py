@@ -203,7 +203,9 @@ class WorkerSide:
                     )
                 else:
                     self._outcomes.append(
-                        partial(TransferReports.recv_started, req_id=spec.req_id, block_ids=spec.block_ids)
+                        partial(
+                            TransferReports.recv_started, req_id=spec.req_id, block_ids=spec.block_ids, push=spec.push
+                        )
                     )
 
         self._service().post(run)
@@ -290,14 +292,18 @@ class WorkerSide:
 
     def transfer_results(self, finished_req_ids: set[str], *, idle: bool = False) -> TransferResults:
         """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it. An
-        `idle` step (nothing computed) waits up to `idle_wait_s` for the service's news while a receive is owed
-        (`TransferReports.may_wait`): vLLM would otherwise spin through empty steps on the cores a prefill needs.
+        `idle` step (nothing computed) waits up to `idle_wait_s` for the service's news while a receive is owed, and
+        up to `push_idle_wait_s` while each waits for a pushing P's prefill (`TransferReports.idle_wait`): vLLM
+        would otherwise spin through empty steps on the cores a prefill needs.
 
         Raises:
             KVSvcTimeout: the service's loop has not answered for `call_timeout_s` (`ServiceThread.get_finished`).
         """
-        wait = idle and not self._outcomes and self.reports.may_wait(finished_req_ids)
-        report = self._service().get_finished(self._config.idle_wait_s if wait else 0.0)
+        config = self._config
+        wait = 0.0
+        if idle and not self._outcomes:
+            wait = self.reports.idle_wait(finished_req_ids, config.idle_wait_s, config.push_idle_wait_s)
+        report = self._service().get_finished(wait)
         while self._outcomes:  # drained after the report: a receive it names was queued as started before it
             self._outcomes.popleft()(self.reports)
         results = self.reports.report(

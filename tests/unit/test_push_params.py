@@ -75,6 +75,8 @@ def test_p_announces_push_as_vllm_router_reads_it_and_d_derives_p_s_transfer_and
     )
     recv = d_loads(d_flow(), f"cmpl-{ROUTER_ID}-0-9e8d7c6b", router_params(params))  # its own random suffix
     assert (recv.transfer_id, recv.secret) == (send.transfer_id, send.secret)
+    assert recv.push  # D's idle steps may wait longer for it: P's prefill started with it
+    assert not d_loads(d_flow(), "pulled-0-9e8d7c6b", params).push  # P's own params: P is done, the fetch is short
     assert (recv.engine_id, recv.bootstrap_addr, recv.num_tokens) == ("P-engine", f"http://{P_ADDR}", len(PROMPT))
     # A router that passes P's params unchanged (pull) reaches the same transfer: P's params name it, signed.
     pulled = parse_remote_prefill(params, KEY)

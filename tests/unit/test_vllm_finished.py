@@ -152,6 +152,22 @@ def test_an_idle_step_waits_only_while_a_receive_is_owed_and_nothing_is_ready() 
     assert not reports.may_wait(set())
 
 
+def test_an_idle_step_waits_longer_only_while_every_receive_owed_waits_for_a_pushing_p() -> None:
+    reports = TransferReports()
+    assert reports.idle_wait(set(), 0.01, 0.1) == 0.0  # nothing owed: no wait at all
+    reports.recv_started("d1", (1,), push=True)
+    assert reports.idle_wait(set(), 0.01, 0.1) == 0.1  # P is prefilling: nothing to compute for a while
+    reports.recv_started("d2", (2,))
+    assert reports.idle_wait(set(), 0.01, 0.1) == 0.01  # a pulled receive lands soon: the short wait again
+    reports.report(set(), finished_recving={"d2"})
+    assert reports.idle_wait(set(), 0.01, 0.1) == 0.1
+    reports.report(set(), finished_recving={"d1"}, failed_recving={"d1"})
+    assert reports.idle_wait(set(), 0.01, 0.1) == 0.0  # everything reported
+    reports.recv_started("d3", (3,), push=True)
+    reports.recv_refused("d4", (4,))
+    assert reports.idle_wait(set(), 0.01, 0.1) == 0.0  # a report is ready now: no wait
+
+
 def test_the_reports_module_imports_no_torch_asyncio_or_vllm() -> None:
     probe = (
         "import sys, kvsvc.vllm.finished\n"
