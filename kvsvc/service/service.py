@@ -16,7 +16,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from msgspec.structs import replace
 
@@ -37,6 +37,9 @@ from kvsvc.transport.base import Transport, TransportStatistics
 
 log = logging.getLogger(__name__)
 REMEMBERED_REASONS = 1024
+
+
+_NONE_YET = LatencyHistogram().statistics()  # frozen: one snapshot may stand for every empty histogram
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +70,9 @@ class ServiceStatistics:
     staging_waits: int = 0  # P: gathers that had to wait for room
     control_connections: int = 0  # P: control connections open now, accepted or before their hello
     # P's layer-wise writes (`ServiceContext.layer_compute`, `layer_copy`, `after_last_layer`)
-    layer_compute: HistogramStatistics = field(default_factory=lambda: LatencyHistogram().statistics())
-    layer_copy: HistogramStatistics = field(default_factory=lambda: LatencyHistogram().statistics())
-    after_last_layer: HistogramStatistics = field(default_factory=lambda: LatencyHistogram().statistics())
+    layer_compute: HistogramStatistics = _NONE_YET
+    layer_copy: HistogramStatistics = _NONE_YET
+    after_last_layer: HistogramStatistics = _NONE_YET
 
     @property
     def holds(self) -> int:

@@ -426,9 +426,16 @@ class FakeService:
         return f"P answered TransferFailed for {req_id}"
 
 
-def worker_with(service: FakeService) -> WorkerSide:
-    side = WorkerSide(ConnectorConfig(), ServiceConfig(), identity())
+def worker_with(service: FakeService, **config: Any) -> WorkerSide:
+    side = WorkerSide(ConnectorConfig(**config), ServiceConfig(), identity())
     side._thread = service  # type: ignore[assignment]
+    return side
+
+
+def pushing_p(service: FakeService) -> WorkerSide:
+    """A pushing P's worker on CPU, with three local layers."""
+    side = worker_with(service, mode="push")
+    side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
     return side
 
 
@@ -537,9 +544,7 @@ def test_on_gpu_a_send_waits_for_each_layer_event_or_for_one_after_the_forward(m
 def test_a_pushing_p_on_cpu_starts_its_sends_at_the_bind_before_the_forward_each_layer_ready_once_written() -> None:
     # D's fetch already waits at a pushing P: the send starts with the step, and each layer's write with the layer.
     service = FakeService()
-    side = WorkerSide(ConnectorConfig(mode="push"), ServiceConfig(), identity())
-    side._thread = service  # type: ignore[assignment]
-    side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
+    side = pushing_p(service)
     step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
     side.bind_step(step)  # vLLM binds a step's metadata before its forward
     assert service.calls == ["send p1"]  # before any layer was computed
@@ -563,9 +568,7 @@ def test_a_forward_that_raised_fails_the_layers_it_had_not_written_and_a_pull_se
     # vLLM calls wait_for_save from a `finally`: the forward's exception is in flight there, and the KV of the layers
     # it did not reach was never written, so no send may take those blocks as ready (D would load them).
     service = FakeService()
-    side = WorkerSide(ConnectorConfig(mode="push"), ServiceConfig(), identity())
-    side._thread = service  # type: ignore[assignment]
-    side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
+    side = pushing_p(service)
     step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
     side.bind_step(step)
     layers = list(side._layers_ready)
