@@ -3,9 +3,10 @@ that wrote a request's KV.
 
 Imports: stdlib and `kvsvc.transport.finetimer` at module level; torch lazily inside `record_event` (no mooncake,
 never its *_on_cuda calls).
-Invariants: the event loop is never blocked (a loop's pending events are polled together with `query()` from one
-timer, naps growing from 20 us to 200 us, then 1 ms for an event pending over 5 ms); a future made from `None` is
-already resolved (the CPU path); cancelling a future stops its polling and never affects the GPU work.
+Invariants: the event loop is never blocked (a loop's pending events are polled together from one timer, each
+`query()`d once a poll however many futures wait on it, naps growing from 20 us to 200 us, then 1 ms for an event
+pending over 5 ms); a future made from `None` is already resolved (the CPU path); cancelling a future stops its
+polling and never affects the GPU work.
 """
 
 from __future__ import annotations
@@ -64,13 +65,20 @@ class _Poller:
         self._handle = None
         still: list[tuple[EventLike, asyncio.Future[None], float]] = []
         resolved = False
+        # Many futures may wait on one event (each send of a step on each layer's event): one query each per poll.
+        answers: dict[int, bool | Exception] = {}
         for event, fut, born in self._pending:
             if fut.done():  # cancelled by its owner: no more queries
                 continue
-            try:
-                ready = event.query()
-            except Exception as exc:
-                fut.set_exception(exc)
+            ready = answers.get(id(event))
+            if ready is None:
+                try:
+                    ready = event.query()
+                except Exception as exc:
+                    ready = exc
+                answers[id(event)] = ready
+            if isinstance(ready, Exception):
+                fut.set_exception(ready)
                 resolved = True
                 continue
             if ready:

@@ -15,9 +15,11 @@ a child process), so the driver itself cannot fail to import there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -193,25 +195,32 @@ def unpack_wheels(wheels: Sequence[Path], site: Path) -> None:
 
 
 def run_step(step: Step, env: Mapping[str, str], logs: Path) -> tuple[StepResult, str]:
-    """Run one step from the repository root; its stderr goes to `<name>.log`, its stdout to `<name>.out` (and is
-    returned). Never raises for the step's own failure: a timeout or a missing program is rc -1 or 127."""
+    """Run one step from the repository root in a session of its own; its stderr goes to `<name>.log`, its stdout to
+    `<name>.out` (and is returned). When it exits or times out, whatever it started and left running (an engine's
+    workers, holding the GPU) is killed with its process group, so no step leaves processes to the next. Never raises
+    for the step's own failure: a timeout or a missing program is rc -1 or 127."""
     log, out = logs / f"{step.name}.log", logs / f"{step.name}.out"
     began = time.monotonic()
     with log.open("w") as err_file, out.open("w") as out_file:
         err_file.write(f"$ {' '.join(step.argv)}\n")
         err_file.flush()
         try:
-            done = subprocess.run(
-                step.argv, cwd=REPO, env=dict(env), stdout=out_file, stderr=err_file, timeout=step.timeout_s,
-                check=False, start_new_session=True,
-            )  # fmt: skip
-            rc = done.returncode
+            proc = subprocess.Popen(
+                step.argv, cwd=REPO, env=dict(env), stdout=out_file, stderr=err_file, start_new_session=True
+            )
+        except OSError as exc:
+            err_file.write(f"\ncould not start: {exc}\n")
+            return StepResult(step.name, 127, time.monotonic() - began, str(log)), ""
+        try:
+            rc = proc.wait(timeout=step.timeout_s)
         except subprocess.TimeoutExpired:
             rc = -1
             err_file.write(f"\nkilled after its timeout of {step.timeout_s:g} s\n")
-        except OSError as exc:
-            rc = 127
-            err_file.write(f"\ncould not start: {exc}\n")
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()  # should the group be gone or out of reach, the step itself still ends
+            proc.wait()
     return StepResult(step.name, rc, time.monotonic() - began, str(log)), out.read_text()
 
 

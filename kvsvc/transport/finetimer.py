@@ -16,6 +16,7 @@ import ctypes
 import os
 import sys
 from collections.abc import Callable
+from functools import cache
 from typing import Any, Final
 
 _CLOCK_MONOTONIC: Final = 1
@@ -30,6 +31,7 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
 
 
+@cache  # loading the process's symbols took most of an open's 18 us; the poller opens a timer per burst
 def _libc() -> Any:
     if not sys.platform.startswith("linux"):
         return None

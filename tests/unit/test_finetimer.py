@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import uvloop
 
+from kvsvc.transport import finetimer
 from kvsvc.transport.finetimer import FineTimer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
@@ -111,11 +112,15 @@ def test_close_cancels_a_pending_sleep_and_later_sleeps_raise(run: Runner) -> No
 
 def test_open_declines_where_there_is_no_timerfd(monkeypatch: pytest.MonkeyPatch, run: Runner) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
+    finetimer._libc.cache_clear()  # looked up once a process: forget this host's libc, and the fake one after
 
     async def main() -> None:
         assert FineTimer.open(asyncio.get_running_loop()) is None
 
-    run(main)
+    try:
+        run(main)
+    finally:
+        finetimer._libc.cache_clear()
 
 
 def test_call_after_calls_the_latest_callback_once_and_refuses_beside_a_sleep(run: Runner) -> None:

@@ -28,6 +28,7 @@ def test_gather_then_scatter_on_the_gpu_moves_exactly_the_pieces(
     staging = torch.zeros(64 * unit + 16, dtype=torch.uint8, device="cuda")
     gather = TorchGather(tensors, staging)
     assert gather._stream is not None  # the GPU way, not numpy's
+    torch.cuda.synchronize()  # the fills ran on the default stream, which the side stream does not wait for
     src = [tensors[t].data_ptr() + off for t, off, _ in pieces]
     lengths = [n for _, _, n in pieces]
     dst = (staging.data_ptr() + at + np.concatenate(([0], np.cumsum(lengths)[:-1]))).tolist()

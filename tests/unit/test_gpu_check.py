@@ -193,3 +193,38 @@ def test_bench_on_cuda_is_refused_by_name_without_a_gpu(capsys: pytest.CaptureFi
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert "device cuda" in err and "sees no CUDA GPU" in err and torch.__version__ in err
+
+
+def test_check_runs_every_step_and_leaves_none_of_their_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The check's own driving, with stand-ins for the GPU steps: a bench that prints its figures, a step that fails,
+    and one that hangs past its timeout after starting a child of its own (as an engine's workers would): every
+    step runs and is reported, the bench's figures reach the summary, and no process of a step outlives it."""
+    pids = tmp_path / "pids"
+    hang = (
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pids)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    bench = 'print("warming up"); print(\'{"transport": "cuda_ipc", "kvsvc_gbps": 875.0, "other": 1}\')'
+    stand_ins = [
+        gpu_check.Step("hangs", [sys.executable, "-c", hang], 3),
+        gpu_check.Step("fails", [sys.executable, "-c", "import sys; sys.exit(3)"], 30),
+        gpu_check.Step("bench", [sys.executable, "-c", bench], 30),
+    ]
+    monkeypatch.setattr(gpu_check, "no_gpu_reason", lambda environ, python: "")
+    monkeypatch.setattr(gpu_check, "steps", lambda python: stand_ins)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    assert gpu_check.check(wheels) == 1
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["failed"] == ["hangs", "fails"] and not result["ok"]
+    assert {name: step["rc"] for name, step in result["steps"].items()} == {"hangs": -1, "fails": 3, "bench": 0}
+    assert result["bench"] == {"transport": "cuda_ipc", "kvsvc_gbps": 875.0}
+    assert "killed after its timeout of 3 s" in Path(result["steps"]["hangs"]["log"]).read_text()
+    stat = Path(f"/proc/{int(pids.read_text())}/stat")
+    # Killed with its step's process group: gone, or dead and not yet reaped by whoever adopted it.
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -187,3 +187,31 @@ async def test_an_event_pending_long_backs_off_to_the_loops_timers() -> None:
     assert poller._delay == streams.MAX_POLL_S  # a layer still computing is not polled every 200 us
     event.fire()
     await asyncio.wait_for(fut, 5)
+
+
+async def test_futures_sharing_an_event_query_it_once_a_poll() -> None:
+    # Each send of a step waits on the same per-layer events: a poll must not query an event once per send.
+    shared, alone = FakeEvent(), FakeEvent()
+    futures = [completion_future(shared) for _ in range(8)]
+    lone = completion_future(alone)
+    assert shared.queries == 8 and alone.queries == 1  # the query at creation, one per future
+    await asyncio.sleep(0.005)
+    polls = alone.queries - 1
+    assert polls >= 1 and shared.queries - 8 == polls
+    shared.fire()
+    await asyncio.wait_for(asyncio.gather(*futures), 5)
+    assert not lone.done()
+    lone.cancel()
+
+
+async def test_an_event_that_fails_fails_every_future_waiting_on_it() -> None:
+    event = FakeEvent()
+    futures = [completion_future(event) for _ in range(3)]
+
+    def broken() -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    event.query = broken  # type: ignore[method-assign]
+    for fut in futures:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await asyncio.wait_for(fut, 5)
