@@ -250,6 +250,7 @@ BENCH_FIGURES: Final = (
     "layerwise_baseline_ms",
     "layerwise_ratios",
     "split_over_homogeneous",
+    "split_stage_ms",
     "verified",
     "failures",
 )

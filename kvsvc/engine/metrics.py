@@ -32,6 +32,13 @@ LAYER_WISE: Final[tuple[tuple[str, str], ...]] = (
     ("copy", "layer_copy"),
     ("after_last_layer", "after_last_layer"),
 )
+# (part label, the statistics key): each chunk of P's staged writes and each round of D's window scatters
+STAGED: Final[tuple[tuple[str, str], ...]] = (
+    ("room", "staged_room"),
+    ("gather", "staged_gather"),
+    ("write", "staged_write"),
+    ("scatter", "window_scatter"),
+)
 
 # (metric name without `_total`, help, path into the statistics dict). Exported per worker (pp_rank, tp_rank).
 COUNTERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
@@ -201,6 +208,17 @@ class _SnapshotCollector(Collector):
             ),
             items,
             LAYER_WISE,
+        )
+        yield _histograms(
+            HistogramMetricFamily(
+                "kvsvc_staged_seconds",
+                "Writes through staging regions, per chunk or round: room, P's wait for room in its region; gather,"
+                " P's copy into it; write, from there to the bytes landed on D; scatter, D's copy from a window"
+                " into its blocks.",
+                labels=["pp_rank", "tp_rank", "part"],
+            ),
+            items,
+            STAGED,
         )
 
     @staticmethod

@@ -103,6 +103,14 @@ class ServiceContext:
     after_last_layer: LatencyHistogram = field(default_factory=LatencyHistogram)
     """P, a layer-wise write that waited for its last layer: from that layer's compute done to the write's last
     byte landed; what streaming the layers leaves after P's forward."""
+    staged_room: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """P, a write through the staging region: each chunk's wait for room in it."""
+    staged_gather: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """P: each chunk's gather, from the call to its bytes in the room (a CUDA event seen done, on a GPU)."""
+    staged_write: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """P: each chunk's write from its room, to its bytes landed on D."""
+    window_scatter: LatencyHistogram = field(default_factory=LatencyHistogram)
+    """D: each round's scatter from a window into the blocks, from the call to the copy seen done."""
 
     def changed(self) -> None:
         """A protocol object took an event: a deadline may have moved and a transfer may have ended. Each role

@@ -175,6 +175,7 @@ class WindowLender:
         """Start copying one round of a window into the blocks now; a task of the service's group awaits the copy."""
         area = self._area
         assert area.scatter is not None
+        began = self._ctx.clock()
         copy: Awaitable[None]
         try:
             copy = area.scatter(command.src, command.dst, command.length)
@@ -182,9 +183,9 @@ class WindowLender:
             failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             failed.set_exception(exc)
             copy = failed
-        self._ctx.tasks.spawn(self._scattered(key, copy), name=f"kvsvc-scatter-{key[0]}")
+        self._ctx.tasks.spawn(self._scattered(key, copy, began), name=f"kvsvc-scatter-{key[0]}")
 
-    async def _scattered(self, key: WindowKey, copy: Awaitable[None]) -> None:
+    async def _scattered(self, key: WindowKey, copy: Awaitable[None], began: float) -> None:
         """Wait for a round's copy; its end goes back to the protocol. Cancelled (only by `close`), it leaves the
         window lent: the region is not used after close."""
         error: str | None = None
@@ -194,6 +195,8 @@ class WindowLender:
             raise
         except Exception as exc:  # an embedder's copy: whatever it raises fails this receive, not the service
             error = f"{type(exc).__name__}: {exc}"
+        else:
+            self._ctx.window_scatter.observe(self._ctx.clock() - began)
         self._carry_out(key, self._windows.scattered(key, error))
         self.tidy()
         self._ctx.changed()  # a failed receive held back for this scatter may be reported now

@@ -73,6 +73,11 @@ class ServiceStatistics:
     layer_compute: HistogramStatistics = _NONE_YET
     layer_copy: HistogramStatistics = _NONE_YET
     after_last_layer: HistogramStatistics = _NONE_YET
+    # Each chunk of P's staged writes and each round of D's window scatters (`ServiceContext.staged_room`...)
+    staged_room: HistogramStatistics = _NONE_YET
+    staged_gather: HistogramStatistics = _NONE_YET
+    staged_write: HistogramStatistics = _NONE_YET
+    window_scatter: HistogramStatistics = _NONE_YET
 
     @property
     def holds(self) -> int:
@@ -335,6 +340,10 @@ class KVTransferService:
             layer_compute=self._ctx.layer_compute.statistics(),
             layer_copy=self._ctx.layer_copy.statistics(),
             after_last_layer=self._ctx.after_last_layer.statistics(),
+            staged_room=self._ctx.staged_room.statistics(),
+            staged_gather=self._ctx.staged_gather.statistics(),
+            staged_write=self._ctx.staged_write.statistics(),
+            window_scatter=self._ctx.window_scatter.statistics(),
         )
 
     def peers(self) -> list[dict[str, object]]:

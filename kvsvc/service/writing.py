@@ -342,9 +342,13 @@ class BlockWriter:
     async def _write_chunk(self, target: WriteTarget, chunk: StagedChunk) -> tuple[int, int]:
         """Lend room for `chunk`, gather its pieces there, write its runs; the room goes back once nothing can read
         it any more (after a failed write's drain). A cancelled chunk keeps its room: only `close` cancels."""
-        area = self._ctx.staging
+        ctx = self._ctx
+        area = ctx.staging
         assert area is not None
-        addr = await area.lend(chunk.nbytes, self._ctx.config.hold_timeout_s)
+        began = ctx.clock()
+        addr = await area.lend(chunk.nbytes, ctx.config.hold_timeout_s)
+        lent = ctx.clock()
+        ctx.staged_room.observe(lent - began)
         try:
             await area.gather(chunk.gather_src, addr + chunk.gather_offset, chunk.gather_length)
         except asyncio.CancelledError:
@@ -352,6 +356,8 @@ class BlockWriter:
         except BaseException:
             area.give_back(addr)
             raise
+        gathered = ctx.clock()
+        ctx.staged_gather.observe(gathered - lent)
         descriptors = np.column_stack((addr + chunk.write_offset, chunk.write_dst, chunk.write_length))
         try:
             nbytes = await target.transport.write(target.session, descriptors)
@@ -367,6 +373,7 @@ class BlockWriter:
             area.give_back(addr)
             raise
         area.give_back(addr)
+        ctx.staged_write.observe(ctx.clock() - gathered)
         return nbytes, len(descriptors)
 
     async def _write_layerwise(

@@ -72,6 +72,10 @@ def test_staged_chunked_writes_land_byte_exact_with_one_descriptor_per_run_part(
     (stats,) = p.statistics()
     assert stats["staged_writes"] >= 12
     assert stats["staging_waits"] > 0  # the region was full: chunks waited for room
+    # Every chunk is timed in each part: its wait for room, its gather and its write (4 chunks a write).
+    chunks = {part: sum(stats[f"staged_{part}"]["counts"]) for part in ("room", "gather", "write")}
+    assert chunks == dict.fromkeys(chunks, 4 * stats["staged_writes"]), chunks
+    assert stats["staged_room"]["total"] > 0  # chunks that waited for room waited some time
     # Per D worker and request: 4 layers, each one contiguous run of D blocks, cut into 4 chunks: at most 4 + 3.
     assert 6 * 2 * 4 <= descriptors <= 6 * 2 * (4 + 3)
     assert stats["holds"] == 0 and stats["writes_in_flight"] == 0 and stats["staging_in_use"] == 0
@@ -186,12 +190,14 @@ def test_p_writes_each_share_into_a_window_that_d_scatters_byte_exact(d_region: 
             # Per request and P worker: 4 layers, each one run of P's consecutive blocks, into one window.
             assert d_stats["scattered_receives"] == 4 * 2
             assert descriptors == 4 * 2 * 4
+            assert sum(d_stats["window_scatter"]["counts"]) == 4 * 2  # one round each, timed
         elif d_region:
             assert d_stats["scattered_receives"] > 0
             # A share without room goes direct; in rounds, each round cuts at most one more run.
             assert descriptors < 4 * 2 * 4 * (TOKENS // 16) * 2
         else:
             assert d_stats["scattered_receives"] == 0
+            assert sum(d_stats["window_scatter"]["counts"]) == 0
             assert descriptors == 4 * 2 * 4 * (TOKENS // 16) * 2  # requests x P workers x layers x blocks x K/V
     finally:
         d.close()

@@ -23,12 +23,14 @@ from workers.bench.report import (
     GPU_MOONCAKE,
     GPU_PLANE,
     GPU_TORCH,
+    STAGE_PARTS,
     GpuLayerwiseResult,
     GpuReport,
     GpuScenarioResult,
     LayerwiseResult,
     gpu_summary,
 )
+from workers.bench.runner import stage_means_ms
 from workers.bench.worker import contiguous_runs
 from workers.gpu_check import StepResult, dist_info, last_json, repack_slim, summary
 
@@ -156,6 +158,19 @@ def test_the_gpu_bench_summary_names_each_ratio() -> None:
     assert found["failures"] == 1 and found["verified"] is True
     assert set(found["scenarios"]) == {"large"}
     json.dumps(found)
+
+
+def test_staged_parts_are_averaged_over_what_each_round_observed() -> None:
+    def round_of(**parts: tuple[int, float]) -> dict[str, float]:
+        sums = {f"{part}_{kind}": 0.0 for part in STAGE_PARTS for kind in "ns"}
+        for part, (n, seconds) in parts.items():
+            sums[f"{part}_n"], sums[f"{part}_s"] = float(n), seconds
+        return sums
+
+    rounds = [round_of(staged_gather=(4, 0.004), staged_write=(4, 0.008)), round_of(staged_gather=(12, 0.004))]
+    # A mean per chunk over every round (not a mean of the rounds' means); parts nobody observed are left out.
+    assert stage_means_ms(rounds) == pytest.approx({"staged_gather": 0.5, "staged_write": 2.0})
+    assert stage_means_ms([round_of()]) == {}
 
 
 def test_torch_copy_merges_only_runs_contiguous_on_both_sides() -> None:

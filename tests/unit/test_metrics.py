@@ -165,6 +165,17 @@ def test_transfer_durations_come_from_each_workers_histogram() -> None:
     assert p["kvsvc_transfer_duration_seconds_count"] == 0.0
 
 
+def test_staged_parts_come_from_p_s_chunks_and_d_s_scatters() -> None:
+    gather, scatter = LatencyHistogram(), LatencyHistogram()
+    for seconds in (0.0004, 0.003):
+        gather.observe(seconds)
+    scatter.observe(0.02)
+    stats = {"staged_gather": asdict(gather.statistics()), "window_scatter": asdict(scatter.statistics())}
+    got = samples(EngineMetrics("p", "i", "both"), MetricsSnapshot({(0, 0): stats}))
+    counts = {s.labels["part"]: s.value for s in got["kvsvc_staged_seconds"] if s.name == "kvsvc_staged_seconds_count"}
+    assert counts == {"gather": 2.0, "scatter": 1.0}  # a part a worker has no statistics for is left out
+
+
 def test_a_malformed_histogram_drops_its_series_and_never_fails_the_scrape() -> None:
     bad = {"send_durations": {"bounds": [0.1], "counts": [1]}, "recv_durations": "nonsense"}
     got = samples(EngineMetrics("p", "i", "both"), MetricsSnapshot({(0, 0): bad}))

@@ -79,6 +79,10 @@ class ScenarioResult:
 LAYOUT_RATIO_TARGET: Final = 0.8
 
 
+# The parts of a staged write the services time (`ServiceStatistics.staged_room`...): P's chunks, D's window rounds
+STAGE_PARTS: Final = ("staged_room", "staged_gather", "staged_write", "window_scatter")
+
+
 @dataclass
 class LayoutResult:
     """A layout pair that splits heads or blocks, paired per repetition with a homogeneous run of the same bytes
@@ -113,6 +117,9 @@ class LayoutResult:
     verified: bool
     failures: int
     transport: str = "mooncake"  # the plane P's writes took (`kvsvc.data_planes.Route.kind`)
+    # Mean ms of each part of the staged writes over the layout runs (`STAGE_PARTS`: P's wait for room, its
+    # gather and its write per chunk; D's scatter per window round): where a split layout's time goes
+    stage_ms: dict[str, float] = field(default_factory=dict)
 
     def targets(self) -> list[Target]:
         ratio = Target(f"{self.name}.ratio_to_homogeneous", self.ratio_to_homogeneous, LAYOUT_RATIO_TARGET, True)
@@ -262,8 +269,8 @@ class GpuReport:
 def gpu_summary(report: GpuReport) -> dict[str, Any]:
     """The figures of a GPU run as one JSON-ready object: the headline ratios of the large scenario (kvsvc over
     torch's copy, over Mooncake's TCP, over the plane alone; absent where that baseline did not run), the layer-wise
-    figures, each layout's ratio to homogeneous, and every scenario in full. `verified` holds only when every
-    scenario and layout verified; `failures` sums them all."""
+    figures, each layout's ratio to homogeneous and the mean ms of its staged parts, and every scenario in full.
+    `verified` holds only when every scenario and layout verified; `failures` sums them all."""
     large = next(s for s in report.scenarios if s.name == "large")
     lw = report.layerwise
     ratio_keys = {GPU_TORCH: "kvsvc_over_torch_copy", GPU_MOONCAKE: "kvsvc_over_mooncake_tcp",
@@ -282,6 +289,7 @@ def gpu_summary(report: GpuReport) -> dict[str, Any]:
         "layerwise_baseline_ms": dict(lw.baseline_ms),
         "layerwise_ratios": {ratio_keys[k]: v for k, v in lw.ratios.items()},
         "split_over_homogeneous": {x.name: x.ratio_to_homogeneous for x in report.layouts},
+        "split_stage_ms": {x.name: x.stage_ms for x in report.layouts if x.stage_ms},
         "verified": all(s.verified for s in report.scenarios) and all(x.verified for x in report.layouts),
         "failures": sum(s.failures for s in report.scenarios) + lw.failures + sum(x.failures for x in report.layouts),
         "startup_s": report.startup_s,
@@ -297,6 +305,7 @@ __all__ = [
     "GPU_PLANE",
     "GPU_TORCH",
     "LAYOUT_RATIO_TARGET",
+    "STAGE_PARTS",
     "BenchReport",
     "GpuLayerwiseResult",
     "GpuReport",

@@ -17,7 +17,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvsvc.layout import pool_regions
@@ -40,6 +40,7 @@ from workers.bench.report import (
     GPU_MOONCAKE,
     GPU_PLANE,
     GPU_TORCH,
+    STAGE_PARTS,
     BenchReport,
     GpuLayerwiseResult,
     GpuReport,
@@ -368,6 +369,7 @@ class BenchRunner:
             homogeneous_cpu_s_per_gb=statistics.median(r["cpu"] for r in hom) / gb,
             cpu_split_s_per_gb={k: statistics.median(r[k] for r in lay) / gb for k in THREAD_ROLES},
             homogeneous_cpu_split_s_per_gb={k: statistics.median(r[k] for r in hom) / gb for k in THREAD_ROLES},
+            stage_ms=stage_means_ms(lay),
             machine_busy=_busy_share(lay),
             homogeneous_machine_busy=_busy_share(hom),
             cpu_ceiling_ratio=len(_cpus()) / cpu_s_per_gb / homogeneous_gbps if cpu_s_per_gb > 0 else 0.0,
@@ -391,6 +393,7 @@ class BenchRunner:
         ]
         p.broadcast(HoldMany(p_reqs, fill=fill), timeout_s=120)
         before = p.statistics()
+        d_before = d.statistics()
         p_cpu0 = sum(_cpu(r) for r in p.broadcast(CpuTime()))
         threads0 = _thread_cpu(p, "p") | _thread_cpu(d, "d")
         machine0 = _machine_jiffies()
@@ -402,6 +405,7 @@ class BenchRunner:
         started = min(min(_field(o, "started").values()) for o in outs)
         ended = max(max(_field(o, "ended").values(), default=started) for o in outs)
         after = _settled(p, before)
+        stages = _stage_sums([*after, *zip(d.statistics(), d_before, strict=True)])
         return {
             "span": ended - started,
             "cpu": sum(_cpu(o) - c for o, c in zip(outs, d_cpu0, strict=True)) + p_cpu1 - p_cpu0,
@@ -411,6 +415,7 @@ class BenchRunner:
             **_thread_split(threads0, threads1),
             "busy_jiffies": float(machine1[0] - machine0[0]),
             "all_jiffies": float(machine1[1] - machine0[1]),
+            **stages,
         }
 
     # -- one scenario ---------------------------------------------------------------------------------------
@@ -611,6 +616,27 @@ def _settled(p: Executor, before: list[dict[str, Any]]) -> list[tuple[dict[str, 
             break
         last = now
     return list(zip(last, before, strict=True))
+
+
+def _stage_sums(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, float]:
+    """For each of `STAGE_PARTS`, the observations and seconds the workers added between their (after, before)
+    statistics: `<part>_n` and `<part>_s`."""
+    sums: dict[str, float] = {}
+    for part in STAGE_PARTS:
+        sums[f"{part}_n"] = float(sum(sum(a[part]["counts"]) - sum(b[part]["counts"]) for a, b in pairs))
+        sums[f"{part}_s"] = float(sum(a[part]["total"] - b[part]["total"] for a, b in pairs))
+    return sums
+
+
+def stage_means_ms(rounds: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each part's mean in ms over `rounds` (a chunk's for P's parts, a round's for D's scatter), the parts observed
+    at all."""
+    means = {}
+    for part in STAGE_PARTS:
+        n = sum(r[f"{part}_n"] for r in rounds)
+        if n:
+            means[part] = 1e3 * sum(r[f"{part}_s"] for r in rounds) / n
+    return means
 
 
 def _thread_cpu(executor: Executor, side: str) -> dict[tuple[str, int, str], float]:

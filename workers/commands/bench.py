@@ -235,6 +235,7 @@ def render_layouts(report: BenchReport | GpuReport) -> Table:
     row("  direct plan", "{:.1f}", lambda x: x.direct_descriptors_per_request)
     row("  bound (destination runs)", "{:.1f}", lambda x: x.descriptor_bound_per_request)
     row("gathered writes/request (P)", "{:.1f}", lambda x: x.staged_writes_per_request)
+    row("ms: room / gather / write / scatter", "{}", _stages)
     row("CPU s/GB (homogeneous)", "{}", lambda x: f"{x.cpu_s_per_gb:.2f} ({x.homogeneous_cpu_s_per_gb:.2f})")
     for key, label in (("p", "P"), ("d", "D")):
         row(f"  {label} loops / other threads", "{}", partial(_split, key))
@@ -242,6 +243,13 @@ def render_layouts(report: BenchReport | GpuReport) -> Table:
     row("ratio the cores allow at this CPU", "{:.2f}", lambda x: x.cpu_ceiling_ratio)
     row("verified / failures", "{}", lambda x: f"{x.verified} / {x.failures}")
     return table
+
+
+def _stages(x: LayoutResult) -> str:
+    """The mean ms of each staged part (P's chunks: room, gather, write; D's window rounds: scatter); - for none."""
+    from workers.bench.report import STAGE_PARTS
+
+    return " / ".join(f"{x.stage_ms[part]:.2f}" if part in x.stage_ms else "-" for part in STAGE_PARTS)
 
 
 def _split(side: str, x: LayoutResult) -> str:
