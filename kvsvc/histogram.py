@@ -14,6 +14,8 @@ from typing import Final
 # From a millisecond (a small loopback transfer) to a minute (the default hold timeout): wider than that is a
 # hold expiry, which has its own counter.
 TRANSFER_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# The parts of a staged write: a GPU's gather or copy takes microseconds, a CPU's a fraction of a millisecond.
+STAGE_BUCKETS: Final = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5, 10.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,4 +54,4 @@ class LatencyHistogram:
         return HistogramStatistics(self._bounds, tuple(self._counts), self._total)
 
 
-__all__ = ["TRANSFER_BUCKETS", "HistogramStatistics", "LatencyHistogram"]
+__all__ = ["STAGE_BUCKETS", "TRANSFER_BUCKETS", "HistogramStatistics", "LatencyHistogram"]

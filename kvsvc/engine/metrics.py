@@ -32,11 +32,13 @@ LAYER_WISE: Final[tuple[tuple[str, str], ...]] = (
     ("copy", "layer_copy"),
     ("after_last_layer", "after_last_layer"),
 )
-# (part label, the statistics key): each chunk of P's staged writes and each round of D's window scatters
+# (part label, the statistics key): the parts of staged writes (`kvsvc.service.context.ServiceContext.staged_room`...)
 STAGED: Final[tuple[tuple[str, str], ...]] = (
     ("room", "staged_room"),
     ("gather", "staged_gather"),
     ("write", "staged_write"),
+    ("round_wait", "round_wait"),
+    ("window_room", "window_room"),
     ("scatter", "window_scatter"),
 )
 
@@ -212,9 +214,11 @@ class _SnapshotCollector(Collector):
         yield _histograms(
             HistogramMetricFamily(
                 "kvsvc_staged_seconds",
-                "Writes through staging regions, per chunk or round: room, P's wait for room in its region; gather,"
-                " P's copy into it; write, from there to the bytes landed on D; scatter, D's copy from a window"
-                " into its blocks.",
+                "The parts of writes through staging regions, each timed when it completed; they overlap. P, per"
+                " chunk: room, its wait for room in P's region; gather, its copy there; write, from there to its bytes"
+                " landed on D. P, a share written in rounds into D's window: round_wait, each wait for D to empty half"
+                " of it. D: window_room, a window's wait for room; scatter, a round's copy from the window into the"
+                " blocks.",
                 labels=["pp_rank", "tp_rank", "part"],
             ),
             items,

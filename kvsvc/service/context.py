@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvsvc.histogram import LatencyHistogram
+from kvsvc.histogram import STAGE_BUCKETS, LatencyHistogram
 from kvsvc.jobs import Notice
 from kvsvc.messages import Worker, WorkerMetadata
 from kvsvc.service.config import ServiceConfig
@@ -103,13 +103,20 @@ class ServiceContext:
     after_last_layer: LatencyHistogram = field(default_factory=LatencyHistogram)
     """P, a layer-wise write that waited for its last layer: from that layer's compute done to the write's last
     byte landed; what streaming the layers leaves after P's forward."""
-    staged_room: LatencyHistogram = field(default_factory=LatencyHistogram)
+    # The parts of staged writes, each timed when it completed (a chunk that failed keeps the parts it finished). They
+    # overlap: chunks of a write start together, so one's wait for room is the gathers and writes before it; on a
+    # GPU a gather, write or scatter ends when the event poller sees its CUDA event (`kvsvc.streams`).
+    staged_room: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
     """P, a write through the staging region: each chunk's wait for room in it."""
-    staged_gather: LatencyHistogram = field(default_factory=LatencyHistogram)
-    """P: each chunk's gather, from the call to its bytes in the room (a CUDA event seen done, on a GPU)."""
-    staged_write: LatencyHistogram = field(default_factory=LatencyHistogram)
+    staged_gather: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    """P: each chunk's gather, from the call to its bytes in the room."""
+    staged_write: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
     """P: each chunk's write from its room, to its bytes landed on D."""
-    window_scatter: LatencyHistogram = field(default_factory=LatencyHistogram)
+    round_wait: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    """P, a share written into D's window in rounds: each wait for D to empty half the window."""
+    window_room: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    """D: each wait for room for a window that then got it (`window_wait_s` at most)."""
+    window_scatter: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
     """D: each round's scatter from a window into the blocks, from the call to the copy seen done."""
 
     def changed(self) -> None:

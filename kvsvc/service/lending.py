@@ -111,8 +111,10 @@ class WindowLender:
         is cancelled then (`tidy`), which leaves nothing lent."""
         area = self._area
         addr: int | None = None
+        began = self._ctx.clock()
         try:
             addr = await area.lend(plan.window_bytes, self._ctx.config.window_wait_s)
+            self._ctx.window_room.observe(self._ctx.clock() - began)
         except StagingFull:
             pass
         finally:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from msgspec.structs import replace
 
 from kvsvc.errors import KVSvcError, ServiceClosed
-from kvsvc.histogram import HistogramStatistics, LatencyHistogram
+from kvsvc.histogram import STAGE_BUCKETS, HistogramStatistics, LatencyHistogram
 from kvsvc.messages import WorkerMetadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.receiver import ReceiverStatistics
@@ -40,6 +40,7 @@ REMEMBERED_REASONS = 1024
 
 
 _NONE_YET = LatencyHistogram().statistics()  # frozen: one snapshot may stand for every empty histogram
+_NO_STAGE_YET = LatencyHistogram(STAGE_BUCKETS).statistics()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +74,13 @@ class ServiceStatistics:
     layer_compute: HistogramStatistics = _NONE_YET
     layer_copy: HistogramStatistics = _NONE_YET
     after_last_layer: HistogramStatistics = _NONE_YET
-    # Each chunk of P's staged writes and each round of D's window scatters (`ServiceContext.staged_room`...)
-    staged_room: HistogramStatistics = _NONE_YET
-    staged_gather: HistogramStatistics = _NONE_YET
-    staged_write: HistogramStatistics = _NONE_YET
-    window_scatter: HistogramStatistics = _NONE_YET
+    # The parts of staged writes (`ServiceContext.staged_room`...)
+    staged_room: HistogramStatistics = _NO_STAGE_YET
+    staged_gather: HistogramStatistics = _NO_STAGE_YET
+    staged_write: HistogramStatistics = _NO_STAGE_YET
+    round_wait: HistogramStatistics = _NO_STAGE_YET
+    window_room: HistogramStatistics = _NO_STAGE_YET
+    window_scatter: HistogramStatistics = _NO_STAGE_YET
 
     @property
     def holds(self) -> int:
@@ -343,6 +346,8 @@ class KVTransferService:
             staged_room=self._ctx.staged_room.statistics(),
             staged_gather=self._ctx.staged_gather.statistics(),
             staged_write=self._ctx.staged_write.statistics(),
+            round_wait=self._ctx.round_wait.statistics(),
+            window_room=self._ctx.window_room.statistics(),
             window_scatter=self._ctx.window_scatter.statistics(),
         )
 

@@ -319,7 +319,9 @@ class BlockWriter:
                 if isinstance(step, Fail):
                     raise _fill_error(step.cause, step.reason)
                 if isinstance(step, AwaitHalf):
+                    began = clock()
                     await target.wait(fill, clock)
+                    self._ctx.round_wait.observe(clock() - began)
                     continue
                 table = np.column_stack((step.src, step.dst, step.length))
                 written, submitted = await self._write_once(target, table, command)

@@ -193,6 +193,7 @@ def test_p_writes_each_share_into_a_window_that_d_scatters_byte_exact(d_region: 
             assert sum(d_stats["window_scatter"]["counts"]) == 4 * 2  # one round each, timed
         elif d_region:
             assert d_stats["scattered_receives"] > 0
+            assert sum(d_stats["window_scatter"]["counts"]) >= d_stats["scattered_receives"]  # a share in rounds
             # A share without room goes direct; in rounds, each round cuts at most one more run.
             assert descriptors < 4 * 2 * 4 * (TOKENS // 16) * 2
         else:

@@ -28,6 +28,7 @@ from workers.bench.report import (
     GpuReport,
     GpuScenarioResult,
     LayerwiseResult,
+    LayoutResult,
     gpu_summary,
 )
 from workers.bench.runner import stage_means_ms
@@ -150,13 +151,29 @@ def test_the_gpu_bench_summary_names_each_ratio() -> None:
         ratios={GPU_TORCH: 0.5, GPU_MOONCAKE: 150.0},
         failures=1,
     )
-    found = gpu_summary(GpuReport(TINY, [large], layerwise, 10.0, 60.0))
+
+    def layout(name: str, stage_ms: dict[str, float]) -> LayoutResult:
+        return LayoutResult(
+            name=name, layout="HND", reps=1, requests=8, bytes_per_rep=1 << 25, gbps=20.0, homogeneous_gbps=80.0,
+            ratio_to_homogeneous=0.25, descriptors_per_request=56.0, direct_descriptors_per_request=448.0,
+            descriptor_bound_per_request=56.0, staged_writes_per_request=2.0, cpu_s_per_gb=0.1,
+            homogeneous_cpu_s_per_gb=0.05, cpu_split_s_per_gb={}, homogeneous_cpu_split_s_per_gb={}, machine_busy=0.1,
+            homogeneous_machine_busy=0.1, cpu_ceiling_ratio=9.0, verified=True, failures=0, transport="cuda_ipc",
+            stage_ms=stage_ms,
+        )  # fmt: skip
+
+    layouts = [layout("hetero_tp_up", {"staged_gather": 0.05, "staged_write": 0.4}), layout("hetero_tp_up_direct", {})]
+    found = gpu_summary(GpuReport(TINY, [large], layerwise, 10.0, 60.0, layouts))
+    # Only layouts that staged anything have parts; they reach make gpu-check's figures as they are.
+    assert found["split_stage_ms"] == {"hetero_tp_up": {"staged_gather": 0.05, "staged_write": 0.4}}
+    assert summary([], found, "/logs")["bench"]["split_stage_ms"] == found["split_stage_ms"]
+    assert found["split_over_homogeneous"] == {"hetero_tp_up": 0.25, "hetero_tp_up_direct": 0.25}
     assert found["device"] == "cuda" and found["transport"] == "cuda_ipc"
     assert found["kvsvc_over_torch_copy"] == 0.75 and found["kvsvc_over_mooncake_tcp"] == 450.0
     assert found["kvsvc_over_plane"] == 0.9 and found["torch_copy_gbps"] == 1200.0
     assert found["layerwise_ratios"] == {"kvsvc_over_torch_copy": 0.5, "kvsvc_over_mooncake_tcp": 150.0}
     assert found["failures"] == 1 and found["verified"] is True
-    assert set(found["scenarios"]) == {"large"}
+    assert set(found["scenarios"]) == {"large", "hetero_tp_up", "hetero_tp_up_direct"}
     json.dumps(found)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
+from kvsvc.engine.metrics import STAGED
 from workers.bench.models import Sizes
 
 # The performance targets (for a 2-core machine): key of the summary, the bound, and whether it is a floor.
@@ -79,8 +80,8 @@ class ScenarioResult:
 LAYOUT_RATIO_TARGET: Final = 0.8
 
 
-# The parts of a staged write the services time (`ServiceStatistics.staged_room`...): P's chunks, D's window rounds
-STAGE_PARTS: Final = ("staged_room", "staged_gather", "staged_write", "window_scatter")
+# The parts of staged writes the services time, as their statistics name them (`kvsvc.engine.metrics.STAGED`)
+STAGE_PARTS: Final = tuple(key for _, key in STAGED)
 
 
 @dataclass
@@ -117,8 +118,8 @@ class LayoutResult:
     verified: bool
     failures: int
     transport: str = "mooncake"  # the plane P's writes took (`kvsvc.data_planes.Route.kind`)
-    # Mean ms of each part of the staged writes over the layout runs (`STAGE_PARTS`: P's wait for room, its
-    # gather and its write per chunk; D's scatter per window round): where a split layout's time goes
+    # Mean ms of each part of the staged writes over the layout runs, the parts observed (`STAGE_PARTS`; they
+    # overlap, see `kvsvc.service.context.ServiceContext`): where a split layout's time goes
     stage_ms: dict[str, float] = field(default_factory=dict)
 
     def targets(self) -> list[Target]:

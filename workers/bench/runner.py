@@ -384,7 +384,7 @@ class BenchRunner:
     ) -> dict[str, float]:  # fmt: skip
         """Hold every request on every P worker (untimed), receive them all on D at once; the span from the first
         start_recv to the last completion, the CPU of every worker of both engines, P's descriptors and staged
-        writes."""
+        writes, and both engines' staged parts (`_stage_sums`)."""
         p_reqs: list[BenchRequest] = [
             (f"p-{tag}-{i}", f"{tag}-{i}", pb, tokens, seed) for i, (pb, _, seed) in enumerate(reqs)
         ]
@@ -610,11 +610,10 @@ def _settled(p: Executor, before: list[dict[str, Any]]) -> list[tuple[dict[str, 
     while time.monotonic() < deadline:
         time.sleep(0.02)
         now = p.statistics()
-        if [s["descriptors_sent"] for s in now] == [s["descriptors_sent"] for s in last] and not any(
-            s["writes_in_flight"] for s in now
-        ):
+        settled = [s["descriptors_sent"] for s in now] == [s["descriptors_sent"] for s in last]
+        last = now  # the reading checked: what a write's other chunks finished meanwhile counts too
+        if settled and not any(s["writes_in_flight"] for s in now):
             break
-        last = now
     return list(zip(last, before, strict=True))
 
 

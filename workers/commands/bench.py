@@ -235,7 +235,7 @@ def render_layouts(report: BenchReport | GpuReport) -> Table:
     row("  direct plan", "{:.1f}", lambda x: x.direct_descriptors_per_request)
     row("  bound (destination runs)", "{:.1f}", lambda x: x.descriptor_bound_per_request)
     row("gathered writes/request (P)", "{:.1f}", lambda x: x.staged_writes_per_request)
-    row("ms: room / gather / write / scatter", "{}", _stages)
+    row("staged parts, mean ms", "{}", _stages)
     row("CPU s/GB (homogeneous)", "{}", lambda x: f"{x.cpu_s_per_gb:.2f} ({x.homogeneous_cpu_s_per_gb:.2f})")
     for key, label in (("p", "P"), ("d", "D")):
         row(f"  {label} loops / other threads", "{}", partial(_split, key))
@@ -246,10 +246,10 @@ def render_layouts(report: BenchReport | GpuReport) -> Table:
 
 
 def _stages(x: LayoutResult) -> str:
-    """The mean ms of each staged part (P's chunks: room, gather, write; D's window rounds: scatter); - for none."""
-    from workers.bench.report import STAGE_PARTS
+    """The mean ms of each staged part observed, by its metric label (`kvsvc_staged_seconds{part}`); - for none."""
+    from kvsvc.engine.metrics import STAGED
 
-    return " / ".join(f"{x.stage_ms[part]:.2f}" if part in x.stage_ms else "-" for part in STAGE_PARTS)
+    return ", ".join(f"{label} {x.stage_ms[key]:.2f}" for label, key in STAGED if key in x.stage_ms) or "-"
 
 
 def _split(side: str, x: LayoutResult) -> str:

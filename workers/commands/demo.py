@@ -38,9 +38,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "demo",
         help="a prefill and a decode engine on this machine, real transfers, every byte verified",
         description="Starts a P engine and a D engine (worker processes with synthetic KV), moves --requests "
-        "requests from P to D on the data plane --transport picks (by default the same-host plane, or the GPU "
-        "plane for KV on a GPU), verifies every byte on every D worker and prints goodput and latency. Exit code "
-        "0 iff every request finished and verified.",
+        "requests from P to D on the data plane --transport picks (by default on one host the same-host plane, or "
+        "the GPU plane for KV on a GPU), verifies every byte on every D worker and prints goodput and latency. "
+        "Exit code 0 iff every request finished and verified.",
     )
     add_arguments(parser)
     parser.set_defaults(func=main_with_args)
