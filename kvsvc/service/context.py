@@ -70,6 +70,10 @@ class PeerLog:
         log.log(level, message, *args)
 
 
+def _stage_histogram() -> LatencyHistogram:
+    return LatencyHistogram(STAGE_BUCKETS)
+
+
 @dataclass(slots=True, eq=False)
 class ServiceContext:
     metadata: WorkerMetadata
@@ -106,17 +110,17 @@ class ServiceContext:
     # The parts of staged writes, each timed when it completed (a chunk that failed keeps the parts it finished). They
     # overlap: chunks of a write start together, so one's wait for room is the gathers and writes before it; on a
     # GPU a gather, write or scatter ends when the event poller sees its CUDA event (`kvsvc.streams`).
-    staged_room: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    staged_room: LatencyHistogram = field(default_factory=_stage_histogram)
     """P, a write through the staging region: each chunk's wait for room in it."""
-    staged_gather: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    staged_gather: LatencyHistogram = field(default_factory=_stage_histogram)
     """P: each chunk's gather, from the call to its bytes in the room."""
-    staged_write: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    staged_write: LatencyHistogram = field(default_factory=_stage_histogram)
     """P: each chunk's write from its room, to its bytes landed on D."""
-    round_wait: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    round_wait: LatencyHistogram = field(default_factory=_stage_histogram)
     """P, a share written into D's window in rounds: each wait for D to empty half the window."""
-    window_room: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    window_room: LatencyHistogram = field(default_factory=_stage_histogram)
     """D: each wait for room for a window that then got it (`window_wait_s` at most)."""
-    window_scatter: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(STAGE_BUCKETS))
+    window_scatter: LatencyHistogram = field(default_factory=_stage_histogram)
     """D: each round's scatter from a window into the blocks, from the call to the copy seen done."""
 
     def changed(self) -> None:
