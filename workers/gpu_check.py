@@ -8,9 +8,10 @@ unpacks DIR's wheels into a temporary site directory beside a generated `kvsvc` 
 pyproject.toml, the code taken from the repository through PYTHONPATH), then runs the CUDA tests, the demo on each
 plane and the GPU bench, each step in its own process with its own timeout and its output in a log file under
 `$OUT` (else a temporary directory). It ends stdout with one JSON object: per step ok, rc and seconds, and the
-bench's figures. Rules: without a GPU it prints `{"gpu": false, "reason": ...}` and exits 0; a failing step never
-stops the later ones; the exit code is 1 when any step failed. Standard library only (the host's torch is asked in
-a child process), so the driver itself cannot fail to import there.
+bench's figures (those of the parts it measured, should it reach its timeout). Rules: without a GPU it prints
+`{"gpu": false, "reason": ...}` and exits 0; a failing step never stops the later ones; the exit code is 1 when any
+step failed. Standard library only (the host's torch is asked in a child process), so the driver itself cannot
+fail to import there.
 """
 
 from __future__ import annotations
@@ -237,6 +238,7 @@ def last_json(stdout: str) -> dict[str, Any] | None:
 
 
 BENCH_FIGURES: Final = (
+    "complete",  # false: the bench was stopped (its timeout); the figures are those of the parts it measured
     "transport",
     "kvsvc_gbps",
     "plane_gbps",
@@ -258,7 +260,8 @@ BENCH_FIGURES: Final = (
 
 def summary(results: Sequence[StepResult], bench: Mapping[str, Any] | None, logs: str) -> dict[str, Any]:
     """The check's one JSON object: `ok` when every step exited 0, each step's ok, rc, seconds and log, and the
-    bench's figures (`BENCH_FIGURES` of its summary; null when the bench printed none)."""
+    bench's figures (`BENCH_FIGURES` of the last summary it printed, partial when it was stopped; null when it
+    printed none)."""
     return {
         "gpu": True,
         "ok": all(r.ok for r in results),

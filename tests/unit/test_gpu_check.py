@@ -138,30 +138,37 @@ def test_the_bench_figures_are_the_last_json_object_of_its_stdout() -> None:
     assert last_json("no json here\n") is None
 
 
-def test_the_gpu_bench_summary_names_each_ratio() -> None:
-    large = GpuScenarioResult(
+def _large() -> GpuScenarioResult:
+    return GpuScenarioResult(
         name="large", reps=3, requests=4, bytes_per_rep=1 << 28, transport="cuda_ipc",
         gbps={"kvsvc": 900.0, GPU_PLANE: 1000.0, GPU_TORCH: 1200.0, GPU_MOONCAKE: 2.0},
         ratios={GPU_PLANE: 0.9, GPU_TORCH: 0.75, GPU_MOONCAKE: 450.0},
         p50_ms=0.5, p99_ms=0.9, descriptors_per_request=28.0, verified=True, failures=0,
     )  # fmt: skip
-    layerwise = GpuLayerwiseResult(
+
+
+def _layerwise() -> GpuLayerwiseResult:
+    return GpuLayerwiseResult(
         LayerwiseResult(layer_ms=0.2, whole_ms=0.6, layer_time_ms=4.0, layers=28, request_bytes=1 << 26),
         baseline_ms={GPU_TORCH: 0.1, GPU_MOONCAKE: 30.0},
         ratios={GPU_TORCH: 0.5, GPU_MOONCAKE: 150.0},
         failures=1,
     )
 
-    def layout(name: str, stage_ms: dict[str, float]) -> LayoutResult:
-        return LayoutResult(
-            name=name, layout="HND", reps=1, requests=8, bytes_per_rep=1 << 25, gbps=20.0, homogeneous_gbps=80.0,
-            ratio_to_homogeneous=0.25, descriptors_per_request=56.0, direct_descriptors_per_request=448.0,
-            descriptor_bound_per_request=56.0, staged_writes_per_request=2.0, cpu_s_per_gb=0.1,
-            homogeneous_cpu_s_per_gb=0.05, cpu_split_s_per_gb={}, homogeneous_cpu_split_s_per_gb={}, machine_busy=0.1,
-            homogeneous_machine_busy=0.1, cpu_ceiling_ratio=9.0, verified=True, failures=0, transport="cuda_ipc",
-            stage_ms=stage_ms,
-        )  # fmt: skip
 
+def _layout(name: str, stage_ms: dict[str, float], verified: bool = True) -> LayoutResult:
+    return LayoutResult(
+        name=name, layout="HND", reps=1, requests=8, bytes_per_rep=1 << 25, gbps=20.0, homogeneous_gbps=80.0,
+        ratio_to_homogeneous=0.25, descriptors_per_request=56.0, direct_descriptors_per_request=448.0,
+        descriptor_bound_per_request=56.0, staged_writes_per_request=2.0, cpu_s_per_gb=0.1,
+        homogeneous_cpu_s_per_gb=0.05, cpu_split_s_per_gb={}, homogeneous_cpu_split_s_per_gb={}, machine_busy=0.1,
+        homogeneous_machine_busy=0.1, cpu_ceiling_ratio=9.0, verified=verified, failures=0, transport="cuda_ipc",
+        stage_ms=stage_ms,
+    )  # fmt: skip
+
+
+def test_the_gpu_bench_summary_names_each_ratio() -> None:
+    large, layerwise, layout = _large(), _layerwise(), _layout
     layouts = [layout("hetero_tp_up", {"staged_gather": 0.05, "staged_write": 0.4}), layout("hetero_tp_up_direct", {})]
     found = gpu_summary(GpuReport(TINY, [large], layerwise, 10.0, 60.0, layouts))
     # Only layouts that staged anything have parts; they reach make gpu-check's figures as they are.
@@ -172,9 +179,53 @@ def test_the_gpu_bench_summary_names_each_ratio() -> None:
     assert found["kvsvc_over_torch_copy"] == 0.75 and found["kvsvc_over_mooncake_tcp"] == 450.0
     assert found["kvsvc_over_plane"] == 0.9 and found["torch_copy_gbps"] == 1200.0
     assert found["layerwise_ratios"] == {"kvsvc_over_torch_copy": 0.5, "kvsvc_over_mooncake_tcp": 150.0}
-    assert found["failures"] == 1 and found["verified"] is True
+    assert found["failures"] == 1 and found["verified"] is True and found["complete"] is True
     assert set(found["scenarios"]) == {"large", "hetero_tp_up", "hetero_tp_up_direct"}
     json.dumps(found)
+
+
+def test_a_stopped_gpu_bench_still_reports_the_parts_it_measured() -> None:
+    # Stopped after one layout: no large scenario, no layer-wise part; what ran is reported, as not complete.
+    partial = gpu_summary(GpuReport(TINY, [], None, 10.0, 30.0, [_layout("hetero_tp_up", {}, verified=False)],
+                                    complete=False))  # fmt: skip
+    assert partial["complete"] is False and partial["split_over_homogeneous"] == {"hetero_tp_up": 0.25}
+    assert "kvsvc_gbps" not in partial and "layerwise_ms" not in partial and "transport" not in partial
+    assert partial["verified"] is False and partial["failures"] == 0
+    # make gpu-check reads the bench's last JSON line: a killed bench leaves its latest partial summary there.
+    stdout = "".join(json.dumps(gpu_summary(r)) + "\n" for r in (
+        GpuReport(TINY, [_large()], None, 10.0, 20.0, complete=False),
+        GpuReport(TINY, [_large()], _layerwise(), 10.0, 25.0, complete=False),
+    ))  # fmt: skip
+    found = summary([StepResult("bench", -1, 140.0, "/logs/bench.log")], last_json(stdout), "/logs")
+    assert found["ok"] is False and found["bench"]["complete"] is False
+    assert found["bench"]["kvsvc_gbps"] == 900.0 and found["bench"]["layerwise_ms"] == 0.2
+    with pytest.raises(ValueError, match="layer-wise"):
+        from workers.commands.bench import render_gpu
+
+        render_gpu(GpuReport(TINY, [_large()], None, 10.0, 20.0, complete=False))
+
+
+def test_the_gpu_run_hands_over_each_part_as_it_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.bench import runner as bench_runner
+
+    # The runner's measuring stubbed out (pure orchestration under test): which reports reach `so_far`, in order.
+    run = object.__new__(bench_runner.BenchRunner)
+    run.sizes, run.progress, run.device, run.direct = TINY, lambda _: None, "cuda", []
+    for name in ("p", "d", "ps", "ps2", "dh", "dh2", "dwide", "pn", "dn2"):
+        setattr(run, name, None)
+    monkeypatch.setattr(run, "start", lambda: None)
+    monkeypatch.setattr(run, "_gpu_scenario", lambda *_: _large())
+    monkeypatch.setattr(run, "_gpu_layerwise", _layerwise)
+    monkeypatch.setattr(run, "_layout", lambda name, *_: _layout(name, {}))
+    seen: list[GpuReport] = []
+    whole = run.run_gpu(seen.append)
+    assert [(len(r.scenarios), r.layerwise is not None, len(r.layouts), r.complete) for r in seen] == [
+        (1, False, 0, False), (1, True, 0, False), (1, True, 1, False), (1, True, 2, False), (1, True, 3, False),
+        (1, True, 4, False),
+    ]  # fmt: skip
+    assert whole.complete and [x.name for x in whole.layouts] == [
+        "hetero_tp_up", "hetero_tp_down", "block_mismatch", "nhd_hetero_tp"
+    ]  # fmt: skip
 
 
 def test_staged_parts_are_averaged_over_what_each_round_observed() -> None:

@@ -254,13 +254,17 @@ class GpuLayerwiseResult:
 
 @dataclass
 class GpuReport:
+    """A GPU run, whole or as far as it got (`complete` False: the parts measured so far; `layerwise` None until
+    that part ran)."""
+
     sizes: Sizes
     scenarios: list[GpuScenarioResult]
-    layerwise: GpuLayerwiseResult
+    layerwise: GpuLayerwiseResult | None
     startup_s: float
     total_s: float
     layouts: list[LayoutResult] = field(default_factory=list)
     device: str = "cuda"  # where the engines kept their KV
+    complete: bool = True
 
     def summary(self) -> dict[str, Any]:
         """The JSON object `kvsvc bench --device cuda --json` ends with (`gpu_summary`)."""
@@ -271,28 +275,32 @@ def gpu_summary(report: GpuReport) -> dict[str, Any]:
     """The figures of a GPU run as one JSON-ready object: the headline ratios of the large scenario (kvsvc over
     torch's copy, over Mooncake's TCP, over the plane alone; absent where that baseline did not run), the layer-wise
     figures, each layout's ratio to homogeneous and the mean ms of its staged parts, and every scenario in full.
-    `verified` holds only when every scenario and layout verified; `failures` sums them all."""
-    large = next(s for s in report.scenarios if s.name == "large")
-    lw = report.layerwise
+    `verified` holds only when every scenario and layout measured verified; `failures` sums them all. A report not
+    `complete` gives the figures of the parts it has, no others."""
     ratio_keys = {GPU_TORCH: "kvsvc_over_torch_copy", GPU_MOONCAKE: "kvsvc_over_mooncake_tcp",
                   GPU_PLANE: "kvsvc_over_plane"}  # fmt: skip
-    return {
-        "device": report.device,
-        "transport": large.transport,
-        "model": report.sizes.model.name,
-        "reps": report.sizes.reps,
-        "kvsvc_gbps": large.gbps["kvsvc"],
-        **{f"{key}_gbps": large.gbps[key] for key in (GPU_PLANE, GPU_TORCH, GPU_MOONCAKE) if key in large.gbps},
-        **{ratio_keys[key]: value for key, value in large.ratios.items()},
-        "layerwise_ms": lw.layerwise.layer_ms,
-        "whole_request_ms": lw.layerwise.whole_ms,
-        "layerwise_ratio": lw.layerwise.ratio,
-        "layerwise_baseline_ms": dict(lw.baseline_ms),
-        "layerwise_ratios": {ratio_keys[k]: v for k, v in lw.ratios.items()},
+    found: dict[str, Any] = {"device": report.device, "complete": report.complete, "model": report.sizes.model.name}
+    found["reps"] = report.sizes.reps
+    large = next((s for s in report.scenarios if s.name == "large"), None)
+    if large is not None:
+        found["transport"] = large.transport
+        found["kvsvc_gbps"] = large.gbps["kvsvc"]
+        found |= {f"{key}_gbps": large.gbps[key] for key in (GPU_PLANE, GPU_TORCH, GPU_MOONCAKE) if key in large.gbps}
+        found |= {ratio_keys[key]: value for key, value in large.ratios.items()}
+    lw = report.layerwise
+    if lw is not None:
+        found["layerwise_ms"] = lw.layerwise.layer_ms
+        found["whole_request_ms"] = lw.layerwise.whole_ms
+        found["layerwise_ratio"] = lw.layerwise.ratio
+        found["layerwise_baseline_ms"] = dict(lw.baseline_ms)
+        found["layerwise_ratios"] = {ratio_keys[k]: v for k, v in lw.ratios.items()}
+    return found | {
         "split_over_homogeneous": {x.name: x.ratio_to_homogeneous for x in report.layouts},
         "split_stage_ms": {x.name: x.stage_ms for x in report.layouts if x.stage_ms},
         "verified": all(s.verified for s in report.scenarios) and all(x.verified for x in report.layouts),
-        "failures": sum(s.failures for s in report.scenarios) + lw.failures + sum(x.failures for x in report.layouts),
+        "failures": sum(s.failures for s in report.scenarios)
+        + (lw.failures if lw is not None else 0)
+        + sum(x.failures for x in report.layouts),
         "startup_s": report.startup_s,
         "total_s": report.total_s,
         "scenarios": {s.name: {k: v for k, v in vars(s).items() if k != "name"} for s in report.scenarios}

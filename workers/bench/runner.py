@@ -181,7 +181,8 @@ class BenchRunner:
         layouts = self._layouts()
         return BenchReport(z, scenarios, layerwise, startup, time.perf_counter() - began, layouts)
 
-    def _layouts(self) -> list[LayoutResult]:
+    def _layouts(self, measured: Callable[[LayoutResult], object] = lambda _: None) -> list[LayoutResult]:
+        """Every layout scenario, each handed to `measured` as it ends."""
         z = self.sizes
         layouts = []
         for name, p, d, layout in (
@@ -193,25 +194,42 @@ class BenchRunner:
         ):
             self.progress(name)
             layouts.append(self._layout(name, layout, p, d, z.hetero_requests, z.hetero_blocks, z.hetero_reps))
+            measured(layouts[-1])
         return layouts
 
     # -- on a GPU -------------------------------------------------------------------------------------------
 
-    def run_gpu(self) -> GpuReport:
+    def run_gpu(self, so_far: Callable[[GpuReport], None] = lambda _: None) -> GpuReport:
         """The run with every engine's KV on the GPU: the large scenario and the layer-wise one against the pair's
         own plane, torch's copy into the same mapping and Mooncake's TCP on the same memory; the layout scenarios
-        against homogeneous."""
+        against homogeneous. `so_far` is given the report of the parts measured so far after each part."""
         began = time.perf_counter()
         self.progress("starting engines (KV on the GPU)")
         self.start()
         startup = time.perf_counter() - began
         z = self.sizes
+        scenarios: list[GpuScenarioResult] = []
+        layerwise: GpuLayerwiseResult | None = None
+        layouts: list[LayoutResult] = []
+
+        def report(complete: bool) -> GpuReport:
+            spent = time.perf_counter() - began
+            # Copies: a report handed over stays as it was when the later parts are measured.
+            return GpuReport(z, list(scenarios), layerwise, startup, spent, list(layouts), self.device, complete)
+
         self.progress("large")
-        large = self._gpu_scenario("large", self.p, self.d, z.large_requests, z.large_blocks, 1000, z.reps)
+        scenarios.append(self._gpu_scenario("large", self.p, self.d, z.large_requests, z.large_blocks, 1000, z.reps))
+        so_far(report(False))
         self.progress("layer-wise")
         layerwise = self._gpu_layerwise()
-        layouts = self._layouts()
-        return GpuReport(z, [large], layerwise, startup, time.perf_counter() - began, layouts, self.device)
+        so_far(report(False))
+
+        def measured(layout: LayoutResult) -> None:
+            layouts.append(layout)
+            so_far(report(False))
+
+        self._layouts(measured)
+        return report(True)
 
     def _gpu_baselines(
         self, p: Executor, d: Executor, descs: list[list[Desc]], tcp_descs: list[list[Desc]] | None = None

@@ -133,8 +133,14 @@ def run(args: argparse.Namespace) -> int:
         transport=getattr(args, "transport", "auto"),
         device=device,
     )
+
+    def so_far(partial: GpuReport) -> None:
+        # Each part's figures as soon as it is measured: a run killed at a deadline (make gpu-check's) keeps them.
+        if args.json:
+            print(json.dumps(partial.summary(), sort_keys=True), flush=True)
+
     try:
-        report: BenchReport | GpuReport = runner.run_gpu() if device == "cuda" else runner.run()
+        report: BenchReport | GpuReport = runner.run_gpu(so_far) if device == "cuda" else runner.run()
     finally:
         runner.close()
     console.print(render_gpu(report) if isinstance(report, GpuReport) else render_table(report))
@@ -172,10 +178,16 @@ def run_poll_latency(args: argparse.Namespace) -> int:
 
 
 def render_gpu(report: GpuReport) -> Table:
-    """The GPU run: metrics as rows, the large scenario and the layer-wise one as columns."""
+    """The GPU run: metrics as rows, the large scenario and the layer-wise one as columns.
+
+    Raises:
+        ValueError: the report lacks its layer-wise part (a run that stopped before it).
+    """
     from workers.bench.report import GPU_MOONCAKE, GPU_PLANE, GPU_TORCH
 
     z, lw = report.sizes, report.layerwise
+    if lw is None:
+        raise ValueError("a GPU report without its layer-wise part cannot be rendered whole")
     names = {GPU_PLANE: "plane alone", GPU_TORCH: "torch copy", GPU_MOONCAKE: "Mooncake TCP"}
     table = Table(
         title=f"kvsvc bench, KV on the GPU: model {z.model.name}; {z.reps} repetitions; medians, ratios paired per "
