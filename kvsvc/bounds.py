@@ -11,11 +11,12 @@ the value it claimed and the limit.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Final
 
 from kvsvc.errors import PeerMismatch, TopologyError
 from kvsvc.layout import check_base_addrs, check_layer_split
-from kvsvc.messages import Hello, WorkerMetadata, WorkerRef
+from kvsvc.messages import Hello, Worker, WorkerMetadata, WorkerRef
 
 # More ranks than any deployment has: pp_size and tp_size each, and their product (the D workers P lays out).
 MAX_PARALLEL: Final = 1024
@@ -46,6 +47,32 @@ def check_hello_bounds(me: WorkerMetadata, hello: Hello) -> None:
     """
     d = hello.sender
     who = f"D worker {WorkerRef.of(d)}"
+    _check_parallel(d, who)
+    _check_stages(me, hello.stage_layers, d.pp_size, who)
+    _check_lists(d, who)
+    if len(hello.ipc_handles) > MAX_IPC_HANDLES:
+        raise PeerMismatch(f"{who} exports {len(hello.ipc_handles)} GPU allocations, limit {MAX_IPC_HANDLES}")
+
+
+def check_engine_bounds(metas: Mapping[Worker, WorkerMetadata], where: str) -> None:
+    """Check that an engine's metadata document (fetched from `where`) describes an engine D can reach at bounded
+    cost: at most `MAX_WORKERS` workers, each within the bounds a hello is held to (parallel sizes, layers, lists),
+    before D plans anything or opens a connection by it.
+
+    Raises:
+        PeerMismatch: the first claim at fault, naming the worker, the value and the limit.
+    """
+    if len(metas) > MAX_WORKERS:
+        raise PeerMismatch(f"{where} lists {len(metas)} workers, limit {MAX_WORKERS}")
+    for meta in metas.values():
+        who = f"{where}: worker {WorkerRef.of(meta)}"
+        _check_parallel(meta, who)
+        if meta.end_layer > MAX_LAYERS:
+            raise PeerMismatch(f"{who} claims layers up to {meta.end_layer}, limit {MAX_LAYERS}")
+        _check_lists(meta, who)
+
+
+def _check_parallel(d: WorkerMetadata, who: str) -> None:
     if not (1 <= d.tp_size <= MAX_PARALLEL and 1 <= d.pp_size <= MAX_PARALLEL):
         raise PeerMismatch(f"{who} claims tp_size {d.tp_size}, pp_size {d.pp_size}; each must be 1 to {MAX_PARALLEL}")
     if d.tp_size * d.pp_size > MAX_WORKERS:
@@ -53,10 +80,6 @@ def check_hello_bounds(me: WorkerMetadata, hello: Hello) -> None:
             f"{who} claims pp_size {d.pp_size} x tp_size {d.tp_size} = {d.pp_size * d.tp_size} workers, "
             f"limit {MAX_WORKERS}"
         )
-    _check_stages(me, hello.stage_layers, d.pp_size, who)
-    _check_lists(d, who)
-    if len(hello.ipc_handles) > MAX_IPC_HANDLES:
-        raise PeerMismatch(f"{who} exports {len(hello.ipc_handles)} GPU allocations, limit {MAX_IPC_HANDLES}")
 
 
 def _check_stages(me: WorkerMetadata, stages: list[tuple[int, int]], pp_size: int, who: str) -> None:

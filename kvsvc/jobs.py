@@ -49,12 +49,13 @@ class SendEvent(_Enum):
 @dataclass(frozen=True, slots=True)
 class Notice:
     """A command of either protocol object: log `text` at `level` ("debug" or "warning"), and count a protocol error
-    when `protocol_error` (the peer broke the protocol). The protocol decides what is worth saying; the driver
-    says it."""
+    when `protocol_error` (the peer broke the protocol). `from_peer`: the text is what a peer chose to say, logged
+    at a bounded rate like protocol errors. The protocol decides what is worth saying; the driver says it."""
 
     text: str
     level: str = "warning"
     protocol_error: bool = False
+    from_peer: bool = False
 
 
 class Effect(_Enum):

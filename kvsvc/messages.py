@@ -10,7 +10,7 @@ carries the protocol version and both sides' metadata, D's only after P proved t
 from __future__ import annotations
 
 import struct
-from typing import Final, NamedTuple
+from typing import Annotated, Final, NamedTuple
 
 import msgspec
 
@@ -29,14 +29,31 @@ MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_BYTES: Final = _HEADER.size
 
+# What a field may hold, checked as a frame decodes: a value past these is a malformed frame, never a string or an
+# integer that costs its reader memory, log lines or an overflow of a 64-bit table later.
+MAX_NAME_CHARS: Final = 1024  # engine ids, incarnations, transfer ids, addresses
+MAX_WORD_CHARS: Final = 64  # dtypes, layouts, group kinds, planes
+MAX_REASON_CHARS: Final = 2048  # a refusal's or failure's text; longer ones are cut as they are sent (`encode`)
+MAX_SECRET_CHARS: Final = 256  # a transfer's secret travels in each request
+MAX_OPAQUE_BYTES: Final = 256  # nonces, proofs, IPC handles (64 bytes in CUDA)
+MAX_COUNT: Final = 2**31  # ranks, layers, heads, sizes of a block, block ids and counts, token counts
+MAX_ADDRESS: Final = 2**62  # addresses and byte sizes: an address plus a size still fits an int64 table
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+Word = Annotated[str, msgspec.Meta(max_length=MAX_WORD_CHARS)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
+Secret = Annotated[str, msgspec.Meta(max_length=MAX_SECRET_CHARS)]
+Opaque = Annotated[bytes, msgspec.Meta(max_length=MAX_OPAQUE_BYTES)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=MAX_COUNT)]
+Address = Annotated[int, msgspec.Meta(ge=0, lt=MAX_ADDRESS)]
+
 
 class ConvPart(msgspec.Struct, frozen=True):
     """One sub-projection of a conv state (x, B or C of Mamba2; Q, K or V of GDN; a short conv's only one): its
     channels over the whole model, in `groups` equal groups that TP ranks split (heads, Mamba2's B/C groups, a
     short conv's single channels, or one group that every rank holds whole); `kvsvc.groups`."""
 
-    channels: int
-    groups: int
+    channels: Count
+    groups: Count
 
 
 class MambaState(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,14 +61,14 @@ class MambaState(msgspec.Struct, frozen=True, kw_only=True):
     split)."""
 
     conv_parts: list[ConvPart]
-    conv_width: int
+    conv_width: Count
     """Elements per conv channel: the kernel size minus one (plus vLLM's speculative tokens, if any)."""
-    conv_dtype: str
-    ssm_heads: int
-    ssm_head_bytes: int
+    conv_dtype: Word
+    ssm_heads: Count
+    ssm_head_bytes: Count
     """Bytes of one head's SSM state (Mamba2: head_dim x d_state x dtype; GDN: v_dim x k_dim x dtype); a short conv
     has none (`ssm_heads` 0, this 0)."""
-    conv_layout: str = "DS"
+    conv_layout: Word = "DS"
     """The conv state's order in a slot: "DS" (channel-major, as `kvsvc.groups` splits it across TP sizes) or "SD"
     (time-step-major, vLLM's default, which only the same TP size on both sides can copy)."""
 
@@ -60,11 +77,11 @@ class KVGroup(msgspec.Struct, frozen=True, kw_only=True):
     """One KV cache group of a hybrid model: its kind (`kvsvc.groups.GROUP_KINDS`), its layers (global indices)
     and what the kind needs."""
 
-    kind: str
-    layers: list[int]
-    sliding_window: int = 0
+    kind: Word
+    layers: list[Count]
+    sliding_window: Count = 0
     """Tokens a `sliding_window` group attends to; 0 for the other kinds."""
-    attention_chunk: int = 0
+    attention_chunk: Count = 0
     """Tokens of a `chunked_local` group's chunks (a query attends to its own chunk's tokens up to itself); 0 for the
     other kinds."""
     mamba: MambaState | None = None
@@ -78,41 +95,41 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     Fields added later must have defaults, so the original keywords alone always build one.
     """
 
-    engine_id: str
-    incarnation: str
-    pp_rank: int
-    pp_size: int
-    tp_rank: int
-    tp_size: int
-    start_layer: int
-    end_layer: int
-    num_kv_heads: int
-    head_size: int
-    dtype: str
-    block_size: int
-    num_blocks: int
-    layout: str
+    engine_id: Name
+    incarnation: Name
+    pp_rank: Count
+    pp_size: Count
+    tp_rank: Count
+    tp_size: Count
+    start_layer: Count
+    end_layer: Count
+    num_kv_heads: Count
+    head_size: Count
+    dtype: Word
+    block_size: Count
+    num_blocks: Count
+    layout: Word
     is_mla: bool
-    base_addrs: list[int]
-    transport_addr: str = ""
-    control_addr: str = ""
+    base_addrs: list[Address]
+    transport_addr: Name = ""
+    control_addr: Name = ""
     # The worker's registered staging region (`kvsvc.service.staging_area`), 0 and 0 when it has none: P gathers there,
     # and writes into windows of it that D lends in a `TransferRequest`.
-    staging_addr: int = 0
-    staging_size: int = 0
+    staging_addr: Address = 0
+    staging_size: Address = 0
     # Whether this worker, as P, writes into a window when a request carries one. False from peers that predate
     # windows: they would ignore the fields and write the blocks, so D never lends them one.
     accepts_windows: bool = False
     # This worker's same-host plane (`kvsvc.data_planes.SameHostAddress`): `samehost:...` for KV in CPU memory,
     # `cudaipc:...:GPU-uuid` for KV on a GPU whose memory CUDA IPC can export; "" when it offers none (another
     # process on its host may then still reach it through Mooncake).
-    samehost_addr: str = ""
+    samehost_addr: Name = ""
     # A hybrid model's KV cache groups (`kvsvc.groups`); empty: one group of full attention over every layer. Both
     # sides of a pair must group the model alike (checked at the hello).
     kv_groups: list[KVGroup] = []
     # The block id a sliding-window group's list holds where the window has passed (vLLM's null block, 0), which no
     # write touches; -1 for an engine that has none.
-    null_block: int = -1
+    null_block: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_COUNT)] = -1
 
     @property
     def num_layers(self) -> int:
@@ -130,15 +147,15 @@ class HelloStart(msgspec.Struct, tag="hello_start", frozen=True, kw_only=True):
     P's proof of it (`kvsvc.hello`)."""
 
     version: int
-    engine_id: str
-    incarnation: str
-    pp_rank: int
-    tp_rank: int
-    expect_engine_id: str
-    expect_incarnation: str
-    expect_pp_rank: int
-    expect_tp_rank: int
-    nonce: bytes
+    engine_id: Name
+    incarnation: Name
+    pp_rank: Count
+    tp_rank: Count
+    expect_engine_id: Name
+    expect_incarnation: Name
+    expect_pp_rank: Count
+    expect_tp_rank: Count
+    nonce: Opaque
     keyed: bool
 
 
@@ -148,8 +165,8 @@ class HelloChallenge(msgspec.Struct, tag="hello_challenge", frozen=True, kw_only
 
     version: int
     sender: WorkerMetadata
-    nonce: bytes
-    proof: bytes
+    nonce: Opaque
+    proof: Opaque
 
 
 class IpcHandle(msgspec.Struct, frozen=True, array_like=True):
@@ -157,9 +174,9 @@ class IpcHandle(msgspec.Struct, frozen=True, array_like=True):
     where the allocation lies in D's address space. P maps it once and writes D's published regions through it
     (`kvsvc.data_planes`, the GPU plane)."""
 
-    handle: bytes
-    base: int
-    size: int
+    handle: Opaque
+    base: Address
+    size: Address
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
@@ -172,12 +189,12 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
 
     version: int
     sender: WorkerMetadata
-    stage_layers: list[tuple[int, int]]
-    expect_engine_id: str
-    expect_incarnation: str
-    expect_pp_rank: int
-    expect_tp_rank: int
-    proof: bytes = b""
+    stage_layers: list[tuple[Count, Count]]
+    expect_engine_id: Name
+    expect_incarnation: Name
+    expect_pp_rank: Count
+    expect_tp_rank: Count
+    proof: Opaque = b""
     # D's GPU allocations, exported for the GPU plane; sent only to a P whose proof verified and whose pair the
     # rule puts on that plane (`kvsvc.hello.make_hello`), so the bootstrap document never carries them.
     ipc_handles: list[IpcHandle] = []
@@ -190,14 +207,14 @@ class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):
 
     version: int
     sender: WorkerMetadata
-    plane: str = ""
+    plane: Word = ""
 
 
 class HelloRefused(msgspec.Struct, tag="hello_refused", frozen=True, kw_only=True):
     """P to D: the hello is refused (version, identity or layout); the connection closes after it."""
 
     version: int
-    reason: str
+    reason: Reason
 
 
 class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True):
@@ -211,30 +228,34 @@ class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True)
     (`kvsvc.staging_plans.window_round_bytes`) with `WindowFilled` and `WindowEmptied`.
 
     `secret`: the transfer's secret, as P issued it with the hold (`kvsvc.sender.Sender.hold`); P serves only a
-    request that carries it, and answers any other as it answers a transfer it does not hold."""
+    request that carries it, and answers any other as it answers a transfer it does not hold. `receive`: D's
+    random name for this one receive, the same in each of its requests and aborts; P serves one receive per D
+    worker and transfer, and answers another (the same params replayed into a later request) failed, never with
+    the first one's outcome. Peers that predate it send ""."""
 
-    transfer_id: str
-    block_ids: list[int]
-    num_tokens: int
-    first_token: int = 0
-    window_addr: int = 0
-    window_bytes: int = 0
-    share_bytes: int = 0
-    secret: str = ""
+    transfer_id: Name
+    block_ids: list[Count]
+    num_tokens: Count
+    first_token: Count = 0
+    window_addr: Address = 0
+    window_bytes: Address = 0
+    share_bytes: Address = 0
+    secret: Secret = ""
+    receive: Name = ""
 
 
 class WindowFilled(msgspec.Struct, tag="window_filled", frozen=True, kw_only=True):
     """P to D: round `round` of a share moving through a window in rounds has landed (every round but the last; the
     last one's answer is `TransferDone`). Part of the write, outside the job tables."""
 
-    transfer_id: str
+    transfer_id: Name
     round: int
 
 
 class WindowEmptied(msgspec.Struct, tag="window_emptied", frozen=True, kw_only=True):
     """D to P: round `round` of the share is scattered into the blocks; its half of the window may be written again."""
 
-    transfer_id: str
+    transfer_id: Name
     round: int
 
 
@@ -242,14 +263,14 @@ class Release(msgspec.Struct, tag="release", frozen=True, kw_only=True):
     """D to P: no D worker needs data from you for this transfer; free your hold now (with the transfer's
     `secret`, as in `TransferRequest`)."""
 
-    transfer_id: str
-    secret: str = ""
+    transfer_id: Name
+    secret: Secret = ""
 
 
 class TransferDone(msgspec.Struct, tag="xfer_done", frozen=True, kw_only=True):
     """P to D: every write of this transfer to the receiving D worker has landed."""
 
-    transfer_id: str
+    transfer_id: Name
     bytes: int
     descriptors: int
 
@@ -257,24 +278,25 @@ class TransferDone(msgspec.Struct, tag="xfer_done", frozen=True, kw_only=True):
 class TransferFailed(msgspec.Struct, tag="xfer_failed", frozen=True, kw_only=True):
     """P to D: the transfer to the receiving D worker did not complete; its blocks are invalid."""
 
-    transfer_id: str
-    reason: str
+    transfer_id: Name
+    reason: Reason
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
     """D to P: stop this transfer; P answers `TransferFailed` once no write of it can touch D's blocks. Honoured
-    only with the transfer's `secret`, as in `TransferRequest`."""
+    only with the transfer's `secret` and for the `receive` P serves, as in `TransferRequest`."""
 
-    transfer_id: str
-    reason: str
-    secret: str = ""
+    transfer_id: Name
+    reason: Reason
+    secret: Secret = ""
+    receive: Name = ""
 
 
 class ErrorMessage(msgspec.Struct, tag="error", frozen=True, kw_only=True):
     """Either side: the last frame broke the protocol; says why. Unknown transfers are answered with this."""
 
-    reason: str
-    transfer_id: str = ""
+    reason: Reason
+    transfer_id: Name = ""
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True, kw_only=True):
@@ -309,11 +331,15 @@ _metadata_decoder = msgspec.msgpack.Decoder(dict[str, WorkerMetadata])
 
 
 def encode(message: Message) -> bytes:
-    """One frame: the length header and the msgpack body.
+    """One frame: the length header and the msgpack body. A `reason` longer than `MAX_REASON_CHARS` is cut to it
+    (reasons quote what a peer sent, and the peer would refuse the whole frame).
 
     Raises:
         ValueError: the body is larger than `MAX_FRAME_BYTES` (a local bug: too many block ids in one message).
     """
+    texts = HelloRefused | TransferFailed | Abort | ErrorMessage
+    if isinstance(message, texts) and len(message.reason) > MAX_REASON_CHARS:
+        message = msgspec.structs.replace(message, reason=clip(message.reason, MAX_REASON_CHARS))
     body = _encoder.encode(message)
     if len(body) > MAX_FRAME_BYTES:
         raise ValueError(f"frame of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
@@ -332,6 +358,38 @@ def decode(body: bytes) -> Message:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise MalformedFrame(f"malformed frame ({len(body)} bytes): {exc}") from None
+
+
+def clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """`text`, or its head and the number of characters cut when it is longer than `limit`: how text a peer chose
+    goes into frames and log lines."""
+    if len(text) <= limit:
+        return text
+    marker = f"... ({len(text)} characters)"
+    return text[: limit - len(marker)] + marker if len(marker) < limit else text[:limit]
+
+
+def check_transfer_id(transfer_id: str) -> None:
+    """Raises:
+    ValueError: `transfer_id` is longer than `MAX_NAME_CHARS`, which a peer would refuse in every frame naming it.
+    """
+    if len(transfer_id) > MAX_NAME_CHARS:
+        raise ValueError(
+            f"transfer id of {len(transfer_id)} characters, limit {MAX_NAME_CHARS}: {clip(transfer_id, 80)!r}"
+        )
+
+
+def check_own_metadata(meta: WorkerMetadata) -> None:
+    """Check that peers can decode `meta` (every field within `Name`, `Count`, `Address`...): a local setting past a
+    bound would otherwise fail every hello at the peer.
+
+    Raises:
+        ValueError: a field is out of bounds; the message names the field and the bound.
+    """
+    try:
+        msgspec.msgpack.decode(_encoder.encode(meta), type=WorkerMetadata)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"worker metadata of {clip(meta.engine_id, 80)!r} that no peer would accept: {exc}") from None
 
 
 def check_version(version: int) -> None:

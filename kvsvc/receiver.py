@@ -69,6 +69,7 @@ class _Recv:
     started: float
     first_token: int = 0
     secret: str = ""  # the transfer's secret from P, carried in every message about it
+    receive: str = ""  # this receive's name, in every request and abort (`TransferRequest.receive`)
     jobs: dict[Worker, RecvJob] = field(default_factory=dict)
     sources_known: bool = False
     ending: RecvEnding | None = None
@@ -125,10 +126,12 @@ class Receiver:
         now: float,
         first_token: int = 0,
         secret: str = "",
+        receive: str = "",
     ) -> bool:
         """Begin receiving tokens `[first_token, num_tokens)` of `transfer_id` from engine `engine_id` into
         `block_ids`. `secret` is the one P issued with its hold; every request, release and abort carries it (P
-        answers one without it as for a transfer it does not hold).
+        answers one without it as for a transfer it does not hold). `receive`: a name drawn for this receive alone
+        (`TransferRequest.receive`), so P never answers it with another receive's outcome.
 
         Returns False (and changes nothing) when the transfer is already being received: repeats are no-ops.
 
@@ -153,6 +156,7 @@ class Receiver:
             started=now,
             first_token=first_token,
             secret=secret,
+            receive=receive,
         )
         self._by_req[req_id] = transfer_id
         self._deadlines.set(transfer_id, deadline)
@@ -202,7 +206,7 @@ class Receiver:
             # Nothing was asked yet, so nothing can be written; still tell the sources, so a P that holds the
             # transfer later frees it at once instead of at its hold expiry.
             reason = "aborted by D before the handshake completed"
-            abort = Abort(transfer_id=transfer_id, reason=reason, secret=recv.secret)
+            abort = Abort(transfer_id=transfer_id, reason=reason, secret=recv.secret, receive=recv.receive)
             commands += [SendToSource(recv.engine_id, src, abort) for src in sources]
             self._end(recv, abort.reason)
             return commands
@@ -303,7 +307,9 @@ class Receiver:
                 return [Notice(f"late or unknown answer for {message.transfer_id!r} from P{src}", level="debug")]
             return list(commands)
         if isinstance(message, ErrorMessage):
-            notice = Notice(f"P worker {src} of {engine_id!r} reports a protocol error: {message.reason}")
+            notice = Notice(
+                f"P worker {src} of {engine_id!r} reports a protocol error: {message.reason}", from_peer=True
+            )
             if not message.transfer_id:
                 return [notice]
             return [notice, *(self.answer(engine_id, src, message.transfer_id, f"P error: {message.reason}") or [])]
@@ -425,10 +431,12 @@ class Receiver:
                     num_tokens=recv.num_tokens,
                     first_token=recv.first_token,
                     secret=recv.secret,
+                    receive=recv.receive,
                 )
                 commands.append(SendToSource(recv.engine_id, job.src, request))
             elif effect is Effect.SEND_ABORT:
-                abort = Abort(transfer_id=recv.transfer_id, reason=job.reason or "aborted by D", secret=recv.secret)
+                reason = job.reason or "aborted by D"
+                abort = Abort(transfer_id=recv.transfer_id, reason=reason, secret=recv.secret, receive=recv.receive)
                 commands.append(SendToSource(recv.engine_id, job.src, abort))
         self._maybe_end(recv)
         return commands

@@ -16,11 +16,12 @@ import hmac
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Final, TypeAlias
+from typing import Final, TypeAlias, TypeVar
 
 from kvsvc.deadlines import Deadlines
 from kvsvc.jobs import Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.messages import (
+    MAX_SECRET_CHARS,
     Abort,
     ErrorMessage,
     Message,
@@ -33,11 +34,18 @@ from kvsvc.messages import (
     Worker,
     WorkerMetadata,
     WorkerRef,
+    check_transfer_id,
 )
 from kvsvc.planner import check_block_ids, check_window
 
-# What an early request costs against `max_early_request_bytes`: its block ids, at their size on the wire at worst.
+# What an early request costs against `max_early_request_bytes`: its block ids, at their size on the wire at worst,
+# its text (transfer id, secret, reason) and what keeping any entry costs.
 BLOCK_ID_BYTES: Final = 8
+EARLY_ENTRY_BYTES: Final = 256
+
+_K = TypeVar("_K")
+EarlyKey: TypeAlias = tuple[str, "WorkerRef", str]  # (transfer, D worker, secret)
+EarlyEntry: TypeAlias = tuple[float, "WorkerRef", "TransferRequest | Release | Abort", frozenset["Worker"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +73,8 @@ class Reply:
 
 SendCommand: TypeAlias = Submit | Reply | Notice
 # A transfer's secret is at least this long: `secrets.token_urlsafe(16)` (128 bits) makes 22 characters. D takes
-# one of at most `MAX_SECRET_CHARS`, as it travels in every request.
+# one of at most `MAX_SECRET_CHARS` (`kvsvc.messages`), as it travels in every request.
 MIN_SECRET_CHARS: Final = 16
-MAX_SECRET_CHARS: Final = 256
 
 
 def check_secret(secret: str, transfer_id: str) -> None:
@@ -104,6 +111,8 @@ class _Hold:
     expected: frozenset[Worker] | None = None
     jobs: dict[Worker, SendJob] = field(default_factory=dict)
     refs: dict[Worker, WorkerRef] = field(default_factory=dict)
+    # The receive (`TransferRequest.receive`) each D worker's job serves: another receive gets none of it.
+    receives: dict[Worker, str] = field(default_factory=dict)
     results: dict[Worker, tuple[int, int]] = field(default_factory=dict)
     ended: HoldEnd | None = None
 
@@ -145,16 +154,17 @@ class Sender:
         self._by_req: dict[str, str] = {}  # req_id -> transfer_id of each hold, for the engine's aborts
         # Requests for transfers not held yet, in arrival order (deadline, request, expected set), keyed by
         # (transfer, D worker, secret): a request without the secret must not take the place of the one with it.
-        self._early: OrderedDict[
-            tuple[str, WorkerRef, str], tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]
-        ]
-        self._early = OrderedDict()
+        # Indexed by transfer and by D worker, so a hold or a lost peer costs its own entries, not the table's.
+        self._early: OrderedDict[EarlyKey, EarlyEntry] = OrderedDict()
+        self._early_of: dict[str, dict[EarlyKey, None]] = {}
+        self._early_from: dict[WorkerRef, dict[EarlyKey, None]] = {}
         self._max_early_bytes = max_early_request_bytes
         self._early_bytes: Counter[WorkerRef] = Counter()  # block-id bytes of each D worker's early requests
         self._max_early_total = max_early_request_bytes_total  # and of all D workers together
         # Outcomes of finished transfers, so a repeated request is answered again rather than left to fail.
         # Keyed by the D worker's whole identity: another engine, or a restart, must never be told an old outcome.
-        self._outcomes: OrderedDict[tuple[str, WorkerRef], TransferDone | TransferFailed] = OrderedDict()
+        # With the receive each served: another receive of the same D worker is told nothing of it.
+        self._outcomes: OrderedDict[tuple[str, WorkerRef], tuple[TransferDone | TransferFailed, str]] = OrderedDict()
         self._remembered = remembered_outcomes
         # Why each recently finished transfer ended, and its secret, for D workers that ask only after it did.
         self._closed: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
@@ -176,9 +186,10 @@ class Sender:
         applied now if they carry the secret; the others wait out their early deadline, as for an unknown transfer.
 
         Raises:
-            ValueError: `transfer_id` is held already for another request or with another secret, or `secret` is
-                refused by `check_secret`.
+            ValueError: `transfer_id` is held already for another request or with another secret, or is longer
+                than `MAX_NAME_CHARS`, or `secret` is refused by `check_secret`.
         """
+        check_transfer_id(transfer_id)
         check_secret(secret, transfer_id)
         held = self._holds.get(transfer_id)
         if held is not None:
@@ -196,7 +207,7 @@ class Sender:
         self._deadlines.set(transfer_id, deadline)
         self._by_req[req_id] = transfer_id
         commands: list[SendCommand] = []
-        for key in [k for k in self._early if k[0] == transfer_id]:
+        for key in list(self._early_of.get(transfer_id, ())):
             if not _matches(hold.secret, key[2]):
                 self._refused_secrets += 1
                 continue  # answered at its early deadline, as a request for a transfer never held
@@ -235,14 +246,15 @@ class Sender:
         transfer is left alone: its engine aborts it by request id. Requests with another secret keep waiting.
 
         Raises:
-            ValueError: `secret` is refused by `check_secret`.
+            ValueError: `secret` is refused by `check_secret`, `transfer_id` by `check_transfer_id`.
         """
+        check_transfer_id(transfer_id)
         check_secret(secret, transfer_id)
         if transfer_id in self._holds:
             return []
         encoded = _encode(secret)
         commands: list[SendCommand] = []
-        for key in [k for k in self._early if k[0] == transfer_id and _matches(encoded, k[2])]:
+        for key in [k for k in self._early_of.get(transfer_id, ()) if _matches(encoded, k[2])]:
             _, dst, message, _ = self._pop_early(key)
             if isinstance(message, TransferRequest):  # an early abort was answered when it came; a release needs none
                 commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
@@ -258,6 +270,8 @@ class Sender:
             if isinstance(message, TransferRequest):
                 commands.append(Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason)))
         self._early.clear()
+        self._early_of.clear()
+        self._early_from.clear()
         self._early_bytes.clear()
         for hold in list(self._holds.values()):
             commands += self._abort_hold(hold, reason)
@@ -285,7 +299,7 @@ class Sender:
         if isinstance(message, Ping):
             return [Reply(dst, Pong(nonce=message.nonce))]
         if isinstance(message, ErrorMessage):
-            return [Notice(f"D worker {dst} reports a protocol error: {message.reason}")]
+            return [Notice(f"D worker {dst} reports a protocol error: {message.reason}", from_peer=True)]
         what = f"unexpected {type(message).__name__} from D worker {dst}"
         return [Notice(what, protocol_error=True), Reply(dst, ErrorMessage(reason=what))]
 
@@ -305,14 +319,16 @@ class Sender:
             return [refused]
         job = hold.jobs.get(dst.worker)
         if job is not None:
+            if not self._same_receive(hold, dst.worker, message.receive):
+                return [Reply(dst, _another_receive(hold.transfer_id, dst))]
             return self._apply(hold, job, SendEvent.REQUEST)
         if message.num_tokens > hold.num_tokens:
             reason = (
                 f"D worker {dst} asks for {message.num_tokens} tokens of transfer {hold.transfer_id!r}, P holds "
                 f"{hold.num_tokens}"
             )
-            return self._apply(hold, self._new_job(hold, dst), SendEvent.ABORT, reason)
-        job = self._new_job(hold, dst, message)
+            return self._apply(hold, self._new_job(hold, dst, message.receive), SendEvent.ABORT, reason)
+        job = self._new_job(hold, dst, message.receive, message)
         commands = self._apply(hold, job, SendEvent.REQUEST)
         if hold.ended is not None:
             return commands + self._apply(hold, job, _END_EVENTS[hold.ended])
@@ -352,9 +368,8 @@ class Sender:
             key = (transfer_id, dst, message.secret)
             if key in self._early:
                 self._pop_early(key)
-            if len(self._early) < self._max_early:
-                abort = Abort(transfer_id=transfer_id, reason=reason, secret=message.secret)
-                self._early[key] = (now + self._early_timeout, dst, abort, expected or frozenset())
+            abort = Abort(transfer_id=transfer_id, reason=reason, secret=message.secret, receive=message.receive)
+            self._keep_early(key, (now + self._early_timeout, dst, abort, expected or frozenset()))
         if known is None or hold is None or not _matches(hold.secret, message.secret):
             # Nothing was written for D in a transfer P does not hold for it: D may end its abort now.
             return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason))]
@@ -366,7 +381,10 @@ class Sender:
         job = hold.jobs.get(dst.worker)
         if job is None:
             # D gave up before asking: the job ends at once, and the D worker counts as served.
-            return self._apply(hold, self._new_job(hold, dst), SendEvent.ABORT, reason or "aborted by D")
+            job = self._new_job(hold, dst, message.receive)
+            return self._apply(hold, job, SendEvent.ABORT, reason or "aborted by D")
+        if not self._same_receive(hold, dst.worker, message.receive):
+            return [Reply(dst, _another_receive(transfer_id, dst))]  # the job is another receive's: left alone
         if job.terminal:
             # Its write (if any) ended: repeat the outcome, which tells D nothing more will land.
             return [Reply(dst, _outcome(hold, job))]
@@ -382,7 +400,7 @@ class Sender:
         hold = self._holds.get(transfer_id)
         if hold is not None and dst.worker in hold.jobs and _matches(hold.secret, request.secret):
             return [Reply(dst, ErrorMessage(reason=reason, transfer_id=transfer_id))]
-        abort = Abort(transfer_id=transfer_id, reason=reason, secret=request.secret)
+        abort = Abort(transfer_id=transfer_id, reason=reason, secret=request.secret, receive=request.receive)
         commands = self.remote_abort(dst, abort, now, expected)
         if not any(isinstance(c, Reply) for c in commands):
             commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
@@ -402,8 +420,8 @@ class Sender:
                 and dst.worker in (hold.expected or ())
             ):
                 # D's receive fails with the connection, so it will never ask: count it served now, not at expiry.
-                commands += self._apply(hold, self._new_job(hold, dst), SendEvent.PEER_LOST, reason)
-        for key in [k for k, v in self._early.items() if v[1] == dst]:
+                commands += self._apply(hold, self._new_job(hold, dst, ""), SendEvent.PEER_LOST, reason)
+        for key in list(self._early_from.get(dst, ())):
             self._pop_early(key)
         return commands
 
@@ -498,35 +516,49 @@ class Sender:
         key = (message.transfer_id, dst, message.secret)
         closed = self._closed.get(message.transfer_id)
         if closed is not None and self._secret_ok(closed[1], message.secret):
-            outcome = self._outcomes.get((message.transfer_id, dst))
-            if outcome is not None:
-                return [Reply(dst, outcome)] if isinstance(message, TransferRequest) else []
+            remembered = self._outcomes.get((message.transfer_id, dst))
+            if remembered is not None:
+                if not isinstance(message, TransferRequest):
+                    return []
+                outcome, receive = remembered
+                if receive != message.receive:  # the same params in a later request: its blocks got nothing
+                    return [Reply(dst, _another_receive(message.transfer_id, dst))]
+                return [Reply(dst, outcome)]
             if isinstance(message, Release):
                 return []
             reason = f"transfer {message.transfer_id!r} is no longer held by P: {closed[0]}"
             return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
         if key in self._early:
             return []
+        refusal = self._keep_early(key, (now + self._early_timeout, dst, message, expected))
+        if refusal:
+            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=refusal))]
+        return []
+
+    def _keep_early(self, key: EarlyKey, entry: EarlyEntry) -> str:
+        """Keep `entry` (not kept yet) until its hold comes or its deadline passes; "" once kept, else why not: the
+        table is full (`max_early_requests`) or its bytes would pass `max_early_request_bytes` for its D worker or
+        `max_early_request_bytes_total` for all of them (`_cost`)."""
+        dst, message = entry[1], entry[2]
         if len(self._early) >= self._max_early:
-            reason = f"P worker busy: {len(self._early)} requests already wait for transfers not held yet"
-            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
+            return f"P worker busy: {len(self._early)} requests already wait for transfers not held yet"
         cost = _cost(message)
         if self._early_bytes[dst] + cost > self._max_early_bytes:
-            reason = (
-                f"P worker busy: D worker {dst} has {self._early_bytes[dst]} bytes of block ids waiting for transfers "
-                f"not held yet; this request's {cost} would pass max_early_request_bytes={self._max_early_bytes}"
+            return (
+                f"P worker busy: D worker {dst} has {self._early_bytes[dst]} bytes of requests waiting for transfers "
+                f"not held yet; this one's {cost} would pass max_early_request_bytes={self._max_early_bytes}"
             )
-            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
         total = sum(self._early_bytes.values())  # one entry per D worker: at most the connection cap
         if total + cost > self._max_early_total:
-            reason = (
-                f"P worker busy: D workers have {total} bytes of block ids waiting for transfers not held yet; this "
-                f"request's {cost} would pass max_early_request_bytes_total={self._max_early_total}"
+            return (
+                f"P worker busy: D workers have {total} bytes of requests waiting for transfers not held yet; this "
+                f"one's {cost} would pass max_early_request_bytes_total={self._max_early_total}"
             )
-            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
-        self._early[key] = (now + self._early_timeout, dst, message, expected)
+        self._early[key] = entry
+        self._early_of.setdefault(key[0], {})[key] = None
+        self._early_from.setdefault(dst, {})[key] = None
         self._early_bytes[dst] += cost
-        return []
+        return ""
 
     def _remember_closed(self, transfer_id: str, reason: str, secret: bytes) -> None:
         """Answer later requests for `transfer_id` with `reason` (`_early_or_outcome`); the newest
@@ -536,19 +568,20 @@ class Sender:
         while len(self._closed) > self._remembered:
             self._closed.popitem(last=False)
 
-    def _pop_early(
-        self, key: tuple[str, WorkerRef, str]
-    ) -> tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]:
-        """Take the early request at `key` (present) out, with its cost."""
+    def _pop_early(self, key: EarlyKey) -> EarlyEntry:
+        """Take the early request at `key` (present) out, with its cost and its index entries."""
         entry = self._early.pop(key)
         dst = entry[1]
+        _unindex(self._early_of, key[0], key)
+        _unindex(self._early_from, dst, key)
         self._early_bytes[dst] -= _cost(entry[2])
         if self._early_bytes[dst] <= 0:
             del self._early_bytes[dst]
         return entry
 
-    def _new_job(self, hold: _Hold, dst: WorkerRef, request: TransferRequest | None = None) -> SendJob:
-        """The job of D worker `dst` in `hold` (UNASKED: the caller's first event says what happened)."""
+    def _new_job(self, hold: _Hold, dst: WorkerRef, receive: str, request: TransferRequest | None = None) -> SendJob:
+        """The job of D worker `dst` in `hold`, serving its receive `receive` (UNASKED: the caller's first event says
+        what happened)."""
         if request is None:
             job = SendJob(hold.transfer_id, dst.worker, [], 0)
         else:
@@ -556,7 +589,15 @@ class Sender:
             job.window = (request.window_addr, request.window_bytes, request.share_bytes)
         hold.jobs[dst.worker] = job
         hold.refs[dst.worker] = dst
+        hold.receives[dst.worker] = receive
         return job
+
+    @staticmethod
+    def _same_receive(hold: _Hold, worker: Worker, receive: str) -> bool:
+        """Whether `receive` is the one `worker`'s job serves; a job that no receive asked for (a lost connection
+        ended it) takes any."""
+        served = hold.receives.get(worker, "")
+        return not served or served == receive
 
     def _abort_hold(self, hold: _Hold, reason: str) -> list[SendCommand]:
         if hold.ended is None:
@@ -625,13 +666,24 @@ class Sender:
         reason = hold.ended.value if hold.ended else "every D worker that needed it was served"
         self._remember_closed(hold.transfer_id, reason, hold.secret)
         for worker, job in hold.jobs.items():
-            self._outcomes[(hold.transfer_id, hold.refs[worker])] = _outcome(hold, job)
+            self._outcomes[(hold.transfer_id, hold.refs[worker])] = (_outcome(hold, job), hold.receives[worker])
         while len(self._outcomes) > self._remembered:
             self._outcomes.popitem(last=False)
 
 
+def _unindex(index: dict[_K, dict[EarlyKey, None]], at: _K, key: EarlyKey) -> None:
+    keys = index[at]
+    del keys[key]
+    if not keys:
+        del index[at]
+
+
 def _cost(message: TransferRequest | Release | Abort) -> int:
-    return len(message.block_ids) * BLOCK_ID_BYTES if isinstance(message, TransferRequest) else 0
+    """What keeping `message` early costs (`max_early_request_bytes`): its block ids and text, at their wire size
+    at worst, and a fixed `EARLY_ENTRY_BYTES`."""
+    ids = len(message.block_ids) * BLOCK_ID_BYTES if isinstance(message, TransferRequest) else 0
+    text = len(message.transfer_id) + len(message.secret) + (len(message.reason) if isinstance(message, Abort) else 0)
+    return EARLY_ENTRY_BYTES + ids + 4 * text  # 4: the most bytes a character takes in UTF-8
 
 
 _END_EVENTS = {HoldEnd.ABORTED: SendEvent.ABORT, HoldEnd.EXPIRED: SendEvent.EXPIRE}
@@ -645,6 +697,15 @@ def _encode(secret: str) -> bytes:
 def _matches(held: bytes, presented: str) -> bool:
     """Whether `presented` is the secret `held`, compared in constant time."""
     return hmac.compare_digest(held, _encode(presented))
+
+
+def _another_receive(transfer_id: str, dst: WorkerRef) -> TransferFailed:
+    """The answer to a request or abort of a receive that is not the one P serves `dst` for `transfer_id`."""
+    reason = (
+        f"transfer {transfer_id!r} serves another receive of D worker {dst}; this one gets none of it (the same "
+        "params in a second request)"
+    )
+    return TransferFailed(transfer_id=transfer_id, reason=reason)
 
 
 def _outcome(hold: _Hold, job: SendJob) -> TransferDone | TransferFailed:

@@ -138,7 +138,9 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
 def _bearer_matches(header: str, token: str) -> bool:
     scheme, _, presented = header.partition(" ")
     # Bytes, not str: compare_digest refuses non-ASCII str, and a header is attacker-controlled.
-    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token.encode())
+    # surrogatepass: a header of bytes that are not UTF-8 arrives as lone surrogates, and must simply not match.
+    given = presented.strip().encode("utf-8", "surrogatepass")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, token.encode())
 
 
 def _authorized(request: web.Request) -> bool:

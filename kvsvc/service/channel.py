@@ -6,7 +6,8 @@ loop iteration (one socket write for every frame sent meanwhile, in order), once
 `close`. Closing flushes what was queued and is idempotent. Both ways keep a burst moving through the pair: a long
 run of sends (D starting thousands of receives in one engine call) reaches P while it is still running, and `receive`
 lets the loop turn after every `BATCH_FRAMES` messages it hands out from one read, so completions and answers flow
-while a burst is handled.
+while a burst is handled. A connection may idle, but a frame once begun must end within `frame_timeout_s`: a peer
+cannot hold the buffer of a partial frame for good.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import contextlib
 from collections import deque
 
-from kvsvc.errors import PeerLost
+from kvsvc.errors import MalformedFrame, PeerLost
 from kvsvc.messages import HEADER_BYTES, MAX_FRAME_BYTES, FrameReader, Message, encode
 
 _READ_CHUNK = 256 * 1024
@@ -34,9 +35,12 @@ class ControlChannel:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_first_frame_bytes: int | None = None,
         first_frames: int = 1,
+        frame_timeout_s: float = 10.0,
     ) -> None:
         """`max_first_frame_bytes`: a smaller limit for the first `first_frames` frames (P's, for the hello
-        exchange); `FrameReader`."""
+        exchange); `FrameReader`. `frame_timeout_s`: how long a frame may take from its first byte to its last."""
+        self._frame_timeout = frame_timeout_s
+        self._frame_began: float | None = None  # the loop's time when the frame read in part began
         self._reader = reader
         self._writer = writer
         self._frames = FrameReader(
@@ -54,8 +58,8 @@ class ControlChannel:
         )
 
     @classmethod
-    async def connect(cls, address: str, *, timeout_s: float) -> ControlChannel:
-        """Open a connection to `host:port`.
+    async def connect(cls, address: str, *, timeout_s: float, frame_timeout_s: float = 10.0) -> ControlChannel:
+        """Open a connection to `host:port`, whose frames must each arrive within `frame_timeout_s`.
 
         Raises:
             PeerLost: the address is malformed, refused, unreachable, or did not answer within `timeout_s`.
@@ -65,7 +69,7 @@ class ControlChannel:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
         except (OSError, ValueError, TimeoutError) as exc:
             raise PeerLost(f"cannot connect to control address {address!r}: {type(exc).__name__}: {exc}") from None
-        return cls(reader, writer)
+        return cls(reader, writer, frame_timeout_s=frame_timeout_s)
 
     @property
     def closed(self) -> bool:
@@ -104,7 +108,8 @@ class ControlChannel:
         """The next message.
 
         Raises:
-            MalformedFrame: the peer sent bytes that are not a frame of this protocol.
+            MalformedFrame: the peer sent bytes that are not a frame of this protocol, or began a frame and did not
+                end it within `frame_timeout_s`.
             PeerLost: EOF, a reset, or the channel was closed.
         """
         if self._inbox and self._handed >= BATCH_FRAMES:
@@ -115,15 +120,27 @@ class ControlChannel:
             self._frames.raise_if_broken()
             if self._closed:
                 raise PeerLost(f"control connection to {self.peer} is closed")
+            # No read takes in more than the next frame may hold: a peer held to a small first frame cannot make
+            # this side buffer more than that.
+            size = min(_READ_CHUNK, self._frames.next_frame_limit + HEADER_BYTES)
+            loop, began = asyncio.get_running_loop(), self._frame_began
             try:
-                # No read takes in more than the next frame may hold: a peer held to a small first frame cannot make
-                # this side buffer more than that.
-                data = await self._reader.read(min(_READ_CHUNK, self._frames.next_frame_limit + HEADER_BYTES))
+                async with asyncio.timeout_at(None if began is None else began + self._frame_timeout):
+                    data = await self._reader.read(size)
+            except TimeoutError:
+                raise MalformedFrame(
+                    f"{self.peer} began a frame and sent {self._frames.buffered} bytes of it in "
+                    f"{loop.time() - (began or 0.0):.1f} s, limit {self._frame_timeout:g} s"
+                ) from None
             except (ConnectionError, OSError) as exc:
                 raise PeerLost(f"control connection to {self.peer} broke: {exc}") from None
             if not data:
                 raise PeerLost(f"control connection to {self.peer} closed by the peer")
             self._inbox.extend(self._frames.feed(data))
+            if not self._frames.buffered:
+                self._frame_began = None
+            elif self._frame_began is None or self._inbox:  # a new frame began in this read
+                self._frame_began = loop.time()
         self._handed += 1
         return self._inbox.popleft()
 

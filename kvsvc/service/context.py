@@ -136,5 +136,7 @@ def notice(ctx: ServiceContext, what: Notice) -> None:
     if what.protocol_error:
         ctx.counts["protocol_errors"] += 1
         ctx.peer_log.log(level, "protocol error", "%s", what.text)
+    elif what.from_peer:
+        ctx.peer_log.log(level, "peer report", "%s", what.text)
     else:
         log.log(level, "%s", what.text)

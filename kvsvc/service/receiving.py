@@ -31,7 +31,7 @@ from kvsvc.backoff import Backoff
 from kvsvc.driver import carry_out_recv
 from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
 from kvsvc.hello import answer_challenge, check_hello_reply, open_hello
-from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef
+from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef, check_transfer_id, clip
 from kvsvc.planner import check_block_ids
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
 from kvsvc.sender import check_secret
@@ -127,10 +127,14 @@ class ReceivingRole:
     ) -> None:
         """As `KVTransferService.start_recv`, once the service is known open."""
         check_block_ids(self._ctx.metadata, block_ids, num_tokens, "D", first_token)
+        check_transfer_id(transfer_id)
         check_secret(secret, transfer_id)
         self._own_engine()
         now = self._ctx.clock()
-        if not self._receiver.start(req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token, secret):
+        receive = secrets.token_hex(8)  # this receive's own name: P never answers it with another's outcome
+        if not self._receiver.start(
+            req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token, secret, receive
+        ):
             return
         self._ctx.changed()  # a new receive deadline
         known = self._known_routes.get(engine_id)
@@ -212,6 +216,10 @@ class ReceivingRole:
         try:
             routes = await self._remotes.routes(engine_id, url, self._own_engine)
         except (KVSvcError, ValueError, KeyError) as exc:  # unreachable, malformed or incompatible: all fail now
+            self._run_recv(self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}"))
+            return
+        except Exception as exc:  # a bug of ours on a document we did not foresee: its receives still fail now
+            log.exception("resolving the workers of engine %r failed unexpectedly", clip(engine_id, 80))
             self._run_recv(self._receiver.engine_failed(engine_id, f"{type(exc).__name__}: {exc}"))
             return
         if self._remotes.current(engine_id, url, routes.p_engine):  # not marked out of date while it ran
@@ -301,7 +309,7 @@ class ReceivingRole:
         p, me = peer.meta, self._ctx.metadata
         timeout_s = self._ctx.config.handshake_timeout_s
         key = derive_key(self._ctx.config.control_token, HELLO_KEY)
-        channel = await ControlChannel.connect(p.control_addr, timeout_s=timeout_s)
+        channel = await ControlChannel.connect(p.control_addr, timeout_s=timeout_s, frame_timeout_s=timeout_s)
         try:
             async with asyncio.timeout(timeout_s):  # the whole exchange, both of P's frames
                 start = open_hello(me, p, key, secrets.token_bytes(NONCE_BYTES))

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvsvc.auth import check_control_addr, parse_bootstrap_addr
-from kvsvc.errors import HandshakeError, KVSvcError, MalformedFrame, TopologyError
+from kvsvc.bounds import check_engine_bounds
+from kvsvc.errors import HandshakeError, KVSvcError, MalformedFrame, PeerMismatch, TopologyError
 from kvsvc.layout import block_bytes
 from kvsvc.messages import MAX_METADATA_BYTES, Worker, WorkerRef, decode_engine_metadata
 from kvsvc.planner import release_notifier, sources_of
@@ -226,7 +227,8 @@ async def fetch_engine_metadata(
 
     Raises:
         HandshakeError: an address D does not fetch from, unreachable, not ready (non-200, redirects included), too
-            large, malformed, empty, or a control address on another host; the message names the URL.
+            large, malformed, empty, past the bounds a hello is held to (`kvsvc.bounds.check_engine_bounds`), or a
+            control address on another host; the message names the URL.
     """
     try:
         address = parse_bootstrap_addr(url, keyed)
@@ -258,6 +260,10 @@ async def fetch_engine_metadata(
         raise HandshakeError(f"GET {target}: {exc}") from None
     if not metas:
         raise HandshakeError(f"GET {target}: the engine published no workers")
+    try:
+        check_engine_bounds(metas, f"GET {target}")
+    except PeerMismatch as exc:
+        raise HandshakeError(str(exc)) from None
     engines = {(m.engine_id, m.incarnation) for m in metas.values()}
     if len(engines) != 1:
         raise HandshakeError(f"GET {target}: workers of several engine starts in one document: {sorted(engines)}")

@@ -198,9 +198,15 @@ class SendingRole:
     # -- control connections from D workers --------------------------------------------------------------------
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        # The first frame, the only one handled before the hello is accepted, is held to a hello's size.
-        # Both of D's frames before its hello is accepted (its start and its hello) are held to the hello's limit.
-        channel = ControlChannel(reader, writer, max_first_frame_bytes=MAX_HELLO_FRAME_BYTES, first_frames=2)
+        # Both of D's frames before its hello is accepted (its start and its hello) are held to the hello's limit;
+        # every frame, to the hello's time.
+        channel = ControlChannel(
+            reader,
+            writer,
+            max_first_frame_bytes=MAX_HELLO_FRAME_BYTES,
+            first_frames=2,
+            frame_timeout_s=self._ctx.config.handshake_timeout_s,
+        )
         if not self._accepting:
             channel.close()
             return

@@ -22,7 +22,7 @@ from msgspec.structs import replace
 
 from kvsvc.errors import KVSvcError, ServiceClosed
 from kvsvc.histogram import STAGE_BUCKETS, HistogramStatistics, LatencyHistogram
-from kvsvc.messages import WorkerMetadata
+from kvsvc.messages import WorkerMetadata, check_own_metadata
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.receiver import ReceiverStatistics
 from kvsvc.sender import SenderStatistics
@@ -105,7 +105,12 @@ class KVTransferService:
         clock: Callable[[], float] = time.monotonic,
         staging: StagingArea | None = None,
     ) -> None:
-        """`staging`: a staging region registered with `transport`, for writes the staging rule picks (P side)."""
+        """`staging`: a staging region registered with `transport`, for writes the staging rule picks (P side).
+
+        Raises:
+            ValueError: a field of `metadata` is past what peers decode (`kvsvc.messages.check_own_metadata`).
+        """
+        check_own_metadata(metadata)
         self.config = config or ServiceConfig()
         self._ctx = ServiceContext(
             metadata=metadata,
@@ -222,8 +227,8 @@ class KVTransferService:
         Raises:
             ServiceClosed: `close` was called.
             ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`, `secret` is
-                too short or too long (`kvsvc.sender.check_secret`), or the transfer is held already with another
-                secret.
+                too short or too long (`kvsvc.sender.check_secret`), `transfer_id` is longer than
+                `kvsvc.messages.MAX_NAME_CHARS`, or the transfer is held already with another secret.
         """
         self._check_open()
         secret = new_transfer_secret() if secret is None else secret
@@ -252,7 +257,8 @@ class KVTransferService:
         Raises:
             ServiceClosed: `close` was called.
             ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`,
-                `first_token` lies outside `[0, num_tokens]`, or `secret` is missing (`kvsvc.sender.check_secret`).
+                `first_token` lies outside `[0, num_tokens]`, `secret` is missing (`kvsvc.sender.check_secret`), or
+                `transfer_id` is longer than `kvsvc.messages.MAX_NAME_CHARS`.
             LocalProtocolError: this engine has several PP stages and `set_engine_metadata` was not called.
         """
         self._check_open()
@@ -367,7 +373,10 @@ class KVTransferService:
 
     async def _deadline_loop(self) -> None:
         while True:
-            self.check_deadlines()
+            try:
+                self.check_deadlines()
+            except Exception:  # a bug of ours: the next round still runs, or no hold would ever expire again
+                log.exception("checking the deadlines of worker %s failed", self._ctx.metadata.worker)
             deadlines = [d for d in (self._sending.next_deadline(), self._receiving.next_deadline()) if d is not None]
             # Re-check at least every second so a fake or jumping clock is never missed for long.
             timeout = min([1.0, *(d - self._ctx.clock() for d in deadlines)])

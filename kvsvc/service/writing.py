@@ -26,7 +26,7 @@ import numpy as np
 from kvsvc.coalesce import Int64Array
 from kvsvc.data_planes import rule_on
 from kvsvc.driver import AwaitHalf, RoundsFilled, carry_out_fill, p_frame, round_step
-from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
+from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TransferAborted
 from kvsvc.layout import is_cross_layer, layer_addrs
 from kvsvc.messages import Message, Worker, WorkerMetadata, WorkerRef
 from kvsvc.sender import Submit
@@ -220,9 +220,9 @@ class BlockWriter:
             table, unit = self._descriptors(target, command)
             if self._staged(target, table, command.window_bytes > 0, unit) is not None:
                 return False  # a staged write waits for room and for its gather: it needs the task
-        except (TopologyError, ValueError):
-            return False  # `_write` plans again and reports why
-        result = target.transport.start_write(target.session, table)
+            result = target.transport.start_write(target.session, table)
+        except Exception:  # whatever a plan or the plane raises, `_write` meets again and reports
+            return False
         if result is None:
             return False
         self._started.add(result)

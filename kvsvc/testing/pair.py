@@ -179,8 +179,9 @@ class PeerPair(Reports, SimPlane, Faults):
         for worker, receiver in self.receivers.items():
             meta = self.d.metas[worker]
             started = receiver.start(
-                req_id, transfer_id, self.p.engine_id, list(block_ids), num_tokens, self.clock(), secret=secret
-            )
+                req_id, transfer_id, self.p.engine_id, list(block_ids), num_tokens, self.clock(), secret=secret,
+                receive=f"receive-{req_id}",
+            )  # fmt: skip
             if not started:
                 continue
             sources = sources_of(meta, self.p.metas)

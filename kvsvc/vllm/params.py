@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvsvc.auth import Key, fields_verify, parse_bootstrap_addr, sign_fields
+from kvsvc.messages import MAX_SECRET_CHARS, clip
 
 PARAMS_VERSION: Final = 2
 # As `kvsvc.sender` bounds a transfer secret.
 MIN_SECRET_CHARS: Final = 16
-MAX_SECRET_CHARS: Final = 256
+# P signs ten fields, fourteen when it pushes: params that name more are not P's.
+MAX_SIGNED_FIELDS: Final = 32
 # The keys vLLM's tooling and routers already know (NixlConnector and MooncakeConnector use them too).
 DO_REMOTE_DECODE: Final = "do_remote_decode"
 DO_REMOTE_PREFILL: Final = "do_remote_prefill"
@@ -117,8 +119,8 @@ def parse_remote_prefill(params: Mapping[str, Any], key: Key | None) -> RemotePr
     version = fields.get("kvsvc_params_version")
     if version != PARAMS_VERSION:
         raise ParamsError(
-            f"kv_transfer_params version {version!r}, this kvsvc reads {PARAMS_VERSION}: pass P's params unchanged "
-            "(a P engine running another connector, or an older kvsvc, writes other keys)"
+            f"kv_transfer_params version {_shown(version)}, this kvsvc reads {PARAMS_VERSION}: pass P's params "
+            "unchanged (a P engine running another connector, or an older kvsvc, writes other keys)"
         )
     addr = _get(fields, "remote_bootstrap_addr", str)
     try:
@@ -227,18 +229,26 @@ def _signed_fields(params: Mapping[str, Any], key: Key | None) -> Mapping[str, A
         )
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(signature, str):
         raise ParamsError(f"kv_transfer_params[{SIGNED!r}] / [{SIGNATURE!r}] are malformed")
+    if len(names) > MAX_SIGNED_FIELDS:
+        raise ParamsError(
+            f"kv_transfer_params[{SIGNED!r}] names {len(names)} fields, P signs {MAX_SIGNED_FIELDS} at most"
+        )
     missing = [name for name in names if name not in params]
     if missing or len(set(names)) != len(names):
-        raise ParamsError(f"kv_transfer_params lack signed fields {missing} or repeat one")
+        raise ParamsError(f"kv_transfer_params lack signed fields {_shown(missing)} or repeat one")
     fields = {name: params[name] for name in names}
+    # P signs strings, numbers and flags only: anything else is not P's, and is refused before it is encoded.
+    nested = sorted(name for name, value in fields.items() if not isinstance(value, str | int | float | None))
+    if nested:
+        raise ParamsError(f"kv_transfer_params fields {_shown(nested)} hold lists or objects; P signs none")
     try:
         verified = fields_verify(key, fields, signature)
     except (TypeError, ValueError):  # a value JSON cannot encode: not what P signed
         verified = False
     if not verified:
         raise ParamsError(
-            f"kv_transfer_params[{SIGNATURE!r}] does not verify over fields {sorted(names)}: they were altered, or "
-            "signed with another deployment's control token"
+            f"kv_transfer_params[{SIGNATURE!r}] does not verify over fields {_shown(sorted(names))}: they were "
+            "altered, or signed with another deployment's control token"
         )
     return fields
 
@@ -258,5 +268,19 @@ def _secret(params: Mapping[str, Any]) -> str:
 def _get(params: Mapping[str, Any], key: str, kind: type[Any]) -> Any:
     value = params.get(key)
     if not isinstance(value, kind) or isinstance(value, bool) or value in ("", None):
-        raise ParamsError(f"kv_transfer_params[{key!r}] is {value!r}, expected a non-empty {kind.__name__}")
+        raise ParamsError(f"kv_transfer_params[{key!r}] is {_shown(value)}, expected a non-empty {kind.__name__}")
     return value
+
+
+def _shown(value: object) -> str:
+    """`value` as an error shows it: its repr, cut to a line (a client chose it, and errors are logged)."""
+    return clip(repr(value) if not isinstance(value, list | dict) else _short_repr(value), 120)
+
+
+def _short_repr(value: list[Any] | dict[Any, Any]) -> str:
+    # Never the whole repr: a nested value deep enough would exhaust the stack, a long one the log.
+    items = list(value)[:8]
+    more = f", ... {len(value)} in all" if len(value) > 8 else ""
+    opening, closing = ("[", "]") if isinstance(value, list) else ("{", "}")
+    return opening + ", ".join(clip(repr(x) if isinstance(x, str | int | float | None) else type(x).__name__, 40)
+                               for x in items) + more + closing  # fmt: skip

@@ -130,10 +130,17 @@ class SchedulerSide:
             return
         sampling = getattr(request, "sampling_params", None)
         max_tokens = getattr(sampling, "max_tokens", None)
+        if request.prompt_token_ids is None:  # a prompt given as embeddings: no tokens to hash, bound or move
+            log.error("request %s: kvsvc moves no KV of a prompt given as embeddings; computing it locally",
+                      request.request_id)  # fmt: skip
+            return
         try:
             self.flow.on_new_request(request.request_id, request.prompt_token_ids, params, max_tokens)
         except ParamsError as exc:
             log.error("request %s: kvsvc moves none of its KV, computing it locally: %s", request.request_id, exc)
+            return
+        except Exception:  # a bug of ours on params we did not foresee: vLLM's engine core must not die of it
+            log.exception("request %s: kvsvc moves none of its KV, computing it locally", request.request_id)
             return
         if self.flow.drops_last_token(request.request_id):
             # P prefills one token less (a Mamba state holds every token it saw); D computes the last one.

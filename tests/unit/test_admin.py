@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import inspect
@@ -391,3 +392,21 @@ async def test_with_no_token_configured_no_get_shows_ids(
 ) -> None:
     response = await tokenless.get("/v1/transfers", headers=AUTH)
     assert (await response.json())["transfers"] == [{"pp_rank": 0, "tp_rank": 0, "state": "held"}]
+
+
+async def test_an_authorization_header_of_bytes_that_are_not_utf8_is_401_not_500(
+    client: TestClient[web.Request, web.Application], view: FakeView
+) -> None:
+    # Raw bytes on the socket: aiohttp's client would encode the header as valid UTF-8.
+    for method, path in (("GET", "/v1/transfers"), ("POST", "/v1/drain")):
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(
+            f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n".encode()
+            + b"Authorization: Bearer \xff\xfe\xed\r\n\r\n"
+        )
+        await writer.drain()
+        status = (await reader.readline()).split()[1]
+        writer.close()
+        await writer.wait_closed()
+        assert status == (b"200" if method == "GET" else b"401")  # GET: the public view, as without a token
+    assert view.drained == 0

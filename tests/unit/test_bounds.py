@@ -20,10 +20,14 @@ from kvsvc.bounds import (
     MAX_LAYERS,
     MAX_WORKERS,
     ControlConnections,
+    check_engine_bounds,
 )
 from kvsvc.cli.plan import synthetic_engine
+from kvsvc.errors import PeerMismatch
 from kvsvc.hello import HelloAccepted, HelloRefusal, make_hello
 from kvsvc.messages import (
+    MAX_NAME_CHARS,
+    MAX_SECRET_CHARS,
     Abort,
     ConvPart,
     Hello,
@@ -36,7 +40,7 @@ from kvsvc.messages import (
     WorkerRef,
     encode,
 )
-from kvsvc.sender import Reply, Sender
+from kvsvc.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, Sender
 from kvsvc.testing.hellos import decide_unkeyed
 
 P = synthetic_engine("P", pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
@@ -259,8 +263,13 @@ def early(transfer_id: str, blocks: int) -> TransferRequest:
     return TransferRequest(transfer_id=transfer_id, block_ids=list(range(blocks)), num_tokens=blocks, secret=SECRET)
 
 
-def test_early_requests_are_bounded_in_block_id_bytes_per_d_worker() -> None:
-    sender = Sender(max_early_request_bytes=8 * 100)
+def cost(blocks: int, transfer_id: str = "t1") -> int:
+    """What an early request of `early(transfer_id, blocks)` costs: block ids, text at 4 bytes a character, an entry."""
+    return EARLY_ENTRY_BYTES + BLOCK_ID_BYTES * blocks + 4 * (len(transfer_id) + len(SECRET))
+
+
+def test_early_requests_are_bounded_in_bytes_per_d_worker() -> None:
+    sender = Sender(max_early_request_bytes=cost(60) + cost(40))
     assert sender.request(D0_REF, EVERY_D, early("t1", 60), 0.0) == []
     refused = sender.request(D0_REF, EVERY_D, early("t2", 41), 0.0)
     assert refused == [
@@ -268,18 +277,19 @@ def test_early_requests_are_bounded_in_block_id_bytes_per_d_worker() -> None:
             D0_REF,
             TransferFailed(
                 transfer_id="t2",
-                reason=f"P worker busy: D worker {D0_REF} has 480 bytes of block ids waiting for transfers not held "
-                "yet; this request's 328 would pass max_early_request_bytes=800",
+                reason=f"P worker busy: D worker {D0_REF} has {cost(60)} bytes of requests waiting for transfers not "
+                f"held yet; this one's {cost(41)} would pass max_early_request_bytes={cost(60) + cost(40)}",
             ),
         )
     ]
     assert sender.request(D0_REF, EVERY_D, early("t3", 40), 0.0) == []  # up to the bound exactly
     assert sender.request(D1, EVERY_D, early("t2", 100), 0.0) == []  # another D worker has a bound of its own
-    assert sender.statistics().early_request_bytes == 1600
+    assert sender.statistics().early_request_bytes == cost(60) + cost(40) + cost(100)
 
 
-def test_early_requests_are_bounded_in_block_id_bytes_across_d_workers_too() -> None:
-    sender = Sender(max_early_request_bytes=8 * 100, max_early_request_bytes_total=8 * 150)
+def test_early_requests_are_bounded_in_bytes_across_d_workers_too() -> None:
+    total = cost(100) + cost(50)
+    sender = Sender(max_early_request_bytes=cost(100), max_early_request_bytes_total=total)
     assert sender.request(D0_REF, EVERY_D, early("t1", 100), 0.0) == []
     refused = sender.request(D1, EVERY_D, early("t2", 51), 0.0)  # within D1's own bound, past the total
     assert refused == [
@@ -287,8 +297,8 @@ def test_early_requests_are_bounded_in_block_id_bytes_across_d_workers_too() -> 
             D1,
             TransferFailed(
                 transfer_id="t2",
-                reason="P worker busy: D workers have 800 bytes of block ids waiting for transfers not held yet; "
-                "this request's 408 would pass max_early_request_bytes_total=1200",
+                reason=f"P worker busy: D workers have {cost(100)} bytes of requests waiting for transfers not held "
+                f"yet; this one's {cost(51)} would pass max_early_request_bytes_total={total}",
             ),
         )
     ]
@@ -297,11 +307,29 @@ def test_early_requests_are_bounded_in_block_id_bytes_across_d_workers_too() -> 
     assert sender.request(D1, EVERY_D, early("t4", 100), 12.0) == []  # given back when they leave
 
 
+def test_early_requests_and_aborts_pay_for_their_text() -> None:
+    # Long ids, secrets and reasons cost what they hold, so requests or aborts without block ids still reach the
+    # bounds (they once cost nothing, and 200 such frames held 800 MiB).
+    long_id, long_secret = "t" * MAX_NAME_CHARS, "s" * MAX_SECRET_CHARS
+    one = EARLY_ENTRY_BYTES + 4 * (MAX_NAME_CHARS + MAX_SECRET_CHARS)
+    sender = Sender(max_early_request_bytes=2 * one + 64, max_early_request_bytes_total=10 * one)
+    ask = TransferRequest(transfer_id=long_id, block_ids=[], num_tokens=0, secret=long_secret)
+    assert sender.request(D0_REF, EVERY_D, ask, 0.0) == []
+    assert sender.statistics().early_request_bytes == one
+    abort = Abort(transfer_id=long_id[:-1] + "u", reason="", secret=long_secret)
+    assert sender.remote_abort(D0_REF, abort, 0.0, EVERY_D)[0].message.transfer_id == abort.transfer_id
+    assert sender.statistics().early_requests == 2  # an abort is kept, charged like a request
+    refused = sender.request(D0_REF, EVERY_D, msgspec.structs.replace(ask, transfer_id="x" * MAX_NAME_CHARS), 0.0)
+    assert "max_early_request_bytes" in refused[0].message.reason  # type: ignore[union-attr]
+    sender.remote_abort(D0_REF, msgspec.structs.replace(abort, transfer_id="y"), 0.0, EVERY_D)
+    assert sender.statistics().early_requests == 2  # past the bound an abort is answered and not kept
+
+
 @pytest.mark.parametrize("how", ["hold", "expire", "peer_lost", "abort", "shut_down"])
 def test_the_bytes_of_an_early_request_are_given_back_however_it_leaves(how: str) -> None:
-    sender = Sender(max_early_request_bytes=8 * 100, early_request_timeout_s=10.0)
+    sender = Sender(max_early_request_bytes=cost(100), early_request_timeout_s=10.0)
     sender.request(D0_REF, EVERY_D, early("t1", 100), 0.0)
-    assert sender.statistics().early_request_bytes == 800
+    assert sender.statistics().early_request_bytes == cost(100)
     if how == "hold":
         sender.hold("r1", "t1", [0] * 100, 100, 1.0, secret=SECRET)
     elif how == "expire":
@@ -312,6 +340,25 @@ def test_the_bytes_of_an_early_request_are_given_back_however_it_leaves(how: str
         sender.remote_abort(D0_REF, Abort(transfer_id="t1", reason="gone", secret=SECRET), 1.0, EVERY_D)
     else:
         sender.shut_down("closing")
-    assert sender.statistics().early_request_bytes == 0
-    if how != "hold":
+    # An early abort takes the request's place, and pays for its own text.
+    kept = EARLY_ENTRY_BYTES + 4 * len("t1" + SECRET + "gone") if how == "abort" else 0
+    assert sender.statistics().early_request_bytes == kept
+    if how not in ("hold", "abort"):
         assert sender.request(D0_REF, EVERY_D, early("t9", 100), 1.0) == []  # room again
+
+
+def test_an_engine_document_d_fetches_is_held_to_the_bounds_of_a_hello() -> None:
+    check_engine_bounds(D, "GET d")  # an honest engine passes
+    many = {(0, tp): msgspec.structs.replace(D0, tp_rank=tp, tp_size=2000) for tp in range(MAX_WORKERS + 1)}
+    with pytest.raises(PeerMismatch, match=f"GET x lists {MAX_WORKERS + 1} workers, limit {MAX_WORKERS}"):
+        check_engine_bounds(many, "GET x")
+    # One worker claiming a huge engine: D would open a connection per worker it names (or overflow planning it).
+    wide = {(0, 0): msgspec.structs.replace(D0, tp_size=2**31 - 1)}
+    with pytest.raises(PeerMismatch, match=r"GET x: worker D\[pp0,tp0\] claims tp_size 2147483647"):
+        check_engine_bounds(wide, "GET x")
+    deep = {(0, 0): msgspec.structs.replace(D0, end_layer=MAX_LAYERS + 1)}
+    with pytest.raises(PeerMismatch, match=f"claims layers up to {MAX_LAYERS + 1}, limit {MAX_LAYERS}"):
+        check_engine_bounds(deep, "GET x")
+    odd = {(0, 0): msgspec.structs.replace(D0, base_addrs=D0.base_addrs * 3)}
+    with pytest.raises(PeerMismatch, match="base_addrs"):
+        check_engine_bounds(odd, "GET x")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import get_args
 
@@ -12,7 +13,11 @@ from hypothesis import strategies as st
 
 from kvsvc.errors import MalformedFrame, RemoteProtocolError, VersionMismatch
 from kvsvc.messages import (
+    MAX_ADDRESS,
+    MAX_COUNT,
     MAX_FRAME_BYTES,
+    MAX_NAME_CHARS,
+    MAX_REASON_CHARS,
     PROTOCOL_VERSION,
     Abort,
     ErrorMessage,
@@ -29,7 +34,10 @@ from kvsvc.messages import (
     TransferRequest,
     WorkerMetadata,
     WorkerRef,
+    check_own_metadata,
+    check_transfer_id,
     check_version,
+    clip,
     decode,
     decode_engine_metadata,
     encode,
@@ -77,7 +85,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(
         TransferRequest,
         transfer_id=ids,
-        block_ids=st.lists(st.integers(0, 2**31), max_size=64),
+        block_ids=st.lists(st.integers(0, MAX_COUNT - 1), max_size=64),
         num_tokens=st.integers(0, 10**6),
     ),
     st.builds(Release, transfer_id=ids),
@@ -225,3 +233,46 @@ def test_a_hello_of_the_first_protocol_version_decodes_so_that_p_can_name_its_ve
     del fields["proof"]
     fields["token"] = "a secret that peers of version 1 sent"  # ignored, never kept
     assert decode(msgspec.msgpack.encode(fields)) == hello
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "where"),
+    [
+        ("transfer_id", "t" * (MAX_NAME_CHARS + 1), "$.transfer_id"),
+        ("secret", "s" * 257, "$.secret"),
+        ("block_ids", [MAX_COUNT], "$.block_ids[0]"),
+        ("block_ids", [-1], "$.block_ids[0]"),
+        ("window_addr", MAX_ADDRESS, "$.window_addr"),
+        ("num_tokens", 2**63, "$.num_tokens"),
+    ],
+)
+def test_a_field_past_its_bound_is_a_malformed_frame_naming_it(field: str, value: object, where: str) -> None:
+    # Built as plain data: a peer need not use our classes (encode cuts only reasons).
+    fields = msgspec.to_builtins(TransferRequest(transfer_id="t", block_ids=[1], num_tokens=16)) | {field: value}
+    with pytest.raises(MalformedFrame, match=re.escape(where)):
+        decode(msgspec.msgpack.encode({"type": "xfer_req", **fields}))
+
+
+def test_a_worker_address_past_int64_room_is_refused_as_it_decodes() -> None:
+    body = msgspec.msgpack.encode(msgspec.to_builtins(meta()) | {"base_addrs": [2**63 + 2**40, 0]})
+    with pytest.raises(MalformedFrame, match=re.escape(".base_addrs[0]")):
+        decode_engine_metadata(msgspec.msgpack.encode({"0,0": msgspec.msgpack.decode(body)}))
+
+
+def test_reasons_are_cut_as_they_are_sent_so_the_peer_still_takes_the_frame() -> None:
+    long = TransferFailed(transfer_id="t", reason="x" * (3 * MAX_REASON_CHARS))
+    sent = decode(encode(long)[4:])
+    assert isinstance(sent, TransferFailed) and len(sent.reason) == MAX_REASON_CHARS
+    assert sent.reason.endswith(f"... ({3 * MAX_REASON_CHARS} characters)")
+    assert clip("short") == "short" and clip("x" * 10, 4) == "xxxx" and clip("y" * 99, 21) == "yy... (99 characters)"
+    with pytest.raises(MalformedFrame, match=re.escape("$.reason")):  # the bound holds for what peers send
+        decode(msgspec.msgpack.encode({"type": "xfer_failed", "transfer_id": "t", "reason": "x" * 3000}))
+
+
+def test_local_values_a_peer_would_refuse_are_refused_where_they_are_set() -> None:
+    with pytest.raises(ValueError, match=f"transfer id of {MAX_NAME_CHARS + 1} characters"):
+        check_transfer_id("t" * (MAX_NAME_CHARS + 1))
+    check_transfer_id("t" * MAX_NAME_CHARS)
+    with pytest.raises(ValueError, match=re.escape("$.engine_id")):
+        check_own_metadata(meta(engine_id="e" * (MAX_NAME_CHARS + 1)))
+    check_own_metadata(meta())

@@ -577,3 +577,25 @@ def test_the_fake_clock_moves_only_forward_and_only_when_told() -> None:
     with pytest.raises(ValueError, match="back"):
         clock.set(9.0)
     assert clock.now == 10.0
+
+
+@pytest.mark.parametrize("names_receives", [True, False], ids=["receives named", "control: unnamed, as old peers"])
+@pytest.mark.parametrize(("p", "d"), [LAYOUTS["P tp1 -> D tp2"], LAYOUTS["P tp2 -> D tp1"]], ids=["tp1->2", "tp2->1"])
+def test_the_same_params_in_a_later_request_get_nothing_of_the_first_receive(
+    p: EngineSpec, d: EngineSpec, names_receives: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not names_receives:  # the negative control: without receive names P cannot tell a replay from a repeat
+        start = Receiver.start
+        monkeypatch.setattr(Receiver, "start", lambda self, *a, receive="", **k: start(self, *a, **k))
+    pair = PeerPair(p, d)
+    transfer(pair)
+    pair.run_until_idle()
+    pair.take_reports()
+    pair.assert_received("t1")
+    # The params replayed into a second request after the first ended: P's hold is over and it remembers the
+    # outcome, but the new request's blocks received nothing and must not be reported loaded.
+    pair.start_recv("d-again", "t1", [6, 8, 10, 12, 13, 14][: len(D_BLOCKS)], TOKENS)
+    pair.run_until_idle()
+    pair.take_reports()
+    assert d_outcomes(pair, "d-again") == ({"failed"} if names_receives else {"finished"})
+    assert_clean(pair)

@@ -3,6 +3,7 @@ with a fake clock and no event loop (docs/protocol.md)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +18,7 @@ from kvsvc.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.sender import BLOCK_ID_BYTES, Reply, SendCommand, Sender, Submit
+from kvsvc.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, SendCommand, Sender, Submit
 from kvsvc.testing.clock import FakeClock
 
 S = "s" * 22  # the transfer secret of every hold here
@@ -402,7 +403,8 @@ def test_statistics_count_what_is_held_and_pending() -> None:
     sender.hold("r1", "t1", [1, 2, 3], 9, clock(), secret=S)
     sender.request(D0, BOTH, request("t2"), clock())
     stats = sender.statistics()
-    assert (stats.holds, stats.early_requests, stats.early_request_bytes) == (1, 1, 2 * BLOCK_ID_BYTES)
+    early_bytes = EARLY_ENTRY_BYTES + 2 * BLOCK_ID_BYTES + 4 * len("t2" + S)  # two block ids, its text
+    assert (stats.holds, stats.early_requests, stats.early_request_bytes) == (1, 1, early_bytes)
 
 
 def test_an_abort_from_another_d_engine_leaves_the_transfer_alone() -> None:
@@ -471,7 +473,7 @@ def test_every_frame_from_d_goes_through_receive_which_refuses_blocks_outside_d_
     odd = sender.receive(D0, d_meta, ONLY_D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0), clock())
     assert isinstance(odd[0], Notice) and odd[0].protocol_error and replies(odd) == [(D0, ErrorMessage)]
     told = sender.receive(D0, d_meta, ONLY_D0, ErrorMessage(reason="bad frame"), clock())
-    assert told == [Notice("D worker D[pp0,tp0] reports a protocol error: bad frame")]
+    assert told == [Notice("D worker D[pp0,tp0] reports a protocol error: bad frame", from_peer=True)]
 
 
 # -- the transfer secret ------------------------------------------------------------------------------------------
@@ -614,3 +616,35 @@ def test_a_repeated_hold_with_another_secret_is_refused() -> None:
     sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     with pytest.raises(ValueError, match="another secret"):
         sender.hold("r1", "t1", [1], 6, clock(), secret="o" * 22)
+
+
+def test_a_job_serves_one_receive_of_its_d_worker_while_held_and_once_ended() -> None:
+    sender, clock = make()
+    first, again = msgspec.structs.replace(request(), receive="a"), msgspec.structs.replace(request(), receive="b")
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
+    sender.ready("t1")
+    assert submits(sender.request(D0, BOTH, first, clock())) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
+    done = TransferDone(transfer_id="t1", bytes=64, descriptors=1)
+    assert sender.write_result("t1", D0.worker, None, 64, 1) == [Reply(D0, done)]
+    # Held still (D1 has not asked): another receive of D0 is refused and changes nothing; a repeat is re-answered.
+    [refused] = sender.request(D0, BOTH, again, clock())
+    assert isinstance(refused, Reply) and isinstance(refused.message, TransferFailed)
+    assert "another receive" in refused.message.reason
+    abort = Abort(transfer_id="t1", reason="gone", secret=S, receive="b")
+    assert replies(sender.remote_abort(D0, abort, clock(), BOTH)) == [(D0, TransferFailed)]
+    assert sender.request(D0, BOTH, first, clock()) == [Reply(D0, done)]
+    # Ended (D1 served): the outcome goes to the receive it was for, never to a later one with the same params.
+    sender.request(D1, BOTH, msgspec.structs.replace(request(), receive="c"), clock())
+    sender.write_result("t1", D1.worker, None, 64, 1)
+    assert sender.take_finished() == {"r1"}
+    assert sender.request(D0, BOTH, first, clock()) == [Reply(D0, done)]
+    [late] = sender.request(D0, BOTH, again, clock())
+    assert isinstance(late, Reply) and isinstance(late.message, TransferFailed)
+    # Peers that name no receive (older ones) are answered as before: the outcome to any repeat.
+    legacy = msgspec.structs.replace(request(), receive="")
+    sender.hold("r2", "t2", [1, 2], 6, clock(), secret=S)
+    sender.ready("t2")
+    sender.request(D0, ONLY_D0, msgspec.structs.replace(legacy, transfer_id="t2"), clock())
+    sender.write_result("t2", D0.worker, None, 64, 1)
+    again_t2 = sender.request(D0, ONLY_D0, msgspec.structs.replace(legacy, transfer_id="t2"), clock())
+    assert replies(again_t2) == [(D0, TransferDone)]

