@@ -67,6 +67,10 @@ def check_engine_bounds(metas: Mapping[Worker, WorkerMetadata], where: str) -> N
     for meta in metas.values():
         who = f"{where}: worker {WorkerRef.of(meta)}"
         _check_parallel(meta, who)
+        if not (meta.pp_rank < meta.pp_size and meta.tp_rank < meta.tp_size):
+            raise PeerMismatch(f"{who} claims ranks outside its sizes pp_size {meta.pp_size}, tp_size {meta.tp_size}")
+        if meta.start_layer > meta.end_layer:
+            raise PeerMismatch(f"{who} claims layers {meta.start_layer} to {meta.end_layer}: ending before they begin")
         if meta.end_layer > MAX_LAYERS:
             raise PeerMismatch(f"{who} claims layers up to {meta.end_layer}, limit {MAX_LAYERS}")
         _check_lists(meta, who)

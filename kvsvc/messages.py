@@ -241,7 +241,7 @@ class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True)
     window_bytes: Address = 0
     share_bytes: Address = 0
     secret: Secret = ""
-    receive: Name = ""
+    receive: Word = ""
 
 
 class WindowFilled(msgspec.Struct, tag="window_filled", frozen=True, kw_only=True):
@@ -273,6 +273,7 @@ class TransferDone(msgspec.Struct, tag="xfer_done", frozen=True, kw_only=True):
     transfer_id: Name
     bytes: int
     descriptors: int
+    receive: Word = ""  # the receive it answers (`TransferRequest.receive`); D drops one naming another
 
 
 class TransferFailed(msgspec.Struct, tag="xfer_failed", frozen=True, kw_only=True):
@@ -280,6 +281,7 @@ class TransferFailed(msgspec.Struct, tag="xfer_failed", frozen=True, kw_only=Tru
 
     transfer_id: Name
     reason: Reason
+    receive: Word = ""  # as in `TransferDone`
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
@@ -289,7 +291,7 @@ class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
     transfer_id: Name
     reason: Reason
     secret: Secret = ""
-    receive: Name = ""
+    receive: Word = ""
 
 
 class ErrorMessage(msgspec.Struct, tag="error", frozen=True, kw_only=True):
@@ -494,9 +496,9 @@ def decode_engine_metadata(body: bytes) -> dict[Worker, WorkerMetadata]:
             pp_s, tp_s = key.split(",")
             worker = (int(pp_s), int(tp_s))
         except ValueError:
-            raise MalformedFrame(f"engine metadata key {key!r} is not 'pp_rank,tp_rank'") from None
+            raise MalformedFrame(f"engine metadata key {clip(repr(key), 80)} is not 'pp_rank,tp_rank'") from None
         if worker != meta.worker:
-            raise MalformedFrame(f"engine metadata key {key!r} holds worker {meta.worker}")
+            raise MalformedFrame(f"engine metadata key {clip(repr(key), 80)} holds worker {meta.worker}")
         result[worker] = meta
     return result
 

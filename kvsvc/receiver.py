@@ -296,9 +296,13 @@ class Receiver:
     def receive(self, engine_id: str, src: Worker, message: Message) -> list[RecvCommand]:
         """A frame from P worker `src` of `engine_id` on an open connection: every driver hands each frame here
         (with windows lent, after they took theirs). A `WindowFilled` that no window took (given back, or none ever
-        lent) is dropped at debug level. Anything that is not a P-to-D message is answered with an error and noticed
-        as a protocol error."""
+        lent) is dropped at debug level, and so is an answer naming another receive than the one D runs for its
+        transfer. Anything that is not a P-to-D message is answered with an error and noticed as a protocol error."""
         if isinstance(message, TransferDone | TransferFailed):
+            recv = self._recvs.get(message.transfer_id)
+            if recv is not None and message.receive and recv.receive and message.receive != recv.receive:
+                # An earlier receive's answer (the same params again, after it ended here): not this one's blocks.
+                return [Notice(f"answer for another receive of {message.transfer_id!r} from P{src}", level="debug")]
             error = (
                 message.reason if isinstance(message, TransferFailed) else self._wrong_bytes(engine_id, src, message)
             )

@@ -44,7 +44,7 @@ BLOCK_ID_BYTES: Final = 8
 EARLY_ENTRY_BYTES: Final = 256
 
 _K = TypeVar("_K")
-EarlyKey: TypeAlias = tuple[str, "WorkerRef", str]  # (transfer, D worker, secret)
+EarlyKey: TypeAlias = tuple[str, "WorkerRef", str, str]  # (transfer, D worker, secret, receive)
 EarlyEntry: TypeAlias = tuple[float, "WorkerRef", "TransferRequest | Release | Abort", frozenset["Worker"]]
 
 
@@ -164,7 +164,7 @@ class Sender:
         # Outcomes of finished transfers, so a repeated request is answered again rather than left to fail.
         # Keyed by the D worker's whole identity: another engine, or a restart, must never be told an old outcome.
         # With the receive each served: another receive of the same D worker is told nothing of it.
-        self._outcomes: OrderedDict[tuple[str, WorkerRef], tuple[TransferDone | TransferFailed, str]] = OrderedDict()
+        self._outcomes: OrderedDict[tuple[str, WorkerRef], TransferDone | TransferFailed] = OrderedDict()
         self._remembered = remembered_outcomes
         # Why each recently finished transfer ended, and its secret, for D workers that ask only after it did.
         self._closed: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
@@ -257,7 +257,7 @@ class Sender:
         for key in [k for k in self._early_of.get(transfer_id, ()) if _matches(encoded, k[2])]:
             _, dst, message, _ = self._pop_early(key)
             if isinstance(message, TransferRequest):  # an early abort was answered when it came; a release needs none
-                commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
+                commands.append(Reply(dst, _failed(message, reason)))
         self._remember_closed(transfer_id, reason, encoded)
         return commands
 
@@ -268,7 +268,7 @@ class Sender:
         commands: list[SendCommand] = []
         for _, dst, message, _ in self._early.values():
             if isinstance(message, TransferRequest):
-                commands.append(Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason)))
+                commands.append(Reply(dst, _failed(message, reason)))
         self._early.clear()
         self._early_of.clear()
         self._early_from.clear()
@@ -320,7 +320,7 @@ class Sender:
         job = hold.jobs.get(dst.worker)
         if job is not None:
             if not self._same_receive(hold, dst.worker, message.receive):
-                return [Reply(dst, _another_receive(hold.transfer_id, dst))]
+                return [Reply(dst, _another_receive(message, dst))]
             return self._apply(hold, job, SendEvent.REQUEST)
         if message.num_tokens > hold.num_tokens:
             reason = (
@@ -365,14 +365,14 @@ class Sender:
         known = hold.secret if hold is not None else closed[1] if closed is not None else None
         if known is None or not self._secret_ok(known, message.secret):
             # Never held, or not for this secret: kept like an early request (the hold checks its secret).
-            key = (transfer_id, dst, message.secret)
+            key = (transfer_id, dst, message.secret, message.receive)
             if key in self._early:
                 self._pop_early(key)
             abort = Abort(transfer_id=transfer_id, reason=reason, secret=message.secret, receive=message.receive)
             self._keep_early(key, (now + self._early_timeout, dst, abort, expected or frozenset()))
         if known is None or hold is None or not _matches(hold.secret, message.secret):
             # Nothing was written for D in a transfer P does not hold for it: D may end its abort now.
-            return [Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason))]
+            return [Reply(dst, _failed(message, reason))]
         if hold.dst_engine is None and expected is not None:
             self._check_engine(hold, dst, expected)
         if hold.dst_engine is not None and hold.dst_engine != (dst.engine_id, dst.incarnation):
@@ -384,7 +384,7 @@ class Sender:
             job = self._new_job(hold, dst, message.receive)
             return self._apply(hold, job, SendEvent.ABORT, reason or "aborted by D")
         if not self._same_receive(hold, dst.worker, message.receive):
-            return [Reply(dst, _another_receive(transfer_id, dst))]  # the job is another receive's: left alone
+            return [Reply(dst, _another_receive(message, dst))]  # the job is another receive's: left alone
         if job.terminal:
             # Its write (if any) ended: repeat the outcome, which tells D nothing more will land.
             return [Reply(dst, _outcome(hold, job))]
@@ -403,7 +403,7 @@ class Sender:
         abort = Abort(transfer_id=transfer_id, reason=reason, secret=request.secret, receive=request.receive)
         commands = self.remote_abort(dst, abort, now, expected)
         if not any(isinstance(c, Reply) for c in commands):
-            commands.append(Reply(dst, TransferFailed(transfer_id=transfer_id, reason=reason)))
+            commands.append(Reply(dst, _failed(request, reason)))
         return commands
 
     def peer_lost(self, dst: WorkerRef) -> list[SendCommand]:
@@ -458,7 +458,7 @@ class Sender:
             self._pop_early(key)
             if isinstance(message, TransferRequest):
                 reason = f"unknown transfer {message.transfer_id!r}: not held by P within {self._early_timeout:g} s"
-                commands.append(Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason)))
+                commands.append(Reply(dst, _failed(message, reason)))
         return commands
 
     def next_deadline(self) -> float | None:
@@ -513,26 +513,26 @@ class Sender:
     ) -> list[SendCommand]:
         """A request or release for a transfer not held, or not held for this secret: its outcome or closing
         reason when it ended recently (and the secret is its own), else it waits for the hold (early)."""
-        key = (message.transfer_id, dst, message.secret)
+        receive = message.receive if isinstance(message, TransferRequest) else ""
+        key = (message.transfer_id, dst, message.secret, receive)
         closed = self._closed.get(message.transfer_id)
         if closed is not None and self._secret_ok(closed[1], message.secret):
             remembered = self._outcomes.get((message.transfer_id, dst))
             if remembered is not None:
                 if not isinstance(message, TransferRequest):
                     return []
-                outcome, receive = remembered
-                if receive != message.receive:  # the same params in a later request: its blocks got nothing
-                    return [Reply(dst, _another_receive(message.transfer_id, dst))]
-                return [Reply(dst, outcome)]
+                if remembered.receive != message.receive:  # the same params in a later request: its blocks got nothing
+                    return [Reply(dst, _another_receive(message, dst))]
+                return [Reply(dst, remembered)]
             if isinstance(message, Release):
                 return []
             reason = f"transfer {message.transfer_id!r} is no longer held by P: {closed[0]}"
-            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=reason))]
+            return [Reply(dst, _failed(message, reason))]
         if key in self._early:
             return []
         refusal = self._keep_early(key, (now + self._early_timeout, dst, message, expected))
         if refusal:
-            return [Reply(dst, TransferFailed(transfer_id=message.transfer_id, reason=refusal))]
+            return [Reply(dst, _failed(message, refusal))]
         return []
 
     def _keep_early(self, key: EarlyKey, entry: EarlyEntry) -> str:
@@ -666,7 +666,7 @@ class Sender:
         reason = hold.ended.value if hold.ended else "every D worker that needed it was served"
         self._remember_closed(hold.transfer_id, reason, hold.secret)
         for worker, job in hold.jobs.items():
-            self._outcomes[(hold.transfer_id, hold.refs[worker])] = (_outcome(hold, job), hold.receives[worker])
+            self._outcomes[(hold.transfer_id, hold.refs[worker])] = _outcome(hold, job)
         while len(self._outcomes) > self._remembered:
             self._outcomes.popitem(last=False)
 
@@ -682,7 +682,9 @@ def _cost(message: TransferRequest | Release | Abort) -> int:
     """What keeping `message` early costs (`max_early_request_bytes`): its block ids and text, at their wire size
     at worst, and a fixed `EARLY_ENTRY_BYTES`."""
     ids = len(message.block_ids) * BLOCK_ID_BYTES if isinstance(message, TransferRequest) else 0
-    text = len(message.transfer_id) + len(message.secret) + (len(message.reason) if isinstance(message, Abort) else 0)
+    text = len(message.transfer_id) + len(message.secret)
+    if isinstance(message, TransferRequest | Abort):
+        text += len(message.receive) + (len(message.reason) if isinstance(message, Abort) else 0)
     return EARLY_ENTRY_BYTES + ids + 4 * text  # 4: the most bytes a character takes in UTF-8
 
 
@@ -699,19 +701,26 @@ def _matches(held: bytes, presented: str) -> bool:
     return hmac.compare_digest(held, _encode(presented))
 
 
-def _another_receive(transfer_id: str, dst: WorkerRef) -> TransferFailed:
-    """The answer to a request or abort of a receive that is not the one P serves `dst` for `transfer_id`."""
+def _failed(message: TransferRequest | Release | Abort, reason: str) -> TransferFailed:
+    """`message`'s transfer failed for its receive, for `reason`."""
+    receive = message.receive if isinstance(message, TransferRequest | Abort) else ""
+    return TransferFailed(transfer_id=message.transfer_id, reason=reason, receive=receive)
+
+
+def _another_receive(message: TransferRequest | Abort, dst: WorkerRef) -> TransferFailed:
+    """The answer to `message` of a receive that is not the one P serves `dst` for its transfer."""
     reason = (
-        f"transfer {transfer_id!r} serves another receive of D worker {dst}; this one gets none of it (the same "
-        "params in a second request)"
+        f"transfer {message.transfer_id!r} serves another receive of D worker {dst}; this one gets none of it (the "
+        "same params in a second request)"
     )
-    return TransferFailed(transfer_id=transfer_id, reason=reason)
+    return _failed(message, reason)
 
 
 def _outcome(hold: _Hold, job: SendJob) -> TransferDone | TransferFailed:
     """What D hears of `job` (terminal) of `hold`: done with its byte and descriptor counts, or failed and why (the
     reason of the event that ended it, else its state)."""
+    receive = hold.receives.get(job.dst, "")
     if job.state is SendState.DONE:
         nbytes, descriptors = hold.results.get(job.dst, (0, 0))
-        return TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors)
-    return TransferFailed(transfer_id=hold.transfer_id, reason=job.reason or job.state.value)
+        return TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors, receive=receive)
+    return TransferFailed(transfer_id=hold.transfer_id, reason=job.reason or job.state.value, receive=receive)

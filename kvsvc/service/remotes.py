@@ -21,7 +21,7 @@ from kvsvc.auth import check_control_addr, parse_bootstrap_addr
 from kvsvc.bounds import check_engine_bounds
 from kvsvc.errors import HandshakeError, KVSvcError, MalformedFrame, PeerMismatch, TopologyError
 from kvsvc.layout import block_bytes
-from kvsvc.messages import MAX_METADATA_BYTES, Worker, WorkerRef, decode_engine_metadata
+from kvsvc.messages import MAX_METADATA_BYTES, Worker, WorkerRef, clip, decode_engine_metadata
 from kvsvc.planner import release_notifier, sources_of
 from kvsvc.service.context import EngineMetadata, ServiceContext
 from kvsvc.topology import EngineTransferInfo, TransferTopology
@@ -266,7 +266,8 @@ async def fetch_engine_metadata(
         raise HandshakeError(str(exc)) from None
     engines = {(m.engine_id, m.incarnation) for m in metas.values()}
     if len(engines) != 1:
-        raise HandshakeError(f"GET {target}: workers of several engine starts in one document: {sorted(engines)}")
+        starts = clip(repr(sorted(engines)), 512)
+        raise HandshakeError(f"GET {target}: workers of several engine starts in one document: {starts}")
     for meta in metas.values():
         try:
             check_control_addr(address, meta.control_addr)

@@ -210,7 +210,8 @@ class BlockWriter:
     def _submit_now(self, command: Submit) -> bool:
         """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can
         (`start_write`); the outcome arrives in `_started_write_done`. False, having done nothing, in any other
-        case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then."""
+        case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then. A
+        `start_write` that raises, against its contract, fails the write: it may have submitted part of it."""
         if command.transfer_id in self._layer_ready or _in_rounds(command):
             return False
         target = self._target(command.dst)
@@ -220,9 +221,14 @@ class BlockWriter:
             table, unit = self._descriptors(target, command)
             if self._staged(target, table, command.window_bytes > 0, unit) is not None:
                 return False  # a staged write waits for room and for its gather: it needs the task
-            result = target.transport.start_write(target.session, table)
-        except Exception:  # whatever a plan or the plane raises, `_write` meets again and reports
+        except Exception:  # whatever a plan raises, `_write` meets again and reports
             return False
+        try:
+            result = target.transport.start_write(target.session, table)
+        except Exception as exc:  # the plane broke its contract: it may have submitted part, so never resubmit
+            log.exception("start_write of transfer %r to %s raised", command.transfer_id, command.dst)
+            self._write_failed(command, exc, len(table))
+            return True
         if result is None:
             return False
         self._started.add(result)

@@ -218,10 +218,11 @@ class CudaIpcTransport:
                 if size < h.size:
                     raise CudaError(f"the allocation at {h.base:#x} maps {size} bytes, D claims {h.size}", ERR_FAILED)
                 spans.append((h.base, h.size, mapped))
-        except CudaError as exc:
+        except Exception as exc:  # the driver's CudaError, or a binding's surprise: "raises nothing" holds
             for handle in opened:
                 self._unref(handle)
-            return f"D's GPU memory ({address.gpu}) does not open here: {exc}"
+            why = str(exc) if isinstance(exc, CudaError) else f"{type(exc).__name__}: {exc}"
+            return f"D's GPU memory ({address.gpu}) does not open here: {why}"
         old = self._peers.pop(session, None)
         if old is not None:
             self._retire(old)

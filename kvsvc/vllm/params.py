@@ -33,7 +33,7 @@ from kvsvc.messages import MAX_SECRET_CHARS, clip
 PARAMS_VERSION: Final = 2
 # As `kvsvc.sender` bounds a transfer secret.
 MIN_SECRET_CHARS: Final = 16
-# P signs ten fields, fourteen when it pushes: params that name more are not P's.
+# P signs nine fields, thirteen when it pushes: params that name more are not P's.
 MAX_SIGNED_FIELDS: Final = 32
 # The keys vLLM's tooling and routers already know (NixlConnector and MooncakeConnector use them too).
 DO_REMOTE_DECODE: Final = "do_remote_decode"

@@ -152,11 +152,11 @@ class SchedulerSide:
             self._requests[request.request_id] = request
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return self.flow.matched_tokens(request.request_id, len(request.prompt_token_ids), num_computed_tokens)
+        return self.flow.matched_tokens(request.request_id, _prompt_len(request), num_computed_tokens)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         groups = blocks.get_block_ids() if num_external_tokens > 0 else [[] for _ in self.flow.group_kinds]
-        self.flow.after_alloc(request.request_id, groups, num_external_tokens, len(request.prompt_token_ids))
+        self.flow.after_alloc(request.request_id, groups, num_external_tokens, _prompt_len(request))
 
     def build(self, scheduler_output: Any) -> StepMetadata:
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -183,3 +183,9 @@ class SchedulerSide:
 
     def connector_output(self, output: Any) -> None:
         self.flow.recvs_reported(output.finished_recving or ())
+
+
+def _prompt_len(request: Any) -> int:
+    """The prompt's length; vLLM asks about every request, and one given as embeddings has no token ids."""
+    ids = request.prompt_token_ids
+    return len(ids) if ids is not None else int(getattr(request, "num_prompt_tokens", 0))

@@ -362,3 +362,9 @@ def test_an_engine_document_d_fetches_is_held_to_the_bounds_of_a_hello() -> None
     odd = {(0, 0): msgspec.structs.replace(D0, base_addrs=D0.base_addrs * 3)}
     with pytest.raises(PeerMismatch, match="base_addrs"):
         check_engine_bounds(odd, "GET x")
+    outside = {(0, 0): msgspec.structs.replace(D0, tp_rank=D0.tp_size)}
+    with pytest.raises(PeerMismatch, match=f"ranks outside its sizes pp_size 2, tp_size {D0.tp_size}"):
+        check_engine_bounds(outside, "GET x")
+    backwards = {(0, 0): msgspec.structs.replace(D0, start_layer=D0.end_layer + 1)}
+    with pytest.raises(PeerMismatch, match="ending before they begin"):
+        check_engine_bounds(backwards, "GET x")

@@ -242,6 +242,18 @@ async def test_handles_that_do_not_cover_or_do_not_open_leave_nothing_admitted_o
     assert not pair.p.admits(pair.session) and pair.driver.mappings == 0
 
 
+async def test_a_driver_call_that_raises_the_unexpected_leaves_nothing_mapped(
+    pair: Pair, connection: Via, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(addr: int) -> tuple[int, int]:
+        raise OSError("a binding's surprise")
+
+    monkeypatch.setattr(pair.driver, "allocation", broken)
+    refused = await pair.p.reachable(pair.session, pair.regions, connection, pair.d.exported())
+    assert refused.endswith("does not open here: OSError: a binding's surprise")
+    assert not pair.p.admits(pair.session) and pair.driver.mappings == 0
+
+
 async def test_a_claimed_process_without_the_connection_is_not_admitted(pair: Pair) -> None:
     refused = await pair.p.reachable(pair.session, pair.regions, None, pair.d.exported())
     assert refused == "no control connection to check the claimed process against"

@@ -341,3 +341,21 @@ def test_d_plans_the_bytes_p_plans_to_write_whatever_p_s_block_ids() -> None:
             p_ids = list(range(40, 40 + -(-tokens // 16)))
             *_, lengths = plan_transfer_arrays(src, d[(0, 0)], p_ids, d_ids, tokens, first_token=first)
             assert planned_bytes(src, d[(0, 0)], d_ids, tokens, first) == int(lengths.sum())
+
+
+def test_an_answer_for_an_earlier_receive_of_the_same_transfer_is_dropped() -> None:
+    """The same params started again after the first receive ended here: P's late answer to the first, which names
+    it, must not finish the second, whose blocks P never wrote. An answer naming no receive (an older P) counts."""
+    from kvsvc.jobs import Notice
+
+    receiver, clock = Receiver(recv_timeout_s=60, abort_grace_s=30), FakeClock()
+    assert receiver.start("r1", "t1", "P", BLOCKS, 10, clock(), receive="second")
+    receiver.sources_known("t1", [P0, P1], [], {P0, P1})
+    stale = TransferDone(transfer_id="t1", bytes=1, descriptors=1, receive="first")
+    assert receiver.receive("P", P0, stale) == [
+        Notice("answer for another receive of 't1' from P(0, 0)", level="debug")
+    ]
+    assert receiver.statistics().jobs_by_state == {"requested": 2}
+    receiver.receive("P", P0, TransferDone(transfer_id="t1", bytes=1, descriptors=1, receive="second"))
+    receiver.receive("P", P1, TransferDone(transfer_id="t1", bytes=1, descriptors=1))
+    assert receiver.take_report().finished == {"r1"}

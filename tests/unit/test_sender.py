@@ -624,12 +624,12 @@ def test_a_job_serves_one_receive_of_its_d_worker_while_held_and_once_ended() ->
     sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
     sender.ready("t1")
     assert submits(sender.request(D0, BOTH, first, clock())) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
-    done = TransferDone(transfer_id="t1", bytes=64, descriptors=1)
+    done = TransferDone(transfer_id="t1", bytes=64, descriptors=1, receive="a")  # D drops it for another receive
     assert sender.write_result("t1", D0.worker, None, 64, 1) == [Reply(D0, done)]
     # Held still (D1 has not asked): another receive of D0 is refused and changes nothing; a repeat is re-answered.
     [refused] = sender.request(D0, BOTH, again, clock())
     assert isinstance(refused, Reply) and isinstance(refused.message, TransferFailed)
-    assert "another receive" in refused.message.reason
+    assert "another receive" in refused.message.reason and refused.message.receive == "b"
     abort = Abort(transfer_id="t1", reason="gone", secret=S, receive="b")
     assert replies(sender.remote_abort(D0, abort, clock(), BOTH)) == [(D0, TransferFailed)]
     assert sender.request(D0, BOTH, first, clock()) == [Reply(D0, done)]
@@ -639,7 +639,7 @@ def test_a_job_serves_one_receive_of_its_d_worker_while_held_and_once_ended() ->
     assert sender.take_finished() == {"r1"}
     assert sender.request(D0, BOTH, first, clock()) == [Reply(D0, done)]
     [late] = sender.request(D0, BOTH, again, clock())
-    assert isinstance(late, Reply) and isinstance(late.message, TransferFailed)
+    assert isinstance(late, Reply) and isinstance(late.message, TransferFailed) and late.message.receive == "b"
     # Peers that name no receive (older ones) are answered as before: the outcome to any repeat.
     legacy = msgspec.structs.replace(request(), receive="")
     sender.hold("r2", "t2", [1, 2], 6, clock(), secret=S)
@@ -648,3 +648,25 @@ def test_a_job_serves_one_receive_of_its_d_worker_while_held_and_once_ended() ->
     sender.write_result("t2", D0.worker, None, 64, 1)
     again_t2 = sender.request(D0, ONLY_D0, msgspec.structs.replace(legacy, transfer_id="t2"), clock())
     assert replies(again_t2) == [(D0, TransferDone)]
+
+
+def test_two_receives_waiting_early_are_kept_apart_and_only_the_first_is_served() -> None:
+    sender, clock = make()
+    first, again = msgspec.structs.replace(request(), receive="a"), msgspec.structs.replace(request(), receive="b")
+    assert sender.request(D0, BOTH, first, clock()) == []
+    assert sender.request(D0, BOTH, again, clock()) == []  # kept, not taken for a repeat of the first
+    # The second receive's abort is answered and leaves the first one's request waiting.
+    abort = Abort(transfer_id="t1", reason="gone", secret=S, receive="b")
+    [answer] = sender.remote_abort(D0, abort, clock(), BOTH)
+    assert isinstance(answer, Reply) and isinstance(answer.message, TransferFailed) and answer.message.receive == "b"
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
+    assert submits(sender.ready("t1")) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
+    assert sender.request(D0, BOTH, again, clock()) == [Reply(D0, _another(again))]
+
+
+def _another(message: TransferRequest) -> TransferFailed:
+    reason = (
+        f"transfer {message.transfer_id!r} serves another receive of D worker {D0}; this one gets none of it (the "
+        "same params in a second request)"
+    )
+    return TransferFailed(transfer_id=message.transfer_id, reason=reason, receive=message.receive)

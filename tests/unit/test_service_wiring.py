@@ -148,6 +148,19 @@ async def test_a_late_window_round_reaching_a_d_with_no_window_lent_is_dropped_n
     assert d.service.statistics().protocol_errors == 0 and p.service.statistics().protocol_errors == 0
 
 
+async def test_the_same_params_in_a_second_receive_get_none_of_the_first_ones_kv(pair: tuple[Side, Side, str]) -> None:
+    """A client replaying a finished request's params: D's service names each receive anew, so P's remembered
+    outcome answers only the first, and the second fails with its blocks invalid instead of finishing unwritten."""
+    p, d, url = pair
+    p.service.start_send("p-req", "t1", [3], BLOCK, secret=harness_secret("t1"))
+    d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK, secret=harness_secret("t1"))
+    await wait_output(d.service, "finished_recving", "d-req")
+    await wait_output(p.service, "finished_sending", "p-req")
+    d.service.start_recv("d-replay", "t1", "prefill", url, [10], BLOCK, secret=harness_secret("t1"))
+    out = await wait_output(d.service, "failed_recving", "d-replay")
+    assert out.finished_recving is None and 10 in out.invalid_block_ids
+
+
 async def test_repeated_start_calls_change_nothing(pair: tuple[Side, Side, str]) -> None:
     p, d, url = pair
     for _ in range(3):
@@ -184,21 +197,52 @@ async def test_a_deadline_check_that_raises_leaves_later_deadlines_kept(
     pair: tuple[Side, Side, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     p, d, url = pair
-    check, raised = p.service.check_deadlines, []
+    expire, raised = p.service._sending.expire, []
 
-    def fails_once() -> None:
+    def fails_once(now: float) -> list[object]:
         if not raised:
             raised.append(True)
             raise RuntimeError("a bug in one deadline check")
-        check()
+        return expire(now)
 
-    monkeypatch.setattr(p.service, "check_deadlines", fails_once)
+    def always_fails(now: float) -> None:
+        raise RuntimeError("a bug in every deadline check")
+
+    monkeypatch.setattr(p.service._sending, "expire", fails_once)
+    monkeypatch.setattr(p.service._receiving, "expire", always_fails)  # the other role's failures stop nothing
     d.service.start_recv("d-req", "never-held", "prefill", url, [2], BLOCK, secret=harness_secret("never-held"))
     await wait_output(d.service, "failed_recving", "d-req")
     # P's loop lived on: its early deadline (0.3 s) answered, not D's own recv_timeout_s (5 s).
     reason = d.service.failure_reason("d-req")
     assert raised and reason is not None and "not held by P within 0.3 s" in reason, reason
-    assert "checking the deadlines of worker" in caplog.text
+    assert caplog.text.count("checking the P deadlines of worker") == 1
+    assert caplog.text.count("checking the D deadlines of worker") == 1  # once per run of failures, not each round
+
+
+async def test_a_start_write_that_raises_fails_the_write_and_never_resubmits_it(
+    pair: tuple[Side, Side, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plane's fast path must raise nothing; one that does may have submitted part, so the write fails rather
+    than going again through `write`, and both sides still end the transfer."""
+    p, d, url = pair
+    writes: list[object] = []
+
+    def broken(peer: str, descriptors: object) -> None:
+        raise RuntimeError("a plane's bug after submitting part")
+
+    async def write(peer: str, descriptors: object) -> int:
+        writes.append(descriptors)
+        return 0
+
+    monkeypatch.setattr(p.transport, "start_write", broken)
+    monkeypatch.setattr(p.transport, "write", write)
+    p.service.start_send("p-req", "t1", [3], BLOCK, secret=harness_secret("t1"))
+    d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK, secret=harness_secret("t1"))
+    out = await wait_output(d.service, "failed_recving", "d-req")
+    assert out.invalid_block_ids == {9}
+    await wait_output(p.service, "finished_sending", "p-req")
+    assert writes == [] and "start_write of transfer 't1'" in caplog.text
+    assert "a plane's bug" in (d.service.failure_reason("d-req") or "")
 
 
 async def test_block_ids_outside_the_pool_are_refused_at_the_call(pair: tuple[Side, Side, str]) -> None:
@@ -414,6 +458,23 @@ async def test_engine_metadata_larger_than_one_read_is_fetched_whole() -> None:
     try:
         async with aiohttp.ClientSession() as session:
             assert await fetch_engine_metadata(session, url, timeout_s=10) == metas
+    finally:
+        await server.close()
+
+
+async def test_an_engine_document_beyond_a_hellos_bounds_is_refused_before_d_plans_by_it() -> None:
+    import aiohttp
+
+    from kvsvc.errors import HandshakeError
+    from kvsvc.service.remotes import fetch_engine_metadata
+
+    base = msgspec.structs.replace(make_side("huge", ServiceConfig(), 3).service.metadata, control_addr="127.0.0.1:9")
+    server = BootstrapServer({(0, 0): msgspec.structs.replace(base, tp_size=2**31 - 1)})
+    url = await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(HandshakeError, match=r"worker huge\[pp0,tp0\] claims tp_size 2147483647"):
+                await fetch_engine_metadata(session, url, timeout_s=10)
     finally:
         await server.close()
 

@@ -468,6 +468,13 @@ def test_a_prompt_given_as_embeddings_is_computed_locally_not_a_crash(caplog: py
     from kvsvc.vllm.scheduler import SchedulerSide
 
     side = SchedulerSide(parse_config({}), "P", 16)
-    embeds = SimpleNamespace(request_id="r1", prompt_token_ids=None, kv_transfer_params={"do_remote_decode": True})
+    embeds = SimpleNamespace(
+        request_id="r1", prompt_token_ids=None, num_prompt_tokens=5, kv_transfer_params={"do_remote_decode": True}
+    )
     side.on_new_request(embeds)  # vLLM leaves prompt_token_ids None for prompt embeddings
     assert "as embeddings" in caplog.text and not side.flow.wants_blocks("r1")
+    # vLLM asks every waiting request about external tokens, with params or without
+    plain = SimpleNamespace(request_id="r2", prompt_token_ids=None, num_prompt_tokens=5, kv_transfer_params=None)
+    for request in (embeds, plain):
+        assert side.matched_tokens(request, 0) == (0, False)
+        side.after_alloc(request, None, 0)
