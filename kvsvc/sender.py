@@ -39,7 +39,7 @@ from kvsvc.messages import (
 from kvsvc.planner import check_block_ids, check_window
 
 # What an early request costs against `max_early_request_bytes`: its block ids, at their size on the wire at worst,
-# its text (transfer id, secret, reason) and what keeping any entry costs.
+# its text (transfer id, secret, receive, reason) and what keeping any entry costs.
 BLOCK_ID_BYTES: Final = 8
 EARLY_ENTRY_BYTES: Final = 256
 
@@ -153,7 +153,8 @@ class Sender:
         self._deadlines = Deadlines(self._hold_deadline)
         self._by_req: dict[str, str] = {}  # req_id -> transfer_id of each hold, for the engine's aborts
         # Requests for transfers not held yet, in arrival order (deadline, request, expected set), keyed by
-        # (transfer, D worker, secret): a request without the secret must not take the place of the one with it.
+        # (transfer, D worker, secret, receive): a request without the secret must not take the place of the one with
+        # it, nor one receive's request or abort another's.
         # Indexed by transfer and by D worker, so a hold or a lost peer costs its own entries, not the table's.
         self._early: OrderedDict[EarlyKey, EarlyEntry] = OrderedDict()
         self._early_of: dict[str, dict[EarlyKey, None]] = {}

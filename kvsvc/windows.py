@@ -153,6 +153,7 @@ class LentWindow:
     unwanted: str = ""  # why the rest is not scattered: rounds are only emptied, and the answer becomes a failure
     answer: TransferDone | None = None  # P's done answer, held while the last round is scattered
     queue: deque[WindowFilled | TransferDone | TransferFailed | ErrorMessage] = field(default_factory=deque)
+    receive_name: str = ""  # the receive it was lent for (`TransferRequest.receive`): another's answers are not its
 
     @property
     def round_bytes(self) -> int:
@@ -288,24 +289,29 @@ class LentWindows:
     def get(self, key: WindowKey) -> LentWindow | None:
         return self._windows.get(key)
 
-    def lend(self, key: WindowKey, req_id: str, block_ids: list[int], addr: int, plan: WindowPlan) -> LentWindow:
-        """Record the window lent at `addr` for `plan`, the share of P worker `key[2]` in receive `req_id`.
+    def lend(
+        self, key: WindowKey, req_id: str, block_ids: list[int], addr: int, plan: WindowPlan, receive: str = ""
+    ) -> LentWindow:
+        """Record the window lent at `addr` for `plan`, the share of P worker `key[2]` in receive `req_id` (named
+        `receive` on the wire).
 
         Raises:
             LocalProtocolError: a window is lent for `key` already (the driver must give it back first).
         """
         if key in self._windows:
             raise LocalProtocolError(f"a window is lent already for {key[0]!r} from P{key[2]} of {key[1]!r}")
-        window = self._windows[key] = LentWindow(key[0], key[2], req_id, block_ids, addr, plan)
+        window = self._windows[key] = LentWindow(key[0], key[2], req_id, block_ids, addr, plan, receive_name=receive)
         return window
 
     def receive(self, engine_id: str, src: Worker, message: Message) -> list[WindowCommand]:
         """A frame from P worker `src` of `engine_id`: its window's commands when it is about a lent window; else
         delivered to the `Receiver` as it is (which drops a late `WindowFilled` and answers what it does not
-        expect)."""
+        expect). An answer naming another receive than the window's is dropped: an ended receive's, late."""
         if isinstance(message, WindowFilled | TransferDone | TransferFailed | ErrorMessage):
             window = self._windows.get((message.transfer_id, engine_id, src))
             if window is not None:
+                if _other_receive(window, message):
+                    return [Notice(f"answer for another receive of {message.transfer_id!r} from P{src}", "debug")]
                 return window.receive(message)
         return [Deliver(message)]
 
@@ -581,3 +587,12 @@ __all__ = [
     "WindowKey",
     "lends_windows",
 ]
+
+
+def _other_receive(window: LentWindow, message: Message) -> bool:
+    """Whether `message` answers another receive than the one `window` was lent for (both named)."""
+    return (
+        isinstance(message, TransferDone | TransferFailed)
+        and bool(message.receive and window.receive_name)
+        and message.receive != window.receive_name
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ipaddress
+import logging
 import multiprocessing
 import os
 import signal
@@ -47,6 +48,7 @@ from workers.process import (
     worker_main,
 )
 
+log = logging.getLogger(__name__)
 _JOIN_TIMEOUT_S: Final = 10.0
 
 
@@ -326,12 +328,15 @@ class Executor:
             deadline = time.monotonic() + _JOIN_TIMEOUT_S
             for handle in live:
                 if handle.index in seqs:
-                    with contextlib.suppress(WorkerError):
+                    try:
                         self._receive(handle, seqs[handle.index], deadline)
+                    except WorkerError as exc:  # an operator's clue when a stop takes its full bound
+                        log.warning("%s did not confirm its shutdown: %s", handle, exc)
         finally:
             for handle in self.workers:
                 handle.process.join(max(0.0, min(_JOIN_TIMEOUT_S, 2.0)))
                 if handle.process.is_alive():
+                    log.warning("%s still runs after its shutdown; killing it", handle)
                     handle.process.kill()
                     handle.process.join(_JOIN_TIMEOUT_S)
                 handle.conn.close()

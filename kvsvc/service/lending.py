@@ -101,7 +101,7 @@ class WindowLender:
                 return None
             if addr is None:
                 return request
-            window = self._windows.lend(key, req_id, request.block_ids, addr, plan)
+            window = self._windows.lend(key, req_id, request.block_ids, addr, plan, request.receive)
         # None: the transfer id again while an earlier receive's window is still being scattered
         return request if window is None else with_window(request, window)
 
@@ -127,7 +127,8 @@ class WindowLender:
                 area.give_back(addr)
             return
         if addr is not None:
-            request = with_window(request, self._windows.lend(key, req_id, request.block_ids, addr, plan))
+            window = self._windows.lend(key, req_id, request.block_ids, addr, plan, request.receive)
+            request = with_window(request, window)
         self._send(key[1], key[2], request)
 
     def _plan(self, p: WorkerMetadata, request: TransferRequest, area: StagingArea) -> WindowPlan | None:

@@ -372,23 +372,27 @@ class KVTransferService:
             raise ServiceClosed(f"transfer service of worker {self._ctx.metadata.worker} is closed")
 
     async def _deadline_loop(self) -> None:
+        roles = (("P", self._sending), ("D", self._receiving))
         failing = {"P": False, "D": False}  # a role whose last check raised: logged once per run of failures
         while True:
             now = self._ctx.clock()
-            for role, expire in (("P", self._sending.expire), ("D", self._receiving.expire)):
+            for name, role in roles:
                 try:
-                    expire(now)
-                    failing[role] = False
+                    role.expire(now)
+                    failing[name] = False
                 except Exception:  # a bug of ours: the next round still runs, or no hold would ever expire again
-                    if not failing[role]:
-                        log.exception("checking the %s deadlines of worker %s failed", role, self._ctx.metadata.worker)
-                    failing[role] = True
-            deadlines = [d for d in (self._sending.next_deadline(), self._receiving.next_deadline()) if d is not None]
-            # Re-check at least every second so a fake or jumping clock is never missed for long; after a failure,
-            # the deadline that raised is still due: wait the second rather than spin on it.
-            timeout = min([1.0, *(d - self._ctx.clock() for d in deadlines)])
-            if any(failing.values()):
-                timeout = 1.0
+                    if not failing[name]:
+                        log.exception("checking the %s deadlines of worker %s failed", name, self._ctx.metadata.worker)
+                    failing[name] = True
+            # Re-check at least every second so a fake or jumping clock is never missed for long. A role whose check
+            # raised still has that deadline due: it waits the second rather than spin, the other role does not.
+            now = self._ctx.clock()
+            waits = [1.0]
+            for name, role in roles:
+                deadline = role.next_deadline()
+                if deadline is not None:
+                    waits.append(max(deadline - now, 1.0) if failing[name] else deadline - now)
+            timeout = min(waits)
             self._ctx.wake.clear()
             # `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancellation that arrives as
             # the event is set, and the wake event is set all the time (`ServiceContext.changed`).

@@ -211,7 +211,8 @@ class BlockWriter:
         """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can
         (`start_write`); the outcome arrives in `_started_write_done`. False, having done nothing, in any other
         case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then. A
-        `start_write` that raises, against its contract, fails the write: it may have submitted part of it."""
+        `start_write` that raises, against its contract, fails the write at once, as a `write` raising outside its
+        contract does: it may have submitted part, so it is never resubmitted."""
         if command.transfer_id in self._layer_ready or _in_rounds(command):
             return False
         target = self._target(command.dst)

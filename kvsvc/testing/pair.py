@@ -318,7 +318,8 @@ class PeerPair(Reports, SimPlane, Faults):
             offset = self._window_ranges[d].allocate(plan.window_bytes) if plan is not None else None
             if plan is None or offset is None:
                 return request
-            window = lent.lend(key, req_id, list(request.block_ids), self.d.metas[d].staging_addr + offset, plan)
+            addr = self.d.metas[d].staging_addr + offset
+            window = lent.lend(key, req_id, list(request.block_ids), addr, plan, request.receive)
         return with_window(request, window) if isinstance(window, LentWindow) else request
 
     def _run_windows(self, d: Worker, key: WindowKey, commands: Sequence[WindowCommand]) -> None:

@@ -128,7 +128,8 @@ def _start_serve(net: NetnsHosts, token_file: Path, log: Path) -> tuple[subproce
 def test_kvsvc_serve_on_one_host_answers_a_decode_engine_on_the_other(hosts: NetnsHosts, tmp_path: Path) -> None:
     token_file = tmp_path / "control-token"
     token_file.write_text(TOKEN + "\n")
-    process, url = _start_serve(hosts, token_file, tmp_path / "serve.log")
+    log = tmp_path / "serve.log"
+    process, url = _start_serve(hosts, token_file, log)
     try:
         assert url.startswith(f"http://{hosts.address('prefill')}:")
 
@@ -155,6 +156,8 @@ def test_kvsvc_serve_on_one_host_answers_a_decode_engine_on_the_other(hosts: Net
         process.send_signal(signal.SIGTERM)
         try:
             code = process.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"kvsvc serve did not stop within 60 s of SIGTERM; its log:\n{log.read_text()[-4000:]}")
         finally:
             if process.poll() is None:
                 process.kill()

@@ -401,9 +401,9 @@ def test_peer_lost_forgets_early_requests_of_that_peer() -> None:
 def test_statistics_count_what_is_held_and_pending() -> None:
     sender, clock = make()
     sender.hold("r1", "t1", [1, 2, 3], 9, clock(), secret=S)
-    sender.request(D0, BOTH, request("t2"), clock())
+    sender.request(D0, BOTH, msgspec.structs.replace(request("t2"), receive="r" * 16), clock())
     stats = sender.statistics()
-    early_bytes = EARLY_ENTRY_BYTES + 2 * BLOCK_ID_BYTES + 4 * len("t2" + S)  # two block ids, its text
+    early_bytes = EARLY_ENTRY_BYTES + 2 * BLOCK_ID_BYTES + 4 * len("t2" + S + "r" * 16)  # two block ids, its text
     assert (stats.holds, stats.early_requests, stats.early_request_bytes) == (1, 1, early_bytes)
 
 

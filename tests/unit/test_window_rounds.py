@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -160,6 +161,25 @@ def test_a_late_round_for_a_window_given_back_or_never_lent_goes_to_the_receiver
     lent = _lent()
     assert lent.tidy(lambda key: False, lambda transfer_id: False) == [5_000]  # its receive ended: given back
     assert _kinds(lent.receive("prefill", (0, 0), _filled(1))) == ["deliver WindowFilled"]
+
+
+def test_an_answer_for_another_receive_of_the_transfer_leaves_the_window_as_it_was() -> None:
+    """An ended receive's late answer (the same params received again) must neither fail the window's receive nor,
+    on a one-round window, end it with bytes P never wrote for it; one naming no receive (an older P) counts."""
+    offset = np.arange(0, 100, 100, dtype=np.int64)
+    plan = WindowPlan(100, 200, offset, 10_000 + offset, np.full(1, 100, dtype=np.int64), Way.SCATTER)
+    lent = LentWindows()
+    lent.lend(KEY, "d-t", [1], 5_000, plan, receive="second")
+    done = TransferDone(transfer_id="t", bytes=100, descriptors=1)
+    for stale in (
+        msgspec.structs.replace(done, receive="first"),
+        TransferFailed(transfer_id="t", reason="x", receive="first"),
+    ):
+        assert _kinds(lent.receive("prefill", (0, 0), stale)) == ["notice debug"]
+    # P's own answer for this receive: the last (only) round is scattered, then the answer goes on.
+    answer = msgspec.structs.replace(done, receive="second")
+    assert _kinds(lent.receive("prefill", (0, 0), answer)) == ["scatter 0"]
+    assert _kinds(lent.scattered(KEY, None)) == ["deliver TransferDone"]
 
 
 def test_frames_about_no_window_go_to_the_receiver_as_they_are() -> None:

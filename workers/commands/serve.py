@@ -114,8 +114,11 @@ class ServedEngine:
         return self.executor.url
 
     def close(self) -> None:
-        """Stop answering admin calls, then shut every worker down and reap it. Idempotent."""
+        """Stop answering admin calls, then shut every worker down and reap it. Idempotent. Each step is said on
+        stderr, so a stop that takes long names the step it waits in."""
+        print("stopping: refusing admin calls", file=sys.stderr, flush=True)
         self.view.close()
+        print("stopping: shutting the workers down", file=sys.stderr, flush=True)
         self.executor.close()
 
     def __enter__(self) -> Self:
