@@ -371,6 +371,12 @@ def clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
     return text[: limit - len(marker)] + marker if len(marker) < limit else text[:limit]
 
 
+def answers_another_receive(answer: TransferDone | TransferFailed, receive: str) -> bool:
+    """Whether P's `answer` names another receive than `receive`, the one D runs for its transfer: a late answer to
+    an ended receive, which must not settle this one. An answer or receive without a name (an older peer) matches."""
+    return bool(answer.receive and receive) and answer.receive != receive
+
+
 def check_transfer_id(transfer_id: str) -> None:
     """Raises:
     ValueError: `transfer_id` is longer than `MAX_NAME_CHARS`, which a peer would refuse in every frame naming it.

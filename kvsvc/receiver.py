@@ -30,6 +30,7 @@ from kvsvc.messages import (
     WindowFilled,
     Worker,
     WorkerMetadata,
+    answers_another_receive,
 )
 from kvsvc.planner import plan_transfer_arrays
 
@@ -300,7 +301,7 @@ class Receiver:
         transfer. Anything that is not a P-to-D message is answered with an error and noticed as a protocol error."""
         if isinstance(message, TransferDone | TransferFailed):
             recv = self._recvs.get(message.transfer_id)
-            if recv is not None and message.receive and recv.receive and message.receive != recv.receive:
+            if recv is not None and answers_another_receive(message, recv.receive):
                 # An earlier receive's answer (the same params again, after it ended here): not this one's blocks.
                 return [Notice(f"answer for another receive of {message.transfer_id!r} from P{src}", level="debug")]
             error = (

@@ -44,8 +44,8 @@ BLOCK_ID_BYTES: Final = 8
 EARLY_ENTRY_BYTES: Final = 256
 
 _K = TypeVar("_K")
-EarlyKey: TypeAlias = tuple[str, "WorkerRef", str, str]  # (transfer, D worker, secret, receive)
-EarlyEntry: TypeAlias = tuple[float, "WorkerRef", "TransferRequest | Release | Abort", frozenset["Worker"]]
+EarlyKey: TypeAlias = tuple[str, WorkerRef, str, str]  # (transfer, D worker, secret, receive)
+EarlyEntry: TypeAlias = tuple[float, WorkerRef, TransferRequest | Release | Abort, frozenset[Worker]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +160,11 @@ class Sender:
         self._early_of: dict[str, dict[EarlyKey, None]] = {}
         self._early_from: dict[WorkerRef, dict[EarlyKey, None]] = {}
         self._max_early_bytes = max_early_request_bytes
-        self._early_bytes: Counter[WorkerRef] = Counter()  # block-id bytes of each D worker's early requests
+        self._early_bytes: Counter[WorkerRef] = Counter()  # what each D worker's early requests cost (`_cost`)
         self._max_early_total = max_early_request_bytes_total  # and of all D workers together
         # Outcomes of finished transfers, so a repeated request is answered again rather than left to fail.
         # Keyed by the D worker's whole identity: another engine, or a restart, must never be told an old outcome.
-        # With the receive each served: another receive of the same D worker is told nothing of it.
+        # Each names the receive it answered: another receive of the same D worker is told nothing of it.
         self._outcomes: OrderedDict[tuple[str, WorkerRef], TransferDone | TransferFailed] = OrderedDict()
         self._remembered = remembered_outcomes
         # Why each recently finished transfer ended, and its secret, for D workers that ask only after it did.

@@ -25,7 +25,16 @@ from typing import Final, TypeAlias
 from kvsvc.coalesce import Int64Array
 from kvsvc.errors import LocalProtocolError
 from kvsvc.jobs import Notice
-from kvsvc.messages import ErrorMessage, Message, TransferDone, TransferFailed, WindowEmptied, WindowFilled, Worker
+from kvsvc.messages import (
+    ErrorMessage,
+    Message,
+    TransferDone,
+    TransferFailed,
+    WindowEmptied,
+    WindowFilled,
+    Worker,
+    answers_another_receive,
+)
 from kvsvc.receiver import RecvReport
 from kvsvc.staging_plans import WindowPlan, stream_round, window_round_bytes, window_rounds
 
@@ -310,7 +319,9 @@ class LentWindows:
         if isinstance(message, WindowFilled | TransferDone | TransferFailed | ErrorMessage):
             window = self._windows.get((message.transfer_id, engine_id, src))
             if window is not None:
-                if _other_receive(window, message):
+                if isinstance(message, TransferDone | TransferFailed) and answers_another_receive(
+                    message, window.receive_name
+                ):
                     return [Notice(f"answer for another receive of {message.transfer_id!r} from P{src}", "debug")]
                 return window.receive(message)
         return [Deliver(message)]
@@ -587,12 +598,3 @@ __all__ = [
     "WindowKey",
     "lends_windows",
 ]
-
-
-def _other_receive(window: LentWindow, message: Message) -> bool:
-    """Whether `message` answers another receive than the one `window` was lent for (both named)."""
-    return (
-        isinstance(message, TransferDone | TransferFailed)
-        and bool(message.receive and window.receive_name)
-        and message.receive != window.receive_name
-    )

@@ -253,6 +253,21 @@ async def test_block_ids_outside_the_pool_are_refused_at_the_call(pair: tuple[Si
         d.service.start_recv("d-req", "t4", "prefill", url, [1], BLOCK + 1, secret=harness_secret("t4"))
 
 
+def hello_to(
+    p: WorkerMetadata, sender: WorkerMetadata, *, version: int = PROTOCOL_VERSION, incarnation: str | None = None
+) -> Hello:
+    """D's hello to P worker `p` (pp0, tp0), for tests that speak the control protocol by hand."""
+    return Hello(
+        version=version,
+        sender=sender,
+        stage_layers=[(0, LAYERS)],
+        expect_engine_id=p.engine_id,
+        expect_incarnation=p.incarnation if incarnation is None else incarnation,
+        expect_pp_rank=0,
+        expect_tp_rank=0,
+    )
+
+
 async def raw_exchange(address: str, payload: bytes) -> list[Message]:
     host, port = address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -299,15 +314,7 @@ async def test_a_flood_of_garbage_connections_logs_a_bounded_number_of_lines_and
 async def test_a_wrong_protocol_version_is_refused_naming_both_versions(pair: tuple[Side, Side, str]) -> None:
     p, d, _ = pair
     pm = p.service.metadata
-    hello = Hello(
-        version=PROTOCOL_VERSION + 1,
-        sender=d.service.metadata,
-        stage_layers=[(0, LAYERS)],
-        expect_engine_id=pm.engine_id,
-        expect_incarnation=pm.incarnation,
-        expect_pp_rank=0,
-        expect_tp_rank=0,
-    )
+    hello = hello_to(pm, d.service.metadata, version=PROTOCOL_VERSION + 1)
     (reply,) = await raw_exchange(pm.control_addr, unkeyed_frames(hello))
     assert isinstance(reply, HelloRefused)
     assert f"version {PROTOCOL_VERSION + 1}, this side speaks {PROTOCOL_VERSION}" in reply.reason
@@ -318,15 +325,7 @@ async def test_a_frame_begun_and_never_finished_closes_the_connection_by_its_dea
 ) -> None:
     p, d, _ = pair
     pm = p.service.metadata
-    hello = Hello(
-        version=PROTOCOL_VERSION,
-        sender=d.service.metadata,
-        stage_layers=[(0, LAYERS)],
-        expect_engine_id=pm.engine_id,
-        expect_incarnation=pm.incarnation,
-        expect_pp_rank=0,
-        expect_tp_rank=0,
-    )
+    hello = hello_to(pm, d.service.metadata)
     # Accepted, then 10 bytes of a frame announcing 4 MiB: P must not hold that buffer (or the connection) for good.
     partial = unkeyed_frames(hello) + struct.pack(">I", 4 << 20) + b"\x00" * 10
     replies = await asyncio.wait_for(raw_exchange(pm.control_addr, partial), 60)  # a hang fails here, not in CI
@@ -339,15 +338,7 @@ async def test_a_frame_begun_and_never_finished_closes_the_connection_by_its_dea
 async def test_a_hello_for_another_incarnation_is_refused(pair: tuple[Side, Side, str]) -> None:
     p, d, _ = pair
     pm = p.service.metadata
-    hello = Hello(
-        version=PROTOCOL_VERSION,
-        sender=d.service.metadata,
-        stage_layers=[(0, LAYERS)],
-        expect_engine_id=pm.engine_id,
-        expect_incarnation="an-older-start",
-        expect_pp_rank=0,
-        expect_tp_rank=0,
-    )
+    hello = hello_to(pm, d.service.metadata, incarnation="an-older-start")
     (reply,) = await raw_exchange(pm.control_addr, unkeyed_frames(hello))
     assert isinstance(reply, HelloRefused) and "an-older-start" in reply.reason
 
@@ -422,15 +413,7 @@ async def test_a_hello_claiming_an_absurd_tp_size_is_refused_before_anything_is_
 ) -> None:
     p, d, _ = pair
     pm = p.service.metadata
-    hello = Hello(
-        version=PROTOCOL_VERSION,
-        sender=msgspec.structs.replace(d.service.metadata, tp_size=2**30),
-        stage_layers=[(0, LAYERS)],
-        expect_engine_id=pm.engine_id,
-        expect_incarnation=pm.incarnation,
-        expect_pp_rank=0,
-        expect_tp_rank=0,
-    )
+    hello = hello_to(pm, msgspec.structs.replace(d.service.metadata, tp_size=2**30))
     (challenge, reply) = await raw_exchange(pm.control_addr, unkeyed_frames(hello))
     assert isinstance(challenge, HelloChallenge)
     assert isinstance(reply, HelloRefused) and "tp_size 1073741824" in reply.reason
