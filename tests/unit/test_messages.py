@@ -240,6 +240,7 @@ def test_a_hello_of_the_first_protocol_version_decodes_so_that_p_can_name_its_ve
     [
         ("transfer_id", "t" * (MAX_NAME_CHARS + 1), "$.transfer_id"),
         ("secret", "s" * 257, "$.secret"),
+        ("receive", "r" * 65, "$.receive"),
         ("block_ids", [MAX_COUNT], "$.block_ids[0]"),
         ("block_ids", [-1], "$.block_ids[0]"),
         ("window_addr", MAX_ADDRESS, "$.window_addr"),
