@@ -522,7 +522,9 @@ class Sender:
             if remembered is not None:
                 if not isinstance(message, TransferRequest):
                     return []
-                if remembered.receive != message.receive:  # the same params in a later request: its blocks got nothing
+                # The same params in a later request: its blocks got nothing. An outcome that no receive asked for
+                # (a lost connection ended the job) answers any, as while held (`_same_receive`).
+                if remembered.receive and remembered.receive != message.receive:
                     return [Reply(dst, _another_receive(message, dst))]
                 return [Reply(dst, remembered)]
             if isinstance(message, Release):

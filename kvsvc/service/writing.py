@@ -3,7 +3,8 @@ its D worker's pair chose at the hello (`WriteTarget.transport`).
 
 Rules: each `Submit` is planned (its D worker's `PlanCache`, `kvsvc.service.plans`), written, and its result handed back
 once through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
-its `drained` future, so the request's blocks stay held until then. Small writes skip the task when the plane's
+its `drained` future (one that raised outside the plane's contract, for the plane to drain, bounded), so the
+request's blocks stay held until then. Small writes skip the task when the plane's
 `start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written one
 descriptor per destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region is written
 there as one stream (`kvsvc.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share
@@ -211,8 +212,8 @@ class BlockWriter:
         """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can
         (`start_write`); the outcome arrives in `_started_write_done`. False, having done nothing, in any other
         case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then. A
-        `start_write` that raises, against its contract, fails the write at once, as a `write` raising outside its
-        contract does: it may have submitted part, so it is never resubmitted."""
+        `start_write` that raises, against its contract, fails the write as a `write` raising outside its contract
+        does (once the plane drained, `_settled`): it may have submitted part, so it is never resubmitted."""
         if command.transfer_id in self._layer_ready or _in_rounds(command):
             return False
         target = self._target(command.dst)
@@ -250,10 +251,16 @@ class BlockWriter:
 
     def _write_failed(self, command: Submit, exc: BaseException, ndesc: int) -> None:
         """A write failed (either path): it ends once the peer can no longer make progress on it, so the request's
-        blocks stay held until then (a failure whose `drained` is pending)."""
+        blocks stay held until then (a failure whose `drained` is pending). A failure outside the transport's
+        contract (`_settled`) may have left part of the write moving, so it waits for the plane too."""
         self._ctx.counts["write_failures"] += 1
         error = f"{type(exc).__name__}: {exc}"
-        drained = exc.drained if isinstance(exc, WriteFailed) else None
+        if isinstance(exc, WriteFailed):
+            drained: asyncio.Future[Any] | None = exc.drained
+        elif isinstance(exc, KVSvcError | ValueError):
+            drained = None  # refused before submitting, or raised once all it submitted ended: the contract
+        else:
+            drained = self._settled(command)
         if drained is None or drained.done():
             self._write_ended(command, error, 0, ndesc)
             return
@@ -264,6 +271,18 @@ class BlockWriter:
             self._write_ended(command, error, 0, ndesc)
 
         drained.add_done_callback(after_drain)
+
+    def _settled(self, command: Submit) -> asyncio.Task[None] | None:
+        """For a write that raised outside its plane's contract (a bug, a failed layer compute or gather): a task
+        that ends once the plane has nothing in flight to `command`'s D worker, or after `close_drain_timeout_s`
+        for a peer that stopped making progress. None when the D worker's connection is gone, so its plane cannot
+        be asked (the write then ends at once)."""
+        target = self._target(command.dst)
+        if target is None:
+            return None
+        bound = self._ctx.config.close_drain_timeout_s
+        waited = _drained_within(target.transport, target.session, bound, command)
+        return self._ctx.tasks.spawn(waited, name=f"kvsvc-settle-{command.transfer_id}")
 
     def _descriptors(self, target: WriteTarget, command: Submit) -> tuple[Int64Array, Shifted | None]:
         """`command`'s descriptor table and the cached one it shifts (`PlanCache.descriptors`).
@@ -429,6 +448,22 @@ class BlockWriter:
         if waited[-1]:
             ctx.after_last_layer.observe(clock() - computed_at[-1])
         return written
+
+
+async def _drained_within(transport: Transport, session: str, bound: float, command: Submit) -> None:
+    """Wait until `transport` has nothing in flight to `session`, at most `bound` seconds; raises nothing."""
+    try:
+        await asyncio.wait_for(transport.drained(session), bound)
+    except TimeoutError:
+        log.warning(
+            "write of %r to %s raised outside its plane's contract and the plane still had writes to it in flight "
+            "after %g s: ending it anyway",
+            command.transfer_id,
+            command.dst,
+            bound,
+        )
+    except Exception:  # `drained` raises nothing by contract; a plane that does cannot hold the write forever
+        log.exception("waiting for the plane to drain after the write of %r failed", command.transfer_id)
 
 
 async def _awaited(ready: Awaitable[None]) -> None:

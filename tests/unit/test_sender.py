@@ -670,3 +670,17 @@ def _another(message: TransferRequest) -> TransferFailed:
         "same params in a second request)"
     )
     return TransferFailed(transfer_id=message.transfer_id, reason=reason, receive=message.receive)
+
+
+def test_a_job_a_lost_connection_ended_tells_its_reason_to_the_receive_that_asks_later() -> None:
+    sender, clock = make()
+    sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
+    sender.ready("t1")
+    assert submits(sender.request(D0, BOTH, msgspec.structs.replace(request(), receive="a"), clock()))
+    sender.peer_lost(D1)  # D1 never asked: its job ends with no receive named
+    late = msgspec.structs.replace(request(), receive="x")
+    lost = TransferFailed(transfer_id="t1", reason=f"control connection to {D1} lost")
+    assert sender.request(D1, BOTH, late, clock()) == [Reply(D1, lost)]  # while held
+    sender.write_result("t1", D0.worker, None, 64, 1)
+    assert sender.take_finished() == {"r1"}
+    assert sender.request(D1, BOTH, late, clock()) == [Reply(D1, lost)]  # and once ended, the same reason

@@ -245,6 +245,40 @@ async def test_a_start_write_that_raises_fails_the_write_and_never_resubmits_it(
     assert "a plane's bug" in (d.service.failure_reason("d-req") or "")
 
 
+async def test_a_write_that_raises_outside_its_contract_ends_only_once_its_plane_drained(
+    pair: tuple[Side, Side, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write that raised anything but the contract's errors may have left descriptors moving: P holds the blocks
+    (and D hears nothing) until the plane says nothing to that D worker is in flight."""
+    p, d, url = pair
+    plane_idle = asyncio.Event()
+    asked: list[str | None] = []
+
+    def broken(peer: str, descriptors: object) -> None:
+        raise RuntimeError("a plane's bug after submitting part")
+
+    async def drained(peer: str | None = None) -> None:
+        asked.append(peer)
+        await plane_idle.wait()
+
+    monkeypatch.setattr(p.transport, "start_write", broken)
+    monkeypatch.setattr(p.transport, "drained", drained)
+    p.service.start_send("p-req", "t1", [3], BLOCK, secret=harness_secret("t1"))
+    d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK, secret=harness_secret("t1"))
+    for _ in range(1000):
+        if asked:
+            break
+        await asyncio.sleep(0.01)
+    assert asked == [d.service.metadata.transport_addr], asked
+    assert p.service.statistics().writes_in_flight == 1
+    assert not p.service.get_finished().finished_sending and not d.service.get_finished().failed_recving
+    plane_idle.set()
+    out = await wait_output(d.service, "failed_recving", "d-req")
+    assert out.invalid_block_ids == {9}
+    await wait_output(p.service, "finished_sending", "p-req")
+    assert p.service.statistics().writes_in_flight == 0
+
+
 async def test_block_ids_outside_the_pool_are_refused_at_the_call(pair: tuple[Side, Side, str]) -> None:
     p, d, url = pair
     with pytest.raises(ValueError, match=r"block ids \[99\] outside the pool of 16 blocks"):
