@@ -9,8 +9,9 @@ pyproject.toml, the code taken from the repository through PYTHONPATH), then run
 plane and the GPU bench, each step in its own process with its own timeout and its output in a log file under
 `$OUT` (else a temporary directory). It ends stdout with one JSON object: per step ok, rc and seconds, and the
 bench's figures (those of the parts it measured, should it reach its timeout). Rules: without a GPU it prints
-`{"gpu": false, "reason": ...}` and exits 0; a failing step never stops the later ones; the exit code is 1 when any
-step failed. Standard library only (the host's torch is asked in a child process), so the driver itself cannot
+`{"gpu": false, "reason": ...}` and exits 0; without wheels (`.gpu` not carried) or with one that cannot be unpacked
+it says so in the JSON object before any step, exit 1; a failing step never stops the later ones; the exit code is 1
+when any step failed. Standard library only (the host's torch is asked in a child process), so the driver itself cannot
 fail to import there.
 """
 
@@ -278,13 +279,22 @@ def check(wheels_dir: Path, python: str = sys.executable) -> int:
     if reason:
         print(json.dumps({"gpu": False, "reason": reason}))
         return 0
+    wheels = sorted(wheels_dir.glob("*.whl"))
+    if not wheels:  # `.gpu` is git-ignored: it reaches the host only when carried
+        reason = f"no wheels in {wheels_dir}: run `make gpu-wheels` where pip has an index, and carry .gpu"
+        print(json.dumps({"gpu": True, "ok": False, "reason": reason}))
+        return 1
     out = os.environ.get("OUT")
     logs = Path(out) / "gpu-check" if out else Path(tempfile.mkdtemp(prefix="kvsvc-gpu-check-"))
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvsvc-gpu-site-") as tmp:
         site = Path(tmp)
-        unpack_wheels(sorted(wheels_dir.glob("*.whl")), site)
-        dist_info(REPO / "pyproject.toml", site)
+        try:
+            unpack_wheels(wheels, site)
+            dist_info(REPO / "pyproject.toml", site)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # TOMLDecodeError is a ValueError
+            print(json.dumps({"gpu": True, "ok": False, "reason": f"preparing the site failed: {exc!r}"}))
+            return 1
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(site), env.get("PYTHONPATH", "")) if p)
         env.setdefault("MC_LOG_LEVEL", "ERROR")

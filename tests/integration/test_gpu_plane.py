@@ -75,8 +75,21 @@ def start_peer(extra_env: dict[str, str] | None = None) -> Peer:
         text=True,
         env=env,
     )
-    server.settimeout(120)
-    connection, _ = server.accept()
+    # Accepted in one-second slices: a peer that dies before connecting (its CUDA start failed) fails the test at
+    # once, its stderr in pytest's capture, rather than holding it for the whole bound.
+    server.settimeout(1)
+    for _ in range(120):
+        try:
+            connection, _ = server.accept()
+            break
+        except TimeoutError:
+            if process.poll() is not None:
+                server.close()
+                pytest.fail(f"the GPU peer exited with {process.returncode} before connecting")
+    else:
+        process.kill()
+        server.close()
+        pytest.fail("the GPU peer did not connect within 120 s")
     server.close()
     assert process.stdout is not None
     offer = json.loads(process.stdout.readline())

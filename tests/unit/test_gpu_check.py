@@ -302,6 +302,7 @@ def test_check_runs_every_step_and_leaves_none_of_their_processes(
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     wheels = tmp_path / "wheels"
     wheels.mkdir()
+    _fake_wheel(wheels / "plain-1.0-py3-none-any.whl", {"plain/__init__.py"})
     assert gpu_check.check(wheels) == 1
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["failed"] == ["hangs", "fails"] and not result["ok"]
@@ -311,3 +312,20 @@ def test_check_runs_every_step_and_leaves_none_of_their_processes(
     stat = Path(f"/proc/{int(pids.read_text())}/stat")
     # Killed with its step's process group: gone, or dead and not yet reaped by whoever adopted it.
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_check_without_wheels_or_with_a_broken_one_says_why_before_any_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(gpu_check, "no_gpu_reason", lambda environ, python: "")
+    monkeypatch.setattr(gpu_check, "steps", lambda python: pytest.fail("no step may run"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    assert gpu_check.check(wheels) == 1
+    found = json.loads(capsys.readouterr().out)
+    assert found["ok"] is False and f"no wheels in {wheels}" in found["reason"] and "carry .gpu" in found["reason"]
+    (wheels / "msgspec-0.22.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"not a zip")
+    assert gpu_check.check(wheels) == 1
+    found = json.loads(capsys.readouterr().out)
+    assert found["ok"] is False and "BadZipFile" in found["reason"]
