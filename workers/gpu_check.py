@@ -117,6 +117,9 @@ class Step:
     name: str
     argv: list[str]
     timeout_s: float
+    # Whether stdout gets a file of its own (`<name>.out`, the bench's figures), else it joins stderr in `<name>.log`:
+    # the device that runs the check hands back at most 8 files.
+    own_stdout: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,15 +134,22 @@ class StepResult:
         return self.rc == 0
 
 
-def steps(python: str) -> list[Step]:
-    """The check, in order; the timeouts add to under 6 minutes, the bench on quick sizes being the longest."""
+def steps(python: str, logs: Path) -> list[Step]:
+    """The check, in order; the timeouts add to under 6 minutes, the bench on quick sizes being the longest. Each
+    demo keeps its workers' stderr (Mooncake's log, a worker's traceback) in `logs`, beside the step's own log."""
     cli = [python, "-m", "kvsvc.cli"]
     demo = [*cli, "demo", "--device", "cuda", "--json", "--timeout", "50"]
     return [
         Step("pytest_cuda", [python, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests"], 90),
-        Step("demo_auto", [*demo, "--transport", "auto"], 60),
-        Step("demo_mooncake", [*demo, "--transport", "mooncake"], 60),
-        Step("bench", [*cli, "bench", "--device", "cuda", "--quick", "--json"], 140),
+        *(
+            Step(
+                f"demo_{plane}",
+                [*demo, "--transport", plane, "--worker-log", str(logs / f"demo_{plane}.workers.log")],
+                60,
+            )
+            for plane in ("auto", "mooncake")
+        ),
+        Step("bench", [*cli, "bench", "--device", "cuda", "--quick", "--json"], 140, own_stdout=True),
     ]
 
 
@@ -197,13 +207,15 @@ def unpack_wheels(wheels: Sequence[Path], site: Path) -> None:
 
 
 def run_step(step: Step, env: Mapping[str, str], logs: Path) -> tuple[StepResult, str]:
-    """Run one step from the repository root in a session of its own; its stderr goes to `<name>.log`, its stdout to
-    `<name>.out` (and is returned). When it exits or times out, whatever it started and left running (an engine's
-    workers, holding the GPU) is killed with its process group, so no step leaves processes to the next. Never raises
-    for the step's own failure: a timeout or a missing program is rc -1 or 127."""
+    """Run one step from the repository root in a session of its own; its stderr goes to `<name>.log`, its stdout
+    there too, or to `<name>.out` (and is returned) when it has one of its own (`Step.own_stdout`). When it exits or
+    times out, whatever it started and left running (an engine's workers, holding the GPU) is killed with its process
+    group, so no step leaves processes to the next. Never raises for the step's own failure: a timeout or a missing
+    program is rc -1 or 127."""
     log, out = logs / f"{step.name}.log", logs / f"{step.name}.out"
     began = time.monotonic()
-    with log.open("w") as err_file, out.open("w") as out_file:
+    with log.open("w") as err_file, contextlib.ExitStack() as stack:
+        out_file = stack.enter_context(out.open("w")) if step.own_stdout else err_file
         err_file.write(f"$ {' '.join(step.argv)}\n")
         err_file.flush()
         try:
@@ -223,7 +235,7 @@ def run_step(step: Step, env: Mapping[str, str], logs: Path) -> tuple[StepResult
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.kill()  # should the group be gone or out of reach, the step itself still ends
             proc.wait()
-    return StepResult(step.name, rc, time.monotonic() - began, str(log)), out.read_text()
+    return StepResult(step.name, rc, time.monotonic() - began, str(log)), out.read_text() if step.own_stdout else ""
 
 
 def last_json(stdout: str) -> dict[str, Any] | None:
@@ -299,7 +311,7 @@ def check(wheels_dir: Path, python: str = sys.executable) -> int:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(site), env.get("PYTHONPATH", "")) if p)
         env.setdefault("MC_LOG_LEVEL", "ERROR")
         results, bench = [], None
-        for step in steps(python):
+        for step in steps(python, logs):
             result, stdout = run_step(step, env, logs)
             results.append(result)
             print(f"gpu-check: {step.name} rc {result.rc} in {result.seconds:.1f} s", file=sys.stderr)

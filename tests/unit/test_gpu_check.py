@@ -294,11 +294,11 @@ def test_check_runs_every_step_and_leaves_none_of_their_processes(
     bench = 'print("warming up"); print(\'{"transport": "cuda_ipc", "kvsvc_gbps": 875.0, "other": 1}\')'
     stand_ins = [
         gpu_check.Step("hangs", [sys.executable, "-c", hang], 3),
-        gpu_check.Step("fails", [sys.executable, "-c", "import sys; sys.exit(3)"], 30),
-        gpu_check.Step("bench", [sys.executable, "-c", bench], 30),
+        gpu_check.Step("fails", [sys.executable, "-c", "print('said on stdout'); import sys; sys.exit(3)"], 30),
+        gpu_check.Step("bench", [sys.executable, "-c", bench], 30, own_stdout=True),
     ]
     monkeypatch.setattr(gpu_check, "no_gpu_reason", lambda environ, python: "")
-    monkeypatch.setattr(gpu_check, "steps", lambda python: stand_ins)
+    monkeypatch.setattr(gpu_check, "steps", lambda python, logs: stand_ins)
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -309,6 +309,10 @@ def test_check_runs_every_step_and_leaves_none_of_their_processes(
     assert {name: step["rc"] for name, step in result["steps"].items()} == {"hangs": -1, "fails": 3, "bench": 0}
     assert result["bench"] == {"transport": "cuda_ipc", "kvsvc_gbps": 875.0}
     assert "killed after its timeout of 3 s" in Path(result["steps"]["hangs"]["log"]).read_text()
+    assert "said on stdout" in Path(result["steps"]["fails"]["log"]).read_text()  # one file for both streams
+    assert sorted(p.name for p in (tmp_path / "out" / "gpu-check").iterdir()) == [
+        "bench.log", "bench.out", "fails.log", "hangs.log"
+    ]  # fmt: skip
     stat = Path(f"/proc/{int(pids.read_text())}/stat")
     # Killed with its step's process group: gone, or dead and not yet reaped by whoever adopted it.
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
@@ -318,7 +322,7 @@ def test_check_without_wheels_or_with_a_broken_one_says_why_before_any_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(gpu_check, "no_gpu_reason", lambda environ, python: "")
-    monkeypatch.setattr(gpu_check, "steps", lambda python: pytest.fail("no step may run"))
+    monkeypatch.setattr(gpu_check, "steps", lambda python, logs: pytest.fail("no step may run"))
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -329,3 +333,11 @@ def test_check_without_wheels_or_with_a_broken_one_says_why_before_any_step(
     assert gpu_check.check(wheels) == 1
     found = json.loads(capsys.readouterr().out)
     assert found["ok"] is False and "BadZipFile" in found["reason"]
+
+
+def test_the_check_writes_no_more_files_than_the_device_hands_back(tmp_path: Path) -> None:
+    """The device returns at most 8 files from $OUT: each step's log, the bench's stdout, each demo's workers' log."""
+    found = gpu_check.steps("python3", tmp_path)
+    named = [step.argv[step.argv.index("--worker-log") + 1] for step in found if "--worker-log" in step.argv]
+    assert len(named) == 2 and all(Path(n).parent == tmp_path for n in named)
+    assert sum(1 + step.own_stdout for step in found) + len(named) <= 8
