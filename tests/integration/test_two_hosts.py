@@ -157,7 +157,9 @@ def test_kvsvc_serve_on_one_host_answers_a_decode_engine_on_the_other(hosts: Net
         try:
             code = process.wait(60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"kvsvc serve did not stop within 60 s of SIGTERM; its log:\n{log.read_text()[-4000:]}")
+            process.send_signal(signal.SIGUSR1)  # every thread's stack into its log: where the stop waits
+            time.sleep(1)
+            pytest.fail(f"kvsvc serve did not stop within 60 s of SIGTERM; its log:\n{log.read_text()[-8000:]}")
         finally:
             if process.poll() is None:
                 process.kill()

@@ -13,10 +13,11 @@ reap every worker; `ServedEngine` is the code path of both the command and the t
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
-import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -260,12 +261,10 @@ def main_with_args(args: argparse.Namespace) -> int:
     )
     # Mooncake's native INFO lines (one set per worker start) drown the URLs; an operator's own setting wins.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopSignal()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A stop that hangs anyway can be asked where it waits: SIGUSR1 prints every thread's stack on stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         try:
             engine = ServedEngine.start(options)
@@ -286,16 +285,30 @@ def main_with_args(args: argparse.Namespace) -> int:
             else:
                 print("control ports accept only hellos that prove the control token")
             print("Ctrl-C or SIGTERM stops it.", flush=True)
-            # wait() in slices: a bare wait() on an Event is not interrupted by signals on every platform.
-            while not stop.wait(0.5):
+            while not stop.received:
                 if not all(engine.executor.alive()):
                     print("kvsvc serve: a worker process died; stopping", file=sys.stderr)
                     return 1
+                time.sleep(0.5)  # a handler does not end the nap (PEP 475): the flag is read within half a second
         print("stopped; every worker reaped", file=sys.stderr)
         return 0
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class StopSignal:
+    """The SIGINT and SIGTERM handler of `kvsvc serve`: it records the signal in a plain attribute, which the main
+    loop reads. A handler runs on the main thread between two bytecodes, possibly while that thread holds a lock (a
+    `threading.Event.wait` holds its condition's lock around each nap); a handler that took the same lock, as
+    `Event.set` does, would wait for itself for ever, so this one takes none."""
+
+    def __init__(self) -> None:
+        self.received = 0  # the signal's number once one arrived
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
 
 
 def main(argv: Sequence[str] | None = None) -> int:
