@@ -522,9 +522,10 @@ class Sender:
             if remembered is not None:
                 if not isinstance(message, TransferRequest):
                     return []
-                # The same params in a later request: its blocks got nothing. An outcome that no receive asked for
+                # The same params in a later request: its blocks got nothing. A failure that no receive asked for
                 # (a lost connection ended the job) answers any, as while held (`_same_receive`).
-                if remembered.receive and remembered.receive != message.receive:
+                unnamed_failure = isinstance(remembered, TransferFailed) and not remembered.receive
+                if not unnamed_failure and remembered.receive != message.receive:
                     return [Reply(dst, _another_receive(message, dst))]
                 return [Reply(dst, remembered)]
             if isinstance(message, Release):

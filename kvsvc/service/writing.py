@@ -3,14 +3,14 @@ its D worker's pair chose at the hello (`WriteTarget.transport`).
 
 Rules: each `Submit` is planned (its D worker's `PlanCache`, `kvsvc.service.plans`), written, and its result handed back
 once through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
-its `drained` future (one that raised outside the plane's contract, for the plane to drain, bounded), so the
-request's blocks stay held until then. Small writes skip the task when the plane's
-`start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written one
-descriptor per destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region is written
-there as one stream (`kvsvc.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share
-larger than its window moves in rounds, as its `kvsvc.windows.FillingWindow` says: round k waits until D emptied round
-k - 2 (within the hold timeout), and each round but the last is announced. A layer-wise write stages each layer on its
-own when the rule picks it.
+its `drained` future (one that raised outside the plane's contract, for the plane to drain, bounded), so the request's
+blocks stay held until then. Small writes skip the task when the plane's `start_write` takes them. With a staging
+region, a plan its rule picks is gathered there chunk by chunk and written one descriptor per destination run
+(`kvsvc.service.staging_area`). A request with a window of D's staging region is written there as one stream
+(`kvsvc.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than its window
+moves in rounds, as its `kvsvc.windows.FillingWindow` says: round k waits until D emptied round k - 2 (within the hold
+timeout), and each round but the last is announced. A layer-wise write stages each layer on its own when the rule picks
+it.
 Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
@@ -189,11 +189,11 @@ class BlockWriter:
             )
             raise
         except (KVSvcError, ValueError) as exc:  # the transport, a plan or window refused, room, D's rounds
-            self._write_failed(command, exc, ndesc)
+            self._write_failed(command, exc, ndesc, target)
             return
-        except Exception as exc:  # the engine's layer compute or copy failed, or a bug of ours: still ends the job
+        except Exception as exc:  # a gather failed, a plane raised outside its contract, or a bug of ours
             log.exception("write of %r to %s failed unexpectedly", command.transfer_id, command.dst)
-            self._write_failed(command, exc, ndesc)
+            self._write_failed(command, exc, ndesc, target)
             return
         self._write_ended(command, None, nbytes, ndesc)
 
@@ -229,16 +229,18 @@ class BlockWriter:
             result = target.transport.start_write(target.session, table)
         except Exception as exc:  # the plane broke its contract: it may have submitted part, so never resubmit
             log.exception("start_write of transfer %r to %s raised", command.transfer_id, command.dst)
-            self._write_failed(command, exc, len(table))
+            self._write_failed(command, exc, len(table), target)
             return True
         if result is None:
             return False
         self._started.add(result)
         ndesc = len(table)
-        result.add_done_callback(lambda fut: self._started_write_done(command, ndesc, fut))
+        result.add_done_callback(lambda fut: self._started_write_done(command, ndesc, fut, target))
         return True
 
-    def _started_write_done(self, command: Submit, ndesc: int, result: asyncio.Future[int]) -> None:
+    def _started_write_done(
+        self, command: Submit, ndesc: int, result: asyncio.Future[int], target: WriteTarget
+    ) -> None:
         self._started.discard(result)
         if result.cancelled():
             self._write_ended(command, "P service closed before the write finished", 0, ndesc)
@@ -247,9 +249,9 @@ class BlockWriter:
         if exc is None:
             self._write_ended(command, None, result.result(), ndesc)
         else:
-            self._write_failed(command, exc, ndesc)
+            self._write_failed(command, exc, ndesc, target)
 
-    def _write_failed(self, command: Submit, exc: BaseException, ndesc: int) -> None:
+    def _write_failed(self, command: Submit, exc: BaseException, ndesc: int, target: WriteTarget | None) -> None:
         """A write failed (either path): it ends once the peer can no longer make progress on it, so the request's
         blocks stay held until then (a failure whose `drained` is pending). A failure outside the transport's
         contract (`_settled`) may have left part of the write moving, so it waits for the plane too."""
@@ -259,8 +261,10 @@ class BlockWriter:
             drained: asyncio.Future[Any] | None = exc.drained
         elif isinstance(exc, KVSvcError | ValueError):
             drained = None  # refused before submitting, or raised once all it submitted ended: the contract
+        elif target is not None:
+            drained = self._settled(command, target)
         else:
-            drained = self._settled(command)
+            drained = None  # no plane was asked for anything: the write never started
         if drained is None or drained.done():
             self._write_ended(command, error, 0, ndesc)
             return
@@ -272,14 +276,11 @@ class BlockWriter:
 
         drained.add_done_callback(after_drain)
 
-    def _settled(self, command: Submit) -> asyncio.Task[None] | None:
-        """For a write that raised outside its plane's contract (a bug, a failed layer compute or gather): a task
-        that ends once the plane has nothing in flight to `command`'s D worker, or after `close_drain_timeout_s`
-        for a peer that stopped making progress. None when the D worker's connection is gone, so its plane cannot
-        be asked (the write then ends at once)."""
-        target = self._target(command.dst)
-        if target is None:
-            return None
+    def _settled(self, command: Submit, target: WriteTarget) -> asyncio.Task[None]:
+        """For a write that raised outside its plane's contract (a bug, a plane breaking it, a failed gather): a
+        task that ends once `target`'s plane has nothing in flight to its D worker, or after `close_drain_timeout_s`
+        for a peer that stopped making progress. The plane is asked even when the control connection is gone: a
+        removed peer's writes are still counted there."""
         bound = self._ctx.config.close_drain_timeout_s
         waited = _drained_within(target.transport, target.session, bound, command)
         return self._ctx.tasks.spawn(waited, name=f"kvsvc-settle-{command.transfer_id}")
@@ -398,6 +399,8 @@ class BlockWriter:
                 area.give_back(addr)
             raise
         except BaseException:
+            # A plane that raised outside its contract may still read the room; a later chunk's gather into it
+            # changes only what that stray copy carries into blocks whose write failed (`_settled` holds them).
             area.give_back(addr)
             raise
         area.give_back(addr)
@@ -487,7 +490,8 @@ async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int
 
     Raises:
         the first part's failure, once every failed part's descriptors stopped moving (its `drained`): the job may
-        end only then, not after the first failure's alone.
+        end only then, not after the first failure's alone. A failure outside the plane's contract goes first, so
+        that the write waits for the plane too (`BlockWriter._settled`).
     """
     results = await asyncio.gather(*parts, return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
@@ -495,7 +499,7 @@ async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int
     if drains:
         await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
     if failures:
-        raise failures[0]
+        raise next((f for f in failures if not isinstance(f, KVSvcError | ValueError)), failures[0])
     done = [r for r in results if isinstance(r, tuple)]
     return sum(n for n, _ in done), sum(d for _, d in done)
 

@@ -78,23 +78,30 @@ def start_peer(extra_env: dict[str, str] | None = None) -> Peer:
     # Accepted in one-second slices: a peer that dies before connecting (its CUDA start failed) fails the test at
     # once, its stderr in pytest's capture, rather than holding it for the whole bound.
     server.settimeout(1)
-    for _ in range(120):
-        try:
-            connection, _ = server.accept()
-            break
-        except TimeoutError:
-            if process.poll() is not None:
-                server.close()
-                pytest.fail(f"the GPU peer exited with {process.returncode} before connecting")
-    else:
-        process.kill()
-        server.close()
-        pytest.fail("the GPU peer did not connect within 120 s")
-    server.close()
+    with server:
+        for _ in range(120):
+            try:
+                connection, _ = server.accept()
+                break
+            except TimeoutError:
+                if process.poll() is not None:
+                    _reap(process)
+                    pytest.fail(f"the GPU peer exited with {process.returncode} before connecting")
+        else:
+            _reap(process)
+            pytest.fail("the GPU peer did not connect within 120 s")
     assert process.stdout is not None
     offer = json.loads(process.stdout.readline())
     via = (connection.getsockname()[:2], connection.getpeername()[:2])
     return Peer(process, offer, via, connection)
+
+
+def _reap(process: subprocess.Popen[str]) -> None:
+    process.kill()
+    process.wait(10)
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 @pytest.fixture

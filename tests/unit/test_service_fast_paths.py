@@ -193,3 +193,71 @@ async def test_routes_from_a_fetch_marked_out_of_date_while_it_ran_are_not_reuse
     d.service.start_recv("d1", "t1", "prefill", url, [1], BLOCK, secret=harness_secret("t1"))
     await wait_output(d.service, "finished_recving", "d1")
     assert len(fetches) == 2
+
+
+async def test_a_small_write_failing_outside_the_contract_after_d_left_still_waits_for_the_plane(
+    fast_pair: tuple[Side, Side, str, StartingTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plane is asked to drain even once D's control connection is gone: the likely moment for a plane to
+    misbehave is a dying D, and the write's blocks must stay held until nothing of it can move."""
+    p, d, url, transport = fast_pair
+    loop = asyncio.get_running_loop()
+    pending: list[asyncio.Future[int]] = []
+    asked: list[str | None] = []
+    plane_idle = loop.create_future()
+
+    def start_write(peer: str, descriptors: Descriptors) -> asyncio.Future[int]:
+        pending.append(loop.create_future())
+        return pending[-1]
+
+    async def drained(peer: str | None = None) -> None:
+        asked.append(peer)
+        await plane_idle
+
+    monkeypatch.setattr(transport, "start_write", start_write)
+    monkeypatch.setattr(transport, "drained", drained)
+    p.service.start_send("p0", "t0", [0], BLOCK, secret=harness_secret("t0"))
+    d.service.start_recv("d0", "t0", "prefill", url, [3], BLOCK, secret=harness_secret("t0"))
+    for _ in range(1000):
+        if pending:
+            break
+        await asyncio.sleep(0.01)
+    session = d.service.metadata.transport_addr
+    await d.service.close()
+    for _ in range(1000):
+        if p.service.statistics().inbound_peers == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert p.service.statistics().inbound_peers == 0
+    pending[0].set_exception(RuntimeError("a plane's bug after D left"))
+    for _ in range(1000):
+        if asked:
+            break
+        await asyncio.sleep(0.01)
+    assert asked == [session] and p.service.statistics().writes_in_flight == 1
+    assert "p0" not in (p.service.get_finished().finished_sending or set())
+    plane_idle.set_result(None)
+    await wait_output(p.service, "finished_sending", "p0")
+
+
+async def test_parts_of_a_write_raise_the_failure_outside_the_contract_first() -> None:
+    from kvsvc.service.writing import _all_written
+
+    loop = asyncio.get_running_loop()
+    drained = loop.create_future()
+    drained.set_result(None)
+
+    async def refused() -> tuple[int, int]:
+        raise WriteFailed("peer failed it", drained=drained)
+
+    async def broken() -> tuple[int, int]:
+        raise RuntimeError("a plane's bug")
+
+    async def landed() -> tuple[int, int]:
+        return 64, 1
+
+    with pytest.raises(RuntimeError, match="a plane's bug"):
+        await _all_written([refused(), landed(), broken()])
+    with pytest.raises(WriteFailed):
+        await _all_written([landed(), refused()])
+    assert await _all_written([landed(), landed()]) == (128, 2)

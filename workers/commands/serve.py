@@ -1,18 +1,20 @@
 """`kvsvc serve`: one synthetic engine whose handshake and admin endpoints share one aiohttp app and port.
 
 Imports argparse and the standard library at module level; the runtime (`workers.executor`, torch, mooncake) and
-`kvsvc.engine.admin` inside the functions. Invariants: `--host` is the one address every listener
-binds (the HTTP endpoint, each worker's control server and Mooncake engine), loopback unless told otherwise, and never
-a wildcard, because the workers publish it to their peers; POST endpoints need the bearer token (`--token-file` or
+`kvsvc.engine.admin` inside the functions. Invariants: `--host` is the one address every listener binds (the HTTP
+endpoint, each worker's control server and Mooncake engine), loopback unless told otherwise, and never a wildcard,
+because the workers publish it to their peers; POST endpoints need the bearer token (`--token-file` or
 `KVSVC_ADMIN_TOKEN`) and are refused (403) without one; with a control token (`--control-token-file` or
-`KVSVC_CONTROL_TOKEN`, the same on every engine of the deployment) the workers' control ports refuse hellos that do
-not prove it, and a `--host` beyond loopback refuses to start without one; SIGINT and SIGTERM stop the engine and
-reap every worker; `ServedEngine` is the code path of both the command and the tests.
+`KVSVC_CONTROL_TOKEN`, the same on every engine of the deployment) the workers' control ports refuse hellos that do not
+prove it, and a `--host` beyond loopback refuses to start without one; SIGINT and SIGTERM stop the engine and reap every
+worker, their handler taking no lock (`StopSignal`); SIGUSR1 prints every thread's stack; `ServedEngine` is the code
+path of both the command and the tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import signal
@@ -263,9 +265,10 @@ def main_with_args(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     stop = StopSignal()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    # A stop that hangs anyway can be asked where it waits: SIGUSR1 prints every thread's stack on stderr.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        # A stop that hangs anyway can be asked where it waits: SIGUSR1 prints every thread's stack on stderr.
+        with contextlib.suppress(RuntimeError, ValueError):  # stderr closed: no dumps, the engine still serves
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         try:
             engine = ServedEngine.start(options)
         except (WorkerError, OSError, ValueError) as exc:
