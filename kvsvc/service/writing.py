@@ -259,8 +259,8 @@ class BlockWriter:
         error = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, WriteFailed):
             drained: asyncio.Future[Any] | None = exc.drained
-        elif isinstance(exc, KVSvcError | ValueError):
-            drained = None  # refused before submitting, or raised once all it submitted ended: the contract
+        elif _within_contract(exc):
+            drained = None  # refused before submitting, or raised once all it submitted ended
         elif target is not None:
             drained = self._settled(command, target)
         else:
@@ -499,9 +499,15 @@ async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int
     if drains:
         await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
     if failures:
-        raise next((f for f in failures if not isinstance(f, KVSvcError | ValueError)), failures[0])
+        raise next((f for f in failures if not _within_contract(f)), failures[0])
     done = [r for r in results if isinstance(r, tuple)]
     return sum(n for n, _ in done), sum(d for _, d in done)
+
+
+def _within_contract(exc: BaseException) -> bool:
+    """Whether a write's failure is one the transport contract allows (`kvsvc.transport.base`): raised before
+    anything was submitted, or once all it submitted ended; anything else may leave part of the write moving."""
+    return isinstance(exc, KVSvcError | ValueError)
 
 
 def _fill_error(cause: FillEvent | None, reason: str) -> Exception:

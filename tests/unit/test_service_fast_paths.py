@@ -18,7 +18,7 @@ from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Descriptors, WriteFailed, as_rows
-from tests.unit.test_service_wiring import BLOCK, LAYERS, Side, block_bytes_of, make_side, wait_output
+from tests.unit.test_service_wiring import BLOCK, LAYERS, Side, block_bytes_of, make_side, until, wait_output
 
 
 class StartingTransport(LoopbackTransport):
@@ -218,22 +218,13 @@ async def test_a_small_write_failing_outside_the_contract_after_d_left_still_wai
     monkeypatch.setattr(transport, "drained", drained)
     p.service.start_send("p0", "t0", [0], BLOCK, secret=harness_secret("t0"))
     d.service.start_recv("d0", "t0", "prefill", url, [3], BLOCK, secret=harness_secret("t0"))
-    for _ in range(1000):
-        if pending:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: pending)
     session = d.service.metadata.transport_addr
     await d.service.close()
-    for _ in range(1000):
-        if p.service.statistics().inbound_peers == 0:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: p.service.statistics().inbound_peers == 0)
     assert p.service.statistics().inbound_peers == 0
     pending[0].set_exception(RuntimeError("a plane's bug after D left"))
-    for _ in range(1000):
-        if asked:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: asked)
     assert asked == [session] and p.service.statistics().writes_in_flight == 1
     assert "p0" not in (p.service.get_finished().finished_sending or set())
     plane_idle.set_result(None)

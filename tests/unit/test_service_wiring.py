@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -92,6 +92,16 @@ async def pair() -> AsyncIterator[tuple[Side, Side, str]]:
     await p.service.close()
     await d.service.close()
     await bootstrap.close()
+
+
+async def until(condition: Callable[[], object], timeout: float = 10.0) -> None:
+    """Yield to the loop until `condition()` holds, for up to `timeout` seconds (then fail naming it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition never held within {timeout:g} s")
+        await asyncio.sleep(0.01)
 
 
 async def wait_output(service: KVTransferService, what: str, req: str, timeout: float = 10.0) -> KVConnectorOutput:
@@ -265,10 +275,7 @@ async def test_a_write_that_raises_outside_its_contract_ends_only_once_its_plane
     monkeypatch.setattr(p.transport, "drained", drained)
     p.service.start_send("p-req", "t1", [3], BLOCK, secret=harness_secret("t1"))
     d.service.start_recv("d-req", "t1", "prefill", url, [9], BLOCK, secret=harness_secret("t1"))
-    for _ in range(1000):
-        if asked:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: asked)
     assert asked == [d.service.metadata.transport_addr], asked
     assert p.service.statistics().writes_in_flight == 1
     assert not p.service.get_finished().finished_sending and not d.service.get_finished().failed_recving
