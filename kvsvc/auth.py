@@ -83,22 +83,54 @@ def fields_verify(key: Key, fields: Mapping[str, Any], signature: str) -> bool:
 
 
 def hello_proof(
-    key: Key, label: bytes, d_nonce: bytes, p_nonce: bytes, d: Iterable[object], p: Iterable[object]
+    key: Key,
+    label: bytes,
+    d_nonce: bytes,
+    p_nonce: bytes,
+    d: Iterable[object],
+    p: Iterable[object],
+    *transcript: bytes,
 ) -> bytes:
-    """`label` ("P" or "D": a proof of one side never stands for the other's) over both nonces and both workers'
-    identities (engine, start, pp rank, tp rank)."""
+    """`label` ("P", "D" or "OK": a proof of one step never stands for another's) over both nonces, both workers'
+    identities (engine, start, pp rank, tp rank) and the `transcript` of the exchange so far (the frames' bytes as
+    their receiver re-encodes them, `kvsvc.messages.canonical`), so a relay that alters any field fails the proof."""
     ids = [json.dumps([str(x) for x in who], separators=(",", ":")).encode() for who in (d, p)]
-    return key.mac(b"hello", label, d_nonce, p_nonce, *ids)
+    return key.mac(b"hello", label, d_nonce, p_nonce, *ids, *transcript)
 
 
 def hello_proof_verifies(
-    key: Key, proof: bytes, label: bytes, d_nonce: bytes, p_nonce: bytes, d: Iterable[object], p: Iterable[object]
+    key: Key,
+    proof: bytes,
+    label: bytes,
+    d_nonce: bytes,
+    p_nonce: bytes,
+    d: Iterable[object],
+    p: Iterable[object],
+    *transcript: bytes,
 ) -> bool:
     """Whether `proof` is `hello_proof` of the same values (constant-time)."""
-    return hmac.compare_digest(proof, hello_proof(key, label, d_nonce, p_nonce, d, p))
+    return hmac.compare_digest(proof, hello_proof(key, label, d_nonce, p_nonce, d, p, *transcript))
 
 
 # -- bootstrap addresses -----------------------------------------------------------------------------------------
+
+
+def unkeyed_peer_refusal(own_uid: int, peer_uid: int | None, *, trust_root: bool = False) -> str:
+    """Why a control connection without a control token is refused, or "" when it is not. Without a token nothing
+    proves a peer belongs to the deployment, so the kernel's word on who holds the far end of the connection stands
+    in for the proof: the peer must run as this worker's own user (or as root, where `trust_root` says so). A far
+    end the kernel cannot name (`peer_uid` None: another host or network namespace) is refused too."""
+    if peer_uid is None:
+        return (
+            "without a control token a worker trusts only processes of its own user on its own host, and the kernel "
+            "names no local process at the far end of this connection"
+        )
+    if peer_uid == own_uid or (trust_root and peer_uid == 0):
+        return ""
+    return (
+        f"without a control token a worker trusts only processes of its own user: the far end runs as uid "
+        f"{peer_uid}, this worker as uid {own_uid} (set a control token, the same on every engine)"
+    )
 
 
 def is_loopback(host: str) -> bool:

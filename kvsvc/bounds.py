@@ -4,12 +4,13 @@ connection.
 Pure module: standard library and kvsvc's pure core only. Every claim of a hello that anything is built from (D's
 parallel sizes, its stage split, the lists in its metadata) is checked here whole, before the first allocation
 sized by it; what passes costs P at most a few KiB per D worker of D's engine, whatever the frame said. Every bound
-is named here, and in docs/operations.md ("Security", "Bounds") with what happens past it. Refusals name the peer,
-the value it claimed and the limit.
+is named here, and in docs/operations.md ("Security", "Bounds") with what happens past it. Refusals name the peer
+(or its host group), the value it claimed and the limit.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections import Counter
 from collections.abc import Mapping
 from typing import Final
@@ -124,35 +125,87 @@ def _check_lists(d: WorkerMetadata, who: str) -> None:
             raise PeerMismatch(f"{who}'s KV cache group {i} has {parts} conv parts, limit {MAX_CONV_PARTS}")
 
 
-class ControlConnections:
-    """The control connections a P worker holds, by remote host: admits a new one unless it would pass the total
-    or its host's cap. Each admitted connection must `leave` once, when it closes."""
+def host_group(host: str) -> str:
+    """The hosts one connection cap counts together: all of loopback as one (any process of this host can take
+    127.0.0.2, 127.0.0.3, ...), an IPv4 /24 and an IPv6 /64 (what one site hands one machine), an IPv4-mapped IPv6
+    address as its IPv4 one; a name that is no address as itself."""
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return "loopback"
+    prefix = 24 if isinstance(address, ipaddress.IPv4Address) else 64
+    return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
 
-    def __init__(self, max_total: int, max_per_host: int) -> None:
+
+class ControlConnections:
+    """The control connections a P worker holds, by host group (`host_group`). A connection is pending from its
+    accept until its hello is accepted: pending ones have a small cap of their own (`max_pending`), so a flood of
+    connections that never hello cannot take the slots accepted D workers hold (`max_total`); past that cap the
+    oldest pending connection gives way to the new one (`displaced`), so a flood cannot keep a D worker's hello,
+    which takes a round trip, from its turn either. Every connection counts against its host group's cap
+    (`max_per_host`). Each admitted connection must `leave` once, when it closes, saying whether it was accepted."""
+
+    def __init__(self, max_total: int, max_per_host: int, max_pending: int = 64) -> None:
         self._max_total = max_total
         self._max_per_host = max_per_host
-        self._by_host: Counter[str] = Counter()
-        self._total = 0
+        self._max_pending = max_pending
+        self._by_group: Counter[str] = Counter()
+        self._accepted = 0
+        self._pending = 0
+        self._displacing = 0  # pending connections told to close, until they leave
 
     @property
     def open(self) -> int:
-        return self._total
+        return self._accepted + self._pending
+
+    @property
+    def pending(self) -> int:
+        """Connections before their hello was accepted."""
+        return self._pending
+
+    def displace(self) -> str:
+        """Why the oldest pending connection must close now, or "" while the pending ones are within their cap (a
+        connection told to close still counts until it leaves, but is not told twice)."""
+        if self._pending - self._displacing <= self._max_pending:
+            return ""
+        self._displacing += 1
+        return (
+            f"P worker holds {self._max_pending} control connections before their hello, its limit, and this is "
+            "the oldest"
+        )
 
     def admit(self, host: str) -> str | None:
-        """Count a new connection from `host`, or return why it is refused (then it is not counted)."""
-        if self._total >= self._max_total:
-            return f"P worker holds {self._total} control connections, limit {self._max_total}"
-        if self._by_host[host] >= self._max_per_host:
-            return (
-                f"{host} holds {self._by_host[host]} control connections to this P worker, limit {self._max_per_host}"
-            )
-        self._by_host[host] += 1
-        self._total += 1
+        """Count a new pending connection from `host`, or return why it is refused (then it is not counted)."""
+        group = host_group(host)
+        if self._by_group[group] >= self._max_per_host:
+            where = "loopback" if group == "loopback" else f"{host} (of {group})"
+            held = self._by_group[group]
+            return f"{where} holds {held} control connections to this P worker, limit {self._max_per_host}"
+        self._by_group[group] += 1
+        self._pending += 1
         return None
 
-    def leave(self, host: str) -> None:
-        """A connection admitted from `host` closed."""
-        self._total -= 1
-        self._by_host[host] -= 1
-        if not self._by_host[host]:
-            del self._by_host[host]
+    def accept(self) -> str | None:
+        """Move a pending connection to the accepted ones once its hello was accepted, or return why it is refused
+        (then it stays pending, to `leave` as such)."""
+        if self._accepted >= self._max_total:
+            return f"P worker holds {self._accepted} control connections, limit {self._max_total}"
+        self._pending -= 1
+        self._accepted += 1
+        return None
+
+    def leave(self, host: str, *, accepted: bool, displaced: bool = False) -> None:
+        """A connection admitted from `host` closed, `accepted` or still pending (and then maybe `displaced`)."""
+        if accepted:
+            self._accepted -= 1
+        else:
+            self._pending -= 1
+            self._displacing -= displaced
+        group = host_group(host)
+        self._by_group[group] -= 1
+        if not self._by_group[group]:
+            del self._by_group[group]

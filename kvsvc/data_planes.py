@@ -139,6 +139,19 @@ def probed(route: Route, d: WorkerMetadata, refused: str) -> Route:
     return Route("mooncake", d.transport_addr, f"the {PLANE_NAMES[route.kind]} is refused: {refused}")
 
 
+NEEDS_MOONCAKE: Final = "this pair takes Mooncake and the D worker runs none"
+"""How P's refusal of a hello begins when the pair's writes must go over Mooncake and D's hello named no Mooncake
+session: D starts its engine, where its setting allows, and says hello again (`needs_mooncake`)."""
+
+
+def needs_mooncake(route: Route, d: WorkerMetadata) -> str:
+    """Why P refuses D worker `d` on `route`, or "": a pair on Mooncake needs D's engine running, and D starts it
+    only for a pair it expects there (a probe that refused the same-host plane is the surprise)."""
+    if route.kind != "mooncake" or d.transport_addr:
+        return ""
+    return f"{NEEDS_MOONCAKE} (its hello names no Mooncake session): {route.reason}"
+
+
 def choose_transport(p: WorkerMetadata, d: WorkerMetadata, setting: str = "auto") -> Route:
     """The route of P worker `p`'s writes into D worker `d` (module docstring).
 
@@ -222,6 +235,7 @@ def rule_on(kind: str, rule: StagingRule) -> StagingRule:
 __all__ = [
     "GPU_SCHEME",
     "IPC_HANDLE_BYTES",
+    "NEEDS_MOONCAKE",
     "PLANES",
     "PLANE_NAMES",
     "SAMEHOST_CHECK_S",
@@ -235,6 +249,7 @@ __all__ = [
     "check_transport_addr",
     "choose_transport",
     "is_same_host",
+    "needs_mooncake",
     "probed",
     "rule_on",
     "samehost_check_budget",

@@ -41,6 +41,11 @@ class HandshakeError(KVSvcError):
     """A remote engine's metadata could not be fetched, or its hello was refused."""
 
 
+class NeedsMooncake(HandshakeError):
+    """P refused the hello because the pair's writes take Mooncake and D's hello named no Mooncake session: D may
+    start its engine and say hello again."""
+
+
 class PeerMismatch(HandshakeError):
     """The peer's hello does not match what its engine published (engine, incarnation, rank or layout)."""
 

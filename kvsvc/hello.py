@@ -7,9 +7,16 @@ it needs, and hello each. The exchange is a mutual challenge-response over a key
 control token (`kvsvc.auth.HELLO_KEY`), which never goes on the wire:
 
     D -> P  HelloStart      D's identity, the P worker it expects, D's nonce, whether D has a key
-    P -> D  HelloChallenge  P's metadata, P's nonce, P's proof: HMAC(key, "P", both nonces, both identities)
-    D -> P  Hello           once P's proof verified: D's metadata and stage split, D's proof (label "D")
-    P -> D  HelloOk         once D's proof verified and P can serve D's layout (else HelloRefused)
+    P -> D  HelloChallenge  P's metadata, P's nonce, P's proof: HMAC(key, "P", both nonces, both identities,
+                            the challenge)
+    D -> P  Hello           once P's proof verified: D's metadata and stage split, D's proof (label "D", over the
+                            challenge and the hello)
+    P -> D  HelloOk         once D's proof verified and P can serve D's layout (else HelloRefused): the plane, and
+                            P's proof (label "OK", over D's proof and the answer)
+
+Each proof covers the frames before it as their receiver decoded them (`kvsvc.messages.canonical`, proof left
+empty), so the chain binds the whole transcript: a relay without the key that rewrites either side's metadata (its
+pool addresses, planes, IPC handles), the stage split or the plane fails a proof.
 
 Rules: D sends nothing of its pool before P proved the key, and P builds nothing from D's claims before D proved it
 (then: another protocol version, a hello meant for another worker or engine start, sizes past `kvsvc.bounds`, a
@@ -30,8 +37,8 @@ from msgspec.structs import replace
 
 from kvsvc.auth import NONCE_BYTES, Key, hello_proof, hello_proof_verifies
 from kvsvc.bounds import check_hello_bounds
-from kvsvc.data_planes import PLANES, check_transport_addr, choose_transport
-from kvsvc.errors import HandshakeError, PeerMismatch, TopologyError, VersionMismatch
+from kvsvc.data_planes import NEEDS_MOONCAKE, PLANES, check_transport_addr, choose_transport
+from kvsvc.errors import HandshakeError, NeedsMooncake, PeerMismatch, TopologyError, VersionMismatch
 from kvsvc.layout import CROSS_LAYER
 from kvsvc.messages import (
     PROTOCOL_VERSION,
@@ -47,6 +54,7 @@ from kvsvc.messages import (
     Worker,
     WorkerMetadata,
     WorkerRef,
+    canonical,
     check_version,
 )
 from kvsvc.planner import check_compatible, expected_destinations
@@ -64,8 +72,8 @@ class HelloChallenged:
 
 @dataclass(frozen=True, slots=True)
 class HelloAccepted:
-    """P accepts D worker `peer`: `reply` goes back, and P serves the D workers in `expected` (those of D's
-    engine, laid out as `peer_engine`, that this P worker is the source of)."""
+    """P accepts D worker `peer`: `reply` goes back once `seal` gave it its plane and proof, and P serves the D
+    workers in `expected` (those of D's engine, laid out as `peer_engine`, that this P worker is the source of)."""
 
     peer: WorkerRef
     peer_meta: WorkerMetadata
@@ -73,6 +81,18 @@ class HelloAccepted:
     expected: frozenset[Worker]
     reply: HelloOk
     ipc_handles: list[IpcHandle] = field(default_factory=list)  # D's GPU allocations, checked by P before mapping
+    # What P's answer proves over (both nonces, both identities, D's proof); empty without a key.
+    transcript: tuple[bytes, bytes, tuple[str, str, int, int], tuple[str, str, int, int], bytes] | None = None
+    key: Key | None = None
+
+    def seal(self, plane: str) -> HelloOk:
+        """The answer D gets: `reply` with the `plane` P chose, and P's proof over the exchange and this answer."""
+        reply = replace(self.reply, plane=plane, proof=b"")
+        if self.key is None or self.transcript is None:
+            return reply
+        d_nonce, p_nonce, d_id, p_id, d_proof = self.transcript
+        proof = hello_proof(self.key, b"OK", d_nonce, p_nonce, d_id, p_id, d_proof, canonical(reply))
+        return replace(reply, proof=proof)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,21 +153,24 @@ def answer_challenge(
         raise PeerMismatch(
             f"{ref} says it is {WorkerRef.of(reply.sender)} with other metadata than its engine published"
         )
+    hello = make_hello(me, own_engine, p, b"", handles)
     if key is None:
         if reply.proof:
             raise HandshakeError(f"{ref} proves a control token and this D worker has none: {_NO_KEY}")
-        return make_hello(me, own_engine, p, b"", handles)
+        return hello
     if not reply.proof:
         raise HandshakeError(f"{ref} proves no control token and this D worker has one: {_NO_KEY}")
     d_id, p_id = _identity(start), tuple(ref)
     if len(reply.nonce) != NONCE_BYTES or not hello_proof_verifies(
-        key, reply.proof, b"P", start.nonce, reply.nonce, d_id, p_id
+        key, reply.proof, b"P", start.nonce, reply.nonce, d_id, p_id, canonical(_unproven(reply))
     ):
         raise HandshakeError(
             f"{ref} failed to prove this deployment's control token (its proof does not verify): this D worker "
             "sends it nothing more"
         )
-    return make_hello(me, own_engine, p, hello_proof(key, b"D", start.nonce, reply.nonce, d_id, p_id), handles)
+    return replace(
+        hello, proof=hello_proof(key, b"D", start.nonce, reply.nonce, d_id, p_id, *_transcript(reply, hello))
+    )
 
 
 def make_hello(
@@ -157,9 +180,10 @@ def make_hello(
     proof: bytes,
     handles: Sequence[IpcHandle] = (),
 ) -> Hello:
-    """D's hello to P worker `p` as `p`'s engine published it, with D's `proof`; `own_engine` is D's engine (its
-    stage split). D's exported GPU allocations `handles` go only where the rule puts the pair on the GPU plane: a
-    handle lets its holder write the allocation, so no other P ever sees one."""
+    """D's hello to P worker `p` as `p`'s engine published it, with `proof` as given (`answer_challenge` computes
+    D's over this hello); `own_engine` is D's engine (its stage split). D's exported GPU allocations `handles` go
+    only where the rule puts the pair on the GPU plane: a handle lets its holder write the allocation, so no other
+    P ever sees one."""
     stages = sorted({(m.pp_rank, m.start_layer, m.end_layer) for m in own_engine.values()})
     return Hello(
         version=PROTOCOL_VERSION,
@@ -174,17 +198,28 @@ def make_hello(
     )
 
 
-def check_hello_reply(p: WorkerMetadata, reply: Message) -> str:
-    """D's check of P worker `p`'s answer to its hello; the plane P said its writes take, which D's staging rule
-    takes (the plane is chosen once, on P).
+def check_hello_reply(
+    p: WorkerMetadata,
+    reply: Message,
+    key: Key | None = None,
+    start: HelloStart | None = None,
+    challenge: Message | None = None,
+    hello: Hello | None = None,
+) -> str:
+    """D's check of P worker `p`'s answer to its `hello` (after `start` and P's `challenge`); the plane P said its
+    writes take, which D's staging rule takes (the plane is chosen once, on P). With a `key`, P's proof must cover
+    the exchange and this answer.
 
     Raises:
-        HandshakeError: P refused the hello (its reason), answered with something else, or named a plane D does not
-            know (none, or one of another release).
+        NeedsMooncake: P refused the hello for want of D's Mooncake engine.
+        HandshakeError: P refused the hello (its reason), answered with something else, named a plane D does not
+            know (none, or one of another release), or its proof does not verify (a relay altered the exchange).
         PeerMismatch: P accepted, but is not the worker its engine published (another start, other metadata).
     """
     ref = WorkerRef.of(p)
     if isinstance(reply, HelloRefused):
+        if reply.reason.startswith(NEEDS_MOONCAKE):
+            raise NeedsMooncake(f"{ref} refused the hello: {reply.reason}")
         raise HandshakeError(f"{ref} refused the hello: {reply.reason}")
     if not isinstance(reply, HelloOk):
         raise HandshakeError(f"{ref} answered the hello with {type(reply).__name__}")
@@ -194,6 +229,20 @@ def check_hello_reply(p: WorkerMetadata, reply: Message) -> str:
         )
     if reply.plane not in PLANES:
         raise HandshakeError(f"{ref} says its writes take plane {reply.plane[:40]!r}; this D knows {', '.join(PLANES)}")
+    if key is not None:
+        if start is None or not isinstance(challenge, HelloChallenge) or hello is None:
+            raise HandshakeError(f"{ref}'s acceptance cannot be checked without the exchange before it")
+        answer = replace(reply, proof=b"")
+        d_id, p_id = _identity(start), tuple(ref)
+        if not hello_proof_verifies(
+            key, reply.proof, b"OK", start.nonce, challenge.nonce, d_id, p_id, hello.proof, canonical(answer)
+        ):
+            raise HandshakeError(
+                f"{ref}'s acceptance does not prove this deployment's control token over the exchange: something "
+                "between the two workers altered it"
+            )
+    elif reply.proof:
+        raise HandshakeError(f"{ref} proves a control token and this D worker has none: {_NO_KEY}")
     return reply.plane
 
 
@@ -226,8 +275,11 @@ def challenge_hello(
         return _refused(f"{who} has a control token and this P worker has none: {_NO_KEY}")
     if len(first.nonce) != NONCE_BYTES:
         return _refused(f"{who} sent a nonce of {len(first.nonce)} bytes, expected {NONCE_BYTES}")
-    proof = b"" if key is None else hello_proof(key, b"P", first.nonce, nonce, d, tuple(WorkerRef.of(me)))
-    return HelloChallenged(first, HelloChallenge(version=PROTOCOL_VERSION, sender=me, nonce=nonce, proof=proof))
+    challenge = HelloChallenge(version=PROTOCOL_VERSION, sender=me, nonce=nonce, proof=b"")
+    if key is None:
+        return HelloChallenged(first, challenge)
+    proof = hello_proof(key, b"P", first.nonce, nonce, d, tuple(WorkerRef.of(me)), canonical(challenge))
+    return HelloChallenged(first, replace(challenge, proof=proof))
 
 
 def accept_hello(
@@ -241,12 +293,16 @@ def accept_hello(
     d_id = _identity(start)
     if key is None and second.proof:
         return _refused(f"D worker {second.sender.engine_id} proves a control token and this P worker has none")
-    if key is not None and not hello_proof_verifies(
-        key, second.proof, b"D", start.nonce, nonce, d_id, tuple(WorkerRef.of(me))
-    ):
-        return _refused("the hello does not prove this deployment's control token")
     if tuple(WorkerRef.of(second.sender)) != d_id:
         return _refused(f"the hello comes from {WorkerRef.of(second.sender)}, the connection was opened as {d_id}")
+    p_id = tuple(WorkerRef.of(me))
+    if key is not None and not hello_proof_verifies(
+        key, second.proof, b"D", start.nonce, nonce, d_id, p_id, *_transcript(challenged.reply, second)
+    ):
+        return _refused(
+            "the hello does not prove this deployment's control token over the exchange (a wrong token, or "
+            "something between the two workers altered it)"
+        )
     try:
         check_version(second.version)
         d_engine = _d_engine(me, second)
@@ -255,7 +311,21 @@ def accept_hello(
     d = second.sender
     expected = frozenset(expected_destinations(me, d_engine))
     reply = HelloOk(version=PROTOCOL_VERSION, sender=me)
-    return HelloAccepted(WorkerRef.of(d), d, d_engine, expected, reply, list(second.ipc_handles))
+    sealed = (
+        None
+        if key is None
+        else (start.nonce, nonce, d_id, (me.engine_id, me.incarnation, me.pp_rank, me.tp_rank), second.proof)
+    )
+    return HelloAccepted(WorkerRef.of(d), d, d_engine, expected, reply, list(second.ipc_handles), sealed, key)
+
+
+def _transcript(challenge: HelloChallenge, hello: Hello) -> tuple[bytes, bytes]:
+    """What D's proof covers: P's challenge and D's hello, each with its proof left empty."""
+    return canonical(_unproven(challenge)), canonical(replace(hello, proof=b""))
+
+
+def _unproven(challenge: HelloChallenge) -> HelloChallenge:
+    return replace(challenge, proof=b"")
 
 
 def _identity(start: HelloStart) -> tuple[str, str, int, int]:

@@ -19,7 +19,7 @@ from kvsvc.errors import MalformedFrame, VersionMismatch
 Worker = tuple[int, int]
 """A worker's `(pp_rank, tp_rank)` in its engine."""
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 # The handshake endpoint: where an engine serves its workers' metadata (`encode_engine_metadata`), and its limits.
 METADATA_PATH: Final = "/kvsvc/v1/metadata"
 METADATA_CONTENT_TYPE: Final = "application/msgpack"
@@ -203,11 +203,13 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
 class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):
     """P to D: the hello is accepted; P's own metadata, for D to check against what P's engine published, and the
     plane P chose for its writes into D (`kvsvc.data_planes.Route.kind`), which D's staging rule takes; D refuses a
-    plane it does not know, or none."""
+    plane it does not know, or none. `proof` binds this answer to the whole exchange (empty without a control
+    token)."""
 
     version: int
     sender: WorkerMetadata
     plane: Word = ""
+    proof: Opaque = b""
 
 
 class HelloRefused(msgspec.Struct, tag="hello_refused", frozen=True, kw_only=True):
@@ -358,8 +360,25 @@ def decode(body: bytes) -> Message:
         raise MalformedFrame(f"frame of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
     try:
         return _decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-        raise MalformedFrame(f"malformed frame ({len(body)} bytes): {exc}") from None
+    except Exception as exc:  # any decoder failure, a RecursionError of a deeply nested field included, is the peer's
+        raise MalformedFrame(f"malformed frame ({len(body)} bytes): {_decode_error(exc)}") from None
+
+
+def _decode_error(exc: Exception) -> str:
+    """What a decoder's failure says, in words a log line can hold: msgspec's own message, or the kind of error
+    (a RecursionError's text is Python's, not the frame's)."""
+    if isinstance(exc, msgspec.DecodeError | msgspec.ValidationError | UnicodeDecodeError):
+        return clip(str(exc), 200)
+    if isinstance(exc, RecursionError):
+        return "nested too deeply to decode"
+    return f"{type(exc).__name__} while decoding"
+
+
+def canonical(message: HelloChallenge | Hello | HelloOk) -> bytes:
+    """`message`'s body as its receiver re-encodes it after decoding: what the hello's proofs sign. Both ends sign
+    this form rather than the bytes sent, so a field the sender holds as another type (an int in a float field)
+    signs alike on both."""
+    return _encoder.encode(_decoder.decode(_encoder.encode(message)))
 
 
 def clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
@@ -494,8 +513,8 @@ def decode_engine_metadata(body: bytes) -> dict[Worker, WorkerMetadata]:
     """
     try:
         raw = _metadata_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-        raise MalformedFrame(f"malformed engine metadata ({len(body)} bytes): {exc}") from None
+    except Exception as exc:  # as `decode`: whatever the decoder raises is the document's fault
+        raise MalformedFrame(f"malformed engine metadata ({len(body)} bytes): {_decode_error(exc)}") from None
     result: dict[Worker, WorkerMetadata] = {}
     for key, meta in raw.items():
         try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvsvc.service import ServiceConfig
+from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig
 
 FAULTS: Final = ("kill", "freeze", "restart", "cut")
@@ -55,6 +56,7 @@ class ChaosOptions:
     seed: int = 0
     timeout_s: float = 1800.0
     service: ServiceConfig = field(default_factory=default_service)
+    transport: MooncakeConfig = field(default_factory=MooncakeConfig)  # every worker's Mooncake engine
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.faults) - set(FAULTS) - set(NET_FAULTS))
@@ -90,7 +92,9 @@ class ChaosOptions:
         return bound + extra.get(fault, 0.0)
 
     def engine_configs(self) -> tuple[EngineConfig, EngineConfig]:
-        common: dict[str, Any] = dict(num_layers=4, num_kv_heads=4, head_size=16, num_blocks=self.num_blocks)
+        common: dict[str, Any] = dict(
+            num_layers=4, num_kv_heads=4, head_size=16, num_blocks=self.num_blocks, transport=self.transport
+        )
         return (
             EngineConfig(
                 engine_id="chaos-p",

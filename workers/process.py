@@ -35,8 +35,8 @@ from kvsvc.service.staging_area import StagingArea
 from kvsvc.staging_memory import build_staging
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Transport
-from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
-from kvsvc.transport.routed import with_same_host
+from kvsvc.transport.mooncake import MooncakeConfig
+from kvsvc.transport.routed import worker_transport
 from workers.bench.worker import BenchCommand, BenchState, handle_bench
 from workers.kv_pool import KVPool, WorkerShape
 from workers.synthetic import VerifyResult, fill, ready_after_fill, verify
@@ -219,7 +219,6 @@ class WorkerRuntime:
         self.stopping: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         # req_id -> (direction, transfer_id, started): what `Transfers` lists; dropped once `get_finished` reports it.
         self.in_flight: dict[str, tuple[str, str, float]] = {}
-        self.mooncake: MooncakeTransport | None = None  # the engine `kvsvc bench` measures its baselines on
         self.transport: Transport | None = None  # the routed transport the service writes through (bench baselines)
         self.bench: BenchState | None = None
 
@@ -321,8 +320,7 @@ def _staging_area(options: WorkerOptions, pool: KVPool, transport: Transport) ->
 async def _serve(options: WorkerOptions, conn: Connection) -> int:
     try:
         pool = KVPool(options.shape, options.incarnation, options.device)
-        mooncake = MooncakeTransport(options.transport)
-        transport = with_same_host(mooncake, str(options.device), options.service.transport)
+        transport = worker_transport(options.transport, str(options.device), options.service.transport)
         transport.register(pool.regions())
         staging = _staging_area(options, pool, transport)
         service = KVTransferService(pool.meta, transport, options.service, staging=staging)
@@ -332,7 +330,6 @@ async def _serve(options: WorkerOptions, conn: Connection) -> int:
         conn.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return 1
     runtime = WorkerRuntime(options, pool, service)
-    runtime.mooncake = mooncake
     runtime.transport = transport
     loop = asyncio.get_running_loop()
     shutdown_seq: list[int] = []

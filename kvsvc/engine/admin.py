@@ -22,6 +22,7 @@ import msgspec
 from aiohttp import web
 
 from kvsvc.engine.bootstrap import add_metadata_route, published_metadata, serve_app
+from kvsvc.engine.http_bounds import BOUNDS_KEY, HttpBounds
 from kvsvc.engine.metrics import EngineMetrics, MetricsSnapshot, PeerRow, StatsDict
 from kvsvc.messages import Worker, WorkerMetadata
 
@@ -32,22 +33,13 @@ METRICS_KEY: Final = web.AppKey("kvsvc_metrics", EngineMetrics)
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 # What a GET without the token shows of a row; a view's other fields (ids, remote text) need the token.
 _PUBLIC_TRANSFER_FIELDS: Final = frozenset({"pp_rank", "tp_rank", "direction", "state", "age_s"})
+# No identity of a peer (engine id, incarnation, its description): a squatter would need one to pose as that peer.
 _PUBLIC_PEER_FIELDS: Final = frozenset(
-    {
-        "direction",
-        "peer",
-        "peer_engine_id",
-        "peer_pp_rank",
-        "peer_tp_rank",
-        "incarnation",
-        "state",
-        "describe",
-        "expected_destinations",
-        "transport",
-        "pp_rank",
-        "tp_rank",
-    }
+    {"direction", "peer_pp_rank", "peer_tp_rank", "state", "expected_destinations", "transport", "pp_rank", "tp_rank"}
 )
+# Statistics only the token shows: P's count of wrong secrets rises for held ids alone, so beside a request of one's
+# own it tells a held transfer id from one never held.
+_PRIVATE_STATISTICS: Final = (("sender", "refused_secrets"),)
 # WorkerRef.__str__ of kvsvc.messages: "engine[pp0,tp1]"; greedy so an engine id may itself hold brackets.
 _PEER_RE: Final = re.compile(r"^(?P<engine>.*)\[pp(?P<pp>\d+),tp(?P<tp>\d+)\]$")
 _json = msgspec.json.Encoder(enc_hook=str)
@@ -172,11 +164,15 @@ def _guard(token: str | None, max_body_bytes: int) -> Callable[..., Awaitable[we
                 )
             if not _bearer_matches(request.headers.get("Authorization", ""), token):
                 return _error(401, "missing or wrong bearer token", **{"WWW-Authenticate": 'Bearer realm="kvsvc"'})
-            # Read (and drop) the body so a chunked one without Content-Length still meets the limit.
+            # Read (and drop) the body so a chunked one without Content-Length still meets the limit, in time.
+            bounds = request.app.get(BOUNDS_KEY) or HttpBounds()
             try:
-                await request.read()
+                async with asyncio.timeout(bounds.body_timeout_s):
+                    await request.read()
             except web.HTTPRequestEntityTooLarge:
                 return _error(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+            except TimeoutError:
+                return _error(408, f"request body not received within {bounds.body_timeout_s:g} s")
         try:
             return await handler(request)
         except web.HTTPException:
@@ -210,8 +206,8 @@ async def _readyz(request: web.Request) -> web.Response:
 
 def _peer_identity(row: PeerRow) -> tuple[str, int | None, int | None]:
     engine, pp, tp = row.get("peer_engine_id"), row.get("peer_pp_rank"), row.get("peer_tp_rank")
-    if isinstance(engine, str) and isinstance(pp, int):
-        return engine, pp, tp if isinstance(tp, int) else None
+    if isinstance(pp, int) and (isinstance(engine, str) or "peer" not in row):  # a public row: ranks, no engine
+        return engine if isinstance(engine, str) else "", pp, tp if isinstance(tp, int) else None
     match = _PEER_RE.match(str(row.get("peer", "")))
     if match is None:
         return str(row.get("peer", "")), None, None
@@ -306,14 +302,31 @@ async def _transfers(request: web.Request) -> web.Response:
     return _json_response({"transfers": list(rows) if _authorized(request) else _public(rows, _PUBLIC_TRANSFER_FIELDS)})
 
 
-async def _statistics(request: web.Request) -> web.Response:
+async def _worker_statistics(request: web.Request) -> Mapping[Worker, StatsDict]:
+    """The view's statistics, without the oracles of `_PRIVATE_STATISTICS` unless the request carries the token."""
     stats = await request.app[VIEW_KEY].statistics()
+    if _authorized(request):
+        return stats
+    return {worker: _without(s, _PRIVATE_STATISTICS) for worker, s in stats.items()}
+
+
+def _without(stats: StatsDict, paths: Sequence[tuple[str, str]]) -> StatsDict:
+    shown = dict(stats)
+    for table, key in paths:
+        if isinstance(inner := shown.get(table), Mapping):
+            shown[table] = {k: v for k, v in inner.items() if k != key}
+    return shown
+
+
+async def _statistics(request: web.Request) -> web.Response:
+    stats = await _worker_statistics(request)
     return _json_response({"workers": [{"pp_rank": pp, "tp_rank": tp, **s} for (pp, tp), s in sorted(stats.items())]})
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    view = request.app[VIEW_KEY]
-    stats, peers = await asyncio.gather(view.statistics(), view.peers())
+    """Prometheus text; without the token as the GETs show it: no peer identities (series labelled by the peer's
+    ranks) and no private statistics."""
+    stats, peers = await asyncio.gather(_worker_statistics(request), _peer_rows(request))
     body = request.app[METRICS_KEY].render(MetricsSnapshot(stats, peers, _readiness(request)[0]))
     # CONTENT_TYPE_LATEST carries a charset parameter, which aiohttp's content_type argument refuses.
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

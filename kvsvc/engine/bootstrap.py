@@ -11,27 +11,22 @@ from typing import Final
 
 from aiohttp import web
 
+from kvsvc.engine.http_bounds import HttpBounds, bounded_server
 from kvsvc.messages import METADATA_CONTENT_TYPE as CONTENT_TYPE
 from kvsvc.messages import METADATA_PATH, WorkerMetadata, encode_engine_metadata
 
 METADATA_KEY: Final = web.AppKey("kvsvc_metadata", list[bytes])
 
 
-async def serve_app(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Bind `app` on `host:port` (0: a free port) and serve it; returns its runner (`cleanup()` stops it;
+async def serve_app(app: web.Application, host: str, port: int, bounds: HttpBounds | None = None) -> web.AppRunner:
+    """Bind `app` on `host:port` (0: a free port) and serve it behind `bounds` (`HttpBounds()` by default: a
+    connection cap, header and body deadlines, request sizes); returns its runner (`cleanup()` stops it;
     `addresses[0]` is the bound address). Nothing is left behind when the bind fails.
 
     Raises:
         OSError: the address cannot be bound.
     """
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner
+    return await bounded_server(app, host, port, bounds or HttpBounds())
 
 
 async def _handle_metadata(request: web.Request) -> web.Response:

@@ -238,6 +238,8 @@ class _SnapshotCollector(Collector):
             labels=["pp_rank", "tp_rank", "direction", "peer", "incarnation"],
         )
         counts: dict[tuple[str, str, str], int] = {}
+        # Rows shown without the admin token name a peer by its ranks alone, so several may share labels: summed.
+        up: dict[tuple[str, ...], float] = {}
         for row in peers:
             local = [str(row.get("pp_rank", "")), str(row.get("tp_rank", ""))]
             state = str(row.get("state", ""))
@@ -245,10 +247,14 @@ class _SnapshotCollector(Collector):
             if direction == "to_p":
                 key = (local[0], local[1], state)
                 counts[key] = counts.get(key, 0) + 1
-            peer_up.add_metric(
-                [*local, direction, str(row.get("peer", "")), str(row.get("incarnation", ""))],
-                1.0 if state == "connected" else 0.0,
-            )
+            value = 1.0 if state == "connected" else 0.0
+            if "peer" in row:
+                peer_up.add_metric([*local, direction, str(row["peer"]), str(row.get("incarnation", ""))], value)
+                continue
+            labels = (*local, direction, f"[pp{row.get('peer_pp_rank', '')},tp{row.get('peer_tp_rank', '')}]", "")
+            up[labels] = up.get(labels, 0.0) + value
+        for labels, total in up.items():
+            peer_up.add_metric(list(labels), total)
         for (pp, tp, state), count in sorted(counts.items()):
             handshakes.add_metric([pp, tp, state], float(count))
         yield handshakes

@@ -7,7 +7,8 @@ loop iteration (one socket write for every frame sent meanwhile, in order), once
 run of sends (D starting thousands of receives in one engine call) reaches P while it is still running, and `receive`
 lets the loop turn after every `BATCH_FRAMES` messages it hands out from one read, so completions and answers flow
 while a burst is handled. A connection may idle, but a frame once begun must end within `frame_timeout_s`: a peer
-cannot hold the buffer of a partial frame for good.
+cannot hold the buffer of a partial frame for good, and P's end of a new connection may be held to a first byte
+within about a second, so a connection that never speaks frees its slot soon.
 """
 
 from __future__ import annotations
@@ -36,11 +37,18 @@ class ControlChannel:
         max_first_frame_bytes: int | None = None,
         first_frames: int = 1,
         frame_timeout_s: float = 10.0,
+        first_byte_timeout_s: float | None = None,
     ) -> None:
         """`max_first_frame_bytes`: a smaller limit for the first `first_frames` frames (P's, for the hello
-        exchange); `FrameReader`. `frame_timeout_s`: how long a frame may take from its first byte to its last."""
+        exchange); `FrameReader`. `frame_timeout_s`: how long a frame may take from its first byte to its last.
+        `first_byte_timeout_s`: how long the peer may stay silent after connecting (None: as long as it likes)."""
         self._frame_timeout = frame_timeout_s
         self._frame_began: float | None = None  # the loop's time when the frame read in part began
+        # Until the first byte arrived: when silence ends the connection (the loop's time), else None.
+        self._silent_until: float | None = None
+        if first_byte_timeout_s is not None:
+            self._silent_until = asyncio.get_running_loop().time() + first_byte_timeout_s
+        self._first_byte_timeout = first_byte_timeout_s
         self._reader = reader
         self._writer = writer
         self._frames = FrameReader(
@@ -124,10 +132,15 @@ class ControlChannel:
             # this side buffer more than that.
             size = min(_READ_CHUNK, self._frames.next_frame_limit + HEADER_BYTES)
             loop, began = asyncio.get_running_loop(), self._frame_began
+            deadline = self._silent_until if began is None else began + self._frame_timeout
             try:
-                async with asyncio.timeout_at(None if began is None else began + self._frame_timeout):
+                async with asyncio.timeout_at(deadline):
                     data = await self._reader.read(size)
             except TimeoutError:
+                if began is None:
+                    raise MalformedFrame(
+                        f"{self.peer} sent nothing within {self._first_byte_timeout:g} s of connecting"
+                    ) from None
                 raise MalformedFrame(
                     f"{self.peer} began a frame and sent {self._frames.buffered} bytes of it in "
                     f"{loop.time() - (began or 0.0):.1f} s, limit {self._frame_timeout:g} s"
@@ -136,6 +149,7 @@ class ControlChannel:
                 raise PeerLost(f"control connection to {self.peer} broke: {exc}") from None
             if not data:
                 raise PeerLost(f"control connection to {self.peer} closed by the peer")
+            self._silent_until = None
             self._inbox.extend(self._frames.feed(data))
             if not self._frames.buffered:
                 self._frame_began = None

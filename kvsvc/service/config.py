@@ -56,15 +56,25 @@ class ServiceConfig:
     max_early_request_bytes_total: int = 64 * 1024 * 1024
     """The same for all D workers together, so that many of them cannot add up past what one P worker budgets."""
     max_control_connections: int = 1024
-    """Control connections a P worker holds at once, accepted or before their hello; past it, a new one gets a
+    """Control connections a P worker holds at once whose hello it accepted; past it, a new hello gets a
     `HelloRefused` naming the limit and is closed. A D engine of TP 8 x PP 4 x DP 8 opens at most 256 to each."""
     max_control_connections_per_host: int = 512
-    """Of those, the ones from one remote address (every D worker of a host shares it)."""
+    """Of those and the pending ones, the ones from one host group (`kvsvc.bounds.host_group`: all of loopback, an
+    IPv4 /24, an IPv6 /64; every D worker of a host shares it)."""
+    max_pending_hellos: int = 64
+    """Control connections a P worker holds before their hello was accepted, apart from `max_control_connections`:
+    a flood of connections that never hello takes these, never the slots of accepted D workers."""
+    first_byte_timeout_s: float = 1.0
+    """A new control connection to a P worker that sends nothing for this long is closed (its hello then has
+    `handshake_timeout_s` in all)."""
     transport: str = "auto"
     """Which data plane this worker's writes take, per D worker (`kvsvc.data_planes.choose_transport`): "auto" (the
     same-host plane of the KV's memory where both workers offer it on one host: the kernel copy for CPU memory, CUDA
     IPC for GPUs; else Mooncake), "mooncake", or "samehost" (the same as auto, but a pair that cannot use it is
     logged as a warning)."""
+    trust_root_peers: bool = False
+    """Without a control token a worker accepts control connections only from processes of its own user, by the
+    kernel's word on the far end of the socket; True also accepts root's (uid 0). Ignored with a token."""
     control_token: str | None = field(default=None, repr=False)
     """A secret shared by the deployment's engines, never sent: keys derived from it prove each side of a hello to
     the other, and sign the `kv_transfer_params` P hands out (docs/operations.md, Security). None (the default):
@@ -73,6 +83,11 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.transport not in SETTINGS:
             raise ValueError(f"transport {self.transport!r} is not one of {', '.join(SETTINGS)}")
+        if self.max_pending_hellos < 1 or self.first_byte_timeout_s <= 0:
+            raise ValueError(
+                f"max_pending_hellos must be >= 1 and first_byte_timeout_s > 0, got {self.max_pending_hellos} and "
+                f"{self.first_byte_timeout_s}"
+            )
         if self.control_token == "":
             raise ValueError("control_token must be a non-empty secret, or None for no token")
         if self.control_token is None and not is_loopback(self.control_host):

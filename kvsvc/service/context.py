@@ -2,17 +2,23 @@
 
 Rules: the P role (`kvsvc.service.sending`) and the D role (`kvsvc.service.receiving`) never import or call each
 other; everything they both need is here, built by `KVTransferService` and injected, so a test can pass fakes.
-Only `metadata` ever changes, once, when `start` fills in the bound addresses. Imports types and values only.
+Only `metadata` ever changes, once, when `start` fills in the bound addresses. Imports types and values, and the
+kernel's word on a connection's far end (`unkeyed_peer_check`, one sock_diag lookup).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
+from kvsvc.auth import unkeyed_peer_refusal
 from kvsvc.histogram import STAGE_BUCKETS, LatencyHistogram
 from kvsvc.jobs import Notice
 from kvsvc.messages import Worker, WorkerMetadata
@@ -20,6 +26,7 @@ from kvsvc.service.config import ServiceConfig
 from kvsvc.service.staging_area import StagingArea
 from kvsvc.service.tasks import TaskGroup
 from kvsvc.transport.base import Transport
+from kvsvc.transport.procfs import Endpoint, far_end_uid
 
 EngineMetadata = dict[Worker, WorkerMetadata]
 
@@ -55,7 +62,14 @@ class PeerLog:
     def warning(self, kind: str, message: str, *args: object) -> None:
         self.log(logging.WARNING, kind, message, *args)
 
-    def log(self, level: int, kind: str, message: str, *args: object) -> None:
+    def exception(self, kind: str, message: str, *args: object) -> None:
+        """`log.exception` held to the same limit: a bug a peer's input reaches, once per connection, must not
+        flood the log with a traceback each."""
+        self.log(logging.ERROR, kind, message, *args, exc_info=True)
+
+    def log(self, level: int, kind: str, message: str, *args: object, exc_info: bool = False) -> None:
+        """Log `message % args` unless `kind` passed its limit; text arguments come from peers, so their control
+        characters are escaped (a newline in an engine id would otherwise forge a line of its own)."""
         now = self._clock()
         sent = self._sent.setdefault(kind, deque())
         while sent and now - sent[0] >= self._window_s:
@@ -66,8 +80,29 @@ class PeerLog:
         sent.append(now)
         held = self._held.pop(kind, 0)
         if held:
-            message, args = f"{message} (and {held} more of these in the last {self._window_s:g} s)", args
-        log.log(level, message, *args)
+            message = f"{message} (and {held} more of these in the last {self._window_s:g} s)"
+        shown = [a if isinstance(a, int | float) else escape_controls(str(a)) for a in args]
+        if exc_info:  # the frames are this code's; the exception's text may be a peer's
+            error = sys.exc_info()[1]
+            if error is not None:
+                frames = "".join(traceback.format_tb(error.__traceback__))
+                message, shown = (
+                    f"{message}\n%s%s: %s",
+                    [*shown, frames, type(error).__name__, escape_controls(str(error))],
+                )
+        log.log(level, message, *shown)
+
+
+_CONTROLS: Final = {
+    c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+    for c in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+}
+
+
+def escape_controls(text: str) -> str:
+    """`text` with its control characters (newlines, escapes of a terminal) written as `\\xNN`: how text a peer
+    chose goes into a log line."""
+    return text.translate(_CONTROLS)
 
 
 def _stage_histogram() -> LatencyHistogram:
@@ -140,3 +175,19 @@ def notice(ctx: ServiceContext, what: Notice) -> None:
         ctx.peer_log.log(level, "peer report", "%s", what.text)
     else:
         log.log(level, "%s", what.text)
+
+
+def unkeyed_peer_check(ctx: ServiceContext, ends: tuple[Endpoint, Endpoint] | None) -> str:
+    """Why the control connection `ends` (this end, the far end) must close before a frame of it is read or a hello
+    sent, or "" to go on: with a control token the hello's proofs decide; without one, the peer must be a process
+    of this worker's own user by the kernel's word (`kvsvc.auth.unkeyed_peer_refusal`). Raises nothing."""
+    if ctx.config.control_token is not None:
+        return ""
+    if ends is None:
+        return "without a control token a worker needs the kernel's word on a connection's far end: none for this one"
+    try:
+        # One netlink request (about 0.1 ms) on the loop: a thread hop could delay D's first byte past P's deadline.
+        uid = far_end_uid(ends)
+    except (OSError, ValueError) as exc:
+        return f"without a control token a worker needs the kernel's word on {ends[1][0]}:{ends[1][1]}: {exc}"
+    return unkeyed_peer_refusal(os.getuid(), uid, trust_root=ctx.config.trust_root_peers)

@@ -28,18 +28,27 @@ from msgspec.structs import replace
 
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.backoff import Backoff
+from kvsvc.data_planes import choose_transport
 from kvsvc.driver import carry_out_recv
-from kvsvc.errors import HandshakeError, KVSvcError, LocalProtocolError, MalformedFrame, PeerLost
+from kvsvc.errors import (
+    HandshakeError,
+    KVSvcError,
+    LocalProtocolError,
+    MalformedFrame,
+    NeedsMooncake,
+    PeerLost,
+    TransportError,
+)
 from kvsvc.hello import answer_challenge, check_hello_reply, open_hello
 from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef, check_transfer_id, clip
 from kvsvc.planner import check_block_ids
 from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
 from kvsvc.sender import check_secret
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext, notice
+from kvsvc.service.context import EngineMetadata, ServiceContext, notice, unkeyed_peer_check
 from kvsvc.service.lending import WindowLender
 from kvsvc.service.remotes import RemoteEngines, Routes
-from kvsvc.transport.routed import exported_handles
+from kvsvc.transport.routed import exported_handles, start_mooncake
 from kvsvc.windows import lends_windows
 
 log = logging.getLogger(__name__)
@@ -300,25 +309,56 @@ class ReceivingRole:
                 await channel.wait_closed()
 
     async def _connect(self, peer: _Outbound) -> ControlChannel:
-        """Open and hello one P worker.
+        """Open and hello one P worker. This worker's Mooncake engine starts first where the pair will take it
+        (`choose_transport` from the two metadata), or when P refused a hello for want of it (a probe on P refused
+        the same-host plane); the hello names the engine's session once it runs.
 
         Raises:
             PeerLost: unreachable, or closed during the hello.
-            HandshakeError: the hello was refused, timed out, or P is not what its engine published.
+            HandshakeError: the hello was refused, timed out, P is not what its engine published, or the pair needs
+                Mooncake and this worker's cannot start.
         """
+        try:
+            return await self._hello(peer)
+        except NeedsMooncake as exc:  # said by a P that passed the uid check or proved the key on this connection
+            await self._start_mooncake(peer, str(exc))
+            return await self._hello(peer)
+
+    async def _start_mooncake(self, peer: _Outbound, why: str) -> None:
+        """Raises:
+        HandshakeError: this worker's Mooncake engine cannot start (its setting, or the engine failed).
+        """
+        try:
+            await start_mooncake(self._ctx.transport)
+        except TransportError as exc:
+            raise HandshakeError(f"{peer.ref}: {why}, and {exc}") from None
+
+    async def _hello(self, peer: _Outbound) -> ControlChannel:
+        """One connection and hello to P worker `peer` (`_connect`). Raises as `_connect`."""
         p, me = peer.meta, self._ctx.metadata
         timeout_s = self._ctx.config.handshake_timeout_s
         key = derive_key(self._ctx.config.control_token, HELLO_KEY)
         channel = await ControlChannel.connect(p.control_addr, timeout_s=timeout_s, frame_timeout_s=timeout_s)
         try:
             async with asyncio.timeout(timeout_s):  # the whole exchange, both of P's frames
+                refused = unkeyed_peer_check(self._ctx, channel.ends)
+                if refused:  # nothing of this worker, not even its identity, goes to a peer of another user
+                    raise HandshakeError(f"{peer.ref} at {p.control_addr}: {refused}")
                 start = open_hello(me, p, key, secrets.token_bytes(NONCE_BYTES))
                 channel.send(start)
                 # Nothing of this worker's pool goes out before P's proof verified (`answer_challenge`).
                 reply = await channel.receive()
                 handles = exported_handles(self._ctx.transport)
-                channel.send(answer_challenge(me, self._own_engine(), p, start, reply, key, handles))
-                plane = check_hello_reply(p, await channel.receive())
+                hello = answer_challenge(me, self._own_engine(), p, start, reply, key, handles)  # P verified
+                # Only a verified P makes this worker start Mooncake (where the pair will take it), and the hello
+                # names the engine's session once it runs (published "" while it waits for a first pair).
+                if choose_transport(p, me).kind == "mooncake":
+                    await self._start_mooncake(peer, "the pair takes Mooncake")
+                if (session := self._ctx.transport.session_id) != me.transport_addr:
+                    me = replace(me, transport_addr=session)
+                    hello = answer_challenge(me, self._own_engine(), p, start, reply, key, handles)
+                channel.send(hello)
+                plane = check_hello_reply(p, await channel.receive(), key, start, reply, hello)
                 if self._windows is not None:
                     self._windows.plane_chosen(p.engine_id, p.worker, plane)
         except TimeoutError:
@@ -383,7 +423,7 @@ class ReceivingRole:
         self._run_recv(self._receiver.peer_lost(engine_id, src, reason, now, peer.ref.incarnation))
         if self._closing or not self._receiver.waits_on_lost(engine_id, src):
             return
-        if peer.meta.transport_addr not in self._probing:
+        if _probe_key(peer.meta) not in self._probing:
             self._ctx.tasks.spawn(self._confirm_gone(peer, reason), name=f"kvsvc-probe-{peer.ref}")
         self._ctx.tasks.spawn(self._reconnect(peer), name=f"kvsvc-reconnect-{peer.ref}")
 
@@ -404,12 +444,17 @@ class ReceivingRole:
     async def _confirm_gone(self, peer: _Outbound, reason: str) -> None:
         """Shorten the abort grace of the receives that lost `peer` if its transfer engine is gone: a dead
         process writes nothing more once what it had sent has landed (`gone_settle_s`)."""
-        session = peer.meta.transport_addr
-        self._probing.add(session)
+        session, key = peer.meta.transport_addr, _probe_key(peer.meta)
+        self._probing.add(key)
         try:
-            gone = await self._ctx.transport.peer_gone(session)
+            # The kernel names a same-host P's process; Mooncake's probe tells of one on another host (a P whose
+            # engine waits for a first pair publishes no session to probe).
+            gone = False
+            for probed in (peer.meta.samehost_addr, session):
+                if probed and not gone:
+                    gone = await self._ctx.transport.peer_gone(probed)
         finally:
-            self._probing.discard(session)
+            self._probing.discard(key)
         if not gone:
             return
         await asyncio.sleep(self._ctx.config.gone_settle_s)
@@ -433,3 +478,8 @@ class ReceivingRole:
                 "receive"
             )
         return {(0, tp): replace(meta, tp_rank=tp) for tp in range(meta.tp_size)}
+
+
+def _probe_key(p: WorkerMetadata) -> str:
+    """The process a probe of P worker `p` asks after: its Mooncake session, or its same-host one without it."""
+    return p.transport_addr or p.samehost_addr

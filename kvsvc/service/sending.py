@@ -15,11 +15,9 @@ import secrets
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
-import msgspec
-
 from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
-from kvsvc.data_planes import PLANE_NAMES, Route, choose_transport, probed, samehost_check_budget
+from kvsvc.data_planes import PLANE_NAMES, Route, choose_transport, needs_mooncake, probed, samehost_check_budget
 from kvsvc.driver import carry_out_fill, carry_out_send
 from kvsvc.errors import (
     MalformedFrame,
@@ -41,9 +39,9 @@ from kvsvc.messages import (
 from kvsvc.planner import check_block_ids
 from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics
 from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import ServiceContext, notice
+from kvsvc.service.context import ServiceContext, escape_controls, notice, unkeyed_peer_check
 from kvsvc.service.writing import BlockWriter, WriteTarget
-from kvsvc.transport.routed import plane_of
+from kvsvc.transport.routed import plane_of, start_mooncake
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +70,12 @@ class SendingRole:
             max_early_request_bytes=config.max_early_request_bytes,
             max_early_request_bytes_total=config.max_early_request_bytes_total,
         )
-        self._connections = ControlConnections(config.max_control_connections, config.max_control_connections_per_host)
+        self._connections = ControlConnections(
+            config.max_control_connections, config.max_control_connections_per_host, config.max_pending_hellos
+        )
         self._inbound: dict[tuple[str, Worker], _Inbound] = {}
+        # Connections before their hello was accepted, oldest first: whether each was told to give way to newer ones.
+        self._pending: dict[ControlChannel, bool] = {}
         self._writer = BlockWriter(ctx, self._write_target, self._write_result, self._sender.writing)
         self._server: asyncio.Server | None = None
         self._accepting = True
@@ -206,6 +208,7 @@ class SendingRole:
             max_first_frame_bytes=MAX_HELLO_FRAME_BYTES,
             first_frames=2,
             frame_timeout_s=self._ctx.config.handshake_timeout_s,
+            first_byte_timeout_s=self._ctx.config.first_byte_timeout_s,
         )
         if not self._accepting:
             channel.close()
@@ -216,6 +219,13 @@ class SendingRole:
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=refused))
             await channel.wait_closed()
             return
+        self._pending[channel] = False
+        give_way = self._connections.displace()
+        if give_way:
+            oldest = next(c for c, told in self._pending.items() if not told)
+            self._pending[oldest] = True
+            self._refuse(oldest, HelloRefused(version=PROTOCOL_VERSION, reason=give_way))
+            oldest.close()
         task = asyncio.current_task()
         if task is not None:  # asyncio made this handler's task: the service's group owns it too
             self._ctx.tasks.adopt(task)
@@ -238,9 +248,10 @@ class SendingRole:
             pass
         except Exception:  # a bug of ours: log it and drop this connection, never the service
             self._ctx.counts["protocol_errors"] += 1
-            log.exception("control connection from %s failed", channel.peer)
+            self._ctx.peer_log.exception("connection failed", "control connection from %s failed", channel.peer)
         finally:
-            self._connections.leave(host)
+            told = self._pending.pop(channel, None)  # None: its hello was accepted, whatever came after
+            self._connections.leave(host, accepted=told is None, displaced=bool(told))
             if inbound is not None:
                 inbound.target.lose(f"control connection from {inbound.ref} closed")
             if inbound is not None and self._inbound.get(_inbound_key(inbound.ref)) is inbound:
@@ -257,6 +268,10 @@ class SendingRole:
         hello_key = derive_key(self._ctx.config.control_token, HELLO_KEY)
         try:
             async with asyncio.timeout(timeout_s):  # the whole exchange, both of D's frames
+                refused = unkeyed_peer_check(self._ctx, channel.ends)
+                if refused:
+                    self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=refused))
+                    return None
                 first = await channel.receive()
                 challenged = challenge_hello(self._ctx.metadata, first, hello_key, secrets.token_bytes(NONCE_BYTES))
                 if isinstance(challenged, HelloRefusal):
@@ -271,6 +286,13 @@ class SendingRole:
         if isinstance(decision, HelloRefusal):
             self._refuse(channel, decision.reply)
             return None
+        if self._pending.get(channel):  # displaced by newer connections meanwhile: closing
+            return None
+        full = self._connections.accept()
+        if full is not None:  # refused before it replaces anything
+            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=full))
+            return None
+        del self._pending[channel]  # proven: no flood displaces it while it is routed
         d, ref = decision.peer_meta, decision.peer
         key = _inbound_key(ref)
         self._replace(key, ref)  # a reconnect, or a restarted D engine: the old connection's jobs are gone
@@ -278,6 +300,9 @@ class SendingRole:
             # D's staging region too: P writes the windows D lends there.
             staging = [(d.staging_addr, d.staging_size)] if d.staging_size else []
             route = await self._route(d, ref, pool_regions(d) + staging, channel.ends, decision.ipc_handles)
+        except _NoPlane as exc:
+            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=str(exc)))
+            return None
         except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
@@ -287,7 +312,8 @@ class SendingRole:
         target = WriteTarget(ref, d, writes_via, channel.send, session=route.session, plane=route.kind)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
-        channel.send(msgspec.structs.replace(decision.reply, plane=route.kind))  # D stages by it
+        with contextlib.suppress(PeerLost):  # D gone meanwhile: the handler's next receive cleans up
+            channel.send(decision.seal(route.kind))  # D stages by the plane
         return inbound
 
     def _replace(self, key: tuple[str, Worker], ref: WorkerRef) -> None:
@@ -312,6 +338,8 @@ class SendingRole:
         Mooncake. Logs the route once.
 
         Raises:
+            _NoPlane: the pair takes Mooncake, and D's hello names no Mooncake session (`needs_mooncake`) or this
+                worker's Mooncake cannot start.
             TransportError / ValueError: a region no memory can be.
         """
         setting = self._ctx.config.transport
@@ -325,13 +353,23 @@ class SendingRole:
             except TimeoutError:
                 refused = f"no answer from the check of the process within {budget_s:g} s"
             route = probed(route, d, refused)
+        if route.kind == "mooncake":
+            try:  # the first pair on Mooncake starts this worker's engine, before D is asked to start its own
+                await start_mooncake(self._ctx.transport)
+            except TransportError as exc:
+                raise _NoPlane(f"writes to D worker {ref} take Mooncake ({route.reason}), and {exc}") from None
+        if missing := needs_mooncake(route, d):
+            raise _NoPlane(missing)
         self._ctx.transport.add_peer(route.session, regions)
         if route.kind == "mooncake":
             # A plane asked for, or one the rule picked and the probe refused, and not had: a warning.
             level = logging.WARNING if setting == "samehost" or refused else logging.INFO
-            log.log(level, "writes to %s go over Mooncake: %s", ref, route.reason)
+            log.log(
+                level, "writes to %s go over Mooncake: %s", escape_controls(str(ref)), escape_controls(route.reason)
+            )
         else:
-            log.info("writes to %s go over the %s: %s", ref, PLANE_NAMES[route.kind], route.reason)
+            plane = PLANE_NAMES[route.kind]
+            log.info("writes to %s go over the %s: %s", escape_controls(str(ref)), plane, escape_controls(route.reason))
         return route
 
     def _refuse(self, channel: ControlChannel, reply: HelloRefused | ErrorMessage) -> None:
@@ -376,6 +414,10 @@ class SendingRole:
             self._run_send(self._sender.abort(req_id))
             return
         self._run_send(self._sender.ready(transfer_id))
+
+
+class _NoPlane(Exception):
+    """No data plane can carry a pair's writes: the hello is refused with this reason."""
 
 
 def _inbound_key(ref: WorkerRef) -> tuple[str, Worker]:

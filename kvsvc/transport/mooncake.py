@@ -74,6 +74,9 @@ class MooncakeConfig:
     fine_poll_bytes: int | None = None
     submit_chunk: int = 256  # descriptors submitted (12-16 us each, docs/mooncake.md) between yields to the loop
     close_timeout_s: float = 60.0
+    # A worker on loopback starts its engine only when a pair of workers needs it (`kvsvc.transport.ondemand`);
+    # False starts it with the worker (a benchmark of Mooncake itself).
+    on_demand: bool = True
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
@@ -149,7 +152,8 @@ class MooncakeTransport:
     def _start_engine(config: MooncakeConfig) -> Any:
         if os.environ.get("MC_TCP_PROTO") == "1":
             raise TransportError("MC_TCP_PROTO=1 drops the write acknowledgement: unset it", ERR_FAILED)
-        os.environ.update(config.environment())
+        if any(os.environ.get(k) != v for k, v in config.environment().items()):
+            os.environ.update(config.environment())  # `worker_transport` sets them on its own thread first
         from mooncake.engine import TransferEngine  # lazy: `import kvsvc.transport` must work without mooncake
 
         engine = TransferEngine()
@@ -391,8 +395,8 @@ class MooncakeTransport:
         gone. A live engine answers (False); a frozen one keeps the probe waiting about 5 s before it fails, which
         is past `within_s`, so it counts as not gone. False too once this transport is closed. Never raises.
         """
-        if self._closed or self._engine is None:
-            return False
+        if self._closed or self._engine is None or session.startswith(("samehost:", "cudaipc:")):
+            return False  # a same-host session is no engine's: a refused probe would read as a death
         if self._probes is None:
             self._probes = ThreadPoolExecutor(1, thread_name_prefix="kvsvc-probe")
         loop = asyncio.get_running_loop()

@@ -4,9 +4,10 @@ claims (`check_peer`: a live process, the same user, holding the far end of the 
 
 Rules: every answer comes from /proc and the kernel, never from what a peer sent; a process that is gone, or a file
 that cannot be read, answers "no" (-1, False or a reason), never raises. Reads only: nothing here writes or signals a
-process. Blocking file reads: callers run them off the event loop. The far end of a connection is found with one
-sock_diag lookup (`kvsvc.transport.sockdiag`), never a scan of every connection of the host. Imports the standard
-library, `kvsvc.transport.sockdiag` and `kvsvc.data_planes` only.
+process. Blocking file reads: callers run them off the event loop (`far_end_uid`, one netlink request, may run on
+it). The far end of a connection is found with one sock_diag lookup (`kvsvc.transport.sockdiag`), never a scan of
+every connection of the host but where the kernel lacks it; `listening_sockets` reads this process's own sockets.
+Imports the standard library, `kvsvc.transport.sockdiag` and `kvsvc.data_planes` only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import struct
 from pathlib import Path
 
 from kvsvc.data_planes import SameHostAddress
-from kvsvc.transport.sockdiag import tcp_inode
+from kvsvc.transport.sockdiag import tcp_socket
 
 
 def host_identity() -> str:
@@ -55,18 +56,56 @@ def real_uid(pid: int) -> int:
 Endpoint = tuple[str, int]
 
 
-def _tcp_inode(local: Endpoint, remote: Endpoint) -> int | None:
-    """The socket inode of the TCP connection whose end is at `local` talking to `remote`: one exact lookup in the
-    kernel's hash (`kvsvc.transport.sockdiag`), or, on a kernel without sock_diag for TCP, a scan of `/proc/net/tcp`
-    (which walks the whole hash: slow on a busy host); None when there is none."""
+def _tcp_socket(local: Endpoint, remote: Endpoint) -> tuple[int, int] | None:
+    """The owner's uid and the inode of the TCP socket whose end is at `local` talking to `remote`: one exact lookup
+    in the kernel's hash (`kvsvc.transport.sockdiag`), or, on a kernel without sock_diag for TCP, a scan of
+    `/proc/net/tcp` (which walks the whole hash: slow on a busy host); None when there is none."""
     try:
-        return tcp_inode(local, remote)
+        return tcp_socket(local, remote)
     except OSError:
         return _scan_proc_net_tcp(local, remote)
 
 
-def _scan_proc_net_tcp(local: Endpoint, remote: Endpoint) -> int | None:
-    """`_tcp_inode` from this network namespace's `/proc/net/tcp` and `tcp6`."""
+def _tcp_inode(local: Endpoint, remote: Endpoint) -> int | None:
+    owner = _tcp_socket(local, remote)
+    return owner[1] if owner is not None else None
+
+
+def far_end_uid(via: tuple[Endpoint, Endpoint]) -> int | None:
+    """The uid owning the far end of the TCP connection `via` (this end, the far end) by the kernel's word, or None
+    when no socket of this network namespace is that far end (a peer on another host or namespace)."""
+    mine, theirs = via
+    owner = _tcp_socket(theirs, mine)
+    return owner[0] if owner is not None else None
+
+
+def listening_sockets(pid: int | str = "self") -> set[tuple[str, int]]:
+    """The TCP addresses process `pid` listens on (`(host, port)`; "0.0.0.0" or "::" for every interface), by its
+    file descriptors' socket inodes in this network namespace's `/proc/net/tcp` and `tcp6`; empty when they cannot be
+    read. What an operator must firewall, and what a test of which listeners run reads."""
+    inodes: set[int] = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    found: set[tuple[str, int]] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[9]) in inodes:  # TCP_LISTEN
+                ip, port = _proc_endpoint(fields[1])
+                found.add((str(ip), port))
+    return found
+
+
+def _scan_proc_net_tcp(local: Endpoint, remote: Endpoint) -> tuple[int, int] | None:
+    """`_tcp_socket` from this network namespace's `/proc/net/tcp` and `tcp6`."""
     want = (_plain(local[0]), local[1], _plain(remote[0]), remote[1])
     for name in ("tcp", "tcp6"):
         try:
@@ -77,7 +116,7 @@ def _scan_proc_net_tcp(local: Endpoint, remote: Endpoint) -> int | None:
             fields = line.split()
             (lip, lport), (rip, rport) = (_proc_endpoint(f) for f in fields[1:3])
             if (lip, lport, rip, rport) == want:
-                return int(fields[9])
+                return int(fields[7]), int(fields[9])
     return None
 
 

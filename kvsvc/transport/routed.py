@@ -5,23 +5,28 @@ copy for KV in CPU memory (`kvsvc.transport.samehost`) or CUDA IPC for KV on a G
 Rules: nothing is decided here (`kvsvc.data_planes` decides per pair, the service asks `reachable` once, then holds
 the pair's plane, `plane_of`, for its writes); a session goes to the same-host plane only when that plane admitted it
 (its process passed the check against its control connection), never because of what its string says, so a peer
-cannot name its way onto the plane; every other call goes to `primary`; registrations go to both; statistics are
-the sum of the planes'. Imports `kvsvc.transport`
-modules only (the GPU plane's driver loads `libcuda` when that plane is built, never on import).
+cannot name its way onto the plane; every other call goes to `primary` (but a probe of a same-host session, which
+the local plane answers); registrations go to both; statistics are the sum of the planes'. `worker_transport`
+builds a worker's, with Mooncake on demand (`kvsvc.transport.ondemand`). Imports `kvsvc.transport` modules and
+kvsvc's pure core only (the GPU plane's driver loads `libcuda` when that plane is built, never on import).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Protocol
 
+from kvsvc.auth import is_loopback
 from kvsvc.data_planes import is_same_host
 from kvsvc.messages import IpcHandle
 from kvsvc.transport.base import Descriptors, Region, Transport, TransportStatistics
 from kvsvc.transport.cuda_driver import CudaError
+from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
+from kvsvc.transport.ondemand import OnDemand
 from kvsvc.transport.samehost import SameHostTransport
 
 log = logging.getLogger(__name__)
@@ -94,13 +99,18 @@ class RoutedTransport:
         await asyncio.gather(self.primary.drained(), self.local.drained())
 
     async def peer_gone(self, session: str) -> bool:
+        """As the plane's; a same-host session the local plane tells whether or not it writes there (D asks of a
+        P it reads from, whose process the kernel can name)."""
+        if is_same_host(session):
+            return await self.local.peer_gone(session)
         return await self.plane(session).peer_gone(session)
 
     def statistics(self) -> TransportStatistics:
-        """The planes' sums; the registered memory once (both planes bound the same regions)."""
+        """The planes' sums; the registered memory once (both planes bound the same regions, or Mooncake none
+        before it started)."""
         a, b = self.primary.statistics(), self.local.statistics()
         summed = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)}
-        return TransportStatistics(**(summed | {"registered_bytes": a.registered_bytes}))
+        return TransportStatistics(**(summed | {"registered_bytes": max(a.registered_bytes, b.registered_bytes)}))
 
     async def close(self) -> None:
         """The same-host plane first, then `primary`: a D worker takes a Mooncake engine that refuses its probe for
@@ -127,6 +137,44 @@ def with_same_host(primary: Transport, device: str, setting: str = "auto") -> Tr
     return primary
 
 
+def worker_transport(config: MooncakeConfig, device: str, setting: str = "auto") -> Transport:
+    """A worker's transport as its setting (`ServiceConfig.transport`) asks: "mooncake" is Mooncake alone, started at
+    once; otherwise the same-host plane of `device`'s memory (`with_same_host`) beside a Mooncake engine that starts
+    only when a pair needs it (`OnDemand`), or at once when its `host` lies beyond loopback (peers on other hosts
+    need it, and registering a large pool for RDMA takes too long to wait for in a hello) or its config is not
+    `on_demand`; "samehost" never starts Mooncake.
+
+    Raises:
+        TransportError: Mooncake could not start (where it starts at once).
+        ValueError: "samehost" where this memory has no same-host plane (no CUDA driver).
+    """
+    if setting == "mooncake":
+        return MooncakeTransport(config)
+    os.environ.update(config.environment())  # here, not on the thread a later start runs on (setenv is not safe)
+    primary = OnDemand(lambda: MooncakeTransport(config), allowed=setting != "samehost")
+    transport = with_same_host(primary, device, setting)
+    if transport is primary:
+        if setting == "samehost":
+            raise ValueError(f"transport 'samehost' but KV on {device!r} has no same-host plane here")
+        primary.start_now()  # every pair takes Mooncake
+    elif setting != "samehost" and (not is_loopback(config.host) or not config.on_demand):
+        primary.start_now()
+    return transport
+
+
+async def start_mooncake(transport: Transport) -> str:
+    """Start `transport`'s Mooncake engine where it waits for a first pair (`OnDemand`, bare or beside a same-host
+    plane); returns the session peers write to ("" where it cannot start, and a transport of another kind's own).
+
+    Raises:
+        TransportError: as `OnDemand.start`.
+    """
+    primary = transport.primary if isinstance(transport, RoutedTransport) else transport
+    if isinstance(primary, OnDemand):
+        return await primary.start()
+    return primary.session_id
+
+
 def plane_of(transport: Transport, session: str) -> Transport:
     """The plane writes to `session` take through `transport` (`RoutedTransport.plane`; `transport` itself when it
     has one plane). Asked once the session passed `reachable` and `add_peer`: the writer holds it per pair."""
@@ -138,4 +186,12 @@ def exported_handles(transport: Transport) -> list[IpcHandle]:
     return transport.local.exported() if isinstance(transport, RoutedTransport) else []
 
 
-__all__ = ["LocalPlane", "RoutedTransport", "exported_handles", "plane_of", "with_same_host"]
+__all__ = [
+    "LocalPlane",
+    "RoutedTransport",
+    "exported_handles",
+    "plane_of",
+    "start_mooncake",
+    "with_same_host",
+    "worker_transport",
+]

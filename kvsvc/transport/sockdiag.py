@@ -1,10 +1,11 @@
 """Which socket is one end of a TCP connection, asked of the kernel by the connection's four-tuple (sock_diag).
 
 The same-host plane checks that a claimed process holds the far end of the control connection a hello came on; that
-needs the far end's socket inode. `/proc/net/tcp` gives it too, but reading it walks the kernel's whole connection
-hash, every bucket of every network namespace, on each read: 15 ms on an idle 2-core host with seven sockets in
-this namespace, 40 ms at 13,000, and seconds on a loaded host with many connections (the engines' own HTTP polls
-leave thousands in TIME_WAIT). A `SOCK_DIAG_BY_FAMILY` request for one exact four-tuple is one hash lookup.
+needs the far end's socket inode; without a control token a worker checks who owns that socket, its uid.
+`/proc/net/tcp` gives both too, but reading it walks the kernel's whole connection hash, every bucket of every
+network namespace, on each read: 15 ms on an idle 2-core host with seven sockets in this namespace, 40 ms at
+13,000, and seconds on a loaded host with many connections (the engines' own HTTP polls leave thousands in
+TIME_WAIT). A `SOCK_DIAG_BY_FAMILY` request for one exact four-tuple is one hash lookup.
 
 Rules: standard library only; one netlink socket per call, closed before return; every answer is parsed with
 bounds checked, and anything unexpected reads as "no such socket" or `OSError`, never as another socket's inode.
@@ -31,7 +32,8 @@ _PORTS = struct.Struct(">HH")
 _REQUEST_TAIL = struct.Struct("=III")
 # struct inet_diag_msg after the header: family, state, timer, retrans, sockid (48 bytes), expires, rqueue, wqueue,
 # uid, inode.
-_INODE_OFFSET: Final = _HEADER.size + 4 + 48 + 16
+_UID_OFFSET: Final = _HEADER.size + 4 + 48 + 12
+_INODE_OFFSET: Final = _UID_OFFSET + 4
 
 Endpoint = tuple[str, int]
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -45,11 +47,23 @@ def tcp_inode(local: Endpoint, remote: Endpoint, timeout_s: float = 1.0) -> int 
     Raises:
         OSError: the kernel has no sock_diag for TCP (a module not loaded), or did not answer within `timeout_s`.
     """
+    owner = tcp_socket(local, remote, timeout_s)
+    return owner[1] if owner is not None else None
+
+
+def tcp_socket(local: Endpoint, remote: Endpoint, timeout_s: float = 1.0) -> tuple[int, int] | None:
+    """The owner's uid and the inode of the TCP socket whose own end is `local` and whose peer is `remote`, in this
+    network namespace; None when there is none (as `tcp_inode`). The uid is the kernel's: the user whose process
+    made the socket (for an accepted one, the listener's), whatever that process claims.
+
+    Raises:
+        OSError: as `tcp_inode`.
+    """
     mine, theirs = _address(local[0]), _address(remote[0])
     for family, src, dst in _forms(mine, theirs):
-        inode = _ask(family, src, local[1], dst, remote[1], timeout_s)
-        if inode is not None:
-            return inode
+        owner = _ask(family, src, local[1], dst, remote[1], timeout_s)
+        if owner is not None:
+            return owner
     return None
 
 
@@ -70,8 +84,9 @@ def _forms(a: Address, b: Address) -> list[tuple[int, bytes, bytes]]:
     return forms
 
 
-def _ask(family: int, src: bytes, sport: int, dst: bytes, dport: int, timeout_s: float) -> int | None:
-    """One exact lookup: the inode of the socket of `family` at (src, sport) connected to (dst, dport), or None."""
+def _ask(family: int, src: bytes, sport: int, dst: bytes, dport: int, timeout_s: float) -> tuple[int, int] | None:
+    """One exact lookup: the owner's uid and the inode of the socket of `family` at (src, sport) connected to
+    (dst, dport), or None."""
     body = (
         _REQUEST_HEAD.pack(family, socket.IPPROTO_TCP, 0, 0, ALL_STATES)
         + _PORTS.pack(sport, dport)
@@ -94,8 +109,8 @@ def _ask(family: int, src: bytes, sport: int, dst: bytes, dport: int, timeout_s:
         raise OSError(-code, f"sock_diag refused the lookup: errno {-code}")
     if kind != SOCK_DIAG_BY_FAMILY or length < _INODE_OFFSET + 4 or len(answer) < _INODE_OFFSET + 4:
         raise OSError(f"sock_diag answered message type {kind} of {length} bytes")
-    (inode,) = struct.unpack_from("=I", answer, _INODE_OFFSET)
-    return int(inode)
+    uid, inode = struct.unpack_from("=II", answer, _UID_OFFSET)
+    return int(uid), int(inode)
 
 
-__all__ = ["tcp_inode"]
+__all__ = ["tcp_inode", "tcp_socket"]

@@ -68,8 +68,9 @@ class RemotePrefill:
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
-    """A short digest of a prompt's token ids (16 hex digits)."""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8).hexdigest()
+    """A digest of a prompt's token ids (32 hex digits: 128 bits, so finding two prompts of one digest costs about
+    2^64 work, not the 2^32 of a 64-bit one, which would load one prompt's KV as another's into D's prefix cache)."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:

@@ -37,8 +37,8 @@ from kvsvc.service.threaded import ServiceThread
 from kvsvc.staging_memory import build_staging
 from kvsvc.streams import completion_future
 from kvsvc.transport.base import Transport
-from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
-from kvsvc.transport.routed import with_same_host
+from kvsvc.transport.mooncake import MooncakeConfig
+from kvsvc.transport.routed import worker_transport
 from kvsvc.vllm.config import ConnectorConfig
 from kvsvc.vllm.finished import TransferReports, TransferResults
 from kvsvc.vllm.flow import StepMetadata
@@ -93,7 +93,7 @@ class WorkerSide:
         staging, staging_region = self._staging_area(kv_caches)
 
         def transport() -> Transport:
-            engine = with_same_host(MooncakeTransport(mooncake), self._device, self._service_config.transport)
+            engine = worker_transport(mooncake, self._device, self._service_config.transport)
             engine.register(regions + staging_region)
             return engine
 
@@ -114,7 +114,7 @@ class WorkerSide:
             meta.num_blocks,
             meta.block_size,
             meta.control_addr,
-            meta.transport_addr,
+            meta.transport_addr or "started when a pair needs it",
         )
         return meta
 

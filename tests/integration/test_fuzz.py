@@ -53,6 +53,7 @@ from kvsvc.messages import (
 )
 from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of, unkeyed_frames
+from kvsvc.transport.mooncake import MooncakeConfig
 from workers.chaos import ChaosOptions, ChaosRun, start_chaos_engines
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine
 from workers.process import Peers
@@ -69,6 +70,8 @@ OPTIONS = ChaosOptions(
     service=ServiceConfig(
         hold_timeout_s=8.0, recv_timeout_s=30.0, early_request_timeout_s=2.0, handshake_timeout_s=3.0
     ),
+    # The fuzzer's hellos copy D's metadata, a pool P writes over Mooncake: D runs it from the start.
+    transport=MooncakeConfig(on_demand=False),
 )
 REPLY_DEADLINE_S = 30.0  # generous: the worker must close within its handshake timeout; the host may be loaded
 ANSWERS = (HelloChallenge, HelloOk, HelloRefused, ErrorMessage, TransferFailed, Pong)

@@ -9,6 +9,7 @@ P that answers done without writing fails the load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import socket
 import threading
@@ -38,8 +39,9 @@ from kvsvc.messages import (
 )
 from kvsvc.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig
+from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig, Executor, start_all
-from workers.process import GetFinished, Prefill, Recv
+from workers.process import ForgetEngine, GetFinished, Prefill, Recv
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -53,8 +55,11 @@ IO_BOUND_S = 10.0
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[Executor, Executor]]:
-    p = Executor(EngineConfig(engine_id="auth-p", role="prefill", service=SERVICE, **GEOMETRY))
-    d = Executor(EngineConfig(engine_id="auth-d", role="decode", service=SERVICE, **GEOMETRY))
+    # Mooncake from the start: D's session is one of the addresses a fake P must never learn, and a replayed hello
+    # would have P write into D's pool over it.
+    mooncake = MooncakeConfig(on_demand=False)
+    p = Executor(EngineConfig(engine_id="auth-p", role="prefill", service=SERVICE, transport=mooncake, **GEOMETRY))
+    d = Executor(EngineConfig(engine_id="auth-d", role="decode", service=SERVICE, transport=mooncake, **GEOMETRY))
     start_all([p, d])
     try:
         yield p, d
@@ -215,7 +220,7 @@ def test_a_p_that_answers_done_without_writing_fails_the_load(engines: tuple[Exe
         if isinstance(message, Hello) and fake.challenged is not None:
             accepted = accept_hello(fake.published, fake.challenged, message, key)
             assert isinstance(accepted, HelloAccepted), accepted
-            return [msgspec.structs.replace(accepted.reply, plane="mooncake")]  # as P's service names its plane
+            return [accepted.seal("mooncake")]  # as P's service names its plane, with its proof
         if isinstance(message, TransferRequest):
             return [TransferDone(transfer_id=message.transfer_id, bytes=0, descriptors=0)]
         return []
@@ -237,3 +242,85 @@ def test_engines_sharing_the_token_transfer(engines: tuple[Executor, Executor]) 
     d.broadcast(Recv("d-ok", "ok", p.engine_id, p.url, [7, 8, 9], TOKENS))
     finished, _ = _ended(d, "d-ok")
     assert finished
+
+
+class Relay:
+    """A relay without the token between a real D and a real P: it serves P's engine document with its own control
+    address, forwards every frame both ways, and rewrites what lies between the proofs: P's metadata on its way to
+    D (so that it matches the document D fetched), D's pool on its way to P (so that P would write where the relay
+    chose). Records which frames went each way."""
+
+    def __init__(self, p: Executor) -> None:
+        self.p_meta = p.metas[(0, 0)]
+        self.to_p: list[Message] = []
+        self.to_d: list[Message] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+
+    async def _start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        self._bootstrap = BootstrapServer({(0, 0): self._as_relayed(self.p_meta)})
+        return await self._bootstrap.start()
+
+    def _as_relayed(self, meta: WorkerMetadata) -> WorkerMetadata:
+        return msgspec.structs.replace(meta, control_addr=self.address)
+
+    async def _serve(self, d_reader: asyncio.StreamReader, d_writer: asyncio.StreamWriter) -> None:
+        host, _, port = self.p_meta.control_addr.rpartition(":")
+        p_reader, p_writer = await asyncio.open_connection(host, int(port))
+
+        def to_p(message: Message) -> Message:
+            if isinstance(message, Hello):  # D's pool, moved: P would write a block further on
+                sender = message.sender
+                moved = [addr + 4096 for addr in sender.base_addrs]
+                message = msgspec.structs.replace(message, sender=msgspec.structs.replace(sender, base_addrs=moved))
+            self.to_p.append(message)
+            return message
+
+        def to_d(message: Message) -> Message:
+            if isinstance(message, HelloChallenge | HelloOk):
+                message = msgspec.structs.replace(message, sender=self._as_relayed(message.sender))
+            self.to_d.append(message)
+            return message
+
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, change: Any) -> None:
+            frames = FrameReader()
+            with contextlib.suppress(ConnectionError, ValueError):
+                while data := await reader.read(65536):
+                    writer.write(b"".join(encode(change(m)) for m in frames.feed(data)))
+            writer.close()
+
+        await asyncio.gather(pump(d_reader, p_writer, to_p), pump(p_reader, d_writer, to_d))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._server.close()
+            await self._bootstrap.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+
+def test_a_relay_that_rewrites_the_metadata_between_the_proofs_is_refused(engines: tuple[Executor, Executor]) -> None:
+    """The proofs bind the whole exchange: the relay's rewrite of P's metadata fails P's proof at D, which then sends
+    P nothing of its pool, so P never sees a hello to write by; the transfer through the relay fails, and the same
+    transfer asked of P directly lands."""
+    p, d = engines
+    d.broadcast(ForgetEngine(p.engine_id))  # D reaches P afresh, through the relay, not on the connection it holds
+    relay = Relay(p)
+    try:
+        p.broadcast(Prefill("p-relayed", "relayed", [10, 11, 12], TOKENS, 7))
+        d.broadcast(Recv("d-relayed", "relayed", p.engine_id, relay.url, [13, 14, 15], TOKENS))
+        finished, invalid = _ended(d, "d-relayed")
+    finally:
+        relay.close()
+    assert not finished and {13, 14, 15} <= invalid
+    assert [type(m) for m in relay.to_d] == [HelloChallenge], relay.to_d  # D stopped at P's proof
+    assert not any(isinstance(m, Hello) for m in relay.to_p), "D sent its pool through the relay"
+    d.broadcast(ForgetEngine(p.engine_id))
+    d.broadcast(Recv("d-direct", "relayed", p.engine_id, p.url, [13, 14, 15], TOKENS))
+    assert _ended(d, "d-direct")[0]

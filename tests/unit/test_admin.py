@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import hmac
 import inspect
+import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ def stats(bytes_sent: int, expired: int = 0, write_seconds: tuple[float, ...] = 
             "finished_pending_report": 0,
             "expired_holds": expired,
             "aborted_holds": 1,
+            "refused_secrets": 7,
         },
         "receiver": {
             "receives": 4,
@@ -196,7 +198,10 @@ async def test_handshake_endpoint_shares_the_app(
 async def test_topology_lists_workers_and_remote_stages_with_describe(
     client: TestClient[web.Request, web.Application],
 ) -> None:
-    body = await (await client.get("/v1/topology")).json()
+    public = await (await client.get("/v1/topology")).json()
+    assert [remote["engine_id"] for remote in public["remotes"]] == [""]  # no peer identity without the token
+    assert "dinc" not in json.dumps(public) and "decode[x]" not in json.dumps(public)
+    body = await (await client.get("/v1/topology", headers=AUTH)).json()
     assert (body["engine_id"], body["role"], body["pp_size"], body["tp_size"]) == ("prefill-0", "P", 1, 2)
     assert [(w["pp_rank"], w["tp_rank"], w["end_layer"]) for w in body["workers"]] == [(0, 0, 4), (0, 1, 4)]
     [remote] = body["remotes"]
@@ -225,6 +230,24 @@ async def test_peers_transfers_and_statistics_are_json(client: TestClient[web.Re
     assert transfers == [{"pp_rank": 0, "tp_rank": 0, "req_id": "r1", "transfer_id": "t1", "state": "held"}]
     workers = (await (await client.get("/v1/statistics")).json())["workers"]
     assert [(w["pp_rank"], w["tp_rank"], w["bytes_sent"]) for w in workers] == [(0, 0, 4096), (0, 1, 8192)]
+
+
+async def test_public_gets_show_no_peer_identity_nor_the_wrong_secret_oracle(
+    client: TestClient[web.Request, web.Application],
+) -> None:
+    """A squatter needs a peer's engine id and incarnation; a prober reads `refused_secrets` to tell held ids."""
+    public = {path: await (await client.get(path)).text() for path in ("/v1/peers", "/v1/statistics", "/metrics")}
+    for text in public.values():
+        samples = [line for line in text.splitlines() if not line.startswith("#")]  # HELP lines name every family
+        assert not [line for line in samples if "decode[x]" in line or "dinc" in line or "refused_secrets" in line]
+    peers = json.loads(public["/v1/peers"])["peers"]
+    assert [(p["direction"], p["pp_rank"], p["tp_rank"], p["state"]) for p in peers] == [
+        ("to_p", 0, 0, "connected"),
+        ("to_p", 0, 1, "failed"),
+    ]
+    private = {path: await (await client.get(path, headers=AUTH)).text() for path in public}
+    assert all("decode[x]" in text for path, text in private.items() if path != "/v1/statistics")
+    assert "refused_secrets" in private["/v1/statistics"] and "kvsvc_refused_secrets" in private["/metrics"]
 
 
 async def test_metrics_parse_and_show_the_view_values(client: TestClient[web.Request, web.Application]) -> None:

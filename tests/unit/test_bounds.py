@@ -21,6 +21,7 @@ from kvsvc.bounds import (
     MAX_WORKERS,
     ControlConnections,
     check_engine_bounds,
+    host_group,
 )
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.errors import PeerMismatch
@@ -235,18 +236,44 @@ def test_any_claimed_sizes_are_accepted_only_within_the_bounds_and_never_cost_mo
 # -- who may hold a connection ---------------------------------------------------------------------------------
 
 
-def test_control_connections_are_admitted_up_to_the_total_and_per_host_caps_and_leave_once() -> None:
-    connections = ControlConnections(max_total=3, max_per_host=2)
-    assert connections.admit("10.0.0.1") is None and connections.admit("10.0.0.1") is None
-    assert connections.admit("10.0.0.1") == "10.0.0.1 holds 2 control connections to this P worker, limit 2"
-    assert connections.admit("10.0.0.2") is None
-    assert connections.admit("10.0.0.3") == "P worker holds 3 control connections, limit 3"
-    assert connections.open == 3
-    connections.leave("10.0.0.1")
-    assert connections.admit("10.0.0.3") is None
-    for host in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
-        connections.leave(host)
-    assert connections.open == 0
+def test_control_connections_are_admitted_up_to_the_pending_accepted_and_per_host_caps_and_leave_once() -> None:
+    connections = ControlConnections(max_total=2, max_per_host=2, max_pending=3)
+    assert connections.admit("10.0.1.1") is None and connections.admit("10.0.1.2") is None
+    # 10.0.1.1 and 10.0.1.2 are one /24: one host's cap
+    assert (
+        connections.admit("10.0.1.9")
+        == "10.0.1.9 (of 10.0.1.0/24) holds 2 control connections to this P worker, limit 2"
+    )
+    assert connections.admit("10.0.2.1") is None and connections.displace() == ""
+    # A fourth pending one is admitted, and the oldest pending gives way to it, once.
+    assert connections.admit("10.0.3.1") is None
+    assert connections.displace() == (
+        "P worker holds 3 control connections before their hello, its limit, and this is the oldest"
+    )
+    assert connections.displace() == ""
+    connections.leave("10.0.1.1", accepted=False, displaced=True)
+    assert connections.open == 3 and connections.pending == 3 and connections.displace() == ""
+    # Accepted ones leave the pending cap to new connections; the accepted cap is the total's.
+    assert connections.accept() is None and connections.accept() is None
+    assert connections.accept() == "P worker holds 2 control connections, limit 2"
+    assert connections.pending == 1 and connections.admit("10.0.4.1") is None
+    connections.leave("10.0.1.2", accepted=True)
+    connections.leave("10.0.2.1", accepted=True)
+    connections.leave("10.0.3.1", accepted=False)
+    connections.leave("10.0.4.1", accepted=False)
+    assert connections.open == 0 and connections.pending == 0
+
+
+def test_every_loopback_address_is_one_host_and_networks_count_as_one() -> None:
+    """Any local process can connect from 127.0.0.2, 127.0.0.3, ...: a per-host cap per address would be no cap."""
+    assert {host_group(h) for h in ("127.0.0.1", "127.0.0.2", "127.9.9.9", "::1", "::ffff:127.0.0.3")} == {"loopback"}
+    assert host_group("10.1.2.3") == host_group("::ffff:10.1.2.200") == "10.1.2.0/24"
+    assert host_group("2001:db8:1:2::5") == host_group("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
+    assert host_group("10.1.3.1") != host_group("10.1.2.1")
+    assert host_group("not-an-address") == "not-an-address"
+    connections = ControlConnections(max_total=10, max_per_host=2, max_pending=10)
+    assert connections.admit("127.0.0.2") is None and connections.admit("127.0.0.3") is None
+    assert connections.admit("127.0.0.4") == "loopback holds 2 control connections to this P worker, limit 2"
 
 
 # -- early requests --------------------------------------------------------------------------------------------

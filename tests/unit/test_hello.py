@@ -32,6 +32,7 @@ from kvsvc.messages import (
     HelloChallenge,
     HelloOk,
     HelloRefused,
+    IpcHandle,
     KVGroup,
     MambaState,
     Ping,
@@ -71,6 +72,53 @@ def test_p_accepts_a_hello_meant_for_it_and_learns_which_d_workers_it_serves(key
     assert sorted(decision.peer_engine) == sorted(D)
     # and D takes the answer, once P's service named the plane it chose (`SendingRole._route`, which probes)
     assert check_hello_reply(P0, msgspec.structs.replace(decision.reply, plane="mooncake")) == "mooncake"
+
+
+def _keyed_acceptance() -> tuple[HelloChallenged, Hello, HelloAccepted]:
+    challenged = _challenged()
+    hello = answer_challenge(D0, D, P0, challenged.start, challenged.reply, KEY)
+    decision = accept_hello(P0, challenged, hello, KEY)
+    assert isinstance(decision, HelloAccepted)
+    return challenged, hello, decision
+
+
+def test_the_proofs_bind_the_transcript_so_a_relay_that_rewrites_any_field_is_refused() -> None:
+    """A relay without the key passes both proofs through and rewrites what lies between them: P's metadata in its
+    challenge, D's pool in its hello (so that P would write where the relay chose), or the plane P answered."""
+    challenged, hello, decision = _keyed_acceptance()
+    assert check_hello_reply(P0, decision.seal("samehost"), KEY, challenged.start, challenged.reply, hello)
+    # D's pool rewritten on its way to P: P refuses
+    elsewhere = msgspec.structs.replace(D0, base_addrs=[a + 4096 for a in D0.base_addrs], transport_addr="6.6.6.6:1")
+    forged = accept_hello(P0, challenged, msgspec.structs.replace(hello, sender=elsewhere), KEY)
+    assert isinstance(forged, HelloRefusal) and "over the exchange" in forged.reason
+    # the stage split or the GPU handles rewritten: refused alike
+    for change in (
+        {"stage_layers": [(0, 3), (3, 4)]},
+        {"ipc_handles": [IpcHandle(handle=b"h" * 64, base=1 << 20, size=1 << 20)]},
+    ):
+        altered = accept_hello(P0, challenged, msgspec.structs.replace(hello, **change), KEY)
+        assert isinstance(altered, HelloRefusal), change
+    # P's metadata rewritten on its way to D (D compares it with the engine document the relay may also have
+    # rewritten): D's check of P's proof fails
+    p_elsewhere = msgspec.structs.replace(P0, transport_addr="6.6.6.6:1")
+    with pytest.raises(HandshakeError, match="failed to prove"):
+        answer_challenge(
+            D0, D, p_elsewhere, challenged.start, msgspec.structs.replace(challenged.reply, sender=p_elsewhere), KEY
+        )
+    # the plane of P's answer rewritten on its way back: D refuses
+    sealed = decision.seal("samehost")
+    with pytest.raises(HandshakeError, match="altered"):
+        check_hello_reply(
+            P0, msgspec.structs.replace(sealed, plane="mooncake"), KEY, challenged.start, challenged.reply, hello
+        )
+    # an answer without a proof, or one sealed for another hello, does not verify either
+    with pytest.raises(HandshakeError, match="altered"):
+        check_hello_reply(
+            P0, msgspec.structs.replace(sealed, proof=b""), KEY, challenged.start, challenged.reply, hello
+        )
+    other = msgspec.structs.replace(hello, proof=b"x" * 32)
+    with pytest.raises(HandshakeError, match="altered"):
+        check_hello_reply(P0, sealed, KEY, challenged.start, challenged.reply, other)
 
 
 def test_the_token_and_d_s_pool_never_go_out_before_p_proved_the_key() -> None:

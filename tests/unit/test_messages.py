@@ -277,3 +277,13 @@ def test_local_values_a_peer_would_refuse_are_refused_where_they_are_set() -> No
     with pytest.raises(ValueError, match=re.escape("$.engine_id")):
         check_own_metadata(meta(engine_id="e" * (MAX_NAME_CHARS + 1)))
     check_own_metadata(meta())
+
+
+def test_a_frame_nested_past_the_decoder_s_depth_is_a_malformed_frame() -> None:
+    """A 30 KiB hello_start whose unknown field nests 30,000 arrays deep: msgspec recurses; P must answer it as any
+    malformed frame, never with a RecursionError out of the connection handler."""
+    start = msgspec.msgpack.encode({"type": "hello_start", "x": 0})
+    nested = b"\x91" * 30_000 + b"\xc0"  # [[[...[nil]...]]]
+    body = start[:-1] + nested  # the last field's value, 0, becomes the nested arrays
+    with pytest.raises(MalformedFrame, match=r"nested too deeply to decode"):
+        decode(body)

@@ -28,3 +28,21 @@ def test_a_kind_logs_a_burst_per_window_and_the_next_line_names_what_was_held_ba
         "refusing hello 8 (and 5 more of these in the last 10 s)",
     ]
     assert [m for m in lines if m.startswith("bad frame")] == ["bad frame 0", "bad frame 1", "bad frame 2"]
+
+
+def test_text_a_peer_chose_cannot_forge_a_line_nor_a_traceback_flood(caplog: pytest.LogCaptureFixture) -> None:
+    """A newline in a pre-auth engine id would start a line of its own; a bug a peer reaches once per connection
+    would log a traceback each."""
+    peer_log = PeerLog(lambda: 0.0, burst=2, window_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="kvsvc.service"):
+        peer_log.warning("hello refused", "refusing hello from %s: %s", "127.0.0.1:5", "d\nERROR kvsvc: forged\x1b[2J")
+        for _ in range(200):
+            try:
+                raise RuntimeError("a bug on\nERROR kvsvc: forged too")  # an exception quoting a peer's text
+            except RuntimeError:
+                peer_log.exception("connection failed", "control connection from %s failed", "127.0.0.1:6")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == "refusing hello from 127.0.0.1:5: d\\x0aERROR kvsvc: forged\\x1b[2J"
+    assert not [line for m in messages for line in m.splitlines() if line.startswith("ERROR kvsvc")]
+    tracebacks = [m for m in messages if "RuntimeError: a bug on\\x0aERROR kvsvc: forged too" in m]
+    assert len(tracebacks) == 2 and "test_peer_log.py" in tracebacks[0]  # the burst, not 200, with its frames

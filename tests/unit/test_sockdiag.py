@@ -1,5 +1,6 @@
 """`kvsvc.transport.sockdiag`: the kernel names the socket at one end of a real connection by its four-tuple, in
-each address family, and the answer is the one `/proc/net/tcp` gives (its slower scan stays the fallback)."""
+each address family, with the uid of the user who made it, and the answer is the one `/proc/net/tcp` gives (its
+slower scan stays the fallback)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvsvc.transport.procfs import _scan_proc_net_tcp
-from kvsvc.transport.sockdiag import tcp_inode
+from kvsvc.transport.procfs import _scan_proc_net_tcp, far_end_uid
+from kvsvc.transport.sockdiag import tcp_inode, tcp_socket
 
 
 @contextmanager
@@ -35,7 +36,26 @@ def test_the_far_end_of_a_connection_is_the_client_s_socket(family: int, host: s
         mine, theirs = accepted.getsockname()[:2], accepted.getpeername()[:2]
         assert tcp_inode(theirs, mine) == os.fstat(client.fileno()).st_ino
         assert tcp_inode(mine, theirs) == os.fstat(accepted.fileno()).st_ino
-        assert _scan_proc_net_tcp(theirs, mine) == tcp_inode(theirs, mine)
+        assert _scan_proc_net_tcp(theirs, mine) == tcp_socket(theirs, mine) == (os.geteuid(), tcp_inode(theirs, mine))
+        assert far_end_uid((mine, theirs)) == os.geteuid()
+
+
+def test_a_socket_is_owned_by_the_user_that_made_it() -> None:
+    """The kernel's uid, not the process's word: a socket made under another effective uid reads as that uid."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a socket as another user")
+    server = socket.create_server(("127.0.0.1", 0))
+    os.seteuid(65534)
+    try:
+        client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    finally:
+        os.seteuid(0)
+    with server, client:
+        accepted, _ = server.accept()
+        with accepted:
+            mine, theirs = accepted.getsockname()[:2], accepted.getpeername()[:2]
+            assert far_end_uid((mine, theirs)) == 65534
+            assert far_end_uid((theirs, mine)) == 0
 
 
 def test_no_such_connection_is_none() -> None:

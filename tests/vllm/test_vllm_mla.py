@@ -41,13 +41,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
     root = tmp_path_factory.mktemp("mla")
     model = str(write_tiny_deepseek(root / "mla", seed=0, std=0.2))
     other = str(write_tiny_deepseek(root / "mla-other", seed=1, std=0.2))
-    bs = MLA_BLOCK_SIZE
+    bs, mla = MLA_BLOCK_SIZE, "CPU_MLA"  # the float32 weights' backend on every host (`EngineConfig`)
     configs = {
-        "P": EngineConfig(model, "kv_producer", block_size=bs),
-        "P_tp2": EngineConfig(model, "kv_producer", block_size=bs, tensor_parallel_size=2),
-        "P_other": EngineConfig(other, "kv_producer", block_size=bs),
-        "D": EngineConfig(model, "kv_consumer", block_size=bs),
-        "D_tp2": EngineConfig(model, "kv_consumer", block_size=bs, tensor_parallel_size=2),
+        "P": EngineConfig(model, "kv_producer", block_size=bs, attention_backend=mla),
+        "P_tp2": EngineConfig(model, "kv_producer", block_size=bs, tensor_parallel_size=2, attention_backend=mla),
+        "P_other": EngineConfig(other, "kv_producer", block_size=bs, attention_backend=mla),
+        "D": EngineConfig(model, "kv_consumer", block_size=bs, attention_backend=mla),
+        "D_tp2": EngineConfig(model, "kv_consumer", block_size=bs, tensor_parallel_size=2, attention_backend=mla),
     }
     with started_engines(configs, root, timeout_s=400) as started:
         yield started

@@ -18,11 +18,12 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from kvsvc.layout import pool_regions
 from kvsvc.planner import Descriptor, plan_transfer, plan_transfer_arrays
 from kvsvc.service import ServiceConfig
+from kvsvc.transport.mooncake import MooncakeConfig
 from workers.bench.measure import (
     GB,
     RAW_METHODS,
@@ -75,6 +76,11 @@ STAGING_BYTES = 64 << 20  # the staging region of the layout scenarios' workers
 # -- the runner -----------------------------------------------------------------------------------------------
 
 
+# Every bench engine runs Mooncake from its start, whatever plane kvsvc's writes take: the raw Mooncake baselines
+# write through each worker's engine.
+_WITH_MOONCAKE: Final = MooncakeConfig(on_demand=False)
+
+
 class BenchRunner:
     """Starts the engines (`start`), runs the scenarios (`run`), and closes them (`close`)."""
 
@@ -98,11 +104,13 @@ class BenchRunner:
             head_size=m.head_size,
             block_size=m.block_size,
             service=ServiceConfig(transport=transport),
+            transport=_WITH_MOONCAKE,
         )
         hnd_blocks = max(z.large_requests * z.large_blocks, z.hetero_requests * z.hetero_blocks) + 4
         small = dict(
             device=device,
             service=ServiceConfig(transport=transport),
+            transport=_WITH_MOONCAKE,
             num_layers=z.small_layers,
             num_kv_heads=z.small_kv_heads,
             head_size=z.small_head_size,

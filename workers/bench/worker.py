@@ -25,6 +25,8 @@ from kvsvc.service import KVTransferService
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Region, Transport
 from kvsvc.transport.mooncake import MooncakeTransport
+from kvsvc.transport.ondemand import OnDemand
+from kvsvc.transport.routed import RoutedTransport
 from kvsvc.transport.samehost import copy_into
 from workers.kv_pool import KVPool
 from workers.synthetic import fill
@@ -39,7 +41,6 @@ _RAW_POLL_SLEEP_S: Final = 20e-6  # the raw poller's nap between status checks o
 class _Runtime(Protocol):
     pool: KVPool
     service: KVTransferService
-    mooncake: MooncakeTransport | None
     transport: Transport | None
     bench: BenchState | None
 
@@ -184,13 +185,26 @@ def handle_bench(runtime: _Runtime, command: BenchCommand) -> BenchResult | Coro
     if isinstance(command, RawWrite) and command.method == RAW_SAMEHOST:
         return _timed(lambda: _raw_samehost_write(command))
     if isinstance(command, RawWrite | PeerStyleWrite):
-        if runtime.mooncake is None or runtime.mooncake.native_engine is None:
-            raise ValueError("this worker has no Mooncake engine to benchmark")
-        engine = runtime.mooncake.native_engine
+        engine = _native_mooncake(runtime)
         if isinstance(command, RawWrite):
             return _timed(lambda: _raw_write(engine, command))
         return _timed(lambda: _peer_style_write(engine, command))
     raise TypeError(f"unknown bench command {type(command).__name__}")
+
+
+def _native_mooncake(runtime: _Runtime) -> Any:
+    """The Mooncake engine the worker's transport runs (started with the worker: the bench's engines ask for it).
+
+    Raises:
+        ValueError: the worker runs no Mooncake engine.
+    """
+    transport = runtime.transport
+    primary: Transport | None = transport.primary if isinstance(transport, RoutedTransport) else transport
+    if isinstance(primary, OnDemand):
+        primary = primary.engine
+    if not isinstance(primary, MooncakeTransport) or primary.native_engine is None:
+        raise ValueError("this worker runs no Mooncake engine to benchmark (its config starts one on demand)")
+    return primary.native_engine
 
 
 def _hold_many(runtime: _Runtime, state: BenchState, command: HoldMany) -> BenchResult:

@@ -284,7 +284,10 @@ def main_with_args(args: argparse.Namespace) -> int:
             if token is None:
                 print(f"POST endpoints disabled: no admin token (--token-file or ${TOKEN_ENV})")
             if control_token is None:
-                print(f"control ports accept any hello: no token (--control-token-file or ${CONTROL_TOKEN_ENV})")
+                print(
+                    "control ports accept hellos only from processes of this user: no token "
+                    f"(--control-token-file or ${CONTROL_TOKEN_ENV})"
+                )
             else:
                 print("control ports accept only hellos that prove the control token")
             print("Ctrl-C or SIGTERM stops it.", flush=True)
