@@ -130,6 +130,12 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # The block id a sliding-window group's list holds where the window has passed (vLLM's null block, 0), which no
     # write touches; -1 for an engine that has none.
     null_block: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_COUNT)] = -1
+    # vLLM's `kv_cache_dtype` ("auto": the model's dtype; "fp8_e4m3", "fp8_e5m2"): an fp8 cache is stored as uint8
+    # whatever its format, so `dtype` alone cannot tell two formats apart. "" from a worker that does not say.
+    cache_dtype: Word = ""
+    # Each local layer's (k_scale, v_scale), in layer order, for a quantized cache: D reads P's bytes with its own
+    # scales, so the two must hold the same (checked at the hello). Empty for a cache stored unquantized.
+    kv_scales: list[tuple[float, float]] = []
 
     @property
     def num_layers(self) -> int:

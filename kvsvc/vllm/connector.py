@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -172,6 +173,8 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             is_mla=bool(model.use_mla),
             block_size=block_size,
             kv_groups=tuple(groups),
+            num_layers=_num_layers(vllm_config),
+            cache_dtype=str(vllm_config.cache_config.cache_dtype),
         )
         token = self._config.read_control_token()
         self._worker = WorkerSide(self._config, self._config.service_config(token), identity)
@@ -179,7 +182,7 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side -------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_side().register_kv_caches(kv_caches)
+        self._worker_side().register_kv_caches(kv_caches, _kv_scales(self._vllm_config, kv_caches))
 
     def get_handshake_metadata(self) -> Any:
         return self._worker_side().metadata
@@ -262,6 +265,13 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler_side().finished(request, block_ids)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM 0.33's question, asked when `enable_sleep_mode` is set: no. Sleep remaps the KV cache onto other
+        pages, and kvsvc does not follow (its Mooncake registrations and the addresses it published on one host
+        would name the old pages), so vLLM refuses to start such an engine rather than move stale bytes."""
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """Heads outermost inside a block (`LBHNC`, kvsvc's `HNC`; the CPU backend's only layout): a head split
         between P and D of different TP sizes is then one run per (block, head range), not one per token. MLA has
@@ -301,6 +311,26 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             raise RuntimeError("a scheduler-side hook was called on the worker-side kvsvc connector")
         return self._scheduler
+
+
+def _kv_scales(vllm_config: VllmConfig, names: Iterable[str]) -> dict[str, tuple[float, float]]:
+    """Each layer's (k_scale, v_scale) by name, as vLLM's attention layer holds them once the weights loaded, for
+    an fp8 cache; none for a cache stored unquantized."""
+    if not str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
+        return {}
+    context = vllm_config.compilation_config.static_forward_context
+    found = {}
+    for name in names:
+        layer = context.get(name)
+        k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+        if k is not None and v is not None:
+            found[name] = (float(k), float(v))
+    return found
+
+
+def _num_layers(vllm_config: VllmConfig) -> int:
+    """The target model's layer count over all PP stages, after which a draft model's layers are numbered."""
+    return int(vllm_config.model_config.get_total_num_hidden_layers())
 
 
 def _mla_variant(spec: Any) -> str:
@@ -360,7 +390,7 @@ def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
                 tp_replicated=bool(getattr(mamba, "tp_replicated", False)),
             )
         views.append(view)
-    groups = kv_groups_of(views)
+    groups = kv_groups_of(views, _num_layers(vllm_config))
     check_pipeline(groups, vllm_config.parallel_config.pipeline_parallel_size)
     if groups:
         log.info(

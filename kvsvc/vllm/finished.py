@@ -7,7 +7,8 @@ each step's report. Rules (vLLM's scheduler asserts on what it is told):
 - Each id is reported at most once, and only an id vLLM handed this worker: a send of the step's `sends`, a receive
   of its `recvs`. Anything else the service reports (an id never handed in, a repeat) is dropped.
 - A send is reported once the service ended it (or refused it) and vLLM reported the request finished
-  (`finished_req_ids`); whichever comes first waits for the other.
+  (`finished_req_ids`); whichever comes first waits for the other. Its id is held from the step's bind, before
+  the forward: with drafts on, vLLM reports the step's finished ids before the step's sends reach the service.
 - A receive is reported once it ended; a failed one is in both `finished_recving` and `failed_recving`, with its
   blocks in the load errors of the same step; one whose start was refused fails at the next report.
 - Load errors never name vLLM's null block (no request owns it), and none go out for a hybrid model, whose failed
@@ -51,8 +52,17 @@ class TransferReports:
     # -- events ------------------------------------------------------------------------------------------------
 
     def sends_handed(self, req_ids: Iterable[str]) -> None:
-        """The step's sends go to the service: each is reported once it ended and vLLM saw its request finish."""
+        """The step's sends are bound (vLLM names them before its forward): each is reported once the service ended
+        it and vLLM saw its request finish, whether vLLM reports the finish before or after the sends reach the
+        service. Handing the same ids in again changes nothing."""
         self._holding.update(req_ids)
+
+    def sends_dropped(self, req_ids: Iterable[str]) -> None:
+        """The step's sends never reached the service (its loop is closed): nothing is owed for them."""
+        for req_id in req_ids:
+            self._holding.discard(req_id)
+            self._ended.discard(req_id)
+            self._seen_finished.discard(req_id)
 
     def send_refused(self, req_id: str) -> None:
         """The service refused to start a send handed in (vLLM keeps the blocks until it hears of the id, so it is

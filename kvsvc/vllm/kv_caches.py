@@ -18,7 +18,14 @@ from kvsvc.groups import state_bytes
 from kvsvc.layout import block_geometry, check_kv_heads, kv_heads_per_rank, layer_bytes
 from kvsvc.messages import KVGroup, WorkerMetadata
 from kvsvc.vllm.flow import NULL_BLOCK
-from kvsvc.vllm.kv_layout import DetectedLayout, TensorView, detect_layout, layer_index, merge_regions
+from kvsvc.vllm.kv_layout import (
+    DetectedLayout,
+    TensorView,
+    UnknownKVLayout,
+    detect_layout,
+    layer_index,
+    merge_regions,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,18 +43,24 @@ class WorkerIdentity:
     is_mla: bool
     block_size: int  # vLLM's cache (scheduler) block size
     kv_groups: tuple[KVGroup, ...] = ()  # a hybrid model's KV cache groups (`kvsvc.vllm.kv_layout.kv_groups_of`)
+    num_layers: int = 0  # the target model's, over all PP stages: a draft model's layers come after (`layer_index`)
+    cache_dtype: str = "auto"  # vLLM's `kv_cache_dtype`
 
 
 def describe_kv_caches(
-    kv_caches: Mapping[str, torch.Tensor], identity: WorkerIdentity
+    kv_caches: Mapping[str, torch.Tensor],
+    identity: WorkerIdentity,
+    scales: Mapping[str, tuple[float, float]] | None = None,
 ) -> tuple[WorkerMetadata, list[tuple[int, int]]]:
     """This worker's `WorkerMetadata` (without its addresses of transport and control) and the memory regions to
-    register, from vLLM's per-layer tensors.
+    register, from vLLM's per-layer tensors. `scales`: each layer's (k_scale, v_scale) by name, for a quantized
+    cache (a layer without one, a state layer, publishes 1.0 and 1.0).
 
     Raises:
         UnknownKVLayout: a tensor matches no layout kvsvc knows (its shape and strides are named).
         TopologyError: the layers disagree on layout or pool size, share a tensor, are not one range of layers,
-            or hold another block size or head count than vLLM's config says.
+            or hold another block size or head count than vLLM's config says; a draft layer holds another KV
+            geometry than the target's.
         ValueError: a layer name holds no layer number.
     """
     if not kv_caches:
@@ -59,14 +72,24 @@ def describe_kv_caches(
     by_layer: dict[int, tuple[str, torch.Tensor, DetectedLayout]] = {}
     states: dict[int, tuple[str, torch.Tensor]] = {}  # Mamba layers: raw pages, checked against the attention's
     for name, tensor in kv_caches.items():
-        index = layer_index(name)
-        if index in by_layer or index in states:
-            raise TopologyError(f"KV cache {name!r} claims layer {index}, which another tensor claims too")
+        index = layer_index(name, identity.num_layers)
+        other = by_layer.get(index, states.get(index, (None,)))[0]
+        if other is not None:
+            raise TopologyError(f"KV caches {other!r} and {name!r} both claim layer {index}")
         if index in state_of:
             states[index] = (name, tensor)
             continue
         view = TensorView(tuple(tensor.shape), tuple(tensor.stride()), tensor.device.type)
-        found = detect_layout(view, head_size=identity.head_size, local_heads=local_heads, is_mla=identity.is_mla)
+        try:
+            found = detect_layout(view, head_size=identity.head_size, local_heads=local_heads, is_mla=identity.is_mla)
+        except UnknownKVLayout as exc:
+            if index < identity.num_layers or not identity.num_layers:
+                raise
+            # A draft head or model of its own geometry: kvsvc moves one geometry per worker.
+            raise TopologyError(
+                f"draft layer {name!r} (layer {index}, after the target's {identity.num_layers}) does not hold the "
+                f"target's KV geometry ({exc}): kvsvc moves draft layers only where they match the target's"
+            ) from exc
         by_layer[index] = (name, tensor, found)
     if not by_layer:
         raise TopologyError(f"KV caches of layers {sorted(states)} keep only Mamba state: kvsvc needs attention layers")
@@ -117,12 +140,25 @@ def describe_kv_caches(
         base_addrs=[tensors[i].data_ptr() for i in layers],
         kv_groups=list(identity.kv_groups),
         null_block=NULL_BLOCK,
+        cache_dtype=identity.cache_dtype,
+        kv_scales=_scales_in_order(scales, by_layer, layers),
     )
     for index, (name, tensor) in states.items():
         _check_state_tensor(name, tensor, meta, state_bytes(state_of[index], identity.tp_size))
     size = layer_bytes(meta)
     regions = merge_regions([(addr, size) for addr in meta.base_addrs])
     return meta, regions
+
+
+def _scales_in_order(
+    scales: Mapping[str, tuple[float, float]] | None,
+    by_layer: Mapping[int, tuple[str, torch.Tensor, DetectedLayout]],
+    layers: list[int],
+) -> list[tuple[float, float]]:
+    if not scales:
+        return []
+    names = {index: name for index, (name, _, _) in by_layer.items()}
+    return [tuple(map(float, scales.get(names.get(i, ""), (1.0, 1.0)))) for i in layers]  # type: ignore[misc]
 
 
 def _check_state_tensor(name: str, tensor: torch.Tensor, meta: WorkerMetadata, slot_bytes: int) -> None:

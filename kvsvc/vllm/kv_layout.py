@@ -146,16 +146,27 @@ def _per_layer(
     return None
 
 
-def layer_index(name: str) -> int:
+# A separate draft model's layers, which vLLM numbers from 0 again: vLLM's `draft_model` method, Qwen3-Next's MTP.
+DRAFT_PREFIXES = ("draft_model.", "mtp.")
+
+
+def layer_index(name: str, num_layers: int = 0) -> int:
     """The model layer a vLLM attention layer name belongs to: its one integer ("model.layers.3.self_attn.attn").
+    A separate draft model's layers (`DRAFT_PREFIXES`: "draft_model.model.layers.0.self_attn.attn") come after the
+    target's `num_layers`, where vLLM already puts EAGLE's and DeepSeek's MTP layers ("model.layers.{num_layers}"):
+    P and D, running the same speculative config, number them alike, so the draft's KV moves with the target's.
 
     Raises:
-        ValueError: the name holds no integer, or several.
+        ValueError: the name holds no integer, or several; or it is a draft layer and `num_layers` is unknown (0).
     """
     numbers = [int(part) for part in name.split(".") if part.isdigit()]
     if len(numbers) != 1:
         raise ValueError(f"cannot tell which layer KV cache {name!r} belongs to: expected one integer in its name")
-    return numbers[0]
+    if not name.startswith(DRAFT_PREFIXES):
+        return numbers[0]
+    if num_layers <= 0:
+        raise ValueError(f"KV cache {name!r} is a draft model's layer, and the target model's layer count is unknown")
+    return num_layers + numbers[0]
 
 
 def merge_regions(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -317,9 +328,9 @@ def short_conv_state(view: GroupView) -> MambaState:
 STATES = {"MAMBA2": mamba2_state, "GDN_ATTN": gdn_state, "SHORT_CONV": short_conv_state}
 
 
-def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
+def kv_groups_of(groups: Sequence[GroupView], num_layers: int = 0) -> list[KVGroup]:
     """The model's KV cache groups as this worker publishes them (`WorkerMetadata.kv_groups`): empty for one group
-    of full attention, which every peer takes for granted.
+    of full attention, which every peer takes for granted. `num_layers`: the target model's (`layer_index`).
 
     Raises:
         TopologyError: a group kvsvc cannot move (Mamba1 state, DeepSeek V3.2's indexer cache, ...), naming its
@@ -345,7 +356,7 @@ def kv_groups_of(groups: Sequence[GroupView]) -> list[KVGroup]:
                 f"{where}; kvsvc moves full-attention, MLA, sliding-window, chunked local attention, Mamba2, "
                 "Gated DeltaNet and short-conv groups only"
             )
-        layers = sorted(layer_index(name) for name in group.layer_names)
+        layers = sorted(layer_index(name, num_layers) for name in group.layer_names)
         window = group.sliding_window if kind == SLIDING_WINDOW else 0
         chunk = group.attention_chunk if kind == CHUNKED_LOCAL else 0
         state = None

@@ -72,19 +72,23 @@ class WorkerSide:
         # A pushing P on CPU: this step's sends started before the forward, one future per local layer that
         # `layer_saved` resolves (and `end_step` for any layer it never saw).
         self._layers_ready: list[concurrent.futures.Future[None]] = []
+        # A bound step whose sends wait for its `wait_for_save` (or, where vLLM never calls it, the next bind).
+        self._unstarted: StepMetadata | None = None
 
     # -- start and stop ----------------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> WorkerMetadata:
-        """Describe vLLM's KV tensors, register them with a Mooncake engine, start the service; returns the
-        metadata this worker publishes.
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], scales: Mapping[str, tuple[float, float]] | None = None
+    ) -> WorkerMetadata:
+        """Describe vLLM's KV tensors (with each layer's KV scales by name, for a quantized cache), register them
+        with a Mooncake engine, start the service; returns the metadata this worker publishes.
 
         Raises:
             UnknownKVLayout, TopologyError, ValueError: as `describe_kv_caches` (the engine does not start).
             TransportError, OSError: Mooncake or the control server could not start.
         """
-        draft, regions = describe_kv_caches(kv_caches, self._identity)
-        self._layer_of = {name: layer_index(name) - draft.start_layer for name in kv_caches}
+        draft, regions = describe_kv_caches(kv_caches, self._identity, scales)
+        self._layer_of = {name: layer_index(name, self._identity.num_layers) - draft.start_layer for name in kv_caches}
         self._device = next(iter(kv_caches.values())).device.type
         mooncake = MooncakeConfig(
             host=self._config.transport_host, protocol=self._config.protocol, device_name=self._config.device_name
@@ -153,17 +157,35 @@ class WorkerSide:
     # -- each step ---------------------------------------------------------------------------------------------
 
     def bind_step(self, step: StepMetadata) -> None:
-        """`bind_connector_metadata`, before the step's forward: forget the last step's per-layer marks; a pushing
-        P on CPU starts the step's sends here, each layer ready once the forward wrote it (`layer_saved`).
+        """`bind_connector_metadata`, before the step's forward: the step's sends are owed a report from here on,
+        whichever of vLLM's later hooks comes first; a pushing P on CPU starts them here, each layer ready once the
+        forward wrote it (`layer_saved`). The last step's sends, if its `wait_for_save` never came (vLLM skips it
+        on a PP rank that is not the last when drafts are on), start here: that forward is over.
 
         Raises:
             ServiceClosed: the service's loop is not running (the sends are not handed in, nor owed a report).
         """
+        self._start_unstarted()
         self._events.clear()
-        self._layers_ready = []
-        if step.sends and self._device == "cpu" and self._config.mode == "push":
+        if not step.sends:
+            return
+        self.reports.sends_handed(spec.req_id for spec in step.sends)
+        if self._device == "cpu" and self._config.mode == "push":
             self._layers_ready = [concurrent.futures.Future() for _ in range(len(self._layer_of))]
             self._start_sends(step, list(self._layers_ready))
+        else:
+            self._unstarted = step
+
+    def _start_unstarted(self) -> None:
+        """Start what the last step bound and never saw written: its sends (one CUDA event after everything
+        enqueued so far on GPU), and the layers of a pushing P's started sends that `save_kv_layer` never named."""
+        for ready in self._layers_ready:
+            if not ready.done():
+                ready.set_result(None)
+        self._layers_ready = []
+        step, self._unstarted = self._unstarted, None
+        if step is not None:
+            self._start_sends(step, self._written_now())
 
     def begin_step(self, step: StepMetadata) -> None:
         """`start_load_kv` (after the forward since vLLM 0.32, before it earlier): start this step's receives and
@@ -228,10 +250,12 @@ class WorkerSide:
             self._events[layer] = event
 
     def end_step(self, step: StepMetadata, failed: BaseException | None = None) -> None:
-        """`wait_for_save`: hold this step's sends (their forward is over on CPU, enqueued on GPU); for sends a
+        """`wait_for_save`: start this step's sends (their forward is over on CPU, enqueued on GPU); for sends a
         pushing P started before the forward, every layer is written now. `failed`: the forward raised it (vLLM
         calls the hook from a `finally`), so no layer it had not finished may be sent: those sends' holds end
-        aborted and D's fetches fail, never taking unwritten blocks as loaded."""
+        aborted and D's fetches fail, never taking unwritten blocks as loaded. vLLM may call it before or after
+        `get_transfer_results` (after, when drafts are on, so that the draft's KV is written too): either way each
+        send is reported once."""
         if self._layers_ready:
             for ready in self._layers_ready:
                 if ready.done():
@@ -242,9 +266,12 @@ class WorkerSide:
                     ready.set_exception(failed)
             self._layers_ready = []
             return
+        if self._unstarted is not None and self._unstarted is not step:
+            self._start_unstarted()  # bound for another step (not vLLM's order): that one's forward is over
+        self._unstarted = None
         if not step.sends:
             return
-        events: list[Any] | Any | None = None
+        events: Any = None
         if failed is not None:
             events = concurrent.futures.Future()
             events.set_exception(failed)
@@ -253,12 +280,19 @@ class WorkerSide:
             if len(self._events) == num_layers:
                 events = [self._events[i] for i in range(num_layers)]
             else:
-                # No per-layer events (a CUDA graph replayed the layers, or the KV was computed in an earlier step):
-                # one event after everything enqueued so far, so no byte is read before the forward wrote it.
-                events = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                events.record()
-
+                events = self._written_now()
+        self.reports.sends_handed(spec.req_id for spec in step.sends)
         self._start_sends(step, events)
+
+    def _written_now(self) -> Any:
+        """What marks the KV written by everything enqueued so far: nothing on CPU (it is written); on GPU, where no
+        per-layer events were recorded (a CUDA graph replayed the layers, the KV was computed in an earlier step),
+        one event after all of it, so no byte is read before the forward wrote it."""
+        if self._device != "cuda":
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
 
     def _start_sends(self, step: StepMetadata, events: Any) -> None:
         """Hand the step's sends to the service, each ready once `events` are: one CUDA event, one per layer,
@@ -285,10 +319,11 @@ class WorkerSide:
                     log.error("send of %s could not start: %s", spec.req_id, exc)
                     self._outcomes.append(partial(TransferReports.send_refused, req_id=spec.req_id))
 
-        self._service().post(run)
-        # After the post, which raises on a closed loop: sends never handed in are never owed a report. Outcomes
-        # the loop posts are drained on this thread (`transfer_results`), so never before this.
-        self.reports.sends_handed(spec.req_id for spec in step.sends)
+        try:
+            self._service().post(run)
+        except BaseException:  # a closed loop: sends never handed in are never owed a report
+            self.reports.sends_dropped(spec.req_id for spec in step.sends)
+            raise
 
     def transfer_results(self, finished_req_ids: set[str], *, idle: bool = False) -> TransferResults:
         """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it. An

@@ -143,6 +143,23 @@ def _refused(src: WorkerMetadata, dst: WorkerMetadata, *values: str) -> None:
         plan_transfer(src, dst, [0], [0])
 
 
+def test_fp8_formats_and_kv_scales_must_match_where_the_layers_meet() -> None:
+    # An fp8 cache is uint8 in every format: only the published format and scales tell e4m3 from e5m2.
+    def fp8(name: str, cache_dtype: str = "fp8_e4m3", scales: Any = ((1.0, 1.0),) * 4, **kw: Any) -> WorkerMetadata:
+        meta = one(name, dtype="uint8", **kw)
+        return msgspec.structs.replace(meta, cache_dtype=cache_dtype, kv_scales=list(scales))
+
+    p = fp8("P")
+    check_compatible(p, fp8("D"))
+    check_compatible(p, fp8("D", "fp8"))  # vLLM's alias of fp8_e4m3
+    check_compatible(one("P"), msgspec.structs.replace(one("D"), cache_dtype="auto"))  # "": the model's dtype
+    _refused(p, fp8("D", "fp8_e5m2"), "P kv_cache_dtype 'fp8_e4m3'", "D kv_cache_dtype 'fp8_e5m2'")
+    scaled = [(1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (1.0, 1.0)]
+    _refused(p, fp8("D", scales=scaled), "layer 2", "(1.0, 1.0)", "(0.5, 1.0)")
+    check_compatible(p, fp8("D", scales=scaled[:2], num_layers=2))  # only the layers both hold count
+    _refused(fp8("P", scales=scaled[:1]), fp8("D"), "1 KV scales for 4 layers")
+
+
 def test_mismatched_scalars_are_refused_naming_both_values() -> None:
     p = one("P")
     _refused(p, one("D", dtype="float16"), "P dtype 'bfloat16'", "D dtype 'float16'")

@@ -43,7 +43,9 @@ def _groups(tp: int, layout: str, monkeypatch: pytest.MonkeyPatch, hf_text_confi
         )  # fmt: skip
         full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
         config = SimpleNamespace(
-            model_config=SimpleNamespace(hf_config=SimpleNamespace(), hf_text_config=hf_text_config),
+            model_config=SimpleNamespace(
+                hf_config=SimpleNamespace(), hf_text_config=hf_text_config, get_total_num_hidden_layers=lambda: 4
+            ),
             parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
         )
         groups = [(gdn, "linear_attn", (0, 2)), (full, "self_attn.attn", (1, 3))]
@@ -90,7 +92,7 @@ def test_deepseek_v32s_indexer_cache_stops_the_engine_at_start_by_name() -> None
 
     def groups(*specs: Any) -> list[Any]:
         config = SimpleNamespace(
-            model_config=SimpleNamespace(hf_config=SimpleNamespace()),
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(), get_total_num_hidden_layers=lambda: 2),
             parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         )
         kv_cache_config = SimpleNamespace(
@@ -144,7 +146,7 @@ def test_a_short_conv_group_is_described_from_vllms_own_shapes_at_tp_1_2_and_4(
                     mamba_type=MambaAttentionBackendEnum.SHORT_CONV, tp_replicated=replicated,
                 )  # fmt: skip
                 config = SimpleNamespace(
-                    model_config=SimpleNamespace(hf_config=SimpleNamespace()),
+                    model_config=SimpleNamespace(hf_config=SimpleNamespace(), get_total_num_hidden_layers=lambda: 2),
                     parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
                 )
                 kv_cache_config = SimpleNamespace(

@@ -103,3 +103,14 @@ def test_kvsvc_leaves_logging_alone_where_the_operator_configured_it(
         root.addHandler(logging.NullHandler())  # the operator's root configuration applies to kvsvc too
         log_through_vllm()
     assert ours.handlers == [] and ours.propagate
+
+
+def test_sleep_mode_is_declined_until_kvsvc_follows_the_remap() -> None:
+    # vLLM 0.33 asks this when `enable_sleep_mode` is set and refuses to start the engine on False; 0.32 never asks.
+    from vllm.config import KVTransferConfig
+
+    from kvsvc.vllm import KvsvcConnector
+
+    assert (
+        KvsvcConnector.supports_sleep_mode(KVTransferConfig(kv_connector="KvsvcConnector", kv_role="kv_both")) is False
+    )

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from kvsvc.errors import KVSvcTimeout, TopologyError
+from kvsvc.errors import KVSvcError, KVSvcTimeout, TopologyError
 from kvsvc.groups import state_bytes
 from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
@@ -619,3 +619,84 @@ def test_an_idle_step_waits_for_news_only_while_a_transfer_is_owed() -> None:
     assert side.transfer_results(set(), idle=True).finished_recving == {"d1"}
     side.transfer_results(set(), idle=True)  # nothing owed any more
     assert service.waits == [0.0, 0.0, 0.01, 0.01, 0.0]
+
+
+@pytest.mark.parametrize("order", ["wait_for_save first", "get_transfer_results first"])
+def test_each_send_is_reported_once_whichever_order_vllm_calls_the_hooks_in(order: str) -> None:
+    # With drafts on, vLLM defers `wait_for_save` past `get_transfer_results`, so the step that names a request
+    # finished reaches the report before its send reaches the service; without drafts the order is the reverse.
+    service = FakeService()
+    side = worker_with(service)
+    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    side.bind_step(step)
+    if order == "wait_for_save first":
+        side.end_step(step)
+        assert side.transfer_results({"p1"}).finished_sending == set()
+    else:
+        assert side.transfer_results({"p1"}).finished_sending == set()
+        assert service.calls == []  # the send has not started: the forward's drafts may still be writing
+        side.end_step(step)
+    assert service.calls == ["send p1"]
+    service.next = KVConnectorOutput(finished_sending={"p1"})  # D fetched it
+    assert side.transfer_results(set()).finished_sending == {"p1"}
+    assert side.reports.waiting == 0 and side.reported_sending == 1
+
+
+def test_sends_of_a_step_whose_wait_for_save_never_came_start_at_the_next_bind_and_are_reported() -> None:
+    # vLLM returns from a PP rank that is not the last before `wait_for_save` when drafts are on.
+    service = FakeService()
+    side = worker_with(service)
+    first = StepMetadata(sends=(SendSpec("p1", "p1", (1,), 4, "k" * 22),))
+    side.bind_step(first)
+    assert side.transfer_results({"p1"}).finished_sending == set()
+    assert service.calls == []
+    side.bind_step(StepMetadata(idle=True))
+    assert service.calls == ["send p1"] and service.ready is None  # on CPU the forward wrote the KV
+    service.next = KVConnectorOutput(finished_sending={"p1"})
+    assert side.transfer_results(set()).finished_sending == {"p1"}
+    assert side.reports.waiting == 0
+
+
+def test_a_pushing_ps_layers_that_wait_for_save_never_named_are_written_at_the_next_bind() -> None:
+    service = FakeService()
+    side = pushing_p(service)
+    side.bind_step(StepMetadata(sends=(SendSpec("p1", "p1", (1,), 4, "k" * 22),)))
+    side.layer_saved("model.layers.0.attn", StepMetadata())
+    layers = list(side._layers_ready)
+    side.bind_step(StepMetadata())
+    assert all(f.done() and f.exception() is None for f in layers)
+
+
+def test_sends_that_never_reach_a_closed_service_are_owed_nothing() -> None:
+    service = FakeService()
+    side = worker_with(service)
+
+    def closed(fn: Any) -> None:
+        raise KVSvcError("the kvsvc service is closed")
+
+    service.post = closed  # type: ignore[method-assign]
+    step = StepMetadata(sends=(SendSpec("p1", "p1", (1,), 4, "k" * 22),))
+    side.bind_step(step)
+    with pytest.raises(KVSvcError):
+        side.end_step(step)
+    assert side.reports.waiting == 0
+
+
+def test_a_draft_models_layers_come_after_the_targets_and_are_refused_by_name_where_they_cannot_move() -> None:
+    assert layer_index("model.layers.4.self_attn.attn", 4) == 4  # EAGLE's head: vLLM numbers it after the target
+    assert layer_index("draft_model.model.layers.1.self_attn.attn", 4) == 5
+    assert layer_index("mtp.layers.0.self_attn.attn", 28) == 28
+    with pytest.raises(ValueError, match=r"draft model's layer.*layer count is unknown"):
+        layer_index("draft_model.model.layers.0.self_attn.attn")
+    caches = cpu_caches([0, 1, 2])
+    caches["draft_model.model.layers.0.self_attn.attn"] = caches.pop("model.layers.2.self_attn.attn")
+    meta, _ = describe_kv_caches(caches, identity(num_layers=2))
+    assert (meta.start_layer, meta.end_layer) == (0, 3)
+    twice = cpu_caches([0, 1]) | {"model.layers.0.cross_attn.attn": cpu_caches([2])["model.layers.2.self_attn.attn"]}
+    with pytest.raises(TopologyError, match=r"'model.layers.0.self_attn.attn' and 'model.layers.0.cross_attn.attn'"):
+        describe_kv_caches(twice, identity(num_layers=2))
+    wider = torch.zeros(NB, H, BS, 4 * D)  # another head size
+    with pytest.raises(TopologyError, match=r"draft layer 'draft_model.model.layers.0.self_attn.attn' \(layer 2"):
+        describe_kv_caches(
+            cpu_caches([0, 1]) | {"draft_model.model.layers.0.self_attn.attn": wider}, identity(num_layers=2)
+        )
