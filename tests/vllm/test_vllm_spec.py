@@ -108,7 +108,7 @@ def digests(engine: VllmEngine, prefixes: list[str], batch: list[list[int]], out
     """Per prompt, a digest of its whole blocks before the one holding its last token (which D computes again) in
     the layers named by `prefixes`, read right after the call that held them."""
     return [
-        engine.kv_digest(prefixes, o.block_ids[: (len(x) - 1) // BLOCK]) for x, o in zip(batch, outputs, strict=True)
+        engine.kv_digests(prefixes, o.block_ids[: (len(x) - 1) // BLOCK]) for x, o in zip(batch, outputs, strict=True)
     ]
 
 
