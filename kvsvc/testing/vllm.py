@@ -315,6 +315,72 @@ def write_tiny_deepseek(
     return out
 
 
+def write_tiny_deepseek_mtp(
+    path: Path | str, *, seed: int = 0, std: float = 0.2, mtp_layers: int = 1, vocab_size: int = 64
+) -> Path:
+    """Write a DeepSeek-V3 style MLA model (`DeepseekV3ForCausalLM`, dense MLPs, no query LoRA) with `mtp_layers`
+    multi-token-prediction layers after its own (`model.layers.{N}...`: `enorm`, `hnorm`, `eh_proj`, `shared_head`
+    and a decoder layer), seeded random float32 weights, into `path`; returns it. vLLM's `mtp` method drafts with
+    them, one module per draft position.
+
+    Raises:
+        ImportError: torch, safetensors or transformers is missing.
+        OSError: `path` cannot be written.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    c = dict(TINY_DEEPSEEK, vocab_size=vocab_size)
+    layers, hidden = c["num_hidden_layers"], c["hidden_size"]
+    settings: dict[str, Any] = dict(
+        c,
+        num_key_value_heads=c["num_attention_heads"],
+        head_dim=c["qk_rope_head_dim"],
+        q_lora_rank=None,
+        first_k_dense_replace=layers + mtp_layers,  # every layer dense, the MTP ones too
+        n_routed_experts=2,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        moe_intermediate_size=64,
+        n_group=1,
+        topk_group=1,
+        num_nextn_predict_layers=mtp_layers,
+        max_position_embeddings=4096,
+        initializer_range=std,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    config = DeepseekV3Config(**settings)
+    out = _save_random(DeepseekV3ForCausalLM, config, path, seed)
+    files = sorted(out.glob("*.safetensors"))
+    weights: dict[str, Any] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    gen = torch.Generator().manual_seed(seed + 1)
+    last = f"model.layers.{layers - 1}."
+    for j in range(mtp_layers):
+        mtp = f"model.layers.{layers + j}."
+        for name, tensor in list(weights.items()):
+            if name.startswith(last):  # a decoder layer shaped as the target's last
+                fresh = torch.ones_like(tensor) if "norm" in name else torch.randn(tensor.shape, generator=gen) * std
+                weights[mtp + name[len(last) :]] = fresh
+        weights[mtp + "enorm.weight"] = torch.ones(hidden)
+        weights[mtp + "hnorm.weight"] = torch.ones(hidden)
+        weights[mtp + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * std
+        weights[mtp + "shared_head.norm.weight"] = torch.ones(hidden)
+        weights[mtp + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    for file in files:
+        file.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
+    return out
+
+
 # The tiny Qwen3-Next: Gated DeltaNet layers and full attention in turn, 2 key and 4 value heads of 128 in the
 # DeltaNet (vLLM's GDN kernels assume head dims of 128), 4 experts (2 per token) on the attention layers only (vLLM
 # builds no Qwen3-Next without an MoE layer), vocabulary 1024.

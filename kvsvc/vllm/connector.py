@@ -156,7 +156,10 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             kinds = tuple(group.kind for group in groups) or (FULL,)
             tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
             dp_size = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
-            self._scheduler = SchedulerSide(self._config, engine_id, block_size, dp_rank, kinds, tp_size, dp_size)
+            lookahead = int(vllm_config.num_prefill_lookahead_tokens)
+            self._scheduler = SchedulerSide(
+                self._config, engine_id, block_size, dp_rank, kinds, tp_size, dp_size, lookahead
+            )
             return
         parallel, model = vllm_config.parallel_config, vllm_config.model_config
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group

@@ -156,9 +156,11 @@ class SchedulerFlow:
     `block_size` is vLLM's (the scheduler's) block size; `group_kinds` the kind of each of the model's KV cache
     groups (`kvsvc.groups`), whose block lists every call hands in, one per group.
 
-    A model that keeps Mamba state moves the state after all prompt tokens but the last (a state cannot be
-    un-applied, and D computes the last token itself): P computes one token less (`drops_last_token`), and D
-    loads that many.
+    Some prompt tokens are held back (`held_back`): P does not compute them (the adapter cuts vLLM's request,
+    `dropped_tokens`), D loads the others and computes them. A model that keeps Mamba state holds back the last
+    (a state cannot be un-applied); a multi-module MTP drafter the last `lookahead - 1`, each of its modules reading
+    one token further ahead than the one before, whose KV P would otherwise write over unverified drafts (D's first
+    decode, rejecting nothing, never rewrites them). A prompt no longer than what is held back moves nothing.
     """
 
     engine_id: str
@@ -170,6 +172,7 @@ class SchedulerFlow:
     push: bool = False  # P: hold under transfers D derives, and announce push (`kvsvc.vllm.params`)
     push_peers: frozenset[str] = frozenset()  # D: the P endpoints ("host:port") router push params may name
     tp_size: int = 1  # P: announced with push, as vllm-router expects it
+    lookahead: int = 0  # vLLM's `num_prefill_lookahead_tokens`: prompt tokens a drafter reads past the computed ones
     _producers: dict[str, _Producer] = field(default_factory=dict)
     _consumers: dict[str, _Consumer] = field(default_factory=dict)
     _sends: list[SendSpec] = field(default_factory=list)
@@ -194,9 +197,9 @@ class SchedulerFlow:
                 it locally (P: without holding its KV).
         """
         if wants_remote_decode(params):
-            if len(prompt) < 2 and self.keeps_state:
-                return  # no state of fewer tokens to move: D computes the prompt itself
-            early = max_tokens == 1 or self.keeps_state  # P stops after the prefill of a state model
+            if self.held_back and len(prompt) <= self.held_back:
+                return  # nothing before the tokens held back: D computes the prompt itself
+            early = max_tokens == 1 or self.held_back > 0  # P stops after a prefill it cut short
             moved = self._moved(len(prompt))
             digest = prompt_hash(prompt)
             transfer_id, secret = req_id, ""
@@ -253,19 +256,26 @@ class SchedulerFlow:
         """Whether the model keeps Mamba state (see the class docstring)."""
         return MAMBA in self.group_kinds
 
-    def drops_last_token(self, req_id: str) -> bool:
-        """Whether P must prefill `req_id` without its last prompt token (the adapter cuts vLLM's request)."""
-        return req_id in self._producers and self.keeps_state
+    @property
+    def held_back(self) -> int:
+        """The trailing prompt tokens P never computes and D computes itself (see the class docstring), vLLM's
+        NixlConnector's rule: one for a state model, `lookahead - 1` for a multi-module MTP drafter."""
+        return max(1 if self.keeps_state else 0, self.lookahead - 1)
+
+    def dropped_tokens(self, req_id: str) -> int:
+        """How many trailing prompt tokens P must prefill `req_id` without (the adapter cuts vLLM's request)."""
+        return self.held_back if req_id in self._producers else 0
 
     def _moved(self, prompt_len: int) -> int:
-        """The prompt tokens whose KV (and state) move from P to D: all but the last where D must compute the last
-        itself. A state model's state cannot be un-applied. A sliding-window model's D drops the blocks the window
-        has passed as of the tokens it loads; loading the whole prompt, vLLM recomputes its last token, whose window
-        reaches one token further back, into a block D already dropped (its null block): so D loads one token less
-        and computes the last, whose window its blocks then hold. A chunked local group drops likewise, at chunk
-        starts."""
-        drops = self.keeps_state or any(kind in DROPPING for kind in self.group_kinds)
-        return prompt_len - 1 if drops and prompt_len > 1 else prompt_len
+        """The prompt tokens whose KV (and state) move from P to D: all but those held back (`held_back`). A
+        sliding-window model's D drops the blocks the window has passed as of the tokens it loads; loading the whole
+        prompt, vLLM recomputes its last token, whose window reaches one token further back, into a block D already
+        dropped (its null block): so D loads one token less and computes the last, whose window its blocks then
+        hold. A chunked local group drops likewise, at chunk starts."""
+        back = self.held_back if prompt_len > self.held_back else 0
+        if any(kind in DROPPING for kind in self.group_kinds) and prompt_len > 1:
+            back = max(back, 1)
+        return prompt_len - back
 
     def _flat(self, groups: Sequence[Sequence[int]], num_tokens: int) -> tuple[int, ...]:
         """The blocks of `num_tokens` tokens as kvsvc carries them: each group's list, one group after another, all

@@ -46,11 +46,12 @@ class SchedulerSide:
         group_kinds: tuple[str, ...] = (FULL,),
         tp_size: int = 1,
         dp_size: int = 1,
+        lookahead: int = 0,
     ) -> None:
         """`dp_rank`: this engine core's data-parallel rank (its endpoint's port, `bootstrap_port_of`);
         `group_kinds`: the kind of each of the model's KV cache groups (vLLM's hybrid KV cache manager gives each
         its own block list); `tp_size`: the engine's, which a pushing P announces; `dp_size`: its data-parallel
-        size.
+        size; `lookahead`: vLLM's `num_prefill_lookahead_tokens` (`SchedulerFlow.lookahead`).
 
         Raises:
             ValueError: as `ConnectorConfig.bootstrap_port_of` and `read_control_token`. OSError: the token file
@@ -76,6 +77,7 @@ class SchedulerSide:
             push=config.mode == "push" and dp_size == 1,
             push_peers=frozenset(config.push_peers),
             tp_size=tp_size,
+            lookahead=lookahead,
         )
         self._requests: dict[str, Any] = {}  # P requests held from their prefill step, until it is scheduled
         self._kv_cache_manager: Any = None
@@ -142,11 +144,12 @@ class SchedulerSide:
         except Exception:  # a bug of ours on params we did not foresee: vLLM's engine core must not die of it
             log.exception("request %s: kvsvc moves none of its KV, computing it locally", request.request_id)
             return
-        if self.flow.drops_last_token(request.request_id):
-            # P prefills one token less (a Mamba state holds every token it saw); D computes the last one.
-            request.prompt_token_ids.pop()
-            request._all_token_ids.pop()
-            request.num_prompt_tokens -= 1
+        dropped = self.flow.dropped_tokens(request.request_id)
+        if dropped:
+            # P prefills the prompt without the tokens D computes (`SchedulerFlow.held_back`), then stops.
+            del request.prompt_token_ids[-dropped:]
+            del request._all_token_ids[-dropped:]
+            request.num_prompt_tokens -= dropped
             request.max_tokens = 1
         if self.flow.wants_blocks(request.request_id):
             self._requests[request.request_id] = request

