@@ -184,8 +184,17 @@ def source_heads(src: WorkerMetadata, dst: WorkerMetadata) -> list[int]:
     return _source_heads(src, dst)
 
 
-# vLLM takes "fp8" for "fp8_e4m3"; a worker that does not say its cache dtype stores the model's ("auto").
-_CACHE_FORMATS = {"": "auto", "fp8": "fp8_e4m3"}
+# vLLM takes "fp8" for "fp8_e4m3" (kvsvc runs on CUDA and CPU, where that is e4m3fn).
+_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def _cache_format(meta: WorkerMetadata) -> str:
+    """The format a worker's KV bytes are in: its tensors' dtype where its cache is not quantized ("auto", a dtype
+    name, or a worker that does not say), else vLLM's `kv_cache_dtype`."""
+    dtype = meta.dtype.removeprefix("torch.")
+    if meta.cache_dtype in ("", "auto", dtype):
+        return dtype
+    return _CACHE_ALIASES.get(meta.cache_dtype, meta.cache_dtype)
 
 
 def _check_same_format(src: WorkerMetadata, dst: WorkerMetadata) -> None:
@@ -195,8 +204,7 @@ def _check_same_format(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     Raises:
         TopologyError: the cache dtypes differ, or the scales of a layer both hold; naming both values.
     """
-    mine = _CACHE_FORMATS.get(src.cache_dtype, src.cache_dtype)
-    theirs = _CACHE_FORMATS.get(dst.cache_dtype, dst.cache_dtype)
+    mine, theirs = _cache_format(src), _cache_format(dst)
     if mine != theirs:
         raise TopologyError(
             f"P kv_cache_dtype {src.cache_dtype or 'auto'!r} != D kv_cache_dtype {dst.cache_dtype or 'auto'!r}: "
@@ -212,6 +220,7 @@ def _check_same_format(src: WorkerMetadata, dst: WorkerMetadata) -> None:
 
 
 def _scales_of(meta: WorkerMetadata, layer: int) -> tuple[float, float] | None:
+    """`layer`'s (k, v) scales, None for an unquantized cache; `_check_worker` checked there is one per layer."""
     return meta.kv_scales[layer - meta.start_layer] if meta.kv_scales else None
 
 

@@ -145,7 +145,11 @@ class Sender:
         max_early_request_bytes: int = 16 * 1024 * 1024,
         max_early_request_bytes_total: int = 64 * 1024 * 1024,
         remembered_outcomes: int = 65536,
+        exact_tokens: bool = False,
     ) -> None:
+        """`exact_tokens`: the model keeps state (Mamba, GDN), which P holds as of its hold's last token: a request
+        for fewer tokens would take that state for an earlier token's, so it is refused like one for more."""
+        self._exact = exact_tokens
         self._hold_timeout = hold_timeout_s
         self._early_timeout = early_request_timeout_s
         self._max_early = max_early_requests
@@ -310,7 +314,8 @@ class Sender:
         """D worker `dst` asks for its share. `expected` is every D worker of dst's engine that this P worker sources.
 
         A repeat is a no-op, or re-answers the outcome if the job ended. A request without the hold's secret is
-        treated as one for a transfer not held (`hold`); one for more tokens than P holds is refused.
+        treated as one for a transfer not held (`hold`); one for more tokens than P holds is refused, and for a model
+        that keeps state one for any other count.
         """
         hold = self._holds.get(message.transfer_id)
         if hold is None or not self._secret_ok(hold.secret, message.secret):
@@ -323,10 +328,12 @@ class Sender:
             if not self._same_receive(hold, dst.worker, message.receive):
                 return [Reply(dst, _another_receive(message, dst))]
             return self._apply(hold, job, SendEvent.REQUEST)
-        if message.num_tokens > hold.num_tokens:
+        if message.num_tokens > hold.num_tokens or (self._exact and message.num_tokens != hold.num_tokens):
+            # P and D hold back their own count of prompt tokens (`kvsvc.vllm.flow`): engines on other speculative
+            # configs can disagree, and a state holds every token it saw.
             reason = (
                 f"D worker {dst} asks for {message.num_tokens} tokens of transfer {hold.transfer_id!r}, P holds "
-                f"{hold.num_tokens}"
+                f"{hold.num_tokens}" + (" and a state as of its last token" if self._exact else "")
             )
             return self._apply(hold, self._new_job(hold, dst, message.receive), SendEvent.ABORT, reason)
         job = self._new_job(hold, dst, message.receive, message)

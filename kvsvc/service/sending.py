@@ -69,6 +69,7 @@ class SendingRole:
             max_early_requests=config.max_early_requests,
             max_early_request_bytes=config.max_early_request_bytes,
             max_early_request_bytes_total=config.max_early_request_bytes_total,
+            exact_tokens=any(group.mamba is not None for group in ctx.metadata.kv_groups),
         )
         self._connections = ControlConnections(
             config.max_control_connections, config.max_control_connections_per_host, config.max_pending_hellos

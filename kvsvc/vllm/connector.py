@@ -213,7 +213,10 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = self._worker_side().transfer_results(finished_req_ids, idle=self._step().idle)
+        # Called from the same `finally` as `wait_for_save`, which vLLM defers past it with drafts on: an exception
+        # in flight here is the forward's.
+        worker = self._worker_side()
+        results = worker.transfer_results(finished_req_ids, idle=self._step().idle, failed=sys.exc_info()[1])
         return KVConnectorTransferResults(
             finished_sending=results.finished_sending,
             finished_recving=results.finished_recving,

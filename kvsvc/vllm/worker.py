@@ -266,9 +266,8 @@ class WorkerSide:
                     ready.set_exception(failed)
             self._layers_ready = []
             return
-        if self._unstarted is not None and self._unstarted is not step:
-            self._start_unstarted()  # bound for another step (not vLLM's order): that one's forward is over
-        self._unstarted = None
+        if self._unstarted is step:
+            self._unstarted = None
         if not step.sends:
             return
         events: Any = None
@@ -325,15 +324,35 @@ class WorkerSide:
             self.reports.sends_dropped(spec.req_id for spec in step.sends)
             raise
 
-    def transfer_results(self, finished_req_ids: set[str], *, idle: bool = False) -> TransferResults:
+    def _fail_unstarted(self, failed: BaseException) -> None:
+        """The forward raised `failed` before `wait_for_save` (deferred with drafts on, so vLLM's `finally` skips
+        it): no layer it had not finished may be sent, as `end_step` rules for a failed forward."""
+        for ready in self._layers_ready:
+            if not ready.done():
+                ready.set_exception(failed)
+        self._layers_ready = []
+        step, self._unstarted = self._unstarted, None
+        if step is not None:
+            events: concurrent.futures.Future[None] = concurrent.futures.Future()
+            events.set_exception(failed)
+            self._start_sends(step, events)
+
+    def transfer_results(
+        self, finished_req_ids: set[str], *, idle: bool = False, failed: BaseException | None = None
+    ) -> TransferResults:
         """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it. An
         `idle` step (nothing computed) waits up to `idle_wait_s` for the service's news while a receive is owed, and
         up to `push_idle_wait_s` while each waits for a pushing P's prefill (`TransferReports.idle_wait`): vLLM
         would otherwise spin through empty steps on the cores a prefill needs.
 
+        `failed`: the step's forward raised it, and this step's sends not started yet never will be as written.
+
         Raises:
             KVSvcTimeout: the service's loop has not answered for `call_timeout_s` (`ServiceThread.get_finished`).
+            ServiceClosed: the service's loop is not running.
         """
+        if failed is not None:
+            self._fail_unstarted(failed)
         config = self._config
         wait = 0.0
         if idle and not self._outcomes:

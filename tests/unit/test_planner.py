@@ -153,6 +153,9 @@ def test_fp8_formats_and_kv_scales_must_match_where_the_layers_meet() -> None:
     check_compatible(p, fp8("D"))
     check_compatible(p, fp8("D", "fp8"))  # vLLM's alias of fp8_e4m3
     check_compatible(one("P"), msgspec.structs.replace(one("D"), cache_dtype="auto"))  # "": the model's dtype
+    check_compatible(
+        msgspec.structs.replace(one("P"), cache_dtype="auto"), msgspec.structs.replace(one("D"), cache_dtype="bfloat16")
+    )
     _refused(p, fp8("D", "fp8_e5m2"), "P kv_cache_dtype 'fp8_e4m3'", "D kv_cache_dtype 'fp8_e5m2'")
     scaled = [(1.0, 1.0), (1.0, 1.0), (0.5, 1.0), (1.0, 1.0)]
     _refused(p, fp8("D", scales=scaled), "layer 2", "(1.0, 1.0)", "(0.5, 1.0)")

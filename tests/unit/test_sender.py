@@ -593,6 +593,21 @@ def test_a_request_for_more_tokens_than_held_is_refused_naming_both_counts() -> 
     assert sender.take_finished() == {"r1"}  # the only D worker is served (failed): nothing waits for the expiry
 
 
+def test_for_a_model_that_keeps_state_a_request_for_fewer_tokens_than_held_is_refused_too() -> None:
+    # P's state holds every token it saw: D taking it for an earlier token's would decode from a wrong state.
+    sender = Sender(hold_timeout_s=60, early_request_timeout_s=10, exact_tokens=True)
+    clock = FakeClock()
+    sender.hold("r1", "t1", [1, 2], 7, clock(), secret=S)
+    sender.ready("t1")
+    out = sender.request(D0, ONLY_D0, request(), clock())  # 6 tokens
+    reason = "D worker D[pp0,tp0] asks for 6 tokens of transfer 't1', P holds 7 and a state as of its last token"
+    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason=reason))]
+    plain, _ = make()  # attention alone: D may load fewer tokens than P holds
+    plain.hold("r1", "t1", [1, 2], 7, clock(), secret=S)
+    plain.ready("t1")
+    assert [type(c) for c in plain.request(D0, ONLY_D0, request(), clock())] == [Submit]
+
+
 def test_an_early_request_for_more_tokens_than_held_is_refused_when_the_hold_comes() -> None:
     sender, clock = make()
     assert sender.request(D0, ONLY_D0, request(), clock()) == []

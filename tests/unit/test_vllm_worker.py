@@ -700,3 +700,23 @@ def test_a_draft_models_layers_come_after_the_targets_and_are_refused_by_name_wh
         describe_kv_caches(
             cpu_caches([0, 1]) | {"draft_model.model.layers.0.self_attn.attn": wider}, identity(num_layers=2)
         )
+
+
+def test_a_forward_that_raised_before_a_deferred_wait_for_save_sends_nothing_as_written() -> None:
+    # With drafts on, vLLM's `finally` skips `wait_for_save` and calls `get_transfer_results` with the forward's
+    # exception in flight: the step's sends must wait on that failure, never start as written at the next bind.
+    failure = RuntimeError("out of memory in layer 1")
+    service = FakeService()
+    pulling = worker_with(service)
+    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    pulling.bind_step(step)
+    pulling.transfer_results({"p1"}, failed=failure)
+    assert service.calls == ["send p1"] and service.ready is not None  # it waits, and fails
+    pulling.bind_step(StepMetadata())
+    assert service.calls == ["send p1"]  # started once
+    pushing = pushing_p(FakeService())
+    pushing.bind_step(step)
+    layers = list(pushing._layers_ready)
+    pushing.layer_saved("model.layers.0.attn", step)
+    pushing.transfer_results(set(), failed=failure)
+    assert layers[0].result() is None and all(isinstance(f.exception(), RuntimeError) for f in layers[1:])
