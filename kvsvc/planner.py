@@ -21,6 +21,7 @@ import numpy as np
 
 from kvsvc.coalesce import Int64Array, merge_runs, plan_runs
 from kvsvc.errors import TopologyError
+from kvsvc.formats import as_written, check_formats, check_scales, converts
 from kvsvc.groups import (
     SlotRun,
     blocks_to_move,
@@ -82,8 +83,7 @@ def _check_worker(side: str, meta: WorkerMetadata) -> None:
             f"{who}: block_size {meta.block_size}, head_size {meta.head_size}, num_blocks {meta.num_blocks}"
         )
     dtype_size(meta.dtype)
-    if meta.kv_scales and len(meta.kv_scales) != meta.num_layers:
-        raise TopologyError(f"{who}: {len(meta.kv_scales)} KV scales for {meta.num_layers} layers")
+    check_scales(meta, who)
     if meta.kv_groups:
         check_groups(meta.kv_groups, range(meta.start_layer, meta.end_layer), f"{who}: ")
     for i, group in enumerate(meta.kv_groups):
@@ -108,8 +108,9 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
 
     Raises:
         TopologyError: a malformed side (the message names it: wrong count of base_addrs for its layout, unknown
-            layout or dtype...), or dtype, head_size, num_kv_heads or is_mla differ, or the cache formats (vLLM's
-            `kv_cache_dtype`) or a shared layer's KV scales differ, or the TP sizes do not divide
+            layout or dtype, KV scales that are not finite and positive...), or dtype, head_size, num_kv_heads or
+            is_mla differ, or the cache formats (vLLM's `kv_cache_dtype`) or a shared layer's KV scales differ and P
+            cannot convert its format into D's (`kvsvc.formats.check_formats`), or the TP sizes do not divide
             one another, or the two sides hold the same several heads per rank in different orders (NHD against
             HND or the cross-layer pool) and P has no staging region to gather the transposition in. The message
             names both values. Or the two sides group a hybrid model's layers differently (`kvsvc.groups`), or a
@@ -118,13 +119,15 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     _check_worker("P", src)
     _check_worker("D", dst)
     check_same_groups(src.kv_groups, dst.kv_groups, _layer_overlap(src, dst))
-    for field in ("dtype", "head_size", "is_mla", "num_kv_heads"):
+    check_formats(src, dst, _layer_overlap(src, dst), (_name("P", src), _name("D", dst)))
+    # A converting pair's dtypes differ by design; `check_formats` decides whether they may.
+    fields = ("dtype", "head_size", "is_mla", "num_kv_heads")[converts(src, dst) :]
+    for field in fields:
         mine, theirs = getattr(src, field), getattr(dst, field)
         if field == "dtype":
             mine, theirs = mine.removeprefix("torch."), theirs.removeprefix("torch.")
         if mine != theirs:
             raise TopologyError(f"P {field} {mine!r} != D {field} {theirs!r} ({_name('P', src)}, {_name('D', dst)})")
-    _check_same_format(src, dst)
     small, large = sorted((src.tp_size, dst.tp_size))
     if large % small:
         raise TopologyError(f"P tp_size {src.tp_size} and D tp_size {dst.tp_size} do not divide one another")
@@ -182,46 +185,6 @@ def source_heads(src: WorkerMetadata, dst: WorkerMetadata) -> list[int]:
     """
     check_compatible(src, dst)
     return _source_heads(src, dst)
-
-
-# vLLM takes "fp8" for "fp8_e4m3" (kvsvc runs on CUDA and CPU, where that is e4m3fn).
-_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
-
-
-def _cache_format(meta: WorkerMetadata) -> str:
-    """The format a worker's KV bytes are in: its tensors' dtype where its cache is not quantized ("auto", a dtype
-    name, or a worker that does not say), else vLLM's `kv_cache_dtype`."""
-    dtype = meta.dtype.removeprefix("torch.")
-    if meta.cache_dtype in ("", "auto", dtype):
-        return dtype
-    return _CACHE_ALIASES.get(meta.cache_dtype, meta.cache_dtype)
-
-
-def _check_same_format(src: WorkerMetadata, dst: WorkerMetadata) -> None:
-    """Both sides store KV in one format, with one scale per layer where it is quantized: bytes copied between two
-    fp8 formats, or read with other scales, decode as other values without any error.
-
-    Raises:
-        TopologyError: the cache dtypes differ, or the scales of a layer both hold; naming both values.
-    """
-    mine, theirs = _cache_format(src), _cache_format(dst)
-    if mine != theirs:
-        raise TopologyError(
-            f"P kv_cache_dtype {src.cache_dtype or 'auto'!r} != D kv_cache_dtype {dst.cache_dtype or 'auto'!r}: "
-            f"the same bytes mean other values in each ({_name('P', src)}, {_name('D', dst)})"
-        )
-    for layer in _layer_overlap(src, dst):
-        p_scales, d_scales = _scales_of(src, layer), _scales_of(dst, layer)
-        if p_scales != d_scales:
-            raise TopologyError(
-                f"layer {layer}: P's KV scales (k, v) {p_scales} != D's {d_scales}: D would dequantize P's "
-                f"{mine} bytes with other scales ({_name('P', src)}, {_name('D', dst)})"
-            )
-
-
-def _scales_of(meta: WorkerMetadata, layer: int) -> tuple[float, float] | None:
-    """`layer`'s (k, v) scales, None for an unquantized cache; `_check_worker` checked there is one per layer."""
-    return meta.kv_scales[layer - meta.start_layer] if meta.kv_scales else None
 
 
 def _layer_overlap(src: WorkerMetadata, dst: WorkerMetadata) -> range:
@@ -416,6 +379,7 @@ def plan_transfer_arrays(
             D block id repeats.
     """
     check_compatible(src, dst)
+    src = as_written(src, dst)  # a converting pair is planned in bytes of D's format
     groups = src.kv_groups
     tokens = len(dst_block_ids) // max(1, len(groups)) * dst.block_size if num_tokens is None else num_tokens
     check_block_ids(src, src_block_ids, tokens, "P")

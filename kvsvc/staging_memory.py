@@ -35,8 +35,9 @@ def build_staging(
     register: Callable[[Sequence[Region]], None] | None = None,
 ) -> tuple[Any, StagingArea]:
     """(memory, area): `nbytes` of staging memory and the `StagingArea` over it, whose gathers and scatters are
-    `copies(memory)`. The memory is a torch uint8 tensor on `device`, or without one a zeroed numpy array in host
-    memory (torch is not imported then). `register`, when given, gets the region's `(addr, nbytes)` last.
+    `copies(memory)` (and its conversions, where the copies have a `convert`: `TorchGather`'s). The memory is a
+    torch uint8 tensor on `device`, or without one a zeroed numpy array in host memory (torch is not imported then).
+    `register`, when given, gets the region's `(addr, nbytes)` last.
 
     Raises:
         ValueError: `copies` refuses the memory (a `TorchGather` whose sources are not contiguous), or `nbytes` < 2.
@@ -53,7 +54,7 @@ def build_staging(
         memory = torch.empty(nbytes, dtype=torch.uint8, device=device)
         addr = memory.data_ptr()
     both = copies(memory)
-    area = StagingArea(addr, nbytes, both, scatter=both.scatter)
+    area = StagingArea(addr, nbytes, both, scatter=both.scatter, convert=getattr(both, "convert", None))
     if register is not None:
         register([(addr, nbytes)])
     return memory, area

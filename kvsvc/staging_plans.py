@@ -27,6 +27,7 @@ import numpy as np
 
 from kvsvc.coalesce import Int64Array
 from kvsvc.errors import TopologyError
+from kvsvc.formats import converts
 from kvsvc.layout import pool_regions
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import MAX_ROUNDS, MIN_ROUND_BYTES, plan_transfer
@@ -287,8 +288,8 @@ def plan_window(
     P's block ids do not change which of D's bytes it writes, so D plans with any `num_tokens` of them. A P that
     does not accept windows (`WorkerMetadata.accepts_windows`: one that predates them) gets none.
     """
-    if not p.accepts_windows:
-        return None
+    if not p.accepts_windows or converts(p, d):
+        return None  # D's scatter would copy P's bytes as they are: a converting P writes D's blocks itself
     n_src = -(-num_tokens // p.block_size)
     try:
         plan = plan_transfer(p, d, range(n_src), block_ids, num_tokens, first_token=first_token)

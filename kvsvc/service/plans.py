@@ -18,6 +18,7 @@ import numpy as np
 
 from kvsvc.coalesce import Int64Array
 from kvsvc.driver import share_refusal
+from kvsvc.formats import Conversion, as_written, conversion
 from kvsvc.layout import block_geometry, pool_regions
 from kvsvc.messages import WorkerMetadata
 from kvsvc.planner import is_block_run, plan_transfer_arrays
@@ -60,6 +61,21 @@ class PlanCache:
     staged_streams: dict[Key, list[StagedChunk] | None] = field(default_factory=dict)
     strides: tuple[int, int] = (0, 0)  # block strides of P and of D, once a shifted plan needs them
     src_regions: list[int] = field(default_factory=list)  # start addresses of P's registered tensors
+    # P as planned for this D (`kvsvc.formats.as_written`) and the conversion its gather makes, if any: found at the
+    # first plan. A converting pair is always staged (the gather converts) and takes no window.
+    view: WorkerMetadata | None = None
+    conversion: Conversion | None = None
+
+    def written(self, src: WorkerMetadata, dst: WorkerMetadata) -> WorkerMetadata:
+        """P worker `src` as planned for `dst` (itself unless the pair converts), found once.
+
+        Raises:
+            TopologyError: as `kvsvc.formats.conversion`.
+        """
+        if self.view is None:
+            self.conversion = conversion(src, dst)
+            self.view = as_written(src, dst)
+        return self.view
 
     def descriptors(
         self, src: WorkerMetadata, dst: WorkerMetadata, command: Submit
@@ -68,8 +84,14 @@ class PlanCache:
         holds the whole share, the plan's stream into that window; and the cached table it shifts, if any.
 
         Raises:
-            TopologyError / ValueError: as `plan` and `stream`.
+            TopologyError / ValueError: as `plan` and `stream`; ValueError: a window for a converting pair (its
+                stream would be P's bytes, not D's).
         """
+        src = self.written(src, dst)
+        if command.window_bytes and self.conversion is not None:
+            raise ValueError(
+                f"D lent a window for {command.transfer_id!r}, but P converts its KV: it writes D's blocks"
+            )
         if not command.window_bytes:
             return self.plan(src, dst, command)
         sources, offset, length, shifted = self.stream(src, dst, command)
@@ -87,6 +109,7 @@ class PlanCache:
         Raises:
             TopologyError / ValueError: as `plan_transfer` (the uncached path runs every check).
         """
+        src = self.written(src, dst)
         src_ids, dst_ids, num_tokens = command.src_block_ids, command.dst_block_ids, command.num_tokens
         if command.first_token or src.kv_groups:  # a hybrid model's ids are one list per group: never one run
             columns = plan_transfer_arrays(src, dst, src_ids, dst_ids, num_tokens, first_token=command.first_token)
@@ -151,14 +174,15 @@ class PlanCache:
         windowed: bool = False,
         shifted: Shifted | None = None,
     ) -> list[StagedChunk] | None:
-        """The chunks (of at most `chunk_bytes`) of the descriptor table `table` staged, when `rule` picks staging.
-        `windowed`: they write one window of D's region (one destination region), not D's blocks. `shifted`: `table`
-        is that cached table shifted, whose staged form is cached too.
+        """The chunks (of at most `chunk_bytes`) of the descriptor table `table` staged, when `rule` picks staging or
+        the pair converts (P's gather converts). `windowed`: they write one window of D's region (one destination
+        region), not D's blocks. `shifted`: `table` is that cached table shifted, whose staged form is cached too.
 
         Raises:
             ValueError: two descriptors overlap in the destination (a planner bug).
         """
-        if len(table) < 2:
+        converts = self.conversion is not None
+        if len(table) < 2 and not converts:
             return None
         if shifted is not None:
             cache = self.staged_streams if windowed else self.staged_plans
@@ -170,7 +194,7 @@ class PlanCache:
         sources, dsts, length = table.T
         # A run must stay inside one of D's registered tensors, even where two of them touch.
         region = None if windowed else region_ids(dsts, [start for start, _ in pool_regions(dst)])
-        if not rule.stage(len(table), count_runs(dsts, length, region), int(length.sum())):
+        if not converts and not rule.stage(len(table), count_runs(dsts, length, region), int(length.sum())):
             return None
         return plan_staged(sources, dsts, length, chunk_bytes, region)
 

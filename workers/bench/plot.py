@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 # The order connectors appear in, kvsvc's entries first; a connector the run skipped is left out.
-ORDER = ("kvsvc", "kvsvc_mooncake", "kvsvc_direct", "mooncake", "nixl", "nixl_tcp")
+ORDER = ("kvsvc", "kvsvc_mooncake", "kvsvc_direct", "kvsvc_convert", "mooncake", "nixl", "nixl_tcp")
 PANELS = (
     ("load_ms_p50", "KV transfer, p50 per request (ms)"),
     ("span_ms", "whole workload landed (ms)"),

