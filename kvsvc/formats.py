@@ -1,13 +1,14 @@
 """What a KV byte means on each side of a pair, and whether P's can become D's: the cache formats, the KV scales,
 and the conversion of an unquantized P cache into a quantized D one.
 
-Pure module: numpy, msgspec and kvsvc's layout and messages only (no torch, asyncio, I/O). Rules: two sides that
-store KV in one format copy it byte for byte, and then hold the same scale for every layer both hold; a P that
-stores floats (bfloat16, float16, float32) feeds a D in an fp8 format by converting in its staging region, every
-value divided by D's scale for its layer and rounded as D's engine rounds (`Conversion`); every other pair of formats
-is refused, naming both. A converting pair is planned in D's format (`as_written`): P's metadata with D's element
-size, its layers at their own base addresses, so every byte count, window and report both sides derive is D's, and
-only P's gather reads the `ratio` times larger source behind each planned byte (`Conversion.sources`).
+Pure module: numpy, msgspec and kvsvc's coalesce, errors, layout and messages only (no torch, asyncio, I/O).
+Rules: two sides that store KV in one format copy it byte for byte, and then hold the same scale for every layer
+both hold; a P that stores floats (bfloat16, float16, float32) feeds a D that stores fp8 a byte per value by
+converting in its staging region, every value divided by D's scale for its layer and rounded as D's engine rounds
+(`Conversion`); every other pair of formats is refused, naming both. A converting pair is planned in D's format
+(`as_written`): P's metadata with D's element size, its layers at their own base addresses, so every byte count and
+report both sides derive is D's, and only P's gather reads the `ratio` times larger source behind each planned byte
+(`Conversion.sources`). D lends such a pair no window: P writes D's blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy.typing as npt
 
 from kvsvc.coalesce import Int64Array
 from kvsvc.errors import TopologyError
-from kvsvc.layout import dtype_size, is_cross_layer, layer_addrs
+from kvsvc.layout import dtype_size, is_cross_layer, layer_addrs, layer_bytes
 from kvsvc.messages import WorkerMetadata
 
 # vLLM takes "fp8" for "fp8_e4m3" (kvsvc runs on CUDA and CPU, where that is e4m3fn).
@@ -61,14 +62,16 @@ def check_scales(meta: WorkerMetadata, who: str) -> None:
         if not all(math.isfinite(s) and s > 0 for s in pair):
             raise TopologyError(f"{who}: layer {meta.start_layer + i}'s KV scales (k, v) {pair} must be finite and > 0")
     if meta.cache_rounding not in ROUNDINGS:
-        raise TopologyError(f"{who}: unknown cache_rounding {meta.cache_rounding!r}; known: nearest, zero")
+        raise TopologyError(f"{who}: unknown cache_rounding {meta.cache_rounding!r}; known: '' or nearest, zero")
 
 
 def converts(src: WorkerMetadata, dst: WorkerMetadata) -> bool:
     """Whether P `src`'s KV is converted into D `dst`'s format on its way (their formats differ and
     `check_formats` accepts the pair)."""
     mine, theirs = cache_format(src), cache_format(dst)
-    return mine != theirs and mine in FLOAT_FORMATS and theirs in QUANTIZED
+    # P's format is its tensors' dtype and D's a byte per value, or the ratio between planned and read bytes lies.
+    exact = mine == src.dtype.removeprefix("torch.") and dtype_size(dst.dtype) == 1
+    return mine != theirs and mine in FLOAT_FORMATS and theirs in QUANTIZED and exact
 
 
 def check_formats(src: WorkerMetadata, dst: WorkerMetadata, layers: range, names: tuple[str, str]) -> None:
@@ -96,9 +99,9 @@ def check_formats(src: WorkerMetadata, dst: WorkerMetadata, layers: range, names
         raise TopologyError(f"P dtype {mine!r} != D dtype {theirs!r} ({names[0]}, {names[1]})")
     if not converts(src, dst):
         raise TopologyError(
-            f"P kv_cache_dtype {p_dtype!r} ({mine}) != D kv_cache_dtype {d_dtype!r} ({theirs}): the same bytes mean "
-            f"other values in each, and only a P in {', '.join(FLOAT_FORMATS)} converts into D's "
-            f"{' or '.join(QUANTIZED)} ({names[0]}, {names[1]})"
+            f"P kv_cache_dtype {p_dtype!r} ({mine}) != D kv_cache_dtype {d_dtype!r} ({theirs}, dtype {dst.dtype!r}): "
+            f"the same bytes mean other values in each, and only a P in {', '.join(FLOAT_FORMATS)} converts into a "
+            f"D storing {' or '.join(QUANTIZED)} a byte per value ({names[0]}, {names[1]})"
         )
     pair = f"P kv_cache_dtype {p_dtype!r} ({mine}) -> D kv_cache_dtype {d_dtype!r}"
     if not src.staging_size:
@@ -106,8 +109,9 @@ def check_formats(src: WorkerMetadata, dst: WorkerMetadata, layers: range, names
             f"{pair}: P converts in its staging region and has none; give P's workers one (staging_bytes) ({names[0]})"
         )
     for side, meta in (("P", src), ("D", dst)):
-        if is_cross_layer(meta) or meta.is_mla or any(g.mamba is not None for g in meta.kv_groups):
-            what = "MLA" if meta.is_mla else "a Mamba state" if meta.kv_groups else f"layout {meta.layout}"
+        mamba = any(g.mamba is not None for g in meta.kv_groups)
+        if is_cross_layer(meta) or meta.is_mla or mamba:
+            what = "MLA" if meta.is_mla else "a Mamba state" if mamba else f"layout {meta.layout}"
             raise TopologyError(f"{pair}: {side} holds {what}; only per-layer attention KV is converted")
     for layer in layers:
         scales = _scales_of(dst, layer)
@@ -116,6 +120,7 @@ def check_formats(src: WorkerMetadata, dst: WorkerMetadata, layers: range, names
                 f"{pair}: D's layer {layer} has k_scale {scales[0]} != v_scale {scales[1]}; P converts a layer with "
                 "one scale"
             )
+    conversion(src, dst)  # layers sharing a tensor need one scale
 
 
 def _scales_of(meta: WorkerMetadata, layer: int) -> tuple[float, float] | None:
@@ -150,14 +155,23 @@ class Conversion:
     toward_zero: bool
     bases: tuple[int, ...]  # P's layer tensors' first addresses, ascending
     scales: tuple[float, ...]  # the scale each of those layers' values are divided by
+    size: int  # bytes of one of P's layer tensors
 
     def sources(self, addrs: Int64Array, length: Int64Array) -> tuple[Int64Array, Int64Array, Int64Array]:
         """For planned pieces at `addrs` of `length` bytes: P's real source addresses, their lengths, and each
-        piece's scale index into `scales`. A piece lies inside one layer's view (the planner never merges across
-        layers: in the view they do not touch)."""
+        piece's index into `scales`.
+
+        Raises:
+            ValueError: a piece does not lie inside one layer's view (the planner never makes one: in the view, two
+                layers' ranges do not touch).
+        """
         starts = np.asarray(self.bases, dtype=np.int64)
         layer = np.searchsorted(starts, addrs, side="right") - 1
-        base = starts[layer]
+        base = starts[np.maximum(layer, 0)]
+        outside = (layer < 0) | ((addrs - base + length) * self.ratio > self.size)
+        if bool(np.any(outside)):
+            at = int(np.flatnonzero(outside)[0])
+            raise ValueError(f"planned piece [{int(addrs[at]):#x}, +{int(length[at])}) lies outside P's layers' view")
         return base + (addrs - base) * self.ratio, length * self.ratio, layer
 
 
@@ -214,13 +228,14 @@ def conversion(src: WorkerMetadata, dst: WorkerMetadata) -> Conversion | None:
     target, limit = QUANTIZED[cache_format(dst)]
     ordered = sorted(by_base)
     return Conversion(
-        source=cache_format(src),
+        source=src.dtype.removeprefix("torch."),
         target=target,
         ratio=dtype_size(src.dtype) // dtype_size(dst.dtype),
         limit=limit,
         toward_zero=dst.cache_rounding == "zero",
         bases=tuple(ordered),
         scales=tuple(by_base[a] for a in ordered),
+        size=layer_bytes(src),
     )
 
 

@@ -121,7 +121,11 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
     check_same_groups(src.kv_groups, dst.kv_groups, _layer_overlap(src, dst))
     check_formats(src, dst, _layer_overlap(src, dst), (_name("P", src), _name("D", dst)))
     # A converting pair's dtypes differ by design; `check_formats` decides whether they may.
-    fields = ("dtype", "head_size", "is_mla", "num_kv_heads")[converts(src, dst) :]
+    fields = (
+        ("head_size", "is_mla", "num_kv_heads")
+        if converts(src, dst)
+        else ("dtype", "head_size", "is_mla", "num_kv_heads")
+    )
     for field in fields:
         mine, theirs = getattr(src, field), getattr(dst, field)
         if field == "dtype":

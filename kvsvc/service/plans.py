@@ -1,6 +1,7 @@
 """`PlanCache`: what one P worker writes to one D worker for a `Submit`, as descriptor tables, planned once per
 request shape and shifted per request: the plan (`plan_transfer`), its window stream when D lent a window
-(`window_plan`), and the staged form of either when the staging rule picks a gather (`plan_staged`).
+(`window_plan`), and the staged form of either when the staging rule picks a gather (`plan_staged`) or the pair
+converts (`kvsvc.formats`: P's gather converts its floats into D's fp8, and every planned byte is D's).
 
 Part of the P role (`kvsvc.service.writing` keeps one per D worker connection); imports kvsvc's core only: no
 asyncio, no transport, no I/O. Rules: a request whose P and D blocks are each one run of consecutive ids (one KV
@@ -84,14 +85,8 @@ class PlanCache:
         holds the whole share, the plan's stream into that window; and the cached table it shifts, if any.
 
         Raises:
-            TopologyError / ValueError: as `plan` and `stream`; ValueError: a window for a converting pair (its
-                stream would be P's bytes, not D's).
+            TopologyError / ValueError: as `plan` and `stream`.
         """
-        src = self.written(src, dst)
-        if command.window_bytes and self.conversion is not None:
-            raise ValueError(
-                f"D lent a window for {command.transfer_id!r}, but P converts its KV: it writes D's blocks"
-            )
         if not command.window_bytes:
             return self.plan(src, dst, command)
         sources, offset, length, shifted = self.stream(src, dst, command)
@@ -148,8 +143,14 @@ class PlanCache:
         cached stream it shifts, if any: its `dst_shift` is the window's address, where the stream's offset 0 lies.
 
         Raises:
-            TopologyError / ValueError: as `plan`, or D planned a share of another size.
+            TopologyError / ValueError: as `plan`, or D planned a share of another size; ValueError: D lent a window
+                to a converting pair (whose P writes D's blocks itself: decision 102).
         """
+        self.written(src, dst)
+        if self.conversion is not None:
+            raise ValueError(
+                f"D lent a window for {command.transfer_id!r}, but P converts its KV and writes D's blocks"
+            )
         table, shifted = self.plan(src, dst, command)
         if shifted is None:
             sources, offset, length = self._window_stream(src, table)

@@ -10,7 +10,7 @@ region, a plan its rule picks is gathered there chunk by chunk and written one d
 (`kvsvc.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than its window
 moves in rounds, as its `kvsvc.windows.FillingWindow` says: round k waits until D emptied round k - 2 (within the hold
 timeout), and each round but the last is announced. A layer-wise write stages each layer on its own when the rule picks
-it.
+it. A converting pair's writes (`kvsvc.formats`) are always staged: the gather converts P's floats into D's fp8.
 Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
@@ -301,6 +301,7 @@ class BlockWriter:
 
         Raises:
             ValueError: two descriptors overlap in the destination (a planner bug).
+            TopologyError: the pair converts (`kvsvc.formats`) and this worker has no staging region.
         """
         area = self._ctx.staging
         if area is None:
@@ -372,7 +373,8 @@ class BlockWriter:
 
     async def _write_chunk(self, target: WriteTarget, chunk: StagedChunk) -> tuple[int, int]:
         """Lend room for `chunk`, gather its pieces there, write its runs; the room goes back once nothing can read
-        it any more (after a failed write's drain). A cancelled chunk keeps its room: only `close` cancels."""
+        it any more (after a failed write's drain). A converting pair's gather converts (`TorchGather.convert`); a
+        region whose copies cannot raises `TopologyError`. A cancelled chunk keeps its room: only `close` cancels."""
         ctx = self._ctx
         area = ctx.staging
         assert area is not None

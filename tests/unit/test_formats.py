@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvsvc import gather as gather_module
 from kvsvc.cli.plan import synthetic_engine
 from kvsvc.errors import TopologyError
-from kvsvc.formats import Conversion, as_written, conversion, converts, fp8_values
+from kvsvc.formats import Conversion, as_written, conversion, converts, fp8_values, truncation_table
 from kvsvc.gather import TorchGather
 from kvsvc.layout import CROSS_LAYER, FUSED, layer_bytes
 from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
@@ -93,6 +93,14 @@ def test_what_cannot_be_converted_is_refused_naming_both_formats() -> None:
     refused(hybrid, msgspec.structs.replace(d_fp8(), kv_groups=groups), "a Mamba state")
     split = msgspec.structs.replace(d_fp8(), kv_scales=[(1.0, 1.0), (0.5, 0.25), (1.0, 1.0), (1.0, 1.0)])
     refused(p_float(), split, "layer 1 has k_scale 0.5 != v_scale 0.25")
+    # A D that says fp8 but stores more than a byte a value: P would read more source than it writes.
+    wide = worker("D", "bfloat16", "fp8_e4m3")
+    refused(p_float(), wide, "(fp8_e4m3, dtype 'bfloat16')", "a byte per value")
+    # Two of P's layers over one tensor (a hybrid's groups) take one scale.
+    p = p_float()
+    shared = msgspec.structs.replace(p, base_addrs=[p.base_addrs[0], p.base_addrs[0], *p.base_addrs[2:]])
+    scaled = msgspec.structs.replace(d_fp8(), kv_scales=[(1.0, 1.0), (2.0, 2.0), (1.0, 1.0), (1.0, 1.0)])
+    refused(shared, scaled, "share one tensor but D scales them 1.0 and 2.0")
 
 
 def test_scales_and_roundings_a_peer_publishes_are_checked() -> None:
@@ -137,6 +145,9 @@ def test_a_converting_pairs_plan_is_always_staged_and_refuses_a_window() -> None
     windowed = dataclasses.replace(command, window_addr=0x9000_0000, window_bytes=1 << 16, share_bytes=4096)
     with pytest.raises(ValueError, match="P converts its KV"):
         cache.descriptors(p, d, windowed)
+    rounds = dataclasses.replace(command, window_addr=0x9000_0000, window_bytes=512, share_bytes=4096)
+    with pytest.raises(ValueError, match="P converts its KV"):
+        cache.stream(p, d, rounds)  # a share in rounds asks for the stream itself
 
 
 def nearest(values: np.ndarray, target: str) -> np.ndarray:
@@ -198,7 +209,9 @@ def test_a_converted_write_lands_ps_values_in_ds_format_byte_for_byte(
         FUSED: (16, 2, 8, 16),
     }[layout]
     gen = torch.Generator().manual_seed(len(blocks) * 31 + tokens_short)
-    p_layers = [(torch.randn(shape, generator=gen) * 3).to(getattr(torch, source)) for _ in range(3)]
+    values = torch.randn(shape, generator=gen) * 3
+    values.view(-1)[::97] *= 1e4  # past every fp8 format's largest value: saturated
+    p_layers = [values.roll(i).to(getattr(torch, source)) for i in range(3)]
     d_layers = [torch.full(shape, 0x5A, dtype=torch.uint8) for _ in range(3)]
     staging = torch.zeros(1 << 16, dtype=torch.uint8)
     p = msgspec.structs.replace(
@@ -253,9 +266,24 @@ QUANT = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def test_the_conversion_sources_map_each_piece_into_its_layers_tensor() -> None:
-    found = Conversion("float32", "float8_e4m3fn", 4, 448.0, True, bases=(0x1000, 0x9000), scales=(1.0, 0.5))
+    found = Conversion("float32", "float8_e4m3fn", 4, 448.0, True, (0x1000, 0x9000), (1.0, 0.5), size=0x1000)
     real, nbytes, layer = found.sources(np.array([0x1000, 0x1010, 0x9004]), np.array([16, 8, 4]))
     assert real.tolist() == [0x1000, 0x1040, 0x9010] and nbytes.tolist() == [64, 32, 16] and layer.tolist() == [0, 0, 1]
+    for addr, n in ((0xFFF, 1), (0x1000 + 0x400 - 4, 8)):  # below every layer; past a layer's view
+        with pytest.raises(ValueError, match="outside P's layers' view"):
+            found.sources(np.array([addr]), np.array([n]))
+
+
+@pytest.mark.parametrize("source", ["bfloat16", "float16"])
+@pytest.mark.parametrize("target", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_truncation_table_truncates_every_pattern(source: str, target: str) -> None:
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(getattr(torch, source)).float().numpy()
+    finite = np.isfinite(values)
+    got = truncation_table(source, target)
+    assert np.array_equal(got[finite], truncated(values[finite], target))
+    assert np.all(got[np.isnan(values)] & 0x7F == 0x7F)  # NaN stays NaN
+    limit = truncated(np.array([np.inf]), target)[0]
+    assert np.all(got[np.isinf(values)] & 0x7F == limit)  # infinity saturates
 
 
 @pytest.mark.parametrize("target", ["float8_e4m3fn", "float8_e5m2"])

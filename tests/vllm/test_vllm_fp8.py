@@ -141,7 +141,7 @@ def test_p_in_float32_feeds_d_in_fp8_converted_as_d_would_store_it(engines: dict
     ]
     assert_clean(d)
     assert assert_clean(d)["service"]["receiver"]["failed"] == 0  # type: ignore[index]
-    # P sent D's format: one byte per element, not float32's four.
+    # P sent D's format: 4 layers x one byte per element and block, not float32's four bytes.
     sent = assert_clean(p)["service"]["bytes_sent"] - sent_before  # type: ignore[index, operator]
     assert sent == 4 * ELEMENTS_PER_BLOCK * sum(n // BLOCK for n in lengths)
 
