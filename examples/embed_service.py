@@ -13,9 +13,9 @@ import asyncio
 import msgspec
 import numpy as np
 
+from kvsvc.core.layout import kv_cache_shape
+from kvsvc.core.messages import WorkerMetadata
 from kvsvc.engine.bootstrap import BootstrapServer
-from kvsvc.layout import kv_cache_shape
-from kvsvc.messages import WorkerMetadata
 from kvsvc.service import KVTransferService, new_incarnation
 from kvsvc.transport.mooncake import MooncakeTransport
 

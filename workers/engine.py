@@ -12,8 +12,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.engine.scheduler import RequestTracker
-from kvsvc.outputs import KVConnectorOutput
 from workers.blocks import BlockAllocator, NoFreeBlocks
 from workers.executor import Executor
 from workers.process import AbortRequest, Batch, FailureReasons, Prefill, Recv, Verify

@@ -26,10 +26,10 @@ from typing import Any, Final, Self
 
 from aiohttp import web
 
+from kvsvc.core.handshake import merge_handshake_metadata
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.outputs import AggregatorStatistics, KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.engine.endpoint import BootstrapEndpoint
-from kvsvc.handshake import merge_handshake_metadata
-from kvsvc.messages import WorkerMetadata
-from kvsvc.outputs import AggregatorStatistics, KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import ServiceConfig, new_incarnation
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.blocks import BlockAllocator, NoFreeBlocks
@@ -77,7 +77,7 @@ class EngineConfig:
     num_blocks: int = 256
     pp_size: int = 1
     tp_size: int = 1
-    layer_split: list[tuple[int, int]] | None = None  # None: `kvsvc.layout.even_layer_split`
+    layer_split: list[tuple[int, int]] | None = None  # None: `kvsvc.core.layout.even_layer_split`
     dtype: str = "bfloat16"
     layout: str = "HND"
     device: str = "cpu"

@@ -1,9 +1,9 @@
-"""One worker's KV pool: a torch tensor per local layer in any per-layer layout of `kvsvc.layout` (HND `(num_blocks, 2,
-H_local, block_size, head_size)`, NHD, KV_HND, KV_NHD, HNC, NHC, HND_FUSED), or one cross-layer pool `(num_blocks,
-local_layers, 2, H_local, block_size, head_size)` (`HND_CROSS_LAYER`).
+"""One worker's KV pool: a torch tensor per local layer in any per-layer layout of `kvsvc.core.layout` (HND
+`(num_blocks, 2, H_local, block_size, head_size)`, NHD, KV_HND, KV_NHD, HNC, NHC, HND_FUSED), or one cross-layer pool
+`(num_blocks, local_layers, 2, H_local, block_size, head_size)` (`HND_CROSS_LAYER`).
 
-Imports torch and the pure core (`kvsvc.layout`, `kvsvc.messages`) only. Invariants: the layers are views of one
-contiguous buffer whenever it can be allocated, so the transport registers a single region; `base_addrs` of the
+Imports torch and the pure core (`kvsvc.core.layout`, `kvsvc.core.messages`) only. Invariants: the layers are views of
+one contiguous buffer whenever it can be allocated, so the transport registers a single region; `base_addrs` of the
 pool's `WorkerMetadata` are the layers' `data_ptr()`s in layer order, and each layer's size is `layer_bytes(meta)`.
 The cross-layer pool is always one buffer, `base_addrs` holds its start, and `layers` are strided per-layer views
 (HND order inside a block), so the synthetic model fills and checks it like an HND pool.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from kvsvc.layout import (
+from kvsvc.core.layout import (
     CROSS_LAYER,
     FUSED,
     LAYOUTS,
@@ -27,7 +27,7 @@ from kvsvc.layout import (
     kv_cache_shape,
     layer_bytes,
 )
-from kvsvc.messages import WorkerMetadata
+from kvsvc.core.messages import WorkerMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,13 +26,13 @@ from typing import Any, Final
 
 import uvloop
 
-from kvsvc import netns
-from kvsvc.gather import TorchGather
-from kvsvc.messages import WorkerMetadata
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.engine import netns
 from kvsvc.service import KVTransferService, ServiceConfig
+from kvsvc.service.gather import TorchGather
 from kvsvc.service.staging_area import StagingArea
-from kvsvc.staging_memory import build_staging
+from kvsvc.service.staging_memory import build_staging
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from kvsvc.core.layout import dtype_size
 from kvsvc.engine.admin import random_token
-from kvsvc.layout import dtype_size
 from kvsvc.service import ServiceConfig
 from workers.engine import DecodeEngine, PrefillEngine
 from workers.executor import EngineConfig, Executor

@@ -16,9 +16,9 @@ from typing import Final
 
 import torch
 
-from kvsvc.layout import heads_of_rank
-from kvsvc.messages import WorkerMetadata
-from kvsvc.streams import completion_future, record_event
+from kvsvc.core.layout import heads_of_rank
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.transport.streams import completion_future, record_event
 from workers.kv_pool import hnd_view
 
 _MASK31: Final = (1 << 31) - 1
@@ -223,7 +223,8 @@ def verify(
 
 def ready_after_fill(device: torch.device) -> asyncio.Future[None] | None:
     """The completion future of the KV just written on `device`: None on the CPU (the data is there already), on
-    CUDA a future of an event recorded on the current stream (`kvsvc.streams`). Call it on the loop that awaits it.
+    CUDA a future of an event recorded on the current stream (`kvsvc.transport.streams`). Call it on the loop that
+    awaits it.
 
     Raises:
         RuntimeError: no running event loop (CUDA only); whatever torch raises when recording fails.

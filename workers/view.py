@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, TypeVar
 
+from kvsvc.core.messages import Worker, WorkerMetadata
 from kvsvc.engine.admin import tag_worker
 from kvsvc.engine.metrics import PeerRow, StatsDict
-from kvsvc.messages import Worker, WorkerMetadata
 from workers.executor import Executor
 from workers.process import ForgetEngine, Peers, Transfers
 

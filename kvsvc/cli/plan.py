@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 from msgspec.structs import replace
 
-from kvsvc.coalesce import unmerged_run_count
-from kvsvc.errors import TopologyError
-from kvsvc.layout import (
+from kvsvc.core.coalesce import unmerged_run_count
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.layout import (
     CROSS_LAYER,
     LAYOUTS,
     block_geometry,
@@ -34,9 +34,9 @@ from kvsvc.layout import (
     pool_bytes,
     pool_regions,
 )
-from kvsvc.messages import Worker, WorkerMetadata
-from kvsvc.planner import plan_transfer_arrays, source_heads
-from kvsvc.staging_plans import StagingRule, Way, count_runs, region_ids, window_plan
+from kvsvc.core.messages import Worker, WorkerMetadata
+from kvsvc.core.planner import plan_transfer_arrays, source_heads
+from kvsvc.core.staging_plans import StagingRule, Way, count_runs, region_ids, window_plan
 
 _ALIGN = 2 * 1024 * 1024
 P_BASE = 0x7F00_0000_0000

@@ -1,6 +1,6 @@
 """The admin HTTP application of one engine: health, readiness, topology, peers, transfers, metrics, drain, forget.
 
-Imports: aiohttp, msgspec, kvsvc.engine (bootstrap, metrics) and kvsvc.messages; never the service or workers: the
+Imports: aiohttp, msgspec, kvsvc.engine (bootstrap, metrics) and kvsvc.core.messages; never the service or workers: the
 engine is reached only through the `EngineView` protocol. Invariants: it shares one `web.Application` with the
 handshake endpoint; it binds loopback by default; every request that is not GET/HEAD/OPTIONS needs the bearer token
 (compared in constant time) and is refused outright when none is configured; bodies over the limit get 413. A GET
@@ -21,10 +21,10 @@ from typing import Final, Protocol
 import msgspec
 from aiohttp import web
 
+from kvsvc.core.messages import Worker, WorkerMetadata
 from kvsvc.engine.bootstrap import add_metadata_route, published_metadata, serve_app
 from kvsvc.engine.http_bounds import BOUNDS_KEY, HttpBounds
 from kvsvc.engine.metrics import EngineMetrics, MetricsSnapshot, PeerRow, StatsDict
-from kvsvc.messages import Worker, WorkerMetadata
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ _PUBLIC_PEER_FIELDS: Final = frozenset(
 # Statistics only the token shows: P's count of wrong secrets rises for held ids alone, so beside a request of one's
 # own it tells a held transfer id from one never held.
 _PRIVATE_STATISTICS: Final = (("sender", "refused_secrets"),)
-# WorkerRef.__str__ of kvsvc.messages: "engine[pp0,tp1]"; greedy so an engine id may itself hold brackets.
+# WorkerRef.__str__ of kvsvc.core.messages: "engine[pp0,tp1]"; greedy so an engine id may itself hold brackets.
 _PEER_RE: Final = re.compile(r"^(?P<engine>.*)\[pp(?P<pp>\d+),tp(?P<tp>\d+)\]$")
 _json = msgspec.json.Encoder(enc_hook=str)
 

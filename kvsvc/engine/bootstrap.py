@@ -1,6 +1,6 @@
 """The handshake endpoint an engine serves (D workers fetch it with `kvsvc.service.remotes.fetch_engine_metadata`).
 
-Rules: the body is `kvsvc.messages.encode_engine_metadata` (msgpack), served read-only at `METADATA_PATH`, and 503
+Rules: the body is `kvsvc.core.messages.encode_engine_metadata` (msgpack), served read-only at `METADATA_PATH`, and 503
 until the engine published it. Binds loopback by default; `port=0` picks a free port, readable from
 `BootstrapServer.url` after start. The admin endpoints add their routes to the same `web.Application`.
 """
@@ -11,9 +11,9 @@ from typing import Final
 
 from aiohttp import web
 
+from kvsvc.core.messages import METADATA_CONTENT_TYPE as CONTENT_TYPE
+from kvsvc.core.messages import METADATA_PATH, WorkerMetadata, encode_engine_metadata
 from kvsvc.engine.http_bounds import HttpBounds, bounded_server
-from kvsvc.messages import METADATA_CONTENT_TYPE as CONTENT_TYPE
-from kvsvc.messages import METADATA_PATH, WorkerMetadata, encode_engine_metadata
 
 METADATA_KEY: Final = web.AppKey("kvsvc_metadata", list[bytes])
 

@@ -13,10 +13,10 @@ from collections.abc import Iterable, Mapping
 
 from aiohttp import web
 
-from kvsvc.connector import KVConnectorBase
+from kvsvc.core.connector import KVConnectorBase
+from kvsvc.core.handshake import merge_handshake_metadata
+from kvsvc.core.messages import Worker, WorkerMetadata
 from kvsvc.engine.bootstrap import publish_metadata
-from kvsvc.handshake import merge_handshake_metadata
-from kvsvc.messages import Worker, WorkerMetadata
 
 
 def check_engine_metadata(metadata: Mapping[Worker, WorkerMetadata]) -> None:

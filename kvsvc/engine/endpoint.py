@@ -14,9 +14,9 @@ import threading
 
 from aiohttp import web
 
-import kvsvc.netns
+import kvsvc.engine.netns
+from kvsvc.core.messages import WorkerMetadata
 from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata, serve_app
-from kvsvc.messages import WorkerMetadata
 from kvsvc.service.threaded import new_event_loop
 
 _START_TIMEOUT_S = 10.0
@@ -39,7 +39,7 @@ class BootstrapEndpoint:
         def run() -> None:
             try:
                 if netns is not None:
-                    kvsvc.netns.join(netns)
+                    kvsvc.engine.netns.join(netns)
                 joined.append(None)
             except BaseException as exc:
                 joined.append(exc)

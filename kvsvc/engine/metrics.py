@@ -1,6 +1,6 @@
 """Prometheus metrics of one engine: a per-engine registry, a collector over statistics snapshots, a latency histogram.
 
-Imports: standard library, prometheus_client and `kvsvc.histogram`, nothing of kvsvc's service (statistics arrive
+Imports: standard library, prometheus_client and `kvsvc.core.histogram`, nothing of kvsvc's service (statistics arrive
 as plain dicts, the shape `statistics_dict` makes of a `ServiceStatistics`). Invariants: never touches
 prometheus_client's global registry, so several engines can live in one process; a scrape renders exactly one
 snapshot (set and rendered in one synchronous step); keys missing from a snapshot drop their samples, never fail
@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvsvc.histogram import TRANSFER_BUCKETS
-from kvsvc.messages import Worker
+from kvsvc.core.histogram import TRANSFER_BUCKETS
+from kvsvc.core.messages import Worker
 
 StatsDict = Mapping[str, object]
 PeerRow = Mapping[str, object]
@@ -264,7 +264,7 @@ class _SnapshotCollector(Collector):
 def _histograms(
     family: HistogramMetricFamily, items: Sequence[tuple[Worker, StatsDict]], series: Sequence[tuple[str, str]]
 ) -> Metric:
-    """`family` from the histograms each worker keeps (`kvsvc.histogram`): one series per (label, statistics key)
+    """`family` from the histograms each worker keeps (`kvsvc.core.histogram`): one series per (label, statistics key)
     of `series` and worker."""
     for worker, stats in items:
         for role, key in series:

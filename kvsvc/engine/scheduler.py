@@ -1,6 +1,6 @@
 """The scheduler's view of KV transfers: which requests wait for remote KV (D), which hold KV for sending (P).
 
-Pure module: standard library and kvsvc.outputs only (no asyncio, torch, mooncake). Invariants: each tracked id
+Pure module: standard library and kvsvc.core.outputs only (no asyncio, torch, mooncake). Invariants: each tracked id
 leaves the tracker exactly once, in exactly one of finished / runnable / failed; `update` never raises on what a
 report says (ids it does not track are returned as unknown) and never mutates the report; a receive whose blocks
 were reported invalid is failed, never runnable, even if a worker called it finished.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.outputs import KVConnectorOutput
 
 BlockIds = tuple[int, ...]
 

@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 from collections import deque
 
-from kvsvc.errors import MalformedFrame, PeerLost
-from kvsvc.messages import HEADER_BYTES, MAX_FRAME_BYTES, FrameReader, Message, encode
+from kvsvc.core.errors import MalformedFrame, PeerLost
+from kvsvc.core.messages import HEADER_BYTES, MAX_FRAME_BYTES, FrameReader, Message, encode
 
 _READ_CHUNK = 256 * 1024
 # Frames sent or received in a row before the queue is written or the loop may turn: large enough that the socket

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvsvc.auth import is_loopback
-from kvsvc.data_planes import SETTINGS
+from kvsvc.core.auth import is_loopback
+from kvsvc.core.data_planes import SETTINGS
 
 __all__ = ["ServiceConfig", "is_loopback"]
 
@@ -59,7 +59,7 @@ class ServiceConfig:
     """Control connections a P worker holds at once whose hello it accepted; past it, a new hello gets a
     `HelloRefused` naming the limit and is closed. A D engine of TP 8 x PP 4 x DP 8 opens at most 256 to each."""
     max_control_connections_per_host: int = 512
-    """Of those and the pending ones, the ones from one host group (`kvsvc.bounds.host_group`: all of loopback, an
+    """Of those and the pending ones, the ones from one host group (`kvsvc.core.bounds.host_group`: all of loopback, an
     IPv4 /24, an IPv6 /64; every D worker of a host shares it)."""
     max_pending_hellos: int = 64
     """Control connections a P worker holds before their hello was accepted, apart from `max_control_connections`:
@@ -68,7 +68,7 @@ class ServiceConfig:
     """A new control connection to a P worker that sends nothing for this long is closed (its hello then has
     `handshake_timeout_s` in all)."""
     transport: str = "auto"
-    """Which data plane this worker's writes take, per D worker (`kvsvc.data_planes.choose_transport`): "auto" (the
+    """Which data plane this worker's writes take, per D worker (`kvsvc.core.data_planes.choose_transport`): "auto" (the
     same-host plane of the KV's memory where both workers offer it on one host: the kernel copy for CPU memory, CUDA
     IPC for GPUs; else Mooncake), "mooncake", or "samehost" (the same as auto, but a pair that cannot use it is
     logged as a warning)."""

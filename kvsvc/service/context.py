@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvsvc.auth import unkeyed_peer_refusal
-from kvsvc.histogram import STAGE_BUCKETS, LatencyHistogram
-from kvsvc.jobs import Notice
-from kvsvc.messages import Worker, WorkerMetadata
+from kvsvc.core.auth import unkeyed_peer_refusal
+from kvsvc.core.histogram import STAGE_BUCKETS, LatencyHistogram
+from kvsvc.core.jobs import Notice
+from kvsvc.core.messages import Worker, WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.staging_area import StagingArea
 from kvsvc.service.tasks import TaskGroup
@@ -144,7 +144,7 @@ class ServiceContext:
     byte landed; what streaming the layers leaves after P's forward."""
     # The parts of staged writes, each timed when it completed (a chunk that failed keeps the parts it finished). They
     # overlap: chunks of a write start together, so one's wait for room is the gathers and writes before it; on a
-    # GPU a gather, write or scatter ends when the event poller sees its CUDA event (`kvsvc.streams`).
+    # GPU a gather, write or scatter ends when the event poller sees its CUDA event (`kvsvc.transport.streams`).
     staged_room: LatencyHistogram = field(default_factory=_stage_histogram)
     """P, a write through the staging region: each chunk's wait for room in it."""
     staged_gather: LatencyHistogram = field(default_factory=_stage_histogram)
@@ -180,7 +180,7 @@ def notice(ctx: ServiceContext, what: Notice) -> None:
 def unkeyed_peer_check(ctx: ServiceContext, ends: tuple[Endpoint, Endpoint] | None) -> str:
     """Why the control connection `ends` (this end, the far end) must close before a frame of it is read or a hello
     sent, or "" to go on: with a control token the hello's proofs decide; without one, the peer must be a process
-    of this worker's own user by the kernel's word (`kvsvc.auth.unkeyed_peer_refusal`). Raises nothing."""
+    of this worker's own user by the kernel's word (`kvsvc.core.auth.unkeyed_peer_refusal`). Raises nothing."""
     if ctx.config.control_token is not None:
         return ""
     if ends is None:

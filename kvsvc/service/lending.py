@@ -1,14 +1,14 @@
 """D's windows, `WindowLender`: lends windows of the staging region for the requests the staging rule sends through D,
-and carries out the window-round protocol (`kvsvc.windows.LentWindows`) on them.
+and carries out the window-round protocol (`kvsvc.core.windows.LentWindows`) on them.
 
-Rules: the protocol's decisions live in `kvsvc.windows`; this module decides only where a window's bytes come from
+Rules: the protocol's decisions live in `kvsvc.core.windows`; this module decides only where a window's bytes come from
 (the staging region, at once or after a wait of at most `window_wait_s`, else the request goes without one) and
 carries out the commands: each scatter is a task of the service's `TaskGroup`, and its end goes back to
 `LentWindows.scattered`. Every frame from a P worker passes through `on_p_message` before the `Receiver` sees it. A
 window goes back once the receive from its P worker ended and no scatter reads it (`tidy`); a failed receive whose
 window a scatter still copies into is reported only after that copy (`hold_back`). Part of the D role
-(`kvsvc.service.receiving` owns one when D can lend windows at all, `kvsvc.windows.lends_windows`); never imports the
-P role.
+(`kvsvc.service.receiving` owns one when D can lend windows at all, `kvsvc.core.windows.lends_windows`); never imports
+the P role.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace as replace_plan
 
-from kvsvc.data_planes import rule_on
-from kvsvc.driver import carry_out_windows, d_frame, lent_window, with_window
-from kvsvc.layout import block_geometry
-from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata
-from kvsvc.planner import is_block_run
-from kvsvc.receiver import Receiver, RecvReport
+from kvsvc.core.data_planes import rule_on
+from kvsvc.core.driver import carry_out_windows, d_frame, lent_window, with_window
+from kvsvc.core.layout import block_geometry
+from kvsvc.core.messages import Message, TransferRequest, Worker, WorkerMetadata
+from kvsvc.core.planner import is_block_run
+from kvsvc.core.receiver import Receiver, RecvReport
+from kvsvc.core.staging_plans import WindowPlan, plan_window
+from kvsvc.core.windows import Deliver, LentWindow, LentWindows, Scatter, WindowCommand, WindowKey
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.staging_area import StagingArea, StagingFull
-from kvsvc.staging_plans import WindowPlan, plan_window
-from kvsvc.windows import Deliver, LentWindow, LentWindows, Scatter, WindowCommand, WindowKey
 
 _WINDOW_PLAN_CACHE_ENTRIES = 1024
 
@@ -155,7 +155,7 @@ class WindowLender:
     # -- the rounds --------------------------------------------------------------------------------------------
 
     def on_p_message(self, engine_id: str, src: Worker, message: Message) -> None:
-        """A frame from P worker `src`: the window protocol takes it first (`kvsvc.driver.d_frame`)."""
+        """A frame from P worker `src`: the window protocol takes it first (`kvsvc.core.driver.d_frame`)."""
         self._carry_out(*d_frame(self._windows, engine_id, src, message))
 
     def _carry_out(self, key: WindowKey, commands: list[WindowCommand]) -> None:

@@ -1,7 +1,7 @@
 """`PlanCache`: what one P worker writes to one D worker for a `Submit`, as descriptor tables, planned once per
 request shape and shifted per request: the plan (`plan_transfer`), its window stream when D lent a window
 (`window_plan`), and the staged form of either when the staging rule picks a gather (`plan_staged`) or the pair
-converts (`kvsvc.formats`: P's gather converts its floats into D's fp8, and every planned byte is D's).
+converts (`kvsvc.core.formats`: P's gather converts its floats into D's fp8, and every planned byte is D's).
 
 Part of the P role (`kvsvc.service.writing` keeps one per D worker connection); imports kvsvc's core only: no
 asyncio, no transport, no I/O. Rules: a request whose P and D blocks are each one run of consecutive ids (one KV
@@ -17,14 +17,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvsvc.coalesce import Int64Array
-from kvsvc.driver import share_refusal
-from kvsvc.formats import Conversion, as_written, conversion
-from kvsvc.layout import block_geometry, pool_regions
-from kvsvc.messages import WorkerMetadata
-from kvsvc.planner import is_block_run, plan_transfer_arrays
-from kvsvc.sender import Submit
-from kvsvc.staging_plans import StagedChunk, StagingRule, count_runs, plan_staged, region_ids, shift_chunks, window_plan
+from kvsvc.core.coalesce import Int64Array
+from kvsvc.core.driver import share_refusal
+from kvsvc.core.formats import Conversion, as_written, conversion
+from kvsvc.core.layout import block_geometry, pool_regions
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.planner import is_block_run, plan_transfer_arrays
+from kvsvc.core.sender import Submit
+from kvsvc.core.staging_plans import (
+    StagedChunk,
+    StagingRule,
+    count_runs,
+    plan_staged,
+    region_ids,
+    shift_chunks,
+    window_plan,
+)
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
 # Descriptors cached per D worker connection, all plans together: 24 MiB, and their staged forms and window streams
@@ -62,8 +70,8 @@ class PlanCache:
     staged_streams: dict[Key, list[StagedChunk] | None] = field(default_factory=dict)
     strides: tuple[int, int] = (0, 0)  # block strides of P and of D, once a shifted plan needs them
     src_regions: list[int] = field(default_factory=list)  # start addresses of P's registered tensors
-    # P as planned for this D (`kvsvc.formats.as_written`) and the conversion its gather makes, if any: found at the
-    # first plan. A converting pair is always staged (the gather converts) and takes no window.
+    # P as planned for this D (`kvsvc.core.formats.as_written`) and the conversion its gather makes, if any: found at
+    # the first plan. A converting pair is always staged (the gather converts) and takes no window.
     view: WorkerMetadata | None = None
     conversion: Conversion | None = None
 
@@ -71,7 +79,7 @@ class PlanCache:
         """P worker `src` as planned for `dst` (itself unless the pair converts), found once.
 
         Raises:
-            TopologyError: as `kvsvc.formats.conversion`.
+            TopologyError: as `kvsvc.core.formats.conversion`.
         """
         if self.view is None:
             self.conversion = conversion(src, dst)

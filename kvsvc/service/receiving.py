@@ -10,7 +10,7 @@ prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTranspo
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
 receives wait) and P answers their aborts, which it does once their writes ended.
 Windows of D's staging region are its `WindowLender`'s (`kvsvc.service.lending`), which exists only where D can lend
-them (`kvsvc.windows.lends_windows`): a request may carry one, and every frame from a P worker passes through the
+them (`kvsvc.core.windows.lends_windows`): a request may carry one, and every frame from a P worker passes through the
 lender before it reaches the `Receiver`. Without one, requests go out as they are and P's frames go straight to the
 `Receiver`.
 """
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 from msgspec.structs import replace
 
-from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
-from kvsvc.backoff import Backoff
-from kvsvc.data_planes import choose_transport
-from kvsvc.driver import carry_out_recv
-from kvsvc.errors import (
+from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, derive_key
+from kvsvc.core.backoff import Backoff
+from kvsvc.core.data_planes import choose_transport
+from kvsvc.core.driver import carry_out_recv
+from kvsvc.core.errors import (
     HandshakeError,
     KVSvcError,
     LocalProtocolError,
@@ -39,17 +39,17 @@ from kvsvc.errors import (
     PeerLost,
     TransportError,
 )
-from kvsvc.hello import answer_challenge, check_hello_reply, open_hello
-from kvsvc.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef, check_transfer_id, clip
-from kvsvc.planner import check_block_ids
-from kvsvc.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
-from kvsvc.sender import check_secret
+from kvsvc.core.hello import answer_challenge, check_hello_reply, open_hello
+from kvsvc.core.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef, check_transfer_id, clip
+from kvsvc.core.planner import check_block_ids
+from kvsvc.core.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
+from kvsvc.core.sender import check_secret
+from kvsvc.core.windows import lends_windows
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice, unkeyed_peer_check
 from kvsvc.service.lending import WindowLender
 from kvsvc.service.remotes import RemoteEngines, Routes
 from kvsvc.transport.routed import exported_handles, start_mooncake
-from kvsvc.windows import lends_windows
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +430,7 @@ class ReceivingRole:
     async def _reconnect(self, peer: _Outbound) -> None:
         """Reach the lost P worker again while receives hold blocks only because of it: its answers to their
         aborts (`Receiver.reconnected`) end the wait. A failed try loses the connection again, which schedules the
-        next try after twice the delay (`kvsvc.backoff`); the receives' abort grace bounds it all."""
+        next try after twice the delay (`kvsvc.core.backoff`); the receives' abort grace bounds it all."""
         key = (peer.ref.engine_id, peer.ref.worker)
         await asyncio.sleep(self._reconnects.delay(key))
         if not self._receiver.waits_on_lost(*key):

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvsvc.auth import check_control_addr, parse_bootstrap_addr
-from kvsvc.bounds import check_engine_bounds
-from kvsvc.errors import HandshakeError, KVSvcError, MalformedFrame, PeerMismatch, TopologyError
-from kvsvc.layout import block_bytes
-from kvsvc.messages import MAX_METADATA_BYTES, Worker, WorkerRef, clip, decode_engine_metadata
-from kvsvc.planner import release_notifier, sources_of
+from kvsvc.core.auth import check_control_addr, parse_bootstrap_addr
+from kvsvc.core.bounds import check_engine_bounds
+from kvsvc.core.errors import HandshakeError, KVSvcError, MalformedFrame, PeerMismatch, TopologyError
+from kvsvc.core.layout import block_bytes
+from kvsvc.core.messages import MAX_METADATA_BYTES, Worker, WorkerRef, clip, decode_engine_metadata
+from kvsvc.core.planner import release_notifier, sources_of
+from kvsvc.core.topology import EngineTransferInfo, TransferTopology
 from kvsvc.service.context import EngineMetadata, ServiceContext
-from kvsvc.topology import EngineTransferInfo, TransferTopology
 
 log = logging.getLogger(__name__)
 # At most this much of an error response is read, for the excerpt its refusal quotes.
@@ -227,7 +227,7 @@ async def fetch_engine_metadata(
 
     Raises:
         HandshakeError: an address D does not fetch from, unreachable, not ready (non-200, redirects included), too
-            large, malformed, empty, past the bounds a hello is held to (`kvsvc.bounds.check_engine_bounds`), or a
+            large, malformed, empty, past the bounds a hello is held to (`kvsvc.core.bounds.check_engine_bounds`), or a
             control address on another host; the message names the URL.
     """
     try:

@@ -15,18 +15,18 @@ import secrets
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
-from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
-from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
-from kvsvc.data_planes import PLANE_NAMES, Route, choose_transport, needs_mooncake, probed, samehost_check_budget
-from kvsvc.driver import carry_out_fill, carry_out_send
-from kvsvc.errors import (
+from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, derive_key
+from kvsvc.core.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
+from kvsvc.core.data_planes import PLANE_NAMES, Route, choose_transport, needs_mooncake, probed, samehost_check_budget
+from kvsvc.core.driver import carry_out_fill, carry_out_send
+from kvsvc.core.errors import (
     MalformedFrame,
     PeerLost,
     TransportError,
 )
-from kvsvc.hello import HelloRefusal, accept_hello, challenge_hello
-from kvsvc.layout import pool_regions
-from kvsvc.messages import (
+from kvsvc.core.hello import HelloRefusal, accept_hello, challenge_hello
+from kvsvc.core.layout import pool_regions
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
     HelloRefused,
@@ -36,8 +36,8 @@ from kvsvc.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.planner import check_block_ids
-from kvsvc.sender import Reply, SendCommand, Sender, SenderStatistics
+from kvsvc.core.planner import check_block_ids
+from kvsvc.core.sender import Reply, SendCommand, Sender, SenderStatistics
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, escape_controls, notice, unkeyed_peer_check
 from kvsvc.service.writing import BlockWriter, WriteTarget
@@ -380,7 +380,7 @@ class SendingRole:
             channel.send(reply)
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
-        fill = inbound.target.frame(message)  # a write in rounds takes its frames first (`kvsvc.driver.p_frame`)
+        fill = inbound.target.frame(message)  # a write in rounds takes its frames first (`kvsvc.core.driver.p_frame`)
         if fill is not None:
             carry_out_fill(fill, inbound.target.send, lambda n: notice(self._ctx, n))
             return

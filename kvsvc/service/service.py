@@ -20,19 +20,19 @@ from dataclasses import dataclass
 
 from msgspec.structs import replace
 
-from kvsvc.errors import KVSvcError, ServiceClosed
-from kvsvc.histogram import STAGE_BUCKETS, HistogramStatistics, LatencyHistogram
-from kvsvc.messages import WorkerMetadata, check_own_metadata
-from kvsvc.outputs import KVConnectorOutput
-from kvsvc.receiver import ReceiverStatistics
-from kvsvc.sender import SenderStatistics
+from kvsvc.core.errors import KVSvcError, ServiceClosed
+from kvsvc.core.histogram import STAGE_BUCKETS, HistogramStatistics, LatencyHistogram
+from kvsvc.core.messages import WorkerMetadata, check_own_metadata
+from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.core.receiver import ReceiverStatistics
+from kvsvc.core.sender import SenderStatistics
+from kvsvc.core.topology import TransferTopology
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.context import COUNTERS, EngineMetadata, PeerLog, ServiceContext
 from kvsvc.service.receiving import ReceivingRole
 from kvsvc.service.sending import SendingRole
 from kvsvc.service.staging_area import StagingArea
 from kvsvc.service.tasks import TaskGroup
-from kvsvc.topology import TransferTopology
 from kvsvc.transport.base import Transport, TransportStatistics
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class KVTransferService:
         """`staging`: a staging region registered with `transport`, for writes the staging rule picks (P side).
 
         Raises:
-            ValueError: a field of `metadata` is past what peers decode (`kvsvc.messages.check_own_metadata`).
+            ValueError: a field of `metadata` is past what peers decode (`kvsvc.core.messages.check_own_metadata`).
         """
         check_own_metadata(metadata)
         self.config = config or ServiceConfig()
@@ -227,8 +227,8 @@ class KVTransferService:
         Raises:
             ServiceClosed: `close` was called.
             ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`, `secret` is
-                too short or too long (`kvsvc.sender.check_secret`), `transfer_id` is longer than
-                `kvsvc.messages.MAX_NAME_CHARS`, or the transfer is held already with another secret.
+                too short or too long (`kvsvc.core.sender.check_secret`), `transfer_id` is longer than
+                `kvsvc.core.messages.MAX_NAME_CHARS`, or the transfer is held already with another secret.
         """
         self._check_open()
         secret = new_transfer_secret() if secret is None else secret
@@ -257,8 +257,8 @@ class KVTransferService:
         Raises:
             ServiceClosed: `close` was called.
             ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`,
-                `first_token` lies outside `[0, num_tokens]`, `secret` is missing (`kvsvc.sender.check_secret`), or
-                `transfer_id` is longer than `kvsvc.messages.MAX_NAME_CHARS`.
+                `first_token` lies outside `[0, num_tokens]`, `secret` is missing (`kvsvc.core.sender.check_secret`), or
+                `transfer_id` is longer than `kvsvc.core.messages.MAX_NAME_CHARS`.
             LocalProtocolError: this engine has several PP stages and `set_engine_metadata` was not called.
         """
         self._check_open()

@@ -2,7 +2,7 @@
 out, and where D lends windows that P writes a share into and D scatters from.
 
 Rules: the region is registered with the transport by whoever owns its memory (the embedder), before the first
-write; the service only lends ranges of it (`kvsvc.staging_plans.RangeAllocator`) and calls the injected `Gather`.
+write; the service only lends ranges of it (`kvsvc.core.staging_plans.RangeAllocator`) and calls the injected `Gather`.
 Ranges are lent first come, first served, so a large chunk is never starved by small ones; a wait for room has a
 deadline and fails the write (never the service) when it passes. A range goes back only once nothing can still read it:
 its gather ended and its write finished or drained. D's windows wait in the same line, for `window_wait_s` at most
@@ -17,10 +17,10 @@ from collections import deque
 from collections.abc import Awaitable
 from typing import Protocol
 
-from kvsvc.coalesce import Int64Array
-from kvsvc.errors import Busy
-from kvsvc.formats import Conversion
-from kvsvc.staging_plans import RangeAllocator, StagingRule
+from kvsvc.core.coalesce import Int64Array
+from kvsvc.core.errors import Busy
+from kvsvc.core.formats import Conversion
+from kvsvc.core.staging_plans import RangeAllocator, StagingRule
 
 
 class StagingFull(Busy):
@@ -40,7 +40,7 @@ class Gather(Protocol):
 
 class Convert(Protocol):
     """Copies pieces of this worker's float KV into its staging region converted into a peer's quantized format
-    (`kvsvc.formats.Conversion`): the pieces are planned in the peer's bytes (`kvsvc.formats.as_written`)."""
+    (`kvsvc.core.formats.Conversion`): the pieces are planned in the peer's bytes (`kvsvc.core.formats.as_written`)."""
 
     def __call__(self, conversion: Conversion, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
         """Convert each piece of `length[i]` planned bytes at `src[i]` into staging address `dst[i]`; as `Gather`."""

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from kvsvc.errors import KVSvcTimeout, ServiceClosed
-from kvsvc.messages import WorkerMetadata
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.errors import KVSvcTimeout, ServiceClosed
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.service import KVTransferService, ServiceStatistics
 from kvsvc.service.staging_area import StagingArea

@@ -7,11 +7,11 @@ its `drained` future (one that raised outside the plane's contract, for the plan
 blocks stay held until then. Small writes skip the task when the plane's `start_write` takes them. With a staging
 region, a plan its rule picks is gathered there chunk by chunk and written one descriptor per destination run
 (`kvsvc.service.staging_area`). A request with a window of D's staging region is written there as one stream
-(`kvsvc.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than its window
-moves in rounds, as its `kvsvc.windows.FillingWindow` says: round k waits until D emptied round k - 2 (within the hold
-timeout), and each round but the last is announced. A layer-wise write stages each layer on its own when the rule picks
-it. A converting pair's writes (`kvsvc.formats`) are always staged: the gather converts P's floats into D's fp8.
-Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
+(`kvsvc.core.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than its
+window moves in rounds, as its `kvsvc.core.windows.FillingWindow` says: round k waits until D emptied round k - 2
+(within the hold timeout), and each round but the last is announced. A layer-wise write stages each layer on its own
+when the rule picks it. A converting pair's writes (`kvsvc.core.formats`) are always staged: the gather converts P's
+floats into D's fp8. Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from kvsvc.coalesce import Int64Array
-from kvsvc.data_planes import rule_on
-from kvsvc.driver import AwaitHalf, RoundsFilled, carry_out_fill, p_frame, round_step
-from kvsvc.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
-from kvsvc.layout import is_cross_layer, layer_addrs
-from kvsvc.messages import Message, Worker, WorkerMetadata, WorkerRef
-from kvsvc.sender import Submit
+from kvsvc.core.coalesce import Int64Array
+from kvsvc.core.data_planes import rule_on
+from kvsvc.core.driver import AwaitHalf, RoundsFilled, carry_out_fill, p_frame, round_step
+from kvsvc.core.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
+from kvsvc.core.layout import is_cross_layer, layer_addrs
+from kvsvc.core.messages import Message, Worker, WorkerMetadata, WorkerRef
+from kvsvc.core.sender import Submit
+from kvsvc.core.staging_plans import StagedChunk
+from kvsvc.core.windows import Fail, FillCommand, FillEvent, FillingWindow
 from kvsvc.service.context import ServiceContext, notice
 from kvsvc.service.plans import PlanCache, Shifted
-from kvsvc.staging_plans import StagedChunk
 from kvsvc.transport.base import Transport, WriteFailed
-from kvsvc.windows import Fail, FillCommand, FillEvent, FillingWindow
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _nowhere(message: Message) -> None:
 @dataclass(slots=True)
 class WriteTarget:
     """A D worker this P worker writes to, as its accepted hello described it, and the writes in rounds into its
-    windows (`fills`, `kvsvc.windows.FillingWindow`), which wait for D's `WindowEmptied` frames."""
+    windows (`fills`, `kvsvc.core.windows.FillingWindow`), which wait for D's `WindowEmptied` frames."""
 
     ref: WorkerRef
     meta: WorkerMetadata
@@ -62,14 +62,14 @@ class WriteTarget:
     fills: dict[str, FillingWindow] = field(default_factory=dict)  # per transfer writing in rounds
     wakeups: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # a write in rounds that waits
     gone: str = ""  # why the control connection closed; "" while it is open
-    session: str = ""  # the transport session writes go to (`kvsvc.data_planes.Route`); "" means Mooncake's
+    session: str = ""  # the transport session writes go to (`kvsvc.core.data_planes.Route`); "" means Mooncake's
     plane: str = "mooncake"  # `Route.kind`: what a descriptor costs, so whether staging pays (`rule_on`)
 
     def __post_init__(self) -> None:
         self.session = self.session or self.meta.transport_addr
 
     def frame(self, message: Message) -> list[FillCommand] | None:
-        """A frame from this D worker, when it is a write in rounds' (`kvsvc.driver.p_frame`): D emptied a round of
+        """A frame from this D worker, when it is a write in rounds' (`kvsvc.core.driver.p_frame`): D emptied a round of
         a window, and the write waiting for its half goes on. None: the frame is the job tables'."""
         commands = p_frame(message, self.fills, str(self.ref))
         if commands is not None:
@@ -301,7 +301,7 @@ class BlockWriter:
 
         Raises:
             ValueError: two descriptors overlap in the destination (a planner bug).
-            TopologyError: the pair converts (`kvsvc.formats`) and this worker has no staging region.
+            TopologyError: the pair converts (`kvsvc.core.formats`) and this worker has no staging region.
         """
         area = self._ctx.staging
         if area is None:
@@ -521,7 +521,7 @@ def _within_contract(exc: BaseException) -> bool:
 
 
 def _fill_error(cause: FillEvent | None, reason: str) -> Exception:
-    """The error a failed write in rounds raises, by whose doing it failed (`kvsvc.windows.Fail`)."""
+    """The error a failed write in rounds raises, by whose doing it failed (`kvsvc.core.windows.Fail`)."""
     if cause is FillEvent.EXPIRE:
         return KVSvcTimeout(reason)
     if cause is FillEvent.STOP:

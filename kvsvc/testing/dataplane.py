@@ -14,15 +14,15 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.driver import WriteRound
-from kvsvc.errors import TopologyError
-from kvsvc.layout import block_geometry, pool_regions
-from kvsvc.messages import Worker
-from kvsvc.planner import Descriptor, plan_transfer
-from kvsvc.sender import Submit
-from kvsvc.staging_plans import RangeAllocator, StagingRule, count_runs, plan_staged, region_ids
+from kvsvc.core.driver import WriteRound
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.layout import block_geometry, pool_regions
+from kvsvc.core.messages import Worker
+from kvsvc.core.planner import Descriptor, plan_transfer
+from kvsvc.core.sender import Submit
+from kvsvc.core.staging_plans import RangeAllocator, StagingRule, count_runs, plan_staged, region_ids
+from kvsvc.core.windows import Scatter, WindowKey
 from kvsvc.testing.sim import SimEngine, kv_pattern
-from kvsvc.windows import Scatter, WindowKey
 
 ByteArray = npt.NDArray[np.uint8]
 _WINDOW_BASE = 1 << 46  # D's staging regions from here up, P's from here down

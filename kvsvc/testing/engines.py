@@ -19,14 +19,14 @@ from typing import Literal
 
 import numpy as np
 
-from kvsvc.coalesce import Int64Array
+from kvsvc.core.coalesce import Int64Array
+from kvsvc.core.layout import block_geometry
+from kvsvc.core.messages import Worker
+from kvsvc.core.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.engine.bootstrap import BootstrapServer
-from kvsvc.layout import block_geometry
-from kvsvc.messages import Worker
-from kvsvc.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
 from kvsvc.service.staging_area import StagingArea
-from kvsvc.staging_memory import build_staging
+from kvsvc.service.staging_memory import build_staging
 from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport

@@ -1,7 +1,7 @@
 """In-process fakes of kvsvc's I/O for unit tests of the service logic: `LoopbackTransport`.
 
-Imports: stdlib, `kvsvc.errors`, `kvsvc.transport.base` (no mooncake, no torch). Invariants: the fake keeps the real
-transport's contract (same address checks before anything is written, same errors, same statistics, `write` never
+Imports: stdlib, `kvsvc.core.errors`, `kvsvc.transport.base` (no mooncake, no torch). Invariants: the fake keeps the
+real transport's contract (same address checks before anything is written, same errors, same statistics, `write` never
 returns while a copy is under way); faults are switched on explicitly and never happen by chance.
 """
 
@@ -12,7 +12,7 @@ import ctypes
 import itertools
 from collections.abc import Sequence
 
-from kvsvc.messages import IpcHandle
+from kvsvc.core.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,

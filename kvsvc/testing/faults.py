@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvsvc.messages import (
+from kvsvc.core.messages import (
     Abort,
     ErrorMessage,
     Pong,

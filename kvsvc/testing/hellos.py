@@ -1,14 +1,14 @@
 """Hellos as a bare test client of a worker's control port sends them, without the service's D role.
 
 Imports: kvsvc's pure core only. A client without a control token sends its opening and its hello at once (P's
-challenge asks nothing of it); a client with a key must read P's challenge first (`kvsvc.hello.answer_challenge`).
+challenge asks nothing of it); a client with a key must read P's challenge first (`kvsvc.core.hello.answer_challenge`).
 """
 
 from __future__ import annotations
 
-from kvsvc.auth import NONCE_BYTES
-from kvsvc.hello import HelloAccepted, HelloRefusal, accept_hello, challenge_hello
-from kvsvc.messages import Hello, HelloStart, WorkerMetadata, encode
+from kvsvc.core.auth import NONCE_BYTES
+from kvsvc.core.hello import HelloAccepted, HelloRefusal, accept_hello, challenge_hello
+from kvsvc.core.messages import Hello, HelloStart, WorkerMetadata, encode
 
 
 def start_of(hello: Hello, nonce: bytes = bytes(NONCE_BYTES), keyed: bool = False) -> HelloStart:

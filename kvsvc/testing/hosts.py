@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Final, Self, TypeVar
 
-from kvsvc import netns as _netns
-from kvsvc.netns import NETNS_DIR
+from kvsvc.engine import netns as _netns
+from kvsvc.engine.netns import NETNS_DIR
 
 T = TypeVar("T")
 
@@ -113,7 +113,8 @@ def in_netns(name: str, fn: Callable[[], T], timeout_s: float = 60.0) -> T:
 class NetnsHosts:
     """Hosts named `names` (each a namespace with one address) on a private switch. A context manager.
 
-    `netns(host)` is the namespace a process joins (`kvsvc.netns.join`), `address(host)` its non-loopback address.
+    `netns(host)` is the namespace a process joins (`kvsvc.engine.netns.join`), `address(host)` its non-loopback
+    address.
     """
 
     _serial = 0

@@ -1,7 +1,7 @@
 """A back-to-back P/D peer pair for protocol tests with no event loop: `Sender`s and `Receiver`s wired by lists.
 
 Rules: `PeerPair` plays the asyncio service's part (docs/protocol.md) without I/O, through the same driver decisions
-the service takes (`kvsvc.driver`): it turns `Reply`/`SendToSource` commands into envelopes on an in-memory wire
+the service takes (`kvsvc.core.driver`): it turns `Reply`/`SendToSource` commands into envelopes on an in-memory wire
 (`kvsvc.testing.faults`), delivers them as the other side's events, and carries out `Submit` by `plan_transfer` plus
 memmove between simulated KV pools (`kvsvc.testing.dataplane`). Nothing happens until a test calls
 `step`/`run_until_idle`/`advance`; faults are predicates the test sets. The pair checks the rule "never report a send
@@ -17,8 +17,8 @@ from functools import partial
 
 import numpy as np
 
-from kvsvc.data_planes import rule_on
-from kvsvc.driver import (
+from kvsvc.core.data_planes import rule_on
+from kvsvc.core.driver import (
     AwaitHalf,
     RoundStep,
     WriteRound,
@@ -33,20 +33,14 @@ from kvsvc.driver import (
     share_refusal,
     with_window,
 )
-from kvsvc.jobs import Notice
-from kvsvc.layout import pool_regions
-from kvsvc.messages import TransferRequest, Worker
-from kvsvc.planner import Descriptor, expected_destinations, release_notifier, sources_of
-from kvsvc.receiver import Receiver, RecvCommand
-from kvsvc.sender import Reply, SendCommand, Sender, Submit
-from kvsvc.staging_plans import StagingRule, plan_window, region_ids, window_plan
-from kvsvc.testing.clock import FakeClock
-from kvsvc.testing.dataplane import Counts, ScatterCopy, SimPlane, Write
-from kvsvc.testing.faults import Envelope, Faults
-from kvsvc.testing.holds import harness_secret
-from kvsvc.testing.reports import PairStatistics, ReportEntry, Reports
-from kvsvc.testing.sim import EngineSpec, SimEngine
-from kvsvc.windows import (
+from kvsvc.core.jobs import Notice
+from kvsvc.core.layout import pool_regions
+from kvsvc.core.messages import TransferRequest, Worker
+from kvsvc.core.planner import Descriptor, expected_destinations, release_notifier, sources_of
+from kvsvc.core.receiver import Receiver, RecvCommand
+from kvsvc.core.sender import Reply, SendCommand, Sender, Submit
+from kvsvc.core.staging_plans import StagingRule, plan_window, region_ids, window_plan
+from kvsvc.core.windows import (
     Deliver,
     Fail,
     FillCommand,
@@ -58,6 +52,12 @@ from kvsvc.windows import (
     WindowCommand,
     WindowKey,
 )
+from kvsvc.testing.clock import FakeClock
+from kvsvc.testing.dataplane import Counts, ScatterCopy, SimPlane, Write
+from kvsvc.testing.faults import Envelope, Faults
+from kvsvc.testing.holds import harness_secret
+from kvsvc.testing.reports import PairStatistics, ReportEntry, Reports
+from kvsvc.testing.sim import EngineSpec, SimEngine
 
 FillKey = tuple[Worker, Worker, str]  # (P worker, D worker, transfer id)
 _P_BASE, _D_BASE = 1 << 44, 1 << 45
@@ -106,7 +106,7 @@ class PeerPair(Reports, SimPlane, Faults):
         """`staging`: stage the writes this rule picks, through a staging buffer of `staging_bytes` (in chunks of
         half of it, as the service does), instead of writing every planned descriptor. `windows`: each D worker
         also has a staging region of `staging_bytes` and lends windows of it (`plan_window`), which P fills and D
-        scatters round by round (`kvsvc.windows`), as the services do: the round frames cross the wire, and each
+        scatters round by round (`kvsvc.core.windows`), as the services do: the round frames cross the wire, and each
         round's scatter is a step of its own."""
         self.clock = clock or FakeClock()
         self.staging, self.staging_bytes = staging, staging_bytes
@@ -303,8 +303,8 @@ class PeerPair(Reports, SimPlane, Faults):
         self._tidy_windows(worker)
 
     def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
-        """As the D service (`kvsvc.driver.lent_window`): a window when the rule on Mooncake sends the share through
-        D and there is room now (the pair never waits for room, so never holds a request back)."""
+        """As the D service (`kvsvc.core.driver.lent_window`): a window when the rule on Mooncake sends the share
+        through D and there is room now (the pair never waits for room, so never holds a request back)."""
         if not self._window_ranges:
             return request
         key, lent = (request.transfer_id, self.p.engine_id, p), self._lent[d]
@@ -323,7 +323,7 @@ class PeerPair(Reports, SimPlane, Faults):
         return with_window(request, window) if isinstance(window, LentWindow) else request
 
     def _run_windows(self, d: Worker, key: WindowKey, commands: Sequence[WindowCommand]) -> None:
-        """Carry out D worker `d`'s window commands (`kvsvc.driver.carry_out_windows`)."""
+        """Carry out D worker `d`'s window commands (`kvsvc.core.driver.carry_out_windows`)."""
 
         def scatter(command: Scatter) -> None:
             self._seq += 1
@@ -352,7 +352,7 @@ class PeerPair(Reports, SimPlane, Faults):
             self._window_ranges[d].free(addr - self.d.metas[d].staging_addr)
 
     def _deliver(self, envelope: Envelope) -> None:
-        """Hand a message to its protocol object, as the service's drivers do (`kvsvc.driver`): at P, a write in
+        """Hand a message to its protocol object, as the service's drivers do (`kvsvc.core.driver`): at P, a write in
         rounds or the `Sender`; at D, the windows, which pass the rest on to the `Receiver`."""
         self._counts.delivered += 1
         message, d, p = envelope.message, envelope.d, envelope.p
@@ -445,7 +445,7 @@ class PeerPair(Reports, SimPlane, Faults):
         self._end_write(Write(key[0], fill.submit, 0), error, nbytes, fill.descriptors)
 
     def _run_fill(self, key: FillKey, commands: Sequence[FillCommand]) -> None:
-        """Carry out a `FillingWindow`'s commands (`kvsvc.driver.carry_out_fill`)."""
+        """Carry out a `FillingWindow`'s commands (`kvsvc.core.driver.carry_out_fill`)."""
         carry_out_fill(commands, lambda message: self._post("D", key[1], key[0], message), self.notices.append)
 
 

@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvsvc.messages import Worker
-from kvsvc.receiver import Receiver
-from kvsvc.sender import Sender
+from kvsvc.core.messages import Worker
+from kvsvc.core.receiver import Receiver
+from kvsvc.core.sender import Sender
+from kvsvc.core.windows import LentWindows
 from kvsvc.testing.dataplane import Counts, ScatterCopy, Write
 from kvsvc.testing.faults import Envelope
-from kvsvc.windows import LentWindows
 
 
 @dataclass(frozen=True, slots=True)

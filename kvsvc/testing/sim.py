@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.layout import block_geometry, even_layer_split, heads_of_rank, is_cross_layer, layer_addrs, layer_bytes
-from kvsvc.messages import Worker, WorkerMetadata, WorkerRef
+from kvsvc.core.layout import block_geometry, even_layer_split, heads_of_rank, is_cross_layer, layer_addrs, layer_bytes
+from kvsvc.core.messages import Worker, WorkerMetadata, WorkerRef
 
 ByteArray = npt.NDArray[np.uint8]
 IntArray = npt.NDArray[np.int64]

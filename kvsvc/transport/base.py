@@ -1,8 +1,8 @@
 """The `Transport` protocol the asyncio service writes KV through, its statistics, errors and address checks.
 
-Imports: the standard library, numpy and `kvsvc.errors` only (`kvsvc.messages` for a type; no asyncio loop work, no
-mooncake, no torch), so the pure core, the service and the fakes can all share it. A write's descriptors come as
-tuples or as one (N, 3) int64 table (`Descriptors`), the service's form: a plan of thousands of pieces then costs no
+Imports: the standard library, numpy and `kvsvc.core.errors` only (`kvsvc.core.messages` for a type; no asyncio loop
+work, no mooncake, no torch), so the pure core, the service and the fakes can all share it. A write's descriptors come
+as tuples or as one (N, 3) int64 table (`Descriptors`), the service's form: a plan of thousands of pieces then costs no
 Python object per piece on the way to the copy (a 4,032-piece table made tuples and back took 1.3 ms on the CI
 machine, where its device copies take microseconds), and is checked whole (`check_table`). Invariants: a write is
 refused (`InvalidDescriptor`) before anything is submitted unless every source range lies inside registered local
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.errors import TransportError
+from kvsvc.core.errors import TransportError
 
 if TYPE_CHECKING:
-    from kvsvc.messages import IpcHandle
+    from kvsvc.core.messages import IpcHandle
 
 # Mooncake's own codes (transfer engine `error.h`), reused so every `TransportError.code` reads the same way.
 ERR_FAILED: Final = -1  # the engine reported the transfer failed, or refused to submit it

@@ -1,10 +1,10 @@
 """`CudaIpcTransport`: the GPU plane. P maps each GPU allocation a D worker on its host exported (CUDA IPC) and
 writes D's blocks with device-to-device copies on a copy stream of its own; an event recorded after a write's copies
-is its completion future (`kvsvc.streams.completion_future`).
+is its completion future (`kvsvc.transport.streams.completion_future`).
 
 Rules: the contract of `kvsvc.transport.base.Transport`. A write is refused before anything is enqueued unless every
 source range lies in registered local memory and every destination range in the peer's published regions, which
-P checked at the hello to lie in the allocations D exported (`kvsvc.data_planes.check_ipc_handles`): P never writes
+P checked at the hello to lie in the allocations D exported (`kvsvc.core.data_planes.check_ipc_handles`): P never writes
 outside what D handed it. A session is admitted only by `reachable`, which checks the claimed process against the
 kernel and the control connection its hello came on (as the same-host plane does) and then opens D's handles, the
 plane's one probe; a pair whose probe fails runs on Mooncake. A write to a process that died, or whose pid now names
@@ -28,10 +28,9 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.data_planes import SameHostAddress, check_ipc_handles
-from kvsvc.errors import TransportError
-from kvsvc.messages import IpcHandle
-from kvsvc.streams import completion_future
+from kvsvc.core.data_planes import SameHostAddress, check_ipc_handles
+from kvsvc.core.errors import TransportError
+from kvsvc.core.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,
@@ -49,6 +48,7 @@ from kvsvc.transport.base import (
 from kvsvc.transport.completion import wait_uncancellable
 from kvsvc.transport.cuda_driver import CudaDriver, CudaError, CudaEvent, LibCuda
 from kvsvc.transport.procfs import Endpoint, ProcessWatch, check_peer, own_address, process_gone
+from kvsvc.transport.streams import completion_future
 
 log = logging.getLogger(__name__)
 

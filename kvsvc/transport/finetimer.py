@@ -6,7 +6,7 @@ hundred microseconds turns readable on time and wakes the loop through its selec
 (measured on uvloop: a 200 us sleep takes about 250 us and 40 us of CPU). Linux only, through libc with ctypes
 (`os.timerfd_create` exists from Python 3.13 on): `FineTimer.open` returns None where it is unavailable, and the
 caller keeps the loop's timers. One sleeper or one callback at a time: each user (the Mooncake poller, the CUDA
-event poller of `kvsvc.streams`) opens its own.
+event poller of `kvsvc.transport.streams`) opens its own.
 """
 
 from __future__ import annotations

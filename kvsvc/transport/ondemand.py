@@ -19,9 +19,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from kvsvc.data_planes import is_same_host
-from kvsvc.errors import TransportError
-from kvsvc.messages import IpcHandle
+from kvsvc.core.data_planes import is_same_host
+from kvsvc.core.errors import TransportError
+from kvsvc.core.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     Descriptors,

@@ -7,7 +7,7 @@ that cannot be read, answers "no" (-1, False or a reason), never raises. Reads o
 process. Blocking file reads: callers run them off the event loop (`far_end_uid`, one netlink request, may run on
 it). The far end of a connection is found with one sock_diag lookup (`kvsvc.transport.sockdiag`), never a scan of
 every connection of the host but where the kernel lacks it; `listening_sockets` reads this process's own sockets.
-Imports the standard library, `kvsvc.transport.sockdiag` and `kvsvc.data_planes` only.
+Imports the standard library, `kvsvc.transport.sockdiag` and `kvsvc.core.data_planes` only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import select
 import struct
 from pathlib import Path
 
-from kvsvc.data_planes import SameHostAddress
+from kvsvc.core.data_planes import SameHostAddress
 from kvsvc.transport.sockdiag import tcp_socket
 
 

@@ -2,7 +2,7 @@
 transport, for every peer) and a same-host plane for peers on this host whose pair chose it at the hello: the kernel
 copy for KV in CPU memory (`kvsvc.transport.samehost`) or CUDA IPC for KV on a GPU (`kvsvc.transport.cuda_ipc`).
 
-Rules: nothing is decided here (`kvsvc.data_planes` decides per pair, the service asks `reachable` once, then holds
+Rules: nothing is decided here (`kvsvc.core.data_planes` decides per pair, the service asks `reachable` once, then holds
 the pair's plane, `plane_of`, for its writes); a session goes to the same-host plane only when that plane admitted it
 (its process passed the check against its control connection), never because of what its string says, so a peer
 cannot name its way onto the plane; every other call goes to `primary` (but a probe of a same-host session, which
@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Protocol
 
-from kvsvc.auth import is_loopback
-from kvsvc.data_planes import is_same_host
-from kvsvc.messages import IpcHandle
+from kvsvc.core.auth import is_loopback
+from kvsvc.core.data_planes import is_same_host
+from kvsvc.core.messages import IpcHandle
 from kvsvc.transport.base import Descriptors, Region, Transport, TransportStatistics
 from kvsvc.transport.cuda_driver import CudaError
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport

@@ -33,8 +33,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.data_planes import SameHostAddress
-from kvsvc.messages import IpcHandle
+from kvsvc.core.data_planes import SameHostAddress
+from kvsvc.core.messages import IpcHandle
 from kvsvc.transport.base import (
     ERR_FAILED,
     AddressRanges,

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvsvc.data_planes import SETTINGS
+from kvsvc.core.data_planes import SETTINGS
 from kvsvc.service.config import ServiceConfig, is_loopback
 
 _SERVICE = ServiceConfig()

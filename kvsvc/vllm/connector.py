@@ -24,9 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvsvc.core.groups import FULL
+from kvsvc.core.messages import KVGroup
 from kvsvc.engine.metrics import COUNTERS
-from kvsvc.groups import FULL
-from kvsvc.messages import KVGroup
 from kvsvc.vllm.config import ConnectorConfig, parse_config, version_note
 from kvsvc.vllm.flow import StepMetadata
 from kvsvc.vllm.kv_layout import GroupView, check_pipeline, kv_groups_of

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvsvc.auth import Key
-from kvsvc.groups import DROPPING, FULL, MAMBA
+from kvsvc.core.auth import Key
+from kvsvc.core.groups import DROPPING, FULL, MAMBA
 from kvsvc.vllm.params import (
     ParamsError,
     RemotePrefill,
@@ -136,7 +136,7 @@ class FlowStatistics:
 
 RECENT_LOADS = 1024
 # Push transfers a D engine remembers having taken: at least as many as P remembers outcomes of
-# (`kvsvc.sender.Sender`'s `remembered_outcomes`), so none that P could answer again is ever taken twice.
+# (`kvsvc.core.sender.Sender`'s `remembered_outcomes`), so none that P could answer again is ever taken twice.
 REMEMBERED_PUSHES = 65536
 
 
@@ -154,7 +154,7 @@ class SchedulerFlow:
 
     `engine_id` names this engine to D engines; `bootstrap_addr` is where they fetch its workers' metadata;
     `block_size` is vLLM's (the scheduler's) block size; `group_kinds` the kind of each of the model's KV cache
-    groups (`kvsvc.groups`), whose block lists every call hands in, one per group.
+    groups (`kvsvc.core.groups`), whose block lists every call hands in, one per group.
 
     Some prompt tokens are held back (`held_back`): P does not compute them (the adapter cuts vLLM's request,
     `dropped_tokens`), D loads the others and computes them. A model that keeps Mamba state holds back the last
@@ -167,7 +167,7 @@ class SchedulerFlow:
     bootstrap_addr: str
     block_size: int
     group_kinds: tuple[str, ...] = (FULL,)
-    params_key: Key | None = None  # signs P's params, verifies D's (`kvsvc.auth.PARAMS_KEY`); None: no token
+    params_key: Key | None = None  # signs P's params, verifies D's (`kvsvc.core.auth.PARAMS_KEY`); None: no token
     new_secret: Callable[[], str] = draw_secret  # what draws each transfer's secret (tests pin it)
     push: bool = False  # P: hold under transfers D derives, and announce push (`kvsvc.vllm.params`)
     push_peers: frozenset[str] = frozenset()  # D: the P endpoints ("host:port") router push params may name
@@ -279,7 +279,7 @@ class SchedulerFlow:
 
     def _flat(self, groups: Sequence[Sequence[int]], num_tokens: int) -> tuple[int, ...]:
         """The blocks of `num_tokens` tokens as kvsvc carries them: each group's list, one group after another, all
-        of one length (`kvsvc.groups.split_groups`); a Mamba group's state slot (its last block) comes last,
+        of one length (`kvsvc.core.groups.split_groups`); a Mamba group's state slot (its last block) comes last,
         behind vLLM's null block. A group holding too few leaves the list short, which the planner's checks refuse.
 
         Raises:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsvc.errors import TopologyError
-from kvsvc.groups import state_bytes
-from kvsvc.layout import block_geometry, check_kv_heads, kv_heads_per_rank, layer_bytes
-from kvsvc.messages import KVGroup, WorkerMetadata
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.groups import state_bytes
+from kvsvc.core.layout import block_geometry, check_kv_heads, kv_heads_per_rank, layer_bytes
+from kvsvc.core.messages import KVGroup, WorkerMetadata
 from kvsvc.vllm.flow import NULL_BLOCK
 from kvsvc.vllm.kv_layout import (
     DetectedLayout,

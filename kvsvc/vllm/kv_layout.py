@@ -3,7 +3,7 @@
 Pure module: standard library and kvsvc's pure core only (no torch, no vllm): the caller describes each tensor as a
 `TensorView`. Rules: a tensor is recognised only when its strides are exactly those of a dense tensor of one known
 layout (any padding or an unexpected order is refused, never guessed at); the error names the shape, the strides
-and what was expected. The layouts are those of `kvsvc.layout`:
+and what was expected. The layouts are those of `kvsvc.core.layout`:
 
 | vLLM                                                     | tensor                                  | kvsvc      |
 |----------------------------------------------------------|-----------------------------------------|------------|
@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
-from kvsvc.errors import TopologyError
-from kvsvc.groups import CHUNKED_LOCAL, FULL, MAMBA, SLIDING_WINDOW, state_bytes
-from kvsvc.layout import dtype_size
-from kvsvc.messages import ConvPart, KVGroup, MambaState
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.groups import CHUNKED_LOCAL, FULL, MAMBA, SLIDING_WINDOW, state_bytes
+from kvsvc.core.layout import dtype_size
+from kvsvc.core.messages import ConvPart, KVGroup, MambaState
 
 # vLLM's KV cache spec classes, by name, that kvsvc moves as a group of its kind. An MLA group (DeepSeek V2/V3, Kimi
 # K2) is full attention over one latent per token, the same on every TP rank: the worker publishes it `is_mla`
@@ -63,7 +63,7 @@ class TensorView:
 class DetectedLayout:
     """One layer's tensor as kvsvc sees it."""
 
-    layout: str  # a `kvsvc.layout` name; "HND" for MLA (its layout is unused)
+    layout: str  # a `kvsvc.core.layout` name; "HND" for MLA (its layout is unused)
     is_mla: bool
     num_blocks: int
     block_size: int

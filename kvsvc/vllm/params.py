@@ -1,6 +1,6 @@
 """The `kv_transfer_params` of vLLM's remote-prefill convention, as kvsvc reads and writes them.
 
-Pure module: standard library and `kvsvc.auth` only. Rules: a request to P carries `{"do_remote_decode": True}`;
+Pure module: standard library and `kvsvc.core.auth` only. Rules: a request to P carries `{"do_remote_decode": True}`;
 P's finished output carries what `producer_params` builds, and the caller hands that dict unchanged to D, so every
 key D needs is in it and nothing else is required of a router. With a control token, P signs every field it emits
 (their names are listed in the dict, so a field added to `producer_params` is signed without more ado) and D reads
@@ -27,18 +27,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kvsvc.auth import Key, fields_verify, parse_bootstrap_addr, sign_fields
-from kvsvc.messages import MAX_SECRET_CHARS, clip
+from kvsvc.core.auth import Key, fields_verify, parse_bootstrap_addr, sign_fields
+from kvsvc.core.messages import MAX_SECRET_CHARS, clip
 
 PARAMS_VERSION: Final = 2
-# As `kvsvc.sender` bounds a transfer secret.
+# As `kvsvc.core.sender` bounds a transfer secret.
 MIN_SECRET_CHARS: Final = 16
 # P signs nine fields, thirteen when it pushes: params that name more are not P's.
 MAX_SIGNED_FIELDS: Final = 32
 # The keys vLLM's tooling and routers already know (NixlConnector and MooncakeConnector use them too).
 DO_REMOTE_DECODE: Final = "do_remote_decode"
 DO_REMOTE_PREFILL: Final = "do_remote_prefill"
-# The names of the signed fields, and their signature (`kvsvc.auth.sign_fields`); absent without a control token.
+# The names of the signed fields, and their signature (`kvsvc.core.auth.sign_fields`); absent without a control token.
 SIGNED: Final = "kvsvc_signed"
 SIGNATURE: Final = "kvsvc_signature"
 # The keys of push mode, as vllm-router reads them from P's params and writes them into D's.
@@ -64,7 +64,7 @@ class RemotePrefill:
     transfer_id: str  # the key P holds the KV under
     num_tokens: int  # prompt tokens whose KV P computed
     prompt_hash: str  # of P's prompt token ids, so D never takes the KV of another prompt
-    secret: str  # the transfer's secret: P serves only a D that presents it (`kvsvc.sender.Sender.hold`)
+    secret: str  # the transfer's secret: P serves only a D that presents it (`kvsvc.core.sender.Sender.hold`)
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:

@@ -14,11 +14,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvsvc.auth import PARAMS_KEY, derive_key
+from kvsvc.core.auth import PARAMS_KEY, derive_key
+from kvsvc.core.groups import FULL
+from kvsvc.core.messages import WorkerMetadata
 from kvsvc.engine.core_connector import check_engine_metadata
 from kvsvc.engine.endpoint import BootstrapEndpoint
-from kvsvc.groups import FULL
-from kvsvc.messages import WorkerMetadata
 from kvsvc.vllm.config import ConnectorConfig
 from kvsvc.vllm.flow import SchedulerFlow, StepMetadata
 from kvsvc.vllm.params import ParamsError

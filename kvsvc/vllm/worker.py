@@ -28,17 +28,17 @@ from typing import Any
 
 import torch
 
-from kvsvc.errors import KVSvcError, KVSvcTimeout
-from kvsvc.gather import TorchGather
-from kvsvc.messages import WorkerMetadata
+from kvsvc.core.errors import KVSvcError, KVSvcTimeout
+from kvsvc.core.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
+from kvsvc.service.gather import TorchGather
 from kvsvc.service.staging_area import StagingArea
+from kvsvc.service.staging_memory import build_staging
 from kvsvc.service.threaded import ServiceThread
-from kvsvc.staging_memory import build_staging
-from kvsvc.streams import completion_future
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig
 from kvsvc.transport.routed import worker_transport
+from kvsvc.transport.streams import completion_future
 from kvsvc.vllm.config import ConnectorConfig
 from kvsvc.vllm.finished import TransferReports, TransferResults
 from kvsvc.vllm.flow import StepMetadata

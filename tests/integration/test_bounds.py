@@ -26,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
-from kvsvc.bounds import MAX_HELLO_FRAME_BYTES, MAX_LAYERS
-from kvsvc.messages import (
+from kvsvc.core.bounds import MAX_HELLO_FRAME_BYTES, MAX_LAYERS
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     Abort,
     ConvPart,
@@ -51,7 +51,7 @@ from kvsvc.messages import (
     WorkerMetadata,
     encode,
 )
-from kvsvc.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES
+from kvsvc.core.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES
 from kvsvc.service import ServiceConfig, ServiceStatistics
 from kvsvc.testing.engines import LoopbackEngine
 from kvsvc.testing.hellos import unkeyed_frames

@@ -28,9 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
-from kvsvc.engine.bootstrap import BootstrapServer
-from kvsvc.errors import MalformedFrame
-from kvsvc.messages import (
+from kvsvc.core.errors import MalformedFrame
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     Abort,
     ErrorMessage,
@@ -51,6 +50,7 @@ from kvsvc.messages import (
     decode,
     encode,
 )
+from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of, unkeyed_frames
 from kvsvc.transport.mooncake import MooncakeConfig

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvsvc.messages import IpcHandle
+from kvsvc.core.messages import IpcHandle
 from kvsvc.transport import WriteFailed
 
 pytestmark = pytest.mark.cuda

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 
-from kvsvc.messages import METADATA_PATH, decode_engine_metadata
+from kvsvc.core.messages import METADATA_PATH, decode_engine_metadata
 from workers.commands.serve import ServedEngine, ServeOptions
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

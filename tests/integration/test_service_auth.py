@@ -21,10 +21,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvsvc.auth import HELLO_KEY, NONCE_BYTES, derive_key
-from kvsvc.engine.bootstrap import BootstrapServer
-from kvsvc.hello import HelloAccepted, HelloChallenged, accept_hello, challenge_hello
-from kvsvc.messages import (
+from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, derive_key
+from kvsvc.core.hello import HelloAccepted, HelloChallenged, accept_hello, challenge_hello
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     FrameReader,
     Hello,
@@ -37,7 +36,8 @@ from kvsvc.messages import (
     WorkerMetadata,
     encode,
 )
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import ServiceConfig
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig, Executor, start_all

@@ -34,8 +34,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from kvsvc.engine.admin import AdminServer
-from kvsvc.messages import (
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     Abort,
     ErrorMessage,
@@ -54,7 +53,8 @@ from kvsvc.messages import (
     WorkerMetadata,
     encode,
 )
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.engine.admin import AdminServer
 from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of, unkeyed_frames
 from kvsvc.testing.holds import harness_secret

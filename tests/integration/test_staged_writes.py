@@ -101,7 +101,7 @@ def test_pieces_of_16_kib_are_written_direct_on_the_same_host_plane_and_gathered
     service: ServiceConfig, staged: bool
 ) -> None:
     # 16 heads: each D worker's half of a (layer, block, K/V) is 16 KiB. A same-host piece costs about 1 us against
-    # the copy's 1.6 us, a Mooncake descriptor 30 us (`kvsvc.data_planes.rule_on`).
+    # the copy's 1.6 us, a Mooncake descriptor 30 us (`kvsvc.core.data_planes.rule_on`).
     p, d = _engines(1 << 20, service, dict(GEOMETRY, num_kv_heads=16, num_blocks=256))
     try:
         ended, descriptors = _move(p, d, 2)

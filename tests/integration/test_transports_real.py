@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsvc.errors import TransportError
+from kvsvc.core.errors import TransportError
 from kvsvc.transport import InvalidDescriptor, MooncakeConfig, MooncakeTransport, WriteFailed
 from kvsvc.transport.base import Transport
 from kvsvc.transport.samehost import SameHostTransport
@@ -280,7 +280,7 @@ def test_a_claimed_process_must_be_alive_this_user_and_hold_the_hello_connection
     import subprocess
     import time
 
-    from kvsvc.data_planes import SameHostAddress
+    from kvsvc.core.data_planes import SameHostAddress
     from kvsvc.transport.procfs import check_peer, own_address, start_time
 
     server = socket.create_server(("127.0.0.1", 0))

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from kvsvc.layout import layer_bytes
-from kvsvc.messages import FrameReader, HelloRefused, Message, WorkerMetadata, encode
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.layout import layer_bytes
+from kvsvc.core.messages import FrameReader, HelloRefused, Message, WorkerMetadata, encode
+from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of
 from kvsvc.transport.procfs import listening_sockets
@@ -116,7 +116,7 @@ def _attacker_main(conn: Connection, attack: Callable[..., Any], args: tuple[Any
     import mooncake.engine  # noqa: F401
     import msgspec  # noqa: F401
 
-    import kvsvc.messages  # noqa: F401
+    import kvsvc.core.messages  # noqa: F401
 
     try:
         os.setgroups([])
@@ -206,7 +206,7 @@ def test_a_process_of_another_user_cannot_take_the_place_of_a_d_worker(engines: 
     p, d = engines
     _transfer(p, d, "before-squat", 3)
     p_meta, d_meta = p.metas[(0, 0)], d.metas[(0, 0)]
-    from kvsvc.hello import make_hello
+    from kvsvc.core.hello import make_hello
 
     hello = make_hello(d_meta, d.metas, p_meta, b"")
     answers = _as_nobody(squat, p_meta.control_addr, encode(start_of(hello)) + encode(hello))
@@ -222,7 +222,7 @@ def fake_p(published: bytes, stop_after_s: float, conn: Connection) -> int:
     import msgspec
     from aiohttp import web
 
-    from kvsvc.messages import METADATA_CONTENT_TYPE, METADATA_PATH, decode_engine_metadata, encode_engine_metadata
+    from kvsvc.core.messages import METADATA_CONTENT_TYPE, METADATA_PATH, decode_engine_metadata, encode_engine_metadata
 
     captured = 0
 
@@ -265,7 +265,7 @@ def test_without_a_token_d_tells_a_p_of_another_user_nothing(engines: tuple[Exec
     """A client's unsigned params may name any P on loopback. A fake P run by another user copies a real P's
     document; D connects, asks the kernel who holds the far end, and closes before it sends a byte: not its
     identity, not its pool addresses, and no block it holds is reported loaded."""
-    from kvsvc.messages import encode_engine_metadata
+    from kvsvc.core.messages import encode_engine_metadata
 
     p, d = engines
     ctx = multiprocessing.get_context("spawn")

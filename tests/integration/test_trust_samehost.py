@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from msgspec.structs import replace
 
-from kvsvc.data_planes import SameHostAddress
-from kvsvc.layout import layer_bytes
-from kvsvc.messages import (
+from kvsvc.core.data_planes import SameHostAddress
+from kvsvc.core.layout import layer_bytes
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     FrameReader,
     Hello,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsvc.messages import METADATA_PATH, decode_engine_metadata
+from kvsvc.core.messages import METADATA_PATH, decode_engine_metadata
 from kvsvc.service import ServiceConfig
 from kvsvc.service.config import is_loopback
 from kvsvc.testing.hosts import PREFIX, NetnsHosts, in_netns, skip_reason

@@ -17,10 +17,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvsvc.core.histogram import LatencyHistogram
+from kvsvc.core.messages import METADATA_PATH, WorkerMetadata, decode_engine_metadata
 from kvsvc.engine.admin import AdminServer, EngineView, build_admin_app, random_token, remote_stages
 from kvsvc.engine.bootstrap import publish_metadata
-from kvsvc.histogram import LatencyHistogram
-from kvsvc.messages import METADATA_PATH, WorkerMetadata, decode_engine_metadata
 
 TOKEN = "s3cret-token"
 

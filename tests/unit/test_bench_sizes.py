@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.layout import CROSS_LAYER, block_geometry
-from kvsvc.messages import WorkerMetadata
-from kvsvc.planner import plan_transfer
+from kvsvc.core.layout import CROSS_LAYER, block_geometry
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.planner import plan_transfer
 from workers.bench.measure import RAW_METHODS, RAW_SAMEHOST, cpu_jiffies, paired_ratio, run_orders, split_per_half
 from workers.bench.models import DEFAULT_MODEL, MODELS, QUICK, TINY, ModelShape
 from workers.bench.report import Target

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.errors import HandshakeError
-from kvsvc.messages import METADATA_PATH, encode_engine_metadata
+from kvsvc.core.errors import HandshakeError
+from kvsvc.core.messages import METADATA_PATH, encode_engine_metadata
 from kvsvc.service.remotes import MAX_ERROR_BYTES, fetch_engine_metadata
 
 pytestmark = pytest.mark.timeout(60)

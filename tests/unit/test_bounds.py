@@ -1,5 +1,5 @@
-"""Bounds on what a peer can make a P worker hold (`kvsvc.bounds`, the hello and the `Sender`'s early requests): every
-claim is checked whole before anything is built from it, and the work a refused claim costs is measured with
+"""Bounds on what a peer can make a P worker hold (`kvsvc.core.bounds`, the hello and the `Sender`'s early requests):
+every claim is checked whole before anything is built from it, and the work a refused claim costs is measured with
 tracemalloc, not timed."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.bounds import (
+from kvsvc.cli.plan import synthetic_engine
+from kvsvc.core.bounds import (
     MAX_CONV_PARTS,
     MAX_HELLO_FRAME_BYTES,
     MAX_KV_GROUPS,
@@ -23,10 +24,9 @@ from kvsvc.bounds import (
     check_engine_bounds,
     host_group,
 )
-from kvsvc.cli.plan import synthetic_engine
-from kvsvc.errors import PeerMismatch
-from kvsvc.hello import HelloAccepted, HelloRefusal, make_hello
-from kvsvc.messages import (
+from kvsvc.core.errors import PeerMismatch
+from kvsvc.core.hello import HelloAccepted, HelloRefusal, make_hello
+from kvsvc.core.messages import (
     MAX_NAME_CHARS,
     MAX_SECRET_CHARS,
     Abort,
@@ -41,7 +41,7 @@ from kvsvc.messages import (
     WorkerRef,
     encode,
 )
-from kvsvc.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, Sender
+from kvsvc.core.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, Sender
 from kvsvc.testing.hellos import decide_unkeyed
 
 P = synthetic_engine("P", pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)

@@ -9,7 +9,7 @@ import pytest
 
 from kvsvc.cli import main
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.layout import layer_bytes, pool_regions
+from kvsvc.core.layout import layer_bytes, pool_regions
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:

@@ -1,11 +1,11 @@
-"""Specification of kvsvc.connector: how handshake metadata reaches a connector, PP-aware or legacy, and how
+"""Specification of kvsvc.core.connector: how handshake metadata reaches a connector, PP-aware or legacy, and how
 a MultiConnector forwards it (docs/design.md, docs/protocol.md §1)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvsvc.connector import KVConnectorBase, MultiConnector
+from kvsvc.core.connector import KVConnectorBase, MultiConnector
 
 
 class LegacyConnector(KVConnectorBase[str]):

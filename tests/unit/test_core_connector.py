@@ -8,10 +8,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvsvc.connector import MultiConnector
+from kvsvc.core.connector import MultiConnector
+from kvsvc.core.messages import METADATA_PATH, Worker, WorkerMetadata, decode_engine_metadata
 from kvsvc.engine.bootstrap import add_metadata_route, published_metadata
 from kvsvc.engine.core_connector import EngineCoreConnector, check_engine_metadata
-from kvsvc.messages import METADATA_PATH, Worker, WorkerMetadata, decode_engine_metadata
 
 
 def meta(pp: int, tp: int, *, pp_size: int = 2, tp_size: int = 2, **changes: object) -> WorkerMetadata:

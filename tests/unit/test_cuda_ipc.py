@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.bounds import MAX_IPC_HANDLES, check_hello_bounds
-from kvsvc.data_planes import (
+from kvsvc.core.bounds import MAX_IPC_HANDLES, check_hello_bounds
+from kvsvc.core.data_planes import (
     IPC_HANDLE_BYTES,
     SameHostAddress,
     check_ipc_handles,
@@ -29,14 +29,14 @@ from kvsvc.data_planes import (
     choose_transport,
     rule_on,
 )
+from kvsvc.core.errors import PeerMismatch
+from kvsvc.core.hello import make_hello
+from kvsvc.core.layout import layer_bytes
+from kvsvc.core.messages import IpcHandle, WorkerMetadata
+from kvsvc.core.staging_plans import StagingRule
 from kvsvc.engine.bootstrap import BootstrapServer
-from kvsvc.errors import PeerMismatch
-from kvsvc.hello import make_hello
-from kvsvc.layout import layer_bytes
-from kvsvc.messages import IpcHandle, WorkerMetadata
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.service.staging_area import StagingArea
-from kvsvc.staging_plans import StagingRule
 from kvsvc.testing.cuda import FakeCudaDriver
 from kvsvc.testing.engines import MemmoveCopies
 from kvsvc.testing.fakes import LoopbackTransport
@@ -171,9 +171,9 @@ def test_the_hello_carries_handles_only_to_a_p_on_the_gpu_plane() -> None:
 
 
 def test_d_reads_the_plane_p_chose_from_its_hello_ok_and_refuses_one_it_does_not_know_by_name() -> None:
-    from kvsvc.errors import HandshakeError
-    from kvsvc.hello import check_hello_reply
-    from kvsvc.messages import HelloOk
+    from kvsvc.core.errors import HandshakeError
+    from kvsvc.core.hello import check_hello_reply
+    from kvsvc.core.messages import HelloOk
 
     p = meta("", "p")
     assert check_hello_reply(p, HelloOk(version=2, sender=p, plane="cuda_ipc")) == "cuda_ipc"

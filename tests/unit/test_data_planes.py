@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.data_planes import SameHostAddress, choose_transport, is_same_host, probed
-from kvsvc.messages import WorkerMetadata
+from kvsvc.core.data_planes import SameHostAddress, choose_transport, is_same_host, probed
+from kvsvc.core.messages import WorkerMetadata
 
 BASE = WorkerMetadata(
     engine_id="e",
@@ -97,8 +97,8 @@ def test_an_unknown_setting_is_refused_naming_the_choices() -> None:
 
 
 def test_on_the_same_host_plane_a_gather_pays_only_for_pieces_of_a_few_kib() -> None:
-    from kvsvc.data_planes import rule_on
-    from kvsvc.staging_plans import StagingRule
+    from kvsvc.core.data_planes import rule_on
+    from kvsvc.core.staging_plans import StagingRule
 
     mooncake, samehost = rule_on("mooncake", StagingRule()), rule_on("samehost", StagingRule())
     assert mooncake == StagingRule()

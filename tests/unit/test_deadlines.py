@@ -1,12 +1,12 @@
-"""`kvsvc.deadlines.Deadlines` against the pass over the whole table it replaces: for any sequence of deadlines set,
-moved and dropped, the earliest live deadline and the keys due are the same as scanning the table."""
+"""`kvsvc.core.deadlines.Deadlines` against the pass over the whole table it replaces: for any sequence of deadlines
+set, moved and dropped, the earliest live deadline and the keys due are the same as scanning the table."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.deadlines import Deadlines
+from kvsvc.core.deadlines import Deadlines
 
 KEYS = st.sampled_from([f"t{i}" for i in range(12)])
 TIMES = st.integers(min_value=0, max_value=50).map(float)

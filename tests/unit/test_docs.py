@@ -1,5 +1,5 @@
-"""The docs say what the code does: the protocol tables in docs/protocol.md are the tables of `kvsvc.jobs` and
-`kvsvc.windows`, and the module lists (README.md's layout of the code, kvsvc's docstring) name every module."""
+"""The docs say what the code does: the protocol tables in docs/protocol.md are the tables of `kvsvc.core.jobs` and
+`kvsvc.core.windows`, and the module lists (README.md's layout of the code, kvsvc's docstring) name every module."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import kvsvc
-from kvsvc.jobs import RECV_TABLE, SEND_TABLE, table_markdown
-from kvsvc.windows import FILL_TABLE, SCATTER_TABLE
+from kvsvc.core.jobs import RECV_TABLE, SEND_TABLE, table_markdown
+from kvsvc.core.windows import FILL_TABLE, SCATTER_TABLE
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -23,7 +23,7 @@ def test_the_protocol_doc_shows_the_job_tables_as_the_code_has_them() -> None:
         "SCATTER_TABLE": SCATTER_TABLE,
     }
     for name, table in tables.items():
-        assert table_markdown(table) in text, f"docs/protocol.md is stale: paste `python -m kvsvc.tables` ({name})"
+        assert table_markdown(table) in text, f"docs/protocol.md is stale: paste `python -m kvsvc.core.tables` ({name})"
 
 
 def test_no_doc_cites_a_file_outside_the_repository() -> None:

@@ -1,4 +1,4 @@
-"""The decisions every driver of the window protocol shares (`kvsvc.driver`): which object a frame goes to, what a
+"""The decisions every driver of the window protocol shares (`kvsvc.core.driver`): which object a frame goes to, what a
 write in rounds does next, and whether a request gets a window. The service and `PeerPair` both call these."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from kvsvc.driver import (
+from kvsvc.core.driver import (
     AwaitHalf,
     RoundsFilled,
     WriteRound,
@@ -19,11 +19,11 @@ from kvsvc.driver import (
     share_refusal,
     with_window,
 )
-from kvsvc.jobs import Notice
-from kvsvc.messages import Release, TransferDone, TransferRequest, WindowEmptied, WindowFilled, WorkerRef
-from kvsvc.sender import Submit
-from kvsvc.staging_plans import Way, WindowPlan
-from kvsvc.windows import Announce, Deliver, Fail, FillEvent, FillingWindow, LentWindows, Scatter
+from kvsvc.core.jobs import Notice
+from kvsvc.core.messages import Release, TransferDone, TransferRequest, WindowEmptied, WindowFilled, WorkerRef
+from kvsvc.core.sender import Submit
+from kvsvc.core.staging_plans import Way, WindowPlan
+from kvsvc.core.windows import Announce, Deliver, Fail, FillEvent, FillingWindow, LentWindows, Scatter
 
 KEY = ("t", "prefill", (0, 0))
 

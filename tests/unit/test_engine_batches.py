@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.outputs import KVConnectorOutput
 from workers.blocks import NoFreeBlocks
 from workers.engine import DecodeEngine, PrefillEngine
 from workers.executor import WorkerError

@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from kvsvc.errors import TransportError
+from kvsvc.core.errors import TransportError
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.transport import InvalidDescriptor, Transport, TransportClosed, WriteFailed
 

@@ -1,4 +1,4 @@
-"""`kvsvc.formats`: which pairs of cache formats move, which convert, and that a converted write lands, byte for
+"""`kvsvc.core.formats`: which pairs of cache formats move, which convert, and that a converted write lands, byte for
 byte, P's values in D's format where a same-format write would land P's bytes.
 
 The conversion's proof between real engines is tests/vllm/test_vllm_fp8.py; here the planner's view, the gather's
@@ -19,16 +19,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc import gather as gather_module
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.errors import TopologyError
-from kvsvc.formats import Conversion, as_written, conversion, converts, fp8_values, truncation_table
-from kvsvc.gather import TorchGather
-from kvsvc.layout import CROSS_LAYER, FUSED, layer_bytes
-from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
-from kvsvc.planner import check_compatible, plan_transfer_arrays
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.formats import Conversion, as_written, conversion, converts, fp8_values, truncation_table
+from kvsvc.core.layout import CROSS_LAYER, FUSED, layer_bytes
+from kvsvc.core.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
+from kvsvc.core.planner import check_compatible, plan_transfer_arrays
+from kvsvc.core.staging_plans import StagingRule, plan_staged, plan_window, region_ids
+from kvsvc.service import gather as gather_module
+from kvsvc.service.gather import TorchGather
 from kvsvc.service.plans import PlanCache
-from kvsvc.staging_plans import StagingRule, plan_staged, plan_window, region_ids
 
 E4M3 = ("fp8_e4m3", "float8_e4m3fn")
 
@@ -130,8 +130,8 @@ def test_a_converting_pair_is_planned_in_bytes_of_ds_format_from_ps_own_addresse
 
 
 def test_a_converting_pairs_plan_is_always_staged_and_refuses_a_window() -> None:
-    from kvsvc.messages import WorkerRef
-    from kvsvc.sender import Submit
+    from kvsvc.core.messages import WorkerRef
+    from kvsvc.core.sender import Submit
 
     p, d = p_float(), d_fp8()
     cache = PlanCache()

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.gather import INLINE_KERNELS, TorchGather
+from kvsvc.service.gather import INLINE_KERNELS, TorchGather
 
 
 def _row_kernels(gather: TorchGather, addrs: np.ndarray, length: np.ndarray, first: int) -> list | None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.gather import TorchGather
+from kvsvc.service.gather import TorchGather
 from tests.unit.test_gather import _pieces, _run
 
 torch = pytest.importorskip("torch")

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.errors import TopologyError
-from kvsvc.groups import (
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.groups import (
     CHUNKED_LOCAL,
     FULL,
     MAMBA,
@@ -31,9 +31,9 @@ from kvsvc.groups import (
     state_bytes,
     window_first_token,
 )
-from kvsvc.layout import block_geometry, dtype_size, layer_addrs, layer_bytes
-from kvsvc.messages import WorkerMetadata
-from kvsvc.planner import plan_transfer, sources_of
+from kvsvc.core.layout import block_geometry, dtype_size, layer_addrs, layer_bytes
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.planner import plan_transfer, sources_of
 from kvsvc.vllm.kv_layout import GroupView, kv_groups_of
 
 TP_SIZES = (1, 2, 4, 8)

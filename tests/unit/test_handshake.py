@@ -1,4 +1,4 @@
-"""Specification of kvsvc.handshake.merge_handshake_metadata: the engine core's merge of the workers'
+"""Specification of kvsvc.core.handshake.merge_handshake_metadata: the engine core's merge of the workers'
 `{(pp_rank, tp_rank): metadata}` dicts (docs/design.md, docs/protocol.md §1)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.handshake import merge_handshake_metadata
-from kvsvc.messages import WorkerMetadata
+from kvsvc.core.handshake import merge_handshake_metadata
+from kvsvc.core.messages import WorkerMetadata
 
 
 def meta(pp_rank: int, tp_rank: int, **overrides: object) -> WorkerMetadata:

@@ -1,4 +1,4 @@
-"""The hello as pure decisions (`kvsvc.hello`): D opens, P challenges, D proves, P accepts or refuses; D checks
+"""The hello as pure decisions (`kvsvc.core.hello`): D opens, P challenges, D proves, P accepts or refuses; D checks
 P's answers. No sockets or event loop: two workers' metadata talk back to back."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.auth import HELLO_KEY, NONCE_BYTES, Key, derive_key
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.errors import HandshakeError, PeerMismatch
-from kvsvc.hello import (
+from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, Key, derive_key
+from kvsvc.core.errors import HandshakeError, PeerMismatch
+from kvsvc.core.hello import (
     HelloAccepted,
     HelloChallenged,
     HelloRefusal,
@@ -24,7 +24,7 @@ from kvsvc.hello import (
     make_hello,
     open_hello,
 )
-from kvsvc.messages import (
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     ConvPart,
     ErrorMessage,
@@ -287,7 +287,7 @@ def test_p_lays_out_a_hybrid_d_at_pp2_from_one_stage_hello() -> None:
     """A hybrid D at PP 2 sends its own stage's groups only: P lays out the other stage with D's kinds over that
     stage's layers, as P groups them, and learns it sources both stages (a hello from either stage once crashed P
     checking the other stage's layers against the sender's groups)."""
-    from kvsvc.messages import KVGroup, WorkerMetadata
+    from kvsvc.core.messages import KVGroup, WorkerMetadata
 
     def grouped(meta: WorkerMetadata, layers: range) -> WorkerMetadata:
         kinds = [

@@ -1,4 +1,4 @@
-"""`kvsvc.histogram`: the workers' own latency histograms (Prometheus bucket semantics, snapshots, bad bounds)."""
+"""`kvsvc.core.histogram`: the workers' own latency histograms (Prometheus bucket semantics, snapshots, bad bounds)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.histogram import TRANSFER_BUCKETS, LatencyHistogram
+from kvsvc.core.histogram import TRANSFER_BUCKETS, LatencyHistogram
 
 
 def test_a_value_on_a_bound_counts_in_that_bucket_and_negatives_count_as_zero() -> None:

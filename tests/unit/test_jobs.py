@@ -1,4 +1,4 @@
-"""Specification of kvsvc.jobs: the send and receive state tables, what a missing row does, terminal states
+"""Specification of kvsvc.core.jobs: the send and receive state tables, what a missing row does, terminal states
 (docs/protocol.md §3: transitions are data)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.errors import LocalProtocolError
-from kvsvc.jobs import (
+from kvsvc.core.errors import LocalProtocolError
+from kvsvc.core.jobs import (
     RECV_TABLE,
     RECV_TERMINAL,
     SEND_TABLE,

@@ -1,4 +1,4 @@
-"""Contract tests of `kvsvc.layout`: head ownership, layer splits, byte geometry and pool regions
+"""Contract tests of `kvsvc.core.layout`: head ownership, layer splits, byte geometry and pool regions
 (docs/design.md, "Geometry")."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.errors import TopologyError
-from kvsvc.layout import (
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.layout import (
     CROSS_LAYER,
     DTYPE_SIZES,
     LAYOUTS,
@@ -33,7 +33,7 @@ from kvsvc.layout import (
     pool_bytes,
     pool_regions,
 )
-from kvsvc.messages import WorkerMetadata
+from kvsvc.core.messages import WorkerMetadata
 
 
 def meta(**kw: object) -> WorkerMetadata:

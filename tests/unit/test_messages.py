@@ -11,8 +11,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvsvc.errors import MalformedFrame, RemoteProtocolError, VersionMismatch
-from kvsvc.messages import (
+from kvsvc.core.errors import MalformedFrame, RemoteProtocolError, VersionMismatch
+from kvsvc.core.messages import (
     MAX_ADDRESS,
     MAX_COUNT,
     MAX_FRAME_BYTES,

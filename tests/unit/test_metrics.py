@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from kvsvc.core.histogram import LatencyHistogram
 from kvsvc.engine.metrics import COUNTERS, GAUGES, EngineMetrics, MetricsSnapshot, statistics_dict
-from kvsvc.histogram import LatencyHistogram
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.errors import TransportError
+from kvsvc.core.errors import TransportError
 from kvsvc.transport import InvalidDescriptor, MooncakeConfig, MooncakeTransport, WriteFailed
 from kvsvc.transport.finetimer import FineTimer
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvsvc.errors import TransportError
+from kvsvc.core.errors import TransportError
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.transport.base import InvalidDescriptor, Transport
 from kvsvc.transport.mooncake import MooncakeConfig

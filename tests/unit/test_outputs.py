@@ -1,4 +1,4 @@
-"""Specification of kvsvc.outputs: the per-worker KV report, the model runner output and its empty singleton,
+"""Specification of kvsvc.core.outputs: the per-worker KV report, the model runner output and its empty singleton,
 and the aggregator that combines all workers' reports (docs/design.md, "Public API")."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.outputs import (
+from kvsvc.core.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     KVConnectorOutput,
     KVOutputAggregator,

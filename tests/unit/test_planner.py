@@ -1,4 +1,4 @@
-"""Contract tests of `kvsvc.planner` (docs/design.md): source assignment, coalescing, routing and refusals.
+"""Contract tests of `kvsvc.core.planner` (docs/design.md): source assignment, coalescing, routing and refusals.
 
 Byte-level correctness of plans lives in test_simulator.py; this file pins the shapes, the descriptor counts of
 the per-layer and cross-layer layouts, and the errors.
@@ -17,11 +17,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.coalesce import pitched_runs
-from kvsvc.errors import TopologyError
-from kvsvc.layout import CROSS_LAYER, block_bytes
-from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
-from kvsvc.planner import (
+from kvsvc.core.coalesce import pitched_runs
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.layout import CROSS_LAYER, block_bytes
+from kvsvc.core.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
+from kvsvc.core.planner import (
     Descriptor,
     check_block_ids,
     check_compatible,
@@ -33,7 +33,7 @@ from kvsvc.planner import (
     source_heads,
     sources_of,
 )
-from kvsvc.staging_plans import count_runs
+from kvsvc.core.staging_plans import count_runs
 
 
 def engine(name: str = "P", **kw: Any) -> dict[tuple[int, int], WorkerMetadata]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsvc.data_planes import SameHostAddress
+from kvsvc.core.data_planes import SameHostAddress
 from kvsvc.transport import procfs
 from kvsvc.transport.procfs import ProcessWatch, own_address, start_time
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsvc.messages import Abort, ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest
-from kvsvc.planner import expected_destinations
-from kvsvc.receiver import Receiver
-from kvsvc.sender import Reply, Sender
+from kvsvc.core.messages import Abort, ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest
+from kvsvc.core.planner import expected_destinations
+from kvsvc.core.receiver import Receiver
+from kvsvc.core.sender import Reply, Sender
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.pair import Envelope, PeerPair, Write

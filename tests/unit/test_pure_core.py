@@ -1,9 +1,10 @@
-"""The pure core does no I/O: importing it loads no asyncio, torch or mooncake, nor the service, transport or vLLM
-(docs/design.md, "The house"). Every module directly in kvsvc/ counts as pure core unless it is named, with why, in
-`NOT_PURE`: a new module is checked without anyone remembering to list it."""
+"""The pure core does no I/O: it is the package kvsvc/core/, whose modules import no asyncio, torch, mooncake, socket,
+os or logging, nor the service, transport, engine side or vLLM (docs/design.md, "The house"). A new module there is
+checked without anyone remembering to list it; the engine-facing contract keeps its import paths."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "kvsvc"
-# Every module directly in kvsvc/ is pure core unless it is named here, with why it may not be.
-NOT_PURE = {
-    "kvsvc.streams": "completion futures from CUDA events: asyncio and torch",
-    "kvsvc.gather": "the torch copies of staged writes",
-    "kvsvc.staging_memory": "builds a worker's staging region: the service's StagingArea, torch or numpy memory",
-    "kvsvc.netns": "joins a network namespace (a system call), for tests and the demo",
-}
+CORE = ROOT / "core"
 # kvsvc.testing's pure parts: the harness for protocol tests with no event loop.
 PURE_TESTING = [
     "kvsvc.testing.clock",
@@ -27,10 +22,11 @@ PURE_TESTING = [
     "kvsvc.testing.faults",
     "kvsvc.testing.reports",
 ]
-PURE_CORE = (
-    sorted({f"kvsvc.{p.stem}" for p in ROOT.glob("*.py") if p.stem != "__init__"} - NOT_PURE.keys()) + PURE_TESTING
-)
+PURE_CORE = sorted(f"kvsvc.core.{p.stem}" for p in CORE.glob("*.py") if p.stem != "__init__") + PURE_TESTING
 FORBIDDEN = ("asyncio", "torch", "mooncake", "aiohttp", "uvloop", "workers")
+# What no core module names in an import statement, even one that some other import already loaded.
+NEVER_IMPORTED = (*FORBIDDEN, "socket", "os", "logging", "subprocess", "threading", "selectors", "kvsvc.service")
+PUBLIC = ("connector", "outputs", "topology", "handshake")  # the engine-facing contract's modules
 
 
 @pytest.mark.parametrize("module", PURE_CORE)
@@ -44,11 +40,36 @@ def test_a_pure_core_module_imports_no_event_loop_torch_or_mooncake(module: str)
     assert out == "", f"{module} pulls in {out}"
 
 
-def test_the_pure_core_is_every_module_but_the_ones_named_and_names_only_real_ones() -> None:
-    modules = {f"kvsvc.{p.stem}" for p in ROOT.glob("*.py")}
-    assert NOT_PURE.keys() <= modules, f"NOT_PURE names modules that do not exist: {NOT_PURE.keys() - modules}"
-    for module in ("kvsvc.hello", "kvsvc.windows", "kvsvc.planner", "kvsvc.sender", "kvsvc.receiver"):
+@pytest.mark.parametrize("path", sorted(CORE.glob("*.py")), ids=lambda p: p.stem)
+def test_no_core_module_imports_io_or_the_layers_above(path: Path) -> None:
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            named |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            named.add(node.module)
+    bad = sorted(n for n in named if any(n == x or n.startswith(f"{x}.") for x in NEVER_IMPORTED))
+    assert not bad, f"kvsvc/core/{path.name} imports {bad}"
+    above = sorted(n for n in named if n.startswith("kvsvc.") and not n.startswith("kvsvc.core"))
+    assert not above, f"kvsvc/core/{path.name} imports {above}: the core imports only itself"
+
+
+def test_the_core_holds_the_protocols_decisions_and_kvsvc_itself_only_the_contracts_names() -> None:
+    for module in ("kvsvc.core.hello", "kvsvc.core.windows", "kvsvc.core.planner", "kvsvc.core.sender"):
         assert module in PURE_CORE
+    top = sorted(p.stem for p in ROOT.glob("*.py") if p.stem != "__init__")
+    assert top == sorted(PUBLIC), f"kvsvc/ holds modules of its own: {top}"
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_the_engine_facing_contract_keeps_its_import_paths(name: str) -> None:
+    probe = (
+        f"import kvsvc.{name} as public, kvsvc.core.{name} as core\n"
+        "assert public.__all__ == core.__all__ and public.__all__\n"
+        "print(all(getattr(public, n) is getattr(core, n) for n in core.__all__))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "True"
 
 
 def test_the_pure_core_imports_neither_the_service_nor_the_transport_nor_vllm() -> None:

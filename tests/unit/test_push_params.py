@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.auth import PARAMS_KEY, derive_key
-from kvsvc.messages import TransferRequest, WorkerRef
-from kvsvc.sender import Reply, Sender
+from kvsvc.core.auth import PARAMS_KEY, derive_key
+from kvsvc.core.messages import TransferRequest, WorkerRef
+from kvsvc.core.sender import Reply, Sender
 from kvsvc.vllm.config import parse_config
 from kvsvc.vllm.flow import SchedulerFlow
 from kvsvc.vllm.params import (

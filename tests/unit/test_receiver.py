@@ -1,4 +1,4 @@
-"""Specification of kvsvc.receiver: D's receive jobs, deadlines and exactly-once reporting, driven by hand
+"""Specification of kvsvc.core.receiver: D's receive jobs, deadlines and exactly-once reporting, driven by hand
 with a fake clock and no event loop (docs/protocol.md)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.messages import Abort, Release, TransferDone, TransferRequest
-from kvsvc.planner import plan_transfer_arrays
-from kvsvc.receiver import Receiver, SendToSource, planned_bytes
+from kvsvc.core.messages import Abort, Release, TransferDone, TransferRequest
+from kvsvc.core.planner import plan_transfer_arrays
+from kvsvc.core.receiver import Receiver, SendToSource, planned_bytes
 from kvsvc.testing.clock import FakeClock
 
 P0, P1, P2 = (0, 0), (0, 1), (0, 2)
@@ -290,8 +290,8 @@ def test_receiving_a_transfer_twice_for_another_request_is_refused() -> None:
 
 
 def test_every_frame_from_p_goes_through_receive() -> None:
-    from kvsvc.jobs import Notice
-    from kvsvc.messages import ErrorMessage, Pong, TransferDone, TransferFailed
+    from kvsvc.core.jobs import Notice
+    from kvsvc.core.messages import ErrorMessage, Pong, TransferDone, TransferFailed
 
     receiver, _, _ = started()
     assert receiver.receive("P", P0, TransferDone(transfer_id="t1", bytes=1, descriptors=1)) == []
@@ -308,8 +308,8 @@ def test_every_frame_from_p_goes_through_receive() -> None:
 def test_a_window_round_no_window_took_is_dropped_at_debug_level_and_never_answered() -> None:
     """A round for a window D gave back, or never lent (D lends none without a region to scatter from), reaches the
     `Receiver`: it is late, not an attack on the receive, and leaves the receive as it was."""
-    from kvsvc.jobs import Notice
-    from kvsvc.messages import WindowFilled
+    from kvsvc.core.jobs import Notice
+    from kvsvc.core.messages import WindowFilled
 
     receiver, _, _ = started()
     late = receiver.receive("P", P0, WindowFilled(transfer_id="t1", round=0))
@@ -346,7 +346,7 @@ def test_d_plans_the_bytes_p_plans_to_write_whatever_p_s_block_ids() -> None:
 def test_an_answer_for_an_earlier_receive_of_the_same_transfer_is_dropped() -> None:
     """The same params started again after the first receive ended here: P's late answer to the first, which names
     it, must not finish the second, whose blocks P never wrote. An answer naming no receive (an older P) counts."""
-    from kvsvc.jobs import Notice
+    from kvsvc.core.jobs import Notice
 
     receiver, clock = Receiver(recv_timeout_s=60, abort_grace_s=30), FakeClock()
     assert receiver.start("r1", "t1", "P", BLOCKS, 10, clock(), receive="second")

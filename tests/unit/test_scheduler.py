@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.engine.scheduler import RequestTracker, SchedulerUpdate
-from kvsvc.outputs import KVConnectorOutput
 
 
 def test_no_report_is_an_empty_update() -> None:

@@ -1,4 +1,4 @@
-"""Specification of kvsvc.sender: P's holds, send jobs, deadlines and exactly-once reporting, driven by hand
+"""Specification of kvsvc.core.sender: P's holds, send jobs, deadlines and exactly-once reporting, driven by hand
 with a fake clock and no event loop (docs/protocol.md)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.messages import (
+from kvsvc.core.messages import (
     Abort,
     ErrorMessage,
     Release,
@@ -18,7 +18,7 @@ from kvsvc.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, SendCommand, Sender, Submit
+from kvsvc.core.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, SendCommand, Sender, Submit
 from kvsvc.testing.clock import FakeClock
 
 S = "s" * 22  # the transfer secret of every hold here
@@ -455,8 +455,8 @@ def test_a_bad_repeat_of_a_request_leaves_the_running_job_alone() -> None:
 
 
 def test_every_frame_from_d_goes_through_receive_which_refuses_blocks_outside_d_pool() -> None:
-    from kvsvc.jobs import Notice
-    from kvsvc.messages import Ping, Pong, WorkerMetadata
+    from kvsvc.core.jobs import Notice
+    from kvsvc.core.messages import Ping, Pong, WorkerMetadata
 
     sender, clock = make()
     d_meta = WorkerMetadata(

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvsvc.errors import ServiceClosed
+from kvsvc.core.errors import ServiceClosed
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.holds import harness_secret

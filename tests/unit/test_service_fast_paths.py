@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import kvsvc.service.remotes as remotes_module
-from kvsvc import planner
+from kvsvc.core import planner
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport

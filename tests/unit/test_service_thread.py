@@ -9,10 +9,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvsvc.errors import KVSvcTimeout
-from kvsvc.layout import layer_bytes
-from kvsvc.messages import WorkerMetadata
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.errors import KVSvcTimeout
+from kvsvc.core.layout import layer_bytes
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig, ServiceThread
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.holds import harness_secret

@@ -16,11 +16,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvsvc.data_planes import is_same_host
-from kvsvc.engine.bootstrap import BootstrapServer
-from kvsvc.errors import ServiceClosed
-from kvsvc.layout import layer_bytes
-from kvsvc.messages import (
+from kvsvc.core.data_planes import is_same_host
+from kvsvc.core.errors import ServiceClosed
+from kvsvc.core.layout import layer_bytes
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
     FrameReader,
@@ -34,7 +33,8 @@ from kvsvc.messages import (
     WorkerMetadata,
     encode,
 )
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.hellos import unkeyed_frames
@@ -489,7 +489,7 @@ async def test_engine_metadata_larger_than_one_read_is_fetched_whole() -> None:
 async def test_an_engine_document_beyond_a_hellos_bounds_is_refused_before_d_plans_by_it() -> None:
     import aiohttp
 
-    from kvsvc.errors import HandshakeError
+    from kvsvc.core.errors import HandshakeError
     from kvsvc.service.remotes import fetch_engine_metadata
 
     base = msgspec.structs.replace(make_side("huge", ServiceConfig(), 3).service.metadata, control_addr="127.0.0.1:9")

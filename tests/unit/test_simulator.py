@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.groups import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, KVGroup, blocks_to_move
-from kvsvc.layout import (
+from kvsvc.core.groups import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, KVGroup, blocks_to_move
+from kvsvc.core.layout import (
     CROSS_LAYER,
     FUSED,
     block_geometry,
@@ -37,8 +37,8 @@ from kvsvc.layout import (
     layer_addrs,
     pool_regions,
 )
-from kvsvc.messages import WorkerMetadata
-from kvsvc.planner import expected_destinations, is_source, plan_transfer, release_notifier, sources_of
+from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.planner import expected_destinations, is_source, plan_transfer, release_notifier, sources_of
 
 SENTINEL = 0xAB
 MAGIC = 0x5A5A_5A5A_5A5A
@@ -84,7 +84,7 @@ class Layouts:
 
 
 def _first_read(s: Layouts) -> int:
-    """The first token D's next step reads in a window group, written out apart from `kvsvc.groups`: the query of
+    """The first token D's next step reads in a window group, written out apart from `kvsvc.core.groups`: the query of
     token `tokens` attends to the `window - 1` tokens before it, or to its chunk from the chunk's start."""
     return s.tokens // s.window * s.window if s.chunked else max(0, s.tokens - s.window + 1)
 

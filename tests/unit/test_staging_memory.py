@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvsvc.gather import TorchGather
-from kvsvc.staging_memory import build_staging
+from kvsvc.service.gather import TorchGather
+from kvsvc.service.staging_memory import build_staging
 from kvsvc.testing.engines import MemmoveCopies
 
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvsvc.errors import TopologyError
-from kvsvc.layout import LAYOUTS
-from kvsvc.planner import check_compatible
-from kvsvc.staging_plans import StagingRule
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.layout import LAYOUTS
+from kvsvc.core.planner import check_compatible
+from kvsvc.core.staging_plans import StagingRule
 from kvsvc.testing.pair import PeerPair
 from kvsvc.testing.sim import EngineSpec
 

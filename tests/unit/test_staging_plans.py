@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.staging_plans import (
+from kvsvc.core.staging_plans import (
     RangeAllocator,
     StagingRule,
     count_runs,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvsvc.streams import LayerReadiness, completion_future, record_event
+from kvsvc.transport.streams import LayerReadiness, completion_future, record_event
 
 
 class FakeEvent:
@@ -134,7 +134,7 @@ def test_record_event_is_none_without_cuda() -> None:
 
 
 async def test_pending_events_of_a_loop_share_one_poller_that_leaves_with_the_last() -> None:
-    from kvsvc import streams
+    from kvsvc.transport import streams
 
     loop = asyncio.get_running_loop()
     events = [FakeEvent() for _ in range(3)]
@@ -159,7 +159,7 @@ async def test_pending_events_of_a_loop_share_one_poller_that_leaves_with_the_la
 def test_events_resolve_on_either_loop_whatever_their_order(factory: str) -> None:
     import uvloop
 
-    from kvsvc import streams
+    from kvsvc.transport import streams
 
     async def main() -> None:
         events = [FakeEvent() for _ in range(4)]
@@ -178,7 +178,7 @@ def test_events_resolve_on_either_loop_whatever_their_order(factory: str) -> Non
 
 
 async def test_an_event_pending_long_backs_off_to_the_loops_timers() -> None:
-    from kvsvc import streams
+    from kvsvc.transport import streams
 
     event = FakeEvent()
     fut = completion_future(event)

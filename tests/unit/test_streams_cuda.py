@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvsvc.streams import LayerReadiness, completion_future, record_event
+from kvsvc.transport.streams import LayerReadiness, completion_future, record_event
 
 torch = pytest.importorskip("torch")
 pytestmark = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsvc.layout import heads_of_rank
+from kvsvc.core.layout import heads_of_rank
 from workers.kv_pool import KVPool, WorkerShape, engine_shapes
 from workers.synthetic import expected_kv, fill, ready_after_fill, verify
 

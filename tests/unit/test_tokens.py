@@ -33,7 +33,7 @@ def test_an_empty_control_token_is_refused_naming_where_it_came_from(monkeypatch
 
 
 def test_without_a_token_only_the_kernel_s_word_that_the_peer_is_this_user_stands_for_a_proof() -> None:
-    from kvsvc.auth import unkeyed_peer_refusal
+    from kvsvc.core.auth import unkeyed_peer_refusal
 
     assert unkeyed_peer_refusal(1000, 1000) == "" and unkeyed_peer_refusal(0, 0) == ""
     assert "the far end runs as uid 65534, this worker as uid 1000" in unkeyed_peer_refusal(1000, 65534)

@@ -1,4 +1,4 @@
-"""Contract tests of `kvsvc.topology` (docs/design.md, "Public API"): vLLM's TP ratio semantics and per-stage
+"""Contract tests of `kvsvc.core.topology` (docs/design.md, "Public API"): vLLM's TP ratio semantics and per-stage
 registration."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from kvsvc.errors import TopologyError
-from kvsvc.topology import EngineTransferInfo, TransferTopology
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.topology import EngineTransferInfo, TransferTopology
 
 
 def topo(tp_rank: int = 0, tp_size: int = 2, heads: int = 8, mla: bool = False) -> TransferTopology:

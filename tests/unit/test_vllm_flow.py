@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.auth import PARAMS_KEY, derive_key, sign_fields
-from kvsvc.groups import FULL, MAMBA, SLIDING_WINDOW
+from kvsvc.core.auth import PARAMS_KEY, derive_key, sign_fields
+from kvsvc.core.groups import FULL, MAMBA, SLIDING_WINDOW
 from kvsvc.service.config import ServiceConfig, is_loopback
 from kvsvc.vllm.config import CONTROL_TOKEN_ENV, PROVEN_VLLM, ConnectorConfig, parse_config, version_note
 from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec

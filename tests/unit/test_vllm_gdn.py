@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvsvc.errors import TopologyError
-from kvsvc.groups import state_bytes
-from kvsvc.messages import ConvPart
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.groups import state_bytes
+from kvsvc.core.messages import ConvPart
 
 pytestmark = pytest.mark.vllm
 

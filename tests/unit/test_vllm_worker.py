@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import torch
 
-from kvsvc.errors import KVSvcError, KVSvcTimeout, TopologyError
-from kvsvc.groups import state_bytes
-from kvsvc.layout import block_geometry, pool_regions
-from kvsvc.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
-from kvsvc.outputs import KVConnectorOutput
+from kvsvc.core.errors import KVSvcError, KVSvcTimeout, TopologyError
+from kvsvc.core.groups import state_bytes
+from kvsvc.core.layout import block_geometry, pool_regions
+from kvsvc.core.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
+from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.service.config import ServiceConfig
 from kvsvc.vllm.config import ConnectorConfig
 from kvsvc.vllm.flow import RecvSpec, SendSpec, StepMetadata

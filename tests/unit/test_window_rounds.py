@@ -1,5 +1,5 @@
-"""The window-round protocol (`kvsvc.windows`) as docs/protocol.md states it, with no event loop: D's lent window and
-P's filling window alone, then both back to back in `PeerPair` with the round frames on its wire. A late, repeated,
+"""The window-round protocol (`kvsvc.core.windows`) as docs/protocol.md states it, with no event loop: D's lent window
+and P's filling window alone, then both back to back in `PeerPair` with the round frames on its wire. A late, repeated,
 early or out-of-order `WindowFilled`, `WindowEmptied` or `TransferDone` is handled as the doc says; whatever the
 order, every byte lands once or the receive fails, each side reports once and every window goes back."""
 
@@ -13,13 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.errors import LocalProtocolError
-from kvsvc.jobs import Notice
-from kvsvc.messages import ErrorMessage, TransferDone, TransferFailed, WindowEmptied, WindowFilled
-from kvsvc.staging_plans import StagingRule, Way, WindowPlan
-from kvsvc.testing.pair import Envelope, PeerPair
-from kvsvc.testing.sim import EngineSpec
-from kvsvc.windows import (
+from kvsvc.core.errors import LocalProtocolError
+from kvsvc.core.jobs import Notice
+from kvsvc.core.messages import ErrorMessage, TransferDone, TransferFailed, WindowEmptied, WindowFilled
+from kvsvc.core.staging_plans import StagingRule, Way, WindowPlan
+from kvsvc.core.windows import (
     Announce,
     Deliver,
     Fail,
@@ -32,6 +30,8 @@ from kvsvc.windows import (
     TellP,
     lends_windows,
 )
+from kvsvc.testing.pair import Envelope, PeerPair
+from kvsvc.testing.sim import EngineSpec
 
 ALWAYS = StagingRule(gather_cost_s_per_byte=0.0, scatter_cost_s_per_byte=0.0)
 KEY = ("t", "prefill", (0, 0))
@@ -189,7 +189,7 @@ def test_frames_about_no_window_go_to_the_receiver_as_they_are() -> None:
 
 
 def test_a_window_that_scatters_is_not_given_back_and_its_failed_receive_is_held_back() -> None:
-    from kvsvc.receiver import RecvReport
+    from kvsvc.core.receiver import RecvReport
 
     lent = _lent()
     lent.receive("prefill", (0, 0), _filled(0))

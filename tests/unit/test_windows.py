@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import UnsatisfiedAssumption
 
-from kvsvc.layout import block_geometry, pool_regions
-from kvsvc.messages import TransferRequest
-from kvsvc.planner import check_window, plan_transfer_arrays
-from kvsvc.staging_plans import (
+from kvsvc.core.layout import block_geometry, pool_regions
+from kvsvc.core.messages import TransferRequest
+from kvsvc.core.planner import check_window, plan_transfer_arrays
+from kvsvc.core.staging_plans import (
     StagingRule,
     Way,
     plan_staged,

@@ -32,7 +32,7 @@ def loaded(length: int) -> int:
 
 
 def expected_bytes(lengths: list[int]) -> int:
-    """What P sends for prompts of `lengths`, written out apart from `kvsvc.groups`: D loads N - 1 tokens (a
+    """What P sends for prompts of `lengths`, written out apart from `kvsvc.core.groups`: D loads N - 1 tokens (a
     one-token prompt its token, as after a full prefix hit); the full layer gets their whole blocks, each chunked
     layer the blocks from the start of the chunk of token N - 1 (the token D computes) on."""
     total = 0

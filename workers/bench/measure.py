@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvsvc.layout import block_geometry
-from kvsvc.messages import WorkerMetadata
+from kvsvc.core.layout import block_geometry
+from kvsvc.core.messages import WorkerMetadata
 from workers.bench.worker import RAW_SAMEHOST, Desc
 
 RAW_METHODS = ("submit_poll", "batch")  # raw Mooncake, the two ways docs/mooncake.md allows

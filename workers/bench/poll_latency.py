@@ -1,6 +1,6 @@
 """`kvsvc bench --poll-latency`: how late a completion future sees a CUDA event that completed, kvsvc's poller
-(`kvsvc.streams.completion_future`: a loop's pending events polled together from a timerfd) against the loop's own
-timers (the baseline: `call_later` naps doubling from 20 us to 1 ms, which uvloop rounds to whole milliseconds), in
+(`kvsvc.transport.streams.completion_future`: a loop's pending events polled together from a timerfd) against the loop's
+own timers (the baseline: `call_later` naps doubling from 20 us to 1 ms, which uvloop rounds to whole milliseconds), in
 one run on uvloop.
 
 No GPU needed: the event is a stand-in whose `query()` turns True at a set time after it was made (the copy's
@@ -19,7 +19,7 @@ from typing import Final
 
 import uvloop
 
-from kvsvc.streams import completion_future
+from kvsvc.transport.streams import completion_future
 
 DURATIONS_S: Final = (30e-6, 100e-6, 300e-6, 1e-3)
 _BASELINE_MIN_S: Final = 20e-6

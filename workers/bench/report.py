@@ -117,7 +117,7 @@ class LayoutResult:
     cpu_ceiling_ratio: float
     verified: bool
     failures: int
-    transport: str = "mooncake"  # the plane P's writes took (`kvsvc.data_planes.Route.kind`)
+    transport: str = "mooncake"  # the plane P's writes took (`kvsvc.core.data_planes.Route.kind`)
     # Mean ms of each part of the staged writes over the layout runs, the parts observed (`STAGE_PARTS`; they
     # overlap, see `kvsvc.service.context.ServiceContext`): where a split layout's time goes
     stage_ms: dict[str, float] = field(default_factory=dict)

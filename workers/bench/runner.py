@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from kvsvc.layout import pool_regions
-from kvsvc.planner import Descriptor, plan_transfer, plan_transfer_arrays
+from kvsvc.core.layout import pool_regions
+from kvsvc.core.planner import Descriptor, plan_transfer, plan_transfer_arrays
 from kvsvc.service import ServiceConfig
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.bench.measure import (

@@ -21,7 +21,7 @@ without it the table says so. With `head_split`, kvsvc alone instead, between a 
 takes half the heads of every block), once with each worker's staging region and once writing direct: what the
 connector's `staging_bytes` default is chosen from. With `convert`, kvsvc alone between a D in fp8_e4m3 and two Ps: one
 in fp8_e4m3 too (the same bytes, moved as they are) and one in the model's float32 that converts them in its staging
-region (`kvsvc.formats`): what the conversion costs."""
+region (`kvsvc.core.formats`): what the conversion costs."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
-from kvsvc.data_planes import SameHostAddress
+from kvsvc.core.data_planes import SameHostAddress
 from kvsvc.service import KVTransferService
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Region, Transport

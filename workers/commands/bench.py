@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from kvsvc.data_planes import SETTINGS
+from kvsvc.core.data_planes import SETTINGS
 from workers.bench.models import DEFAULT_MODEL, MODELS
 from workers.demo.runner import DEVICES
 

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
-from kvsvc.data_planes import SETTINGS
+from kvsvc.core.data_planes import SETTINGS
 
 if TYPE_CHECKING:
     from rich.table import Table

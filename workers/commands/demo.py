@@ -2,7 +2,7 @@
 
 The command only: parses arguments into `workers.demo.runner.DemoOptions`, calls `run_demo` and prints
 `workers.demo.report`'s table (or, with `--json`, the result object as the last stdout line). Imports argparse, the
-standard library, `kvsvc.layout` (pure) and `workers.demo.runner` (light at import: its runtime is imported when it
+standard library, `kvsvc.core.layout` (pure) and `workers.demo.runner` (light at import: its runtime is imported when it
 runs) at module level; rich and the report only inside `main_with_args`, so `kvsvc --help` stays fast. Invariants:
 exit code 0 iff every request finished and every D worker verified every byte of it; the workers' log file is
 removed after a run that passed unless `--worker-log` named it.
@@ -18,8 +18,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvsvc.data_planes import SETTINGS
-from kvsvc.layout import LAYOUTS  # pure core: no torch, keeps `kvsvc --help` fast
+from kvsvc.core.data_planes import SETTINGS
+from kvsvc.core.layout import LAYOUTS  # pure core: no torch, keeps `kvsvc --help` fast
 from workers.demo.runner import DEVICES, HOSTS, DemoOptions
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Final, Self
 
-from kvsvc.data_planes import SETTINGS
+from kvsvc.core.data_planes import SETTINGS
 
 if TYPE_CHECKING:
     from aiohttp import web

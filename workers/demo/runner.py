@@ -77,7 +77,7 @@ class DemoOptions:
 
     def request_kv_bytes(self) -> int:
         """The KV of one request: what a decode engine must end up holding (K and V, every layer and head)."""
-        from kvsvc.layout import dtype_size
+        from kvsvc.core.layout import dtype_size
 
         return self.tokens * self.layers * 2 * self.kv_heads * self.head_size * dtype_size(self.dtype)
 

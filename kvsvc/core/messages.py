@@ -2,7 +2,7 @@
 
 Rules: every message is a frozen msgspec `Struct` with a tag, so one tagged union decodes any frame; the hello
 carries the protocol version and both sides' metadata, D's only after P proved the deployment's key
-(`kvsvc.hello`). A frame on the wire is a 4-byte big-endian length followed by a msgpack body. `decode` and
+(`kvsvc.core.hello`). A frame on the wire is a 4-byte big-endian length followed by a msgpack body. `decode` and
 `FrameReader` turn any malformed, truncated, oversized or unknown input into `MalformedFrame` (a
 `RemoteProtocolError`), never another exception. Pure module: no I/O, no asyncio.
 """
@@ -14,7 +14,7 @@ from typing import Annotated, Final, NamedTuple
 
 import msgspec
 
-from kvsvc.errors import MalformedFrame, VersionMismatch
+from kvsvc.core.errors import MalformedFrame, VersionMismatch
 
 Worker = tuple[int, int]
 """A worker's `(pp_rank, tp_rank)` in its engine."""
@@ -50,7 +50,7 @@ Address = Annotated[int, msgspec.Meta(ge=0, lt=MAX_ADDRESS)]
 class ConvPart(msgspec.Struct, frozen=True):
     """One sub-projection of a conv state (x, B or C of Mamba2; Q, K or V of GDN; a short conv's only one): its
     channels over the whole model, in `groups` equal groups that TP ranks split (heads, Mamba2's B/C groups, a
-    short conv's single channels, or one group that every rank holds whole); `kvsvc.groups`."""
+    short conv's single channels, or one group that every rank holds whole); `kvsvc.core.groups`."""
 
     channels: Count
     groups: Count
@@ -69,12 +69,12 @@ class MambaState(msgspec.Struct, frozen=True, kw_only=True):
     """Bytes of one head's SSM state (Mamba2: head_dim x d_state x dtype; GDN: v_dim x k_dim x dtype); a short conv
     has none (`ssm_heads` 0, this 0)."""
     conv_layout: Word = "DS"
-    """The conv state's order in a slot: "DS" (channel-major, as `kvsvc.groups` splits it across TP sizes) or "SD"
+    """The conv state's order in a slot: "DS" (channel-major, as `kvsvc.core.groups` splits it across TP sizes) or "SD"
     (time-step-major, vLLM's default, which only the same TP size on both sides can copy)."""
 
 
 class KVGroup(msgspec.Struct, frozen=True, kw_only=True):
-    """One KV cache group of a hybrid model: its kind (`kvsvc.groups.GROUP_KINDS`), its layers (global indices)
+    """One KV cache group of a hybrid model: its kind (`kvsvc.core.groups.GROUP_KINDS`), its layers (global indices)
     and what the kind needs."""
 
     kind: Word
@@ -120,11 +120,11 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     # Whether this worker, as P, writes into a window when a request carries one. False from peers that predate
     # windows: they would ignore the fields and write the blocks, so D never lends them one.
     accepts_windows: bool = False
-    # This worker's same-host plane (`kvsvc.data_planes.SameHostAddress`): `samehost:...` for KV in CPU memory,
+    # This worker's same-host plane (`kvsvc.core.data_planes.SameHostAddress`): `samehost:...` for KV in CPU memory,
     # `cudaipc:...:GPU-uuid` for KV on a GPU whose memory CUDA IPC can export; "" when it offers none (another
     # process on its host may then still reach it through Mooncake).
     samehost_addr: Name = ""
-    # A hybrid model's KV cache groups (`kvsvc.groups`); empty: one group of full attention over every layer. Both
+    # A hybrid model's KV cache groups (`kvsvc.core.groups`); empty: one group of full attention over every layer. Both
     # sides of a pair must group the model alike (checked at the hello).
     kv_groups: list[KVGroup] = []
     # The block id a sliding-window group's list holds where the window has passed (vLLM's null block, 0), which no
@@ -153,7 +153,7 @@ class WorkerMetadata(msgspec.Struct, frozen=True, kw_only=True):
 class HelloStart(msgspec.Struct, tag="hello_start", frozen=True, kw_only=True):
     """D to P, first frame of a control connection: which D worker opens it (its identity, nothing of its pool),
     which P worker it expects to reach, and a fresh random `nonce`. `keyed`: D has a control token, so it expects
-    P's proof of it (`kvsvc.hello`)."""
+    P's proof of it (`kvsvc.core.hello`)."""
 
     version: int
     engine_id: Name
@@ -181,7 +181,7 @@ class HelloChallenge(msgspec.Struct, tag="hello_challenge", frozen=True, kw_only
 class IpcHandle(msgspec.Struct, frozen=True, array_like=True):
     """One GPU allocation holding D's KV pool (or staging region) as CUDA IPC exports it: the opaque `handle` and
     where the allocation lies in D's address space. P maps it once and writes D's published regions through it
-    (`kvsvc.data_planes`, the GPU plane)."""
+    (`kvsvc.core.data_planes`, the GPU plane)."""
 
     handle: Opaque
     base: Address
@@ -205,13 +205,13 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     expect_tp_rank: Count
     proof: Opaque = b""
     # D's GPU allocations, exported for the GPU plane; sent only to a P whose proof verified and whose pair the
-    # rule puts on that plane (`kvsvc.hello.make_hello`), so the bootstrap document never carries them.
+    # rule puts on that plane (`kvsvc.core.hello.make_hello`), so the bootstrap document never carries them.
     ipc_handles: list[IpcHandle] = []
 
 
 class HelloOk(msgspec.Struct, tag="hello_ok", frozen=True, kw_only=True):
     """P to D: the hello is accepted; P's own metadata, for D to check against what P's engine published, and the
-    plane P chose for its writes into D (`kvsvc.data_planes.Route.kind`), which D's staging rule takes; D refuses a
+    plane P chose for its writes into D (`kvsvc.core.data_planes.Route.kind`), which D's staging rule takes; D refuses a
     plane it does not know, or none. `proof` binds this answer to the whole exchange (empty without a control
     token)."""
 
@@ -234,11 +234,11 @@ class TransferRequest(msgspec.Struct, tag="xfer_req", frozen=True, kw_only=True)
     predate it send and read 0.
 
     `window_bytes` > 0: write the share instead as one stream into D's staging region at `window_addr`
-    (`kvsvc.staging_plans.window_plan`); D scatters it into the blocks before it reports. 0: write the blocks.
+    (`kvsvc.core.staging_plans.window_plan`); D scatters it into the blocks before it reports. 0: write the blocks.
     `share_bytes`: the stream's size as D planned it (0: `window_bytes`); larger than the window, it moves in rounds
-    (`kvsvc.staging_plans.window_round_bytes`) with `WindowFilled` and `WindowEmptied`.
+    (`kvsvc.core.staging_plans.window_round_bytes`) with `WindowFilled` and `WindowEmptied`.
 
-    `secret`: the transfer's secret, as P issued it with the hold (`kvsvc.sender.Sender.hold`); P serves only a
+    `secret`: the transfer's secret, as P issued it with the hold (`kvsvc.core.sender.Sender.hold`); P serves only a
     request that carries it, and answers any other as it answers a transfer it does not hold. `receive`: D's
     random name for this one receive, the same in each of its requests and aborts; P serves one receive per D
     worker and transfer, and answers another (the same params replayed into a later request) failed, never with

@@ -1,13 +1,13 @@
 """Transfer planning: which P worker writes which D bytes, as coalesced `(src_addr, dst_addr, length)` runs.
 
-Pure module: imports numpy, `kvsvc.layout`, `kvsvc.coalesce`, `kvsvc.messages`, `kvsvc.errors` (no torch,
-asyncio, mooncake). Invariants (docs/design.md, "Geometry"): every (D worker, layer, head) has exactly one source
-P worker; a plan
-writes only inside the listed D blocks and the (layer, head) slots its P worker sources; plans are maximal runs
+Pure module: imports numpy and the core's layout, groups, formats, coalesce, messages and errors (no torch, asyncio,
+mooncake). Invariants (docs/design.md, "Geometry"): every (D worker, layer, head) has exactly one source P worker; a
+plan writes only inside the listed D blocks and the (layer, head) slots its P worker sources; plans are maximal runs
 sorted by source address; incompatibility is a `TopologyError` that names both sides' values. Any mix of
-per-layer layouts (HND, NHD) and the cross-layer pool (`kvsvc.layout.CROSS_LAYER`) on the two sides is planned the
+per-layer layouts (HND, NHD) and the cross-layer pool (`kvsvc.core.layout.CROSS_LAYER`) on the two sides is planned the
 same way: each layer is a base address plus a block stride, and merging finds whatever is contiguous. The fused
-layout (`kvsvc.layout.FUSED`) pairs only with itself at one block size, and its (block, head) chunks are copied whole.
+layout (`kvsvc.core.layout.FUSED`) pairs only with itself at one block size, and its (block, head) chunks are copied
+whole.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Final, NamedTuple
 
 import numpy as np
 
-from kvsvc.coalesce import Int64Array, merge_runs, plan_runs
-from kvsvc.errors import TopologyError
-from kvsvc.formats import as_written, check_formats, check_scales, converts
-from kvsvc.groups import (
+from kvsvc.core.coalesce import Int64Array, merge_runs, plan_runs
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.formats import as_written, check_formats, check_scales, converts
+from kvsvc.core.groups import (
     SlotRun,
     blocks_to_move,
     check_groups,
@@ -34,7 +34,7 @@ from kvsvc.groups import (
     state_bytes,
     window_first_token,
 )
-from kvsvc.layout import (
+from kvsvc.core.layout import (
     FUSED,
     LAYOUTS,
     block_geometry,
@@ -49,7 +49,7 @@ from kvsvc.layout import (
     kv_heads_per_rank,
     layer_addrs,
 )
-from kvsvc.messages import KVGroup, MambaState, Worker, WorkerMetadata
+from kvsvc.core.messages import KVGroup, MambaState, Worker, WorkerMetadata
 
 _EMPTY: Int64Array = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -110,10 +110,10 @@ def check_compatible(src: WorkerMetadata, dst: WorkerMetadata) -> None:
         TopologyError: a malformed side (the message names it: wrong count of base_addrs for its layout, unknown
             layout or dtype, KV scales that are not finite and positive...), or dtype, head_size, num_kv_heads or
             is_mla differ, or the cache formats (vLLM's `kv_cache_dtype`) or a shared layer's KV scales differ and P
-            cannot convert its format into D's (`kvsvc.formats.check_formats`), or the TP sizes do not divide
+            cannot convert its format into D's (`kvsvc.core.formats.check_formats`), or the TP sizes do not divide
             one another, or the two sides hold the same several heads per rank in different orders (NHD against
             HND or the cross-layer pool) and P has no staging region to gather the transposition in. The message
-            names both values. Or the two sides group a hybrid model's layers differently (`kvsvc.groups`), or a
+            names both values. Or the two sides group a hybrid model's layers differently (`kvsvc.core.groups`), or a
             Mamba state cannot be split between their TP sizes (its conv layout, or sizes TP does not divide).
     """
     _check_worker("P", src)
@@ -232,7 +232,7 @@ def check_block_ids(
     pool, D's ids are distinct (two token ranges must never share a block), the blocks can hold `num_tokens`, and
     `first_token` (the prefix D holds already) lies in `[0, num_tokens]`. The engine's calls, a D worker's request
     and the planner all check this one way. A hybrid model's ids list each KV cache group's blocks in turn
-    (`kvsvc.groups.split_groups`); each group's list must hold the tokens, and D's distinct ids are those written:
+    (`kvsvc.core.groups.split_groups`); each group's list must hold the tokens, and D's distinct ids are those written:
     a sliding-window group's list starts with the engine's null block (`WorkerMetadata.null_block`) wherever the
     window has passed, as often as it has passed a block, and the null block is no block of the request: never
     written, never a repeat, and never standing for a token that D's window reads.

@@ -4,7 +4,7 @@ P's acceptance; P challenges D and accepts or refuses it.
 Pure module: standard library and kvsvc's pure core only. The hello is the last step of the handshake, which in kvsvc
 means everything a D worker does to meet a P engine: fetch its published worker metadata, connect to the P workers
 it needs, and hello each. The exchange is a mutual challenge-response over a key derived from the deployment's
-control token (`kvsvc.auth.HELLO_KEY`), which never goes on the wire:
+control token (`kvsvc.core.auth.HELLO_KEY`), which never goes on the wire:
 
     D -> P  HelloStart      D's identity, the P worker it expects, D's nonce, whether D has a key
     P -> D  HelloChallenge  P's metadata, P's nonce, P's proof: HMAC(key, "P", both nonces, both identities,
@@ -14,12 +14,12 @@ control token (`kvsvc.auth.HELLO_KEY`), which never goes on the wire:
     P -> D  HelloOk         once D's proof verified and P can serve D's layout (else HelloRefused): the plane, and
                             P's proof (label "OK", over D's proof and the answer)
 
-Each proof covers the frames before it as their receiver decoded them (`kvsvc.messages.canonical`, proof left
+Each proof covers the frames before it as their receiver decoded them (`kvsvc.core.messages.canonical`, proof left
 empty), so the chain binds the whole transcript: a relay without the key that rewrites either side's metadata (its
 pool addresses, planes, IPC handles), the stage split or the plane fails a proof.
 
 Rules: D sends nothing of its pool before P proved the key, and P builds nothing from D's claims before D proved it
-(then: another protocol version, a hello meant for another worker or engine start, sizes past `kvsvc.bounds`, a
+(then: another protocol version, a hello meant for another worker or engine start, sizes past `kvsvc.core.bounds`, a
 stage split that contradicts D's own layers or P's model, a layout P cannot write into, a same-host address in
 `transport_addr` are refused); a proof is only computed once the other side's nonce is known, and D computes its
 own only after P's verified, so neither side is an oracle for the other. Without a key on either side the proofs
@@ -35,12 +35,12 @@ from typing import Final
 
 from msgspec.structs import replace
 
-from kvsvc.auth import NONCE_BYTES, Key, hello_proof, hello_proof_verifies
-from kvsvc.bounds import check_hello_bounds
-from kvsvc.data_planes import NEEDS_MOONCAKE, PLANES, check_transport_addr, choose_transport
-from kvsvc.errors import HandshakeError, NeedsMooncake, PeerMismatch, TopologyError, VersionMismatch
-from kvsvc.layout import CROSS_LAYER
-from kvsvc.messages import (
+from kvsvc.core.auth import NONCE_BYTES, Key, hello_proof, hello_proof_verifies
+from kvsvc.core.bounds import check_hello_bounds
+from kvsvc.core.data_planes import NEEDS_MOONCAKE, PLANES, check_transport_addr, choose_transport
+from kvsvc.core.errors import HandshakeError, NeedsMooncake, PeerMismatch, TopologyError, VersionMismatch
+from kvsvc.core.layout import CROSS_LAYER
+from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
     Hello,
@@ -57,7 +57,7 @@ from kvsvc.messages import (
     canonical,
     check_version,
 )
-from kvsvc.planner import check_compatible, expected_destinations
+from kvsvc.core.planner import check_compatible, expected_destinations
 
 _NO_KEY: Final = "every engine of the deployment needs the same control token, or none has one"
 

@@ -1,8 +1,8 @@
 """KV cache groups of hybrid models: what kind of state each group of layers keeps, which of a request's blocks of
 a group move from P to D, and which bytes of a Mamba state slot each P worker writes into each D worker's.
 
-Pure module: standard library, msgspec and `kvsvc.errors`/`kvsvc.layout`/`kvsvc.messages` (where the groups' wire types
-live) only (no numpy, torch, asyncio). A hybrid
+Pure module: standard library, msgspec and `kvsvc.core.errors`/`kvsvc.core.layout`/`kvsvc.core.messages` (where the
+groups' wire types live) only (no numpy, torch, asyncio). A hybrid
 model's layers fall into groups that share one block table each (vLLM's KV cache groups):
 
 | kind             | a request keeps                               | what moves                                     |
@@ -30,9 +30,9 @@ from typing import Final, NamedTuple
 
 from msgspec.structs import replace
 
-from kvsvc.errors import TopologyError
-from kvsvc.layout import dtype_size
-from kvsvc.messages import ConvPart, KVGroup, MambaState
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.layout import dtype_size
+from kvsvc.core.messages import ConvPart, KVGroup, MambaState
 
 FULL: Final = "full"
 SLIDING_WINDOW: Final = "sliding_window"

@@ -21,10 +21,10 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.coalesce import Int64Array
-from kvsvc.errors import TopologyError
-from kvsvc.layout import dtype_size, is_cross_layer, layer_addrs, layer_bytes
-from kvsvc.messages import WorkerMetadata
+from kvsvc.core.coalesce import Int64Array
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.layout import dtype_size, is_cross_layer, layer_addrs, layer_bytes
+from kvsvc.core.messages import WorkerMetadata
 
 # vLLM takes "fp8" for "fp8_e4m3" (kvsvc runs on CUDA and CPU, where that is e4m3fn).
 _CACHE_ALIASES: Final = {"fp8": "fp8_e4m3"}

@@ -1,6 +1,6 @@
 """Vectorised core of the planner: turn (layers x token segments x elements) into maximal byte runs.
 
-Pure module: imports numpy and `kvsvc.layout` only (no torch, asyncio, mooncake). Invariants: an element is one
+Pure module: imports numpy and `kvsvc.core.layout` only (no torch, asyncio, mooncake). Invariants: an element is one
 token of one head of one K/V half, `element_bytes` long on both sides; the planner only ever emits runs made of
 whole elements it was asked to copy; the output is sorted by source address and no two runs could merge
 (source ranges are disjoint, so after sorting a mergeable pair is always adjacent).
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.layout import BlockGeometry
+from kvsvc.core.layout import BlockGeometry
 
 Int64Array = npt.NDArray[np.int64]
 

@@ -15,9 +15,9 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Final
 
-from kvsvc.errors import PeerMismatch, TopologyError
-from kvsvc.layout import check_base_addrs, check_layer_split
-from kvsvc.messages import Hello, Worker, WorkerMetadata, WorkerRef
+from kvsvc.core.errors import PeerMismatch, TopologyError
+from kvsvc.core.layout import check_base_addrs, check_layer_split
+from kvsvc.core.messages import Hello, Worker, WorkerMetadata, WorkerRef
 
 # More ranks than any deployment has: pp_size and tp_size each, and their product (the D workers P lays out).
 MAX_PARALLEL: Final = 1024
@@ -41,7 +41,7 @@ def check_hello_bounds(me: WorkerMetadata, hello: Hello) -> None:
     `MAX_PARALLEL` and `MAX_WORKERS`; a stage split of `pp_size` non-empty stages, contiguous from layer 0, within
     `MAX_LAYERS` and covering `me`'s layers (all of the model's, where `me` holds its last stage); D's metadata
     lists of the lengths its layers give them; at most `MAX_IPC_HANDLES` exported GPU allocations (each checked
-    against D's regions by `kvsvc.data_planes.check_ipc_handles` before P maps any).
+    against D's regions by `kvsvc.core.data_planes.check_ipc_handles` before P maps any).
 
     Raises:
         PeerMismatch: the first claim at fault, naming the D worker, the value and the limit.

@@ -19,12 +19,12 @@ from typing import Literal, TypeAlias
 
 from msgspec.structs import replace
 
-from kvsvc.coalesce import Int64Array
-from kvsvc.jobs import Notice
-from kvsvc.messages import Message, TransferRequest, WindowEmptied, WindowFilled, Worker
-from kvsvc.receiver import RecvCommand, ToSource
-from kvsvc.sender import Reply, SendCommand, Submit
-from kvsvc.windows import (
+from kvsvc.core.coalesce import Int64Array
+from kvsvc.core.jobs import Notice
+from kvsvc.core.messages import Message, TransferRequest, WindowEmptied, WindowFilled, Worker
+from kvsvc.core.receiver import RecvCommand, ToSource
+from kvsvc.core.sender import Reply, SendCommand, Submit
+from kvsvc.core.windows import (
     Announce,
     Deliver,
     Fail,

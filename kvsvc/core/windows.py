@@ -3,14 +3,14 @@ P worker's share, P fills it round by round (`FillingWindow`), D scatters each r
 (`LentWindow`, kept per D worker by `LentWindows`).
 
 Rules: transitions live in the tables `FILL_TABLE` (P) and `SCATTER_TABLE` (D), (state, event) -> (next state,
-effects), as in `kvsvc.jobs`; an event a table lacks is a `LocalProtocolError` naming both. A frame is classified
+effects), as in `kvsvc.core.jobs`; an event a table lacks is a `LocalProtocolError` naming both. A frame is classified
 into an event against the window's round counters before the table is read (a repeat, a round out of order, a
 done answer before the last round). D takes P's frames about a window one scatter at a time, in arrival order.
 Neither side touches memory, a socket or a clock: each returns commands (`Scatter`, `TellP`, `Deliver`,
-`Announce`, `Notice`) that its driver (the service, or `kvsvc.testing.pair.PeerPair`, both through `kvsvc.driver`)
+`Announce`, `Notice`) that its driver (the service, or `kvsvc.testing.pair.PeerPair`, both through `kvsvc.core.driver`)
 carries out, and feeds back how they ended (`scattered`, `landed`). Round k is stream bytes `[k R, (k + 1) R)` in
-half `k % 2` of the window (`kvsvc.staging_plans.window_round_bytes`); P writes round k once D emptied round k - 2, so P
-fills one half while D empties the other. Pure module: standard library, numpy and kvsvc's pure core only.
+half `k % 2` of the window (`kvsvc.core.staging_plans.window_round_bytes`); P writes round k once D emptied round k - 2,
+so P fills one half while D empties the other. Pure module: standard library, numpy and kvsvc's pure core only.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Final, TypeAlias
 
-from kvsvc.coalesce import Int64Array
-from kvsvc.errors import LocalProtocolError
-from kvsvc.jobs import Notice
-from kvsvc.messages import (
+from kvsvc.core.coalesce import Int64Array
+from kvsvc.core.errors import LocalProtocolError
+from kvsvc.core.jobs import Notice
+from kvsvc.core.messages import (
     ErrorMessage,
     Message,
     TransferDone,
@@ -35,8 +35,8 @@ from kvsvc.messages import (
     Worker,
     answers_another_receive,
 )
-from kvsvc.receiver import RecvReport
-from kvsvc.staging_plans import WindowPlan, stream_round, window_round_bytes, window_rounds
+from kvsvc.core.receiver import RecvReport
+from kvsvc.core.staging_plans import WindowPlan, stream_round, window_round_bytes, window_rounds
 
 
 def lends_windows(can_scatter: bool, num_kv_groups: int) -> bool:
@@ -452,8 +452,8 @@ FillCommand: TypeAlias = Announce | Fail | Notice
 class FillingWindow:
     """P's write of one share into D's window in rounds (module docstring): which round goes next, when it may go,
     and the frames that announce it. The stream is P's share as `(source, stream offset, length)` columns
-    (`kvsvc.staging_plans.window_plan` at window address 0); `round_pieces` cuts it to one round at its place in the
-    window.
+    (`kvsvc.core.staging_plans.window_plan` at window address 0); `round_pieces` cuts it to one round at its place in
+    the window.
 
     The driver writes `next_round` while `state` is FILLING, calls `landed` once it landed, waits while WAITING (until
     `deadline`, then `expire`), and stops on FILLED (done) or FAILED (`reason`).

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, TypeAlias, TypeVar
 
-from kvsvc.deadlines import Deadlines
-from kvsvc.jobs import Effect, Notice, SendEvent, SendJob, SendState
-from kvsvc.messages import (
+from kvsvc.core.deadlines import Deadlines
+from kvsvc.core.jobs import Effect, Notice, SendEvent, SendJob, SendState
+from kvsvc.core.messages import (
     MAX_SECRET_CHARS,
     Abort,
     ErrorMessage,
@@ -36,7 +36,7 @@ from kvsvc.messages import (
     WorkerRef,
     check_transfer_id,
 )
-from kvsvc.planner import check_block_ids, check_window
+from kvsvc.core.planner import check_block_ids, check_window
 
 # What an early request costs against `max_early_request_bytes`: its block ids, at their size on the wire at worst,
 # its text (transfer id, secret, receive, reason) and what keeping any entry costs.
@@ -73,7 +73,7 @@ class Reply:
 
 SendCommand: TypeAlias = Submit | Reply | Notice
 # A transfer's secret is at least this long: `secrets.token_urlsafe(16)` (128 bits) makes 22 characters. D takes
-# one of at most `MAX_SECRET_CHARS` (`kvsvc.messages`), as it travels in every request.
+# one of at most `MAX_SECRET_CHARS` (`kvsvc.core.messages`), as it travels in every request.
 MIN_SECRET_CHARS: Final = 16
 
 

@@ -1,8 +1,8 @@
 """Authentication between the engines of one deployment: keys derived from the control token, the signature of the
 `kv_transfer_params` P hands out, the proofs of the hello, and the bootstrap addresses a D worker may fetch from.
 
-Pure module: standard library and `kvsvc.messages` only. Rules: the control token never leaves its process; each use
-gets a key of its own, derived from the token under a label (params, hello), so a value computed for one use never
+Pure module: standard library and `kvsvc.core.messages` only. Rules: the control token never leaves its process; each
+use gets a key of its own, derived from the token under a label (params, hello), so a value computed for one use never
 stands for another. MACs are compared in constant time. A `Key` never shows its bytes in a repr. An address that
 comes from a request is treated as written by an attacker: D builds every URL itself from a host and a port.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from kvsvc.messages import METADATA_PATH
+from kvsvc.core.messages import METADATA_PATH
 
 # Labels of the derived keys: one per use of the control token.
 PARAMS_KEY: Final = "kvsvc/params/v1"
@@ -93,7 +93,8 @@ def hello_proof(
 ) -> bytes:
     """`label` ("P", "D" or "OK": a proof of one step never stands for another's) over both nonces, both workers'
     identities (engine, start, pp rank, tp rank) and the `transcript` of the exchange so far (the frames' bytes as
-    their receiver re-encodes them, `kvsvc.messages.canonical`), so a relay that alters any field fails the proof."""
+    their receiver re-encodes them, `kvsvc.core.messages.canonical`), so a relay that alters any field fails the
+    proof."""
     ids = [json.dumps([str(x) for x in who], separators=(",", ":")).encode() for who in (d, p)]
     return key.mac(b"hello", label, d_nonce, p_nonce, *ids, *transcript)
 

@@ -21,9 +21,9 @@ from functools import cache
 from itertools import pairwise
 from typing import Final
 
-from kvsvc.errors import PeerMismatch
-from kvsvc.messages import IpcHandle, WorkerMetadata
-from kvsvc.staging_plans import StagingRule
+from kvsvc.core.errors import PeerMismatch
+from kvsvc.core.messages import IpcHandle, WorkerMetadata
+from kvsvc.core.staging_plans import StagingRule
 
 Region = tuple[int, int]
 

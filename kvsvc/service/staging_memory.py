@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvsvc.service.staging_area import Gather, StagingArea
 
 if TYPE_CHECKING:
-    from kvsvc.coalesce import Int64Array
+    from kvsvc.core.coalesce import Int64Array
     from kvsvc.transport.base import Region
 
 
 class Copies(Gather, Protocol):
     """A staging region's gather (`__call__`, into the region) with its inverse `scatter` (out of it), as
-    `kvsvc.gather.TorchGather` and `kvsvc.testing.engines.MemmoveCopies` are."""
+    `kvsvc.service.gather.TorchGather` and `kvsvc.testing.engines.MemmoveCopies` are."""
 
     def scatter(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]: ...
 

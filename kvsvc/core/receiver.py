@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeAlias
 
-from kvsvc.deadlines import Deadlines
-from kvsvc.errors import TopologyError
-from kvsvc.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
-from kvsvc.messages import (
+from kvsvc.core.deadlines import Deadlines
+from kvsvc.core.errors import TopologyError
+from kvsvc.core.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
+from kvsvc.core.messages import (
     Abort,
     ErrorMessage,
     Message,
@@ -32,7 +32,7 @@ from kvsvc.messages import (
     WorkerMetadata,
     answers_another_receive,
 )
-from kvsvc.planner import plan_transfer_arrays
+from kvsvc.core.planner import plan_transfer_arrays
 
 ToSource: TypeAlias = TransferRequest | Release | Abort | ErrorMessage
 """What D's `Receiver` sends P workers."""
