@@ -2,8 +2,8 @@
 finished sending, finished receiving and failed receiving, which wait, and which are dropped.
 
 Pure module: standard library and `kvsvc.vllm.flow` only (no torch, asyncio, vllm). `kvsvc.vllm.worker` feeds it one
-call per event (sends handed to the service, a send refused, a receive started or refused) and asks it for
-each step's report. Rules (vLLM's scheduler asserts on what it is told):
+call per event (sends handed to the service; what the service's loop decided of a send or receive, as one `Outcome`
+value) and asks it for each step's report. Rules (vLLM's scheduler asserts on what it is told):
 - Each id is reported at most once, and only an id vLLM handed this worker: a send of the step's `sends`, a receive
   of its `recvs`. Anything else the service reports (an id never handed in, a repeat) is dropped.
 - A send is reported once the service ended it (or refused it) and vLLM reported the request finished
@@ -24,6 +24,34 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvsvc.vllm.flow import NULL_BLOCK
+
+
+@dataclass(frozen=True, slots=True)
+class SendRefused:
+    """The service refused to start a send handed in."""
+
+    req_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecvStarted:
+    """The service started a receive of the step; `push`: it waits for a pushing P's prefill."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    push: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RecvRefused:
+    """The service refused to start a receive of the step."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+
+
+# What the service's loop decided of one send or receive handed to it: posted by the loop, taken in order.
+Outcome = SendRefused | RecvStarted | RecvRefused
 
 
 @dataclass(slots=True)
@@ -63,6 +91,16 @@ class TransferReports:
             self._holding.discard(req_id)
             self._ended.discard(req_id)
             self._seen_finished.discard(req_id)
+
+    def decided(self, outcome: Outcome) -> None:
+        """Take what the service's loop decided of a send or receive (`Outcome`)."""
+        match outcome:
+            case SendRefused(req_id):
+                self.send_refused(req_id)
+            case RecvStarted(req_id, block_ids, push):
+                self.recv_started(req_id, block_ids, push)
+            case RecvRefused(req_id, block_ids):
+                self.recv_refused(req_id, block_ids)
 
     def send_refused(self, req_id: str) -> None:
         """The service refused to start a send handed in (vLLM keeps the blocks until it hears of the id, so it is
@@ -149,4 +187,4 @@ class TransferReports:
         return len(self._holding) + len(self._receiving) + len(self._refused)
 
 
-__all__ = ["TransferReports", "TransferResults"]
+__all__ = ["Outcome", "RecvRefused", "RecvStarted", "SendRefused", "TransferReports", "TransferResults"]

@@ -7,8 +7,10 @@ Imports torch and kvsvc's service and transport, never vllm (the adapter hands i
   A busy loop delays reports, never the engine's step; only a loop that stops answering for `call_timeout_s` fails
   the step (`KVSvcTimeout`), since its transfers may still write into blocks vLLM would hand to other requests.
 - What vLLM's scheduler may be told is `kvsvc.vllm.finished`'s to decide (`TransferReports`); this module feeds it.
-  What work handed to the loop decides (a receive started, a send or receive refused) reaches it through a queue
-  the loop appends to, whenever the loop gets to it; every id handed in gets an outcome there, whatever it raised.
+  What work handed to the loop decides (a receive started, a send or receive refused) reaches it as `Outcome` values
+  through a queue the loop appends to, whenever the loop gets to it; every id handed in gets one, whatever it raised.
+- When a step's sends may read their KV is one `Readiness` value, made by the hook that learns it and turned into
+  the loop's futures once, on the loop (`_on_loop`).
 - On GPU a send waits for a CUDA event per layer recorded after that layer's attention wrote it (layer-wise sends);
   on CPU the forward is over when the hook runs, so the KV is ready at once. A pushing P on CPU starts the step's
   sends before the forward instead (`bind_step`: vLLM binds a step's metadata before its forward, and since 0.32
@@ -22,7 +24,8 @@ import asyncio
 import concurrent.futures
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -40,12 +43,66 @@ from kvsvc.transport.mooncake import MooncakeConfig
 from kvsvc.transport.routed import worker_transport
 from kvsvc.transport.streams import completion_future
 from kvsvc.vllm.config import ConnectorConfig
-from kvsvc.vllm.finished import TransferReports, TransferResults
+from kvsvc.vllm.finished import Outcome, RecvRefused, RecvStarted, SendRefused, TransferReports, TransferResults
 from kvsvc.vllm.flow import StepMetadata
 from kvsvc.vllm.kv_caches import WorkerIdentity, describe_kv_caches
 from kvsvc.vllm.kv_layout import layer_index
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The step's KV is written (on CPU, the forward is over)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The forward raised `error`: no layer it had not finished may be sent."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class AfterEvent:
+    """The KV is written once the device passed `event`, a CUDA event after everything enqueued."""
+
+    event: Any
+
+
+@dataclass(frozen=True, slots=True)
+class LayerEvents:
+    """Layer i's KV is written once the device passed `events[i]` (recorded after each layer's attention)."""
+
+    events: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFutures:
+    """Layer i's KV is written once `futures[i]` resolves (a pushing P on CPU, set by `save_kv_layer`)."""
+
+    futures: list[concurrent.futures.Future[None]]
+
+
+# When a step's sends may read their KV, as the hooks learn it; turned into the service's `ready` once, on its loop.
+Readiness = Written | Failed | AfterEvent | LayerEvents | LayerFutures
+
+
+def _on_loop(readiness: Readiness) -> Any:
+    """`readiness` as `start_send` takes it on the service's loop: None, an awaitable, or one per layer."""
+    match readiness:
+        case Written():
+            return None
+        case Failed(error):
+            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            failed.set_exception(error)
+            return failed
+        case AfterEvent(event):
+            return completion_future(event)
+        case LayerEvents(events):
+            return [completion_future(e) for e in events]
+        case LayerFutures(futures):
+            return [asyncio.wrap_future(f) for f in futures]
 
 
 class WorkerSide:
@@ -61,7 +118,7 @@ class WorkerSide:
         self.reports = TransferReports()
         # What the service's loop decided of a step's sends and receives, as events for `reports`: a `call` that
         # timed out still runs there later (the deque's append and popleft are safe across threads).
-        self._outcomes: deque[Callable[[TransferReports], None]] = deque()
+        self._outcomes: deque[Outcome] = deque()
         self._stats: dict[str, int] = {}
         # Ids this worker reported to vLLM, over its life: a test checks that every worker of every PP stage reports.
         self.reported_sending = 0
@@ -172,7 +229,7 @@ class WorkerSide:
         self.reports.sends_handed(spec.req_id for spec in step.sends)
         if self._device == "cpu" and self._config.mode == "push":
             self._layers_ready = [concurrent.futures.Future() for _ in range(len(self._layer_of))]
-            self._start_sends(step, list(self._layers_ready))
+            self._start_sends(step, LayerFutures(list(self._layers_ready)))
         else:
             self._unstarted = step
 
@@ -220,15 +277,9 @@ class WorkerSide:
                     )
                 except Exception as exc:  # blocks outside the pool, a repeated transfer id, a defect: it fails alone
                     log.error("receive of %s (transfer %r) could not start: %s", spec.req_id, spec.transfer_id, exc)
-                    self._outcomes.append(
-                        partial(TransferReports.recv_refused, req_id=spec.req_id, block_ids=spec.block_ids)
-                    )
+                    self._outcomes.append(RecvRefused(spec.req_id, tuple(spec.block_ids)))
                 else:
-                    self._outcomes.append(
-                        partial(
-                            TransferReports.recv_started, req_id=spec.req_id, block_ids=spec.block_ids, push=spec.push
-                        )
-                    )
+                    self._outcomes.append(RecvStarted(spec.req_id, tuple(spec.block_ids), spec.push))
 
         self._service().post(run)
 
@@ -270,45 +321,33 @@ class WorkerSide:
             self._unstarted = None
         if not step.sends:
             return
-        events: Any = None
+        readiness: Readiness
         if failed is not None:
-            events = concurrent.futures.Future()
-            events.set_exception(failed)
-        elif self._device == "cuda":
-            num_layers = len(self._layer_of)
-            if len(self._events) == num_layers:
-                events = [self._events[i] for i in range(num_layers)]
-            else:
-                events = self._written_now()
+            readiness = Failed(failed)
+        elif self._device == "cuda" and len(self._events) == len(self._layer_of):
+            readiness = LayerEvents([self._events[i] for i in range(len(self._layer_of))])
+        else:
+            readiness = self._written_now()
         self.reports.sends_handed(spec.req_id for spec in step.sends)
-        self._start_sends(step, events)
+        self._start_sends(step, readiness)
 
-    def _written_now(self) -> Any:
-        """What marks the KV written by everything enqueued so far: nothing on CPU (it is written); on GPU, where no
+    def _written_now(self) -> Written | AfterEvent:
+        """What marks the KV written by everything enqueued so far: on CPU, it is written; on GPU, where no
         per-layer events were recorded (a CUDA graph replayed the layers, the KV was computed in an earlier step),
         one event after all of it, so no byte is read before the forward wrote it."""
         if self._device != "cuda":
-            return None
+            return Written()
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
-        return event
+        return AfterEvent(event)
 
-    def _start_sends(self, step: StepMetadata, events: Any) -> None:
-        """Hand the step's sends to the service, each ready once `events` are: one CUDA event, one per layer,
-        futures per layer (a pushing P on CPU), one future (failed: the forward raised), or None (the KV is
-        written)."""
+    def _start_sends(self, step: StepMetadata, readiness: Readiness) -> None:
+        """Hand the step's sends to the service, each ready as `readiness` says (turned into the loop's futures
+        there, per send: each send awaits its own)."""
 
         def run(service: Any) -> None:
             for spec in step.sends:
-                ready: Any = None
-                if isinstance(events, concurrent.futures.Future):
-                    ready = asyncio.wrap_future(events)
-                elif isinstance(events, list) and events and isinstance(events[0], concurrent.futures.Future):
-                    ready = [asyncio.wrap_future(f) for f in events]  # run on the loop: its futures
-                elif isinstance(events, list):
-                    ready = [completion_future(e) for e in events]
-                elif events is not None:
-                    ready = completion_future(events)
+                ready = _on_loop(readiness)
                 try:
                     blocks = list(spec.block_ids)
                     service.start_send(
@@ -316,7 +355,7 @@ class WorkerSide:
                     )
                 except Exception as exc:  # as for receives: the send fails alone, and is reported so
                     log.error("send of %s could not start: %s", spec.req_id, exc)
-                    self._outcomes.append(partial(TransferReports.send_refused, req_id=spec.req_id))
+                    self._outcomes.append(SendRefused(spec.req_id))
 
         try:
             self._service().post(run)
@@ -333,9 +372,7 @@ class WorkerSide:
         self._layers_ready = []
         step, self._unstarted = self._unstarted, None
         if step is not None:
-            events: concurrent.futures.Future[None] = concurrent.futures.Future()
-            events.set_exception(failed)
-            self._start_sends(step, events)
+            self._start_sends(step, Failed(failed))
 
     def transfer_results(
         self, finished_req_ids: set[str], *, idle: bool = False, failed: BaseException | None = None
@@ -359,7 +396,7 @@ class WorkerSide:
             wait = self.reports.idle_wait(finished_req_ids, config.idle_wait_s, config.push_idle_wait_s)
         report = self._service().get_finished(wait)
         while self._outcomes:  # drained after the report: a receive it names was queued as started before it
-            self._outcomes.popleft()(self.reports)
+            self.reports.decided(self._outcomes.popleft())
         results = self.reports.report(
             finished_req_ids,
             report.finished_sending or (),

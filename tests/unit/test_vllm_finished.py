@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.vllm.finished import TransferReports
+from kvsvc.vllm.finished import RecvRefused, RecvStarted, SendRefused, TransferReports
 from kvsvc.vllm.flow import NULL_BLOCK
 
 IDS = [f"r{i}" for i in range(8)]
@@ -49,6 +49,20 @@ def test_receives_are_reported_once_failed_ones_in_both_sets_with_their_blocks()
     reports.recv_refused("d4", (5,))
     reports.report(set())
     assert reports.take_load_errors(hybrid=True) == set()  # a hybrid model's failures go only as whole requests
+
+
+def test_the_loops_outcomes_as_values_report_as_the_calls_do() -> None:
+    outcomes = [SendRefused("p1"), RecvStarted("d1", (1, 2), push=True), RecvRefused("d2", (3,))]
+    by_value, by_call = TransferReports(), TransferReports()
+    for reports in (by_value, by_call):
+        reports.sends_handed(["p1"])
+    for outcome in outcomes:
+        by_value.decided(outcome)
+    by_call.send_refused("p1")
+    by_call.recv_started("d1", (1, 2), push=True)
+    by_call.recv_refused("d2", (3,))
+    assert by_value.report({"p1"}, finished_recving={"d1"}) == by_call.report({"p1"}, finished_recving={"d1"})
+    assert by_value.take_load_errors(hybrid=False) == by_call.take_load_errors(hybrid=False) == {3}
 
 
 @dataclass
