@@ -95,7 +95,7 @@ def check_formats(src: WorkerMetadata, dst: WorkerMetadata, layers: range, names
                 )
         return
     p_dtype, d_dtype = src.cache_dtype or "auto", dst.cache_dtype or "auto"
-    if mine not in QUANTIZED and theirs not in QUANTIZED:
+    if all(cache_format(m) == m.dtype.removeprefix("torch.") for m in (src, dst)):  # neither quantized
         raise TopologyError(f"P dtype {mine!r} != D dtype {theirs!r} ({names[0]}, {names[1]})")
     if not converts(src, dst):
         raise TopologyError(

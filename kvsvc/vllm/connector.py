@@ -23,12 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.platforms import current_platform
 
 from kvsvc.core.groups import FULL
 from kvsvc.core.messages import KVGroup
 from kvsvc.engine.metrics import COUNTERS
 from kvsvc.vllm.config import ConnectorConfig, parse_config, version_note
 from kvsvc.vllm.flow import StepMetadata
+from kvsvc.vllm.kv_caches import published_cache_dtype
 from kvsvc.vllm.kv_layout import GroupView, check_pipeline, kv_groups_of
 from kvsvc.vllm.scheduler import SchedulerSide
 from kvsvc.vllm.worker import WorkerIdentity, WorkerSide
@@ -177,7 +179,9 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             block_size=block_size,
             kv_groups=tuple(groups),
             num_layers=_num_layers(vllm_config),
-            cache_dtype=str(vllm_config.cache_config.cache_dtype),
+            cache_dtype=published_cache_dtype(
+                str(vllm_config.cache_config.cache_dtype), str(current_platform.fp8_dtype())
+            ),
         )
         token = self._config.read_control_token()
         self._worker = WorkerSide(self._config, self._config.service_config(token), identity)

@@ -47,6 +47,15 @@ class WorkerIdentity:
     cache_dtype: str = "auto"  # vLLM's `kv_cache_dtype`
 
 
+def published_cache_dtype(cache_dtype: str, fp8_dtype: str) -> str:
+    """vLLM's `kv_cache_dtype` as this worker publishes it: "fp8" and "fp8_e4m3" name the platform's e4m3, which is
+    e4m3fn on CUDA and CPU but e4m3fnuz on ROCm's MI300 (`fp8_dtype`, torch's name), whose bytes mean other values;
+    such a worker says "fp8_e4m3fnuz", so the hello pairs it only with its like."""
+    if cache_dtype in ("fp8", "fp8_e4m3") and fp8_dtype.removeprefix("torch.") == "float8_e4m3fnuz":
+        return "fp8_e4m3fnuz"
+    return cache_dtype
+
+
 def describe_kv_caches(
     kv_caches: Mapping[str, torch.Tensor],
     identity: WorkerIdentity,

@@ -292,3 +292,17 @@ def test_the_fp8_values_from_the_formats_definition_are_torchs(target: str) -> N
     theirs = torch.arange(128, dtype=torch.uint8).view(getattr(torch, target)).float().numpy()
     finite = np.isfinite(theirs)
     assert np.array_equal(ours[finite], theirs[finite]) and np.all(np.isnan(ours[~finite]))
+
+
+def test_rocms_e4m3_is_published_as_a_format_of_its_own_and_pairs_only_with_its_like() -> None:
+    from kvsvc.vllm.kv_caches import published_cache_dtype
+
+    assert published_cache_dtype("fp8", "torch.float8_e4m3fn") == "fp8"
+    assert published_cache_dtype("fp8_e4m3", "torch.float8_e4m3fnuz") == "fp8_e4m3fnuz"
+    assert published_cache_dtype("fp8", "float8_e4m3fnuz") == "fp8_e4m3fnuz"
+    assert published_cache_dtype("fp8_e5m2", "torch.float8_e4m3fnuz") == "fp8_e5m2"
+    assert published_cache_dtype("auto", "torch.float8_e4m3fnuz") == "auto"
+    rocm = worker("D", "uint8", "fp8_e4m3fnuz")
+    check_compatible(worker("P", "uint8", "fp8_e4m3fnuz"), rocm)
+    refused(worker("P", "uint8", "fp8_e4m3"), rocm, "'fp8_e4m3' (fp8_e4m3) != D kv_cache_dtype 'fp8_e4m3fnuz'")
+    refused(p_float(), rocm, "only a P in bfloat16, float16, float32 converts")
