@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,13 +84,7 @@ def write_tiny_llama(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     c = _shape(TINY_LLAMA, shape)
-    hidden, inter, heads, kv_heads, head_dim = (
-        c["hidden_size"],
-        c["intermediate_size"],
-        c["num_attention_heads"],
-        c["num_key_value_heads"],
-        c["head_dim"],
-    )
+    hidden = c["hidden_size"]
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -103,13 +97,7 @@ def write_tiny_llama(
     weights["model.norm.weight"] = torch.ones(hidden)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        weights[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
-        weights[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        weights[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        weights[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
-        weights[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
-        weights[p + "mlp.up_proj.weight"] = rand(inter, hidden)
-        weights[p + "mlp.down_proj.weight"] = rand(hidden, inter)
+        weights |= _decoder_layer(p, c, rand)
         weights[p + "input_layernorm.weight"] = torch.ones(hidden)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     save_file(
@@ -175,6 +163,27 @@ TINY_GRANITE = {
 }
 
 
+def _decoder_layer(prefix: str, c: Mapping[str, Any], rand: Callable[..., Any]) -> dict[str, Any]:
+    """A Llama decoder layer's projections under `prefix`, drawn from `rand` in one fixed order (a seed's weights
+    stay the same whichever model writes the layer)."""
+    hidden, inter, heads, kv_heads, head = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    )
+    return {
+        prefix + "self_attn.q_proj.weight": rand(heads * head, hidden),
+        prefix + "self_attn.k_proj.weight": rand(kv_heads * head, hidden),
+        prefix + "self_attn.v_proj.weight": rand(kv_heads * head, hidden),
+        prefix + "self_attn.o_proj.weight": rand(hidden, heads * head),
+        prefix + "mlp.gate_proj.weight": rand(inter, hidden),
+        prefix + "mlp.up_proj.weight": rand(inter, hidden),
+        prefix + "mlp.down_proj.weight": rand(hidden, inter),
+    }
+
+
 def write_tiny_eagle(path: Path | str, target: Path | str, *, seed: int = 0, std: float = 0.05) -> Path:
     """Write an EAGLE-1 head for the tiny Llama at `target` into `path`: one Llama decoder layer over the target's
     shapes and `fc`, which folds a token's embedding and the target's hidden state into the layer's input (its
@@ -189,30 +198,16 @@ def write_tiny_eagle(path: Path | str, target: Path | str, *, seed: int = 0, std
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     c = json.loads((Path(target) / "config.json").read_text())
-    hidden, inter, heads, kv_heads, head_dim = (
-        c["hidden_size"],
-        c["intermediate_size"],
-        c["num_attention_heads"],
-        c["num_key_value_heads"],
-        c["head_dim"],
-    )
+    hidden = c["hidden_size"]
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
     # EAGLE-1 drops the first layer's input norm: `fc`'s output goes straight into attention.
-    weights = {
-        "fc.weight": rand(hidden, 2 * hidden),
-        "layers.0.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-        "layers.0.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-        "layers.0.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-        "layers.0.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-        "layers.0.mlp.gate_proj.weight": rand(inter, hidden),
-        "layers.0.mlp.up_proj.weight": rand(inter, hidden),
-        "layers.0.mlp.down_proj.weight": rand(hidden, inter),
-        "layers.0.post_attention_layernorm.weight": torch.ones(hidden),
-    }
+    weights = {"fc.weight": rand(hidden, 2 * hidden)}
+    weights |= _decoder_layer("layers.0.", c, rand)
+    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(hidden)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**c, "num_hidden_layers": 1}, indent=1))
     return out
