@@ -88,3 +88,29 @@ def test_kvsvc_never_imports_workers() -> None:
     probe = f"import sys, {modules}\nprint('workers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+# Each layer and what it may import of kvsvc's packages: only the layers below it (docs/design.md, "The house").
+BELOW = {
+    "transport": ("core",),
+    "service": ("core", "transport"),
+    "engine": ("core", "transport", "service"),
+    "vllm": ("core", "transport", "service", "engine"),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(BELOW))
+def test_the_layers_import_only_downward(layer: str) -> None:
+    allowed = {"kvsvc", *(f"kvsvc.{below}" for below in BELOW[layer]), f"kvsvc.{layer}", "kvsvc.connector"}
+    allowed |= {f"kvsvc.{name}" for name in PUBLIC}
+    upward = []
+    for path in sorted((ROOT / layer).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "kvsvc" and ".".join(parts[:2]) not in allowed:
+                    upward.append(f"{path.relative_to(ROOT.parent)}: {name}")
+    assert not upward, upward
