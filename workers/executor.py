@@ -26,7 +26,7 @@ from typing import Any, Final, Self
 
 from aiohttp import web
 
-from kvsvc.core.handshake import merge_handshake_metadata
+from kvsvc.core.connector import merge_handshake_metadata
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.core.outputs import AggregatorStatistics, KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.engine.endpoint import BootstrapEndpoint

@@ -31,8 +31,7 @@ from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.engine import netns
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.service.gather import TorchGather
-from kvsvc.service.staging_area import StagingArea
-from kvsvc.service.staging_memory import build_staging
+from kvsvc.service.staging_area import StagingArea, build_staging
 from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig

@@ -5,15 +5,16 @@ opened or broke, P's answers, the clock) and returns commands (`SendToSource`); 
 is reported exactly once, in `take_report()`: finished when every P worker it needs answered done, with the bytes
 D's plan expects of it (`planned_bytes`); failed, with its blocks invalid, on any failure, expiry or abort. An
 aborted receive is reported only after every P worker it asked confirmed its writes stopped, or the abort grace
-passed. Pure module: standard library and kvsvc's pure core only.
+passed. A lost P worker is tried again after doubling delays (`Backoff`): the driver sleeps, this only says how
+long. Pure module: standard library and kvsvc's pure core only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 from kvsvc.core.deadlines import Deadlines
 from kvsvc.core.errors import TopologyError
@@ -485,3 +486,34 @@ def planned_bytes(
     except (TopologyError, ValueError):
         return None
     return int(lengths.sum())
+
+
+RECONNECT_FIRST_S: Final = 0.05
+RECONNECT_MAX_S: Final = 2.0
+
+
+class Backoff:
+    """Doubling delays between tries, per key (module docstring).
+
+    Raises (constructor):
+        ValueError: `first_s` not above 0, or `max_s` below it.
+    """
+
+    def __init__(self, first_s: float = RECONNECT_FIRST_S, max_s: float = RECONNECT_MAX_S) -> None:
+        if not 0 < first_s <= max_s:
+            raise ValueError(f"backoff needs 0 < first_s <= max_s, got first_s {first_s:g}, max_s {max_s:g}")
+        self.first_s, self.max_s = first_s, max_s
+        self._next: dict[Hashable, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def delay(self, key: Hashable) -> float:
+        """The wait before the next try for `key`; the try after it (if this one fails) waits twice as long."""
+        delay = self._next.get(key, self.first_s)
+        self._next[key] = min(2 * delay, self.max_s)
+        return delay
+
+    def forget(self, key: Hashable) -> None:
+        """`key` was reached, or nothing waits on it: its next loss starts at `first_s` again."""
+        self._next.pop(key, None)

@@ -13,8 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from aiohttp import web
 
-from kvsvc.core.connector import KVConnectorBase
-from kvsvc.core.handshake import merge_handshake_metadata
+from kvsvc.core.connector import KVConnectorBase, merge_handshake_metadata
 from kvsvc.core.messages import Worker, WorkerMetadata
 from kvsvc.engine.bootstrap import publish_metadata
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from msgspec.structs import replace
 
 from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, derive_key
-from kvsvc.core.backoff import Backoff
 from kvsvc.core.data_planes import choose_transport
 from kvsvc.core.driver import carry_out_recv
 from kvsvc.core.errors import (
@@ -42,7 +41,7 @@ from kvsvc.core.errors import (
 from kvsvc.core.hello import answer_challenge, check_hello_reply, open_hello
 from kvsvc.core.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef, check_transfer_id, clip
 from kvsvc.core.planner import check_block_ids
-from kvsvc.core.receiver import Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
+from kvsvc.core.receiver import Backoff, Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
 from kvsvc.core.sender import check_secret
 from kvsvc.core.windows import lends_windows
 from kvsvc.service.channel import ControlChannel
@@ -430,7 +429,7 @@ class ReceivingRole:
     async def _reconnect(self, peer: _Outbound) -> None:
         """Reach the lost P worker again while receives hold blocks only because of it: its answers to their
         aborts (`Receiver.reconnected`) end the wait. A failed try loses the connection again, which schedules the
-        next try after twice the delay (`kvsvc.core.backoff`); the receives' abort grace bounds it all."""
+        next try after twice the delay (`kvsvc.core.receiver`); the receives' abort grace bounds it all."""
         key = (peer.ref.engine_id, peer.ref.worker)
         await asyncio.sleep(self._reconnects.delay(key))
         if not self._receiver.waits_on_lost(*key):

@@ -7,15 +7,17 @@ Ranges are lent first come, first served, so a large chunk is never starved by s
 deadline and fails the write (never the service) when it passes. A range goes back only once nothing can still read it:
 its gather ended and its write finished or drained. D's windows wait in the same line, for `window_wait_s` at most
 (then the request goes without one, and P writes the blocks). Cancellation (only `close` cancels writes) leaves the
-ranges of the cancelled writes lent: the region is not used after close.
+ranges of the cancelled writes lent: the region is not used after close. Every kind of worker (synthetic, loopback,
+vLLM) builds its region one way (`build_staging`): the memory, the copies in and out of it, the area, and only then
+its registration, so a refusal leaves the transport as it was; torch or numpy are imported only at that call.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsvc.core.coalesce import Int64Array
 from kvsvc.core.errors import Busy
@@ -158,4 +160,49 @@ class StagingArea:
             waiter.set_result(granted)
 
 
-__all__ = ["Gather", "StagingArea", "StagingFull"]
+if TYPE_CHECKING:
+    from kvsvc.core.coalesce import Int64Array
+    from kvsvc.transport.base import Region
+
+
+class Copies(Gather, Protocol):
+    """A staging region's gather (`__call__`, into the region) with its inverse `scatter` (out of it), as
+    `kvsvc.service.gather.TorchGather` and `kvsvc.testing.engines.MemmoveCopies` are."""
+
+    def scatter(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> Awaitable[None]: ...
+
+
+def build_staging(
+    nbytes: int,
+    copies: Callable[[Any], Copies],
+    *,
+    device: Any = None,
+    register: Callable[[Sequence[Region]], None] | None = None,
+) -> tuple[Any, StagingArea]:
+    """(memory, area): `nbytes` of staging memory and the `StagingArea` over it, whose gathers and scatters are
+    `copies(memory)` (and its conversions, where the copies have a `convert`: `TorchGather`'s). The memory is a
+    torch uint8 tensor on `device`, or without one a zeroed numpy array in host memory (torch is not imported then).
+    `register`, when given, gets the region's `(addr, nbytes)` last.
+
+    Raises:
+        ValueError: `copies` refuses the memory (a `TorchGather` whose sources are not contiguous), or `nbytes` < 2.
+        What `register` raises (`TransportError`).
+    """
+    if device is None:
+        import numpy as np
+
+        memory: Any = np.zeros(nbytes, dtype=np.uint8)
+        addr = int(memory.ctypes.data)
+    else:
+        import torch
+
+        memory = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        addr = memory.data_ptr()
+    both = copies(memory)
+    area = StagingArea(addr, nbytes, both, scatter=both.scatter, convert=getattr(both, "convert", None))
+    if register is not None:
+        register([(addr, nbytes)])
+    return memory, area
+
+
+__all__ = ["Copies", "Gather", "StagingArea", "StagingFull", "build_staging"]

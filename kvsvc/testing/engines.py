@@ -25,8 +25,7 @@ from kvsvc.core.messages import Worker
 from kvsvc.core.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
-from kvsvc.service.staging_area import StagingArea
-from kvsvc.service.staging_memory import build_staging
+from kvsvc.service.staging_area import StagingArea, build_staging
 from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport

@@ -35,8 +35,7 @@ from kvsvc.core.errors import KVSvcError, KVSvcTimeout
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.gather import TorchGather
-from kvsvc.service.staging_area import StagingArea
-from kvsvc.service.staging_memory import build_staging
+from kvsvc.service.staging_area import StagingArea, build_staging
 from kvsvc.service.threaded import ServiceThread
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig

@@ -1,4 +1,4 @@
-"""The reconnect schedule (`kvsvc.core.backoff`): a lost peer is tried again after a delay that doubles per failed try
+"""The reconnect schedule (`kvsvc.core.receiver`): a lost peer is tried again after a delay that doubles per failed try
 up to a cap, and starts over once reached or no longer waited on."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.core.backoff import RECONNECT_FIRST_S, RECONNECT_MAX_S, Backoff
+from kvsvc.core.receiver import RECONNECT_FIRST_S, RECONNECT_MAX_S, Backoff
 
 
 def test_the_delay_starts_at_50_ms_and_doubles_up_to_2_s() -> None:

@@ -1,4 +1,4 @@
-"""Specification of kvsvc.core.handshake.merge_handshake_metadata: the engine core's merge of the workers'
+"""Specification of kvsvc.core.connector.merge_handshake_metadata: the engine core's merge of the workers'
 `{(pp_rank, tp_rank): metadata}` dicts (docs/design.md, docs/protocol.md §1)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.core.handshake import merge_handshake_metadata
+from kvsvc.core.connector import merge_handshake_metadata
 from kvsvc.core.messages import WorkerMetadata
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvsvc.service.gather import TorchGather
-from kvsvc.service.staging_memory import build_staging
+from kvsvc.service.staging_area import build_staging
 from kvsvc.testing.engines import MemmoveCopies
 
 
