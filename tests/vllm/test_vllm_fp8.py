@@ -102,7 +102,7 @@ def test_a_d_in_another_fp8_format_is_refused_at_the_hello_and_computes_the_prom
     stats = assert_clean(d)
     assert stats["service"]["receiver"]["failed"] == len(batch)  # type: ignore[index]
     log = d.log_path.read_text()
-    assert "P kv_cache_dtype 'fp8_e4m3' (fp8_e4m3) != D kv_cache_dtype 'fp8_e5m2' (fp8_e5m2)" in log
+    assert "P kv_cache_dtype 'fp8_e4m3' (fp8_e4m3) != D kv_cache_dtype 'fp8_e5m2' (fp8_e5m2, dtype 'uint8')" in log
     assert_clean(p)
 
 
