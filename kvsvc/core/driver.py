@@ -1,28 +1,30 @@
 """What every driver of the core's objects decides the same way: the service (`kvsvc.service.sending`, `receiving`,
 `writing`, `lending`) and the test harness (`kvsvc.testing.pair.PeerPair`) both call these, so they cannot drift apart.
 
-Rules: a frame that arrives is routed here to the core object it is about (`p_frame`, `d_frame`); the commands those
-objects return are dispatched by type here (`carry_out_send`, `carry_out_recv`, `carry_out_fill`,
-`carry_out_windows`) to callbacks the driver injects, so a new command type is added here once and each driver's
-missing callback is a type error;
-what P's write in rounds does next is read from its `FillingWindow` here (`round_step`), the one place where a failed
-write in rounds ends (its `Fail`). Whether P takes D's size of a share (`share_refusal`), and whether a request gets a
-window lent, keeps the one it has or goes without (`lent_window`), are decided here too. Drivers only do the I/O.
-Pure module: kvsvc's pure core only, no asyncio.
+Rules: the commands the core's objects return are carried out through one named protocol per side, `PSide` (what
+P's `Sender` and its writes in rounds ask for) and `DSide` (what D's `Receiver` and its lent windows ask for), each
+dispatched by one `match` here (`carry_out_p`, `carry_out_d`); the service's roles and the harness implement the
+protocols, so a new command is added here once and a driver that lacks its method is a type error. A frame that
+arrives is routed here to the core object it is about (`p_frame`, `d_frame`). What P's write in rounds does next is
+read from its `FillingWindow` here (`round_step`), the one place where a failed write in rounds ends (its `Fail`).
+Whether P takes D's size of a share (`share_refusal`), and whether a request gets a window lent, keeps the one it has
+or goes without (`lent_window`), are decided here too. Drivers only do the I/O. Pure module: kvsvc's pure core only,
+no asyncio.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Literal, Protocol, TypeAlias
 
 from msgspec.structs import replace
 
 from kvsvc.core.coalesce import Int64Array
+from kvsvc.core.errors import LocalProtocolError
 from kvsvc.core.jobs import Notice
-from kvsvc.core.messages import Message, TransferRequest, WindowEmptied, WindowFilled, Worker
-from kvsvc.core.receiver import RecvCommand, ToSource
+from kvsvc.core.messages import Message, TransferRequest, WindowEmptied, Worker
+from kvsvc.core.receiver import RecvCommand, SendToSource, ToSource
 from kvsvc.core.sender import Reply, SendCommand, Submit
 from kvsvc.core.windows import (
     Announce,
@@ -39,43 +41,100 @@ from kvsvc.core.windows import (
     WindowKey,
 )
 
-# -- the job tables' commands ------------------------------------------------------------------------------------
+# -- carrying out the core's commands ----------------------------------------------------------------------------
+
+PCommand: TypeAlias = SendCommand | FillCommand
+"""What P's core objects ask of their driver: the `Sender`'s and a `FillingWindow`'s commands."""
+
+DCommand: TypeAlias = RecvCommand | WindowCommand
+"""What D's core objects ask of their driver: the `Receiver`'s and a `LentWindow`'s commands."""
 
 
-def carry_out_send(
-    commands: Sequence[SendCommand],
-    submit: Callable[[Submit], None],
-    reply: Callable[[Reply], None],
-    log: Callable[[Notice], None],
-) -> None:
-    """Carry out what P's `Sender` decided, in order: start a write, answer a D worker, log."""
+class PSide(Protocol):
+    """What a P worker's driver does for its core objects (`kvsvc.service.sending.SendingRole`, the harness)."""
+
+    def submit(self, command: Submit) -> None:
+        """Start the write; its end goes back to `Sender.write_ended` later, never from this call."""
+
+    def reply(self, command: Reply) -> None:
+        """Send the answer to D worker `command.dst` on its control connection; dropped when it is closed."""
+
+    def announce(self, command: Announce) -> None:
+        """Tell D worker `command.dst` that a round of its window landed; dropped when its connection is closed (the
+        write in rounds then fails by `FillingWindow.peer_lost`)."""
+
+    def log(self, notice: Notice) -> None:
+        """Log (and count, for a protocol error) what the core noticed."""
+
+
+class DSide(Protocol):
+    """What a D worker's driver does for its core objects (`kvsvc.service.receiving.ReceivingRole`, the harness)."""
+
+    def tell_p(self, engine_id: str, src: Worker, message: ToSource | WindowEmptied) -> None:
+        """Send `message` to P worker `src` of `engine_id`, or keep it for the connection being opened; dropped
+        when there is neither."""
+
+    def windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest | None:
+        """`request` as it goes to P worker `src`: with a window of D's staging region lent for its share (as
+        `lent_window` decides), as it is, or None (held back until there is room: the driver sends it then)."""
+
+    def scatter(self, key: WindowKey, command: Scatter) -> None:
+        """Start copying a round of window `key` into the blocks; its end goes back to `LentWindows.scattered`."""
+
+    def deliver(self, key: WindowKey, command: Deliver) -> None:
+        """Hand P's answer about window `key` to the `Receiver` (`Receiver.receive`)."""
+
+    def log(self, notice: Notice) -> None:
+        """Log (and count, for a protocol error) what the core noticed."""
+
+
+def carry_out_p(commands: Sequence[PCommand], side: PSide) -> None:
+    """Carry out what P's `Sender` or a `FillingWindow` decided, in order. A `Fail` needs no carrying out of its own:
+    the state it leaves ends the write in rounds at `round_step`, once no round of it is on the wire."""
     for command in commands:
-        if isinstance(command, Submit):
-            submit(command)
-        elif isinstance(command, Reply):
-            reply(command)
-        else:
-            log(command)
+        match command:
+            case Submit():
+                side.submit(command)
+            case Reply():
+                side.reply(command)
+            case Announce():
+                side.announce(command)
+            case Fail():
+                pass
+            case Notice():
+                side.log(command)
 
 
-def carry_out_recv(
-    commands: Sequence[RecvCommand],
-    send: Callable[[str, Worker, ToSource], None],
-    windowed: Callable[[str, Worker, TransferRequest], TransferRequest | None],
-    log: Callable[[Notice], None],
-) -> None:
-    """Carry out what D's `Receiver` decided, in order: send a frame to P worker `src` of `engine_id`, a
-    `TransferRequest` as `windowed` makes it (with a window lent for its share; None: held back until there is
-    room, the driver sends it then), or log."""
+def carry_out_d(commands: Sequence[DCommand], side: DSide, key: WindowKey | None = None) -> None:
+    """Carry out what D's `Receiver` or the window `key` (`LentWindows`) decided, in order. A `TransferRequest` goes
+    as `DSide.windowed` makes it.
+
+    Raises:
+        LocalProtocolError: a window's command without the window's `key` (a driver bug).
+    """
     for command in commands:
-        if isinstance(command, Notice):
-            log(command)
-            continue
-        message: ToSource | None = command.message
-        if isinstance(message, TransferRequest):
-            message = windowed(command.engine_id, command.src, message)
-        if message is not None:
-            send(command.engine_id, command.src, message)
+        match command:
+            case SendToSource(engine_id, src, TransferRequest() as request):
+                windowed = side.windowed(engine_id, src, request)
+                if windowed is not None:
+                    side.tell_p(engine_id, src, windowed)
+            case SendToSource(engine_id, src, message):
+                side.tell_p(engine_id, src, message)
+            case Scatter():
+                side.scatter(_window(key, command), command)
+            case TellP(message):
+                window = _window(key, command)
+                side.tell_p(window[1], window[2], message)
+            case Deliver():
+                side.deliver(_window(key, command), command)
+            case Notice():
+                side.log(command)
+
+
+def _window(key: WindowKey | None, command: WindowCommand) -> WindowKey:
+    if key is None:
+        raise LocalProtocolError(f"{type(command).__name__} carried out without the window it is about")
+    return key
 
 
 # -- P: frames from D, and the write in rounds -------------------------------------------------------------------
@@ -135,7 +194,7 @@ def round_step(fill: FillingWindow, wanted: Callable[[], bool]) -> RoundStep:
     """What P's write in rounds does next, asked whenever no round of it is on the wire. `wanted` says whether the
     job still wants the write (`Sender.writing`): a write it no longer wants stops here, at a round's start, once
     earlier rounds landed. The `Fail` commands `FillingWindow` returns need no carrying out of their own: the state
-    they leave ends the write here (`carry_out_fill` drops them)."""
+    they leave ends the write here (`carry_out_p` drops them)."""
     if fill.state is FillState.FILLING and fill.next_round and not wanted():
         fill.stop(f"{fill.transfer_id!r} aborted after {fill.next_round} of {fill.rounds} rounds of D's window")
     if fill.state is FillState.FILLED:
@@ -149,18 +208,6 @@ def round_step(fill: FillingWindow, wanted: Callable[[], bool]) -> RoundStep:
     return WriteRound(fill.next_round, *fill.round_pieces(fill.next_round))
 
 
-def carry_out_fill(
-    commands: Sequence[FillCommand], announce: Callable[[WindowFilled], None], log: Callable[[Notice], None]
-) -> None:
-    """Carry out a `FillingWindow`'s commands: a round's announcement to D, a notice; a `Fail` is left to
-    `round_step`, which ends the write once no round of it is on the wire."""
-    for command in commands:
-        if isinstance(command, Announce):
-            announce(command.message)
-        elif isinstance(command, Notice):
-            log(command)
-
-
 # -- D: frames from P, and the windows ----------------------------------------------------------------------------
 
 
@@ -171,26 +218,6 @@ def d_frame(
     returns the window it is about and the commands."""
     key = (getattr(message, "transfer_id", ""), engine_id, src)
     return key, windows.receive(engine_id, src, message)
-
-
-def carry_out_windows(
-    commands: Sequence[WindowCommand],
-    scatter: Callable[[Scatter], None],
-    tell_p: Callable[[WindowEmptied], None],
-    deliver: Callable[[Deliver], None],
-    log: Callable[[Notice], None],
-) -> None:
-    """Carry out D's window commands for one window, in order: start a scatter, tell P, hand P's answer to the
-    `Receiver`, log."""
-    for command in commands:
-        if isinstance(command, Scatter):
-            scatter(command)
-        elif isinstance(command, TellP):
-            tell_p(command.message)
-        elif isinstance(command, Deliver):
-            deliver(command)
-        else:
-            log(command)
 
 
 def lent_window(
@@ -218,13 +245,15 @@ def with_window(request: TransferRequest, window: LentWindow) -> TransferRequest
 
 __all__ = [
     "AwaitHalf",
+    "DCommand",
+    "DSide",
+    "PCommand",
+    "PSide",
     "RoundStep",
     "RoundsFilled",
     "WriteRound",
-    "carry_out_fill",
-    "carry_out_recv",
-    "carry_out_send",
-    "carry_out_windows",
+    "carry_out_d",
+    "carry_out_p",
     "d_frame",
     "lent_window",
     "p_frame",

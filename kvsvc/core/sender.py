@@ -1,13 +1,13 @@
 """P's side of the protocol as a sans-IO object: holds, send jobs, deadlines and exactly-once reporting.
 
-Rules: `Sender` takes events (a hold from the engine, a request or abort from a D worker, a write's result, the
-clock) and returns commands (`Submit`, `Reply`); it never touches a socket, a transport or a clock itself. Each
-held request is reported in `take_finished()` exactly once: when every D worker that needs it was served, when it
-expired, or when it was aborted, and never while a write may still touch its blocks. Requests that arrive before
-the hold wait a bounded time, bounded in number and in block ids per D worker, then are answered failed. Each hold
-has a secret (`hold`): a request, release or abort that does not carry it is answered exactly as one for a transfer
-P never held (so a prober learns nothing of which ids exist), and counted. Pure module: standard library and kvsvc's
-pure core only.
+Rules: `Sender` takes events (a hold from the engine, a request or abort from a D worker, a write's end as one value,
+`WriteEnd`, the clock) and returns commands (`Submit`, `Reply`); it never touches a socket, a transport or a clock
+itself. Each held request is reported in `take_finished()` exactly once: when every D worker that needs it was served,
+when it expired, or when it was aborted, and never while a write may still touch its blocks. Requests that arrive before
+the hold wait a bounded time, bounded in number and in block ids per D worker, then are answered failed. Each hold has a
+secret (`hold`): a request, release or abort that does not carry it is answered exactly as one for a transfer P never
+held (so a prober learns nothing of which ids exist), and counted. Pure module: standard library and kvsvc's pure core
+only.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ EarlyEntry: TypeAlias = tuple[float, WorkerRef, TransferRequest | Release | Abor
 
 @dataclass(frozen=True, slots=True)
 class Submit:
-    """Plan this transfer's share for `dst` and write it; report back with `Sender.write_result`."""
+    """Plan this transfer's share for `dst` and write it; its end goes back as one `WriteEnd` (`Sender.write_ended`)."""
 
     transfer_id: str
     dst: WorkerRef
@@ -72,6 +72,27 @@ class Reply:
 
 
 SendCommand: TypeAlias = Submit | Reply | Notice
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """A `Submit`'s write ended with every byte in D's blocks (or its window): `nbytes` in `descriptors`."""
+
+    nbytes: int
+    descriptors: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFault:
+    """A `Submit`'s write failed with `error` (the cause, named), and none of its `descriptors` can move any more:
+    whatever a plane still had in flight drained first, so the blocks may be released now."""
+
+    error: str
+    descriptors: int = 0
+
+
+WriteEnd: TypeAlias = Landed | WriteFault
+"""How every write ends, on any plane and on any path (a task, a direct submission, a write in rounds, staged)."""
 # A transfer's secret is at least this long: `secrets.token_urlsafe(16)` (128 bits) makes 22 characters. D takes
 # one of at most `MAX_SECRET_CHARS` (`kvsvc.core.messages`), as it travels in every request.
 MIN_SECRET_CHARS: Final = 16
@@ -435,18 +456,21 @@ class Sender:
 
     # -- events from the transport and the clock ---------------------------------------------------------------
 
-    def write_result(
-        self, transfer_id: str, dst: Worker, error: str | None, nbytes: int = 0, descriptors: int = 0
-    ) -> list[SendCommand]:
-        """The write that a `Submit` started ended: `error` None means every byte landed."""
+    def write_ended(self, transfer_id: str, dst: Worker, end: WriteEnd) -> list[SendCommand]:
+        """The write that a `Submit` of `transfer_id` to D worker `dst` started ended as `end`: the job's event is
+        `WRITE_OK` when it `Landed`, `WRITE_FAILED` with the fault's error otherwise. Nothing for a hold or job that
+        already ended (an abort or expiry answered D meanwhile)."""
         hold = self._holds.get(transfer_id)
         job = hold.jobs.get(dst) if hold is not None else None
         if hold is None or job is None:
             return []
-        hold.results[dst] = (nbytes, descriptors)
-        if error is None:
-            return self._apply(hold, job, SendEvent.WRITE_OK)
-        return self._apply(hold, job, SendEvent.WRITE_FAILED, error)
+        match end:
+            case Landed(nbytes, descriptors):
+                hold.results[dst] = (nbytes, descriptors)
+                return self._apply(hold, job, SendEvent.WRITE_OK)
+            case WriteFault(error, descriptors):
+                hold.results[dst] = (0, descriptors)
+                return self._apply(hold, job, SendEvent.WRITE_FAILED, error)
 
     def expire(self, now: float) -> list[SendCommand]:
         """Apply every deadline that passed at `now`: holds nobody fully fetched, early requests never held."""

@@ -33,6 +33,7 @@ from kvsvc.core.messages import (
     WindowEmptied,
     WindowFilled,
     Worker,
+    WorkerRef,
     answers_another_receive,
 )
 from kvsvc.core.receiver import RecvReport
@@ -432,8 +433,9 @@ FILL_TABLE: Final[Mapping[tuple[FillState, FillEvent], tuple[FillState, tuple[Fi
 
 @dataclass(frozen=True, slots=True)
 class Announce:
-    """Send `message` to the D worker whose window this is (a round landed)."""
+    """Send `message` to D worker `dst`, whose window this is (a round landed)."""
 
+    dst: WorkerRef
     message: WindowFilled
 
 
@@ -465,6 +467,7 @@ class FillingWindow:
     __slots__ = (
         "cause",
         "deadline",
+        "dst",
         "emptied_rounds",
         "next_round",
         "reason",
@@ -484,8 +487,11 @@ class FillingWindow:
         window_addr: int,
         window_bytes: int,
         timeout_s: float,
+        *,
+        dst: WorkerRef,
     ) -> None:
         self.transfer_id = transfer_id
+        self.dst = dst
         self.stream = stream
         share = int(stream[2].sum())
         self.round_bytes = window_round_bytes(share, window_bytes)
@@ -566,7 +572,7 @@ class FillingWindow:
         commands: list[FillCommand] = []
         for effect in effects:
             if effect is FE.ANNOUNCE:
-                commands.append(Announce(WindowFilled(transfer_id=self.transfer_id, round=self.next_round)))
+                commands.append(Announce(self.dst, WindowFilled(transfer_id=self.transfer_id, round=self.next_round)))
             elif effect is FE.FAIL:
                 assert self.cause is not None
                 commands.append(Fail(self.reason, self.cause))

@@ -14,37 +14,33 @@ the P role.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import replace as replace_plan
 
 from kvsvc.core.data_planes import rule_on
-from kvsvc.core.driver import carry_out_windows, d_frame, lent_window, with_window
+from kvsvc.core.driver import DSide, carry_out_d, d_frame, lent_window, with_window
 from kvsvc.core.layout import block_geometry
 from kvsvc.core.messages import Message, TransferRequest, Worker, WorkerMetadata
 from kvsvc.core.planner import is_block_run
 from kvsvc.core.receiver import Receiver, RecvReport
 from kvsvc.core.staging_plans import WindowPlan, plan_window
-from kvsvc.core.windows import Deliver, LentWindow, LentWindows, Scatter, WindowCommand, WindowKey
-from kvsvc.service.context import ServiceContext, notice
+from kvsvc.core.windows import LentWindow, LentWindows, Scatter, WindowKey
+from kvsvc.service.context import ServiceContext
 from kvsvc.service.staging_area import StagingArea, StagingFull
 
 _WINDOW_PLAN_CACHE_ENTRIES = 1024
 
-Send = Callable[[str, Worker, Message], None]
-"""`(P engine, P worker, message)`: a frame for that P worker's control connection (dropped, or kept for the
-connection, by the receiving role)."""
-
 
 class WindowLender:
-    """The windows of one D worker in `area`, which can scatter (see module docstring). `send` reaches a P worker's
-    control connection; `deliver` hands P's answer to the `Receiver` and carries out what it returns."""
+    """The windows of one D worker in `area`, which can scatter (see module docstring). `side` (the receiving role,
+    `kvsvc.core.driver.DSide`) carries out the windows' commands: frames to P workers, P's answers to the
+    `Receiver`, and the scatters, which it hands back to `scatter` here."""
 
-    def __init__(self, ctx: ServiceContext, area: StagingArea, receiver: Receiver, send: Send, deliver: Send) -> None:
+    def __init__(self, ctx: ServiceContext, area: StagingArea, receiver: Receiver, side: DSide) -> None:
         self._ctx = ctx
         self._area = area
         self._receiver = receiver
-        self._send = send
-        self._deliver = deliver
+        self._side = side
         self._windows = LentWindows()
         # Requests that wait for room for a window: the receive's req_id and the task that sends them.
         self._waiting_room: dict[WindowKey, tuple[str, asyncio.Task[None]]] = {}
@@ -129,7 +125,7 @@ class WindowLender:
         if addr is not None:
             window = self._windows.lend(key, req_id, request.block_ids, addr, plan, request.receive)
             request = with_window(request, window)
-        self._send(key[1], key[2], request)
+        self._side.tell_p(key[1], key[2], request)
 
     def _plan(self, p: WorkerMetadata, request: TransferRequest, area: StagingArea) -> WindowPlan | None:
         """`plan_window`, from a cache when D's blocks for the tokens are one run of consecutive ids and D holds no
@@ -156,26 +152,12 @@ class WindowLender:
 
     def on_p_message(self, engine_id: str, src: Worker, message: Message) -> None:
         """A frame from P worker `src`: the window protocol takes it first (`kvsvc.core.driver.d_frame`)."""
-        self._carry_out(*d_frame(self._windows, engine_id, src, message))
+        key, commands = d_frame(self._windows, engine_id, src, message)
+        carry_out_d(commands, self._side, key)
 
-    def _carry_out(self, key: WindowKey, commands: list[WindowCommand]) -> None:
-        _, engine_id, src = key
-
-        def deliver(command: Deliver) -> None:
-            if command.scattered:
-                self._ctx.counts["scattered"] += 1
-            self._deliver(engine_id, src, command.message)
-
-        carry_out_windows(
-            commands,
-            lambda scatter: self._scatter(key, scatter),
-            lambda message: self._send(engine_id, src, message),
-            deliver,
-            lambda n: notice(self._ctx, n),
-        )
-
-    def _scatter(self, key: WindowKey, command: Scatter) -> None:
-        """Start copying one round of a window into the blocks now; a task of the service's group awaits the copy."""
+    def scatter(self, key: WindowKey, command: Scatter) -> None:
+        """Start copying one round of window `key` into the blocks now; a task of the service's group awaits the
+        copy, and its end goes back to `LentWindows.scattered`."""
         area = self._area
         assert area.scatter is not None
         began = self._ctx.clock()
@@ -200,7 +182,7 @@ class WindowLender:
             error = f"{type(exc).__name__}: {exc}"
         else:
             self._ctx.window_scatter.observe(self._ctx.clock() - began)
-        self._carry_out(key, self._windows.scattered(key, error))
+        carry_out_d(self._windows.scattered(key, error), self._side, key)
         self.tidy()
         self._ctx.changed()  # a failed receive held back for this scatter may be reported now
 

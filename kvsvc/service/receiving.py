@@ -28,7 +28,7 @@ from msgspec.structs import replace
 
 from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.core.data_planes import choose_transport
-from kvsvc.core.driver import carry_out_recv
+from kvsvc.core.driver import carry_out_d
 from kvsvc.core.errors import (
     HandshakeError,
     KVSvcError,
@@ -39,11 +39,29 @@ from kvsvc.core.errors import (
     TransportError,
 )
 from kvsvc.core.hello import answer_challenge, check_hello_reply, open_hello
-from kvsvc.core.messages import Message, TransferRequest, Worker, WorkerMetadata, WorkerRef, check_transfer_id, clip
+from kvsvc.core.jobs import Notice
+from kvsvc.core.messages import (
+    Message,
+    TransferRequest,
+    WindowEmptied,
+    Worker,
+    WorkerMetadata,
+    WorkerRef,
+    check_transfer_id,
+    clip,
+)
 from kvsvc.core.planner import check_block_ids
-from kvsvc.core.receiver import Backoff, Receiver, ReceiverStatistics, RecvCommand, RecvReport, planned_bytes
+from kvsvc.core.receiver import (
+    Backoff,
+    Receiver,
+    ReceiverStatistics,
+    RecvCommand,
+    RecvReport,
+    ToSource,
+    planned_bytes,
+)
 from kvsvc.core.sender import check_secret
-from kvsvc.core.windows import lends_windows
+from kvsvc.core.windows import Deliver, Scatter, WindowKey, lends_windows
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice, unkeyed_peer_check
 from kvsvc.service.lending import WindowLender
@@ -94,7 +112,7 @@ class ReceivingRole:
         area = ctx.staging
         self._windows: WindowLender | None = None
         if area is not None and lends_windows(area.scatter is not None, len(ctx.metadata.kv_groups)):
-            self._windows = WindowLender(ctx, area, self._receiver, self._tell_p, self._on_answer)
+            self._windows = WindowLender(ctx, area, self._receiver, self)
         self._closing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -379,17 +397,29 @@ class ReceivingRole:
         """Carry out what the `Receiver` decided on its last event, and signal the change (as `start_recv` does for a
         new receive, and the lender for a scatter that ended)."""
         self._ctx.changed()
-        carry_out_recv(commands, self._tell_p, self._windowed, lambda n: notice(self._ctx, n))
+        carry_out_d(commands, self)
         if self._windows is not None and self._windows.busy:
             self._windows.tidy()
 
-    def _windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest | None:
-        """`request` as it goes to P worker `src` (`WindowLender.windowed`); None: not now (no such peer, or held
-        back until there is room)."""
+    # -- carrying out the core's commands (`kvsvc.core.driver.DSide`) -------------------------------------------
+
+    def windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest | None:
         peer = self._outbound.get((engine_id, src))
         if peer is None:
             return None
         return self._windows.windowed(peer.meta, request) if self._windows is not None else request
+
+    def scatter(self, key: WindowKey, command: Scatter) -> None:
+        assert self._windows is not None  # only lent windows scatter
+        self._windows.scatter(key, command)
+
+    def deliver(self, key: WindowKey, command: Deliver) -> None:
+        if command.scattered:
+            self._ctx.counts["scattered"] += 1
+        self._on_answer(key[1], key[2], command.message)
+
+    def log(self, notice_: Notice) -> None:
+        notice(self._ctx, notice_)
 
     # -- frames to P workers ----------------------------------------------------------------------------------
 
@@ -400,7 +430,7 @@ class ReceivingRole:
         elif peer.outbox is not None:
             peer.outbox.append(message)
 
-    def _tell_p(self, engine_id: str, src: Worker, message: Message) -> None:
+    def tell_p(self, engine_id: str, src: Worker, message: ToSource | WindowEmptied) -> None:
         """Send `message` to P worker `src` of `engine_id` on its connection, or keep it for the connection being
         opened; dropped when there is neither."""
         peer = self._outbound.get((engine_id, src))

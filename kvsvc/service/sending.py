@@ -1,7 +1,8 @@
 """The P role of a worker's service, `SendingRole`: serving D workers, driving the sans-IO `Sender`.
 
-Rules: protocol decisions live in `Sender`; this module carries out its commands (replies on the connections D
-workers opened; writes through its `BlockWriter`) and feeds it events (hellos, requests, layers ready, write results).
+Rules: protocol decisions live in `Sender`; this module carries out its commands as the P side of the core's
+drivers (`kvsvc.core.driver.PSide`: replies and round announcements on the connections D workers opened, writes
+through its `BlockWriter`) and feeds it events (hellos, requests, layers ready, each write's `WriteEnd`).
 Shares only a `ServiceContext`; never imports the D role. A request's blocks stay held until every write that may
 touch them drained. Network input never raises out of a connection handler: it gets an error frame or a close.
 """
@@ -18,13 +19,14 @@ from dataclasses import dataclass
 from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.core.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
 from kvsvc.core.data_planes import PLANE_NAMES, Route, choose_transport, needs_mooncake, probed, samehost_check_budget
-from kvsvc.core.driver import carry_out_fill, carry_out_send
+from kvsvc.core.driver import carry_out_p
 from kvsvc.core.errors import (
     MalformedFrame,
     PeerLost,
     TransportError,
 )
 from kvsvc.core.hello import HelloRefusal, accept_hello, challenge_hello
+from kvsvc.core.jobs import Notice
 from kvsvc.core.layout import pool_regions
 from kvsvc.core.messages import (
     PROTOCOL_VERSION,
@@ -37,7 +39,8 @@ from kvsvc.core.messages import (
     WorkerRef,
 )
 from kvsvc.core.planner import check_block_ids
-from kvsvc.core.sender import Reply, SendCommand, Sender, SenderStatistics
+from kvsvc.core.sender import Reply, SendCommand, Sender, SenderStatistics, Submit, WriteEnd
+from kvsvc.core.windows import Announce
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import ServiceContext, escape_controls, notice, unkeyed_peer_check
 from kvsvc.service.writing import BlockWriter, WriteTarget
@@ -77,7 +80,7 @@ class SendingRole:
         self._inbound: dict[tuple[str, Worker], _Inbound] = {}
         # Connections before their hello was accepted, oldest first: whether each was told to give way to newer ones.
         self._pending: dict[ControlChannel, bool] = {}
-        self._writer = BlockWriter(ctx, self._write_target, self._write_result, self._sender.writing)
+        self._writer = BlockWriter(ctx, self, self._sender)
         self._server: asyncio.Server | None = None
         self._accepting = True
 
@@ -310,7 +313,7 @@ class SendingRole:
             return None
         self._replace(key, ref)  # another hello of this D worker was accepted while this one was routed
         writes_via = plane_of(self._ctx.transport, route.session)  # once per pair, not per write
-        target = WriteTarget(ref, d, writes_via, channel.send, session=route.session, plane=route.kind)
+        target = WriteTarget(ref, d, writes_via, session=route.session, plane=route.kind)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
         self._inbound[key] = inbound
         with contextlib.suppress(PeerLost):  # D gone meanwhile: the handler's next receive cleans up
@@ -382,30 +385,43 @@ class SendingRole:
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
         fill = inbound.target.frame(message)  # a write in rounds takes its frames first (`kvsvc.core.driver.p_frame`)
         if fill is not None:
-            carry_out_fill(fill, inbound.target.send, lambda n: notice(self._ctx, n))
+            carry_out_p(fill, self)
             return
         now = self._ctx.clock()
         self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))
 
-    # -- carrying out the Sender's commands --------------------------------------------------------------------
+    # -- carrying out the core's commands (`kvsvc.core.driver.PSide`) -------------------------------------------
 
     def _run_send(self, commands: list[SendCommand]) -> None:
         """Carry out what the `Sender` decided on its last event (the one place the P role signals a change)."""
         self._ctx.changed()
-        carry_out_send(commands, self._writer.submit, self._reply, lambda n: notice(self._ctx, n))
+        carry_out_p(commands, self)
 
-    def _reply(self, command: Reply) -> None:
-        inbound = self._inbound.get(_inbound_key(command.dst))
-        if inbound is not None and inbound.ref == command.dst and not inbound.channel.closed:
+    def submit(self, command: Submit) -> None:
+        ended = self._writer.write(command, self._write_target(command.dst))
+        ended.add_done_callback(lambda end: self._written(command, end.result()))
+
+    def reply(self, command: Reply) -> None:
+        self._send_to(command.dst, command.message)
+
+    def announce(self, command: Announce) -> None:
+        self._send_to(command.dst, command.message)
+
+    def log(self, notice_: Notice) -> None:
+        notice(self._ctx, notice_)
+
+    def _written(self, command: Submit, end: WriteEnd) -> None:
+        self._run_send(self._sender.write_ended(command.transfer_id, command.dst.worker, end))
+
+    def _send_to(self, dst: WorkerRef, message: Message) -> None:
+        inbound = self._inbound.get(_inbound_key(dst))
+        if inbound is not None and inbound.ref == dst and not inbound.channel.closed:
             with contextlib.suppress(PeerLost):
-                inbound.channel.send(command.message)
+                inbound.channel.send(message)
 
     def _write_target(self, dst: WorkerRef) -> WriteTarget | None:
         inbound = self._inbound.get(_inbound_key(dst))
         return inbound.target if inbound is not None and inbound.ref == dst else None
-
-    def _write_result(self, transfer_id: str, dst: Worker, error: str | None, nbytes: int, ndesc: int) -> None:
-        self._run_send(self._sender.write_result(transfer_id, dst, error, nbytes, ndesc))
 
     async def _await_ready(self, req_id: str, transfer_id: str, ready: Awaitable[None]) -> None:
         try:

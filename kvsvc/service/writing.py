@@ -1,10 +1,12 @@
 """P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s, each through the plane
 its D worker's pair chose at the hello (`WriteTarget.transport`).
 
-Rules: each `Submit` is planned (its D worker's `PlanCache`, `kvsvc.service.plans`), written, and its result handed back
-once through the injected `write_result`, only when none of its descriptors can move any more: a failed write waits for
-its `drained` future (one that raised outside the plane's contract, for the plane to drain, bounded), so the request's
-blocks stay held until then. Small writes skip the task when the plane's `start_write` takes them. With a staging
+Rules: each `Submit` is planned (its D worker's `PlanCache`, `kvsvc.service.plans`), written, and ends in one value,
+`kvsvc.core.sender.WriteEnd`, set once on the future `BlockWriter.write` returned, only when none of its descriptors can
+move any more: a failed write waits for its `drained` future (one that raised outside the plane's contract, for the
+plane to drain, bounded), so the request's blocks stay held until then. A plane's failure becomes that value at one
+place, `_fault`; the role hands the value to the `Sender`. Small writes skip the task when the plane's
+`start_write` takes them. With a staging
 region, a plan its rule picks is gathered there chunk by chunk and written one descriptor per destination run
 (`kvsvc.service.staging_area`). A request with a window of D's staging region is written there as one stream
 (`kvsvc.core.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than its
@@ -26,25 +28,20 @@ import numpy as np
 
 from kvsvc.core.coalesce import Int64Array
 from kvsvc.core.data_planes import rule_on
-from kvsvc.core.driver import AwaitHalf, RoundsFilled, carry_out_fill, p_frame, round_step
+from kvsvc.core.driver import AwaitHalf, PSide, RoundsFilled, carry_out_p, p_frame, round_step
 from kvsvc.core.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.core.layout import is_cross_layer, layer_addrs
-from kvsvc.core.messages import Message, Worker, WorkerMetadata, WorkerRef
-from kvsvc.core.sender import Submit
+from kvsvc.core.messages import Message, WorkerMetadata, WorkerRef
+from kvsvc.core.sender import Landed, Sender, Submit, WriteEnd, WriteFault
 from kvsvc.core.staging_plans import StagedChunk
 from kvsvc.core.windows import Fail, FillCommand, FillEvent, FillingWindow
-from kvsvc.service.context import ServiceContext, notice
+from kvsvc.service.context import ServiceContext
 from kvsvc.service.plans import PlanCache, Shifted
 from kvsvc.transport.base import Transport, WriteFailed
 
 log = logging.getLogger(__name__)
 
-WriteResult = Callable[[str, Worker, str | None, int, int], None]
-"""`(transfer_id, D worker, error or None, bytes, descriptors)`: how a write's end reaches the `Sender`."""
-
-
-def _nowhere(message: Message) -> None:
-    raise PeerLost(f"no control connection to send {type(message).__name__} on")
+CLOSED_MID_WRITE = "P service closed before the write finished"
 
 
 @dataclass(slots=True)
@@ -56,8 +53,6 @@ class WriteTarget:
     meta: WorkerMetadata
     transport: Transport
     """The plane this pair's writes take (`kvsvc.transport.routed.plane_of`), chosen at the hello."""
-    send: Callable[[Message], None] = _nowhere
-    """Sends a frame to this D worker on its control connection; raises `PeerLost` when it is closed."""
     plans: PlanCache = field(default_factory=PlanCache)  # what this P worker writes to this D worker, cached
     fills: dict[str, FillingWindow] = field(default_factory=dict)  # per transfer writing in rounds
     wakeups: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # a write in rounds that waits
@@ -106,22 +101,15 @@ class WriteTarget:
 class BlockWriter:
     """The writes of one P worker (see module docstring).
 
-    `target` finds the D worker a `Submit` names (None once its connection is gone or was replaced); `write_result`
-    feeds each write's end back to the `Sender`; `wanted` says whether a job still wants its write (`Sender.writing`):
-    a write in rounds stops at the next round once it does not.
+    `side` carries out what its writes in rounds announce (`kvsvc.core.driver.PSide`: the role); `sender` says
+    whether a job still wants its write (`Sender.writing`): a write in rounds stops at the next round once it does
+    not.
     """
 
-    def __init__(
-        self,
-        ctx: ServiceContext,
-        target: Callable[[WorkerRef], WriteTarget | None],
-        write_result: WriteResult,
-        wanted: Callable[[str, Worker], bool] = lambda transfer_id, dst: True,
-    ) -> None:
+    def __init__(self, ctx: ServiceContext, side: PSide, sender: Sender) -> None:
         self._ctx = ctx
-        self._target = target
-        self._write_result = write_result
-        self._wanted = wanted
+        self._side = side
+        self._sender = sender
         self._layer_ready: dict[str, list[asyncio.Future[None]]] = {}
         self._writes: set[asyncio.Task[None]] = set()
         # Writes submitted without a task (`_submit_now`): their result futures, and `drained` futures of failed
@@ -129,14 +117,18 @@ class BlockWriter:
         self._started: set[asyncio.Future[Any]] = set()
         self._began: dict[int, float] = {}  # id(Submit) -> when its write started, for the latency histogram
 
-    def submit(self, command: Submit) -> None:
-        """Start the write `command` asks for; its end reaches `write_result` later, never from this call."""
+    def write(self, command: Submit, target: WriteTarget | None) -> asyncio.Future[WriteEnd]:
+        """Start the write `command` asks for into `target` (None: its connection is gone or was replaced); the
+        future resolves with how it ended, once nothing of it can move any more, never from this call. The future
+        is never cancelled: a write that `close` cancels ends as a `WriteFault`."""
+        ended: asyncio.Future[WriteEnd] = asyncio.get_running_loop().create_future()
         self._began[id(command)] = self._ctx.clock()
-        if self._submit_now(command):
-            return
-        write = self._ctx.tasks.spawn(self._write(command), name=f"kvsvc-write-{command.transfer_id}")
+        if target is not None and self._submit_now(command, target, ended):
+            return ended
+        write = self._ctx.tasks.spawn(self._write(command, target, ended), name=f"kvsvc-write-{command.transfer_id}")
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
+        return ended
 
     def layer_wise(self, transfer_id: str, ready: Sequence[Awaitable[None]]) -> None:
         """Write `transfer_id` layer by layer: each local layer once its own future in `ready` resolved."""
@@ -163,9 +155,8 @@ class BlockWriter:
             for task in pending & self._writes:
                 task.cancel()
 
-    async def _write(self, command: Submit) -> None:
+    async def _write(self, command: Submit, target: WriteTarget | None, ended: asyncio.Future[WriteEnd]) -> None:
         nbytes = ndesc = 0
-        target = self._target(command.dst)
         try:
             if target is None:
                 raise PeerLost(f"control connection to {command.dst} lost before the write")
@@ -183,41 +174,32 @@ class BlockWriter:
                 nbytes, ndesc = await self._write_layerwise(target, table, layers, command)
         except asyncio.CancelledError:
             # Only `close` cancels, after `close_drain_timeout_s`: the engine is going away with its blocks.
-            self._began.pop(id(command), None)
-            self._write_result(
-                command.transfer_id, command.dst.worker, "P service closed before the write finished", 0, 0
-            )
+            self._end(command, ended, WriteFault(CLOSED_MID_WRITE))
             raise
-        except (KVSvcError, ValueError) as exc:  # the transport, a plan or window refused, room, D's rounds
-            self._write_failed(command, exc, ndesc, target)
+        except Exception as exc:  # the plane, a plan, a window, room, D's rounds, a gather: `_fault` sorts them
+            self._failed(command, exc, ndesc, target, ended)
             return
-        except Exception as exc:  # a gather failed, a plane raised outside its contract, or a bug of ours
-            log.exception("write of %r to %s failed unexpectedly", command.transfer_id, command.dst)
-            self._write_failed(command, exc, ndesc, target)
-            return
-        self._write_ended(command, None, nbytes, ndesc)
+        self._end(command, ended, Landed(nbytes, ndesc))
 
-    def _write_ended(self, command: Submit, error: str | None, nbytes: int, ndesc: int) -> None:
-        counts = self._ctx.counts
+    def _end(self, command: Submit, ended: asyncio.Future[WriteEnd], end: WriteEnd) -> None:
         began = self._began.pop(id(command), None)
-        if error is None:
+        if isinstance(end, Landed):
             if began is not None:
                 self._ctx.send_durations.observe(self._ctx.clock() - began)
-            counts["bytes"] += nbytes
-            counts["descriptors"] += ndesc
+            counts = self._ctx.counts
+            counts["bytes"] += end.nbytes
+            counts["descriptors"] += end.descriptors
             counts["transfers"] += 1
-        self._write_result(command.transfer_id, command.dst.worker, error, nbytes, ndesc)
+        if not ended.done():
+            ended.set_result(end)
 
-    def _submit_now(self, command: Submit) -> bool:
+    def _submit_now(self, command: Submit, target: WriteTarget, ended: asyncio.Future[WriteEnd]) -> bool:
         """The many-small-requests path of `_write`: plan and submit at once, no task, when the transport can
         (`start_write`); the outcome arrives in `_started_write_done`. False, having done nothing, in any other
-        case (layer-wise, no connection, a plan that raises, a transport that would wait): `_write` runs then. A
-        `start_write` that raises, against its contract, fails the write as a `write` raising outside its contract
-        does (once the plane drained, `_settled`): it may have submitted part, so it is never resubmitted."""
+        case (layer-wise, a plan that raises, a transport that would wait): `_write` runs then. A `start_write`
+        that raises, against its contract, fails the write as a `write` raising outside its contract does (once
+        the plane drained, `_settled`): it may have submitted part, so it is never resubmitted."""
         if command.transfer_id in self._layer_ready or _in_rounds(command):
-            return False
-        target = self._target(command.dst)
-        if target is None:
             return False
         try:
             table, unit = self._descriptors(target, command)
@@ -228,59 +210,83 @@ class BlockWriter:
         try:
             result = target.transport.start_write(target.session, table)
         except Exception as exc:  # the plane broke its contract: it may have submitted part, so never resubmit
-            log.exception("start_write of transfer %r to %s raised", command.transfer_id, command.dst)
-            self._write_failed(command, exc, len(table), target)
+            self._failed(command, exc, len(table), target, ended, "start_write")
             return True
         if result is None:
             return False
         self._started.add(result)
         ndesc = len(table)
-        result.add_done_callback(lambda fut: self._started_write_done(command, ndesc, fut, target))
+        result.add_done_callback(lambda fut: self._started_write_done(command, ndesc, fut, target, ended))
         return True
 
     def _started_write_done(
-        self, command: Submit, ndesc: int, result: asyncio.Future[int], target: WriteTarget
+        self,
+        command: Submit,
+        ndesc: int,
+        result: asyncio.Future[int],
+        target: WriteTarget,
+        ended: asyncio.Future[WriteEnd],
     ) -> None:
         self._started.discard(result)
         if result.cancelled():
-            self._write_ended(command, "P service closed before the write finished", 0, ndesc)
+            self._end(command, ended, WriteFault(CLOSED_MID_WRITE, ndesc))
             return
         exc = result.exception()
         if exc is None:
-            self._write_ended(command, None, result.result(), ndesc)
+            self._end(command, ended, Landed(result.result(), ndesc))
         else:
-            self._write_failed(command, exc, ndesc, target)
+            self._failed(command, exc, ndesc, target, ended)
 
-    def _write_failed(self, command: Submit, exc: BaseException, ndesc: int, target: WriteTarget | None) -> None:
-        """A write failed (either path): it ends once the peer can no longer make progress on it, so the request's
-        blocks stay held until then (a failure whose `drained` is pending). A failure outside the transport's
-        contract (`_settled`) may have left part of the write moving, so it waits for the plane too."""
+    def _failed(
+        self,
+        command: Submit,
+        exc: BaseException,
+        ndesc: int,
+        target: WriteTarget | None,
+        ended: asyncio.Future[WriteEnd],
+        call: str = "write",
+    ) -> None:
+        """A write failed (any path; `call`: the plane's method that raised): it ends once the peer can no longer
+        make progress on it, so the request's blocks stay held until then (`_fault` says what it waits for)."""
         self._ctx.counts["write_failures"] += 1
-        error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, WriteFailed):
-            drained: asyncio.Future[Any] | None = exc.drained
-        elif _within_contract(exc):
-            drained = None  # refused before submitting, or raised once all it submitted ended
-        elif target is not None:
-            drained = self._settled(command, target)
-        else:
-            drained = None  # no plane was asked for anything: the write never started
+        fault = WriteFault(f"{type(exc).__name__}: {exc}", ndesc)
+        drained = self._fault(command, exc, target, call)
         if drained is None or drained.done():
-            self._write_ended(command, error, 0, ndesc)
+            self._end(command, ended, fault)
             return
         self._started.add(drained)  # `wait_writes` and `in_flight` see it until it drained
 
-        def after_drain(_: asyncio.Future[None]) -> None:
+        def after_drain(_: asyncio.Future[Any]) -> None:
             self._started.discard(drained)
-            self._write_ended(command, error, 0, ndesc)
+            self._end(command, ended, fault)
 
         drained.add_done_callback(after_drain)
 
+    def _fault(
+        self, command: Submit, exc: BaseException, target: WriteTarget | None, call: str
+    ) -> asyncio.Future[Any] | None:
+        """The write-failure contract (`kvsvc.transport.base`), in one place: what a failed write must wait for
+        before its blocks may be released. A plane's `WriteFailed` names its own `drained`; a failure within the
+        contract (`KVSvcError`, `ValueError`: refused before submitting, or raised once all it submitted ended)
+        waits for nothing; anything else (a gather that failed, a plane breaking its contract, a bug of ours) may
+        have left part of the write moving, so it waits for the plane (`_settled`), unless no plane was asked."""
+        if isinstance(exc, WriteFailed):
+            return exc.drained
+        if _within_contract(exc):
+            return None
+        log.error(
+            "%s of transfer %r to %s raised outside the plane's contract",
+            call,
+            command.transfer_id,
+            command.dst,
+            exc_info=exc,
+        )
+        return self._settled(command, target) if target is not None else None
+
     def _settled(self, command: Submit, target: WriteTarget) -> asyncio.Task[None]:
-        """For a write that raised outside its plane's contract (a bug, a plane breaking it, a failed gather): a
-        task that ends once `target`'s plane has nothing in flight to its D worker, or after `close_drain_timeout_s`
-        for a peer that stopped making progress. The plane is asked even when the control connection is gone: a
-        removed peer's writes are still counted there."""
+        """For a write that raised outside its plane's contract: a task that ends once `target`'s plane has nothing
+        in flight to its D worker, or after `close_drain_timeout_s` for a peer that stopped making progress. The
+        plane is asked even when the control connection is gone: a removed peer's writes are still counted there."""
         bound = self._ctx.config.close_drain_timeout_s
         waited = _drained_within(target.transport, target.session, bound, command)
         return self._ctx.tasks.spawn(waited, name=f"kvsvc-settle-{command.transfer_id}")
@@ -336,14 +342,15 @@ class BlockWriter:
         src, offset, length, _ = target.plans.stream(self._ctx.metadata, target.meta, command)
         transfer_id, clock = command.transfer_id, self._ctx.clock
         timeout_s = self._ctx.config.hold_timeout_s
-        fill = FillingWindow(transfer_id, (src, offset, length), command.window_addr, command.window_bytes, timeout_s)
+        stream = (src, offset, length)
+        fill = FillingWindow(transfer_id, stream, command.window_addr, command.window_bytes, timeout_s, dst=command.dst)
         if target.gone:
             fill.peer_lost(target.gone)
         target.fills[transfer_id] = fill
         nbytes = ndesc = 0
         try:
             while True:
-                step = round_step(fill, lambda: self._wanted(transfer_id, command.dst.worker))
+                step = round_step(fill, lambda: self._sender.writing(transfer_id, command.dst.worker))
                 if isinstance(step, RoundsFilled):
                     return nbytes, ndesc
                 if isinstance(step, Fail):
@@ -356,7 +363,7 @@ class BlockWriter:
                 table = np.column_stack((step.src, step.dst, step.length))
                 written, submitted = await self._write_once(target, table, command)
                 nbytes, ndesc = nbytes + written, ndesc + submitted
-                carry_out_fill(fill.landed(clock()), target.send, lambda n: notice(self._ctx, n))
+                carry_out_p(fill.landed(clock()), self._side)
         finally:
             target.fills.pop(transfer_id, None)
 

@@ -13,19 +13,18 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
 from kvsvc.core.data_planes import rule_on
 from kvsvc.core.driver import (
     AwaitHalf,
+    DCommand,
+    PCommand,
     RoundStep,
     WriteRound,
-    carry_out_fill,
-    carry_out_recv,
-    carry_out_send,
-    carry_out_windows,
+    carry_out_d,
+    carry_out_p,
     d_frame,
     lent_window,
     p_frame,
@@ -35,21 +34,20 @@ from kvsvc.core.driver import (
 )
 from kvsvc.core.jobs import Notice
 from kvsvc.core.layout import pool_regions
-from kvsvc.core.messages import TransferRequest, Worker
+from kvsvc.core.messages import TransferRequest, WindowEmptied, Worker
 from kvsvc.core.planner import Descriptor, expected_destinations, release_notifier, sources_of
-from kvsvc.core.receiver import Receiver, RecvCommand
-from kvsvc.core.sender import Reply, SendCommand, Sender, Submit
+from kvsvc.core.receiver import Receiver, ToSource
+from kvsvc.core.sender import Landed, Reply, Sender, Submit, WriteFault
 from kvsvc.core.staging_plans import StagingRule, plan_window, region_ids, window_plan
 from kvsvc.core.windows import (
+    Announce,
     Deliver,
     Fail,
-    FillCommand,
     FillingWindow,
     FillState,
     LentWindow,
     LentWindows,
     Scatter,
-    WindowCommand,
     WindowKey,
 )
 from kvsvc.testing.clock import FakeClock
@@ -72,6 +70,57 @@ class _Fill:
     nbytes: int = 0
     descriptors: int = 0
     on_wire: bool = True  # a round's write is queued or running: no other round may start
+
+
+@dataclass(frozen=True, slots=True)
+class _PWorker:
+    """P worker `worker`'s driver in the pair (`kvsvc.core.driver.PSide`), as `SendingRole` is in the service."""
+
+    pair: PeerPair
+    worker: Worker
+
+    def submit(self, command: Submit) -> None:
+        self.pair._seq += 1
+        self.pair._writes.append(Write(self.worker, command, self.pair._seq))
+
+    def reply(self, command: Reply) -> None:
+        pair = self.pair
+        if (command.dst.engine_id, command.dst.incarnation) == (pair.d.engine_id, pair.d.incarnation):
+            pair._post("D", command.dst.worker, self.worker, command.message)
+        else:
+            pair.undeliverable.append(command)
+
+    def announce(self, command: Announce) -> None:
+        self.pair._post("D", command.dst.worker, self.worker, command.message)
+
+    def log(self, notice: Notice) -> None:
+        self.pair.notices.append(notice)
+
+
+@dataclass(frozen=True, slots=True)
+class _DWorker:
+    """D worker `worker`'s driver in the pair (`kvsvc.core.driver.DSide`), as `ReceivingRole` is in the service."""
+
+    pair: PeerPair
+    worker: Worker
+
+    def tell_p(self, engine_id: str, src: Worker, message: ToSource | WindowEmptied) -> None:
+        self.pair._post("P", self.worker, src, message)
+
+    def windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest:
+        return self.pair._windowed(self.worker, src, request)
+
+    def scatter(self, key: WindowKey, command: Scatter) -> None:
+        self.pair._seq += 1
+        self.pair._scatters.append(ScatterCopy(self.worker, key, command, self.pair._seq))
+
+    def deliver(self, key: WindowKey, command: Deliver) -> None:
+        pair = self.pair
+        pair._counts.scatters += command.scattered
+        pair._run_d(self.worker, pair.receivers[self.worker].receive(key[1], key[2], command.message))
+
+    def log(self, notice: Notice) -> None:
+        self.pair.notices.append(notice)
 
 
 class PeerPair(Reports, SimPlane, Faults):
@@ -213,7 +262,7 @@ class PeerPair(Reports, SimPlane, Faults):
         for worker, receiver in self.receivers.items():
             self._run_d(worker, receiver.expire(now))
         for key, fill in list(self._fills.items()):
-            self._run_fill(key, fill.window.expire(now))
+            self._run_p(key[0], fill.window.expire(now))
             self._go_on(key)
 
     def lose_connection(self, d: Worker, p: Worker) -> None:
@@ -224,7 +273,7 @@ class PeerPair(Reports, SimPlane, Faults):
         self._held = [e for e in self._held if (e.d, e.p) != (d, p)]
         for key, fill in list(self._fills.items()):
             if key[:2] == (p, d):
-                self._run_fill(key, fill.window.peer_lost(f"connection to D{d} lost"))
+                self._run_p(key[0], fill.window.peer_lost(f"connection to D{d} lost"))
                 self._go_on(key)
         self._run_p(p, self.senders[p].peer_lost(self.d.ref(d)))
         receiver, reason = self.receivers[d], f"connection to P{p} lost"
@@ -280,26 +329,11 @@ class PeerPair(Reports, SimPlane, Faults):
 
     # -- internals ---------------------------------------------------------------------------------------------
 
-    def _run_p(self, worker: Worker, commands: Sequence[SendCommand]) -> None:
-        def submit(command: Submit) -> None:
-            self._seq += 1
-            self._writes.append(Write(worker, command, self._seq))
+    def _run_p(self, worker: Worker, commands: Sequence[PCommand]) -> None:
+        carry_out_p(commands, _PWorker(self, worker))
 
-        def reply(command: Reply) -> None:
-            if (command.dst.engine_id, command.dst.incarnation) == (self.d.engine_id, self.d.incarnation):
-                self._post("D", command.dst.worker, worker, command.message)
-            else:
-                self.undeliverable.append(command)
-
-        carry_out_send(commands, submit, reply, self.notices.append)
-
-    def _run_d(self, worker: Worker, commands: Sequence[RecvCommand]) -> None:
-        carry_out_recv(
-            commands,
-            lambda _engine, src, message: self._post("P", worker, src, message),
-            lambda _engine, src, request: self._windowed(worker, src, request),
-            self.notices.append,
-        )
+    def _run_d(self, worker: Worker, commands: Sequence[DCommand], key: WindowKey | None = None) -> None:
+        carry_out_d(commands, _DWorker(self, worker), key)
         self._tidy_windows(worker)
 
     def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
@@ -322,26 +356,11 @@ class PeerPair(Reports, SimPlane, Faults):
             window = lent.lend(key, req_id, list(request.block_ids), addr, plan, request.receive)
         return with_window(request, window) if isinstance(window, LentWindow) else request
 
-    def _run_windows(self, d: Worker, key: WindowKey, commands: Sequence[WindowCommand]) -> None:
-        """Carry out D worker `d`'s window commands (`kvsvc.core.driver.carry_out_windows`)."""
-
-        def scatter(command: Scatter) -> None:
-            self._seq += 1
-            self._scatters.append(ScatterCopy(d, key, command, self._seq))
-
-        def deliver(command: Deliver) -> None:
-            self._counts.scatters += command.scattered
-            self._run_d(d, self.receivers[d].receive(key[1], key[2], command.message))
-
-        tell_p = partial(self._post, "P", d, key[2])
-        carry_out_windows(commands, scatter, tell_p, deliver, self.notices.append)
-
     def _run_scatter(self, copy: ScatterCopy) -> None:
         error = self._scatter_fails(copy)
         if error is None:
             self._scatter(copy.d, copy.command)
-        self._run_windows(copy.d, copy.key, self._lent[copy.d].scattered(copy.key, error))
-        self._tidy_windows(copy.d)
+        self._run_d(copy.d, self._lent[copy.d].scattered(copy.key, error), copy.key)
 
     def _tidy_windows(self, d: Worker) -> None:
         lent = self._lent[d]
@@ -357,7 +376,8 @@ class PeerPair(Reports, SimPlane, Faults):
         self._counts.delivered += 1
         message, d, p = envelope.message, envelope.d, envelope.p
         if envelope.to == "D":
-            self._run_windows(d, *d_frame(self._lent[d], self.p.engine_id, p, message))
+            window, window_commands = d_frame(self._lent[d], self.p.engine_id, p, message)
+            self._run_d(d, window_commands, window)
             return
         fills = {key[2]: fill.window for key, fill in self._fills.items() if key[:2] == (p, d)}
         commands = p_frame(message, fills, f"D{d}")
@@ -366,7 +386,7 @@ class PeerPair(Reports, SimPlane, Faults):
             self._run_p(p, sender.receive(ref, meta, self._expected[p], message, self.clock()))
             return
         key = (p, d, getattr(message, "transfer_id", ""))
-        self._run_fill(key, commands)
+        self._run_p(p, commands)
         self._go_on(key)
 
     def _complete(self, write: Write, error: str | None) -> None:
@@ -389,7 +409,8 @@ class PeerPair(Reports, SimPlane, Faults):
         else:
             self._counts.writes_failed += 1
         transfer_id = write.submit.transfer_id
-        self._run_p(write.p, self.senders[write.p].write_result(transfer_id, write.d, error, nbytes, count))
+        end = Landed(nbytes, count) if error is None else WriteFault(error, count)
+        self._run_p(write.p, self.senders[write.p].write_ended(transfer_id, write.d, end))
 
     # -- P's writes into D's windows, as the service's write loop (`BlockWriter._write_rounds`) -------------------
 
@@ -407,7 +428,9 @@ class PeerPair(Reports, SimPlane, Faults):
                 return
             src_region = region_ids(src, [start for start, _ in pool_regions(self.p.metas[write.p])])
             stream = window_plan(src, dst, length, 0, src_region)
-            window = FillingWindow(key[2], stream, submit.window_addr, submit.window_bytes, self.fill_timeout_s)
+            window = FillingWindow(
+                key[2], stream, submit.window_addr, submit.window_bytes, self.fill_timeout_s, dst=submit.dst
+            )
             if (write.d, write.p) in self._down:
                 window.peer_lost(f"connection to D{write.d} lost")
             self._fills[key] = _Fill(window, submit)
@@ -419,7 +442,7 @@ class PeerPair(Reports, SimPlane, Faults):
             return
         fill.nbytes += self._fill_round(key[0], key[1], step)
         fill.descriptors += self._round_descriptors(step)
-        self._run_fill(key, fill.window.landed(self.clock()))
+        self._run_p(key[0], fill.window.landed(self.clock()))
         self._go_on(key)
 
     def _go_on(self, key: FillKey) -> None:
@@ -443,10 +466,6 @@ class PeerPair(Reports, SimPlane, Faults):
         error = step.reason if isinstance(step, Fail) else None
         nbytes = fill.nbytes if error is None else 0
         self._end_write(Write(key[0], fill.submit, 0), error, nbytes, fill.descriptors)
-
-    def _run_fill(self, key: FillKey, commands: Sequence[FillCommand]) -> None:
-        """Carry out a `FillingWindow`'s commands (`kvsvc.core.driver.carry_out_fill`)."""
-        carry_out_fill(commands, lambda message: self._post("D", key[1], key[0], message), self.notices.append)
 
 
 __all__ = ["Envelope", "PairStatistics", "PeerPair", "ReportEntry", "ScatterCopy", "Write"]

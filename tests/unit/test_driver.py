@@ -1,17 +1,23 @@
-"""The decisions every driver of the window protocol shares (`kvsvc.core.driver`): which object a frame goes to, what a
-write in rounds does next, and whether a request gets a window. The service and `PeerPair` both call these."""
+"""The decisions every driver of the core shares (`kvsvc.core.driver`): how commands reach a side's methods, which
+object a frame goes to, what a write in rounds does next, and whether a request gets a window. The service and
+`PeerPair` both call these."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+import pytest
+from msgspec.structs import replace as replace_struct
 
 from kvsvc.core.driver import (
     AwaitHalf,
+    DSide,
+    PSide,
     RoundsFilled,
     WriteRound,
-    carry_out_fill,
+    carry_out_d,
+    carry_out_p,
     d_frame,
     lent_window,
     p_frame,
@@ -19,18 +25,71 @@ from kvsvc.core.driver import (
     share_refusal,
     with_window,
 )
+from kvsvc.core.errors import LocalProtocolError
 from kvsvc.core.jobs import Notice
-from kvsvc.core.messages import Release, TransferDone, TransferRequest, WindowEmptied, WindowFilled, WorkerRef
-from kvsvc.core.sender import Submit
+from kvsvc.core.messages import (
+    Release,
+    TransferDone,
+    TransferRequest,
+    WindowEmptied,
+    WindowFilled,
+    Worker,
+    WorkerRef,
+)
+from kvsvc.core.receiver import SendToSource, ToSource
+from kvsvc.core.sender import Reply, Submit
 from kvsvc.core.staging_plans import Way, WindowPlan
-from kvsvc.core.windows import Announce, Deliver, Fail, FillEvent, FillingWindow, LentWindows, Scatter
+from kvsvc.core.windows import Announce, Deliver, Fail, FillEvent, FillingWindow, LentWindows, Scatter, TellP, WindowKey
 
 KEY = ("t", "prefill", (0, 0))
+D0 = WorkerRef("decode", "i", 0, 0)
+
+
+@dataclass
+class _Calls:
+    """A side of either kind that records each call, in order (`PSide` and `DSide`)."""
+
+    calls: list[tuple[str, object]] = field(default_factory=list)
+    lend: bool = True  # what `windowed` does: a window's address on the request, or hold it back (None)
+
+    def submit(self, command: Submit) -> None:
+        self.calls.append(("submit", command))
+
+    def reply(self, command: Reply) -> None:
+        self.calls.append(("reply", command))
+
+    def announce(self, command: Announce) -> None:
+        self.calls.append(("announce", command))
+
+    def log(self, notice: Notice) -> None:
+        self.calls.append(("log", notice))
+
+    def tell_p(self, engine_id: str, src: Worker, message: ToSource | WindowEmptied) -> None:
+        self.calls.append(("tell_p", (engine_id, src, message)))
+
+    def windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest | None:
+        self.calls.append(("windowed", request.transfer_id))
+        return replace_struct(request, window_addr=5_000) if self.lend else None
+
+    def scatter(self, key: WindowKey, command: Scatter) -> None:
+        self.calls.append(("scatter", key))
+
+    def deliver(self, key: WindowKey, command: Deliver) -> None:
+        self.calls.append(("deliver", (key, command.message)))
+
+
+def _p_side(calls: _Calls) -> PSide:
+    return calls
+
+
+def _d_side(calls: _Calls) -> DSide:
+    return calls
 
 
 def _fill(share: int = 400, window: int = 200) -> FillingWindow:
     offset = np.arange(0, share, 100, dtype=np.int64)
-    return FillingWindow("t", (20_000 + offset, offset, np.full(offset.size, 100, dtype=np.int64)), 5_000, window, 5.0)
+    stream = (20_000 + offset, offset, np.full(offset.size, 100, dtype=np.int64))
+    return FillingWindow("t", stream, 5_000, window, 5.0, dst=D0)
 
 
 def _lent() -> LentWindows:
@@ -74,10 +133,9 @@ def test_a_write_that_lost_d_ends_with_the_fail_its_window_returned_and_the_fail
     assert fill.peer_lost("gone") == []  # round 0 is on the wire
     landed = fill.landed(0.0)
     assert landed == [Fail("gone", FillEvent.PEER_LOST)]
-    announced: list[WindowFilled] = []
-    logged: list[Notice] = []
-    carry_out_fill(landed, announced.append, logged.append)
-    assert announced == [] and logged == []
+    side = _Calls()
+    carry_out_p(landed, _p_side(side))
+    assert side.calls == []
     assert round_step(fill, lambda: True) == Fail("gone", FillEvent.PEER_LOST)
 
 
@@ -116,14 +174,44 @@ def test_a_request_keeps_its_window_asks_for_one_or_goes_without() -> None:
     assert (sized.window_addr, sized.window_bytes, sized.share_bytes) == (5_000, 200, 400)
 
 
-def test_an_announcement_goes_to_d() -> None:
-    sent: list[WindowFilled] = []
-    carry_out_fill([Announce(WindowFilled(transfer_id="t", round=0))], sent.append, lambda n: None)
-    assert sent == [WindowFilled(transfer_id="t", round=0)]
+def test_p_commands_reach_the_sides_methods_in_order_and_a_fail_is_left_to_round_step() -> None:
+    submit = Submit("t", D0, [0], [0], 4)
+    reply = Reply(D0, TransferDone(transfer_id="t", bytes=1, descriptors=1))
+    announce = Announce(D0, WindowFilled(transfer_id="t", round=0))
+    notice = Notice("n")
+    side = _Calls()
+    carry_out_p([submit, Fail("gone", FillEvent.PEER_LOST), reply, announce, notice], _p_side(side))
+    assert side.calls == [("submit", submit), ("reply", reply), ("announce", announce), ("log", notice)]
+
+
+def test_d_commands_reach_the_sides_methods_and_a_request_goes_as_windowed_makes_it() -> None:
+    request = TransferRequest(transfer_id="t", block_ids=[0, 1], num_tokens=8, secret="s")
+    release = Release(transfer_id="t", secret="s")
+    side = _Calls()
+    carry_out_d([SendToSource("prefill", (0, 0), request), SendToSource("prefill", (0, 1), release)], _d_side(side))
+    assert side.calls == [
+        ("windowed", "t"),
+        ("tell_p", ("prefill", (0, 0), replace_struct(request, window_addr=5_000))),
+        ("tell_p", ("prefill", (0, 1), release)),
+    ]
+    held = _Calls(lend=False)  # held back for room: nothing goes now
+    carry_out_d([SendToSource("prefill", (0, 0), request)], _d_side(held))
+    assert held.calls == [("windowed", "t")]
+
+
+def test_a_windows_commands_go_to_the_window_they_are_about_and_need_its_key() -> None:
+    emptied = WindowEmptied(transfer_id="t", round=0)
+    done = TransferDone(transfer_id="t", bytes=1, descriptors=1)
+    scatter = Scatter(0, np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64))
+    side = _Calls()
+    carry_out_d([scatter, TellP(emptied), Deliver(done)], _d_side(side), KEY)
+    assert side.calls == [("scatter", KEY), ("tell_p", ("prefill", (0, 0), emptied)), ("deliver", (KEY, done))]
+    with pytest.raises(LocalProtocolError, match="TellP carried out without the window"):
+        carry_out_d([TellP(emptied)], _d_side(_Calls()))
 
 
 def test_p_refuses_a_share_size_its_own_plan_does_not_make_naming_both() -> None:
-    submit = Submit("t", WorkerRef("decode", "i", 0, 0), [0], [0], 4, window_addr=5_000, window_bytes=200)
+    submit = Submit("t", D0, [0], [0], 4, window_addr=5_000, window_bytes=200)
     assert share_refusal(submit, 200) is None  # no share size: the window's
     rounds = replace(submit, share_bytes=400)
     assert share_refusal(rounds, 400) is None

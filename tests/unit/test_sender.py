@@ -18,7 +18,16 @@ from kvsvc.core.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.core.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, SendCommand, Sender, Submit
+from kvsvc.core.sender import (
+    BLOCK_ID_BYTES,
+    EARLY_ENTRY_BYTES,
+    Landed,
+    Reply,
+    SendCommand,
+    Sender,
+    Submit,
+    WriteFault,
+)
 from kvsvc.testing.clock import FakeClock
 
 S = "s" * 22  # the transfer secret of every hold here
@@ -64,7 +73,7 @@ def test_a_landed_write_answers_done_with_its_figures_and_reports_the_send_once(
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.take_finished() == set()
-    out = sender.write_result("t1", D0.worker, None, nbytes=4096, descriptors=3)
+    out = sender.write_ended("t1", D0.worker, Landed(4096, 3))
     assert out == [Reply(D0, TransferDone(transfer_id="t1", bytes=4096, descriptors=3))]
     assert sender.take_finished() == {"r1"}
     assert sender.take_finished() == set()
@@ -76,10 +85,10 @@ def test_the_send_is_reported_only_after_every_expected_d_worker_was_served() ->
     sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
-    sender.write_result("t1", D0.worker, None)
+    sender.write_ended("t1", D0.worker, Landed(0, 0))
     assert sender.take_finished() == set()
     sender.request(D1, BOTH, request(), clock())
-    sender.write_result("t1", D1.worker, None)
+    sender.write_ended("t1", D1.worker, Landed(0, 0))
     assert sender.take_finished() == {"r1"}
 
 
@@ -88,7 +97,7 @@ def test_a_failed_write_answers_failed_with_the_transport_error() -> None:
     sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
-    out = sender.write_result("t1", D0.worker, "TransportError: -1")
+    out = sender.write_ended("t1", D0.worker, WriteFault("TransportError: -1"))
     assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason="TransportError: -1"))]
     assert sender.take_finished() == {"r1"}
 
@@ -108,12 +117,12 @@ def test_a_repeated_request_after_the_outcome_gets_the_outcome_again_and_no_seco
     sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
-    sender.write_result("t1", D0.worker, None, 10, 1)
+    sender.write_ended("t1", D0.worker, Landed(10, 1))
     assert sender.take_finished() == {"r1"}
     again = sender.request(D0, ONLY_D0, request(), clock())
     assert again == [Reply(D0, TransferDone(transfer_id="t1", bytes=10, descriptors=1))]
     assert sender.take_finished() == set()
-    assert sender.write_result("t1", D0.worker, None) == []
+    assert sender.write_ended("t1", D0.worker, Landed(0, 0)) == []
 
 
 def test_an_early_request_is_served_once_p_holds() -> None:
@@ -202,7 +211,7 @@ def test_a_write_in_flight_at_expiry_delays_the_report_until_its_result() -> Non
     assert sender.expire(clock.advance(60)) == []
     assert sender.take_finished() == set()
     assert sender.holds("t1")
-    out = sender.write_result("t1", D0.worker, None)
+    out = sender.write_ended("t1", D0.worker, Landed(0, 0))
     assert replies(out) == [(D0, TransferFailed)]
     assert sender.take_finished() == {"r1"}
 
@@ -214,7 +223,7 @@ def test_a_write_in_flight_at_p_abort_delays_the_report_until_its_result() -> No
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.abort("r1") == []
     assert sender.take_finished() == set()
-    assert replies(sender.write_result("t1", D0.worker, "cancelled")) == [(D0, TransferFailed)]
+    assert replies(sender.write_ended("t1", D0.worker, WriteFault("cancelled"))) == [(D0, TransferFailed)]
     assert sender.take_finished() == {"r1"}
 
 
@@ -243,7 +252,7 @@ def test_shutting_down_answers_every_waiting_d_request_failed_and_reports_every_
     assert failed == {(D0, "t1"), (D1, "t2")}
     assert all(isinstance(c, Reply) and "shutting down" in c.message.reason for c in out)  # type: ignore[union-attr]
     assert sender.take_finished() == {"r1", "r3"}
-    assert replies(sender.write_result("t4", D0.worker, "cancelled")) == [(D0, TransferFailed)]
+    assert replies(sender.write_ended("t4", D0.worker, WriteFault("cancelled"))) == [(D0, TransferFailed)]
     assert sender.take_finished() == {"r4"}
     assert sender.statistics().early_requests == 0
     assert sender.shut_down("again") == []
@@ -262,7 +271,7 @@ def test_d_abort_before_asking_counts_that_d_worker_as_served() -> None:
     sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
-    sender.write_result("t1", D0.worker, None)
+    sender.write_ended("t1", D0.worker, Landed(0, 0))
     # Answered at once: no write for D1 ever ran, so D may free its blocks (the fence of docs/decisions.md, "After a
     # lost connection, D's blocks wait for proof").
     assert replies(sender.remote_abort(D1, Abort(transfer_id="t1", reason="aborted by D", secret=S))) == [
@@ -276,13 +285,13 @@ def test_an_abort_of_an_ended_job_repeats_its_outcome() -> None:
     sender.hold("r1", "t1", [1], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, BOTH, request(), clock())
-    sender.write_result("t1", D0.worker, None, 64, 2)
+    sender.write_ended("t1", D0.worker, Landed(64, 2))
     (reply,) = sender.remote_abort(D0, Abort(transfer_id="t1", reason="connection lost", secret=S))
     assert isinstance(reply, Reply) and reply.dst == D0
     assert reply.message == TransferDone(transfer_id="t1", bytes=64, descriptors=2)
     assert submits(sender.request(D1, BOTH, request(), clock()))
     sender.peer_lost(D1)  # D1's write drains, then fails; D1 reconnects and aborts its job
-    sender.write_result("t1", D1.worker, "connection reset")
+    sender.write_ended("t1", D1.worker, WriteFault("connection reset"))
     assert replies(sender.remote_abort(D1, Abort(transfer_id="t1", reason="connection lost", secret=S))) == [
         (D1, TransferFailed)
     ]
@@ -297,7 +306,7 @@ def test_an_abort_after_a_lost_connection_is_answered_only_once_the_write_draine
     assert (
         sender.remote_abort(D0, Abort(transfer_id="t1", reason="connection lost", secret=S)) == []
     )  # still writing: no answer yet
-    assert replies(sender.write_result("t1", D0.worker, "cancelled")) == [(D0, TransferFailed)]
+    assert replies(sender.write_ended("t1", D0.worker, WriteFault("cancelled"))) == [(D0, TransferFailed)]
 
 
 def test_d_abort_of_a_writing_job_answers_failed_after_the_write_drained() -> None:
@@ -307,7 +316,7 @@ def test_d_abort_of_a_writing_job_answers_failed_after_the_write_drained() -> No
     sender.request(D0, ONLY_D0, request(), clock())
     assert sender.remote_abort(D0, Abort(transfer_id="t1", reason="aborted by D", secret=S)) == []
     assert sender.take_finished() == set()
-    assert replies(sender.write_result("t1", D0.worker, None)) == [(D0, TransferFailed)]
+    assert replies(sender.write_ended("t1", D0.worker, Landed(0, 0))) == [(D0, TransferFailed)]
     assert sender.take_finished() == {"r1"}
 
 
@@ -379,7 +388,7 @@ def test_peer_lost_during_a_write_waits_for_the_write_to_drain() -> None:
     sender.request(D0, ONLY_D0, request(), clock())
     sender.peer_lost(D0)
     assert sender.take_finished() == set()
-    sender.write_result("t1", D0.worker, None)
+    sender.write_ended("t1", D0.worker, Landed(0, 0))
     assert sender.take_finished() == {"r1"}
 
 
@@ -413,7 +422,7 @@ def test_an_abort_from_another_d_engine_leaves_the_transfer_alone() -> None:
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     sender.remote_abort(WorkerRef("D2", "9", 0, 0), Abort(transfer_id="t1", reason="not yours", secret=S))
-    assert sender.write_result("t1", D0.worker, None) == [
+    assert sender.write_ended("t1", D0.worker, Landed(0, 0)) == [
         Reply(D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0))
     ]
 
@@ -449,7 +458,7 @@ def test_a_bad_repeat_of_a_request_leaves_the_running_job_alone() -> None:
     assert replies(sender.refuse(D0, request(), "block ids [99] outside the pool", clock(), ONLY_D0)) == [
         (D0, ErrorMessage)
     ]
-    assert sender.write_result("t1", D0.worker, None) == [
+    assert sender.write_ended("t1", D0.worker, Landed(0, 0)) == [
         Reply(D0, TransferDone(transfer_id="t1", bytes=0, descriptors=0))
     ]
 
@@ -565,7 +574,7 @@ def test_after_the_transfer_ended_only_its_secret_hears_the_outcome() -> None:
     sender.hold("r1", "t1", [1, 2], 6, clock(), secret=S)
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
-    sender.write_result("t1", D0.worker, None, 10, 1)
+    sender.write_ended("t1", D0.worker, Landed(10, 1))
     assert sender.request(D0, ONLY_D0, request(), clock()) == [
         Reply(D0, TransferDone(transfer_id="t1", bytes=10, descriptors=1))
     ]
@@ -640,7 +649,7 @@ def test_a_job_serves_one_receive_of_its_d_worker_while_held_and_once_ended() ->
     sender.ready("t1")
     assert submits(sender.request(D0, BOTH, first, clock())) == [Submit("t1", D0, [1, 2], [7, 8], 6)]
     done = TransferDone(transfer_id="t1", bytes=64, descriptors=1, receive="a")  # D drops it for another receive
-    assert sender.write_result("t1", D0.worker, None, 64, 1) == [Reply(D0, done)]
+    assert sender.write_ended("t1", D0.worker, Landed(64, 1)) == [Reply(D0, done)]
     # Held still (D1 has not asked): another receive of D0 is refused and changes nothing; a repeat is re-answered.
     [refused] = sender.request(D0, BOTH, again, clock())
     assert isinstance(refused, Reply) and isinstance(refused.message, TransferFailed)
@@ -650,7 +659,7 @@ def test_a_job_serves_one_receive_of_its_d_worker_while_held_and_once_ended() ->
     assert sender.request(D0, BOTH, first, clock()) == [Reply(D0, done)]
     # Ended (D1 served): the outcome goes to the receive it was for, never to a later one with the same params.
     sender.request(D1, BOTH, msgspec.structs.replace(request(), receive="c"), clock())
-    sender.write_result("t1", D1.worker, None, 64, 1)
+    sender.write_ended("t1", D1.worker, Landed(64, 1))
     assert sender.take_finished() == {"r1"}
     assert sender.request(D0, BOTH, first, clock()) == [Reply(D0, done)]
     [late] = sender.request(D0, BOTH, again, clock())
@@ -660,7 +669,7 @@ def test_a_job_serves_one_receive_of_its_d_worker_while_held_and_once_ended() ->
     sender.hold("r2", "t2", [1, 2], 6, clock(), secret=S)
     sender.ready("t2")
     sender.request(D0, ONLY_D0, msgspec.structs.replace(legacy, transfer_id="t2"), clock())
-    sender.write_result("t2", D0.worker, None, 64, 1)
+    sender.write_ended("t2", D0.worker, Landed(64, 1))
     again_t2 = sender.request(D0, ONLY_D0, msgspec.structs.replace(legacy, transfer_id="t2"), clock())
     assert replies(again_t2) == [(D0, TransferDone)]
 
@@ -696,6 +705,6 @@ def test_a_job_a_lost_connection_ended_tells_its_reason_to_the_receive_that_asks
     late = msgspec.structs.replace(request(), receive="x")
     lost = TransferFailed(transfer_id="t1", reason=f"control connection to {D1} lost")
     assert sender.request(D1, BOTH, late, clock()) == [Reply(D1, lost)]  # while held
-    sender.write_result("t1", D0.worker, None, 64, 1)
+    sender.write_ended("t1", D0.worker, Landed(64, 1))
     assert sender.take_finished() == {"r1"}
     assert sender.request(D1, BOTH, late, clock()) == [Reply(D1, lost)]  # and once ended, the same reason

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvsvc.core.errors import LocalProtocolError
 from kvsvc.core.jobs import Notice
-from kvsvc.core.messages import ErrorMessage, TransferDone, TransferFailed, WindowEmptied, WindowFilled
+from kvsvc.core.messages import ErrorMessage, TransferDone, TransferFailed, WindowEmptied, WindowFilled, WorkerRef
 from kvsvc.core.staging_plans import StagingRule, Way, WindowPlan
 from kvsvc.core.windows import (
     Announce,
@@ -32,6 +32,8 @@ from kvsvc.core.windows import (
 )
 from kvsvc.testing.pair import Envelope, PeerPair
 from kvsvc.testing.sim import EngineSpec
+
+D0 = WorkerRef("decode", "i", 0, 0)  # the D worker whose window P fills
 
 ALWAYS = StagingRule(gather_cost_s_per_byte=0.0, scatter_cost_s_per_byte=0.0)
 KEY = ("t", "prefill", (0, 0))
@@ -213,15 +215,15 @@ def test_a_scatter_end_without_a_scatter_is_a_local_protocol_error() -> None:
 def _fill(share: int = 400, window: int = 200, timeout_s: float = 5.0) -> FillingWindow:
     offset = np.arange(0, share, 100, dtype=np.int64)
     stream = (20_000 + offset, offset, np.full(offset.size, 100, dtype=np.int64))
-    return FillingWindow("t", stream, 5_000, window, timeout_s)
+    return FillingWindow("t", stream, 5_000, window, timeout_s, dst=D0)
 
 
 def test_p_fills_both_halves_then_waits_for_d_to_empty_the_older_round() -> None:
     fill = _fill()  # 4 rounds of 100 bytes
     assert fill.round_pieces(0)[1].tolist() == [5_000] and fill.round_pieces(1)[1].tolist() == [5_100]
     assert fill.round_pieces(2)[1].tolist() == [5_000]  # round 2 reuses round 0's half
-    assert fill.landed(0.0) == [Announce(_filled(0))] and fill.state is FillState.FILLING
-    assert fill.landed(0.0) == [Announce(_filled(1))] and fill.state is FillState.WAITING
+    assert fill.landed(0.0) == [Announce(D0, _filled(0))] and fill.state is FillState.FILLING
+    assert fill.landed(0.0) == [Announce(D0, _filled(1))] and fill.state is FillState.WAITING
     assert fill.deadline == 5.0
     assert fill.emptied(1) == [] and fill.state is FillState.WAITING  # not the half round 2 needs
     assert fill.emptied(0) == [] and fill.state is FillState.FILLING and fill.next_round == 2
