@@ -34,6 +34,7 @@ from kvsvc.core.messages import (
     answers_another_receive,
 )
 from kvsvc.core.planner import plan_transfer_arrays
+from kvsvc.core.requests import RecvRequest
 
 ToSource: TypeAlias = TransferRequest | Release | Abort | ErrorMessage
 """What D's `Receiver` sends P workers."""
@@ -118,21 +119,11 @@ class Receiver:
 
     # -- events from the engine --------------------------------------------------------------------------------
 
-    def start(
-        self,
-        req_id: str,
-        transfer_id: str,
-        engine_id: str,
-        block_ids: list[int],
-        num_tokens: int,
-        now: float,
-        first_token: int = 0,
-        secret: str = "",
-        receive: str = "",
-    ) -> bool:
-        """Begin receiving tokens `[first_token, num_tokens)` of `transfer_id` from engine `engine_id` into
-        `block_ids`. `secret` is the one P issued with its hold; every request, release and abort carries it (P
-        answers one without it as for a transfer it does not hold). `receive`: a name drawn for this receive alone
+    def start(self, request: RecvRequest, now: float, receive: str = "") -> bool:
+        """Begin receiving tokens `[first_token, num_tokens)` of `request.transfer_id` from engine
+        `request.engine_id` into its blocks; `request` passed `kvsvc.core.requests.check_recv` at the service's edge.
+        Its secret is the one P issued with its hold; every request, release and abort carries it (P answers one
+        without it as for a transfer it does not hold). `receive`: a name drawn for this receive alone
         (`TransferRequest.receive`), so P never answers it with another receive's outcome.
 
         Returns False (and changes nothing) when the transfer is already being received: repeats are no-ops.
@@ -140,6 +131,7 @@ class Receiver:
         Raises:
             ValueError: `transfer_id` is being received already for another request.
         """
+        req_id, transfer_id = request.req_id, request.transfer_id
         known = self._recvs.get(transfer_id)
         if known is not None:
             if known.req_id != req_id:
@@ -151,13 +143,13 @@ class Receiver:
         self._recvs[transfer_id] = _Recv(
             req_id,
             transfer_id,
-            engine_id,
-            block_ids,
-            num_tokens,
+            request.engine_id,
+            list(request.block_ids),
+            request.num_tokens,
             deadline,
             started=now,
-            first_token=first_token,
-            secret=secret,
+            first_token=request.first_token,
+            secret=request.secret,
             receive=receive,
         )
         self._by_req[req_id] = transfer_id

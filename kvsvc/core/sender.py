@@ -21,7 +21,6 @@ from typing import Final, TypeAlias, TypeVar
 from kvsvc.core.deadlines import Deadlines
 from kvsvc.core.jobs import Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.core.messages import (
-    MAX_SECRET_CHARS,
     Abort,
     ErrorMessage,
     Message,
@@ -37,6 +36,7 @@ from kvsvc.core.messages import (
     check_transfer_id,
 )
 from kvsvc.core.planner import check_block_ids, check_window
+from kvsvc.core.requests import SendRequest, check_secret
 
 # What an early request costs against `max_early_request_bytes`: its block ids, at their size on the wire at worst,
 # its text (transfer id, secret, receive, reason) and what keeping any entry costs.
@@ -93,23 +93,6 @@ class WriteFault:
 
 WriteEnd: TypeAlias = Landed | WriteFault
 """How every write ends, on any plane and on any path (a task, a direct submission, a write in rounds, staged)."""
-# A transfer's secret is at least this long: `secrets.token_urlsafe(16)` (128 bits) makes 22 characters. D takes
-# one of at most `MAX_SECRET_CHARS` (`kvsvc.core.messages`), as it travels in every request.
-MIN_SECRET_CHARS: Final = 16
-
-
-def check_secret(secret: str, transfer_id: str) -> None:
-    """Refuse a transfer secret too short to be unguessable, or too long to carry in each request.
-
-    Raises:
-        ValueError: `secret` has fewer than `MIN_SECRET_CHARS` or more than `MAX_SECRET_CHARS` characters; the
-            message names the transfer and the length, never the secret.
-    """
-    if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS:
-        raise ValueError(
-            f"secret of transfer {transfer_id!r} has {len(secret)} characters, {MIN_SECRET_CHARS} to "
-            f"{MAX_SECRET_CHARS} needed (P draws one with secrets.token_urlsafe(16))"
-        )
 
 
 class HoldEnd(Enum):
@@ -202,21 +185,19 @@ class Sender:
 
     # -- events from the engine -------------------------------------------------------------------------------
 
-    def hold(
-        self, req_id: str, transfer_id: str, block_ids: list[int], num_tokens: int, now: float, *, secret: str
-    ) -> list[SendCommand]:
-        """The engine holds `req_id`'s KV for `transfer_id` until D workers fetched it (or the hold expires).
+    def hold(self, request: SendRequest, now: float) -> list[SendCommand]:
+        """The engine holds `request.req_id`'s KV for `request.transfer_id` until D workers fetched it (or the hold
+        expires). `request` passed `kvsvc.core.requests.check_send` at the service's edge.
 
-        Only D workers that present `secret` (at least `MIN_SECRET_CHARS` characters, drawn by P's engine for this
-        transfer) are served. A repeated hold of a held transfer is a no-op. Requests that arrived early are
-        applied now if they carry the secret; the others wait out their early deadline, as for an unknown transfer.
+        Only D workers that present the request's secret are served. A repeated hold of a held transfer is a no-op.
+        Requests that arrived early are applied now if they carry the secret; the others wait out their early
+        deadline, as for an unknown transfer.
 
         Raises:
-            ValueError: `transfer_id` is held already for another request or with another secret, or is longer
-                than `MAX_NAME_CHARS`, or `secret` is refused by `check_secret`.
+            ValueError: `transfer_id` is held already for another request or with another secret.
         """
-        check_transfer_id(transfer_id)
-        check_secret(secret, transfer_id)
+        req_id, transfer_id, secret = request.req_id, request.transfer_id, request.secret
+        block_ids, num_tokens = list(request.block_ids), request.num_tokens
         held = self._holds.get(transfer_id)
         if held is not None:
             if held.req_id != req_id:

@@ -47,10 +47,8 @@ from kvsvc.core.messages import (
     Worker,
     WorkerMetadata,
     WorkerRef,
-    check_transfer_id,
     clip,
 )
-from kvsvc.core.planner import check_block_ids
 from kvsvc.core.receiver import (
     Backoff,
     Receiver,
@@ -60,7 +58,7 @@ from kvsvc.core.receiver import (
     ToSource,
     planned_bytes,
 )
-from kvsvc.core.sender import check_secret
+from kvsvc.core.requests import RecvRequest
 from kvsvc.core.windows import Deliver, Scatter, WindowKey, lends_windows
 from kvsvc.service.channel import ControlChannel
 from kvsvc.service.context import EngineMetadata, ServiceContext, notice, unkeyed_peer_check
@@ -140,34 +138,25 @@ class ReceivingRole:
 
     # -- the engine's calls ------------------------------------------------------------------------------------
 
-    def start_recv(
-        self,
-        req_id: str,
-        transfer_id: str,
-        engine_id: str,
-        url: str,
-        block_ids: list[int],
-        num_tokens: int,
-        first_token: int,
-        secret: str,
-    ) -> None:
-        """As `KVTransferService.start_recv`, once the service is known open."""
-        check_block_ids(self._ctx.metadata, block_ids, num_tokens, "D", first_token)
-        check_transfer_id(transfer_id)
-        check_secret(secret, transfer_id)
+    def recv(self, request: RecvRequest) -> None:
+        """As `KVTransferService.recv`, once the service is known open and the request checked: the receive now,
+        and its jobs at once when the routes to this start of P are known, else once a task found them.
+
+        Raises:
+            LocalProtocolError: as `KVTransferService.recv`. ValueError: as `Receiver.start`.
+        """
         self._own_engine()
-        now = self._ctx.clock()
         receive = secrets.token_hex(8)  # this receive's own name: P never answers it with another's outcome
-        if not self._receiver.start(
-            req_id, transfer_id, engine_id, block_ids, num_tokens, now, first_token, secret, receive
-        ):
+        if not self._receiver.start(request, self._ctx.clock(), receive):
             return
         self._ctx.changed()  # a new receive deadline
+        transfer_id, engine_id, url = request.transfer_id, request.engine_id, request.bootstrap_addr
         known = self._known_routes.get(engine_id)
         if known is not None and known.url == url and known.own is self._engine:
             self._start_jobs(transfer_id, engine_id, known.routes)  # no task: the routes of an earlier receive
         else:
-            self._ctx.tasks.spawn(self._resolve_sources(transfer_id, engine_id, url), name=f"kvsvc-route-{req_id}")
+            name = f"kvsvc-route-{request.req_id}"
+            self._ctx.tasks.spawn(self._resolve_sources(transfer_id, engine_id, url), name=name)
 
     def abort(self, req_id: str) -> None:
         self._run_recv(self._receiver.abort(req_id, self._ctx.clock()))

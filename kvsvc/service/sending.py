@@ -38,7 +38,7 @@ from kvsvc.core.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.core.planner import check_block_ids
+from kvsvc.core.requests import SendRequest
 from kvsvc.core.sender import Reply, SendCommand, Sender, SenderStatistics, Submit, WriteEnd
 from kvsvc.core.windows import Announce
 from kvsvc.service.channel import ControlChannel
@@ -122,22 +122,18 @@ class SendingRole:
 
     # -- the engine's calls ------------------------------------------------------------------------------------
 
-    def start_send(
-        self,
-        req_id: str,
-        transfer_id: str,
-        block_ids: list[int],
-        num_tokens: int,
-        ready: Awaitable[None] | Sequence[Awaitable[None]] | None,
-        secret: str,
-    ) -> None:
-        """As `KVTransferService.start_send`, once the service is known open and the secret drawn."""
-        meta = self._ctx.metadata
-        check_block_ids(meta, block_ids, num_tokens, "P")
-        layered = isinstance(ready, Sequence)
-        if layered and len(ready) != meta.num_layers:  # type: ignore[arg-type]
-            raise ValueError(f"layer-wise ready has {len(ready)} futures for {meta.num_layers} local layers")  # type: ignore[arg-type]
-        self._run_send(self._sender.hold(req_id, transfer_id, block_ids, num_tokens, self._ctx.clock(), secret=secret))
+    def send(self, request: SendRequest, ready: Awaitable[None] | Sequence[Awaitable[None]] | None) -> None:
+        """As `KVTransferService.send`, once the service is known open and the request checked: the hold now, and
+        the write once `ready` says the KV is written (layer by layer, for one future per local layer).
+
+        Raises:
+            ValueError: layer-wise `ready` has not one future per local layer; as `Sender.hold`.
+        """
+        layers = self._ctx.metadata.num_layers
+        if isinstance(ready, Sequence) and len(ready) != layers:
+            raise ValueError(f"layer-wise ready has {len(ready)} futures for {layers} local layers")
+        transfer_id = request.transfer_id
+        self._run_send(self._sender.hold(request, self._ctx.clock()))
         self._ctx.counts["early_served"] = self._sender.early_served
         if ready is None:
             self._run_send(self._sender.ready(transfer_id))
@@ -145,7 +141,8 @@ class SendingRole:
             self._writer.layer_wise(transfer_id, ready)
             self._run_send(self._sender.ready(transfer_id))
         else:
-            self._ctx.tasks.spawn(self._await_ready(req_id, transfer_id, ready), name=f"kvsvc-ready-{req_id}")
+            name = f"kvsvc-ready-{request.req_id}"
+            self._ctx.tasks.spawn(self._await_ready(request.req_id, transfer_id, ready), name=name)
 
     def abort(self, req_id: str) -> None:
         self._run_send(self._sender.abort(req_id))
@@ -162,7 +159,7 @@ class SendingRole:
     def take_finished(self) -> set[str]:
         """The req_ids whose holds ended since the last call (see `Sender.take_finished`)."""
         sent = self._sender.take_finished()
-        self._writer.forget_layers(lambda transfer_id: not self._sender.holds(transfer_id))
+        self._writer.forget_layers()
         return sent
 
     # -- how full it is ----------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from kvsvc.core.histogram import STAGE_BUCKETS, HistogramStatistics, LatencyHist
 from kvsvc.core.messages import WorkerMetadata, check_own_metadata
 from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.core.receiver import ReceiverStatistics
+from kvsvc.core.requests import RecvRequest, SendRequest, check_recv, check_send
 from kvsvc.core.sender import SenderStatistics
 from kvsvc.core.topology import TransferTopology
 from kvsvc.service.config import ServiceConfig
@@ -205,6 +206,27 @@ class KVTransferService:
 
     # -- the engine's calls ------------------------------------------------------------------------------------
 
+    def send(self, request: SendRequest, ready: Awaitable[None] | Sequence[Awaitable[None]] | None = None) -> None:
+        """Hold `request.req_id`'s KV in its blocks until the D workers that need it fetched it, or the hold expires;
+        only a D worker whose receive presents the request's secret is served. The request is checked here, once
+        (`kvsvc.core.requests.check_send`); below this call it travels as it is. A repeat for a held transfer is a
+        no-op.
+
+        `ready` is the completion of the compute that wrote the KV: None when it is done already, one awaitable
+        for the whole request, or one per local layer (in layer order) for layer-wise sends, where a layer goes
+        as soon as its own compute finished.
+
+        Raises:
+            ServiceClosed: `close` was called.
+            ValueError: as `check_send` (a block id outside this worker's pool, blocks that cannot hold the tokens,
+                a secret too short or too long, a transfer id longer than `kvsvc.core.messages.MAX_NAME_CHARS`),
+                `ready` has not one future per local layer, or the transfer is held already for another request or
+                with another secret.
+        """
+        self._check_open()
+        check_send(self._ctx.metadata, request)
+        self._sending.send(request, ready)
+
     def start_send(
         self,
         req_id: str,
@@ -215,25 +237,36 @@ class KVTransferService:
         *,
         secret: str | None = None,
     ) -> str:
-        """Hold `req_id`'s KV in `block_ids` until the D workers that need it fetched it, or the hold expires.
-        Returns the transfer's secret: only a D worker whose `start_recv` presents it is served.
+        """`send` from its fields, for an embedder: returns the transfer's secret, for D's `start_recv`. `secret`:
+        the one the engine drew for this transfer (every P worker of the engine holds it with the same one); None
+        draws a fresh one (`new_transfer_secret`), which suits an engine of one worker.
 
-        `ready` is the completion of the compute that wrote the KV: None when it is done already, one awaitable
-        for the whole request, or one per local layer (in layer order) for layer-wise sends, where a layer goes
-        as soon as its own compute finished. `secret`: the one the engine drew for this transfer (every P worker of
-        the engine holds it with the same one); None draws a fresh one
-        (`new_transfer_secret`), which suits an engine of one worker. A repeat for a held transfer is a no-op.
+        Raises:
+            as `send`.
+        """
+        secret = new_transfer_secret() if secret is None else secret
+        self.send(SendRequest(req_id, transfer_id, tuple(block_ids), num_tokens, secret), ready)
+        return secret
+
+    def recv(self, request: RecvRequest) -> None:
+        """Receive tokens `[first_token, num_tokens)` of `request.transfer_id` from engine `request.engine_id`
+        (bootstrap endpoint `request.bootstrap_addr`) into its blocks, where token t goes to block `block_ids[t //
+        block_size]`: a `first_token` > 0 leaves the prefix this engine holds already (its prefix cache) untouched.
+        The secret is the transfer's as P's `send` held it (P treats a request without it as one for a transfer it
+        does not hold). The request is checked here, once (`kvsvc.core.requests.check_recv`). The outcome appears
+        once in `get_finished` (finished, or failed with its blocks invalid). A repeat of a transfer being received
+        is a no-op. Never waits on the handshake.
 
         Raises:
             ServiceClosed: `close` was called.
-            ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`, `secret` is
-                too short or too long (`kvsvc.core.sender.check_secret`), `transfer_id` is longer than
-                `kvsvc.core.messages.MAX_NAME_CHARS`, or the transfer is held already with another secret.
+            ValueError: as `check_recv` (a block id outside this worker's pool, blocks that cannot hold the tokens,
+                `first_token` outside `[0, num_tokens]`, a missing secret, a transfer id longer than
+                `kvsvc.core.messages.MAX_NAME_CHARS`), or the transfer is received already for another request.
+            LocalProtocolError: this engine has several PP stages and `set_engine_metadata` was not called.
         """
         self._check_open()
-        secret = new_transfer_secret() if secret is None else secret
-        self._sending.start_send(req_id, transfer_id, block_ids, num_tokens, ready, secret)
-        return secret
+        check_recv(self._ctx.metadata, request)
+        self._receiving.recv(request)
 
     def start_recv(
         self,
@@ -247,24 +280,13 @@ class KVTransferService:
         *,
         secret: str,
     ) -> None:
-        """Receive tokens `[first_token, num_tokens)` of `transfer_id` from engine `remote_engine_id` (bootstrap
-        endpoint `remote_url`) into `block_ids`, where token t goes to block `block_ids[t // block_size]`: a
-        `first_token` > 0 leaves the prefix this engine holds already (its prefix cache) untouched. `secret` is the
-        transfer's secret as P's `start_send` returned it (P treats a request without it as one for a transfer it
-        does not hold). The outcome appears once in `get_finished` (finished, or failed with its blocks invalid). A
-        repeat of a transfer being received is a no-op. Never waits on the handshake.
+        """`recv` from its fields, for an embedder.
 
         Raises:
-            ServiceClosed: `close` was called.
-            ValueError: a block id is outside this worker's pool, the blocks cannot hold `num_tokens`,
-                `first_token` lies outside `[0, num_tokens]`, `secret` is missing (`kvsvc.core.sender.check_secret`), or
-                `transfer_id` is longer than `kvsvc.core.messages.MAX_NAME_CHARS`.
-            LocalProtocolError: this engine has several PP stages and `set_engine_metadata` was not called.
+            as `recv`.
         """
-        self._check_open()
-        self._receiving.start_recv(
-            req_id, transfer_id, remote_engine_id, remote_url, block_ids, num_tokens, first_token, secret
-        )
+        args = (req_id, transfer_id, remote_engine_id, remote_url, tuple(block_ids), num_tokens, first_token, secret)
+        self.recv(RecvRequest(*args))
 
     def abort(self, req_id: str) -> None:
         """Abort `req_id` on whichever side holds it. Its blocks are reported (finished_sending on P, failed on D)

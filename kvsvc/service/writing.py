@@ -138,9 +138,9 @@ class BlockWriter:
             for r in ready
         ]
 
-    def forget_layers(self, ended: Callable[[str], bool]) -> None:
-        """Drop the layer futures of the transfers for which `ended` is true."""
-        for transfer_id in [t for t in self._layer_ready if ended(t)]:
+    def forget_layers(self) -> None:
+        """Drop the layer futures of the transfers the `Sender` no longer holds."""
+        for transfer_id in [t for t in self._layer_ready if not self._sender.holds(t)]:
             del self._layer_ready[transfer_id]
 
     @property

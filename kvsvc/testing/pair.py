@@ -37,6 +37,7 @@ from kvsvc.core.layout import pool_regions
 from kvsvc.core.messages import TransferRequest, WindowEmptied, Worker
 from kvsvc.core.planner import Descriptor, expected_destinations, release_notifier, sources_of
 from kvsvc.core.receiver import Receiver, ToSource
+from kvsvc.core.requests import RecvRequest, SendRequest, check_recv, check_send
 from kvsvc.core.sender import Landed, Reply, Sender, Submit, WriteFault
 from kvsvc.core.staging_plans import StagingRule, plan_window, region_ids, window_plan
 from kvsvc.core.windows import (
@@ -207,9 +208,9 @@ class PeerPair(Reports, SimPlane, Faults):
             for layer in range(meta.start_layer, meta.end_layer):
                 values = self._pattern(self.p, worker, transfer_id, layer, num_tokens)
                 self.p.write_tokens(worker, layer, block_ids, num_tokens, values)
-            self._run_p(
-                worker, sender.hold(req_id, transfer_id, list(block_ids), num_tokens, self.clock(), secret=secret)
-            )
+            request = SendRequest(req_id, transfer_id, tuple(block_ids), num_tokens, secret)
+            check_send(meta, request)  # as the service's edge does
+            self._run_p(worker, sender.hold(request, self.clock()))
         if ready:
             self.ready(transfer_id)
 
@@ -227,10 +228,10 @@ class PeerPair(Reports, SimPlane, Faults):
         self._recvs[req_id] = (transfer_id, list(block_ids), num_tokens)
         for worker, receiver in self.receivers.items():
             meta = self.d.metas[worker]
-            started = receiver.start(
-                req_id, transfer_id, self.p.engine_id, list(block_ids), num_tokens, self.clock(), secret=secret,
-                receive=f"receive-{req_id}",
-            )  # fmt: skip
+            args = (req_id, transfer_id, self.p.engine_id, "", tuple(block_ids), num_tokens, 0, secret)
+            request = RecvRequest(*args)
+            check_recv(meta, request)  # as the service's edge does
+            started = receiver.start(request, self.clock(), receive=f"receive-{req_id}")
             if not started:
                 continue
             sources = sources_of(meta, self.p.metas)

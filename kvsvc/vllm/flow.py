@@ -35,6 +35,7 @@ from typing import Any
 
 from kvsvc.core.auth import Key
 from kvsvc.core.groups import DROPPING, FULL, MAMBA
+from kvsvc.core.requests import RecvRequest, SendRequest
 from kvsvc.vllm.params import (
     ParamsError,
     RemotePrefill,
@@ -52,32 +53,6 @@ from kvsvc.vllm.params import (
 
 
 @dataclass(frozen=True, slots=True)
-class SendSpec:
-    """P: hold `req_id`'s prompt KV (its first `num_tokens` tokens in `block_ids`) for a D engine."""
-
-    req_id: str
-    transfer_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    secret: str  # the transfer's secret, the same on every P worker and in D's params
-
-
-@dataclass(frozen=True, slots=True)
-class RecvSpec:
-    """D: fetch tokens `[first_token, num_tokens)` of `transfer_id` from P engine `engine_id` into `block_ids`."""
-
-    req_id: str
-    transfer_id: str
-    engine_id: str
-    bootstrap_addr: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    first_token: int
-    secret: str  # as P issued it in the params
-    push: bool = False  # router push params: the fetch waits at P for a prefill that started with it
-
-
-@dataclass(frozen=True, slots=True)
 class Withdrawal:
     """P (push mode): the engine will never hold `transfer_id`; D's fetches that wait for it fail with `reason`."""
 
@@ -91,8 +66,8 @@ class StepMetadata:
     """What one engine step asks of every worker: started after the forward (sends), before or after it (receives,
     aborts). Immutable: vLLM may hand the same object to a worker in the same process."""
 
-    sends: tuple[SendSpec, ...] = ()
-    recvs: tuple[RecvSpec, ...] = ()
+    sends: tuple[SendRequest, ...] = ()
+    recvs: tuple[RecvRequest, ...] = ()
     aborts: tuple[str, ...] = ()
     engine: Mapping[tuple[int, int], Any] | None = None  # the engine's merged worker metadata, in one step
     withdrawn: tuple[Withdrawal, ...] = ()
@@ -175,8 +150,8 @@ class SchedulerFlow:
     lookahead: int = 0  # vLLM's `num_prefill_lookahead_tokens`: prompt tokens a drafter reads past the computed ones
     _producers: dict[str, _Producer] = field(default_factory=dict)
     _consumers: dict[str, _Consumer] = field(default_factory=dict)
-    _sends: list[SendSpec] = field(default_factory=list)
-    _recvs: list[RecvSpec] = field(default_factory=list)
+    _sends: list[SendRequest] = field(default_factory=list)
+    _recvs: list[RecvRequest] = field(default_factory=list)
     _aborts: list[str] = field(default_factory=list)
     _withdrawn: list[Withdrawal] = field(default_factory=list)
     _counts: dict[str, int] = field(default_factory=lambda: {"holds": 0, "loads": 0, "refused": 0, "withdrawn": 0})
@@ -326,7 +301,7 @@ class SchedulerFlow:
         remote = consumer.remote
         end = self._moved(prompt_len)
         self._recvs.append(
-            RecvSpec(
+            RecvRequest(
                 req_id=req_id,
                 transfer_id=remote.transfer_id,
                 engine_id=remote.engine_id,
@@ -375,7 +350,7 @@ class SchedulerFlow:
             return
         producer.held = True
         blocks = self._flat(groups, producer.moved)
-        self._sends.append(SendSpec(req_id, producer.transfer_id, blocks, producer.moved, producer.secret))
+        self._sends.append(SendRequest(req_id, producer.transfer_id, blocks, producer.moved, producer.secret))
         self._counts["holds"] += 1
 
     # -- either side: the end of a request ---------------------------------------------------------------------

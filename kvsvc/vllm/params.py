@@ -29,10 +29,9 @@ from typing import Any, Final
 
 from kvsvc.core.auth import Key, fields_verify, parse_bootstrap_addr, sign_fields
 from kvsvc.core.messages import MAX_SECRET_CHARS, clip
+from kvsvc.core.requests import MIN_SECRET_CHARS
 
 PARAMS_VERSION: Final = 2
-# As `kvsvc.core.sender` bounds a transfer secret.
-MIN_SECRET_CHARS: Final = 16
 # P signs nine fields, thirteen when it pushes: params that name more are not P's.
 MAX_SIGNED_FIELDS: Final = 32
 # The keys vLLM's tooling and routers already know (NixlConnector and MooncakeConnector use them too).

@@ -264,16 +264,7 @@ class WorkerSide:
                     log.error("kvsvc: withdrawal of transfer %r refused: %s", gone.transfer_id, exc)
             for spec in step.recvs:
                 try:
-                    service.start_recv(
-                        spec.req_id,
-                        spec.transfer_id,
-                        spec.engine_id,
-                        spec.bootstrap_addr,
-                        list(spec.block_ids),
-                        spec.num_tokens,
-                        spec.first_token,
-                        secret=spec.secret,
-                    )
+                    service.recv(spec)
                 except Exception as exc:  # blocks outside the pool, a repeated transfer id, a defect: it fails alone
                     log.error("receive of %s (transfer %r) could not start: %s", spec.req_id, spec.transfer_id, exc)
                     self._outcomes.append(RecvRefused(spec.req_id, tuple(spec.block_ids)))
@@ -348,10 +339,7 @@ class WorkerSide:
             for spec in step.sends:
                 ready = _on_loop(readiness)
                 try:
-                    blocks = list(spec.block_ids)
-                    service.start_send(
-                        spec.req_id, spec.transfer_id, blocks, spec.num_tokens, ready, secret=spec.secret
-                    )
+                    service.send(spec, ready)
                 except Exception as exc:  # as for receives: the send fails alone, and is reported so
                     log.error("send of %s could not start: %s", spec.req_id, exc)
                     self._outcomes.append(SendRefused(spec.req_id))

@@ -41,6 +41,7 @@ from kvsvc.core.messages import (
     WorkerRef,
     encode,
 )
+from kvsvc.core.requests import SendRequest
 from kvsvc.core.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, Sender
 from kvsvc.testing.hellos import decide_unkeyed
 
@@ -358,7 +359,7 @@ def test_the_bytes_of_an_early_request_are_given_back_however_it_leaves(how: str
     sender.request(D0_REF, EVERY_D, early("t1", 100), 0.0)
     assert sender.statistics().early_request_bytes == cost(100)
     if how == "hold":
-        sender.hold("r1", "t1", [0] * 100, 100, 1.0, secret=SECRET)
+        sender.hold(SendRequest("r1", "t1", (0,) * 100, 100, SECRET), 1.0)
     elif how == "expire":
         sender.expire(11.0)
     elif how == "peer_lost":

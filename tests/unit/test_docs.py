@@ -73,12 +73,17 @@ def _definitions(path: Path) -> set[str]:
 
 def route_tables(text: str) -> list[list[tuple[str, list[str]]]]:
     """Each route table of `text` as its rows: (the file cited, the function names cited), in order."""
-    tables: list[list[tuple[str, list[str]]]] = []
+    return [[(file, functions) for file, functions, _ in rows] for rows in _route_rows(text)]
+
+
+def _route_rows(text: str) -> list[list[tuple[str, list[str], str]]]:
+    """Each route table of `text` as its rows: (the file cited, the function names cited, what it decides)."""
+    tables: list[list[tuple[str, list[str], str]]] = []
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if line.strip() != ROUTE_HEADER:
             continue
-        rows: list[tuple[str, list[str]]] = []
+        rows: list[tuple[str, list[str], str]] = []
         for row in lines[i + 2 :]:
             if not row.startswith("|"):
                 break
@@ -87,7 +92,7 @@ def route_tables(text: str) -> list[list[tuple[str, list[str]]]]:
             files = re.findall(r"`([^`]+)`", cells[0])
             functions = re.findall(r"`([^`]+)`", cells[1])
             assert len(files) == 1 and functions, f"docs/contributing.md: a route row names no file or function: {row}"
-            rows.append((files[0], functions))
+            rows.append((files[0], functions, cells[2]))
         tables.append(rows)
     return tables
 
@@ -106,6 +111,21 @@ def test_every_function_the_route_cites_is_defined_in_the_file_it_names() -> Non
             defined = _definitions(path)
             wrong += [f"{file}: {name}" for name in functions if name not in defined]
     assert not wrong, f"docs/contributing.md cites functions its files do not define: {wrong}"
+
+
+def test_every_hop_of_the_route_decides_something() -> None:
+    """A row whose decision is empty or a mark ("·") is a hop that only passes the request on: either it decides
+    something the table says, or the hop goes (from the code, then from the table)."""
+    rows = [row for table in _route_rows((DOCS / "contributing.md").read_text()) for row in table]
+    passing = [f"{file}: {', '.join(functions)}" for file, functions, decides in rows if len(decides.strip("·( )")) < 8]
+    assert not passing, f"docs/contributing.md has hops that decide nothing: {passing}"
+
+
+def test_the_first_route_is_the_one_host_route_and_names_its_plane() -> None:
+    """The first table is a transfer on one host: its write goes through the same-host plane, not Mooncake."""
+    direct = route_tables((DOCS / "contributing.md").read_text())[0]
+    files = {file for file, _ in direct}
+    assert "kvsvc/transport/samehost.py" in files and "kvsvc/transport/mooncake.py" not in files
 
 
 def test_the_route_says_how_many_files_the_direct_path_crosses() -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvsvc.core.auth import PARAMS_KEY, derive_key
 from kvsvc.core.messages import TransferRequest, WorkerRef
+from kvsvc.core.requests import SendRequest
 from kvsvc.core.sender import Reply, Sender
 from kvsvc.vllm.config import parse_config
 from kvsvc.vllm.flow import SchedulerFlow
@@ -92,7 +93,7 @@ def test_a_d_with_another_prompt_derives_another_secret_and_p_serves_it_nothing(
     d_worker = WorkerRef(engine_id="D-engine", incarnation="1", pp_rank=0, tp_rank=0)
     early = TransferRequest(transfer_id=recv.transfer_id, block_ids=[3, 4, 5], num_tokens=40, secret=recv.secret)
     assert sender.request(d_worker, frozenset(), early, 0.0) == []  # D first: it waits for P's hold
-    assert sender.hold("r", send.transfer_id, [7, 8, 9], 40, 1.0, secret=send.secret) == []  # not applied
+    assert sender.hold(SendRequest("r", send.transfer_id, (7, 8, 9), 40, send.secret), 1.0) == []  # not applied
     (answer,) = sender.expire(6.0)
     assert isinstance(answer, Reply) and "not held" in answer.message.reason
 
@@ -150,7 +151,7 @@ def test_a_d_that_came_first_with_the_derived_secret_is_served_at_the_hold_and_c
     d_worker = WorkerRef(engine_id="D-engine", incarnation="1", pp_rank=0, tp_rank=0)
     early = TransferRequest(transfer_id=recv.transfer_id, block_ids=[3, 4, 5], num_tokens=40, secret=recv.secret)
     assert sender.request(d_worker, frozenset(), early, 0.0) == []
-    sender.hold("r", send.transfer_id, [7, 8, 9], 40, 1.0, secret=send.secret)
+    sender.hold(SendRequest("r", send.transfer_id, (7, 8, 9), 40, send.secret), 1.0)
     stats = sender.statistics()
     assert (stats.early_requests, stats.early_served, stats.refused_secrets) == (0, 1, 0)
     assert stats.jobs_by_state  # the request became a job of the hold

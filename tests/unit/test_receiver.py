@@ -9,17 +9,22 @@ from kvsvc.cli.plan import synthetic_engine
 from kvsvc.core.messages import Abort, Release, TransferDone, TransferRequest
 from kvsvc.core.planner import plan_transfer_arrays
 from kvsvc.core.receiver import Receiver, SendToSource, planned_bytes
+from kvsvc.core.requests import RecvRequest
 from kvsvc.testing.clock import FakeClock
 
 P0, P1, P2 = (0, 0), (0, 1), (0, 2)
 BLOCKS = [4, 5, 6]
 
 
+def _recv(req_id: str, transfer_id: str, engine_id: str, blocks: list[int], tokens: int, first: int = 0) -> RecvRequest:
+    return RecvRequest(req_id, transfer_id, engine_id, "http://p", tuple(blocks), tokens, first, "")
+
+
 def started(
     *, sources: list[tuple[int, int]] | None = None, connected: set[tuple[int, int]] | None = None
 ) -> tuple[Receiver, FakeClock, list[SendToSource]]:
     receiver, clock = Receiver(recv_timeout_s=60, abort_grace_s=30), FakeClock()
-    assert receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    assert receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), clock())
     srcs = [P0, P1] if sources is None else sources
     out = receiver.sources_known("t1", srcs, [], set(srcs) if connected is None else connected)
     return receiver, clock, out
@@ -37,7 +42,7 @@ def test_a_receive_asks_each_connected_source_for_its_share() -> None:
 
 def test_a_receive_tells_the_p_workers_nobody_needs_to_release_their_hold() -> None:
     receiver = Receiver()
-    receiver.start("r1", "t1", "P", BLOCKS, 10, 0.0)
+    receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), 0.0)
     out = receiver.sources_known("t1", [P0], [P2], {P0})
     assert SendToSource("P", P2, Release(transfer_id="t1")) in out
 
@@ -74,7 +79,7 @@ def test_one_failed_source_fails_the_receive_with_every_block_invalid() -> None:
 
 def test_repeated_starts_and_answers_change_nothing() -> None:
     receiver, clock, _ = started()
-    assert not receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    assert not receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), clock())
     assert receiver.sources_known("t1", [P0, P1], [], {P0, P1}) == []
     receiver.answer("P", P0, "t1", None)
     assert receiver.answer("P", P0, "t1", None) == []
@@ -109,7 +114,7 @@ def test_a_receive_times_out_failed_with_all_its_blocks_invalid_and_tells_p_to_s
 
 def test_a_receive_still_waiting_for_its_handshake_times_out_failed() -> None:
     receiver, clock = Receiver(recv_timeout_s=5), FakeClock()
-    receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), clock())
     assert receiver.statistics().waiting_for_handshake == 1
     receiver.expire(clock.advance(5))
     assert receiver.take_report().failed == {"r1"}
@@ -148,7 +153,7 @@ def test_d_abort_of_a_receive_whose_sources_are_not_connected_ends_at_once_and_s
 
 def test_d_abort_before_the_handshake_ends_the_receive_when_the_sources_are_known() -> None:
     receiver, clock = Receiver(), FakeClock()
-    receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), clock())
     receiver.abort("r1", clock())
     assert receiver.take_report().failed == set()
     assert kinds(receiver.sources_known("t1", [P0], [], {P0})) == [(P0, Abort)]
@@ -157,7 +162,7 @@ def test_d_abort_before_the_handshake_ends_the_receive_when_the_sources_are_know
 
 def test_d_abort_before_a_handshake_that_never_ends_is_reported_after_the_abort_grace() -> None:
     receiver, clock = Receiver(abort_grace_s=5), FakeClock()
-    receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), clock())
     receiver.abort("r1", clock())
     clock.advance(5)
     receiver.expire(clock())
@@ -166,7 +171,7 @@ def test_d_abort_before_a_handshake_that_never_ends_is_reported_after_the_abort_
 
 def test_d_abort_before_the_handshake_still_releases_the_p_workers_it_must_release() -> None:
     receiver, clock = Receiver(), FakeClock()
-    receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), clock())
     receiver.abort("r1", clock())
     out = receiver.sources_known("t1", [P0], [P2], {P0})
     assert (P2, Release) in kinds(out)
@@ -199,7 +204,7 @@ def test_a_lost_source_proven_gone_ends_the_wait_once_the_other_sources_stopped(
 
 def test_gone_touches_only_receives_whose_connection_to_that_source_broke() -> None:
     receiver, clock, _ = started(sources=[P0])
-    receiver.start("r2", "t2", "P", [9], 1, clock())
+    receiver.start(_recv("r2", "t2", "P", [9], 1, 0), clock())
     receiver.sources_known("t2", [P0], [], set())  # not asked yet: its connection never broke after asking
     receiver.source_gone("P", P0, "gone")  # nothing was lost yet: no-op
     assert receiver.take_report().failed == set() and receiver.statistics().receives == 2
@@ -246,9 +251,9 @@ def test_a_lost_connection_during_an_abort_still_waits_for_the_abort_grace() -> 
 
 def test_an_incompatible_or_unreachable_engine_fails_the_receives_that_wait_for_its_handshake() -> None:
     receiver = Receiver()
-    receiver.start("r1", "t1", "P", BLOCKS, 10, 0.0)
-    receiver.start("r2", "t2", "P", [9], 1, 0.0)
-    receiver.start("r3", "t3", "other", [8], 1, 0.0)
+    receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), 0.0)
+    receiver.start(_recv("r2", "t2", "P", [9], 1, 0), 0.0)
+    receiver.start(_recv("r3", "t3", "other", [8], 1, 0), 0.0)
     receiver.sources_known("t2", [P0], [], set())  # routed already: its connection decides its fate
     receiver.engine_failed("P", "P tp_size 3 does not divide D tp_size 4")
     report = receiver.take_report()
@@ -286,7 +291,7 @@ def test_a_timed_out_receive_whose_sources_never_confirm_ends_after_the_abort_gr
 def test_receiving_a_transfer_twice_for_another_request_is_refused() -> None:
     receiver, clock, _ = started()
     with pytest.raises(ValueError, match="'t1' is already received for request 'r1', not 'r2'"):
-        receiver.start("r2", "t1", "P", [9], 1, clock())
+        receiver.start(_recv("r2", "t1", "P", [9], 1, 0), clock())
 
 
 def test_every_frame_from_p_goes_through_receive() -> None:
@@ -319,7 +324,7 @@ def test_a_window_round_no_window_took_is_dropped_at_debug_level_and_never_answe
 
 def test_a_done_answer_with_other_bytes_than_d_planned_fails_the_receive_naming_both_counts() -> None:
     receiver, clock = Receiver(recv_timeout_s=60, abort_grace_s=30), FakeClock()
-    assert receiver.start("r1", "t1", "P", BLOCKS, 10, clock())
+    assert receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), clock())
     receiver.sources_known("t1", [P0, P1], [], {P0, P1}, planned={P0: 4096, P1: 4096})
     receiver.receive("P", P0, TransferDone(transfer_id="t1", bytes=4096, descriptors=2))
     receiver.receive("P", P1, TransferDone(transfer_id="t1", bytes=0, descriptors=0))  # wrote nothing
@@ -349,7 +354,7 @@ def test_an_answer_for_an_earlier_receive_of_the_same_transfer_is_dropped() -> N
     from kvsvc.core.jobs import Notice
 
     receiver, clock = Receiver(recv_timeout_s=60, abort_grace_s=30), FakeClock()
-    assert receiver.start("r1", "t1", "P", BLOCKS, 10, clock(), receive="second")
+    assert receiver.start(_recv("r1", "t1", "P", BLOCKS, 10, 0), clock(), receive="second")
     receiver.sources_known("t1", [P0, P1], [], {P0, P1})
     stale = TransferDone(transfer_id="t1", bytes=1, descriptors=1, receive="first")
     assert receiver.receive("P", P0, stale) == [

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from kvsvc.core.auth import PARAMS_KEY, derive_key, sign_fields
 from kvsvc.core.groups import FULL, MAMBA, SLIDING_WINDOW
+from kvsvc.core.requests import RecvRequest, SendRequest
 from kvsvc.service.config import ServiceConfig, is_loopback
 from kvsvc.vllm.config import CONTROL_TOKEN_ENV, PROVEN_VLLM, ConnectorConfig, parse_config, version_note
-from kvsvc.vllm.flow import RecvSpec, SchedulerFlow, SendSpec
+from kvsvc.vllm.flow import SchedulerFlow
 from kvsvc.vllm.params import (
     SIGNATURE,
     SIGNED,
@@ -68,7 +69,7 @@ def test_p_holds_a_one_token_request_from_the_step_that_ends_its_prompt() -> Non
     f.scheduled("r1", 0, 32, [[7, 8, 9, 10]])  # a first chunk: the prompt is not done
     assert f.build().sends == ()
     f.scheduled("r1", 32, 8, [[7, 8, 9, 10]])
-    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9), 40, SECRET),)  # only the prompt's blocks
+    assert f.build().sends == (SendRequest("r1", "r1", (7, 8, 9), 40, SECRET),)  # only the prompt's blocks
     assert not f.wants_blocks("r1")
     keep, params = f.finished("r1", [[7, 8, 9, 10]], completed=True)
     assert keep and params == p_params(transfer_id="r1")
@@ -83,7 +84,7 @@ def test_a_hybrid_models_groups_travel_as_one_list_of_each_groups_prompt_blocks(
     f.scheduled("r1", 0, 40, [[7, 8, 9, 10], [0, 0, 12, 13]])
     # The last prompt token stays D's to compute: loading all 40, vLLM would recompute it over a window reaching
     # one token further back than the blocks D kept.
-    assert f.build().sends == (SendSpec("r1", "r1", (7, 8, 9, 0, 0, 12), 39, SECRET),)
+    assert f.build().sends == (SendRequest("r1", "r1", (7, 8, 9, 0, 0, 12), 39, SECRET),)
     d = SchedulerFlow("D-engine", "", BS, (FULL, SLIDING_WINDOW), params_key=KEY)
     d.on_new_request("d1", PROMPT, p_params())
     assert d.matched_tokens("d1", 40, 0) == (39, True)
@@ -100,7 +101,7 @@ def test_a_model_with_mamba_state_moves_the_state_before_the_last_prompt_token()
     assert f.dropped_tokens("r1") == 1 and f.dropped_tokens("one") == 0  # one token: no state to move, D computes
     f.scheduled("r1", 0, 39, [[5], [7, 8, 9]])  # P prefills 39 tokens: its prompt was cut by one
     # The state slot goes last in its group's list, behind the null block, to the attention group's length.
-    assert f.build().sends == (SendSpec("r1", "r1", (0, 0, 5, 7, 8, 9), 39, SECRET),)
+    assert f.build().sends == (SendRequest("r1", "r1", (0, 0, 5, 7, 8, 9), 39, SECRET),)
     d = SchedulerFlow("D-engine", "", BS, (MAMBA, FULL), params_key=KEY)
     d.on_new_request("d1", PROMPT, p_params())
     assert d.matched_tokens("d1", 40, 0) == (39, True)  # D computes the last token from the state after 39
@@ -168,7 +169,7 @@ def test_p_holds_a_request_that_decodes_on_p_only_when_it_finishes() -> None:
     assert f.build().sends == ()
     keep, params = f.finished("r1", [[4, 5, 6]], completed=True)
     assert keep and params is not None
-    assert f.build().sends == (SendSpec("r1", "r1", (4, 5, 6), 40, SECRET),)
+    assert f.build().sends == (SendRequest("r1", "r1", (4, 5, 6), 40, SECRET),)
 
 
 def test_an_aborted_p_request_is_freed_at_once_unless_held_then_its_hold_is_aborted() -> None:
@@ -202,7 +203,7 @@ def test_d_loads_every_prompt_token_its_prefix_cache_lacks_once() -> None:
     assert f.matched_tokens("d1", 40, 16) == (24, True)  # no side effect: vLLM may ask again
     f.after_alloc("d1", [[3, 4, 5, 6]], 24, 40)
     step = f.build()
-    assert step.recvs == (RecvSpec("d1", "t1", "P-engine", "http://10.0.0.1:8998", (3, 4, 5), 40, 16, SECRET),)
+    assert step.recvs == (RecvRequest("d1", "t1", "P-engine", "http://10.0.0.1:8998", (3, 4, 5), 40, 16, SECRET),)
     f.after_alloc("d1", [[3, 4, 5, 6]], 0, 40)  # vLLM's second call, once loaded
     assert f.matched_tokens("d1", 40, 0) == (0, False)  # a failed load is recomputed, never fetched again
     assert f.build().recvs == ()

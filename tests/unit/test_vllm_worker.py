@@ -21,9 +21,10 @@ from kvsvc.core.groups import state_bytes
 from kvsvc.core.layout import block_geometry, pool_regions
 from kvsvc.core.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
 from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.core.requests import RecvRequest, SendRequest
 from kvsvc.service.config import ServiceConfig
 from kvsvc.vllm.config import ConnectorConfig
-from kvsvc.vllm.flow import RecvSpec, SendSpec, StepMetadata
+from kvsvc.vllm.flow import StepMetadata
 from kvsvc.vllm.kv_layout import (
     GroupView,
     TensorView,
@@ -402,22 +403,24 @@ class FakeService:
             asyncio.run(on_loop())
         self.late = None
 
-    def start_recv(self, req_id: str, *args: object, secret: str) -> None:
-        self.secrets.append(secret)
+    def recv(self, request: RecvRequest) -> None:
+        req_id = request.req_id
+        self.secrets.append(request.secret)
         if req_id in self.refuse_recv:
             raise ValueError(f"block ids of {req_id} outside the pool")
         if req_id in self.crash:
             raise RuntimeError(f"a defect met {req_id}")
         self.calls.append(f"recv {req_id}")
 
-    def start_send(self, req_id: str, *args: object, secret: str) -> None:
-        self.secrets.append(secret)
+    def send(self, request: SendRequest, ready: object) -> None:
+        req_id = request.req_id
+        self.secrets.append(request.secret)
         if req_id in self.refuse_send:
             raise ValueError(f"block ids of {req_id} outside the pool")
         if req_id in self.crash:
             raise RuntimeError(f"a defect met {req_id}")
         self.calls.append(f"send {req_id}")
-        self.ready = args[-1]
+        self.ready = ready
 
     def abort(self, req_id: str) -> None:
         self.calls.append(f"abort {req_id}")
@@ -442,7 +445,7 @@ def pushing_p(service: FakeService) -> WorkerSide:
 def test_a_send_is_reported_only_once_vllm_saw_its_request_finish() -> None:
     service = FakeService()
     side = worker_with(service)
-    side.end_step(StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),)))
+    side.end_step(StepMetadata(sends=(SendRequest("p1", "p1", (1, 2), 40, "k" * 22),)))
     assert service.secrets == ["k" * 22]  # the hold's secret is the one the scheduler drew
     service.next = KVConnectorOutput(finished_sending={"p1"})  # D fetched it before vLLM finished the request
     assert side.transfer_results(set()).finished_sending == set()
@@ -457,7 +460,7 @@ def test_a_send_refused_by_a_busy_loop_is_still_reported_and_nothing_stays_held(
     service.refuse_send = {"p2"}
     service.late = []
     side = worker_with(service)
-    sends = tuple(SendSpec(f"p{i}", f"p{i}", (i,), 4, "k" * 22) for i in (1, 2))
+    sends = tuple(SendRequest(f"p{i}", f"p{i}", (i,), 4, "k" * 22) for i in (1, 2))
     side.end_step(StepMetadata(sends=sends))
     assert service.calls == []  # the step went on: nothing ran yet
     service.catch_up()
@@ -476,7 +479,7 @@ def test_a_receive_started_or_refused_by_a_busy_loop_is_still_reported_once() ->
     service.refuse_recv = {"d2"}
     service.late = []
     side = worker_with(service)
-    recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0, "k" * 22) for i in (1, 2))
+    recvs = tuple(RecvRequest(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0, "k" * 22) for i in (1, 2))
     side.begin_step(StepMetadata(recvs=recvs))
     assert side.transfer_results(set()).finished_recving == set()  # nothing ran yet: nothing to report
     service.catch_up()
@@ -497,9 +500,9 @@ def test_a_start_that_raises_what_no_contract_names_fails_that_transfer_alone() 
     service = FakeService()
     service.crash = {"d1", "p1"}
     side = worker_with(service)
-    recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i,), 4, 0, "k" * 22) for i in (1, 2))
+    recvs = tuple(RecvRequest(f"d{i}", f"t{i}", "P", "http://p", (i,), 4, 0, "k" * 22) for i in (1, 2))
     side.begin_step(StepMetadata(recvs=recvs))
-    side.end_step(StepMetadata(sends=tuple(SendSpec(f"p{i}", f"p{i}", (i,), 4, "k" * 22) for i in (1, 2))))
+    side.end_step(StepMetadata(sends=tuple(SendRequest(f"p{i}", f"p{i}", (i,), 4, "k" * 22) for i in (1, 2))))
     assert service.calls == ["recv d2", "send p2"]
     results = side.transfer_results({"p1", "p2"})
     assert (results.finished_recving, results.failed_recving, results.finished_sending) == ({"d1"}, {"d1"}, {"p1"})
@@ -522,7 +525,7 @@ def test_on_gpu_a_send_waits_for_each_layer_event_or_for_one_after_the_forward(m
     side = worker_with(service)
     side._device = "cuda"
     side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
-    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    step = StepMetadata(sends=(SendRequest("p1", "p1", (1, 2), 40, "k" * 22),))
     # vLLM 0.32's order: bind, the forward, then start_load_kv (which must not forget the forward's events), then
     # wait_for_save.
     side.bind_step(step)
@@ -545,7 +548,7 @@ def test_a_pushing_p_on_cpu_starts_its_sends_at_the_bind_before_the_forward_each
     # D's fetch already waits at a pushing P: the send starts with the step, and each layer's write with the layer.
     service = FakeService()
     side = pushing_p(service)
-    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    step = StepMetadata(sends=(SendRequest("p1", "p1", (1, 2), 40, "k" * 22),))
     side.bind_step(step)  # vLLM binds a step's metadata before its forward
     assert service.calls == ["send p1"]  # before any layer was computed
     layers = list(side._layers_ready)
@@ -569,7 +572,7 @@ def test_a_forward_that_raised_fails_the_layers_it_had_not_written_and_a_pull_se
     # it did not reach was never written, so no send may take those blocks as ready (D would load them).
     service = FakeService()
     side = pushing_p(service)
-    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    step = StepMetadata(sends=(SendRequest("p1", "p1", (1, 2), 40, "k" * 22),))
     side.bind_step(step)
     layers = list(side._layers_ready)
     side.layer_saved("model.layers.0.attn", step)
@@ -587,7 +590,7 @@ def test_failed_receives_are_finished_too_with_their_blocks_in_the_same_step(cap
     service = FakeService()
     service.refuse_recv = {"d3"}
     side = worker_with(service)
-    recvs = tuple(RecvSpec(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0, "k" * 22) for i in (1, 2, 3))
+    recvs = tuple(RecvRequest(f"d{i}", f"t{i}", "P", "http://p", (i, 10 + i), 40, 0, "k" * 22) for i in (1, 2, 3))
     side.begin_step(StepMetadata(recvs=recvs))
     assert service.calls == ["recv d1", "recv d2"]
     service.next = KVConnectorOutput(
@@ -611,7 +614,7 @@ def test_an_idle_step_waits_for_news_only_while_a_transfer_is_owed() -> None:
     service = FakeService()
     side = worker_with(service)
     side.transfer_results(set(), idle=True)  # nothing handed in: no wait
-    recv = RecvSpec("d1", "d1", "P", "http://p", (1,), 4, 0, "k" * 22)
+    recv = RecvRequest("d1", "d1", "P", "http://p", (1,), 4, 0, "k" * 22)
     side.begin_step(StepMetadata(recvs=(recv,)))
     side.transfer_results(set(), idle=False)  # the step computed something: no wait
     side.transfer_results(set(), idle=True)  # d1 is owed: wait
@@ -627,7 +630,7 @@ def test_each_send_is_reported_once_whichever_order_vllm_calls_the_hooks_in(orde
     # finished reaches the report before its send reaches the service; without drafts the order is the reverse.
     service = FakeService()
     side = worker_with(service)
-    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    step = StepMetadata(sends=(SendRequest("p1", "p1", (1, 2), 40, "k" * 22),))
     side.bind_step(step)
     if order == "wait_for_save first":
         side.end_step(step)
@@ -646,7 +649,7 @@ def test_sends_of_a_step_whose_wait_for_save_never_came_start_at_the_next_bind_a
     # vLLM returns from a PP rank that is not the last before `wait_for_save` when drafts are on.
     service = FakeService()
     side = worker_with(service)
-    first = StepMetadata(sends=(SendSpec("p1", "p1", (1,), 4, "k" * 22),))
+    first = StepMetadata(sends=(SendRequest("p1", "p1", (1,), 4, "k" * 22),))
     side.bind_step(first)
     assert side.transfer_results({"p1"}).finished_sending == set()
     assert service.calls == []
@@ -660,7 +663,7 @@ def test_sends_of_a_step_whose_wait_for_save_never_came_start_at_the_next_bind_a
 def test_a_pushing_ps_layers_that_wait_for_save_never_named_are_written_at_the_next_bind() -> None:
     service = FakeService()
     side = pushing_p(service)
-    side.bind_step(StepMetadata(sends=(SendSpec("p1", "p1", (1,), 4, "k" * 22),)))
+    side.bind_step(StepMetadata(sends=(SendRequest("p1", "p1", (1,), 4, "k" * 22),)))
     side.layer_saved("model.layers.0.attn", StepMetadata())
     layers = list(side._layers_ready)
     side.bind_step(StepMetadata())
@@ -675,7 +678,7 @@ def test_sends_that_never_reach_a_closed_service_are_owed_nothing() -> None:
         raise KVSvcError("the kvsvc service is closed")
 
     service.post = closed  # type: ignore[method-assign]
-    step = StepMetadata(sends=(SendSpec("p1", "p1", (1,), 4, "k" * 22),))
+    step = StepMetadata(sends=(SendRequest("p1", "p1", (1,), 4, "k" * 22),))
     side.bind_step(step)
     with pytest.raises(KVSvcError):
         side.end_step(step)
@@ -708,7 +711,7 @@ def test_a_forward_that_raised_before_a_deferred_wait_for_save_sends_nothing_as_
     failure = RuntimeError("out of memory in layer 1")
     service = FakeService()
     pulling = worker_with(service)
-    step = StepMetadata(sends=(SendSpec("p1", "p1", (1, 2), 40, "k" * 22),))
+    step = StepMetadata(sends=(SendRequest("p1", "p1", (1, 2), 40, "k" * 22),))
     pulling.bind_step(step)
     pulling.transfer_results({"p1"}, failed=failure)
     assert service.calls == ["send p1"] and service.ready is not None  # it waits, and fails
