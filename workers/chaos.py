@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from kvsvc.engine.admin import build_admin_app, random_token
-from kvsvc.testing.hosts import NetnsHosts, in_netns
+from kvsvc.engine.netns import NetnsHosts, in_netns
 from workers.chaos_spec import FAULTS, NET_FAULTS, ChaosOptions, ChaosResult, PhaseResult, default_service
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine, PrefillRequest
 from workers.executor import Executor, start_all
@@ -531,7 +531,7 @@ def run_chaos(options: ChaosOptions, on_progress: Callable[[ChaosResult], None] 
         WorkerError: an engine failed to start or a worker failed a command. HostsError: `hosts="netns"` and the
             namespaces cannot be made here (the reason), or a fault's command failed.
     """
-    from kvsvc.testing.hosts import HostsError, skip_reason
+    from kvsvc.engine.netns import HostsError, skip_reason
 
     if options.hosts == "netns" and (why := skip_reason()) is not None:
         raise HostsError(f"hosts netns: {why}")

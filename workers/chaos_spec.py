@@ -45,7 +45,7 @@ class ChaosOptions:
     freeze_s: float = 6.0
     outage_s: float = 4.0  # how long a partition or a link down lasts before it heals
     loss_s: float = 6.0  # how long packet loss lasts, load going on meanwhile
-    hosts: str = "local"  # "netns": P and D on separate network hosts (`kvsvc.testing.hosts`), for NET_FAULTS
+    hosts: str = "local"  # "netns": P and D on separate network hosts (`kvsvc.engine.netns`), for NET_FAULTS
     staging_bytes: int = 0  # each worker's staging region: P gathers there, D lends windows (a TP change uses them)
     fault_worker: int = 1  # index of the P worker killed or frozen
     prefill_tp: int = 2

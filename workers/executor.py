@@ -88,7 +88,7 @@ class EngineConfig:
     log_level: str = "WARNING"
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0  # 0: a free port, kept across `restart()`
-    netns: str | None = None  # a network namespace the workers and the endpoint join (`kvsvc.testing.hosts`)
+    netns: str | None = None  # a network namespace the workers and the endpoint join (`kvsvc.engine.netns`)
     staging_bytes: int = 0  # each worker's staging region for staged writes (0: none, every plan goes direct)
     # torch intra-op threads per worker process. One, as a real engine binds one thread group per rank: several
     # worker processes with a thread per core each spin against each other (docs/performance.md).

@@ -28,11 +28,11 @@ import uvloop
 
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.core.requests import harness_secret
 from kvsvc.engine import netns
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.service.gather import TorchGather
 from kvsvc.service.staging_area import StagingArea, build_staging
-from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig
 from kvsvc.transport.routed import worker_transport

@@ -1,7 +1,7 @@
 """`run_scale`: one D engine fed by 1, 4, 16, ... P engines; what each worker holds (connections, descriptors,
 threads, memory) and spends (CPU) as the number of P engines grows.
 
-Imports `workers.engine`, `workers.executor`, `workers.commands.common` and `kvsvc.testing.hosts`. Every engine is
+Imports `workers.engine`, `workers.executor`, `workers.commands.common` and `kvsvc.engine.netns`. Every engine is
 tp1 (one worker process), so the per-process figures are per worker. With `hosts="netns"` each engine runs on its own
 network host; with "local" all share loopback. Figures are read from /proc after the load, when every connection
 the load opened still stands: `connections` counts the worker's established TCP sockets (control and Mooncake),
@@ -162,7 +162,7 @@ def measure(options: ScaleOptions, peers: int, worker_log: str | None = None) ->
             made (with hosts="netns": the reason). ValueError: more than 249 P engines on network hosts.
             OSError: a worker was gone when its figures were read.
     """
-    from kvsvc.testing.hosts import HostsError, NetnsHosts, skip_reason
+    from kvsvc.engine.netns import HostsError, NetnsHosts, skip_reason
     from workers.commands.common import start_engines
 
     if options.hosts == "netns" and (why := skip_reason()) is not None:

@@ -5,11 +5,15 @@ Rules: the engine's side builds the request (`kvsvc.vllm.flow` for vLLM, `KVTran
 `start_recv` for an embedder's arguments), the service checks it once at its edge against the worker's own metadata,
 and from there it travels as it is, to `Sender.hold` or `Receiver.start`; no layer below re-checks it or unpacks it
 into arguments. The values are frozen and hold only what was asked: no address, connection or future. A secret is
-never put into an error message. Pure module: kvsvc's pure core only.
+never put into an error message. The harnesses and the synthetic runtime, which stand in for both engines and the
+router, derive a transfer's secret from its id (`harness_secret`), so that a D started before its P, or in another
+process, finds it; anyone who knows the id can derive it, so nothing else may use it. Pure module: kvsvc's pure core
+only.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Final
 
@@ -65,6 +69,15 @@ def check_secret(secret: str, transfer_id: str) -> None:
         )
 
 
+def harness_secret(transfer_id: str) -> str:
+    """The secret the harnesses (`kvsvc.testing`) and the synthetic runtime (`workers/`) use for `transfer_id`: 32
+    hex digits derived from the id, for tests, demos and benchmarks only (a deployment draws each at random:
+    `kvsvc.service.new_transfer_secret`, vLLM's producer params). Raises nothing."""
+    return hashlib.blake2b(
+        transfer_id.encode("utf-8", "surrogatepass"), digest_size=16, person=b"kvsvc-harness"
+    ).hexdigest()
+
+
 def check_send(meta: WorkerMetadata, request: SendRequest) -> None:
     """The one check of a send, against P worker `meta`.
 
@@ -98,4 +111,5 @@ __all__ = [
     "check_recv",
     "check_secret",
     "check_send",
+    "harness_secret",
 ]

@@ -23,10 +23,10 @@ from kvsvc.core.coalesce import Int64Array
 from kvsvc.core.layout import block_geometry
 from kvsvc.core.messages import Worker
 from kvsvc.core.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
+from kvsvc.core.requests import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
 from kvsvc.service.staging_area import StagingArea, build_staging
-from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.sim import ByteArray, EngineSpec, SimEngine, kv_pattern
 from kvsvc.transport.base import Transport
 

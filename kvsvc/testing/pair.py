@@ -37,7 +37,7 @@ from kvsvc.core.layout import pool_regions
 from kvsvc.core.messages import TransferRequest, WindowEmptied, Worker
 from kvsvc.core.planner import Descriptor, expected_destinations, release_notifier, sources_of
 from kvsvc.core.receiver import Receiver, ToSource
-from kvsvc.core.requests import RecvRequest, SendRequest, check_recv, check_send
+from kvsvc.core.requests import RecvRequest, SendRequest, check_recv, check_send, harness_secret
 from kvsvc.core.sender import Landed, Reply, Sender, Submit, WriteFault
 from kvsvc.core.staging_plans import StagingRule, plan_window, region_ids, window_plan
 from kvsvc.core.windows import (
@@ -54,7 +54,6 @@ from kvsvc.core.windows import (
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.dataplane import Counts, ScatterCopy, SimPlane, Write
 from kvsvc.testing.faults import Envelope, Faults
-from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.reports import PairStatistics, ReportEntry, Reports
 from kvsvc.testing.sim import EngineSpec, SimEngine
 

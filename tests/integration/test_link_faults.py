@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsvc.testing.hosts import NetnsHosts, skip_reason
+from kvsvc.engine.netns import NetnsHosts, skip_reason
 from workers.chaos import NET_FAULTS, ChaosOptions, ChaosResult, ChaosRun, PhaseResult, chaos_hosts, start_chaos_engines
 from workers.engine import DecodeEngine, PrefillEngine
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kvsvc.testing.hosts import skip_reason
+from kvsvc.engine.netns import skip_reason
 from workers.commands import scale
 from workers.scale import ScaleOptions, run_scale
 

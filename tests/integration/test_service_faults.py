@@ -54,10 +54,10 @@ from kvsvc.core.messages import (
     encode,
 )
 from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.core.requests import harness_secret
 from kvsvc.engine.admin import AdminServer
 from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of, unkeyed_frames
-from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig, Executor, start_all
 from workers.process import ForgetEngine, GetFinished, Peers, Prefill, Recv, Verify

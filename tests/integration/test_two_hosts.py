@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from kvsvc.core.messages import METADATA_PATH, decode_engine_metadata
+from kvsvc.engine.netns import PREFIX, NetnsHosts, in_netns, skip_reason
 from kvsvc.service import ServiceConfig
 from kvsvc.service.config import is_loopback
-from kvsvc.testing.hosts import PREFIX, NetnsHosts, in_netns, skip_reason
 from workers.engine import DecodeEngine, DecodeRequest, PrefillEngine
 from workers.executor import EngineConfig, Executor, start_all
 from workers.process import Peers

@@ -33,6 +33,7 @@ from kvsvc.core.errors import PeerMismatch
 from kvsvc.core.hello import make_hello
 from kvsvc.core.layout import layer_bytes
 from kvsvc.core.messages import IpcHandle, WorkerMetadata
+from kvsvc.core.requests import harness_secret
 from kvsvc.core.staging_plans import StagingRule
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
@@ -40,7 +41,6 @@ from kvsvc.service.staging_area import StagingArea
 from kvsvc.testing.cuda import FakeCudaDriver
 from kvsvc.testing.engines import MemmoveCopies
 from kvsvc.testing.fakes import LoopbackTransport
-from kvsvc.testing.holds import harness_secret
 from kvsvc.transport import InvalidDescriptor, TransportClosed, WriteFailed, cuda_ipc, procfs
 from kvsvc.transport.base import ROWS_CHECKED_ONE_BY_ONE
 from kvsvc.transport.cuda_driver import CudaError, LibCuda

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvsvc.engine.netns import NetnsHosts
 from kvsvc.service import ServiceConfig
 from kvsvc.service.config import is_loopback
-from kvsvc.testing.hosts import NetnsHosts
 from workers.chaos_spec import ChaosOptions
 from workers.commands.serve import check_host
 from workers.executor import EngineConfig

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from kvsvc.core.errors import ServiceClosed
+from kvsvc.core.requests import harness_secret
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
-from kvsvc.testing.holds import harness_secret
 from tests.unit.test_service_wiring import make_side
 
 

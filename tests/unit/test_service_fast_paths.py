@@ -13,10 +13,10 @@ import pytest
 
 import kvsvc.service.remotes as remotes_module
 from kvsvc.core import planner
+from kvsvc.core.requests import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
-from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Descriptors, WriteFailed, as_rows
 from tests.unit.test_service_wiring import BLOCK, LAYERS, Side, block_bytes_of, make_side, until, wait_output
 

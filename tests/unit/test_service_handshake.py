@@ -7,9 +7,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from kvsvc.core.requests import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.testing.engines import LoopbackEngine
-from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.plugin import LoopbackFactory
 from kvsvc.testing.sim import EngineSpec
 

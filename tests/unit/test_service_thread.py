@@ -13,9 +13,9 @@ from kvsvc.core.errors import KVSvcTimeout
 from kvsvc.core.layout import layer_bytes
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.core.requests import harness_secret
 from kvsvc.service import ServiceConfig, ServiceThread
 from kvsvc.testing.fakes import LoopbackTransport
-from kvsvc.testing.holds import harness_secret
 
 
 def _thread(**timeouts: float) -> ServiceThread:

@@ -34,11 +34,11 @@ from kvsvc.core.messages import (
     encode,
 )
 from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.core.requests import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.hellos import unkeyed_frames
-from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Region
 from kvsvc.transport.samehost import own_address
 

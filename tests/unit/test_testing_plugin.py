@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
+from kvsvc.core.requests import harness_secret
 from kvsvc.service import ServiceConfig
 from kvsvc.testing import EngineSpec, FakeClock, PeerPair
-from kvsvc.testing.holds import harness_secret
 from kvsvc.testing.plugin import LoopbackFactory
 
 

@@ -21,8 +21,8 @@ from typing import Any, Final, Protocol
 import numpy as np
 
 from kvsvc.core.data_planes import SameHostAddress
+from kvsvc.core.requests import harness_secret
 from kvsvc.service import KVTransferService
-from kvsvc.testing.holds import harness_secret
 from kvsvc.transport.base import Region, Transport
 from kvsvc.transport.mooncake import MooncakeTransport
 from kvsvc.transport.ondemand import OnDemand

@@ -238,7 +238,7 @@ def _on_netns_hosts(
         HostsError: the namespaces could not be made (their reason; `skip_reason` when this machine cannot).
     """
     from kvsvc.engine.admin import random_token
-    from kvsvc.testing.hosts import HostsError, NetnsHosts, skip_reason
+    from kvsvc.engine.netns import HostsError, NetnsHosts, skip_reason
 
     why = skip_reason()
     if why is not None:
