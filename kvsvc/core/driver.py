@@ -236,6 +236,43 @@ def lent_window(
     return window if window.req_id == req_id else None
 
 
+@dataclass(frozen=True, slots=True)
+class LendAt:
+    """Lend the window at `addr` of D's staging region (room was found for it)."""
+
+    addr: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitForRoom:
+    """Hold the request back up to `wait_s` for room, then send it with the window or without one."""
+
+    wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class GoWithout:
+    """Send the request without a window: P writes D's blocks (directly, or gathered in its own region)."""
+
+    reason: str
+
+
+WindowChoice: TypeAlias = LendAt | WaitForRoom | GoWithout
+
+
+def window_choice(planned: bool, addr: int | None, wait_s: float) -> WindowChoice:
+    """Once `lent_window` said "lend": whether the request gets its window now, waits for room, or goes without.
+    `planned`: the staging rule sends P's share through a window (`plan_window` returned a plan); `addr`: the room
+    the region had for it at once (None: none); `wait_s`: `window_wait_s`."""
+    if not planned:
+        return GoWithout("the staging rule writes this share into D's blocks")
+    if addr is not None:
+        return LendAt(addr)
+    if wait_s > 0:
+        return WaitForRoom(wait_s)
+    return GoWithout("no room in D's staging region, and window_wait_s is 0")
+
+
 def with_window(request: TransferRequest, window: LentWindow) -> TransferRequest:
     """`request` carrying `window`: where P writes its share, the window's size and the share's."""
     return replace(
@@ -247,10 +284,14 @@ __all__ = [
     "AwaitHalf",
     "DCommand",
     "DSide",
+    "GoWithout",
+    "LendAt",
     "PCommand",
     "PSide",
     "RoundStep",
     "RoundsFilled",
+    "WaitForRoom",
+    "WindowChoice",
     "WriteRound",
     "carry_out_d",
     "carry_out_p",
@@ -259,5 +300,6 @@ __all__ = [
     "p_frame",
     "round_step",
     "share_refusal",
+    "window_choice",
     "with_window",
 ]

@@ -18,7 +18,17 @@ from collections.abc import Awaitable
 from dataclasses import replace as replace_plan
 
 from kvsvc.core.data_planes import rule_on
-from kvsvc.core.driver import DSide, carry_out_d, d_frame, lent_window, with_window
+from kvsvc.core.driver import (
+    DSide,
+    GoWithout,
+    LendAt,
+    WaitForRoom,
+    carry_out_d,
+    d_frame,
+    lent_window,
+    window_choice,
+    with_window,
+)
 from kvsvc.core.layout import block_geometry
 from kvsvc.core.messages import Message, TransferRequest, Worker, WorkerMetadata
 from kvsvc.core.planner import is_block_run
@@ -86,18 +96,18 @@ class WindowLender:
         if window == "lend":
             assert req_id is not None
             plan = self._plan(p, request, area)
-            if plan is None:
-                return request
-            addr = area.try_lend(plan.window_bytes)
-            if addr is None and self._ctx.config.window_wait_s > 0:
-                task = self._ctx.tasks.spawn(
-                    self._ask_when_room(key, request, req_id, plan), name=f"kvsvc-window-{req_id}"
-                )
-                self._waiting_room[key] = (req_id, task)
-                return None
-            if addr is None:
-                return request
-            window = self._windows.lend(key, req_id, request.block_ids, addr, plan, request.receive)
+            addr = area.try_lend(plan.window_bytes) if plan is not None else None
+            match window_choice(plan is not None, addr, self._ctx.config.window_wait_s):
+                case GoWithout():
+                    return request
+                case WaitForRoom():
+                    assert plan is not None
+                    waited = self._ask_when_room(key, request, req_id, plan)
+                    self._waiting_room[key] = (req_id, self._ctx.tasks.spawn(waited, name=f"kvsvc-window-{req_id}"))
+                    return None
+                case LendAt(addr=lent):
+                    assert plan is not None
+                    window = self._windows.lend(key, req_id, request.block_ids, lent, plan, request.receive)
         # None: the transfer id again while an earlier receive's window is still being scattered
         return request if window is None else with_window(request, window)
 

@@ -20,6 +20,7 @@ from kvsvc.core.data_planes import rule_on
 from kvsvc.core.driver import (
     AwaitHalf,
     DCommand,
+    LendAt,
     PCommand,
     RoundStep,
     WriteRound,
@@ -30,6 +31,7 @@ from kvsvc.core.driver import (
     p_frame,
     round_step,
     share_refusal,
+    window_choice,
     with_window,
 )
 from kvsvc.core.jobs import Notice
@@ -350,10 +352,12 @@ class PeerPair(Reports, SimPlane, Faults):
             args = (request.block_ids, request.num_tokens, request.first_token, rule, self.staging_bytes // 2)
             plan = plan_window(self.p.metas[p], self.d.metas[d], *args)
             offset = self._window_ranges[d].allocate(plan.window_bytes) if plan is not None else None
-            if plan is None or offset is None:
+            addr = self.d.metas[d].staging_addr + offset if offset is not None else None
+            choice = window_choice(plan is not None, addr, 0.0)  # the pair never waits for room
+            if not isinstance(choice, LendAt):
                 return request
-            addr = self.d.metas[d].staging_addr + offset
-            window = lent.lend(key, req_id, list(request.block_ids), addr, plan, request.receive)
+            assert plan is not None
+            window = lent.lend(key, req_id, list(request.block_ids), choice.addr, plan, request.receive)
         return with_window(request, window) if isinstance(window, LentWindow) else request
 
     def _run_scatter(self, copy: ScatterCopy) -> None:

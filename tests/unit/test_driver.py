@@ -13,8 +13,11 @@ from msgspec.structs import replace as replace_struct
 from kvsvc.core.driver import (
     AwaitHalf,
     DSide,
+    GoWithout,
+    LendAt,
     PSide,
     RoundsFilled,
+    WaitForRoom,
     WriteRound,
     carry_out_d,
     carry_out_p,
@@ -23,6 +26,7 @@ from kvsvc.core.driver import (
     p_frame,
     round_step,
     share_refusal,
+    window_choice,
     with_window,
 )
 from kvsvc.core.errors import LocalProtocolError
@@ -218,3 +222,10 @@ def test_p_refuses_a_share_size_its_own_plan_does_not_make_naming_both() -> None
     assert share_refusal(rounds, 399) == (
         "D planned a share of 400 bytes for 't' (window of 200); this P worker writes it 399"
     )
+
+
+def test_a_request_the_rule_windows_lends_at_once_waits_for_room_or_goes_without() -> None:
+    assert window_choice(True, 4_096, 0.5) == LendAt(4_096)
+    assert window_choice(True, None, 0.5) == WaitForRoom(0.5)
+    assert isinstance(window_choice(True, None, 0.0), GoWithout)  # no wait configured: P writes the blocks
+    assert window_choice(False, 4_096, 0.5) == GoWithout("the staging rule writes this share into D's blocks")
