@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvsvc.testing.vllm import (
+from workers.vllm.engines import (
     MLA_BLOCK_SIZE,
     EngineConfig,
     VllmEngine,
@@ -213,7 +213,7 @@ def start_engine(
     if sizes["pp"] > 1:
         # vLLM's CPU backend runs PP in eager mode with kvsvc's worker (docs/vllm.md, "Pipeline parallel").
         command += ["--pipeline-parallel-size", str(sizes["pp"]), "--distributed-executor-backend", "mp"]
-        command += ["--worker-cls", "kvsvc.testing.vllm_worker.WarmCPUWorker"]
+        command += ["--worker-cls", "workers.vllm.warm_worker.WarmCPUWorker"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1"}
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import Output
 from workers.bench.plot import plot_comparison
 from workers.bench.vllm_compare import FULL, QUICK, Result, Run, Workload, summarize
 from workers.bench.vllm_ttft import TtftRun, cpu_seconds, push_together, summarize_ttft, together
 from workers.commands.bench import VLLM_WORKLOADS
+from workers.vllm.engines import Output
 
 WORKLOADS = (Workload("long", (10, 20)), Workload("burst", (5,) * 4))
 

@@ -115,3 +115,17 @@ def test_the_layers_import_only_downward(layer: str) -> None:
                 if parts[0] == "kvsvc" and ".".join(parts[:2]) not in allowed:
                     upward.append(f"{path.relative_to(ROOT.parent)}: {name}")
     assert not upward, upward
+
+
+def test_the_runtime_never_imports_the_test_harness() -> None:
+    """workers/ (the standalone runtime, its benches and the vLLM engine harness) stands on the library alone:
+    kvsvc.testing is for tests, and the harness's secrets and hosts live beside what they serve."""
+    workers = ROOT.parent / "workers"
+    found = []
+    for path in sorted(workers.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            found += [f"{path.relative_to(ROOT.parent)}: {n}" for n in names if n.startswith("kvsvc.testing")]
+    assert not found, found

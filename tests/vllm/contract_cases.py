@@ -60,7 +60,7 @@ def distributed() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from kvsvc.testing.vllm import write_tiny_llama
+    from workers.vllm.engines import write_tiny_llama
 
     return str(write_tiny_llama(tmp_path_factory.mktemp("contract") / "tiny-llama", seed=0))
 

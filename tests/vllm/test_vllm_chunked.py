@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsvc.testing.vllm import TINY_LLAMA4, EngineConfig, VllmEngine, started_engines, write_tiny_llama4
 from tests.vllm.test_vllm_connector import assert_clean, prompts
 from tests.vllm.test_vllm_mla import bytes_sent
+from workers.vllm.engines import TINY_LLAMA4, EngineConfig, VllmEngine, started_engines, write_tiny_llama4
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, Output, VllmEngine, spare_ports, started_engines, write_tiny_llama
+from workers.vllm.engines import EngineConfig, Output, VllmEngine, spare_ports, started_engines, write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -59,7 +59,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
         ),
         "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute", extra_config=peers),
         "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail", extra_config=peers),
-        # TP 2 on vLLM's CPU backend: worker processes of its own (`kvsvc.testing.vllm`), unbound (bound one per
+        # TP 2 on vLLM's CPU backend: worker processes of its own (`workers.vllm.engines`), unbound (bound one per
         # core, their spinning waits starve every other process of a 2-core host: docs/vllm.md, "Limits").
         "D_tp2": EngineConfig(model, "kv_consumer", tensor_parallel_size=2, extra_config=peers),
     }

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvsvc.core.messages import METADATA_PATH, decode_engine_metadata
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_llama
+from workers.vllm.engines import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvsvc.testing.vllm import TINY_QWEN3_NEXT, VllmEngine, write_tiny_qwen3_next
 from tests.vllm.test_vllm_connector import prompts
 from tests.vllm.test_vllm_mamba import (
     assert_hybrid_manager_on,
@@ -27,6 +26,7 @@ from tests.vllm.test_vllm_mamba import (
     state_engines,
     whole_blocks_and_slots,
 )
+from workers.vllm.engines import TINY_QWEN3_NEXT, VllmEngine, write_tiny_qwen3_next
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_granite
 from tests.vllm.test_vllm_connector import assert_clean, prompts, push
 from tests.vllm.test_vllm_hybrid import bytes_sent
+from workers.vllm.engines import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_granite
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

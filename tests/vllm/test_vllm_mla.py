@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import MLA_BLOCK_SIZE, EngineConfig, Output, VllmEngine, started_engines, write_tiny_deepseek
 from tests.vllm.test_vllm_connector import assert_clean, prompts
+from workers.vllm.engines import MLA_BLOCK_SIZE, EngineConfig, Output, VllmEngine, started_engines, write_tiny_deepseek
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

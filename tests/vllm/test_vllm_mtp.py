@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvsvc.testing.vllm import (
+from workers.vllm.engines import (
     MLA_BLOCK_SIZE,
     TINY_DEEPSEEK,
     EngineConfig,

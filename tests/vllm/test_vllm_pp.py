@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_llama
 from tests.vllm.test_vllm_connector import push
+from workers.vllm.engines import EngineConfig, VllmEngine, spare_ports, started_engines, write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

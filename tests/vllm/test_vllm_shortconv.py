@@ -18,7 +18,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsvc.testing.vllm import TINY_LFM2, VllmEngine, write_tiny_lfm2
 from tests.vllm.test_vllm_connector import prompts
 from tests.vllm.test_vllm_mamba import (
     assert_hybrid_manager_on,
@@ -28,6 +27,7 @@ from tests.vllm.test_vllm_mamba import (
     state_engines,
     whole_blocks_and_slots,
 )
+from workers.vllm.engines import TINY_LFM2, VllmEngine, write_tiny_lfm2
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import (
+from workers.vllm.engines import (
     EngineConfig,
     Output,
     VllmEngine,

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from kvsvc.testing.vllm import EngineConfig, VllmEngine, boundary_lengths, started_engines, write_tiny_llama
 from tests.vllm.test_vllm_connector import assert_clean, prompts
+from workers.vllm.engines import EngineConfig, VllmEngine, boundary_lengths, started_engines, write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

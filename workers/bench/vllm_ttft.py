@@ -11,7 +11,7 @@ single engine given them all at once. CPU seconds per request are each engine's 
 (`/proc`), over the prompts of one run. A pushing P's run also says where its time went, from kvsvc's own figures
 of its layer-wise writes (`layer_figures`): a layer's compute, a layer's copy, and what followed the last layer.
 
-Pure arithmetic and `/proc` reads; the engines are `kvsvc.testing.vllm.VllmEngine`s that the caller starts.
+Pure arithmetic and `/proc` reads; the engines are `workers.vllm.engines.VllmEngine`s that the caller starts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from kvsvc.testing.vllm import Output
+from workers.vllm.engines import Output
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 

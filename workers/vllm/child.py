@@ -1,8 +1,8 @@
-"""The child of `kvsvc.testing.vllm.VllmEngine`: one vLLM `LLM` engine, driven by JSON lines on stdin.
+"""The child of `workers.vllm.engines.VllmEngine`: one vLLM `LLM` engine, driven by JSON lines on stdin.
 
-Run as `python -m kvsvc.testing.vllm_engine CONFIG_JSON LOG_PATH`. Imports vllm. Rules: the engine's own output (vLLM
+Run as `python -m workers.vllm.child CONFIG_JSON LOG_PATH`. Imports vllm. Rules: the engine's own output (vLLM
 logs to stdout) goes to LOG_PATH; replies go to the original stdout, one line each, prefixed with
-`kvsvc.testing.vllm.REPLY`; every engine call runs on one engine thread, in order, while `stats` is answered at
+`workers.vllm.engines.REPLY`; every engine call runs on one engine thread, in order, while `stats` is answered at
 once from the reader thread (the figures it reads are counters; a torn read is harmless in a test); an exception
 in a call is answered as `{"error": ...}`, never kills the child.
 """
@@ -22,7 +22,7 @@ import time
 from itertools import zip_longest
 from typing import Any, TextIO, cast
 
-from kvsvc.testing.vllm import REPLY
+from workers.vllm.engines import REPLY
 
 SHUTDOWN_TIMEOUT_S = 30.0
 _EMPTY: dict[str, Any] = {
@@ -311,10 +311,10 @@ def _kvsvc_of(connector: Any) -> Any:
 
 def _parallel(tp_size: int, pp_size: int) -> dict[str, Any]:
     """`LLM` arguments for a multiprocess engine (TP or PP above 1): vLLM's multiprocess executor and the worker that
-    runs the warm-up eager mode skips (`kvsvc.testing.vllm_worker`)."""
+    runs the warm-up eager mode skips (`workers.vllm.warm_worker`)."""
     if tp_size * pp_size == 1:
         return {}
-    from kvsvc.testing.vllm_worker import WORKER_CLS, calm_waits
+    from workers.vllm.warm_worker import WORKER_CLS, calm_waits
 
     calm_waits()  # this process reads the workers' answers from vLLM's queues too
     _fork_workers()

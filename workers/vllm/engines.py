@@ -2,7 +2,7 @@
 child process, driven over a pipe.
 
 Imports the standard library only at module level (torch and safetensors inside `write_tiny_llama`; vllm only in the
-child, `kvsvc.testing.vllm_engine`). Rules: every call has a deadline and raises `EngineError` with the tail of the
+child, `workers.vllm.child`). Rules: every call has a deadline and raises `EngineError` with the tail of the
 engine's log when the child errs, dies or stalls; `close` always reaps the child. The model's weights are random
 with a fixed seed, so its greedy tokens depend on every bit of the prompt's KV (vLLM's "dummy" weights do not).
 """
@@ -645,7 +645,7 @@ class EngineConfig:
     block_size: int = 32
     tensor_parallel_size: int = 1
     # TP or PP above 1 runs the workers in processes of their own (vLLM's "mp" executor) as `WarmCPUWorker`s
-    # (`kvsvc.testing.vllm_worker`): vLLM's CPU backend needs their warm-up in eager mode.
+    # (`workers.vllm.warm_worker`): vLLM's CPU backend needs their warm-up in eager mode.
     pipeline_parallel_size: int = 1
     max_model_len: int = 4096
     max_num_seqs: int = 16
@@ -739,7 +739,7 @@ class VllmEngine:
         # A process group of its own: a multiprocess engine's workers (TP or PP > 1) are reaped with it.
         self._exit_asked = False
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsvc.testing.vllm_engine", config, str(self.log_path)],
+            [sys.executable, "-m", "workers.vllm.child", config, str(self.log_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -881,7 +881,7 @@ class VllmEngine:
         self._wait_reply(self._send({"op": "abort", "call": call_id, "indexes": list(indexes)}), timeout_s)
 
     def stats(self, timeout_s: float = 30.0, *, workers: bool = False) -> dict[str, Any]:
-        """The engine's connector and scheduler figures (see `kvsvc.testing.vllm_engine`); answered even while a
+        """The engine's connector and scheduler figures (see `workers.vllm.child`); answered even while a
         generation runs. A multiprocess engine's workers' kvsvc figures come with `workers`, which asks each worker
         process over vLLM's RPC: only while the engine runs no generation."""
         stats: dict[str, Any] = self._wait_reply(self._send({"op": "stats", "workers": workers}), timeout_s)["stats"]

@@ -1,5 +1,5 @@
 """`WarmCPUWorker`: vLLM's CPU worker with the warm-up that eager mode skips, for tests, examples and the bench
-(`worker_cls="kvsvc.testing.vllm_worker.WarmCPUWorker"`).
+(`worker_cls="workers.vllm.warm_worker.WarmCPUWorker"`).
 
 vLLM's CPU worker warms its model up only when something is compiled; in eager mode (`enforce_eager`) it skips the
 dummy run, and two things then happen at the first real step instead:
