@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, TypeAlias, TypeVar
@@ -61,6 +62,15 @@ class Submit:
     window_addr: int = 0  # D's window for the share (`TransferRequest.window_bytes`); 0 bytes: write the blocks
     window_bytes: int = 0
     share_bytes: int = 0  # the share as D planned it; above `window_bytes`, it moves in rounds
+
+
+def streams_by_layer(computed: Sequence[bool]) -> bool:
+    """Whether a `Submit` of a layer-wise send (`computed`: each layer's compute ended well, in order) is written
+    layer by layer: only while some layer is still computing. Once every layer is computed, a D request that comes
+    after the forward (pull, or a push whose D came late) goes as one write: per-layer writes would only split it
+    into more submissions, each a round trip to the plane, and take a task where one direct submission does.
+    A layer whose compute failed counts as not computed, so the layer-wise path meets and reports the failure."""
+    return not all(computed)
 
 
 @dataclass(frozen=True, slots=True)

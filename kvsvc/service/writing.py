@@ -32,7 +32,7 @@ from kvsvc.core.driver import AwaitHalf, PSide, RoundsFilled, carry_out_p, p_fra
 from kvsvc.core.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.core.layout import is_cross_layer, layer_addrs
 from kvsvc.core.messages import Message, WorkerMetadata, WorkerRef
-from kvsvc.core.sender import Landed, Sender, Submit, WriteEnd, WriteFault
+from kvsvc.core.sender import Landed, Sender, Submit, WriteEnd, WriteFault, streams_by_layer
 from kvsvc.core.staging_plans import StagedChunk
 from kvsvc.core.windows import Fail, FillCommand, FillEvent, FillingWindow
 from kvsvc.service.context import ServiceContext
@@ -138,6 +138,13 @@ class BlockWriter:
             for r in ready
         ]
 
+    def _streamed_layers(self, transfer_id: str) -> list[asyncio.Future[None]] | None:
+        """The layer futures of `transfer_id` when its write goes layer by layer (`streams_by_layer`), else None."""
+        layers = self._layer_ready.get(transfer_id)
+        if layers is None or streams_by_layer([_computed_well(ready) for ready in layers]):
+            return layers
+        return None
+
     def forget_layers(self) -> None:
         """Drop the layer futures of the transfers the `Sender` no longer holds."""
         for transfer_id in [t for t in self._layer_ready if not self._sender.holds(t)]:
@@ -160,7 +167,7 @@ class BlockWriter:
         try:
             if target is None:
                 raise PeerLost(f"control connection to {command.dst} lost before the write")
-            layers = self._layer_ready.get(command.transfer_id)
+            layers = self._streamed_layers(command.transfer_id)
             if _in_rounds(command):
                 if layers is not None:  # rounds follow D's address order, not the layers: all of them first
                     await _computed(layers)
@@ -199,7 +206,7 @@ class BlockWriter:
         case (layer-wise, a plan that raises, a transport that would wait): `_write` runs then. A `start_write`
         that raises, against its contract, fails the write as a `write` raising outside its contract does (once
         the plane drained, `_settled`): it may have submitted part, so it is never resubmitted."""
-        if command.transfer_id in self._layer_ready or _in_rounds(command):
+        if self._streamed_layers(command.transfer_id) is not None or _in_rounds(command):
             return False
         try:
             table, unit = self._descriptors(target, command)
@@ -488,6 +495,10 @@ async def _drained_within(transport: Transport, session: str, bound: float, comm
 
 async def _awaited(ready: Awaitable[None]) -> None:
     await ready
+
+
+def _computed_well(ready: asyncio.Future[None]) -> bool:
+    return ready.done() and not ready.cancelled() and ready.exception() is None
 
 
 async def _computed(layers: Sequence[asyncio.Future[None]]) -> None:

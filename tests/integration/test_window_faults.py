@@ -160,6 +160,28 @@ async def test_a_layer_wise_send_is_gathered_layer_by_layer(
     assert _lent(p, d) == 0 and p.holds() == 0 and d.holds() == 0
 
 
+async def test_a_layer_wise_send_whose_layers_are_all_computed_goes_as_one_write(
+    loopback_engines: LoopbackFactory,
+) -> None:
+    """D asks after P's forward ended (pull, or a push whose D came late): nothing is left to stream, so each D
+    worker's share goes as one submission, not one per layer."""
+    p, d = await loopback_engines(D_SPEC, P_SPEC, staging_bytes=1 << 20)
+    loop = asyncio.get_running_loop()
+    layers = {w: [loop.create_future() for _ in range(GEOMETRY["num_layers"])] for w in p.workers}
+    for futures in layers.values():
+        for future in futures:
+            future.set_result(None)
+    p.start_send("p1", "t1", [0, 1, 2, 3], TOKENS, ready=layers)
+    d.start_recv("d1", "t1", p, BLOCKS, TOKENS)
+    assert await d.wait("d1") == "finished"
+    assert await p.wait("p1") == "finished_sending"
+    d.check_received("t1", BLOCKS, TOKENS)
+    (stats,) = (s.statistics() for s in p.services.values())
+    assert stats.layer_copy.count == 0  # no write went layer by layer
+    # Per D worker, one gather and one write (layer by layer it would be four), a descriptor per layer of D's pool.
+    assert (stats.staged_writes, stats.descriptors_sent) == (2, 2 * 4)
+
+
 async def test_a_layer_wise_send_measures_each_layer_it_waited_for(loopback_engines: LoopbackFactory) -> None:
     """P's layers are computed one by one while its writes wait (push): the figures hold the compute of each layer
     after the first, each layer's copy and what followed the last layer, per write to a D worker."""

@@ -28,6 +28,7 @@ from kvsvc.core.sender import (
     Sender,
     Submit,
     WriteFault,
+    streams_by_layer,
 )
 from kvsvc.testing.clock import FakeClock
 
@@ -701,3 +702,8 @@ def test_a_job_a_lost_connection_ended_tells_its_reason_to_the_receive_that_asks
     sender.write_ended("t1", D0.worker, Landed(64, 1))
     assert sender.take_finished() == {"r1"}
     assert sender.request(D1, BOTH, late, clock()) == [Reply(D1, lost)]  # and once ended, the same reason
+
+
+@given(st.lists(st.booleans(), max_size=8))
+def test_a_layer_wise_write_streams_only_while_a_layer_is_not_computed_well(computed: list[bool]) -> None:
+    assert streams_by_layer(computed) == (False in computed)

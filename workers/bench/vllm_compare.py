@@ -87,6 +87,7 @@ NIXL_SIDE_CHANNEL_PORT = 15600
 # The hybrid workload's model: the bench Llama with its even layers attending to this many tokens.
 HYBRID_WINDOW = 512
 BLOCK_SIZE = 32  # the engines' (`EngineConfig`'s default)
+MAX_MODEL_LEN = 4096  # every bench engine's: the long prompts reach 4,000 tokens
 # NixlConnector reads one (layer, block) per descriptor: its bytes are its descriptors times this.
 NIXL_DESCRIPTOR_BYTES = KV_BYTES_PER_TOKEN // BENCH_MODEL["num_hidden_layers"] * BLOCK_SIZE
 
@@ -256,7 +257,7 @@ def _engines(
             connector_module=MODULE,
             extra_config=extra,
             engine_id=engine_id,
-            max_model_len=4096,
+            max_model_len=MAX_MODEL_LEN,
             max_num_batched_tokens=8192,
             max_num_seqs=64,
             kv_cache_bytes=kv_bytes,
@@ -476,7 +477,8 @@ def _run_phase(
     model = str(spec.write(root))
     longest = max(sum(w.lengths) for w in workloads)
     kv_bytes = longest * spec.kv_bytes_per_token * 5 // 4  # one workload, held on P or loading on D, and some slack
-    kv_bytes = max(kv_bytes, 128 << 20)  # state slots and vLLM's own minimum on top of the tokens' KV
+    # vLLM refuses to start without room for one request of `max_model_len`; state slots come on top.
+    kv_bytes = max(kv_bytes, MAX_MODEL_LEN * spec.kv_bytes_per_token * 5 // 4, 128 << 20)
     logs = root / f"{model_name}-engines"
     logs.mkdir()
     peers = _engines(model, logs, kv_bytes, head_split, spec.engine, spec.env, convert)
@@ -485,7 +487,9 @@ def _run_phase(
     # The ttft workload's baseline: the same model in one engine without a connector.
     base = (
         VllmEngine(
-            EngineConfig(model, kv_cache_bytes=kv_bytes, max_model_len=4096, **spec.engine), name="single", log_dir=logs
+            EngineConfig(model, kv_cache_bytes=kv_bytes, max_model_len=MAX_MODEL_LEN, **spec.engine),
+            name="single",
+            log_dir=logs,
         )
         if any(w.name in TTFT_WORKLOADS for w in workloads)
         else None
