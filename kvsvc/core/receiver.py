@@ -6,7 +6,8 @@ is reported exactly once, in `take_report()`: finished when every P worker it ne
 D's plan expects of it (`planned_bytes`); failed, with its blocks invalid, on any failure, expiry or abort. An
 aborted receive is reported only after every P worker it asked confirmed its writes stopped, or the abort grace
 passed. A lost P worker is tried again after doubling delays (`Backoff`): the driver sleeps, this only says how
-long. Pure module: standard library and kvsvc's pure core only.
+long. `ReportGather` decides when a report of landed receives waits a little for others about to land, so that
+a burst reaches the engine in one step. Pure module: standard library and kvsvc's pure core only.
 """
 
 from __future__ import annotations
@@ -105,7 +106,15 @@ class RecvReport:
 class Receiver:
     """The receive side of one D worker (see module docstring)."""
 
-    def __init__(self, *, recv_timeout_s: float = 60.0, abort_grace_s: float = 35.0) -> None:
+    def __init__(
+        self, *, recv_timeout_s: float = 60.0, abort_grace_s: float = 35.0, report_gather_s: float = 0.0
+    ) -> None:
+        """`report_gather_s`: `ReportGather`'s bound (0, the default: every report goes at once).
+
+        Raises:
+            ValueError: `report_gather_s` is negative.
+        """
+        self._gather = ReportGather(report_gather_s)
         self._timeout = recv_timeout_s
         self._abort_grace = abort_grace_s
         self._recvs: dict[str, _Recv] = {}
@@ -114,7 +123,7 @@ class Receiver:
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._invalid: set[int] = set()
-        self._landed: list[float] = []  # start instants of receives that finished since `take_landed`
+        self._landed: list[tuple[float, int]] = []  # (start, planned bytes) of receives landed since `take_landed`
         self._counts = {"finished": 0, "failed": 0, "expired": 0}
 
     # -- events from the engine --------------------------------------------------------------------------------
@@ -373,17 +382,46 @@ class Receiver:
             recv.deadline = deadline
             self._deadlines.set(recv.transfer_id, deadline)
 
-    def take_report(self) -> RecvReport:
-        """Receives that ended since the last call; each req_id appears exactly once over the Receiver's life."""
-        report = RecvReport(self._finished, set(self._failed), self._invalid, self._failed)
-        self._finished, self._failed, self._invalid = set(), {}, set()
+    def take_report(self, now: float = 0.0, step_s: float = 0.0) -> RecvReport:
+        """Receives that ended since the last call; each req_id appears exactly once over the Receiver's life.
+        Finished ones stay for a later call while `ReportGather` holds them (`step_s`: the engine's forward time
+        when it calls from a step that computes nothing, else 0, which never holds); failures always go at once."""
+        hold = self._gather.holds(now, *self._in_flight(), step_s)
+        finished = set() if hold else self._finished
+        report = RecvReport(finished, set(self._failed), self._invalid, self._failed)
+        self._failed, self._invalid = {}, set()
+        if not hold:
+            self._finished = set()
+            self._gather.reported()
         return report
 
-    def take_landed(self) -> list[float]:
+    @property
+    def report_held_until(self) -> float | None:
+        """When the finished receives the last `take_report` held go out at the latest; None when it held none."""
+        return self._gather.until
+
+    def take_landed(self, now: float) -> list[float]:
         """The `now` each receive was started at, for the receives that finished with their KV landed since the
-        last call (the caller, who has the clock, turns them into durations)."""
+        last call, which landed at `now` (the caller has the clock: it turns them into durations, and this into
+        the landing rate `ReportGather` estimates)."""
         landed, self._landed = self._landed, []
-        return landed
+        for started, nbytes in landed:
+            self._gather.landed(now, started, nbytes)
+        return [started for started, _ in landed]
+
+    def _in_flight(self) -> tuple[int, int]:
+        """The receives P workers were asked for and have not all answered, and the bytes D planned for the
+        answers still owed; receives still in their handshake, or ending, are not counted (their end is not near
+        in any way D can estimate)."""
+        count = owed = 0
+        for recv in self._recvs.values():
+            if not recv.sources_known or recv.ending is not None:
+                continue
+            waiting = [src for src, job in recv.jobs.items() if job.state is RecvState.REQUESTED]
+            if waiting:
+                count += 1
+                owed += sum(recv.planned.get(src, 0) for src in waiting)
+        return count, owed
 
     def waits_on(self, transfer_id: str, engine_id: str, src: Worker) -> bool:
         """Whether `transfer_id`'s receive from P worker `src` of `engine_id` has not ended (its blocks, and any
@@ -449,7 +487,7 @@ class Receiver:
             del self._recvs[recv.transfer_id]
             self._by_req.pop(recv.req_id, None)
             self._finished.add(recv.req_id)
-            self._landed.append(recv.started)
+            self._landed.append((recv.started, sum(recv.planned.values())))
             self._counts["finished"] += 1
             return
         job = failed[0] if failed else None
@@ -478,6 +516,69 @@ def planned_bytes(
     except (TopologyError, ValueError):
         return None
     return int(lengths.sum())
+
+
+GATHER_STEP_SHARE: Final = 0.25
+"""The longest a report of landed receives waits for others, as a share of the engine's step: a landed receive
+reported at once starts its forward now, and one landing just after waits the whole of that step, so waiting a
+quarter of a step for the rest of a burst costs the first a quarter and saves each of the others most of a step."""
+GATHER_RATE_WEIGHT: Final = 0.5  # weight of the newest sample in the landing rate's moving average
+
+
+class ReportGather:
+    """When a report of landed receives waits for receives about to land (module docstring), by one rule:
+
+    A report holds only while the engine waits on it doing nothing (`step_s` > 0: the caller passes its forward
+    time from an idle step, 0 otherwise, where holding would cost a whole step), something it asked for is still
+    owed, and the first unreported landing is younger than `min(max_hold_s, GATHER_STEP_SHARE * step_s)`; and,
+    once a rate is known, only while everything owed is expected within that bound at the rate at which landings
+    followed one another. The rate is sampled only between landings of receives that were in flight together
+    (the gap then is P's copy time, not a request's round trip). Failures are never held.
+
+    Raises (constructor):
+        ValueError: `max_hold_s` is negative.
+    """
+
+    def __init__(self, max_hold_s: float) -> None:
+        if max_hold_s < 0:
+            raise ValueError(f"max_hold_s must be >= 0 (0 never holds), got {max_hold_s:g}")
+        self.max_hold_s = max_hold_s
+        self.rate: float | None = None  # bytes per second at which landings followed one another
+        self._last: float | None = None  # when the latest receive landed
+        self._first: float | None = None  # when the earliest landing not reported yet landed
+        self._until: float | None = None  # when the latest hold ends
+
+    def landed(self, now: float, started: float, nbytes: int) -> None:
+        """A receive started at `started`, of `nbytes` planned bytes, landed at `now`."""
+        last, self._last = self._last, now
+        if self._first is None:
+            self._first = now
+        if last is not None and started < last < now and nbytes > 0:
+            sample = nbytes / (now - last)
+            self.rate = sample if self.rate is None else self.rate + GATHER_RATE_WEIGHT * (sample - self.rate)
+
+    def holds(self, now: float, in_flight: int, in_flight_bytes: int, step_s: float) -> bool:
+        """Whether the landed receives not reported yet wait for a later report (the class's rule); on True,
+        `until` says when the hold ends at the latest."""
+        self._until = None
+        if self._first is None or in_flight <= 0 or step_s <= 0:
+            return False
+        until = self._first + min(self.max_hold_s, GATHER_STEP_SHARE * step_s)
+        if now >= until:  # as `until` is computed, so that a waiter woken then finds the hold over
+            return False
+        if self.rate is not None and now + in_flight_bytes / self.rate > until:
+            return False
+        self._until = until
+        return True
+
+    @property
+    def until(self) -> float | None:
+        """When the latest hold ends at the latest, while one holds (a waiter wakes then to report)."""
+        return self._until
+
+    def reported(self) -> None:
+        """Every landed receive went out in a report."""
+        self._first = self._until = None
 
 
 RECONNECT_FIRST_S: Final = 0.05

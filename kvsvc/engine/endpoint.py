@@ -25,13 +25,22 @@ _START_TIMEOUT_S = 10.0
 class BootstrapEndpoint:
     """The engine's handshake endpoint, served from a private event loop thread of the parent process."""
 
-    def __init__(self, host: str, port: int, app: web.Application | None = None, *, netns: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        app: web.Application | None = None,
+        *,
+        netns: str | None = None,
+        dp_rank: int = 0,
+    ) -> None:
         """`netns`: a network namespace the loop thread joins before it binds (a test host); None stays here.
+        `dp_rank`: the data-parallel rank whose engine this endpoint serves (`kvsvc.engine.bootstrap.QUERY_PATH`).
 
         Raises:
             NetnsError: `netns` cannot be joined. TimeoutError: the loop thread did not start.
         """
-        self._host, self._port = host, port
+        self._host, self._port, self._dp_rank = host, port, dp_rank
         self._loop = new_event_loop()
         joined: list[BaseException | None] = []
         started = threading.Event()
@@ -71,7 +80,7 @@ class BootstrapEndpoint:
 
         async def swap() -> str:
             if self._app is not None:
-                publish_metadata(self._app, metas)
+                publish_metadata(self._app, metas, self._dp_rank)
                 if self._runner is None:
                     self._runner = await serve_app(self._app, self._host, self._port)
                     self._port = int(self._runner.addresses[0][1])
@@ -79,7 +88,7 @@ class BootstrapEndpoint:
             # A new server per publication: aiohttp apps must not change after they started.
             if self._server is not None:
                 await self._server.close()
-            self._server = BootstrapServer(metas, host=self._host, port=self._port)
+            self._server = BootstrapServer(metas, host=self._host, port=self._port, dp_rank=self._dp_rank)
             url = await self._server.start()
             self._port = int(url.rsplit(":", 1)[1])
             return url

@@ -48,6 +48,10 @@ class ServiceConfig:
     window_wait_s: float = 1.0
     """A D worker whose staging region has no room for a window waits this long for some before it asks P without
     one (P then writes the blocks); 0 never waits. Keep it well below P's `hold_timeout_s`."""
+    report_gather_s: float = 0.025
+    """D: the longest a report of landed receives waits for others about to land, when the engine's step waits on
+    it doing nothing (`kvsvc.core.receiver.ReportGather`; never more than a quarter of the engine's step); 0 reports
+    each at once."""
     max_early_requests: int = 65536
     """Requests for transfers not held yet that P buffers; past it, new ones are answered busy."""
     max_early_request_bytes: int = 16 * 1024 * 1024
@@ -88,6 +92,8 @@ class ServiceConfig:
                 f"max_pending_hellos must be >= 1 and first_byte_timeout_s > 0, got {self.max_pending_hellos} and "
                 f"{self.first_byte_timeout_s}"
             )
+        if self.report_gather_s < 0:
+            raise ValueError(f"report_gather_s must be >= 0 (0 reports at once), got {self.report_gather_s:g}")
         if self.control_token == "":
             raise ValueError("control_token must be a non-empty secret, or None for no token")
         if self.control_token is None and not is_loopback(self.control_host):

@@ -98,7 +98,12 @@ class ReceivingRole:
 
     def __init__(self, ctx: ServiceContext) -> None:
         self._ctx = ctx
-        self._receiver = Receiver(recv_timeout_s=ctx.config.recv_timeout_s, abort_grace_s=ctx.config.abort_grace_s)
+        config = ctx.config
+        self._receiver = Receiver(
+            recv_timeout_s=config.recv_timeout_s,
+            abort_grace_s=config.abort_grace_s,
+            report_gather_s=config.report_gather_s,
+        )
         self._remotes = RemoteEngines(ctx)
         self.topology = self._remotes.topology
         self._engine: EngineMetadata | None = None
@@ -167,11 +172,17 @@ class ReceivingRole:
     def next_deadline(self) -> float | None:
         return self._receiver.next_deadline()
 
-    def take_report(self) -> RecvReport:
+    def take_report(self, step_s: float = 0.0) -> RecvReport:
         """Receives that ended since the last call (see `Receiver.take_report`), except failed ones whose window a
-        scatter still copies into their blocks: those wait for a later call, once it ended."""
-        report = self._receiver.take_report()
+        scatter still copies into their blocks, and finished ones while `ReportGather` holds them for others about
+        to land (`step_s`: as `KVTransferService.get_finished`): those wait for a later call."""
+        report = self._receiver.take_report(self._ctx.clock(), step_s)
         return self._windows.hold_back(report) if self._windows is not None and self._windows.busy else report
+
+    @property
+    def report_held_until(self) -> float | None:
+        """When a report that `ReportGather` holds goes out at the latest (None while none is held)."""
+        return self._receiver.report_held_until
 
     def forget_engine(self, engine_id: str) -> None:
         """As `KVTransferService.forget_engine`."""
@@ -379,7 +390,7 @@ class ReceivingRole:
         """P's frame (once the window protocol passed it on, where D lends windows): the `Receiver`'s."""
         self._run_recv(self._receiver.receive(engine_id, src, message))
         now = self._ctx.clock()
-        for started in self._receiver.take_landed():
+        for started in self._receiver.take_landed(now):
             self._ctx.recv_durations.observe(now - started)
 
     def _run_recv(self, commands: Sequence[RecvCommand]) -> None:

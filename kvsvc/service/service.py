@@ -303,11 +303,14 @@ class KVTransferService:
         """
         self._sending.withdraw(transfer_id, secret, reason)
 
-    def get_finished(self) -> KVConnectorOutput:
-        """Drain what ended since the last call: each req_id appears exactly once over the service's life."""
+    def get_finished(self, step_s: float = 0.0) -> KVConnectorOutput:
+        """Drain what ended since the last call: each req_id appears exactly once over the service's life.
+        `step_s`: the engine's forward time, when the engine calls from a step that computes nothing until this
+        report (0 otherwise): then receives that landed may wait, `report_gather_s` at most, for others about to
+        land, so that they start in one step (`kvsvc.core.receiver.ReportGather`)."""
         self._ctx.reports.clear()
         sent = self._sending.take_finished()
-        report = self._receiving.take_report()
+        report = self._receiving.take_report(step_s)
         counts = self._ctx.counts
         deltas = {k: v - self._reported[k] for k, v in counts.items()}
         self._reported = dict(counts)
@@ -326,8 +329,12 @@ class KVTransferService:
 
     async def wait_for_reports(self, timeout_s: float | None = None) -> None:
         """Return once `get_finished` may have something new since its last call (an answer from P, a write that
-        ended, a deadline), or after `timeout_s`; wake-ups may be spurious. Lets an embedder wake on completions
-        instead of polling."""
+        ended, a deadline, the end of a report's hold), or after `timeout_s`; wake-ups may be spurious. Lets an
+        embedder wake on completions instead of polling."""
+        held = self._receiving.report_held_until
+        if held is not None:
+            left = max(0.0, held - self._ctx.clock())
+            timeout_s = left if timeout_s is None else min(timeout_s, left)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._ctx.reports.wait()

@@ -170,12 +170,12 @@ class ServiceThread:
     def abort(self, req_id: str) -> None:
         self.call(lambda s: s.abort(req_id))
 
-    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:
-        """As `KVTransferService.get_finished`, waiting `report_wait_s` at most (plus `wait_s`, which the loop first
-        spends waiting for news, `KVTransferService.wait_for_reports`, so an idle caller need not poll). A report the
-        loop has not handed back by then is kept, never cancelled (the loop may have drained already), and delivered
-        by a later call, merged with that call's own: nothing reported is ever lost or repeated. While it is pending,
-        calls return an empty report at once and ask the loop nothing more.
+    def get_finished(self, wait_s: float = 0.0, step_s: float = 0.0) -> KVConnectorOutput:
+        """As `KVTransferService.get_finished(step_s)`, waiting `report_wait_s` at most (plus `wait_s`, which the
+        loop first spends waiting for news, `KVTransferService.wait_for_reports`, so an idle caller need not poll).
+        A report the loop has not handed back by then is kept, never cancelled (the loop may have drained already),
+        and delivered by a later call, merged with that call's own: nothing reported is ever lost or repeated. While
+        it is pending, calls return an empty report at once and ask the loop nothing more.
 
         Raises:
             KVSvcTimeout: the loop has not answered a report for `call_timeout_s` (it is wedged, not busy).
@@ -191,7 +191,7 @@ class ServiceThread:
                     f"{now - self._late_since:.1f} s (call_timeout_s {self._timeout:g})"
                 )
             return KVConnectorOutput()
-        future = self._submit(self._drain(wait_s))
+        future = self._submit(self._drain(wait_s, step_s))
         try:
             report = future.result(self._report_wait + wait_s)
         except concurrent.futures.TimeoutError:
@@ -199,10 +199,10 @@ class ServiceThread:
             report = KVConnectorOutput()
         return report if late is None else _merge(late.result(), report)
 
-    async def _drain(self, wait_s: float) -> KVConnectorOutput:
+    async def _drain(self, wait_s: float, step_s: float) -> KVConnectorOutput:
         if wait_s > 0:
             await self.service.wait_for_reports(wait_s)
-        return self.service.get_finished()
+        return self.service.get_finished(step_s)
 
     def statistics(self) -> ServiceStatistics:
         return self.call(lambda s: s.statistics())

@@ -337,6 +337,7 @@ class PeerPair(Reports, SimPlane, Faults):
     def _run_d(self, worker: Worker, commands: Sequence[DCommand], key: WindowKey | None = None) -> None:
         carry_out_d(commands, _DWorker(self, worker), key)
         self._tidy_windows(worker)
+        self.receivers[worker].take_landed(self.clock())  # as the service, which times receives from here
 
     def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
         """As the D service (`kvsvc.core.driver.lent_window`): a window when the rule on Mooncake sends the share

@@ -17,6 +17,7 @@ from kvsvc.core.messages import Worker
 from kvsvc.core.receiver import Receiver
 from kvsvc.core.sender import Sender
 from kvsvc.core.windows import LentWindows
+from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.dataplane import Counts, ScatterCopy, Write
 from kvsvc.testing.faults import Envelope
 
@@ -57,6 +58,7 @@ class Reports:
 
     senders: dict[Worker, Sender]
     receivers: dict[Worker, Receiver]
+    clock: FakeClock
     history: list[ReportEntry]
     violations: list[str]
     _sends: dict[str, tuple[str, list[int], int]]
@@ -69,8 +71,8 @@ class Reports:
     _stalled: list[Write]
     _scatters: list[ScatterCopy]
 
-    def take_reports(self) -> list[ReportEntry]:
-        """Drain every worker's report (as `get_finished` does), append it to `history` and return it."""
+    def take_reports(self, step_s: float = 0.0) -> list[ReportEntry]:
+        """Drain every worker's report (as `get_finished(step_s)` does), append it to `history` and return it."""
         entries: list[ReportEntry] = []
         for worker, sender in self.senders.items():
             for req_id in sorted(sender.take_finished()):
@@ -82,7 +84,7 @@ class Reports:
                     self.violations.append(f"P{worker} reported {req_id!r} while {len(busy)} write(s) may touch it")
                 entries.append(ReportEntry("P", worker, req_id, "finished_sending"))
         for worker, receiver in self.receivers.items():
-            report = receiver.take_report()
+            report = receiver.take_report(self.clock(), step_s)
             if worker in self._lent:
                 report = self._lent[worker].hold_back(report)
             for req_id in report.finished | report.failed:

@@ -70,13 +70,16 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """D: as `idle_wait_s` while every receive owed waits for a pushing P's prefill (router push params), which the
     router started at the same time: those steps would compute nothing for hundreds of milliseconds, on cores P's
     forward may share. A request arriving meanwhile waits up to this long to be scheduled."""
+    report_gather_s: float = _SERVICE.report_gather_s
+    """D: the longest a step computing nothing holds back landed receives while more of a burst is about to land,
+    so that they start in one forward (at most a quarter of the measured forward; 0: report each at once)."""
     mode: str = "pull"
     """"push" (P): hold each request under a transfer D can derive, and tell vllm-router so, which then sends D the
     request at the same time as P; D's fetch waits at P until P's hold starts. "pull" (the default): P's params
     name the transfer, D fetches once P finished."""
     push_peers: list[str] = []
-    """D: the P handshake endpoints ("host:port", as P advertises them) that a router's push params may name; D
-    takes push params from no other (router params are unsigned)."""
+    """D: the P handshake endpoints ("host:port", as P advertises them) that a router's push params, or a router-named
+    transfer's `remote_bootstrap_addr`, may name; D takes such params from no other (router params are unsigned)."""
     staging_bytes: int = 0
     """Each worker's staging region (on the KV cache's device), where writes of many small pieces are gathered and
     sent as one descriptor per contiguous run; 0 (the default, until it is measured with vLLM): every write direct."""
@@ -93,7 +96,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         for name in ("hold_timeout_s", "recv_timeout_s", "handshake_timeout_s", "abort_grace_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {getattr(self, name)}")
-        for name in ("idle_wait_s", "push_idle_wait_s"):
+        for name in ("idle_wait_s", "push_idle_wait_s", "report_gather_s"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be in [0, 1], got {getattr(self, name)}")
         if self.mode not in ("pull", "push"):
@@ -182,6 +185,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             recv_timeout_s=self.recv_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
             abort_grace_s=self.abort_grace_s,
+            report_gather_s=self.report_gather_s,
             # A pushing P's early requests wait for its prefill, queue included: as long as D waits for them.
             early_request_timeout_s=self.recv_timeout_s if self.mode == "push" else _SERVICE.early_request_timeout_s,
             control_token=control_token,

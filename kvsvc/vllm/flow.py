@@ -23,6 +23,9 @@ Pure module: standard library and `kvsvc.vllm.params` only (no vllm, torch, asyn
   failed mid-prefill) is withdrawn on every worker, so D's waiting fetch fails now, not at its deadline. A
   preemption before the hold changes nothing here: the hold starts with the step that ends the prompt, from the
   request's blocks as vLLM lists them then.
+- A router-named transfer (`transfer_id` in both engines' params, llm-d's `mooncake` mode) is held and fetched under
+  the router's name, in either mode, with the push secret; D takes it, as push params, from `push_peers` only and
+  once; P withdraws it as a pushing P does.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from kvsvc.core.requests import RecvRequest, SendRequest
 from kvsvc.vllm.params import (
     ParamsError,
     RemotePrefill,
+    is_named_request,
     is_push_request,
+    named_transfer_id,
+    parse_named_prefill,
     parse_push_prefill,
     parse_remote_prefill,
     producer_params,
@@ -89,6 +95,7 @@ class _Producer:
     transfer_id: str  # the request id; in push mode, what D derives from its own (`push_transfer_id`)
     secret: str  # the transfer's, drawn when the request arrives (derived in push mode)
     held: bool = False
+    derived: bool = False  # D derives the transfer and secret (push mode, a router-named transfer): D may wait at P
 
 
 @dataclass(slots=True)
@@ -178,8 +185,9 @@ class SchedulerFlow:
             moved = self._moved(len(prompt))
             digest = prompt_hash(prompt)
             transfer_id, secret = req_id, ""
-            if self.push:
-                transfer_id = push_transfer_id(req_id)
+            named = named_transfer_id(params)
+            if named is not None or self.push:
+                transfer_id = named or push_transfer_id(req_id)
                 if transfer_id in self._pushing:
                     # A repeated X-Request-Id: one hold per transfer, and this one's abort would withdraw the other.
                     raise ParamsError(
@@ -189,13 +197,16 @@ class SchedulerFlow:
                 self._pushing[transfer_id] = req_id
                 secret = push_secret(self.params_key, transfer_id, len(prompt), digest)
             self._producers[req_id] = _Producer(
-                len(prompt), digest, early, moved, transfer_id, secret or self.new_secret()
+                len(prompt), digest, early, moved, transfer_id, secret or self.new_secret(), derived=bool(secret)
             )
         elif wants_remote_prefill(params):
             assert params is not None
-            push = is_push_request(params)
+            push = is_push_request(params) or is_named_request(params)
             try:
-                if push:
+                if is_named_request(params):
+                    remote = parse_named_prefill(params, prompt, self.params_key, self.push_peers)
+                    self._take_push(remote.transfer_id)
+                elif push:
                     remote = parse_push_prefill(params, req_id, prompt, self.params_key, self.push_peers)
                     self._take_push(remote.transfer_id)
                 else:
@@ -373,7 +384,7 @@ class SchedulerFlow:
             if completed and self._holds_all(groups, producer.moved):
                 self._hold(req_id, producer, groups)
             if not producer.held:
-                if self.push:  # D may already wait at P for it: end that wait now
+                if producer.derived:  # D may already wait at P for it: end that wait now
                     why = "completed with its KV not held" if completed else "aborted or failed before its KV was held"
                     reason = f"P's request {req_id[:120]!r} {why}: nothing will be pushed"
                     self._withdrawn.append(Withdrawal(producer.transfer_id, producer.secret, reason))

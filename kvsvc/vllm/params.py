@@ -16,6 +16,11 @@ request id as vLLM embeds it in each engine's request id) and the secret (`push_
 deployment's key over that id and the prompt's length and digest). A D whose prompt differs presents another
 secret, which P refuses: a client naming another request's id gets nothing. Router params are unsigned, so D opens
 only P endpoints its own config lists (`push_peers`).
+
+Router-named transfers (`named_transfer_id`, `parse_named_prefill`): llm-d's `mooncake` mode, which MooncakeConnector
+defines, names the transfer itself. It sends P `{do_remote_decode, transfer_id}` and D, at the same time,
+`{do_remote_prefill, transfer_id, remote_bootstrap_addr, remote_engine_id}`. P holds under that name and D fetches
+it, with the push secret over the name and the prompt; as for push params, D opens only endpoints in `push_peers`.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ SIGNATURE: Final = "kvsvc_signature"
 TRANSFER_MODE: Final = "transfer_mode"
 PUSH: Final = "push"
 REMOTE_REQUEST_ID: Final = "remote_request_id"
+# The keys of a router-named transfer (llm-d's `mooncake` mode, as MooncakeConnector reads them).
+TRANSFER_ID: Final = "transfer_id"
+REMOTE_BOOTSTRAP_ADDR: Final = "remote_bootstrap_addr"
+MAX_NAME_CHARS: Final = 200  # a UUID with a prefix, with room to spare
 MAX_REQUEST_ID_CHARS: Final = 512  # a router's id with vLLM's prefix and suffix, with room to spare
 # Without a control token there is no trust boundary (loopback only), but the push secret is still a MAC over the
 # request, so a D with another prompt is still refused.
@@ -209,6 +218,68 @@ def parse_push_prefill(
     digest = prompt_hash(prompt)
     return RemotePrefill(
         engine_id=_get(params, "remote_engine_id", str),
+        bootstrap_addr=addr,
+        transfer_id=transfer_id,
+        num_tokens=len(prompt),
+        prompt_hash=digest,
+        secret=push_secret(key, transfer_id, len(prompt), digest),
+    )
+
+
+def named_transfer_id(params: Mapping[str, Any] | None) -> str | None:
+    """The transfer a router named in P's or D's params (`transfer_id`, llm-d's `mooncake` mode), as kvsvc holds
+    and fetches it; None when the params name none. kvsvc's own params (`kvsvc_params_version`) never do.
+
+    Raises:
+        ParamsError: `transfer_id` is not a string of 1 to `MAX_NAME_CHARS` printable ASCII characters.
+    """
+    if not params or TRANSFER_ID not in params or "kvsvc_params_version" in params:
+        return None
+    name = params[TRANSFER_ID]
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS or not name.isascii() or not name.isprintable():
+        raise ParamsError(
+            f"kv_transfer_params[{TRANSFER_ID!r}] {_shown(name)} is not 1 to {MAX_NAME_CHARS} printable ASCII "
+            "characters"
+        )
+    return f"named-{name}"
+
+
+def is_named_request(params: Mapping[str, Any]) -> bool:
+    """Whether D's params name a router's transfer (`parse_named_prefill`) rather than carry P's params."""
+    return TRANSFER_ID in params and REMOTE_BOOTSTRAP_ADDR in params and "kvsvc_params_version" not in params
+
+
+def parse_named_prefill(
+    params: Mapping[str, Any], prompt: Sequence[int], key: Key | None, push_peers: frozenset[str]
+) -> RemotePrefill:
+    """What D fetches for a router-named transfer (`is_named_request`) of a request with `prompt`: the named transfer
+    (`named_transfer_id`), with the push secret over it and the prompt, from the endpoint the params name, which
+    must be one of `push_peers` ("host:port").
+
+    Raises:
+        ParamsError: this engine lists no push peers, or not that endpoint; a key missing or of the wrong type; a
+            bad `transfer_id`; an address that is not `http://host:port`.
+    """
+    addr = _get(params, REMOTE_BOOTSTRAP_ADDR, str)[:300]
+    peer = addr.removeprefix("http://")
+    if peer == addr or "/" in peer:
+        raise ParamsError(f"kv_transfer_params[{REMOTE_BOOTSTRAP_ADDR!r}] {addr!r} is not 'http://host:port'")
+    if not push_peers:
+        raise ParamsError(
+            f"kv_transfer_params name P endpoint {peer!r}, and this engine's kv_connector_extra_config lists no "
+            "push_peers: add the P endpoints it may fetch from"
+        )
+    if peer not in push_peers:
+        raise ParamsError(f"kv_transfer_params name P endpoint {peer!r}, not one of push_peers {sorted(push_peers)}")
+    try:
+        parse_bootstrap_addr(addr, keyed=key is not None)
+    except ValueError as exc:
+        raise ParamsError(f"kv_transfer_params[{REMOTE_BOOTSTRAP_ADDR!r}]: {exc}") from None
+    transfer_id = named_transfer_id(params)
+    assert transfer_id is not None  # `is_named_request`
+    digest = prompt_hash(prompt)
+    return RemotePrefill(
+        engine_id=_get(params, "remote_engine_id", str)[:MAX_NAME_CHARS],
         bootstrap_addr=addr,
         transfer_id=transfer_id,
         num_tokens=len(prompt),

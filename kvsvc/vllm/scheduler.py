@@ -58,7 +58,7 @@ class SchedulerSide:
                 cannot be read.
         """
         self._config = config
-        self._endpoint = BootstrapEndpoint(config.bootstrap_host, config.bootstrap_port_of(dp_rank))
+        self._endpoint = BootstrapEndpoint(config.bootstrap_host, config.bootstrap_port_of(dp_rank), dp_rank=dp_rank)
         if config.mode == "push" and dp_size > 1:
             log.warning(
                 "kvsvc: mode push needs data parallel size 1 (a router names P's endpoint to D before P's server "

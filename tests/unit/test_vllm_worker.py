@@ -374,7 +374,7 @@ class FakeService:
         self.secrets: list[str] = []  # what each start_send / start_recv was given
         self.waits: list[float] = []  # what each get_finished was told to wait for news
 
-    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:
+    def get_finished(self, wait_s: float = 0.0, step_s: float = 0.0) -> KVConnectorOutput:
         self.waits.append(wait_s)
         report, self.next = self.next, KVConnectorOutput()
         return report

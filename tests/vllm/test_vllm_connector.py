@@ -8,8 +8,11 @@ receive, no request left in vLLM's scheduler, every block free.
 
 from __future__ import annotations
 
+import json
 import random
 import time
+import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -206,6 +209,58 @@ def push(p: VllmEngine, d: VllmEngine, batch: list[list[int]], tag: str) -> tupl
     return d.result(call), p.stats()
 
 
+def llmd_mooncake_mode(p: VllmEngine, d: VllmEngine, batch: list[list[int]]) -> list[Output]:
+    """llm-d's decode sidecar in its `mooncake` mode (llm-d-router, pkg/sidecar/proxy/connector_mooncake.go): ask P's
+    bootstrap port `GET /query` for the engine id, name each transfer `xfer-<uuid4>`, then send P the request with
+    `max_tokens` 1 and `{do_remote_prefill: False, do_remote_decode: True, transfer_id}` and D the client's request
+    with `{do_remote_prefill: True, do_remote_decode: False, transfer_id, remote_bootstrap_addr, remote_engine_id}`,
+    both at once, D's answer going to the client and P's discarded."""
+    port = int(p.config.extra_config["bootstrap_port"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/query", timeout=5) as response:
+        answer = json.loads(response.read())
+    dp_rank, entry = next(iter(answer.items()))
+    assert dp_rank == "0"
+    ids = [f"xfer-{uuid.uuid4()}" for _ in batch]
+    to_p = [{"do_remote_prefill": False, "do_remote_decode": True, "transfer_id": t} for t in ids]
+    to_d = [
+        {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": t,
+            "remote_bootstrap_addr": f"http://127.0.0.1:{port}",
+            "remote_engine_id": entry["engine_id"],
+        }
+        for t in ids
+    ]
+    p_call = p.submit(batch, max_tokens=1, params=to_p)
+    d_call = d.submit(batch, max_tokens=8, params=to_d)
+    p.result(p_call)
+    return d.result(d_call)
+
+
+def test_llm_ds_mooncake_mode_dispatching_p_and_d_at_once_gives_a_single_engines_tokens(
+    engines: dict[str, VllmEngine],
+) -> None:
+    p, d = engines["P"], engines["D"]
+    batch = prompts(170, [BLOCK + 1, 100, 257], seed=17)
+    want = baseline(engines, batch)
+    failed_before = d.settle()["service"]["receiver"]["failed"]
+    got = llmd_mooncake_mode(p, d, batch)
+    assert [o.token_ids for o in got] == want
+    stats = assert_clean(d)
+    assert list(stats["flow"]["recent_loads"].values())[-len(batch) :] == [[0, len(x)] for x in batch]
+    assert stats["service"]["receiver"]["failed"] == failed_before  # loaded from P, not recomputed
+    assert_clean(p)
+    # The negative control: the same flow from P2, whose weights differ, loads KV that changes D's tokens.
+    other = prompts(180, [BLOCK + 1, 100, 257], seed=18)
+    moved = llmd_mooncake_mode(engines["P2"], d, other)
+    after = assert_clean(d)
+    assert after["service"]["receiver"]["failed"] == failed_before  # loaded, not recomputed
+    assert list(after["flow"]["recent_loads"].values())[-len(other) :] == [[0, len(x)] for x in other]
+    assert [o.token_ids for o in moved] != baseline(engines, other)
+    assert_clean(engines["P2"])
+
+
 @pytest.mark.parametrize("d_name", ["D", "D_tp2"])
 def test_push_d_first_gives_a_single_engines_tokens(engines: dict[str, VllmEngine], d_name: str) -> None:
     p, d = engines["P"], engines[d_name]
@@ -220,10 +275,10 @@ def test_push_d_first_gives_a_single_engines_tokens(engines: dict[str, VllmEngin
     after = assert_clean(p)["service"]
     sent = after["bytes_sent"] - before["bytes_sent"]
     assert sent == KV_BYTES_PER_BLOCK * (2 + sum(-(-len(x) // BLOCK) for x in batch))  # and the first request
-    # Every send of a pushing P on CPU goes layer by layer, and each layer's copy is measured: 4 layers for each
-    # request (the first one's too) and D worker.
+    # A pushing P's send goes layer by layer while its layers compute, each layer's copy measured: 4 layers per
+    # request (the first one's too) and D worker; one whose D fetch came once every layer was written goes whole.
     copies = sum(after["layer_copy"]["counts"]) - sum(before["layer_copy"]["counts"])
-    assert copies == 4 * (len(batch) + 1) * len(stats["workers"])
+    assert copies % 4 == 0 and 0 < copies <= 4 * (len(batch) + 1) * len(stats["workers"])
     # ...and streams: P's sends started before the forward that wrote their layers (vLLM binds a step's metadata
     # before its forward, and calls start_load_kv after it), so save_kv_layer found each layer's send waiting.
     streamed = after["streamed_layers"] - before["streamed_layers"]
