@@ -76,6 +76,7 @@ class _Recv:
     receive: str = ""  # this receive's name, in every request and abort (`TransferRequest.receive`)
     jobs: dict[Worker, RecvJob] = field(default_factory=dict)
     sources_known: bool = False
+    push: bool = False  # the fetch waits at P for a prefill that started with it (`RecvRequest.push`)
     ending: RecvEnding | None = None
     # sources whose connection broke after they were asked, with the start (incarnation) of P that was asked
     lost: dict[Worker, str] = field(default_factory=dict)
@@ -160,6 +161,7 @@ class Receiver:
             first_token=request.first_token,
             secret=request.secret,
             receive=receive,
+            push=request.push,
         )
         self._by_req[req_id] = transfer_id
         self._deadlines.set(transfer_id, deadline)
@@ -386,7 +388,7 @@ class Receiver:
         """Receives that ended since the last call; each req_id appears exactly once over the Receiver's life.
         Finished ones stay for a later call while `ReportGather` holds them (`step_s`: the engine's forward time
         when it calls from a step that computes nothing, else 0, which never holds); failures always go at once."""
-        hold = self._gather.holds(now, *self._in_flight(), step_s)
+        hold = bool(self._finished) and step_s > 0 and self._gather.holds(now, *self._in_flight(), step_s)
         finished = set() if hold else self._finished
         report = RecvReport(finished, set(self._failed), self._invalid, self._failed)
         self._failed, self._invalid = {}, set()
@@ -411,11 +413,11 @@ class Receiver:
 
     def _in_flight(self) -> tuple[int, int]:
         """The receives P workers were asked for and have not all answered, and the bytes D planned for the
-        answers still owed; receives still in their handshake, or ending, are not counted (their end is not near
-        in any way D can estimate)."""
+        answers still owed; receives still in their handshake, waiting for a pushing P's prefill, or ending, are
+        not counted (their end is not near in any way D can estimate)."""
         count = owed = 0
         for recv in self._recvs.values():
-            if not recv.sources_known or recv.ending is not None:
+            if not recv.sources_known or recv.push or recv.ending is not None:
                 continue
             waiting = [src for src, job in recv.jobs.items() if job.state is RecvState.REQUESTED]
             if waiting:

@@ -389,14 +389,14 @@ class ReceivingRole:
     def _on_answer(self, engine_id: str, src: Worker, message: Message) -> None:
         """P's frame (once the window protocol passed it on, where D lends windows): the `Receiver`'s."""
         self._run_recv(self._receiver.receive(engine_id, src, message))
-        now = self._ctx.clock()
-        for started in self._receiver.take_landed(now):
-            self._ctx.recv_durations.observe(now - started)
 
     def _run_recv(self, commands: Sequence[RecvCommand]) -> None:
         """Carry out what the `Receiver` decided on its last event, and signal the change (as `start_recv` does for a
-        new receive, and the lender for a scatter that ended)."""
+        new receive, and the lender for a scatter that ended); time the receives that landed on it."""
         self._ctx.changed()
+        now = self._ctx.clock()
+        for started in self._receiver.take_landed(now):
+            self._ctx.recv_durations.observe(now - started)
         carry_out_d(commands, self)
         if self._windows is not None and self._windows.busy:
             self._windows.tidy()

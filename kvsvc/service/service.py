@@ -332,8 +332,8 @@ class KVTransferService:
         ended, a deadline, the end of a report's hold), or after `timeout_s`; wake-ups may be spurious. Lets an
         embedder wake on completions instead of polling."""
         held = self._receiving.report_held_until
-        if held is not None:
-            left = max(0.0, held - self._ctx.clock())
+        if held is not None:  # a millisecond late: a timer may fire early by its clock's resolution
+            left = max(0.0, held - self._ctx.clock()) + 0.001
             timeout_s = left if timeout_s is None else min(timeout_s, left)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):

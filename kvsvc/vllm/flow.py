@@ -25,7 +25,8 @@ Pure module: standard library and `kvsvc.vllm.params` only (no vllm, torch, asyn
   request's blocks as vLLM lists them then.
 - A router-named transfer (`transfer_id` in both engines' params, llm-d's `mooncake` mode) is held and fetched under
   the router's name, in either mode, with the push secret; D takes it, as push params, from `push_peers` only and
-  once; P withdraws it as a pushing P does.
+  once; P withdraws it as a pushing P does. D's fetch reaches P before the hold, and P keeps such early requests
+  `early_request_timeout_s`: 10 s in pull mode, `recv_timeout_s` in push mode, which the operator's guide asks for.
 """
 
 from __future__ import annotations
@@ -174,9 +175,9 @@ class SchedulerFlow:
         """Track `req_id` if its params ask for a transfer in either direction; `max_tokens` is its sampling limit.
 
         Raises:
-            ParamsError: D params that cannot be used (malformed, or another prompt's KV), or a pushing P's
-                request whose transfer another live request prefills; the request is not tracked, so vLLM computes
-                it locally (P: without holding its KV).
+            ParamsError: D params that cannot be used (malformed, or another prompt's KV); P params naming a bad
+                `transfer_id`; a P request whose derived or named transfer another live request prefills. The
+                request is not tracked, so vLLM computes it locally (P: without holding its KV).
         """
         if wants_remote_decode(params):
             if self.held_back and len(prompt) <= self.held_back:

@@ -260,10 +260,10 @@ def parse_named_prefill(
         ParamsError: this engine lists no push peers, or not that endpoint; a key missing or of the wrong type; a
             bad `transfer_id`; an address that is not `http://host:port`.
     """
-    addr = _get(params, REMOTE_BOOTSTRAP_ADDR, str)[:300]
+    addr = _get(params, REMOTE_BOOTSTRAP_ADDR, str)
     peer = addr.removeprefix("http://")
-    if peer == addr or "/" in peer:
-        raise ParamsError(f"kv_transfer_params[{REMOTE_BOOTSTRAP_ADDR!r}] {addr!r} is not 'http://host:port'")
+    if peer == addr or "/" in peer or len(addr) > 300:
+        raise ParamsError(f"kv_transfer_params[{REMOTE_BOOTSTRAP_ADDR!r}] {_shown(addr)} is not 'http://host:port'")
     if not push_peers:
         raise ParamsError(
             f"kv_transfer_params name P endpoint {peer!r}, and this engine's kv_connector_extra_config lists no "

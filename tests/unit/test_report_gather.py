@@ -20,11 +20,12 @@ MB = 1 << 20
 STEP_S = 0.05  # the engine's forward: holds last at most a quarter of it
 
 
-def _receiver(n: int, planned: int = MB, gather_s: float = 0.025) -> Receiver:
-    """A D worker receiving `n` transfers of `planned` bytes each from P0, every request asked at 0."""
+def _receiver(n: int, planned: int = MB, gather_s: float = 0.025, pushed: int = 0) -> Receiver:
+    """A D worker receiving `n` transfers of `planned` bytes each from P0, every request asked at 0; the last
+    `pushed` of them wait for a pushing P's prefill."""
     receiver = Receiver(report_gather_s=gather_s)
     for i in range(n):
-        request = RecvRequest(f"r{i}", f"t{i}", "P", "http://p", (i,), 16, 0, "")
+        request = RecvRequest(f"r{i}", f"t{i}", "P", "http://p", (i,), 16, 0, "", push=i >= n - pushed)
         assert receiver.start(request, 0.0, receive=f"x{i}")
         receiver.sources_known(f"t{i}", [P0], [], {P0}, {P0: planned})
     return receiver
@@ -65,6 +66,21 @@ def test_a_held_report_goes_once_its_bound_passes_though_more_is_owed() -> None:
     bound = min(0.025, GATHER_STEP_SHARE * STEP_S)
     assert receiver.take_report(0.010 + bound * 0.99, STEP_S).finished == set()
     assert receiver.take_report(0.010 + bound, STEP_S).finished == {"r0"}
+
+
+def test_a_report_does_not_wait_for_receives_that_wait_for_a_pushing_ps_prefill() -> None:
+    receiver = _receiver(3, pushed=2)
+    _land(receiver, 0, 0.010)
+    assert receiver.take_report(0.010, STEP_S).finished == {"r0"}  # P's prefill is no landing about to happen
+
+
+def test_a_hold_needs_a_landed_receive_not_reported_yet() -> None:
+    receiver = _receiver(3)
+    assert receiver.answer("P", P0, "t0", None) is not None
+    assert receiver.take_report(0.010, 0.0).finished == {"r0"}
+    receiver.take_landed(0.010)  # its landing is learnt after it was reported
+    assert receiver.take_report(0.011, STEP_S).finished == set()
+    assert receiver.report_held_until is None  # nothing finished waits: no hold for a waiter to wake at
 
 
 def test_failures_are_never_held() -> None:
