@@ -195,9 +195,27 @@ def parse_push_prefill(
     host = _get(params, "remote_host", str)[:255]
     port = _get(params, "remote_port", int)
     peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    addr = _push_peer(peer, key, push_peers, "['remote_host'], ['remote_port']")
+    router_id = _get(params, REMOTE_REQUEST_ID, str)
+    if len(router_id) > MAX_REQUEST_ID_CHARS or router_id not in req_id:
+        shown = router_id if len(router_id) <= 80 else f"{router_id[:80]}... ({len(router_id)} characters)"
+        raise ParamsError(
+            f"kv_transfer_params[{REMOTE_REQUEST_ID!r}] {shown!r} is not part of this request's id {req_id[:200]!r}: "
+            "the router must send D the X-Request-Id it sent P"
+        )
+    return _derived(_get(params, "remote_engine_id", str), addr, push_transfer_id(req_id), prompt, key)
+
+
+def _push_peer(peer: str, key: Key | None, push_peers: frozenset[str], keys: str) -> str:
+    """The bootstrap address of P endpoint `peer` ("host:port") that unsigned router params (`keys`) name, once it
+    is one of `push_peers`: the one check that keeps router params from steering D anywhere else.
+
+    Raises:
+        ParamsError: no push peers, not one of them, or an address `parse_bootstrap_addr` refuses.
+    """
     if not push_peers:
         raise ParamsError(
-            f"kv_transfer_params ask for a push from {peer!r}, and this engine's kv_connector_extra_config lists no "
+            f"kv_transfer_params name P endpoint {peer!r}, and this engine's kv_connector_extra_config lists no "
             "push_peers: add the P endpoints it may fetch from"
         )
     if peer not in push_peers:
@@ -206,24 +224,16 @@ def parse_push_prefill(
     try:
         parse_bootstrap_addr(addr, keyed=key is not None)
     except ValueError as exc:
-        raise ParamsError(f"kv_transfer_params['remote_host'], ['remote_port']: {exc}") from None
-    router_id = _get(params, REMOTE_REQUEST_ID, str)
-    if len(router_id) > MAX_REQUEST_ID_CHARS or router_id not in req_id:
-        shown = router_id if len(router_id) <= 80 else f"{router_id[:80]}... ({len(router_id)} characters)"
-        raise ParamsError(
-            f"kv_transfer_params[{REMOTE_REQUEST_ID!r}] {shown!r} is not part of this request's id {req_id[:200]!r}: "
-            "the router must send D the X-Request-Id it sent P"
-        )
-    transfer_id = push_transfer_id(req_id)
+        raise ParamsError(f"kv_transfer_params{keys}: {exc}") from None
+    return addr
+
+
+def _derived(engine_id: str, addr: str, transfer_id: str, prompt: Sequence[int], key: Key | None) -> RemotePrefill:
+    """What D fetches of a transfer it derived with P (push mode, a router-named transfer): the secret is the MAC
+    over the transfer and D's own prompt, so a D with another prompt presents one P refuses."""
     digest = prompt_hash(prompt)
-    return RemotePrefill(
-        engine_id=_get(params, "remote_engine_id", str),
-        bootstrap_addr=addr,
-        transfer_id=transfer_id,
-        num_tokens=len(prompt),
-        prompt_hash=digest,
-        secret=push_secret(key, transfer_id, len(prompt), digest),
-    )
+    secret = push_secret(key, transfer_id, len(prompt), digest)
+    return RemotePrefill(engine_id, addr, transfer_id, len(prompt), digest, secret)
 
 
 def named_transfer_id(params: Mapping[str, Any] | None) -> str | None:
@@ -260,32 +270,14 @@ def parse_named_prefill(
         ParamsError: this engine lists no push peers, or not that endpoint; a key missing or of the wrong type; a
             bad `transfer_id`; an address that is not `http://host:port`.
     """
-    addr = _get(params, REMOTE_BOOTSTRAP_ADDR, str)
-    peer = addr.removeprefix("http://")
-    if peer == addr or "/" in peer or len(addr) > 300:
-        raise ParamsError(f"kv_transfer_params[{REMOTE_BOOTSTRAP_ADDR!r}] {_shown(addr)} is not 'http://host:port'")
-    if not push_peers:
-        raise ParamsError(
-            f"kv_transfer_params name P endpoint {peer!r}, and this engine's kv_connector_extra_config lists no "
-            "push_peers: add the P endpoints it may fetch from"
-        )
-    if peer not in push_peers:
-        raise ParamsError(f"kv_transfer_params name P endpoint {peer!r}, not one of push_peers {sorted(push_peers)}")
-    try:
-        parse_bootstrap_addr(addr, keyed=key is not None)
-    except ValueError as exc:
-        raise ParamsError(f"kv_transfer_params[{REMOTE_BOOTSTRAP_ADDR!r}]: {exc}") from None
+    given = _get(params, REMOTE_BOOTSTRAP_ADDR, str)
+    peer = given.removeprefix("http://")
+    if peer == given or "/" in peer or len(given) > 300:
+        raise ParamsError(f"kv_transfer_params[{REMOTE_BOOTSTRAP_ADDR!r}] {_shown(given)} is not 'http://host:port'")
+    addr = _push_peer(peer, key, push_peers, f"[{REMOTE_BOOTSTRAP_ADDR!r}]")
     transfer_id = named_transfer_id(params)
     assert transfer_id is not None  # `is_named_request`
-    digest = prompt_hash(prompt)
-    return RemotePrefill(
-        engine_id=_get(params, "remote_engine_id", str)[:MAX_NAME_CHARS],
-        bootstrap_addr=addr,
-        transfer_id=transfer_id,
-        num_tokens=len(prompt),
-        prompt_hash=digest,
-        secret=push_secret(key, transfer_id, len(prompt), digest),
-    )
+    return _derived(_get(params, "remote_engine_id", str)[:MAX_NAME_CHARS], addr, transfer_id, prompt, key)
 
 
 def _signed_fields(params: Mapping[str, Any], key: Key | None) -> Mapping[str, Any]:
