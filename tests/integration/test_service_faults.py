@@ -60,7 +60,7 @@ from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of, unkeyed_frames
 from kvsvc.transport.mooncake import MooncakeConfig
 from workers.executor import EngineConfig, Executor, start_all
-from workers.process import ForgetEngine, GetFinished, Peers, Prefill, Recv, Verify
+from workers.process import Batch, ForgetEngine, GetFinished, Peers, Prefill, Recv, Verify
 from workers.synthetic import VerifyResult
 from workers.view import ExecutorView
 
@@ -411,12 +411,12 @@ def test_repeated_start_send_and_start_recv_write_once_and_report_once(engines: 
     sent_before = _stat(p, "transfers_sent")
     p_blocks, d_blocks = _blocks(0, TOKENS), _blocks(100, TOKENS)
 
-    # Every repeat of the hold comes while it stands: once D fetched the KV, a hold of the same transfer id is a new
-    # hold (a retried request may reuse its id), which on the same-host plane could come before this line's last one.
-    for _ in range(4):
-        _prefill(p, "p-repeat", "repeat", p_blocks, TOKENS, seed=11)
-    for _ in range(4):
-        _recv(d, "d-repeat", "repeat", p, d_blocks, TOKENS)
+    # Every repeat comes while the first stands: once a receive ended, the same call is a new receive (and once D
+    # fetched the KV, the same hold a new hold: a retried request may reuse its id), and on the same-host plane a
+    # receive can end within a command's round trip. A batch's commands run in one turn of the worker's loop, so
+    # nothing ends between them.
+    p.broadcast(Batch([Prefill("p-repeat", "repeat", p_blocks, TOKENS, 11)] * 4))
+    d.broadcast(Batch([Recv("d-repeat", "repeat", p.engine_id, p.url, d_blocks, TOKENS)] * 4))
 
     _until(
         lambda: d_reports.poll().ended("d-repeat") and p_reports.poll().sent("p-repeat"),
