@@ -19,7 +19,6 @@ from typing import Any
 import msgspec
 from msgspec.structs import replace
 
-from kvsvc.core.coalesce import unmerged_run_count
 from kvsvc.core.errors import TopologyError
 from kvsvc.core.layout import (
     CROSS_LAYER,
@@ -35,7 +34,7 @@ from kvsvc.core.layout import (
     pool_regions,
 )
 from kvsvc.core.messages import Worker, WorkerMetadata
-from kvsvc.core.planner import plan_transfer_arrays, source_heads
+from kvsvc.core.planner import plan_transfer_arrays, source_heads, unmerged_run_count
 from kvsvc.core.staging_plans import StagingRule, Way, count_runs, region_ids, window_plan
 
 _ALIGN = 2 * 1024 * 1024

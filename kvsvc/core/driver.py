@@ -20,9 +20,9 @@ from typing import Literal, Protocol, TypeAlias
 
 from msgspec.structs import replace
 
-from kvsvc.core.coalesce import Int64Array
 from kvsvc.core.errors import LocalProtocolError
 from kvsvc.core.jobs import Notice
+from kvsvc.core.layout import Int64Array
 from kvsvc.core.messages import Message, TransferRequest, WindowEmptied, Worker
 from kvsvc.core.receiver import RecvCommand, SendToSource, ToSource
 from kvsvc.core.sender import Reply, SendCommand, Submit

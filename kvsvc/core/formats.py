@@ -1,7 +1,7 @@
 """What a KV byte means on each side of a pair, and whether P's can become D's: the cache formats, the KV scales,
 and the conversion of an unquantized P cache into a quantized D one.
 
-Pure module: numpy, msgspec and kvsvc's coalesce, errors, layout and messages only (no torch, asyncio, I/O).
+Pure module: numpy, msgspec and kvsvc's errors, layout and messages only (no torch, asyncio, I/O).
 Rules: two sides that store KV in one format copy it byte for byte, and then hold the same scale for every layer
 both hold; a P that stores floats (bfloat16, float16, float32) feeds a D that stores fp8 a byte per value by
 converting in its staging region, every value divided by D's scale for its layer and rounded as D's engine rounds
@@ -21,9 +21,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.core.coalesce import Int64Array
 from kvsvc.core.errors import TopologyError
-from kvsvc.core.layout import dtype_size, is_cross_layer, layer_addrs, layer_bytes
+from kvsvc.core.layout import Int64Array, dtype_size, is_cross_layer, layer_addrs, layer_bytes
 from kvsvc.core.messages import WorkerMetadata
 
 # vLLM takes "fp8" for "fp8_e4m3" (kvsvc runs on CUDA and CPU, where that is e4m3fn).

@@ -181,7 +181,17 @@ RECV_TERMINAL: Final = frozenset({R.DONE, R.FAILED, R.ABORTED})
 class SendJob:
     """P's job for one (transfer, D worker): from D's request to the outcome D is told."""
 
-    __slots__ = ("block_ids", "dst", "first_token", "num_tokens", "reason", "state", "transfer_id", "window")
+    __slots__ = (
+        "block_ids",
+        "dst",
+        "ended_by",
+        "first_token",
+        "num_tokens",
+        "reason",
+        "state",
+        "transfer_id",
+        "window",
+    )
 
     def __init__(
         self, transfer_id: str, dst: tuple[int, int], block_ids: list[int], num_tokens: int, first_token: int = 0
@@ -194,6 +204,7 @@ class SendJob:
         self.window = (0, 0, 0)  # D's window (address, bytes, share bytes); no bytes: write the blocks
         self.state = SendState.UNASKED
         self.reason = ""
+        self.ended_by: SendEvent | None = None  # the event that turned the job away from landing, for D's counters
 
     @property
     def terminal(self) -> bool:
@@ -213,8 +224,13 @@ class SendJob:
             ) from None
         if reason and not self.reason and next_state is not self.state:
             self.reason = reason
+        if self.ended_by is None and next_state in _AWAY_FROM_LANDING and self.state not in _AWAY_FROM_LANDING:
+            self.ended_by = event
         self.state = next_state
         return effects
+
+
+_AWAY_FROM_LANDING: Final = frozenset({S.DRAINING, S.FAILED, S.ABORTED})
 
 
 class RecvJob:

@@ -1,6 +1,7 @@
 """KV-cache geometry of one worker: which heads and layers it holds and where each byte of a block lives.
 
-Pure module: imports only the standard library and `kvsvc.core.errors`/`kvsvc.core.messages` (no numpy, torch, asyncio).
+Pure module: imports only the standard library, numpy (for `Int64Array`, the descriptor tables' column type) and
+`kvsvc.core.errors`/`kvsvc.core.messages` (no torch, asyncio).
 Invariants: head ownership follows docs/design.md (`H_local = max(1, K // tp)`, replicated when `tp > K`); byte
 offsets match C-contiguous torch tensors. Per-layer layouts have one tensor per local layer (`base_addrs` holds one
 address per layer):
@@ -29,8 +30,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
 from kvsvc.core.errors import TopologyError
 from kvsvc.core.messages import WorkerMetadata
+
+# A table of byte addresses, lengths or region ids: descriptors travel as int64 columns.
+Int64Array = npt.NDArray[np.int64]
 
 DTYPE_SIZES: Final[dict[str, int]] = {
     "bfloat16": 2,

@@ -37,6 +37,11 @@ MAX_REASON_CHARS: Final = 2048  # a refusal's or failure's text; longer ones are
 MAX_SECRET_CHARS: Final = 256  # a transfer's secret travels in each request
 MAX_OPAQUE_BYTES: Final = 256  # nonces, proofs, IPC handles (64 bytes in CUDA)
 MAX_COUNT: Final = 2**31  # ranks, layers, heads, sizes of a block, block ids and counts, token counts
+# Why a receive failed, as D counts it (`kvsvc_load_failures_total{cause}`): P's write or D's plane failed
+# (transport), a deadline passed on either side (expired), P refused the request (refused), P's worker or its
+# connection went away (p_lost), either engine aborted it (aborted), P's metadata or hello failed (handshake), a
+# peer broke the protocol (protocol). P names the first four and "aborted" in `TransferFailed.cause`.
+FAILURE_CAUSES: Final = ("transport", "expired", "refused", "p_lost", "aborted", "handshake", "protocol")
 MAX_ADDRESS: Final = 2**62  # addresses and byte sizes: an address plus a size still fits an int64 table
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 Word = Annotated[str, msgspec.Meta(max_length=MAX_WORD_CHARS)]
@@ -285,6 +290,7 @@ class TransferDone(msgspec.Struct, tag="xfer_done", frozen=True, kw_only=True):
     bytes: int
     descriptors: int
     receive: Word = ""  # the receive it answers (`TransferRequest.receive`); D drops one naming another
+    write_us: Count = 0  # P's write of it, from submission to landing, in microseconds (0: P did not time it)
 
 
 class TransferFailed(msgspec.Struct, tag="xfer_failed", frozen=True, kw_only=True):
@@ -293,6 +299,7 @@ class TransferFailed(msgspec.Struct, tag="xfer_failed", frozen=True, kw_only=Tru
     transfer_id: Name
     reason: Reason
     receive: Word = ""  # as in `TransferDone`
+    cause: Word = ""  # one of `FAILURE_CAUSES` for D's counters; "" from a P that does not say
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):

@@ -22,6 +22,13 @@ _V = TypeVar("_V")
 DEFAULT_COMPLETED_MEMORY: Final = 65_536
 
 
+# Keys of a worker's `kv_connector_stats` beside its counters' deltas: one count per failed receive by cause
+# (`LOAD_FAILED` + one of `kvsvc.core.messages.FAILURE_CAUSES`), and each landed receive's phases as a list of
+# [total_s, handshake_s, queue_s, write_s, bytes] (`kvsvc.core.receiver.LoadTimes`).
+LOAD_FAILED: Final = "load_failed_"
+LOADS: Final = "loads"
+
+
 @dataclass
 class KVConnectorOutput:
     """One worker's KV-transfer report for one step (or the engine-wide aggregate of all workers' reports).
@@ -30,7 +37,7 @@ class KVConnectorOutput:
     `finished_recving`: ids whose KV landed (or, in the aggregate, whose receive ended, failed ones included).
     `failed_recving`: ids whose receive failed; a worker may list a failed id here only or in both sets, and
     the aggregate lists a failed id in both. `invalid_block_ids`: local blocks that must be recomputed.
-    `kv_connector_stats`: opaque telemetry (a dict of numbers is summed by the aggregator).
+    `kv_connector_stats`: opaque telemetry (in a dict, the aggregator sums numbers and concatenates lists).
     `expected_finished_count`: 0 means "no opinion"; a positive value tells the aggregator how many distinct
     workers must report each id first seen from now on.
 
@@ -172,24 +179,34 @@ class _CompletionTable:
         return entry
 
 
-def _is_number_dict(stats: object) -> TypeGuard[dict[object, int | float]]:
+def _is_stats_dict(stats: object) -> TypeGuard[dict[object, int | float | list[object]]]:
     # bool is an int subclass, but summing flags is meaningless: such stats are not "numbers" here.
     return isinstance(stats, dict) and all(
-        isinstance(v, int | float) and not isinstance(v, bool) for v in stats.values()
+        isinstance(v, list) or (isinstance(v, int | float) and not isinstance(v, bool)) for v in stats.values()
     )
 
 
 def _merge_stats(all_stats: Sequence[object], own_stats: object | None) -> object | None:
-    """Sum dicts of numbers key by key; anything else keeps the output rank's stats untouched."""
+    """Merge dicts of numbers and lists key by key (numbers summed, lists, such as per-request samples,
+    concatenated); anything else, or a key that is a number in one and a list in another, keeps the output rank's
+    stats untouched."""
     if not all_stats:
         return None
-    number_dicts = [s for s in all_stats if _is_number_dict(s)]
-    if len(number_dicts) != len(all_stats):
+    dicts = [s for s in all_stats if _is_stats_dict(s)]
+    if len(dicts) != len(all_stats):
         return own_stats
-    merged: dict[object, int | float] = {}
-    for stats in number_dicts:
+    merged: dict[object, int | float | list[object]] = {}
+    for stats in dicts:
         for key, value in stats.items():
-            merged[key] = merged.get(key, 0) + value
+            known = merged.get(key)
+            if known is None:
+                merged[key] = list(value) if isinstance(value, list) else value
+            elif isinstance(known, list) and isinstance(value, list):
+                known.extend(value)
+            elif not isinstance(known, list) and not isinstance(value, list):
+                merged[key] = known + value
+            else:
+                return own_stats
     return merged
 
 

@@ -21,6 +21,7 @@ from kvsvc.core.deadlines import Deadlines
 from kvsvc.core.errors import TopologyError
 from kvsvc.core.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
 from kvsvc.core.messages import (
+    FAILURE_CAUSES,
     Abort,
     ErrorMessage,
     Message,
@@ -82,6 +83,10 @@ class _Recv:
     lost: dict[Worker, str] = field(default_factory=dict)
     # the bytes each source writes into this worker for the receive, as D plans them (`planned_bytes`)
     planned: dict[Worker, int] = field(default_factory=dict)
+    asked: float | None = None  # when its first request went to P (`Receiver.asked`)
+    write_s: float = 0.0  # the longest write of its sources, as P timed them (`TransferDone.write_us`)
+    landed_bytes: int = 0  # what its sources' done answers report written
+    cause: str = ""  # the first failure's cause (`FAILURE_CAUSES`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +101,35 @@ class ReceiverStatistics:
 
 @dataclass(frozen=True, slots=True)
 class RecvReport:
-    """What `Receiver.take_report` hands to the engine: each req_id once, in exactly one of the two sets."""
+    """What `Receiver.take_report` hands to the engine: each req_id once, in exactly one of the two sets; each
+    failed one with its reason and its cause (one of `FAILURE_CAUSES`)."""
 
     finished: set[str]
     failed: set[str]
     invalid_block_ids: set[int]
     reasons: dict[str, str]
+    causes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTimes:
+    """One receive that landed, in phases: what the engine's metrics and the slow-transfer log show of it. The
+    phases add up to `total_s`; D cannot split P's answer further than P's own timing of its write."""
+
+    req_id: str
+    transfer_id: str
+    engine_id: str
+    sources: tuple[Worker, ...]
+    nbytes: int
+    total_s: float  # from `start` to the last source's answer
+    handshake_s: float  # until its first request went to P: P's metadata, the hello, a connection
+    queue_s: float  # P's answer less P's write: waiting at P (for its KV, for its copy thread) and the round trip
+    write_s: float  # P's write, submission to landing (the longest of its sources)
+
+    @property
+    def gbps(self) -> float:
+        """The bytes over P's write time, in GB/s (0 when P did not time it)."""
+        return self.nbytes / self.write_s / 1e9 if self.write_s > 0 else 0.0
 
 
 class Receiver:
@@ -124,7 +152,8 @@ class Receiver:
         self._finished: set[str] = set()
         self._failed: dict[str, str] = {}
         self._invalid: set[int] = set()
-        self._landed: list[tuple[float, int]] = []  # (start, planned bytes) of receives landed since `take_landed`
+        self._landed: list[_Recv] = []  # receives landed since `take_landed`
+        self._causes: dict[str, str] = {}
         self._counts = {"finished": 0, "failed": 0, "expired": 0}
 
     # -- events from the engine --------------------------------------------------------------------------------
@@ -174,6 +203,7 @@ class Receiver:
         if recv is None or recv.ending is not None:
             return []
         recv.ending = RecvEnding.ABORTED
+        _blame(recv, "aborted")
         self._set_deadline(recv, min(recv.deadline, now + self._abort_grace))
         commands: list[SendToSource] = []
         for job in list(recv.jobs.values()):
@@ -238,22 +268,25 @@ class Receiver:
         connections (and their own failures)."""
         for recv in list(self._recvs.values()):
             if recv.engine_id == engine_id and not recv.sources_known:
+                _blame(recv, "handshake")
                 self._end(recv, reason)
         return []
 
     def peer_lost(
-        self, engine_id: str, src: Worker, reason: str, now: float, incarnation: str = ""
+        self, engine_id: str, src: Worker, reason: str, now: float, incarnation: str = "", cause: str = "p_lost"
     ) -> list[SendToSource]:
         """The connection to P worker `src` (of start `incarnation`) broke or was refused. Jobs that never asked
         fail; jobs that asked may still be written to by that P, so their receive ends only after `abort_grace_s`
         (or once that same start answers again, `reconnected`), and its other sources are told to stop at once
-        (the receive is lost anyway)."""
+        (the receive is lost anyway). `cause`: what the receives it fails count as ("handshake" for a refused
+        hello)."""
         commands: list[SendToSource] = []
         for recv in list(self._recvs.values()):
             job = recv.jobs.get(src)
             if recv.engine_id != engine_id or job is None or job.terminal:
                 continue
             asked = job.state is not RecvState.PENDING
+            _blame(recv, cause)
             commands += self._apply(recv, job, RecvEvent.PEER_LOST, reason)
             if recv.transfer_id not in self._recvs:
                 continue
@@ -311,6 +344,15 @@ class Receiver:
             error = (
                 message.reason if isinstance(message, TransferFailed) else self._wrong_bytes(engine_id, src, message)
             )
+            if recv is not None and recv.engine_id == engine_id and src in recv.jobs:
+                if isinstance(message, TransferFailed):
+                    # A P that names no cause (or one D does not know) failed its write as far as D can tell.
+                    _blame(recv, message.cause if message.cause in _P_CAUSES else "transport")
+                elif error is not None:
+                    _blame(recv, "protocol")
+                elif not recv.jobs[src].terminal:  # a repeated answer adds nothing
+                    recv.write_s = max(recv.write_s, message.write_us / 1e6)
+                    recv.landed_bytes += message.bytes
             commands = self.answer(engine_id, src, message.transfer_id, error)
             if commands is None:
                 return [Notice(f"late or unknown answer for {message.transfer_id!r} from P{src}", level="debug")]
@@ -321,6 +363,9 @@ class Receiver:
             )
             if not message.transfer_id:
                 return [notice]
+            recv = self._recvs.get(message.transfer_id)
+            if recv is not None and recv.engine_id == engine_id and src in recv.jobs:
+                _blame(recv, "protocol")
             return [notice, *(self.answer(engine_id, src, message.transfer_id, f"P error: {message.reason}") or [])]
         if isinstance(message, Pong):
             return []
@@ -364,6 +409,7 @@ class Receiver:
                 # First expiry: abort the sources still asked, and wait (bounded) for them to stop writing.
                 self._counts["expired"] += 1
                 recv.ending = RecvEnding.EXPIRED
+                _blame(recv, "expired")
                 self._set_deadline(recv, now + self._abort_grace)
                 reason = f"receive of {recv.transfer_id!r} from {recv.engine_id!r} timed out after {self._timeout:g} s"
             for job in list(recv.jobs.values()):
@@ -390,8 +436,8 @@ class Receiver:
         when it calls from a step that computes nothing, else 0, which never holds); failures always go at once."""
         hold = bool(self._finished) and step_s > 0 and self._gather.holds(now, *self._in_flight(), step_s)
         finished = set() if hold else self._finished
-        report = RecvReport(finished, set(self._failed), self._invalid, self._failed)
-        self._failed, self._invalid = {}, set()
+        report = RecvReport(finished, set(self._failed), self._invalid, self._failed, self._causes)
+        self._failed, self._invalid, self._causes = {}, set(), {}
         if not hold:
             self._finished = set()
             self._gather.reported()
@@ -402,14 +448,30 @@ class Receiver:
         """When the finished receives the last `take_report` held go out at the latest; None when it held none."""
         return self._gather.until
 
-    def take_landed(self, now: float) -> list[float]:
-        """The `now` each receive was started at, for the receives that finished with their KV landed since the
-        last call, which landed at `now` (the caller has the clock: it turns them into durations, and this into
-        the landing rate `ReportGather` estimates)."""
+    def asked(self, transfer_id: str, now: float) -> None:
+        """`transfer_id`'s request went to a P worker at `now`; the first one ends its handshake phase."""
+        recv = self._recvs.get(transfer_id)
+        if recv is not None and recv.asked is None:
+            recv.asked = now
+
+    def take_landed(self, now: float) -> list[LoadTimes]:
+        """The receives that finished with their KV landed since the last call, which landed at `now`, in phases
+        (the caller has the clock; this also feeds the landing rate `ReportGather` estimates)."""
         landed, self._landed = self._landed, []
-        for started, nbytes in landed:
-            self._gather.landed(now, started, nbytes)
-        return [started for started, _ in landed]
+        times = []
+        for recv in landed:
+            self._gather.landed(now, recv.started, sum(recv.planned.values()))
+            asked = min(max(recv.started, recv.asked if recv.asked is not None else recv.started), now)
+            answer = now - asked
+            write = min(recv.write_s, answer)
+            sources = tuple(sorted(recv.jobs))
+            times.append(
+                LoadTimes(
+                    recv.req_id, recv.transfer_id, recv.engine_id, sources, recv.landed_bytes, now - recv.started,
+                    asked - recv.started, answer - write, write,
+                )
+            )  # fmt: skip
+        return times
 
     def _in_flight(self) -> tuple[int, int]:
         """The receives P workers were asked for and have not all answered, and the bytes D planned for the
@@ -489,7 +551,7 @@ class Receiver:
             del self._recvs[recv.transfer_id]
             self._by_req.pop(recv.req_id, None)
             self._finished.add(recv.req_id)
-            self._landed.append((recv.started, sum(recv.planned.values())))
+            self._landed.append(recv)
             self._counts["finished"] += 1
             return
         job = failed[0] if failed else None
@@ -501,8 +563,18 @@ class Receiver:
             return
         self._by_req.pop(recv.req_id, None)
         self._failed[recv.req_id] = reason
+        self._causes[recv.req_id] = recv.cause or "transport"
         self._invalid.update(recv.block_ids)
         self._counts["failed"] += 1
+
+
+_P_CAUSES: Final = frozenset(FAILURE_CAUSES) - {"handshake"}
+
+
+def _blame(recv: _Recv, cause: str) -> None:
+    """`cause` is why `recv` fails, unless an earlier failure already named one (the first cause is the one)."""
+    if not recv.cause:
+        recv.cause = cause
 
 
 def planned_bytes(

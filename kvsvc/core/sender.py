@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, TypeAlias, TypeVar
 
+from msgspec.structs import replace
+
 from kvsvc.core.deadlines import Deadlines
 from kvsvc.core.jobs import Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.core.messages import (
+    MAX_COUNT,
     Abort,
     ErrorMessage,
     Message,
@@ -90,6 +93,7 @@ class Landed:
 
     nbytes: int
     descriptors: int
+    write_s: float = 0.0  # from submission to landing, as the writer timed it (D hears it in `TransferDone`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +131,7 @@ class _Hold:
     refs: dict[Worker, WorkerRef] = field(default_factory=dict)
     # The receive (`TransferRequest.receive`) each D worker's job serves: another receive gets none of it.
     receives: dict[Worker, str] = field(default_factory=dict)
-    results: dict[Worker, tuple[int, int]] = field(default_factory=dict)
+    results: dict[Worker, tuple[int, int, float]] = field(default_factory=dict)  # bytes, descriptors, write_s
     ended: HoldEnd | None = None
 
 
@@ -186,7 +190,7 @@ class Sender:
         self._outcomes: OrderedDict[tuple[str, WorkerRef], TransferDone | TransferFailed] = OrderedDict()
         self._remembered = remembered_outcomes
         # Why each recently finished transfer ended, and its secret, for D workers that ask only after it did.
-        self._closed: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._closed: OrderedDict[str, tuple[str, bytes, str]] = OrderedDict()
         self._finished: set[str] = set()
         self._expired_count = 0
         self._aborted_count = 0
@@ -274,8 +278,8 @@ class Sender:
         for key in [k for k in self._early_of.get(transfer_id, ()) if _matches(encoded, k[2])]:
             _, dst, message, _ = self._pop_early(key)
             if isinstance(message, TransferRequest):  # an early abort was answered when it came; a release needs none
-                commands.append(Reply(dst, _failed(message, reason)))
-        self._remember_closed(transfer_id, reason, encoded)
+                commands.append(Reply(dst, _failed(message, reason, "aborted")))
+        self._remember_closed(transfer_id, reason, encoded, "aborted")
         return commands
 
     def shut_down(self, reason: str) -> list[SendCommand]:
@@ -285,12 +289,15 @@ class Sender:
         commands: list[SendCommand] = []
         for _, dst, message, _ in self._early.values():
             if isinstance(message, TransferRequest):
-                commands.append(Reply(dst, _failed(message, reason)))
+                commands.append(Reply(dst, _failed(message, reason, "p_lost")))
         self._early.clear()
         self._early_of.clear()
         self._early_from.clear()
         self._early_bytes.clear()
         for hold in list(self._holds.values()):
+            for job in hold.jobs.values():
+                if job.ended_by is None:  # D counts what a closing P ends as P lost, not as an abort
+                    job.ended_by = SendEvent.PEER_LOST
             commands += self._abort_hold(hold, reason)
         return commands
 
@@ -347,7 +354,9 @@ class Sender:
                 f"D worker {dst} asks for {message.num_tokens} tokens of transfer {hold.transfer_id!r}, P holds "
                 f"{hold.num_tokens}" + (" and a state as of its last token" if self._exact else "")
             )
-            return self._apply(hold, self._new_job(hold, dst, message.receive), SendEvent.ABORT, reason)
+            job = self._new_job(hold, dst, message.receive)
+            job.ended_by = SendEvent.REQUEST  # ended as an abort, but D counts it as a refusal (`_CAUSE_OF`)
+            return self._apply(hold, job, SendEvent.ABORT, reason)
         job = self._new_job(hold, dst, message.receive, message)
         commands = self._apply(hold, job, SendEvent.REQUEST)
         if hold.ended is not None:
@@ -392,7 +401,7 @@ class Sender:
             self._keep_early(key, (now + self._early_timeout, dst, abort, expected or frozenset()))
         if known is None or hold is None or not _matches(hold.secret, message.secret):
             # Nothing was written for D in a transfer P does not hold for it: D may end its abort now.
-            return [Reply(dst, _failed(message, reason))]
+            return [Reply(dst, _failed(message, reason, "aborted"))]
         if hold.dst_engine is None and expected is not None:
             self._check_engine(hold, dst, expected)
         if hold.dst_engine is not None and hold.dst_engine != (dst.engine_id, dst.incarnation):
@@ -421,9 +430,14 @@ class Sender:
         if hold is not None and dst.worker in hold.jobs and _matches(hold.secret, request.secret):
             return [Reply(dst, ErrorMessage(reason=reason, transfer_id=transfer_id))]
         abort = Abort(transfer_id=transfer_id, reason=reason, secret=request.secret, receive=request.receive)
-        commands = self.remote_abort(dst, abort, now, expected)
+        commands = [  # ended as an abort would end it, but D counts it as what it is
+            Reply(c.dst, replace(c.message, cause="refused"))
+            if isinstance(c, Reply) and isinstance(c.message, TransferFailed)
+            else c
+            for c in self.remote_abort(dst, abort, now, expected)
+        ]
         if not any(isinstance(c, Reply) for c in commands):
-            commands.append(Reply(dst, _failed(request, reason)))
+            commands.append(Reply(dst, _failed(request, reason, "refused")))
         return commands
 
     def peer_lost(self, dst: WorkerRef) -> list[SendCommand]:
@@ -456,11 +470,11 @@ class Sender:
         if hold is None or job is None:
             return []
         match end:
-            case Landed(nbytes, descriptors):
-                hold.results[dst] = (nbytes, descriptors)
+            case Landed(nbytes, descriptors, write_s):
+                hold.results[dst] = (nbytes, descriptors, write_s)
                 return self._apply(hold, job, SendEvent.WRITE_OK)
             case WriteFault(error, descriptors):
-                hold.results[dst] = (0, descriptors)
+                hold.results[dst] = (0, descriptors, 0.0)
                 return self._apply(hold, job, SendEvent.WRITE_FAILED, error)
 
     def expire(self, now: float) -> list[SendCommand]:
@@ -481,7 +495,7 @@ class Sender:
             self._pop_early(key)
             if isinstance(message, TransferRequest):
                 reason = f"unknown transfer {message.transfer_id!r}: not held by P within {self._early_timeout:g} s"
-                commands.append(Reply(dst, _failed(message, reason)))
+                commands.append(Reply(dst, _failed(message, reason, "expired")))
         return commands
 
     def next_deadline(self) -> float | None:
@@ -553,12 +567,12 @@ class Sender:
             if isinstance(message, Release):
                 return []
             reason = f"transfer {message.transfer_id!r} is no longer held by P: {closed[0]}"
-            return [Reply(dst, _failed(message, reason))]
+            return [Reply(dst, _failed(message, reason, closed[2]))]
         if key in self._early:
             return []
         refusal = self._keep_early(key, (now + self._early_timeout, dst, message, expected))
         if refusal:
-            return [Reply(dst, _failed(message, refusal))]
+            return [Reply(dst, _failed(message, refusal, "refused"))]
         return []
 
     def _keep_early(self, key: EarlyKey, entry: EarlyEntry) -> str:
@@ -586,10 +600,10 @@ class Sender:
         self._early_bytes[dst] += cost
         return ""
 
-    def _remember_closed(self, transfer_id: str, reason: str, secret: bytes) -> None:
-        """Answer later requests for `transfer_id` with `reason` (`_early_or_outcome`); the newest
+    def _remember_closed(self, transfer_id: str, reason: str, secret: bytes, cause: str) -> None:
+        """Answer later requests for `transfer_id` with `reason` and `cause` (`_early_or_outcome`); the newest
         `remembered_outcomes` are kept."""
-        self._closed[transfer_id] = (reason, secret)
+        self._closed[transfer_id] = (reason, secret, cause)
         self._closed.move_to_end(transfer_id)
         while len(self._closed) > self._remembered:
             self._closed.popitem(last=False)
@@ -690,7 +704,9 @@ class Sender:
         self._by_req.pop(hold.req_id, None)
         self._finished.add(hold.req_id)
         reason = hold.ended.value if hold.ended else "every D worker that needed it was served"
-        self._remember_closed(hold.transfer_id, reason, hold.secret)
+        # A D worker asking after the hold ended (for another receive) is refused; after an expiry or abort, P's.
+        cause = hold.ended.value if hold.ended else "refused"
+        self._remember_closed(hold.transfer_id, reason, hold.secret, cause)
         for worker, job in hold.jobs.items():
             self._outcomes[(hold.transfer_id, hold.refs[worker])] = _outcome(hold, job)
         while len(self._outcomes) > self._remembered:
@@ -727,10 +743,10 @@ def _matches(held: bytes, presented: str) -> bool:
     return hmac.compare_digest(held, _encode(presented))
 
 
-def _failed(message: TransferRequest | Release | Abort, reason: str) -> TransferFailed:
-    """`message`'s transfer failed for its receive, for `reason`."""
+def _failed(message: TransferRequest | Release | Abort, reason: str, cause: str) -> TransferFailed:
+    """`message`'s transfer failed for its receive, for `reason` (`cause`: one of `FAILURE_CAUSES`)."""
     receive = message.receive if isinstance(message, TransferRequest | Abort) else ""
-    return TransferFailed(transfer_id=message.transfer_id, reason=reason, receive=receive)
+    return TransferFailed(transfer_id=message.transfer_id, reason=reason, receive=receive, cause=cause)
 
 
 def _another_receive(message: TransferRequest | Abort, dst: WorkerRef) -> TransferFailed:
@@ -739,7 +755,7 @@ def _another_receive(message: TransferRequest | Abort, dst: WorkerRef) -> Transf
         f"transfer {message.transfer_id!r} serves another receive of D worker {dst}; this one gets none of it (the "
         "same params in a second request)"
     )
-    return _failed(message, reason)
+    return _failed(message, reason, "refused")
 
 
 def _outcome(hold: _Hold, job: SendJob) -> TransferDone | TransferFailed:
@@ -747,6 +763,21 @@ def _outcome(hold: _Hold, job: SendJob) -> TransferDone | TransferFailed:
     reason of the event that ended it, else its state)."""
     receive = hold.receives.get(job.dst, "")
     if job.state is SendState.DONE:
-        nbytes, descriptors = hold.results.get(job.dst, (0, 0))
-        return TransferDone(transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors, receive=receive)
-    return TransferFailed(transfer_id=hold.transfer_id, reason=job.reason or job.state.value, receive=receive)
+        nbytes, descriptors, write_s = hold.results.get(job.dst, (0, 0, 0.0))
+        write_us = min(round(write_s * 1e6), MAX_COUNT - 1)
+        return TransferDone(
+            transfer_id=hold.transfer_id, bytes=nbytes, descriptors=descriptors, receive=receive, write_us=write_us
+        )
+    cause = _CAUSE_OF.get(job.ended_by, "") if job.ended_by is not None else ""
+    reason = job.reason or job.state.value
+    return TransferFailed(transfer_id=hold.transfer_id, reason=reason, receive=receive, cause=cause)
+
+
+# What D counts a failed job as, by the event that turned it away from landing.
+_CAUSE_OF: Final = {
+    SendEvent.REQUEST: "refused",  # the request itself was refused (a job's requests never end it otherwise)
+    SendEvent.WRITE_FAILED: "transport",
+    SendEvent.EXPIRE: "expired",
+    SendEvent.ABORT: "aborted",
+    SendEvent.PEER_LOST: "p_lost",
+}

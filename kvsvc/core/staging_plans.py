@@ -2,7 +2,7 @@
 with one descriptor; or write into a window of D's staging region that D scatters from; and the allocator that
 lends a region out.
 
-Pure module: numpy, `kvsvc.core.coalesce` and the planner only (no torch, asyncio, mooncake, no I/O). Rules: a staged
+Pure module: numpy and the planner only (no torch, asyncio, mooncake, no I/O). Rules: a staged
 plan moves exactly the bytes of the direct plan it comes from, to the same destination addresses (only the sources
 change); pieces keep their order inside each destination run, so a run's staging bytes are its destination bytes in
 order; no chunk exceeds the chunk size the caller gives, so every chunk fits the region; a run never crosses from one
@@ -25,10 +25,9 @@ from enum import Enum
 
 import numpy as np
 
-from kvsvc.core.coalesce import Int64Array
 from kvsvc.core.errors import TopologyError
 from kvsvc.core.formats import converts
-from kvsvc.core.layout import pool_regions
+from kvsvc.core.layout import Int64Array, pool_regions
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.core.planner import MAX_ROUNDS, MIN_ROUND_BYTES, plan_transfer
 

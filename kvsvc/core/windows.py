@@ -22,9 +22,9 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Final, TypeAlias
 
-from kvsvc.core.coalesce import Int64Array
 from kvsvc.core.errors import LocalProtocolError
 from kvsvc.core.jobs import Notice
+from kvsvc.core.layout import Int64Array
 from kvsvc.core.messages import (
     ErrorMessage,
     Message,
@@ -248,7 +248,9 @@ class LentWindow:
                 assert answer is not None
                 commands.append(Deliver(answer, scattered=message is None))
             elif effect is SF.DELIVER_FAILED:
-                commands.append(Deliver(TransferFailed(transfer_id=self.transfer_id, reason=self._why(event))))
+                cause = "protocol" if event is ScatterEvent.DONE_EARLY else ""  # else the receive's own cause stands
+                failed = TransferFailed(transfer_id=self.transfer_id, reason=self._why(event), cause=cause)
+                commands.append(Deliver(failed))
             elif effect is SF.PROTOCOL_ERROR:
                 what = f"P{self.src} filled round {index} of {self.transfer_id!r}'s window, "
                 commands.append(Notice(what + f"expected {self.next_round} of {self.rounds}", protocol_error=True))
@@ -280,7 +282,7 @@ class LentWindows:
 
     def __init__(self) -> None:
         self._windows: dict[WindowKey, LentWindow] = {}
-        self._deferred: dict[str, tuple[str, list[int]]] = {}  # failed receives held back: req_id -> (why, blocks)
+        self._deferred: dict[str, tuple[str, str, list[int]]] = {}  # held-back failures: req_id -> (why, cause, blocks)
 
     @property
     def busy(self) -> bool:
@@ -356,13 +358,15 @@ class LentWindows:
         them. Changes and returns `report`."""
         busy = {w.req_id: w.block_ids for w in self._windows.values() if w.scattering}
         for req_id in report.failed & busy.keys():
-            self._deferred[req_id] = (report.reasons.pop(req_id, ""), busy[req_id])
+            cause = report.causes.pop(req_id, "transport")
+            self._deferred[req_id] = (report.reasons.pop(req_id, ""), cause, busy[req_id])
             report.failed.discard(req_id)
             report.invalid_block_ids.difference_update(busy[req_id])
         for req_id in [r for r in self._deferred if r not in busy]:
-            reason, block_ids = self._deferred.pop(req_id)
+            reason, cause, block_ids = self._deferred.pop(req_id)
             report.failed.add(req_id)
             report.reasons[req_id] = reason
+            report.causes[req_id] = cause
             report.invalid_block_ids.update(block_ids)
         return report
 

@@ -17,7 +17,7 @@ from aiohttp import web
 import kvsvc.engine.netns
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.engine.bootstrap import METADATA_KEY, BootstrapServer, publish_metadata, serve_app
-from kvsvc.service.threaded import new_event_loop
+from kvsvc.service.service import new_event_loop
 
 _START_TIMEOUT_S = 10.0
 

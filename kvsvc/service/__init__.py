@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from kvsvc.service.config import ServiceConfig
-from kvsvc.service.service import KVTransferService, ServiceStatistics, new_incarnation, new_transfer_secret
-from kvsvc.service.threaded import ServiceThread
+from kvsvc.service.service import (
+    KVTransferService,
+    ServiceStatistics,
+    ServiceThread,
+    new_incarnation,
+    new_transfer_secret,
+)
 
 __all__ = [
     "KVTransferService",

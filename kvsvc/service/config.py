@@ -52,6 +52,9 @@ class ServiceConfig:
     """D: the longest a report of landed receives waits for others about to land, when the engine's step waits on
     it doing nothing (`kvsvc.core.receiver.ReportGather`; never more than a quarter of the engine's step); 0 reports
     each at once."""
+    slow_transfer_s: float = 1.0
+    """D: a receive that takes longer than this from its start to its landing is logged, once, as a warning naming
+    the request, P's engine and workers, the plane, the bytes and the phases; 0 logs none."""
     max_early_requests: int = 65536
     """Requests for transfers not held yet that P buffers; past it, new ones are answered busy."""
     max_early_request_bytes: int = 16 * 1024 * 1024
@@ -92,6 +95,8 @@ class ServiceConfig:
                 f"max_pending_hellos must be >= 1 and first_byte_timeout_s > 0, got {self.max_pending_hellos} and "
                 f"{self.first_byte_timeout_s}"
             )
+        if self.slow_transfer_s < 0:
+            raise ValueError(f"slow_transfer_s must be >= 0 (0 logs none), got {self.slow_transfer_s:g}")
         if self.report_gather_s < 0:
             raise ValueError(f"report_gather_s must be >= 0 (0 reports at once), got {self.report_gather_s:g}")
         if self.control_token == "":

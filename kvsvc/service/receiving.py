@@ -51,6 +51,7 @@ from kvsvc.core.messages import (
 )
 from kvsvc.core.receiver import (
     Backoff,
+    LoadTimes,
     Receiver,
     ReceiverStatistics,
     RecvCommand,
@@ -68,6 +69,8 @@ from kvsvc.transport.routed import exported_handles, start_mooncake
 
 log = logging.getLogger(__name__)
 
+# Landed receives' phases kept for the engine's next report (`take_loads`); a report every step takes them long before.
+MAX_LOADS = 4096
 # Byte counts of planned receives kept (`RecvRole._planned`); past it, the cache starts over.
 MAX_PLANNED = 4096
 
@@ -82,6 +85,7 @@ class _Outbound:
     outbox: list[Message] | None = None
     task: asyncio.Task[None] | None = None
     last_error: str = ""
+    plane: str = ""  # the data plane P's hello reply named for the pair's writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +121,7 @@ class ReceivingRole:
         if area is not None and lends_windows(area.scatter is not None, len(ctx.metadata.kv_groups)):
             self._windows = WindowLender(ctx, area, self._receiver, self)
         self._closing = False
+        self._loads: list[LoadTimes] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -297,6 +302,7 @@ class ReceivingRole:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
         on_frame = self._windows.on_p_message if self._windows is not None else self._on_answer
         channel: ControlChannel | None = None
+        cause = "p_lost"  # what the receives this connection's end fails count as
         try:
             channel = await self._connect(peer)
             peer.channel = channel
@@ -312,6 +318,8 @@ class ReceivingRole:
             peer.last_error = str(exc)
             if isinstance(exc, MalformedFrame):
                 self._ctx.counts["protocol_errors"] += 1
+            if isinstance(exc, HandshakeError):
+                cause = "handshake"
         finally:
             current = self._outbound.get((engine_id, src)) is peer
             if current:
@@ -321,7 +329,7 @@ class ReceivingRole:
                 self._known_routes.pop(engine_id, None)
             if current:  # else `_drop_outbound` already reported it, and a newer connection may own the jobs
                 reason = peer.last_error or f"connection to {peer.ref} closed"
-                self._lost(peer, reason)
+                self._lost(peer, reason, cause)
             if channel is not None:
                 await channel.wait_closed()
 
@@ -376,6 +384,7 @@ class ReceivingRole:
                     hello = answer_challenge(me, self._own_engine(), p, start, reply, key, handles)
                 channel.send(hello)
                 plane = check_hello_reply(p, await channel.receive(), key, start, reply, hello)
+                peer.plane = plane
                 if self._windows is not None:
                     self._windows.plane_chosen(p.engine_id, p.worker, plane)
         except TimeoutError:
@@ -395,11 +404,35 @@ class ReceivingRole:
         new receive, and the lender for a scatter that ended); time the receives that landed on it."""
         self._ctx.changed()
         now = self._ctx.clock()
-        for started in self._receiver.take_landed(now):
-            self._ctx.recv_durations.observe(now - started)
+        for times in self._receiver.take_landed(now):
+            self._ctx.recv_durations.observe(times.total_s)
+            self._loaded(times)
         carry_out_d(commands, self)
         if self._windows is not None and self._windows.busy:
             self._windows.tidy()
+
+    def take_loads(self) -> list[LoadTimes]:
+        """The receives that landed since the last call, in phases (at most `MAX_LOADS`: the oldest go first)."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def _loaded(self, times: LoadTimes) -> None:
+        """Keep a landed receive's phases for the engine's metrics; log it when it took `slow_transfer_s` or more."""
+        self._loads.append(times)
+        if len(self._loads) > MAX_LOADS:
+            del self._loads[: len(self._loads) - MAX_LOADS]
+        bound = self._ctx.config.slow_transfer_s
+        if bound and times.total_s >= bound:
+            planes = sorted({self._outbound[(times.engine_id, s)].plane or "?" for s in times.sources
+                             if (times.engine_id, s) in self._outbound})  # fmt: skip
+            # At a bounded rate, its ids escaped: they come from the params a client sent.
+            self._ctx.peer_log.warning(
+                "slow transfer",
+                "slow transfer: request %s (transfer %s) from engine %r, P workers %s, plane %s: %d bytes in %.3f s "
+                "(handshake %.3f s, waiting at P %.3f s, P's write %.3f s, %.2f GB/s)",
+                times.req_id, times.transfer_id, times.engine_id, list(times.sources), "/".join(planes) or "?",
+                times.nbytes, times.total_s, times.handshake_s, times.queue_s, times.write_s, times.gbps,
+            )  # fmt: skip
 
     # -- carrying out the core's commands (`kvsvc.core.driver.DSide`) -------------------------------------------
 
@@ -425,6 +458,8 @@ class ReceivingRole:
 
     def _send(self, peer: _Outbound, message: Message) -> None:
         if peer.channel is not None:
+            if isinstance(message, TransferRequest):
+                self._receiver.asked(message.transfer_id, self._ctx.clock())
             with contextlib.suppress(PeerLost):
                 peer.channel.send(message)
         elif peer.outbox is not None:
@@ -446,10 +481,10 @@ class ReceivingRole:
         self._outbound.pop((peer.ref.engine_id, peer.ref.worker), None)
         self._lost(peer, reason)
 
-    def _lost(self, peer: _Outbound, reason: str) -> None:
+    def _lost(self, peer: _Outbound, reason: str, cause: str = "p_lost") -> None:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
         now = self._ctx.clock()
-        self._run_recv(self._receiver.peer_lost(engine_id, src, reason, now, peer.ref.incarnation))
+        self._run_recv(self._receiver.peer_lost(engine_id, src, reason, now, peer.ref.incarnation, cause))
         if self._closing or not self._receiver.waits_on_lost(engine_id, src):
             return
         if _probe_key(peer.meta) not in self._probing:

@@ -19,9 +19,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvsvc.core.coalesce import Int64Array
 from kvsvc.core.errors import Busy
 from kvsvc.core.formats import Conversion
+from kvsvc.core.layout import Int64Array
 from kvsvc.core.staging_plans import RangeAllocator, StagingRule
 
 
@@ -161,7 +161,7 @@ class StagingArea:
 
 
 if TYPE_CHECKING:
-    from kvsvc.core.coalesce import Int64Array
+    from kvsvc.core.layout import Int64Array
     from kvsvc.transport.base import Region
 
 

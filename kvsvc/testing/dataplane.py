@@ -37,6 +37,7 @@ class Write:
     submit: Submit
     seq: int
     round: int = 0
+    began: float = 0.0  # when P submitted it, by the pair's clock (`Landed.write_s`)
 
     @property
     def d(self) -> Worker:

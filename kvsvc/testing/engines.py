@@ -19,8 +19,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvsvc.core.coalesce import Int64Array
-from kvsvc.core.layout import block_geometry
+from kvsvc.core.layout import Int64Array, block_geometry
 from kvsvc.core.messages import Worker
 from kvsvc.core.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
 from kvsvc.core.requests import harness_secret

@@ -38,7 +38,7 @@ from kvsvc.core.jobs import Notice
 from kvsvc.core.layout import pool_regions
 from kvsvc.core.messages import TransferRequest, WindowEmptied, Worker
 from kvsvc.core.planner import Descriptor, expected_destinations, release_notifier, sources_of
-from kvsvc.core.receiver import Receiver, ToSource
+from kvsvc.core.receiver import LoadTimes, Receiver, ToSource
 from kvsvc.core.requests import RecvRequest, SendRequest, check_recv, check_send, harness_secret
 from kvsvc.core.sender import Landed, Reply, Sender, Submit, WriteFault
 from kvsvc.core.staging_plans import StagingRule, plan_window, region_ids, window_plan
@@ -72,6 +72,7 @@ class _Fill:
     nbytes: int = 0
     descriptors: int = 0
     on_wire: bool = True  # a round's write is queued or running: no other round may start
+    began: float = 0.0  # when P submitted the share
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class _PWorker:
 
     def submit(self, command: Submit) -> None:
         self.pair._seq += 1
-        self.pair._writes.append(Write(self.worker, command, self.pair._seq))
+        self.pair._writes.append(Write(self.worker, command, self.pair._seq, began=self.pair.clock()))
 
     def reply(self, command: Reply) -> None:
         pair = self.pair
@@ -107,6 +108,8 @@ class _DWorker:
     worker: Worker
 
     def tell_p(self, engine_id: str, src: Worker, message: ToSource | WindowEmptied) -> None:
+        if isinstance(message, TransferRequest):  # as the service, which times a receive's handshake to here
+            self.pair.receivers[self.worker].asked(message.transfer_id, self.pair.clock())
         self.pair._post("P", self.worker, src, message)
 
     def windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest:
@@ -181,6 +184,7 @@ class PeerPair(Reports, SimPlane, Faults):
         self.violations: list[str] = []
         self.undeliverable: list[Reply] = []
         self.notices: list[Notice] = []  # what the protocol objects asked their drivers to log
+        self.loads: list[tuple[Worker, LoadTimes]] = []  # each D worker's landed receives, timed (`take_landed`)
         self._writes: list[Write] = []
         self._scatters: list[ScatterCopy] = []
         self._sends: dict[str, tuple[str, list[int], int]] = {}  # req_id -> (transfer_id, block ids, tokens)
@@ -337,7 +341,8 @@ class PeerPair(Reports, SimPlane, Faults):
     def _run_d(self, worker: Worker, commands: Sequence[DCommand], key: WindowKey | None = None) -> None:
         carry_out_d(commands, _DWorker(self, worker), key)
         self._tidy_windows(worker)
-        self.receivers[worker].take_landed(self.clock())  # as the service, which times receives from here
+        # As the service, which times the receives that landed here.
+        self.loads += [(worker, times) for times in self.receivers[worker].take_landed(self.clock())]
 
     def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
         """As the D service (`kvsvc.core.driver.lent_window`): a window when the rule on Mooncake sends the share
@@ -414,7 +419,7 @@ class PeerPair(Reports, SimPlane, Faults):
         else:
             self._counts.writes_failed += 1
         transfer_id = write.submit.transfer_id
-        end = Landed(nbytes, count) if error is None else WriteFault(error, count)
+        end = Landed(nbytes, count, self.clock() - write.began) if error is None else WriteFault(error, count)
         self._run_p(write.p, self.senders[write.p].write_ended(transfer_id, write.d, end))
 
     # -- P's writes into D's windows, as the service's write loop (`BlockWriter._write_rounds`) -------------------
@@ -438,7 +443,7 @@ class PeerPair(Reports, SimPlane, Faults):
             )
             if (write.d, write.p) in self._down:
                 window.peer_lost(f"connection to D{write.d} lost")
-            self._fills[key] = _Fill(window, submit)
+            self._fills[key] = _Fill(window, submit, began=write.began)
         fill = self._fills[key]
         fill.on_wire = False
         step = round_step(fill.window, lambda: self.senders[key[0]].writing(key[2], key[1]))
@@ -458,7 +463,7 @@ class PeerPair(Reports, SimPlane, Faults):
             return
         if fill.window.state is FillState.FILLING:
             self._seq += 1
-            self._writes.append(Write(key[0], fill.submit, self._seq, fill.window.next_round))
+            self._writes.append(Write(key[0], fill.submit, self._seq, fill.window.next_round, fill.began))
             fill.on_wire = True
             return
         self._rounds_end(key, round_step(fill.window, lambda: self.senders[key[0]].writing(key[2], key[1])))
@@ -470,7 +475,7 @@ class PeerPair(Reports, SimPlane, Faults):
         fill = self._fills.pop(key)
         error = step.reason if isinstance(step, Fail) else None
         nbytes = fill.nbytes if error is None else 0
-        self._end_write(Write(key[0], fill.submit, 0), error, nbytes, fill.descriptors)
+        self._end_write(Write(key[0], fill.submit, 0, began=fill.began), error, nbytes, fill.descriptors)
 
 
 __all__ = ["Envelope", "PairStatistics", "PeerPair", "ReportEntry", "ScatterCopy", "Write"]

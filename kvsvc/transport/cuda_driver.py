@@ -7,8 +7,8 @@ primary context of the bound GPU current on the calling thread (the one torch an
 context's), and raises `CudaError` naming the call and the driver's own error text. A copy of many pieces is one
 `cuMemcpyBatchAsync` call where the driver has it and a self-test of it passed, else one call per piece (about 5 us
 each from Python); before that, each stretch of pieces at constant pitches (a split layout's head share of every
-block) is one 2D copy (`kvsvc.core.coalesce.pitched_runs`), since the copy engine spends about a microsecond per piece
-of a batch whatever its size. Imports the standard library, numpy and the pure `kvsvc.core.coalesce`.
+block) is one 2D copy (`kvsvc.core.planner.pitched_runs`), since the copy engine spends about a microsecond per piece
+of a batch whatever its size. Imports the standard library, numpy and the pure `kvsvc.core.planner`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.core.coalesce import pitched_runs
 from kvsvc.core.errors import TransportError
+from kvsvc.core.planner import pitched_runs
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 `kv_connector_module_path="kvsvc.vllm"` (docs/vllm.md).
 
 Only `kvsvc.vllm.connector` imports vllm, and only when `KvsvcConnector` is first looked up here: the pure parts
-(`flow`, `finished`, `params`, `config`, `kv_layout`) and the worker side import without vllm installed.
+(`flow`, `params`, `config`, `kv_layout`) and the worker side import without vllm installed.
 """
 
 from __future__ import annotations

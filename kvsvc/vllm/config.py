@@ -73,6 +73,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     report_gather_s: float = _SERVICE.report_gather_s
     """D: the longest a step computing nothing holds back landed receives while more of a burst is about to land,
     so that they start in one forward (at most a quarter of the measured forward; 0: report each at once)."""
+    slow_transfer_s: float = _SERVICE.slow_transfer_s
+    """D: a load slower than this, from its start to its landing, is logged once with its phases (0: none)."""
     mode: str = "pull"
     """"push" (P): hold each request under a transfer D can derive, and tell vllm-router so, which then sends D the
     request at the same time as P; D's fetch waits at P until P's hold starts. "pull" (the default): P's params
@@ -93,6 +95,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             )
         if not 0 <= self.bootstrap_port <= 65535:
             raise ValueError(f"kv_connector_extra_config['bootstrap_port'] {self.bootstrap_port} is not a port")
+        if self.slow_transfer_s < 0:
+            raise ValueError(f"kv_connector_extra_config['slow_transfer_s'] must be >= 0, got {self.slow_transfer_s}")
         for name in ("hold_timeout_s", "recv_timeout_s", "handshake_timeout_s", "abort_grace_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {getattr(self, name)}")
@@ -186,6 +190,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             handshake_timeout_s=self.handshake_timeout_s,
             abort_grace_s=self.abort_grace_s,
             report_gather_s=self.report_gather_s,
+            slow_transfer_s=self.slow_transfer_s,
             # A pushing P's early requests wait for its prefill, queue included: as long as D waits for them.
             early_request_timeout_s=self.recv_timeout_s if self.mode == "push" else _SERVICE.early_request_timeout_s,
             control_token=control_token,

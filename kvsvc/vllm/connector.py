@@ -3,7 +3,8 @@
 The only module of kvsvc that imports vllm. A thin adapter: vLLM's hooks go to `SchedulerSide` (engine core) or
 `WorkerSide` (each worker) by role, and the decisions are `kvsvc.vllm.flow`'s. Rules: every hook returns at once
 (the transfers run on each worker's kvsvc thread); what vLLM's scheduler is told follows its reporting rules
-(`kvsvc.vllm.finished`); stats reach vLLM as `KvsvcStats` and its Prometheus endpoint under kvsvc's metric names.
+(`kvsvc.vllm.flow.TransferReports`); stats reach vLLM as `KvsvcStats` and its Prometheus endpoint under kvsvc's
+metric names.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.platforms import current_platform
 
 from kvsvc.core.groups import FULL
-from kvsvc.core.messages import KVGroup
+from kvsvc.core.messages import FAILURE_CAUSES, KVGroup
+from kvsvc.core.outputs import LOAD_FAILED, LOADS
 from kvsvc.engine.metrics import COUNTERS
 from kvsvc.vllm.config import ConnectorConfig, parse_config, version_note
 from kvsvc.vllm.flow import StepMetadata
 from kvsvc.vllm.kv_caches import published_cache_dtype
 from kvsvc.vllm.kv_layout import GroupView, check_pipeline, kv_groups_of
-from kvsvc.vllm.scheduler import SchedulerSide
+from kvsvc.vllm.scheduler import COMPUTED_LOCALLY, REFUSED_PARAMS, TTFT_KV_SHARE, SchedulerSide
 from kvsvc.vllm.worker import WorkerIdentity, WorkerSide
 
 if TYPE_CHECKING:
@@ -69,7 +71,8 @@ class KvsvcMetadata(KVConnectorMetadata):
 
 
 class KvsvcStats(KVConnectorStats):
-    """Counters of one interval (bytes and descriptors sent, receives...), summed over workers and steps."""
+    """One interval's counters (bytes and descriptors sent, receives, failures by cause...), summed over workers and
+    steps, and its per-request samples (`LOADS`, `TTFT_KV_SHARE`), concatenated."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -80,18 +83,40 @@ class KvsvcStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """What vLLM's interval log line shows: the counters, and the loads' count and mean time."""
+        reduced: dict[str, int | float] = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+        loads = self.data.get(LOADS) or []
+        if loads:
+            reduced["loads"] = len(loads)
+            reduced["mean load ms"] = round(1000 * sum(load[0] for load in loads) / len(loads), 3)
+        return reduced
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
 
+# The phases of a `LOADS` sample, in its order ([total_s, handshake_s, queue_s, write_s, bytes]).
+LOAD_PHASES = ("total", "handshake", "queue", "write")
+_SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+_BYTES_BUCKETS = [float(1 << k) for k in range(16, 37, 2)]  # 64 KiB .. 64 GiB
+_GBPS_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+_SHARE_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
 class KvsvcPromMetrics(KVConnectorPromMetrics):
-    """kvsvc's counters on vLLM's `/metrics`, named as kvsvc's own endpoint names them (`kvsvc_sent_bytes_total`...)."""
+    """kvsvc's counters on vLLM's `/metrics`, named as kvsvc's own endpoint names them (`kvsvc_sent_bytes_total`...),
+    and each load's phases: `kvsvc_load_seconds{phase}` (one observation per D worker that loaded a share of a
+    request: one per request at TP 1), `kvsvc_load_bytes`, `kvsvc_load_gbps` (bytes over P's write),
+    `kvsvc_ttft_kv_share` (per request, on D's engine core: the share of its time to first token it waited for its
+    KV), `kvsvc_load_failures_total{cause}` and `kvsvc_computed_locally_total`. Every label is from a fixed set:
+    the series are bounded."""
 
     def __init__(
         self,
@@ -102,16 +127,67 @@ class KvsvcPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         helps = {name: text for name, text, _ in COUNTERS}
+        engines = per_engine_labelvalues
         self._counters: dict[str, dict[int, Any]] = {}
         for key, name in STAT_METRICS.items():
             counter = self._counter_cls(name=name, documentation=helps.get(name, name), labelnames=labelnames)
-            self._counters[key] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+            self._counters[key] = {engine: counter.labels(*values) for engine, values in engines.items()}
+        failures = self._counter_cls(
+            name="kvsvc_load_failures",
+            documentation="D: loads that failed, by cause (the reason is in the log line of each)",
+            labelnames=[*labelnames, "cause"],
+        )
+        for cause in (*FAILURE_CAUSES, REFUSED_PARAMS):
+            self._counters[f"{LOAD_FAILED}{cause}"] = {e: failures.labels(*v, cause) for e, v in engines.items()}
+        local = self._counter_cls(
+            name="kvsvc_computed_locally",
+            documentation="D: requests with kvsvc params whose prompt vLLM computed itself (refused params, "
+            "embeddings, a failed load under kv_load_failure_policy recompute)",
+            labelnames=labelnames,
+        )
+        self._counters[COMPUTED_LOCALLY] = {e: local.labels(*v) for e, v in engines.items()}
+        histogram: Any = self._histogram_cls  # vLLM types its metric classes as a union of the three
+        phases = histogram(
+            name="kvsvc_load_seconds",
+            documentation="D: one load, by phase: total (start to landing), handshake (P's metadata and hello), "
+            "queue (waiting at P and the round trip), write (P's write)",
+            labelnames=[*labelnames, "phase"],
+            buckets=_SECONDS_BUCKETS,
+        )
+        self._phases: list[dict[int, Any]] = [
+            {e: phases.labels(*v, phase) for e, v in engines.items()} for phase in LOAD_PHASES
+        ]
+        self._bytes = self._histograms("kvsvc_load_bytes", "D: the bytes of one load", _BYTES_BUCKETS)
+        self._gbps = self._histograms("kvsvc_load_gbps", "D: one load's bytes over P's write time, GB/s", _GBPS_BUCKETS)
+        self._share = self._histograms(
+            "kvsvc_ttft_kv_share",
+            "D: per request, the share of its time to first token (from reaching D) spent waiting for its KV",
+            _SHARE_BUCKETS,
+        )
+
+    def _histograms(self, name: str, documentation: str, buckets: list[float]) -> dict[int, Any]:
+        histogram: Any = self._histogram_cls
+        family = histogram(name=name, documentation=documentation, labelnames=self._labelnames, buckets=buckets)
+        return {e: family.labels(*v) for e, v in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             children = self._counters.get(key)
-            if children is not None and engine_idx in children and value:
+            if children is not None and engine_idx in children and value and not isinstance(value, list):
                 children[engine_idx].inc(value)
+        if engine_idx not in self._bytes:
+            return
+        for load in transfer_stats_data.get(LOADS) or ():
+            if not isinstance(load, list | tuple) or len(load) != len(LOAD_PHASES) + 1:
+                continue  # not kvsvc's sample: vLLM's output handler must not fail on it
+            for phase, seconds in zip(self._phases, load[:4], strict=True):
+                phase[engine_idx].observe(seconds)
+            nbytes, write_s = load[4], load[3]
+            self._bytes[engine_idx].observe(nbytes)
+            if write_s > 0:
+                self._gbps[engine_idx].observe(nbytes / write_s / 1e9)
+        for share in transfer_stats_data.get(TTFT_KV_SHARE) or ():
+            self._share[engine_idx].observe(share)
 
 
 def log_through_vllm() -> None:
@@ -159,8 +235,9 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
             tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
             dp_size = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
             lookahead = int(vllm_config.num_prefill_lookahead_tokens)
+            recompute = getattr(transfer, "kv_load_failure_policy", "fail") == "recompute"
             self._scheduler = SchedulerSide(
-                self._config, engine_id, block_size, dp_rank, kinds, tp_size, dp_size, lookahead
+                self._config, engine_id, block_size, dp_rank, kinds, tp_size, dp_size, lookahead, recompute
             )
             return
         parallel, model = vllm_config.parallel_config, vllm_config.model_config
@@ -231,9 +308,9 @@ class KvsvcConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker_side().load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
-            return None
-        stats = self._worker.take_stats()
+        # vLLM asks both sides: the workers' stats ride each step's output, the scheduler's join them.
+        side = self._worker if self._worker is not None else self._scheduler
+        stats = side.take_stats() if side is not None else None
         return KvsvcStats(data=dict(stats)) if stats else None
 
     def shutdown(self) -> None:

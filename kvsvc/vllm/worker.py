@@ -6,7 +6,7 @@ Imports torch and kvsvc's service and transport, never vllm (the adapter hands i
   a send or a receive waits neither for the network nor for the loop, and the step's report waits a bounded time.
   A busy loop delays reports, never the engine's step; only a loop that stops answering for `call_timeout_s` fails
   the step (`KVSvcTimeout`), since its transfers may still write into blocks vLLM would hand to other requests.
-- What vLLM's scheduler may be told is `kvsvc.vllm.finished`'s to decide (`TransferReports`); this module feeds it.
+- What vLLM's scheduler may be told is `kvsvc.vllm.flow`'s to decide (`TransferReports`); this module feeds it.
   What work handed to the loop decides (a receive started, a send or receive refused) reaches it as `Outcome` values
   through a queue the loop appends to, whenever the loop gets to it; every id handed in gets one, whatever it raised.
 - When a step's sends may read their KV is one `Readiness` value, made by the hook that learns it and turned into
@@ -38,21 +38,29 @@ from kvsvc.core.errors import KVSvcError, KVSvcTimeout
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.gather import TorchGather
+from kvsvc.service.service import ServiceThread
 from kvsvc.service.staging_area import StagingArea, build_staging
-from kvsvc.service.threaded import ServiceThread
 from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig
 from kvsvc.transport.routed import worker_transport
 from kvsvc.transport.streams import completion_future
 from kvsvc.vllm.config import ConnectorConfig
-from kvsvc.vllm.finished import Outcome, RecvRefused, RecvStarted, SendRefused, TransferReports, TransferResults
-from kvsvc.vllm.flow import StepMetadata
+from kvsvc.vllm.flow import (
+    Outcome,
+    RecvRefused,
+    RecvStarted,
+    SendRefused,
+    StepMetadata,
+    TransferReports,
+    TransferResults,
+)
 from kvsvc.vllm.kv_caches import WorkerIdentity, describe_kv_caches
 from kvsvc.vllm.kv_layout import layer_index
 
 log = logging.getLogger(__name__)
 
 FORWARD_WEIGHT = 0.25  # weight of the newest forward in `forward_s`: steps differ in size, a burst's most of all
+MAX_SAMPLES = 4096  # per-request samples a worker keeps for vLLM's next stats (each list of `take_stats`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +131,7 @@ class WorkerSide:
         # What the service's loop decided of a step's sends and receives, as events for `reports`: a `call` that
         # timed out still runs there later (the deque's append and popleft are safe across threads).
         self._outcomes: deque[Outcome] = deque()
-        self._stats: dict[str, int] = {}
+        self._stats: dict[str, Any] = {}  # counters, and per-request samples as lists (`KVTransferService.LOADS`)
         # Ids this worker reported to vLLM, over its life: a test checks that every worker of every PP stage reports.
         self.reported_sending = 0
         self.reported_recving = 0
@@ -416,8 +424,8 @@ class WorkerSide:
         """`get_block_ids_with_load_errors`: blocks of failed receives since the last call (`TransferReports`)."""
         return self.reports.take_load_errors(hybrid=bool(self._identity.kv_groups))
 
-    def take_stats(self) -> dict[str, int] | None:
-        """Counters since the last call (None when nothing moved)."""
+    def take_stats(self) -> dict[str, Any] | None:
+        """Counters and per-request samples since the last call (None when nothing moved)."""
         stats, self._stats = self._stats, {}
         return stats or None
 
@@ -446,7 +454,12 @@ class WorkerSide:
     def _count(self, deltas: object, results: TransferResults) -> None:
         if isinstance(deltas, Mapping):
             for key, value in deltas.items():
-                self._stats[key] = self._stats.get(key, 0) + int(value)
+                if isinstance(value, list):
+                    samples = self._stats.setdefault(key, [])
+                    samples.extend(value)
+                    del samples[: max(0, len(samples) - MAX_SAMPLES)]  # vLLM takes them every step: never reached
+                else:
+                    self._stats[key] = self._stats.get(key, 0) + int(value)
         received = len(results.finished_recving - results.failed_recving)
         for key, value in (("received", received), ("receive_failures", len(results.failed_recving))):
             if value:

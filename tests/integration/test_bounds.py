@@ -320,7 +320,8 @@ def test_early_requests_past_the_bytes_one_d_worker_may_have_waiting_are_refused
         f"P worker busy: D worker attacker-d[pp0,tp0] has {EARLY_BYTES} bytes of requests waiting for transfers not "
         f"held yet; this one's {REQUEST_COST} would pass max_early_request_bytes={EARLY_BYTES}"
     )
-    assert refused[1:] == [TransferFailed(transfer_id=r.transfer_id, reason=expected) for r in requests[-2:]], refused
+    want = [TransferFailed(transfer_id=r.transfer_id, reason=expected, cause="refused") for r in requests[-2:]]
+    assert refused[1:] == want, refused
     assert stats.early_requests == 4 and stats.early_request_bytes == EARLY_BYTES
     live.settled()  # the connection closed: its early requests went with it
 

@@ -66,3 +66,25 @@ def test_the_harness_detects_a_wrong_byte(fake_clock: object) -> None:
     engine.sim.arenas[(0, 0)][:] = 7
     with pytest.raises(AssertionError, match=r"decode\(0, 0\) layer 0: token 0 of 't1' is wrong"):
         engine.check_received("t1", [0], 4)
+
+
+async def test_a_load_slower_than_its_bound_is_logged_once_with_its_peers_plane_bytes_and_phases(
+    loopback_engines: LoopbackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A bound of 1 ns makes every load slow; the default (1 s) leaves the second pair's quiet (the negative control).
+    caplog.set_level("WARNING", logger="kvsvc")
+    pairs = [(await loopback_engines(config=ServiceConfig(slow_transfer_s=1e-9)), "slow")]
+    pairs.append((await loopback_engines(), "quiet"))
+    for (p, d), tag in pairs:
+        p.start_send(f"p-{tag}", tag, [0, 1, 2, 3], 13)
+        d.start_recv(f"d-{tag}", tag, p, [4, 5, 6, 7], 13)
+        assert await d.wait(f"d-{tag}") == "finished"
+        assert await p.wait(f"p-{tag}") == "finished_sending"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow transfer")]
+    assert len(lines) == 1, lines
+    [line] = lines
+    (p, _), _ = pairs[0]
+    assert "request d-slow (transfer slow)" in line and f"from engine {p.engine_id!r}, P workers [(0, 0)]" in line
+    assert "plane mooncake" in line and "handshake" in line and "waiting at P" in line and "P's write" in line
+    sent = sum(service.statistics().bytes_sent for service in p.services.values())
+    assert f": {sent} bytes in " in line and sent > 0

@@ -554,7 +554,8 @@ def test_a_d_engine_that_knows_a_transfer_id_but_not_its_secret_gets_no_byte_and
                 )
             peer.send(Abort(transfer_id="stolen", reason="rogue abort", secret="y" * 22), Release(transfer_id="stolen"))
             answers = peer.until_pong(40 + tp)
-            assert answers == [TransferFailed(transfer_id="stolen", reason="rogue abort")], answers  # as for any id
+            # As for any id:
+            assert answers == [TransferFailed(transfer_id="stolen", reason="rogue abort", cause="aborted")], answers
         assert _stat(p, "bytes_sent") == bytes_before, "P wrote for a D that lacks the secret"
         # Nor does P's admin endpoint tell the id to a caller without its token.
         public, private = _admin_get(p, "/v1/transfers", {}), _admin_get(p, "/v1/transfers", ADMIN_AUTH)

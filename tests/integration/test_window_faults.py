@@ -298,10 +298,10 @@ async def test_requests_at_other_blocks_reuse_ps_cached_window_stream_byte_exact
     # The first request caches each P worker's window stream and its gathered chunks; the later ones, at other block
     # offsets on both sides, shift them (the sources by P's blocks, the chunks to their windows).
     if not shift:
-        from kvsvc.service import plans
+        from kvsvc.service import writing
 
-        real = plans.shift_chunks
-        monkeypatch.setattr(plans, "shift_chunks", lambda chunks, src, dst: real(chunks, 0, dst))
+        real = writing.shift_chunks
+        monkeypatch.setattr(writing, "shift_chunks", lambda chunks, src, dst: real(chunks, 0, dst))
     p, d = await loopback_engines(P_SPEC, D_SPEC, staging_bytes=1 << 20)
     requests = [([0, 1, 2, 3], [3, 4, 5, 6]), ([8, 9, 10, 11], [0, 1, 2, 3]), ([4, 5, 6, 7], [9, 10, 11, 12])]
     landed = []

@@ -307,6 +307,7 @@ def test_early_requests_are_bounded_in_bytes_per_d_worker() -> None:
                 transfer_id="t2",
                 reason=f"P worker busy: D worker {D0_REF} has {cost(60)} bytes of requests waiting for transfers not "
                 f"held yet; this one's {cost(41)} would pass max_early_request_bytes={cost(60) + cost(40)}",
+                cause="refused",
             ),
         )
     ]
@@ -327,6 +328,7 @@ def test_early_requests_are_bounded_in_bytes_across_d_workers_too() -> None:
                 transfer_id="t2",
                 reason=f"P worker busy: D workers have {cost(100)} bytes of requests waiting for transfers not held "
                 f"yet; this one's {cost(51)} would pass max_early_request_bytes_total={total}",
+                cause="refused",
             ),
         )
     ]

@@ -7,7 +7,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 import kvsvc
+from kvsvc.cli import main
 from kvsvc.core.jobs import RECV_TABLE, SEND_TABLE, table_markdown
 from kvsvc.core.windows import FILL_TABLE, SCATTER_TABLE
 
@@ -23,7 +26,14 @@ def test_the_protocol_doc_shows_the_job_tables_as_the_code_has_them() -> None:
         "SCATTER_TABLE": SCATTER_TABLE,
     }
     for name, table in tables.items():
-        assert table_markdown(table) in text, f"docs/protocol.md is stale: paste `python -m kvsvc.core.tables` ({name})"
+        assert table_markdown(table) in text, f"docs/protocol.md is stale: paste `kvsvc tables` ({name})"
+
+
+def test_kvsvc_tables_prints_every_table_the_protocol_doc_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tables"]) == 0
+    printed = capsys.readouterr().out
+    for table in (SEND_TABLE, RECV_TABLE, FILL_TABLE, SCATTER_TABLE):
+        assert table_markdown(table) in printed
 
 
 def test_no_doc_cites_a_file_outside_the_repository() -> None:

@@ -28,7 +28,7 @@ from kvsvc.core.planner import check_compatible, plan_transfer_arrays
 from kvsvc.core.staging_plans import StagingRule, plan_staged, plan_window, region_ids
 from kvsvc.service import gather as gather_module
 from kvsvc.service.gather import TorchGather
-from kvsvc.service.plans import PlanCache
+from kvsvc.service.writing import PlanCache
 
 E4M3 = ("fp8_e4m3", "float8_e4m3fn")
 

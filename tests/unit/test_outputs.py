@@ -469,6 +469,17 @@ def test_dict_stats_of_numbers_are_summed_key_by_key() -> None:
     assert result.kv_connector_stats == {"bytes": 15, "ms": 1.5, "descriptors": 2}
 
 
+def test_dict_stats_lists_are_concatenated_and_a_key_both_number_and_list_keeps_the_output_rank_stats() -> None:
+    outputs = [out(kv(stats={"loads": [[0.1]], "bytes": 1})), out(kv(stats={"loads": [[0.2], [0.3]]}))]
+    result = agg_kv(KVOutputAggregator(2).aggregate(outputs))
+    assert result.kv_connector_stats == {"loads": [[0.1], [0.2], [0.3]], "bytes": 1}
+    assert outputs[0].kv_connector_output is not None
+    assert outputs[0].kv_connector_output.kv_connector_stats == {"loads": [[0.1]], "bytes": 1}  # not extended
+    own = {"loads": 2}
+    mixed = [out(kv(stats={"loads": [[0.1]]})), out(kv(stats=own))]
+    assert agg_kv(KVOutputAggregator(2).aggregate(mixed, output_rank=1)).kv_connector_stats == own
+
+
 @pytest.mark.parametrize(
     "other_stats",
     [["not", "a", "dict"], {"nested": {"bytes": 1}}, {"flag": True}, "text"],

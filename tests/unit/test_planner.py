@@ -17,7 +17,6 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.core.coalesce import pitched_runs
 from kvsvc.core.errors import TopologyError
 from kvsvc.core.layout import CROSS_LAYER, block_bytes
 from kvsvc.core.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
@@ -27,6 +26,7 @@ from kvsvc.core.planner import (
     check_compatible,
     expected_destinations,
     is_source,
+    pitched_runs,
     plan_transfer,
     plan_transfer_arrays,
     release_notifier,

@@ -433,7 +433,9 @@ def test_a_d_engine_that_knows_the_id_but_not_the_secret_gets_nothing_and_the_re
     if first == "real":
         pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
     answered = attack()  # before the hold (an early request) or while it is held: the same answers
-    assert answered == [Reply(rogue, TransferFailed(transfer_id="t1", reason="rogue"))]  # as for any unknown id
+    assert answered == [
+        Reply(rogue, TransferFailed(transfer_id="t1", reason="rogue", cause="aborted"))
+    ]  # as for any unknown id
     if first == "rogue":
         pair.start_send("p-t1", "t1", P_BLOCKS, TOKENS, ready=False)
     pair.start_recv("d-t1", "t1", D_BLOCKS, TOKENS)

@@ -100,7 +100,7 @@ def test_a_failed_write_answers_failed_with_the_transport_error() -> None:
     sender.ready("t1")
     sender.request(D0, ONLY_D0, request(), clock())
     out = sender.write_ended("t1", D0.worker, WriteFault("TransportError: -1"))
-    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason="TransportError: -1"))]
+    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason="TransportError: -1", cause="transport"))]
     assert sender.take_finished() == {"r1"}
 
 
@@ -160,7 +160,7 @@ def test_a_withdrawn_transfer_answers_its_early_requests_failed_now_and_later_on
         (D1, TransferFailed)
     ]  # answered when it came, never again
     out = sender.withdraw("t1", S, "P's request 'r1' was aborted")
-    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason="P's request 'r1' was aborted"))]
+    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason="P's request 'r1' was aborted", cause="aborted"))]
     late = sender.request(D0, ONLY_D0, request(), clock())
     assert replies(late) == [(D0, TransferFailed)]
     assert "no longer held by P: P's request 'r1' was aborted" in late[0].message.reason  # type: ignore[union-attr]
@@ -584,7 +584,7 @@ def test_after_the_transfer_ended_only_its_secret_hears_the_outcome() -> None:
     assert sender.request(D0, ONLY_D0, wrong, clock()) == []  # parked, as for an id never held
     [reply] = sender.expire(clock.advance(10))
     assert reply == Reply(
-        D0, TransferFailed(transfer_id="t1", reason="unknown transfer 't1': not held by P within 10 s")
+        D0, TransferFailed(transfer_id="t1", reason="unknown transfer 't1': not held by P within 10 s", cause="expired")
     )
 
 
@@ -597,7 +597,9 @@ def test_a_request_for_more_tokens_than_held_is_refused_naming_both_counts() -> 
         Reply(
             D0,
             TransferFailed(
-                transfer_id="t1", reason="D worker D[pp0,tp0] asks for 6 tokens of transfer 't1', P holds 5"
+                transfer_id="t1",
+                reason="D worker D[pp0,tp0] asks for 6 tokens of transfer 't1', P holds 5",
+                cause="refused",
             ),
         )
     ]
@@ -612,7 +614,7 @@ def test_for_a_model_that_keeps_state_a_request_for_fewer_tokens_than_held_is_re
     sender.ready("t1")
     out = sender.request(D0, ONLY_D0, request(), clock())  # 6 tokens
     reason = "D worker D[pp0,tp0] asks for 6 tokens of transfer 't1', P holds 7 and a state as of its last token"
-    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason=reason))]
+    assert out == [Reply(D0, TransferFailed(transfer_id="t1", reason=reason, cause="refused"))]
     plain, _ = make()  # attention alone: D may load fewer tokens than P holds
     plain.hold(SendRequest("r1", "t1", (1, 2), 7, S), clock())
     plain.ready("t1")
@@ -624,7 +626,11 @@ def test_an_early_request_for_more_tokens_than_held_is_refused_when_the_hold_com
     assert sender.request(D0, ONLY_D0, request(), clock()) == []
     out = sender.hold(SendRequest("r1", "t1", (1, 2), 4, S), clock())
     assert [c.message for c in out if isinstance(c, Reply)] == [
-        TransferFailed(transfer_id="t1", reason="D worker D[pp0,tp0] asks for 6 tokens of transfer 't1', P holds 4")
+        TransferFailed(
+            transfer_id="t1",
+            reason="D worker D[pp0,tp0] asks for 6 tokens of transfer 't1', P holds 4",
+            cause="refused",
+        )
     ]
     assert submits(sender.ready("t1")) == []
 
@@ -687,7 +693,7 @@ def _another(message: TransferRequest) -> TransferFailed:
         f"transfer {message.transfer_id!r} serves another receive of D worker {D0}; this one gets none of it (the "
         "same params in a second request)"
     )
-    return TransferFailed(transfer_id=message.transfer_id, reason=reason, receive=message.receive)
+    return TransferFailed(transfer_id=message.transfer_id, reason=reason, receive=message.receive, cause="refused")
 
 
 def test_a_job_a_lost_connection_ended_tells_its_reason_to_the_receive_that_asks_later() -> None:
@@ -697,7 +703,7 @@ def test_a_job_a_lost_connection_ended_tells_its_reason_to_the_receive_that_asks
     assert submits(sender.request(D0, BOTH, msgspec.structs.replace(request(), receive="a"), clock()))
     sender.peer_lost(D1)  # D1 never asked: its job ends with no receive named
     late = msgspec.structs.replace(request(), receive="x")
-    lost = TransferFailed(transfer_id="t1", reason=f"control connection to {D1} lost")
+    lost = TransferFailed(transfer_id="t1", reason=f"control connection to {D1} lost", cause="p_lost")
     assert sender.request(D1, BOTH, late, clock()) == [Reply(D1, lost)]  # while held
     sender.write_ended("t1", D0.worker, Landed(64, 1))
     assert sender.take_finished() == {"r1"}

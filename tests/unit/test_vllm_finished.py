@@ -1,4 +1,4 @@
-"""What a vLLM worker may tell vLLM's scheduler (`kvsvc.vllm.finished.TransferReports`), with no vLLM, torch or
+"""What a vLLM worker may tell vLLM's scheduler (`kvsvc.vllm.flow.TransferReports`), with no vLLM, torch or
 service: each id at most once, only ids vLLM handed in, every handed-in id that ended exactly once."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.vllm.finished import RecvRefused, RecvStarted, SendRefused, TransferReports
-from kvsvc.vllm.flow import NULL_BLOCK
+from kvsvc.vllm.flow import NULL_BLOCK, RecvRefused, RecvStarted, SendRefused, TransferReports
 
 IDS = [f"r{i}" for i in range(8)]
 STRANGERS = ["x0", "x1"]  # ids vLLM never handed this worker, which a service might still name
@@ -182,10 +181,10 @@ def test_an_idle_step_waits_longer_only_while_every_receive_owed_waits_for_a_pus
     assert reports.idle_wait(set(), 0.01, 0.1) == 0.0  # a report is ready now: no wait
 
 
-def test_the_reports_module_imports_no_torch_asyncio_or_vllm() -> None:
+def test_the_flow_module_imports_no_torch_asyncio_or_vllm() -> None:
     probe = (
-        "import sys, kvsvc.vllm.finished\n"
+        "import sys, kvsvc.vllm.flow\n"
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'asyncio', 'vllm'))))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "", f"kvsvc.vllm.finished pulls in {out}"
+    assert out == "", f"kvsvc.vllm.flow pulls in {out}"

@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvsvc.core.messages import FAILURE_CAUSES
 from workers.vllm.engines import EngineConfig, Output, VllmEngine, spare_ports, started_engines, write_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -60,7 +62,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Vllm
             kv_cache_bytes=16 * KV_BYTES_PER_BLOCK,
             max_model_len=15 * BLOCK,
         ),
-        "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute", extra_config=peers),
+        "D": EngineConfig(model, "kv_consumer", kv_load_failure_policy="recompute", extra_config=peers, log_stats=True),
         "D_fail": EngineConfig(model, "kv_consumer", kv_load_failure_policy="fail", extra_config=peers),
         # TP 2 on vLLM's CPU backend: worker processes of its own (`workers.vllm.engines`), unbound (bound one per
         # core, their spinning waits starve every other process of a 2-core host: docs/vllm.md, "Limits").
@@ -367,6 +369,61 @@ def test_unfetched_holds_expire_and_free_p_blocks(engines: dict[str, VllmEngine]
     assert p2.stats()["holds"] == 2
     stats = assert_clean(p2)  # settles once the 5 s holds expired
     assert stats["service"]["sender"]["expired_holds"] == 2
+
+
+def metrics(engine: VllmEngine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """kvsvc's samples on `engine`'s vLLM metrics (what `/metrics` serves), by name and labels (vLLM's own labels,
+    model and engine, dropped: one engine here)."""
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(engine.stats()["metrics"] + "\n"):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine")))
+            found[(sample.name, labels)] = found.get((sample.name, labels), 0.0) + sample.value
+    return found
+
+
+def grew(before: dict[Any, float], after: dict[Any, float], name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+# Before the fault tests: the last one kills P2, and the expiry test counts P2's expired holds from none.
+def test_each_loads_phases_bytes_and_share_appear_on_ds_vllm_metrics_and_a_failure_under_its_cause(
+    engines: dict[str, VllmEngine],
+) -> None:
+    """D's vLLM metrics (the registry `vllm serve` renders on `/metrics`) time every load of a batch in its phases,
+    with exactly the bytes P wrote and each request's share of its time to first token; then loads of P2's holds
+    that expired before D asked are counted as expired, and nothing else moves (the negative control: a count that
+    any failure or load moved would not tell one cause from another)."""
+    p, p2, d = engines["P"], engines["P2"], engines["D"]
+    batch = prompts(230, [BLOCK, 100, 257], seed=23)
+    want = baseline(engines, batch)
+    params = p.prefill(batch)
+    sent_before, before = p.stats()["service"]["bytes_sent"], metrics(d)
+    assert [o.token_ids for o in d.generate(batch, max_tokens=8, params=params)] == want
+    assert_clean(d)
+    after = metrics(d)
+    assert grew(before, after, "kvsvc_load_seconds_count", phase="total") == len(batch)
+    assert grew(before, after, "kvsvc_load_bytes_sum") == assert_clean(p)["service"]["bytes_sent"] - sent_before
+    total = grew(before, after, "kvsvc_load_seconds_sum", phase="total")
+    parts = [grew(before, after, "kvsvc_load_seconds_sum", phase=phase) for phase in ("handshake", "queue", "write")]
+    assert total > 0 and min(parts) >= 0 and sum(parts) == pytest.approx(total)
+    assert grew(before, after, "kvsvc_load_gbps_count") == len(batch)  # P timed every write
+    assert grew(before, after, "kvsvc_ttft_kv_share_count") == len(batch)
+    assert 0 < grew(before, after, "kvsvc_ttft_kv_share_sum") <= len(batch)
+    assert all(grew(before, after, "kvsvc_load_failures_total", cause=c) == 0 for c in FAILURE_CAUSES)
+
+    expired = prompts(240, [40, 70], seed=24)
+    late = p2.prefill(expired)
+    assert_clean(p2)  # settles once its 5 s holds expired
+    before = metrics(d)
+    assert [o.token_ids for o in d.generate(expired, max_tokens=8, params=late)] == baseline(engines, expired)
+    assert_clean(d)
+    after = metrics(d)
+    assert grew(before, after, "kvsvc_load_failures_total", cause="expired") == len(expired)
+    assert all(grew(before, after, "kvsvc_load_failures_total", cause=c) == 0 for c in FAILURE_CAUSES if c != "expired")
+    assert grew(before, after, "kvsvc_computed_locally_total") == len(expired)  # D's policy: recompute
+    assert grew(before, after, "kvsvc_load_seconds_count", phase="total") == 0
 
 
 def test_d_abort_while_p_is_frozen_releases_both_sides(engines: dict[str, VllmEngine]) -> None:

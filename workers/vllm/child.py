@@ -22,6 +22,8 @@ import time
 from itertools import zip_longest
 from typing import Any, TextIO, cast
 
+import prometheus_client
+
 from workers.vllm.engines import REPLY
 
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -72,7 +74,7 @@ class _Engine:
             kv_cache_dtype=config["kv_cache_dtype"],
             speculative_config=dict(config["speculative_config"]) if config["speculative_config"] else None,
             # Spec decoding's acceptance counters are read from vLLM's own metrics (`stats`).
-            disable_log_stats=not config["speculative_config"],
+            disable_log_stats=not (config["speculative_config"] or config.get("log_stats")),
             **({"attention_backend": config["attention_backend"]} if config.get("attention_backend") else {}),
         )
         # In one process the client holds the engine core itself (its scheduler, executor and connector).
@@ -241,6 +243,9 @@ class _Engine:
         }
         if self.llm.llm_engine.log_stats:
             figures["spec_decode"] = _spec_decode_counters(self.llm.get_metrics())
+            # The registry `vllm serve` renders on `/metrics`, in its text format: kvsvc's families only.
+            text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+            figures["metrics"] = "\n".join(line for line in text.splitlines() if "kvsvc_" in line)
         connector = _kvsvc_of(scheduler.connector)
         if connector is not None and getattr(connector, "_scheduler", None) is not None:
             figures["flow"] = dataclasses.asdict(connector._scheduler.flow.statistics())

