@@ -294,10 +294,15 @@ def start_on_free_ports(
     return [port for _, port in running]
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, label: str = "") -> float:
+    """The sum of `name`'s samples at `url` (a Prometheus text page) whose labels include `label` (`key="value"`)."""
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line.split("}", 1)[0]
+    )
 
 
 def ask(url: str, prompt: list[int], mode: str) -> str:
@@ -507,6 +512,15 @@ def main() -> None:
         sent = sum(metric(f"{url}/metrics", "kvsvc_sent_bytes_total") for url in urls["prefill"])
         first = sum(metric(f"{url}/metrics", "kvsvc_early_served_total") for url in urls["prefill"])
         print(f"D received {received:g} transfers; P sent {sent:,.0f} bytes of KV")
+        # Each load's phases and bytes, as the D servers' /metrics show them (one observation per D worker's share).
+        loads = {
+            phase: sum(metric(f"{u}/metrics", "kvsvc_load_seconds_sum", f'phase="{phase}"') for u in urls["decode"])
+            for phase in ("total", "handshake", "queue", "write")
+        }
+        timed = sum(metric(f"{u}/metrics", "kvsvc_load_seconds_count", 'phase="total"') for u in urls["decode"])
+        loaded = sum(metric(f"{u}/metrics", "kvsvc_load_bytes_sum") for u in urls["decode"])
+        phases = ", ".join(f"{phase} {1000 * s / max(timed, 1):.1f} ms" for phase, s in loads.items())
+        print(f"D's /metrics timed {timed:g} loads of {loaded:,.0f} bytes; mean {phases}")
         print(f"P served {first:g} fetches that reached it before its prefill ended (push mode's overlap)")
         if speculative is not None:
             # Greedy answers equal whatever the drafts are: the accepted drafts show whether the draft's KV came too.

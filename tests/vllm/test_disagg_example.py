@@ -37,6 +37,11 @@ def test_the_example_answers_like_a_single_engine_behind_vllm_router_in_push_mod
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "OK: 8 answers through P and D equal a single engine's" in done.stdout
     assert "D received 8 transfers" in done.stdout
+    # vLLM's own /metrics endpoint on D timed each load (one D worker: one load a request); the bytes are proven
+    # exact between engines (tests/vllm/test_vllm_connector.py), where P's counters are read once P settled.
+    timed = re.search(r"D's /metrics timed (\d+) loads of ([\d,]+) bytes", done.stdout)
+    assert timed is not None and int(timed.group(1)) == 8, done.stdout[-2000:]
+    assert int(timed.group(2).replace(",", "")) > 0, done.stdout[-2000:]
     # The router learned from P's first answer that P pushes, then asked D at once: D's fetches reached P first.
     first = re.search(r"P served (\d+) fetches that reached it before its prefill ended", done.stdout)
     assert first is not None and int(first.group(1)) >= 1, done.stdout[-2000:]
