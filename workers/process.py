@@ -26,9 +26,9 @@ from typing import Any, Final
 
 import uvloop
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.core.outputs import KVConnectorOutput
-from kvsvc.core.requests import harness_secret
 from kvsvc.engine import netns
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.service.gather import TorchGather

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Final, Generic, Literal, TypeVar
 
-from kvsvc.core.errors import PeerMismatch, TopologyError
+from kvsvc.core.errors import LocalProtocolError, PeerMismatch, TopologyError
 from kvsvc.core.layout import check_base_addrs, check_layer_split
 from kvsvc.core.messages import Hello, Worker, WorkerMetadata, WorkerRef
+
+C = TypeVar("C", bound=Hashable)  # a control connection, as its owner holds it
+K = TypeVar("K", bound=Hashable)  # the D worker a connection stands for
 
 # More ranks than any deployment has: pp_size and tp_size each, and their product (the D workers P lays out).
 MAX_PARALLEL: Final = 1024
@@ -141,19 +145,49 @@ def host_group(host: str) -> str:
     return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
 
 
-class ControlConnections:
-    """The control connections a P worker holds, by host group (`host_group`). A connection is pending from its
-    accept until its hello is accepted: pending ones have a small cap of their own (`max_pending`), so a flood of
-    connections that never hello cannot take the slots accepted D workers hold (`max_total`); past that cap the
-    oldest pending connection gives way to the new one (`displaced`), so a flood cannot keep a D worker's hello,
-    which takes a round trip, from its turn either. Every connection counts against its host group's cap
-    (`max_per_host`). Each admitted connection must `leave` once, when it closes, saying whether it was accepted."""
+@dataclass(frozen=True, slots=True)
+class Admission(Generic[C]):
+    """What `ControlConnections.admit` decided of a new connection."""
+
+    refusal: str = ""  # refused (and not counted): why, to tell the peer before closing
+    displaced: C | None = None  # admitted, and this oldest pending connection must give way: tell it `why`, close it
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance(Generic[C]):
+    """What `ControlConnections.accept` decided of a connection whose hello was accepted."""
+
+    accepted: bool
+    refusal: str = ""  # not accepted: why, to tell D; "" when it was displaced meanwhile (it is closing already)
+    replaces: C | None = None  # accepted: the D worker's earlier connection, to close now (its jobs are lost)
+
+
+@dataclass(slots=True)
+class _Held(Generic[K]):
+    host: str
+    state: Literal["pending", "displaced", "accepted"] = "pending"
+    key: K | None = None
+
+
+class ControlConnections(Generic[C, K]):
+    """The control connections a P worker holds (each a handle `C` the caller owns), by host group (`host_group`),
+    and which one stands for each D worker (a key `K`). A connection is pending from its admission until its hello
+    is accepted: pending ones have a small cap of their own (`max_pending`), so a flood of connections that never
+    hello cannot take the slots accepted D workers hold (`max_total`); past that cap the oldest pending connection
+    gives way to the new one (`Admission.displaced`), so a flood cannot keep a D worker's hello, which takes a round
+    trip, from its turn either. Every connection counts against its host group's cap (`max_per_host`). An accepted
+    connection replaces the one its D worker held (a reconnect, or a restarted D engine: the newest hello wins);
+    the replaced one's jobs are lost at once, and one replaced while the service still routed it (`holds`) is not
+    installed. Each admitted connection `leave`s once, when it closes."""
 
     def __init__(self, max_total: int, max_per_host: int, max_pending: int = 64) -> None:
         self._max_total = max_total
         self._max_per_host = max_per_host
         self._max_pending = max_pending
         self._by_group: Counter[str] = Counter()
+        self._held: dict[C, _Held[K]] = {}  # in admission order: the oldest pending connection first
+        self._of_key: dict[K, C] = {}
         self._accepted = 0
         self._pending = 0
         self._displacing = 0  # pending connections told to close, until they leave
@@ -167,45 +201,73 @@ class ControlConnections:
         """Connections before their hello was accepted."""
         return self._pending
 
-    def displace(self) -> str:
-        """Why the oldest pending connection must close now, or "" while the pending ones are within their cap (a
-        connection told to close still counts until it leaves, but is not told twice)."""
-        if self._pending - self._displacing <= self._max_pending:
-            return ""
-        self._displacing += 1
-        return (
-            f"P worker holds {self._max_pending} control connections before their hello, its limit, and this is "
-            "the oldest"
-        )
-
-    def admit(self, host: str) -> str | None:
-        """Count a new pending connection from `host`, or return why it is refused (then it is not counted)."""
+    def admit(self, conn: C, host: str) -> Admission[C]:
+        """Count `conn`, new from `host`, as pending, or refuse it (then it is not counted and never `leave`s).
+        Raises nothing."""
         group = host_group(host)
         if self._by_group[group] >= self._max_per_host:
             where = "loopback" if group == "loopback" else f"{host} (of {group})"
             held = self._by_group[group]
-            return f"{where} holds {held} control connections to this P worker, limit {self._max_per_host}"
+            return Admission(f"{where} holds {held} control connections to this P worker, limit {self._max_per_host}")
         self._by_group[group] += 1
         self._pending += 1
-        return None
+        self._held[conn] = _Held(host)
+        if self._pending - self._displacing <= self._max_pending:
+            return Admission()
+        oldest = next(c for c, held in self._held.items() if held.state == "pending")
+        self._held[oldest].state = "displaced"  # still counted until it leaves, but never told twice
+        self._displacing += 1
+        why = f"P worker holds {self._max_pending} control connections before their hello, its limit, and this is"
+        why += " the oldest"
+        return Admission(displaced=oldest, why=why)
 
-    def accept(self) -> str | None:
-        """Move a pending connection to the accepted ones once its hello was accepted, or return why it is refused
-        (then it stays pending, to `leave` as such)."""
+    def accept(self, conn: C, key: K) -> Acceptance[C]:
+        """`conn`'s hello was accepted, from D worker `key`: make it the connection of `key`, or refuse it (then it
+        stays pending, to `leave` as such).
+
+        Raises:
+            LocalProtocolError: `conn` was never admitted, or was accepted already.
+        """
+        held = self._held.get(conn)
+        if held is None or held.state == "accepted":
+            raise LocalProtocolError(f"accept of a connection that is not pending: {conn!r}")
+        if held.state == "displaced":
+            return Acceptance(accepted=False)
         if self._accepted >= self._max_total:
-            return f"P worker holds {self._accepted} control connections, limit {self._max_total}"
+            return Acceptance(
+                accepted=False, refusal=f"P worker holds {self._accepted} control connections, limit {self._max_total}"
+            )
+        held.state, held.key = "accepted", key
         self._pending -= 1
         self._accepted += 1
-        return None
+        replaced = self._of_key.get(key)
+        self._of_key[key] = conn
+        return Acceptance(accepted=True, replaces=replaced)
 
-    def leave(self, host: str, *, accepted: bool, displaced: bool = False) -> None:
-        """A connection admitted from `host` closed, `accepted` or still pending (and then maybe `displaced`)."""
-        if accepted:
+    def holds(self, conn: C, key: K) -> bool:
+        """Whether `conn` is still the connection of D worker `key` (no newer hello replaced it). Raises nothing."""
+        return self._of_key.get(key) is conn
+
+    def leave(self, conn: C) -> K | None:
+        """`conn` closed: it stops counting. Returns the D worker whose connection it still was (its jobs are lost
+        now), else None (pending, refused at its hello, or replaced already).
+
+        Raises:
+            LocalProtocolError: `conn` was never admitted, or left already.
+        """
+        held = self._held.pop(conn, None)
+        if held is None:
+            raise LocalProtocolError(f"leave of a connection that is not held: {conn!r}")
+        if held.state == "accepted":
             self._accepted -= 1
         else:
             self._pending -= 1
-            self._displacing -= displaced
-        group = host_group(host)
+            self._displacing -= held.state == "displaced"
+        group = host_group(held.host)
         self._by_group[group] -= 1
         if not self._by_group[group]:
             del self._by_group[group]
+        if held.key is not None and self._of_key.get(held.key) is conn:
+            del self._of_key[held.key]
+            return held.key
+        return None

@@ -1,13 +1,15 @@
 """D's side of the protocol as a sans-IO object: receive jobs, deadlines and exactly-once reporting.
 
-Rules: `Receiver` takes events (a receive from the engine, the sources the handshake found, a connection that
-opened or broke, P's answers, the clock) and returns commands (`SendToSource`); it never does I/O. Each receive
-is reported exactly once, in `take_report()`: finished when every P worker it needs answered done, with the bytes
-D's plan expects of it (`planned_bytes`); failed, with its blocks invalid, on any failure, expiry or abort. An
-aborted receive is reported only after every P worker it asked confirmed its writes stopped, or the abort grace
-passed. A lost P worker is tried again after doubling delays (`Backoff`): the driver sleeps, this only says how
-long. `ReportGather` decides when a report of landed receives waits a little for others about to land, so that
-a burst reaches the engine in one step. Pure module: standard library and kvsvc's pure core only.
+Rules: `Receiver` takes events (a receive from the engine, the sources the handshake found, a connection that opened
+or broke, P's answers, the clock) and returns commands (`SendToSource`); it never does I/O. Each receive is reported
+exactly once, in `take_report()`: finished when every P worker it needs answered done, with the bytes D's plan
+expects of it (`planned_bytes`); failed, with its blocks invalid, on any failure, expiry or abort. An aborted
+receive is reported only after every P worker it asked confirmed its writes stopped, or the abort grace passed. A
+lost P worker is probed and tried again after doubling delays (`LostSources`): the driver sleeps and probes, this
+only says what and when. `ReportGather` decides when a report of landed receives waits a little for others about to
+land, so that a burst reaches the engine in one step. The engine's receive is one frozen value, `RecvRequest`,
+checked once by `check_recv` as the service's role takes it, as P's `SendRequest` is. Pure module: standard library
+and kvsvc's pure core only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, TypeAlias
 
+from kvsvc.core.auth import check_secret
 from kvsvc.core.deadlines import Deadlines
 from kvsvc.core.errors import TopologyError
 from kvsvc.core.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
@@ -34,9 +37,9 @@ from kvsvc.core.messages import (
     Worker,
     WorkerMetadata,
     answers_another_receive,
+    check_transfer_id,
 )
-from kvsvc.core.planner import plan_transfer_arrays
-from kvsvc.core.requests import RecvRequest
+from kvsvc.core.planner import check_block_ids, plan_transfer_arrays
 
 ToSource: TypeAlias = TransferRequest | Release | Abort | ErrorMessage
 """What D's `Receiver` sends P workers."""
@@ -160,7 +163,7 @@ class Receiver:
 
     def start(self, request: RecvRequest, now: float, receive: str = "") -> bool:
         """Begin receiving tokens `[first_token, num_tokens)` of `request.transfer_id` from engine
-        `request.engine_id` into its blocks; `request` passed `kvsvc.core.requests.check_recv` at the service's edge.
+        `request.engine_id` into its blocks; `request` passed `check_recv` as the service's role took it.
         Its secret is the one P issued with its hold; every request, release and abort carries it (P answers one
         without it as for a transfer it does not hold). `receive`: a name drawn for this receive alone
         (`TransferRequest.receive`), so P never answers it with another receive's outcome.
@@ -684,3 +687,90 @@ class Backoff:
     def forget(self, key: Hashable) -> None:
         """`key` was reached, or nothing waits on it: its next loss starts at `first_s` again."""
         self._next.pop(key, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """What D does about a P worker whose connection broke (`LostSources.lost`)."""
+
+    # Ask, in order and until one says so, whether the process behind each address is gone: the kernel's word on a
+    # same-host P first, then Mooncake's. Empty: nothing waits on it, or a probe of that process runs already.
+    probe: tuple[str, ...] = ()
+    retry_after_s: float | None = None  # try the connection again after this wait; None: nothing waits on it
+
+
+class LostSources:
+    """D's policy for P workers whose connection broke, as the service's D role follows it: while some receive holds
+    its blocks only because of one (`Receiver.waits_on_lost`), D probes whether that worker's process is gone (one
+    probe per process at a time: P's workers on one host may share it) and tries the connection again after
+    doubling delays (`Backoff`) until it is reached or nothing waits on it; a closing service does neither. The
+    driver sleeps and probes; this only says what and when. Raises nothing."""
+
+    def __init__(self, backoff: Backoff | None = None) -> None:
+        self._backoff = backoff if backoff is not None else Backoff()
+        self._probing: set[str] = set()
+
+    @staticmethod
+    def process(p: WorkerMetadata) -> str:
+        """The process a probe of P worker `p` asks after: its Mooncake session, or its same-host one without it."""
+        return p.transport_addr or p.samehost_addr
+
+    def lost(self, key: tuple[str, Worker], p: WorkerMetadata, *, waiting: bool, closing: bool) -> Recovery:
+        """P worker `key` (engine id, worker), published as `p`, lost its connection; `waiting`: receives hold
+        blocks only because of it."""
+        if closing or not waiting:
+            return Recovery()
+        probe: tuple[str, ...] = ()
+        process = self.process(p)
+        if process and process not in self._probing:
+            self._probing.add(process)
+            probe = tuple(address for address in (p.samehost_addr, p.transport_addr) if address)
+        return Recovery(probe, self._backoff.delay(key))
+
+    def probe_ended(self, p: WorkerMetadata) -> None:
+        """The probe `lost` asked for of P worker `p`'s process ended, whatever it found."""
+        self._probing.discard(self.process(p))
+
+    def retry(self, key: tuple[str, Worker], *, waiting: bool, closing: bool, connecting: bool) -> bool:
+        """After `Recovery.retry_after_s`: whether to connect to P worker `key` again now. Not when nothing waits on
+        it any more (its next loss starts at the first delay again), when the service closes, or when a connection
+        to it is being opened already (maybe to a newer start, which `Receiver.reconnected` tells apart)."""
+        if not waiting:
+            self._backoff.forget(key)
+            return False
+        return not (closing or connecting)
+
+    def reached(self, key: tuple[str, Worker]) -> None:
+        """A connection to P worker `key` opened: its next loss starts at the first delay again."""
+        self._backoff.forget(key)
+
+
+@dataclass(frozen=True, slots=True)
+class RecvRequest:
+    """D: fetch tokens `[first_token, num_tokens)` of `transfer_id` from P engine `engine_id`, whose bootstrap
+    endpoint is `bootstrap_addr`, into `block_ids` (token t into block `block_ids[t // block_size]`), presenting
+    `secret` as P issued it. `push`: the router asked D and P at once, so the fetch waits at P for a prefill that
+    started with it (the engine's side reports such a receive as pushed; the service treats it as any other)."""
+
+    req_id: str
+    transfer_id: str
+    engine_id: str
+    bootstrap_addr: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    secret: str
+    push: bool = False
+
+
+def check_recv(meta: WorkerMetadata, request: RecvRequest) -> None:
+    """The one check of a receive, against D worker `meta`.
+
+    Raises:
+        ValueError: a block id is outside the pool, the blocks cannot hold `num_tokens`, `first_token` lies
+            outside `[0, num_tokens]` (`check_block_ids`), `transfer_id` is longer than `MAX_NAME_CHARS`, or the
+            secret is refused (`check_secret`).
+    """
+    check_block_ids(meta, list(request.block_ids), request.num_tokens, "D", request.first_token)
+    check_transfer_id(request.transfer_id)
+    check_secret(request.secret, request.transfer_id)

@@ -6,21 +6,25 @@ itself. Each held request is reported in `take_finished()` exactly once: when ev
 when it expired, or when it was aborted, and never while a write may still touch its blocks. Requests that arrive before
 the hold wait a bounded time, bounded in number and in block ids per D worker, then are answered failed. Each hold has a
 secret (`hold`): a request, release or abort that does not carry it is answered exactly as one for a transfer P never
-held (so a prober learns nothing of which ids exist), and counted. Pure module: standard library and kvsvc's pure core
-only.
+held (so a prober learns nothing of which ids exist), and counted. What the engine asks is one frozen value,
+`SendRequest`, built by the engine's side (`kvsvc.vllm.flow`, or `KVTransferService.start_send` from an embedder's
+arguments), checked once by `check_send` as the service's role takes it, and from there passed as it is: no layer
+below re-checks it or unpacks it into arguments, and no error message shows its secret. Pure module: standard
+library and kvsvc's pure core only.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, TypeAlias, TypeVar
 
 from msgspec.structs import replace
 
+from kvsvc.core.auth import check_secret
 from kvsvc.core.deadlines import Deadlines
 from kvsvc.core.jobs import Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.core.messages import (
@@ -40,7 +44,6 @@ from kvsvc.core.messages import (
     check_transfer_id,
 )
 from kvsvc.core.planner import check_block_ids, check_window
-from kvsvc.core.requests import SendRequest, check_secret
 
 # What an early request costs against `max_early_request_bytes`: its block ids, at their size on the wire at worst,
 # its text (transfer id, secret, receive, reason) and what keeping any entry costs.
@@ -107,6 +110,46 @@ class WriteFault:
 
 WriteEnd: TypeAlias = Landed | WriteFault
 """How every write ends, on any plane and on any path (a task, a direct submission, a write in rounds, staged)."""
+
+
+# -- the write-failure contract ----------------------------------------------------------------------------------
+# A failed write ends (its `WriteFault`, its blocks released) only once none of its descriptors can move any more.
+# What it waits for first depends on how it failed, by the transport contract (`kvsvc.transport.base`), and on whether
+# a plane was asked at all. The writer sorts a failure into a `FaultKind` and waits as `FAULT_WAITS` says, the one
+# place where this is decided; the table has a row for every pair (a test holds it).
+
+
+class FaultKind(Enum):
+    """How a write failed, as the transport contract sorts it."""
+
+    PLANE = "plane"  # the plane's `WriteFailed`, which names its own `drained`
+    WITHIN_CONTRACT = "within"  # refused before anything was submitted, or raised once all it submitted ended
+    OUTSIDE_CONTRACT = "outside"  # anything else (a failed gather, a plane breaking its contract, a bug of ours)
+
+
+class FaultWait(Enum):
+    """What a failed write waits for before it ends."""
+
+    NOTHING = "nothing"
+    DRAINED = "drained"  # the `drained` future the plane's `WriteFailed` carries
+    SETTLED = "settled"  # the plane to have nothing in flight to the D worker, bounded by `close_drain_timeout_s`
+
+
+# (how it failed, whether a plane was asked) -> what it waits for.
+FAULT_WAITS: Final[Mapping[tuple[FaultKind, bool], FaultWait]] = {
+    (FaultKind.PLANE, True): FaultWait.DRAINED,
+    (FaultKind.PLANE, False): FaultWait.DRAINED,  # a `WriteFailed` names its own `drained`, whoever raised it
+    (FaultKind.WITHIN_CONTRACT, True): FaultWait.NOTHING,
+    (FaultKind.WITHIN_CONTRACT, False): FaultWait.NOTHING,
+    (FaultKind.OUTSIDE_CONTRACT, True): FaultWait.SETTLED,  # part of it may still move: the plane must settle
+    (FaultKind.OUTSIDE_CONTRACT, False): FaultWait.NOTHING,  # nothing was handed to a plane
+}
+
+
+def fault_wait(kind: FaultKind, plane_asked: bool) -> FaultWait:
+    """What a write that failed as `kind` waits for before its `WriteFault` may end it (`FAULT_WAITS`; `plane_asked`:
+    the write reached a plane, so part of it may have been submitted). Raises nothing."""
+    return FAULT_WAITS[(kind, plane_asked)]
 
 
 class HoldEnd(Enum):
@@ -201,7 +244,7 @@ class Sender:
 
     def hold(self, request: SendRequest, now: float) -> list[SendCommand]:
         """The engine holds `request.req_id`'s KV for `request.transfer_id` until D workers fetched it (or the hold
-        expires). `request` passed `kvsvc.core.requests.check_send` at the service's edge.
+        expires). `request` passed `check_send` as the service's role took it.
 
         Only D workers that present the request's secret are served. A repeated hold of a held transfer is a no-op.
         Requests that arrived early are applied now if they carry the secret; the others wait out their early
@@ -781,3 +824,28 @@ _CAUSE_OF: Final = {
     SendEvent.ABORT: "aborted",
     SendEvent.PEER_LOST: "p_lost",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class SendRequest:
+    """P: hold `req_id`'s KV (its first `num_tokens` tokens, in `block_ids`) as transfer `transfer_id`, for the D
+    workers that present `secret` (the same on every P worker of the engine, and in D's params)."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    secret: str
+
+
+def check_send(meta: WorkerMetadata, request: SendRequest) -> None:
+    """The one check of a send, against P worker `meta`.
+
+    Raises:
+        ValueError: a block id is outside the pool or the blocks cannot hold `num_tokens`
+            (`kvsvc.core.planner.check_block_ids`), `transfer_id` is longer than `MAX_NAME_CHARS`, or the secret is
+            refused (`check_secret`).
+    """
+    check_block_ids(meta, list(request.block_ids), request.num_tokens, "P")
+    check_transfer_id(request.transfer_id)
+    check_secret(request.secret, request.transfer_id)

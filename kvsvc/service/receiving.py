@@ -8,7 +8,8 @@ outbox. Shares only a `ServiceContext`; never imports the P role; never waits in
 When a connection breaks after asking, the receive's blocks stay held for the abort grace, unless the transport can
 prove the P worker's process gone (`Transport.peer_gone`, which `MooncakeTransport` can tell): then only for
 `gone_settle_s`; or unless D reaches the same start of that P worker again (it reconnects with a backoff while such
-receives wait) and P answers their aborts, which it does once their writes ended.
+receives wait) and P answers their aborts, which it does once their writes ended. What to probe and when to try again
+is the core's `LostSources`; this module sleeps and probes.
 Windows of D's staging region are its `WindowLender`'s (`kvsvc.service.lending`), which exists only where D can lend
 them (`kvsvc.core.windows.lends_windows`): a request may carry one, and every frame from a P worker passes through the
 lender before it reaches the `Receiver`. Without one, requests go out as they are and P's frames go straight to the
@@ -50,19 +51,19 @@ from kvsvc.core.messages import (
     clip,
 )
 from kvsvc.core.receiver import (
-    Backoff,
     LoadTimes,
+    LostSources,
     Receiver,
     ReceiverStatistics,
     RecvCommand,
     RecvReport,
+    RecvRequest,
     ToSource,
+    check_recv,
     planned_bytes,
 )
-from kvsvc.core.requests import RecvRequest
 from kvsvc.core.windows import Deliver, Scatter, WindowKey, lends_windows
-from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import EngineMetadata, ServiceContext, notice, unkeyed_peer_check
+from kvsvc.service.context import ControlChannel, EngineMetadata, ServiceContext, notice, unkeyed_peer_check
 from kvsvc.service.lending import WindowLender
 from kvsvc.service.remotes import RemoteEngines, Routes
 from kvsvc.transport.routed import exported_handles, start_mooncake
@@ -113,8 +114,7 @@ class ReceivingRole:
         self._engine: EngineMetadata | None = None
         self._outbound: dict[tuple[str, Worker], _Outbound] = {}
         self._known_routes: dict[str, _KnownRoutes] = {}  # per P engine id, once a receive computed them
-        self._reconnects = Backoff()  # per lost P worker: the wait before the next try
-        self._probing: set[str] = set()  # transfer engines a `peer_gone` probe runs against (one at a time each)
+        self._lost_sources = LostSources()  # what to do about a lost P worker: probe it, try it again
         self._planned_bytes: dict[tuple[str, str, Worker, int, int, int], int | None] = {}
         area = ctx.staging
         self._windows: WindowLender | None = None
@@ -149,12 +149,13 @@ class ReceivingRole:
     # -- the engine's calls ------------------------------------------------------------------------------------
 
     def recv(self, request: RecvRequest) -> None:
-        """As `KVTransferService.recv`, once the service is known open and the request checked: the receive now,
+        """As `KVTransferService.recv`, once the service is known open: the request's one check, the receive now,
         and its jobs at once when the routes to this start of P are known, else once a task found them.
 
         Raises:
-            LocalProtocolError: as `KVTransferService.recv`. ValueError: as `Receiver.start`.
+            ValueError: as `check_recv`, or as `Receiver.start`. LocalProtocolError: as `KVTransferService.recv`.
         """
+        check_recv(self._ctx.metadata, request)
         self._own_engine()
         receive = secrets.token_hex(8)  # this receive's own name: P never answers it with another's outcome
         if not self._receiver.start(request, self._ctx.clock(), receive):
@@ -309,7 +310,7 @@ class ReceivingRole:
             for message in peer.outbox or []:
                 channel.send(message)
             peer.outbox = None
-            self._reconnects.forget((engine_id, src))
+            self._lost_sources.reached((engine_id, src))
             self._run_recv(self._receiver.connected(engine_id, src))
             self._run_recv(self._receiver.reconnected(engine_id, src, peer.ref.incarnation))
             while True:
@@ -485,40 +486,36 @@ class ReceivingRole:
         engine_id, src = peer.ref.engine_id, peer.ref.worker
         now = self._ctx.clock()
         self._run_recv(self._receiver.peer_lost(engine_id, src, reason, now, peer.ref.incarnation, cause))
-        if self._closing or not self._receiver.waits_on_lost(engine_id, src):
-            return
-        if _probe_key(peer.meta) not in self._probing:
-            self._ctx.tasks.spawn(self._confirm_gone(peer, reason), name=f"kvsvc-probe-{peer.ref}")
-        self._ctx.tasks.spawn(self._reconnect(peer), name=f"kvsvc-reconnect-{peer.ref}")
+        waiting = self._receiver.waits_on_lost(engine_id, src)
+        recovery = self._lost_sources.lost((engine_id, src), peer.meta, waiting=waiting, closing=self._closing)
+        if recovery.probe:
+            self._ctx.tasks.spawn(self._confirm_gone(peer, reason, recovery.probe), name=f"kvsvc-probe-{peer.ref}")
+        if recovery.retry_after_s is not None:
+            name = f"kvsvc-reconnect-{peer.ref}"
+            self._ctx.tasks.spawn(self._reconnect(peer, recovery.retry_after_s), name=name)
 
-    async def _reconnect(self, peer: _Outbound) -> None:
-        """Reach the lost P worker again while receives hold blocks only because of it: its answers to their
-        aborts (`Receiver.reconnected`) end the wait. A failed try loses the connection again, which schedules the
-        next try after twice the delay (`kvsvc.core.receiver`); the receives' abort grace bounds it all."""
+    async def _reconnect(self, peer: _Outbound, after_s: float) -> None:
+        """Reach the lost P worker again after `after_s`, as `LostSources.retry` decides then: its answers to the
+        receives' aborts (`Receiver.reconnected`) end their wait. A failed try loses the connection again, which
+        schedules the next try after twice the delay; the receives' abort grace bounds it all."""
         key = (peer.ref.engine_id, peer.ref.worker)
-        await asyncio.sleep(self._reconnects.delay(key))
-        if not self._receiver.waits_on_lost(*key):
-            self._reconnects.forget(key)  # nothing waits any more
-            return
-        if self._closing or key in self._outbound:
-            return  # closed, or already connecting (maybe to a newer start, which `reconnected` tells apart)
-        self._ctx.counts["reconnects"] += 1
-        self._ensure_outbound(peer.meta)
+        await asyncio.sleep(after_s)
+        waiting = self._receiver.waits_on_lost(*key)
+        if self._lost_sources.retry(key, waiting=waiting, closing=self._closing, connecting=key in self._outbound):
+            self._ctx.counts["reconnects"] += 1
+            self._ensure_outbound(peer.meta)
 
-    async def _confirm_gone(self, peer: _Outbound, reason: str) -> None:
-        """Shorten the abort grace of the receives that lost `peer` if its transfer engine is gone: a dead
-        process writes nothing more once what it had sent has landed (`gone_settle_s`)."""
-        session, key = peer.meta.transport_addr, _probe_key(peer.meta)
-        self._probing.add(key)
+    async def _confirm_gone(self, peer: _Outbound, reason: str, addresses: tuple[str, ...]) -> None:
+        """Shorten the abort grace of the receives that lost `peer` if its transfer engine is gone (the first of
+        `addresses` whose probe says so): a dead process writes nothing more once what it had sent has landed
+        (`gone_settle_s`)."""
         try:
-            # The kernel names a same-host P's process; Mooncake's probe tells of one on another host (a P whose
-            # engine waits for a first pair publishes no session to probe).
             gone = False
-            for probed in (peer.meta.samehost_addr, session):
-                if probed and not gone:
-                    gone = await self._ctx.transport.peer_gone(probed)
+            for address in addresses:
+                if not gone:
+                    gone = await self._ctx.transport.peer_gone(address)
         finally:
-            self._probing.discard(key)
+            self._lost_sources.probe_ended(peer.meta)
         if not gone:
             return
         await asyncio.sleep(self._ctx.config.gone_settle_s)
@@ -542,8 +539,3 @@ class ReceivingRole:
                 "receive"
             )
         return {(0, tp): replace(meta, tp_rank=tp) for tp in range(meta.tp_size)}
-
-
-def _probe_key(p: WorkerMetadata) -> str:
-    """The process a probe of P worker `p` asks after: its Mooncake session, or its same-host one without it."""
-    return p.transport_addr or p.samehost_addr

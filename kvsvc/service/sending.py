@@ -38,11 +38,9 @@ from kvsvc.core.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.core.requests import SendRequest
-from kvsvc.core.sender import Reply, SendCommand, Sender, SenderStatistics, Submit, WriteEnd
+from kvsvc.core.sender import Reply, SendCommand, Sender, SenderStatistics, SendRequest, Submit, WriteEnd, check_send
 from kvsvc.core.windows import Announce
-from kvsvc.service.channel import ControlChannel
-from kvsvc.service.context import ServiceContext, escape_controls, notice, unkeyed_peer_check
+from kvsvc.service.context import ControlChannel, ServiceContext, escape_controls, notice, unkeyed_peer_check
 from kvsvc.service.writing import BlockWriter, WriteTarget
 from kvsvc.transport.routed import plane_of, start_mooncake
 
@@ -74,12 +72,12 @@ class SendingRole:
             max_early_request_bytes_total=config.max_early_request_bytes_total,
             exact_tokens=any(group.mamba is not None for group in ctx.metadata.kv_groups),
         )
-        self._connections = ControlConnections(
+        # Which connections P holds, and which one stands for each D worker, is the core's (`ControlConnections`);
+        # `_inbound` holds the routed ones, each with its write target.
+        self._connections: ControlConnections[ControlChannel, tuple[str, Worker]] = ControlConnections(
             config.max_control_connections, config.max_control_connections_per_host, config.max_pending_hellos
         )
         self._inbound: dict[tuple[str, Worker], _Inbound] = {}
-        # Connections before their hello was accepted, oldest first: whether each was told to give way to newer ones.
-        self._pending: dict[ControlChannel, bool] = {}
         self._writer = BlockWriter(ctx, self, self._sender)
         self._server: asyncio.Server | None = None
         self._accepting = True
@@ -123,12 +121,13 @@ class SendingRole:
     # -- the engine's calls ------------------------------------------------------------------------------------
 
     def send(self, request: SendRequest, ready: Awaitable[None] | Sequence[Awaitable[None]] | None) -> None:
-        """As `KVTransferService.send`, once the service is known open and the request checked: the hold now, and
+        """As `KVTransferService.send`, once the service is known open: the request's one check, the hold now, and
         the write once `ready` says the KV is written (layer by layer, for one future per local layer).
 
         Raises:
-            ValueError: layer-wise `ready` has not one future per local layer; as `Sender.hold`.
+            ValueError: as `check_send`; layer-wise `ready` has not one future per local layer; as `Sender.hold`.
         """
+        check_send(self._ctx.metadata, request)
         layers = self._ctx.metadata.num_layers
         if isinstance(ready, Sequence) and len(ready) != layers:
             raise ValueError(f"layer-wise ready has {len(ready)} futures for {layers} local layers")
@@ -215,18 +214,14 @@ class SendingRole:
             channel.close()
             return
         host = channel.ends[1][0] if channel.ends is not None else channel.peer
-        refused = self._connections.admit(host)
-        if refused is not None:
-            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=refused))
+        admission = self._connections.admit(channel, host)
+        if admission.refusal:
+            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=admission.refusal))
             await channel.wait_closed()
             return
-        self._pending[channel] = False
-        give_way = self._connections.displace()
-        if give_way:
-            oldest = next(c for c, told in self._pending.items() if not told)
-            self._pending[oldest] = True
-            self._refuse(oldest, HelloRefused(version=PROTOCOL_VERSION, reason=give_way))
-            oldest.close()
+        if admission.displaced is not None:
+            self._refuse(admission.displaced, HelloRefused(version=PROTOCOL_VERSION, reason=admission.why))
+            admission.displaced.close()
         task = asyncio.current_task()
         if task is not None:  # asyncio made this handler's task: the service's group owns it too
             self._ctx.tasks.adopt(task)
@@ -251,14 +246,13 @@ class SendingRole:
             self._ctx.counts["protocol_errors"] += 1
             self._ctx.peer_log.exception("connection failed", "control connection from %s failed", channel.peer)
         finally:
-            told = self._pending.pop(channel, None)  # None: its hello was accepted, whatever came after
-            self._connections.leave(host, accepted=told is None, displaced=bool(told))
+            lost = self._connections.leave(channel)  # the D worker it still stood for, if any
             if inbound is not None:
                 inbound.target.lose(f"control connection from {inbound.ref} closed")
-            if inbound is not None and self._inbound.get(_inbound_key(inbound.ref)) is inbound:
-                del self._inbound[_inbound_key(inbound.ref)]
-                self._run_send(self._sender.peer_lost(inbound.ref))
-                addr = inbound.target.session
+            routed = self._inbound.pop(lost, None) if lost is not None else None
+            if routed is not None:  # this very connection, routed: its jobs are lost
+                self._run_send(self._sender.peer_lost(routed.ref))
+                addr = routed.target.session
                 if all(other.target.session != addr for other in self._inbound.values()):
                     # Forget the D worker's regions (a restart publishes new ones); writes in flight still finish.
                     self._ctx.transport.remove_peer(addr)
@@ -287,16 +281,15 @@ class SendingRole:
         if isinstance(decision, HelloRefusal):
             self._refuse(channel, decision.reply)
             return None
-        if self._pending.get(channel):  # displaced by newer connections meanwhile: closing
-            return None
-        full = self._connections.accept()
-        if full is not None:  # refused before it replaces anything
-            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=full))
-            return None
-        del self._pending[channel]  # proven: no flood displaces it while it is routed
         d, ref = decision.peer_meta, decision.peer
         key = _inbound_key(ref)
-        self._replace(key, ref)  # a reconnect, or a restarted D engine: the old connection's jobs are gone
+        acceptance = self._connections.accept(channel, key)  # proven: from now on no flood displaces it
+        if not acceptance.accepted:  # refused before it replaces anything, or displaced meanwhile (closing)
+            if acceptance.refusal:
+                self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=acceptance.refusal))
+            return None
+        if acceptance.replaces is not None:  # a reconnect, or a restarted D engine: the old connection's jobs are gone
+            self._replace(key, ref, acceptance.replaces)
         try:
             # D's staging region too: P writes the windows D lends there.
             staging = [(d.staging_addr, d.staging_size)] if d.staging_size else []
@@ -308,7 +301,8 @@ class SendingRole:
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
-        self._replace(key, ref)  # another hello of this D worker was accepted while this one was routed
+        if not self._connections.holds(channel, key):  # a newer hello of this D worker replaced it while routed
+            return None
         writes_via = plane_of(self._ctx.transport, route.session)  # once per pair, not per write
         target = WriteTarget(ref, d, writes_via, session=route.session, plane=route.kind)
         inbound = _Inbound(ref, d, channel, decision.expected, target)
@@ -317,13 +311,14 @@ class SendingRole:
             channel.send(decision.seal(route.kind))  # D stages by the plane
         return inbound
 
-    def _replace(self, key: tuple[str, Worker], ref: WorkerRef) -> None:
-        """Close the accepted connection of D worker `key`, if any, and fail its jobs: a newer hello replaces it."""
-        old = self._inbound.pop(key, None)
-        if old is not None:
-            old.channel.close()
-            old.target.lose(f"replaced by a new connection from {ref}")
-            self._run_send(self._sender.peer_lost(old.ref))
+    def _replace(self, key: tuple[str, Worker], ref: WorkerRef, old: ControlChannel) -> None:
+        """Close `old`, the connection D worker `key` held until `ref`'s newer hello was accepted, and fail the jobs
+        it carried once routed (one still being routed just ends: it is no longer the D worker's)."""
+        old.close()
+        routed = self._inbound.pop(key, None)
+        if routed is not None:
+            routed.target.lose(f"replaced by a new connection from {ref}")
+            self._run_send(self._sender.peer_lost(routed.ref))
 
     async def _route(
         self,

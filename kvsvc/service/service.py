@@ -33,9 +33,8 @@ from kvsvc.core.errors import KVSvcError, KVSvcTimeout, ServiceClosed
 from kvsvc.core.histogram import STAGE_BUCKETS, HistogramStatistics, LatencyHistogram
 from kvsvc.core.messages import WorkerMetadata, check_own_metadata
 from kvsvc.core.outputs import LOAD_FAILED, LOADS, KVConnectorOutput
-from kvsvc.core.receiver import ReceiverStatistics
-from kvsvc.core.requests import RecvRequest, SendRequest, check_recv, check_send
-from kvsvc.core.sender import SenderStatistics
+from kvsvc.core.receiver import ReceiverStatistics, RecvRequest
+from kvsvc.core.sender import SenderStatistics, SendRequest
 from kvsvc.core.topology import TransferTopology
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.context import COUNTERS, EngineMetadata, PeerLog, ServiceContext, TaskGroup
@@ -216,8 +215,8 @@ class KVTransferService:
 
     def send(self, request: SendRequest, ready: Awaitable[None] | Sequence[Awaitable[None]] | None = None) -> None:
         """Hold `request.req_id`'s KV in its blocks until the D workers that need it fetched it, or the hold expires;
-        only a D worker whose receive presents the request's secret is served. The request is checked here, once
-        (`kvsvc.core.requests.check_send`); below this call it travels as it is. A repeat for a held transfer is a
+        only a D worker whose receive presents the request's secret is served. The request is checked once, as the role
+        takes it (`kvsvc.core.sender.check_send`); below that it travels as it is. A repeat for a held transfer is a
         no-op.
 
         `ready` is the completion of the compute that wrote the KV: None when it is done already, one awaitable
@@ -232,7 +231,6 @@ class KVTransferService:
                 with another secret.
         """
         self._check_open()
-        check_send(self._ctx.metadata, request)
         self._sending.send(request, ready)
 
     def start_send(
@@ -261,9 +259,9 @@ class KVTransferService:
         (bootstrap endpoint `request.bootstrap_addr`) into its blocks, where token t goes to block `block_ids[t //
         block_size]`: a `first_token` > 0 leaves the prefix this engine holds already (its prefix cache) untouched.
         The secret is the transfer's as P's `send` held it (P treats a request without it as one for a transfer it
-        does not hold). The request is checked here, once (`kvsvc.core.requests.check_recv`). The outcome appears
-        once in `get_finished` (finished, or failed with its blocks invalid). A repeat of a transfer being received
-        is a no-op. Never waits on the handshake.
+        does not hold). The request is checked once, as the role takes it (`kvsvc.core.receiver.check_recv`). The
+        outcome appears once in `get_finished` (finished, or failed with its blocks invalid). A repeat of a transfer
+        being received is a no-op. Never waits on the handshake.
 
         Raises:
             ServiceClosed: `close` was called.
@@ -273,7 +271,6 @@ class KVTransferService:
             LocalProtocolError: this engine has several PP stages and `set_engine_metadata` was not called.
         """
         self._check_open()
-        check_recv(self._ctx.metadata, request)
         self._receiving.recv(request)
 
     def start_recv(

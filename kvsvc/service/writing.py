@@ -2,17 +2,19 @@
 its D worker's pair chose at the hello (`WriteTarget.transport`).
 
 Rules: each `Submit` is planned (its D worker's `PlanCache`, below), written, and ends in one value,
-`kvsvc.core.sender.WriteEnd`, set once on the future `BlockWriter.write` returned, only when none of its descriptors can
-move any more: a failed write waits for its `drained` future (one that raised outside the plane's contract, for the
-plane to drain, bounded), so the request's blocks stay held until then. A plane's failure becomes that value at one
-place, `_fault`; the role hands the value to the `Sender`. Small writes skip the task when the plane's `start_write`
-takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written one descriptor per
-destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region is written there as one
-stream (`kvsvc.core.staging_plans.window_plan`), gathered too when the rule picks it; D scatters it. A share larger than
-its window moves in rounds, as its `kvsvc.core.windows.FillingWindow` says: round k waits until D emptied round k - 2
-(within the hold timeout), and each round but the last is announced. A layer-wise write stages each layer on its own
-when the rule picks it. A converting pair's writes (`kvsvc.core.formats`) are always staged: the gather converts P's
-floats into D's fp8. Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core, never the D role.
+`kvsvc.core.sender.WriteEnd`, set once on the future `BlockWriter.write` returned, only when none of its descriptors
+can move any more: what a failed write waits for first (its plane's `drained` future; for one that raised outside the
+plane's contract, the plane to drain, bounded; or nothing) is the core's write-failure table's decision
+(`kvsvc.core.sender.FAULT_WAITS`), so the request's blocks stay held until then. A plane's failure becomes that value
+at one place, `_fault`; the role hands the value to the `Sender`. Small writes skip the task when the plane's
+`start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written
+one descriptor per destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region is
+written there as one stream (`kvsvc.core.staging_plans.window_plan`), gathered too when the rule picks it; D scatters
+it. A share larger than its window moves in rounds, as its `kvsvc.core.windows.FillingWindow` says: round k waits
+until D emptied round k - 2 (within the hold timeout), and each round but the last is announced. A layer-wise write
+stages each layer on its own when the rule picks it. A converting pair's writes (`kvsvc.core.formats`) are always
+staged: the gather converts P's floats into D's fp8. Part of the P role (`kvsvc.service.sending` owns it); imports
+kvsvc's core, never the D role.
 
 A `PlanCache` holds what one P worker writes to one D worker, as descriptor tables planned once per request shape and
 shifted per request: the plan, its window stream when D lent a window, and the staged form of either. A request
@@ -39,7 +41,17 @@ from kvsvc.core.formats import Conversion, as_written, conversion
 from kvsvc.core.layout import Int64Array, block_geometry, is_cross_layer, layer_addrs, pool_regions
 from kvsvc.core.messages import Message, WorkerMetadata, WorkerRef
 from kvsvc.core.planner import is_block_run, plan_transfer_arrays
-from kvsvc.core.sender import Landed, Sender, Submit, WriteEnd, WriteFault, streams_by_layer
+from kvsvc.core.sender import (
+    FaultKind,
+    FaultWait,
+    Landed,
+    Sender,
+    Submit,
+    WriteEnd,
+    WriteFault,
+    fault_wait,
+    streams_by_layer,
+)
 from kvsvc.core.staging_plans import (
     StagedChunk,
     StagingRule,
@@ -496,23 +508,25 @@ class BlockWriter:
     def _fault(
         self, command: Submit, exc: BaseException, target: WriteTarget | None, call: str
     ) -> asyncio.Future[Any] | None:
-        """The write-failure contract (`kvsvc.transport.base`), in one place: what a failed write must wait for
-        before its blocks may be released. A plane's `WriteFailed` names its own `drained`; a failure within the
-        contract (`KVSvcError`, `ValueError`: refused before submitting, or raised once all it submitted ended)
-        waits for nothing; anything else (a gather that failed, a plane breaking its contract, a bug of ours) may
-        have left part of the write moving, so it waits for the plane (`_settled`), unless no plane was asked."""
-        if isinstance(exc, WriteFailed):
-            return exc.drained
-        if _within_contract(exc):
-            return None
-        log.error(
-            "%s of transfer %r to %s raised outside the plane's contract",
-            call,
-            command.transfer_id,
-            command.dst,
-            exc_info=exc,
-        )
-        return self._settled(command, target) if target is not None else None
+        """What a failed write must wait for before its blocks may be released, as the core's write-failure table
+        decides (`kvsvc.core.sender.fault_wait`) from how it failed (`_fault_kind`) and whether a plane was asked;
+        None for nothing."""
+        kind = _fault_kind(exc)
+        if kind is FaultKind.OUTSIDE_CONTRACT:
+            log.error(
+                "%s of transfer %r to %s raised outside the plane's contract",
+                call,
+                command.transfer_id,
+                command.dst,
+                exc_info=exc,
+            )
+        match fault_wait(kind, target is not None):
+            case FaultWait.DRAINED:
+                return exc.drained if isinstance(exc, WriteFailed) else None
+            case FaultWait.SETTLED:
+                return self._settled(command, target) if target is not None else None
+            case FaultWait.NOTHING:
+                return None
 
     def _settled(self, command: Submit, target: WriteTarget) -> asyncio.Task[None]:
         """For a write that raised outside its plane's contract: a task that ends once `target`'s plane has nothing
@@ -751,15 +765,18 @@ async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int
     if drains:
         await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
     if failures:
-        raise next((f for f in failures if not _within_contract(f)), failures[0])
+        raise next((f for f in failures if _fault_kind(f) is FaultKind.OUTSIDE_CONTRACT), failures[0])
     done = [r for r in results if isinstance(r, tuple)]
     return sum(n for n, _ in done), sum(d for _, d in done)
 
 
-def _within_contract(exc: BaseException) -> bool:
-    """Whether a write's failure is one the transport contract allows (`kvsvc.transport.base`): raised before
-    anything was submitted, or once all it submitted ended; anything else may leave part of the write moving."""
-    return isinstance(exc, KVSvcError | ValueError)
+def _fault_kind(exc: BaseException) -> FaultKind:
+    """How a write failed, by the transport contract (`kvsvc.transport.base`): the plane's `WriteFailed`; a failure
+    the contract allows (`KVSvcError`, `ValueError`: raised before anything was submitted, or once all it submitted
+    ended); or anything else, which may leave part of the write moving."""
+    if isinstance(exc, WriteFailed):
+        return FaultKind.PLANE
+    return FaultKind.WITHIN_CONTRACT if isinstance(exc, KVSvcError | ValueError) else FaultKind.OUTSIDE_CONTRACT
 
 
 def _fill_error(cause: FillEvent | None, reason: str) -> Exception:

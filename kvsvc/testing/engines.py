@@ -19,10 +19,10 @@ from typing import Literal
 
 import numpy as np
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.layout import Int64Array, block_geometry
 from kvsvc.core.messages import Worker
 from kvsvc.core.outputs import KVConnectorOutput, KVOutputAggregator, ModelRunnerOutput
-from kvsvc.core.requests import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig, new_incarnation
 from kvsvc.service.staging_area import StagingArea, build_staging

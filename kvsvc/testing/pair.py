@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import rule_on
 from kvsvc.core.driver import (
     AwaitHalf,
@@ -38,9 +39,8 @@ from kvsvc.core.jobs import Notice
 from kvsvc.core.layout import pool_regions
 from kvsvc.core.messages import TransferRequest, WindowEmptied, Worker
 from kvsvc.core.planner import Descriptor, expected_destinations, release_notifier, sources_of
-from kvsvc.core.receiver import LoadTimes, Receiver, ToSource
-from kvsvc.core.requests import RecvRequest, SendRequest, check_recv, check_send, harness_secret
-from kvsvc.core.sender import Landed, Reply, Sender, Submit, WriteFault
+from kvsvc.core.receiver import LoadTimes, Receiver, RecvRequest, ToSource, check_recv
+from kvsvc.core.sender import Landed, Reply, Sender, SendRequest, Submit, WriteFault, check_send
 from kvsvc.core.staging_plans import StagingRule, plan_window, region_ids, window_plan
 from kvsvc.core.windows import (
     Announce,

@@ -47,7 +47,7 @@ from kvsvc.transport.base import (
 )
 from kvsvc.transport.completion import wait_uncancellable
 from kvsvc.transport.cuda_driver import CudaDriver, CudaError, CudaEvent, LibCuda
-from kvsvc.transport.procfs import Endpoint, ProcessWatch, check_peer, own_address, process_gone
+from kvsvc.transport.samehost import Endpoint, ProcessWatch, check_peer, own_address, process_gone
 from kvsvc.transport.streams import completion_future
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from kvsvc.transport.base import (
     TransportClosed,
     TransportStatistics,
 )
-from kvsvc.transport.procfs import listening_sockets
+from kvsvc.transport.samehost import listening_sockets
 
 log = logging.getLogger(__name__)
 

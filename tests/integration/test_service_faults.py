@@ -34,6 +34,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -54,7 +55,6 @@ from kvsvc.core.messages import (
     encode,
 )
 from kvsvc.core.outputs import KVConnectorOutput
-from kvsvc.core.requests import harness_secret
 from kvsvc.engine.admin import AdminServer
 from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of, unkeyed_frames

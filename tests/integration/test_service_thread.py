@@ -12,11 +12,11 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.errors import ServiceClosed
 from kvsvc.core.layout import layer_bytes
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.core.outputs import KVConnectorOutput
-from kvsvc.core.requests import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import ServiceThread, new_incarnation
 from kvsvc.transport.mooncake import MooncakeTransport

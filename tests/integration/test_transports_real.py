@@ -281,7 +281,7 @@ def test_a_claimed_process_must_be_alive_this_user_and_hold_the_hello_connection
     import time
 
     from kvsvc.core.data_planes import SameHostAddress
-    from kvsvc.transport.procfs import check_peer, own_address, start_time
+    from kvsvc.transport.samehost import check_peer, own_address, start_time
 
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())

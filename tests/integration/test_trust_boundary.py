@@ -29,7 +29,7 @@ from kvsvc.core.messages import FrameReader, HelloRefused, Message, WorkerMetada
 from kvsvc.core.outputs import KVConnectorOutput
 from kvsvc.service import ServiceConfig
 from kvsvc.testing.hellos import start_of
-from kvsvc.transport.procfs import listening_sockets
+from kvsvc.transport.samehost import listening_sockets
 from workers.executor import EngineConfig, Executor, start_all
 from workers.process import GetFinished, Prefill, Recv, Verify
 

@@ -38,7 +38,7 @@ from kvsvc.core.messages import (
 from kvsvc.testing.engines import LoopbackEngine
 from kvsvc.testing.hellos import unkeyed_frames
 from kvsvc.testing.plugin import LoopbackFactory
-from kvsvc.transport.procfs import host_identity, start_time
+from kvsvc.transport.samehost import host_identity, start_time
 
 pytest.importorskip("mooncake.engine")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

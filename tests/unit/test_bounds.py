@@ -20,11 +20,13 @@ from kvsvc.core.bounds import (
     MAX_KV_GROUPS,
     MAX_LAYERS,
     MAX_WORKERS,
+    Acceptance,
+    Admission,
     ControlConnections,
     check_engine_bounds,
     host_group,
 )
-from kvsvc.core.errors import PeerMismatch
+from kvsvc.core.errors import LocalProtocolError, PeerMismatch
 from kvsvc.core.hello import HelloAccepted, HelloRefusal, make_hello
 from kvsvc.core.messages import (
     MAX_NAME_CHARS,
@@ -41,8 +43,7 @@ from kvsvc.core.messages import (
     WorkerRef,
     encode,
 )
-from kvsvc.core.requests import SendRequest
-from kvsvc.core.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, Sender
+from kvsvc.core.sender import BLOCK_ID_BYTES, EARLY_ENTRY_BYTES, Reply, Sender, SendRequest
 from kvsvc.testing.hellos import decide_unkeyed
 
 P = synthetic_engine("P", pp_size=1, tp_size=1, num_layers=4, num_kv_heads=4, head_size=8, block_size=16, num_blocks=8)
@@ -238,31 +239,90 @@ def test_any_claimed_sizes_are_accepted_only_within_the_bounds_and_never_cost_mo
 
 
 def test_control_connections_are_admitted_up_to_the_pending_accepted_and_per_host_caps_and_leave_once() -> None:
-    connections = ControlConnections(max_total=2, max_per_host=2, max_pending=3)
-    assert connections.admit("10.0.1.1") is None and connections.admit("10.0.1.2") is None
-    # 10.0.1.1 and 10.0.1.2 are one /24: one host's cap
-    assert (
-        connections.admit("10.0.1.9")
-        == "10.0.1.9 (of 10.0.1.0/24) holds 2 control connections to this P worker, limit 2"
+    connections: ControlConnections[str, str] = ControlConnections(max_total=2, max_per_host=2, max_pending=3)
+    assert connections.admit("a", "10.0.1.1") == Admission() and connections.admit("b", "10.0.1.2") == Admission()
+    # 10.0.1.1 and 10.0.1.2 are one /24: one host's cap; a refused connection is not counted
+    assert connections.admit("x", "10.0.1.9") == Admission(
+        "10.0.1.9 (of 10.0.1.0/24) holds 2 control connections to this P worker, limit 2"
     )
-    assert connections.admit("10.0.2.1") is None and connections.displace() == ""
+    assert connections.admit("c", "10.0.2.1") == Admission() and connections.open == 3
     # A fourth pending one is admitted, and the oldest pending gives way to it, once.
-    assert connections.admit("10.0.3.1") is None
-    assert connections.displace() == (
-        "P worker holds 3 control connections before their hello, its limit, and this is the oldest"
-    )
-    assert connections.displace() == ""
-    connections.leave("10.0.1.1", accepted=False, displaced=True)
-    assert connections.open == 3 and connections.pending == 3 and connections.displace() == ""
+    why = "P worker holds 3 control connections before their hello, its limit, and this is the oldest"
+    assert connections.admit("d", "10.0.3.1") == Admission(displaced="a", why=why)
+    # A displaced connection whose hello is accepted meanwhile is not accepted, and nothing is said: it is closing.
+    assert connections.accept("a", "D0") == Acceptance(accepted=False)
+    assert connections.leave("a") is None
+    assert connections.open == 3 and connections.pending == 3
     # Accepted ones leave the pending cap to new connections; the accepted cap is the total's.
-    assert connections.accept() is None and connections.accept() is None
-    assert connections.accept() == "P worker holds 2 control connections, limit 2"
-    assert connections.pending == 1 and connections.admit("10.0.4.1") is None
-    connections.leave("10.0.1.2", accepted=True)
-    connections.leave("10.0.2.1", accepted=True)
-    connections.leave("10.0.3.1", accepted=False)
-    connections.leave("10.0.4.1", accepted=False)
+    assert connections.accept("b", "D1") == Acceptance(accepted=True)
+    assert connections.accept("c", "D2") == Acceptance(accepted=True)
+    assert connections.accept("d", "D3") == Acceptance(
+        accepted=False, refusal="P worker holds 2 control connections, limit 2"
+    )
+    assert connections.pending == 1 and connections.admit("e", "10.0.4.1") == Admission()
+    assert connections.leave("b") == "D1" and connections.leave("c") == "D2"
+    assert connections.leave("d") is None and connections.leave("e") is None
     assert connections.open == 0 and connections.pending == 0
+    with pytest.raises(LocalProtocolError, match="not held"):
+        connections.leave("e")
+    with pytest.raises(LocalProtocolError, match="not pending"):
+        connections.accept("never", "D0")
+
+
+def test_the_newest_accepted_hello_of_a_d_worker_replaces_its_connection_even_one_still_being_routed() -> None:
+    """A reconnect, or a restarted D engine: the newer hello's connection stands for the D worker at once; the older
+    one is to be closed (its jobs lost), and one still being routed finds it no longer holds the D worker."""
+    connections: ControlConnections[str, str] = ControlConnections(max_total=8, max_per_host=8, max_pending=8)
+    for conn in ("old", "new", "newest"):
+        assert connections.admit(conn, "127.0.0.1") == Admission()
+    assert connections.accept("old", "D0") == Acceptance(accepted=True)
+    assert connections.holds("old", "D0")
+    assert connections.accept("new", "D0") == Acceptance(accepted=True, replaces="old")
+    assert not connections.holds("old", "D0") and connections.holds("new", "D0")
+    assert connections.leave("old") is None  # replaced: its D worker's jobs went with the replacement
+    assert connections.accept("newest", "D0") == Acceptance(accepted=True, replaces="new")
+    assert connections.leave("newest") == "D0"  # closed while it stood for D0: D0's jobs are lost now
+    assert not connections.holds("new", "D0") and connections.leave("new") is None
+    assert connections.open == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "accept", "leave"]), st.integers(0, 5), st.integers(0, 2))))
+def test_control_connections_count_what_is_open_and_stand_one_connection_for_each_d_worker(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    """Whatever order connections come, hello and go in: the counts are what is open, pending ones within their cap
+    but for those told to give way, at most one connection stands for a D worker, and each left connection answers
+    for its D worker exactly when it was the one standing for it."""
+    connections: ControlConnections[int, int] = ControlConnections(max_total=3, max_per_host=4, max_pending=2)
+    state: dict[int, str] = {}  # conn -> pending / displaced / accepted
+    stands: dict[int, int] = {}  # D worker -> conn
+    for op, conn, key in steps:
+        if op == "admit" and conn not in state:
+            admission = connections.admit(conn, "127.0.0.1")
+            if not admission.refusal:
+                state[conn] = "pending"
+                if admission.displaced is not None:
+                    assert state[admission.displaced] == "pending" and admission.displaced != conn
+                    state[admission.displaced] = "displaced"
+        elif op == "accept" and state.get(conn) in ("pending", "displaced"):
+            acceptance = connections.accept(conn, key)
+            if acceptance.accepted:
+                assert state[conn] == "pending" and acceptance.replaces == stands.get(key)
+                state[conn], stands[key] = "accepted", conn
+            else:
+                assert (state[conn] == "displaced") == (acceptance.refusal == "")
+        elif op == "leave" and conn in state:
+            lost = connections.leave(conn)
+            mine = [k for k, c in stands.items() if c == conn]
+            assert lost == (mine[0] if mine else None)
+            if mine:
+                del stands[mine[0]]
+            del state[conn]
+        assert connections.open == len(state) <= 4
+        assert connections.pending == sum(s != "accepted" for s in state.values())
+        assert sum(s == "pending" for s in state.values()) <= 2
+        assert all(connections.holds(c, k) for k, c in stands.items())
 
 
 def test_every_loopback_address_is_one_host_and_networks_count_as_one() -> None:
@@ -272,9 +332,11 @@ def test_every_loopback_address_is_one_host_and_networks_count_as_one() -> None:
     assert host_group("2001:db8:1:2::5") == host_group("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
     assert host_group("10.1.3.1") != host_group("10.1.2.1")
     assert host_group("not-an-address") == "not-an-address"
-    connections = ControlConnections(max_total=10, max_per_host=2, max_pending=10)
-    assert connections.admit("127.0.0.2") is None and connections.admit("127.0.0.3") is None
-    assert connections.admit("127.0.0.4") == "loopback holds 2 control connections to this P worker, limit 2"
+    connections: ControlConnections[str, str] = ControlConnections(max_total=10, max_per_host=2, max_pending=10)
+    assert connections.admit("a", "127.0.0.2") == Admission() and connections.admit("b", "127.0.0.3") == Admission()
+    assert (
+        connections.admit("c", "127.0.0.4").refusal == "loopback holds 2 control connections to this P worker, limit 2"
+    )
 
 
 # -- early requests --------------------------------------------------------------------------------------------

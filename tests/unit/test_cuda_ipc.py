@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.bounds import MAX_IPC_HANDLES, check_hello_bounds
 from kvsvc.core.data_planes import (
     IPC_HANDLE_BYTES,
@@ -33,7 +34,6 @@ from kvsvc.core.errors import PeerMismatch
 from kvsvc.core.hello import make_hello
 from kvsvc.core.layout import layer_bytes
 from kvsvc.core.messages import IpcHandle, WorkerMetadata
-from kvsvc.core.requests import harness_secret
 from kvsvc.core.staging_plans import StagingRule
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
@@ -41,12 +41,12 @@ from kvsvc.service.staging_area import StagingArea
 from kvsvc.testing.cuda import FakeCudaDriver
 from kvsvc.testing.engines import MemmoveCopies
 from kvsvc.testing.fakes import LoopbackTransport
-from kvsvc.transport import InvalidDescriptor, TransportClosed, WriteFailed, cuda_ipc, procfs
+from kvsvc.transport import InvalidDescriptor, TransportClosed, WriteFailed, cuda_ipc, samehost
 from kvsvc.transport.base import ROWS_CHECKED_ONE_BY_ONE
 from kvsvc.transport.cuda_driver import CudaError, LibCuda
 from kvsvc.transport.cuda_ipc import CudaIpcTransport
-from kvsvc.transport.procfs import own_address
 from kvsvc.transport.routed import RoutedTransport, exported_handles, with_same_host
+from kvsvc.transport.samehost import own_address
 
 SIZE = 1 << 16
 Via = tuple[tuple[str, int], tuple[str, int]]
@@ -285,11 +285,11 @@ async def test_a_failed_copy_or_event_fails_the_write_with_nothing_left_moving(p
     assert (stats.failures, stats.writes_completed, stats.writes_in_flight) == (2, 1, 0)
 
 
-def watch_of_an_exited_process() -> procfs.ProcessWatch:
+def watch_of_an_exited_process() -> samehost.ProcessWatch:
     """A real process's watch (a pidfd polled), taken while it ran and read after it exited."""
     child = subprocess.Popen([sys.executable, "-c", ""])
-    watch = procfs.ProcessWatch(
-        SameHostAddress(own_address().host, os.getuid(), child.pid, procfs.start_time(child.pid))
+    watch = samehost.ProcessWatch(
+        SameHostAddress(own_address().host, os.getuid(), child.pid, samehost.start_time(child.pid))
     )
     child.wait()
     return watch
@@ -302,7 +302,7 @@ async def test_a_dead_peer_fails_the_next_write_at_once(
 ) -> None:
     await pair.admit(connection)
     pair.p._peers[pair.session].watch = watch_of_an_exited_process()  # the peer's process exits
-    monkeypatch.setattr(procfs, "start_time", lambda pid: -1)  # and `peer_gone`'s /proc read says the same
+    monkeypatch.setattr(samehost, "start_time", lambda pid: -1)  # and `peer_gone`'s /proc read says the same
     with pytest.raises(WriteFailed, match="is gone") as failed:
         await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
     assert failed.value.code == cuda_ipc.ERR_GONE and pair.driver.calls == []

@@ -133,8 +133,7 @@ def test_a_burst_of_small_writes_lands_in_one_group_and_large_writes_one_by_one(
 
     import numpy as np
 
-    from kvsvc.transport.procfs import start_time
-    from kvsvc.transport.samehost import GROUP_BYTES, _copy_all
+    from kvsvc.transport.samehost import GROUP_BYTES, _copy_all, start_time
 
     src = np.arange(8 * GROUP_BYTES, dtype=np.uint64).view(np.uint8)
     dst = np.zeros_like(src)

@@ -12,9 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsvc.core.messages import FAILURE_CAUSES, ErrorMessage, TransferDone, TransferFailed, TransferRequest, WorkerRef
-from kvsvc.core.receiver import Receiver
-from kvsvc.core.requests import RecvRequest, SendRequest
-from kvsvc.core.sender import Landed, Reply, Sender
+from kvsvc.core.receiver import Receiver, RecvRequest
+from kvsvc.core.sender import Landed, Reply, Sender, SendRequest
 from kvsvc.testing.pair import PeerPair
 from kvsvc.testing.sim import EngineSpec
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvsvc.core.data_planes import SameHostAddress
-from kvsvc.transport import procfs
-from kvsvc.transport.procfs import ProcessWatch, own_address, start_time
+from kvsvc.transport import samehost
+from kvsvc.transport.samehost import ProcessWatch, own_address, start_time
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_a_closed_watch_answers_gone_and_holds_no_descriptor(
         opened.append(real_open(pid, flags))
         return opened[-1]
 
-    monkeypatch.setattr(procfs.os, "pidfd_open", pidfd_open)
+    monkeypatch.setattr(samehost.os, "pidfd_open", pidfd_open)
     watch = ProcessWatch(address_of(child.pid))
     watch.close()
     assert watch.gone()

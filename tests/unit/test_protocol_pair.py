@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.messages import Abort, ErrorMessage, Release, TransferDone, TransferFailed, TransferRequest
 from kvsvc.core.planner import expected_destinations
 from kvsvc.core.receiver import Receiver
-from kvsvc.core.requests import harness_secret
 from kvsvc.core.sender import Reply, Sender
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.pair import Envelope, PeerPair, Write

@@ -12,16 +12,15 @@ from hypothesis import strategies as st
 
 from kvsvc.core.auth import PARAMS_KEY, derive_key
 from kvsvc.core.messages import TransferRequest, WorkerRef
-from kvsvc.core.requests import SendRequest
-from kvsvc.core.sender import Reply, Sender
+from kvsvc.core.sender import Reply, Sender, SendRequest
 from kvsvc.vllm.config import parse_config
-from kvsvc.vllm.flow import SchedulerFlow
-from kvsvc.vllm.params import (
+from kvsvc.vllm.connector import SchedulerSide
+from kvsvc.vllm.flow import (
     ParamsError,
+    SchedulerFlow,
     parse_remote_prefill,
     push_transfer_id,
 )
-from kvsvc.vllm.scheduler import SchedulerSide
 
 BS = 16
 PROMPT = list(range(100, 140))

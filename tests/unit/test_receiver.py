@@ -3,13 +3,22 @@ with a fake clock and no event loop (docs/protocol.md)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.core.messages import Abort, Release, TransferDone, TransferRequest
+from kvsvc.core.messages import Abort, Release, TransferDone, TransferRequest, WorkerMetadata
 from kvsvc.core.planner import plan_transfer_arrays
-from kvsvc.core.receiver import Receiver, SendToSource, planned_bytes
-from kvsvc.core.requests import RecvRequest
+from kvsvc.core.receiver import (
+    RECONNECT_FIRST_S,
+    Backoff,
+    LostSources,
+    Receiver,
+    Recovery,
+    RecvRequest,
+    SendToSource,
+    planned_bytes,
+)
 from kvsvc.testing.clock import FakeClock
 
 P0, P1, P2 = (0, 0), (0, 1), (0, 2)
@@ -364,3 +373,47 @@ def test_an_answer_for_an_earlier_receive_of_the_same_transfer_is_dropped() -> N
     receiver.receive("P", P0, TransferDone(transfer_id="t1", bytes=1, descriptors=1, receive="second"))
     receiver.receive("P", P1, TransferDone(transfer_id="t1", bytes=1, descriptors=1))
     assert receiver.take_report().finished == {"r1"}
+
+
+# -- a lost P worker: probe and reconnect (`LostSources`) ------------------------------------------------------
+
+
+def _p_meta(transport_addr: str, samehost_addr: str) -> WorkerMetadata:
+    meta = synthetic_engine(
+        "P", pp_size=1, tp_size=1, num_layers=2, num_kv_heads=1, head_size=8, block_size=16, num_blocks=8
+    )[(0, 0)]
+    return msgspec.structs.replace(meta, transport_addr=transport_addr, samehost_addr=samehost_addr)
+
+
+def test_a_lost_p_worker_is_probed_once_per_process_and_retried_after_doubling_delays_while_receives_wait() -> None:
+    lost = LostSources(Backoff(first_s=0.05, max_s=0.3))
+    p0, p1 = _p_meta("10.0.0.1:7000", "host-a:42"), _p_meta("10.0.0.1:7000", "host-a:42")  # one process, two workers
+    # The kernel's word first, then Mooncake's; the next try after the first delay.
+    assert lost.lost(("P", P0), p0, waiting=True, closing=False) == Recovery(("host-a:42", "10.0.0.1:7000"), 0.05)
+    # Another worker of the same process while its probe runs: no second probe, its own first delay.
+    assert lost.lost(("P", P1), p1, waiting=True, closing=False) == Recovery((), 0.05)
+    # P0's try failed: its connection is lost again, each delay twice the last, up to the bound.
+    assert [lost.lost(("P", P0), p0, waiting=True, closing=False).retry_after_s for _ in range(4)] == [
+        0.1, 0.2, 0.3, 0.3,
+    ]  # fmt: skip
+    lost.probe_ended(p0)
+    assert lost.lost(("P", P1), p1, waiting=True, closing=False).probe == ("host-a:42", "10.0.0.1:7000")
+    # Reached: its next loss starts at the first delay again.
+    lost.reached(("P", P0))
+    assert lost.lost(("P", P0), p0, waiting=True, closing=False).retry_after_s == 0.05
+
+
+def test_nothing_is_probed_or_retried_when_nothing_waits_on_the_lost_p_worker_or_the_service_closes() -> None:
+    lost = LostSources()
+    p0 = _p_meta("", "host-a:42")  # a P whose engine published no Mooncake session: the same-host word alone
+    assert lost.lost(("P", P0), p0, waiting=False, closing=False) == Recovery()
+    assert lost.lost(("P", P0), p0, waiting=True, closing=True) == Recovery()
+    assert lost.lost(("P", P0), p0, waiting=True, closing=False).probe == ("host-a:42",)
+    assert lost.lost(("P", P1), _p_meta("", ""), waiting=True, closing=False).probe == ()  # nothing to ask
+    # After the wait: try again only while receives wait, the service is open and no connection is being opened.
+    assert lost.retry(("P", P0), waiting=True, closing=False, connecting=False)
+    assert not lost.retry(("P", P0), waiting=True, closing=False, connecting=True)
+    assert not lost.retry(("P", P0), waiting=True, closing=True, connecting=False)
+    assert not lost.retry(("P", P0), waiting=False, closing=False, connecting=False)
+    # Nothing waited: the delays start over.
+    assert lost.lost(("P", P0), p0, waiting=True, closing=False).retry_after_s == RECONNECT_FIRST_S

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsvc.core.receiver import GATHER_STEP_SHARE, Receiver, ReportGather
-from kvsvc.core.requests import RecvRequest
+from kvsvc.core.receiver import GATHER_STEP_SHARE, Receiver, RecvRequest, ReportGather
 from kvsvc.testing.pair import PeerPair
 from kvsvc.testing.sim import EngineSpec
 

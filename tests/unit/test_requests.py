@@ -1,5 +1,6 @@
-"""The engine's requests are checked once, at the service's edge (`kvsvc.core.requests`): each check refuses what no
-layer below could carry out, naming the values, and accepts everything else."""
+"""The engine's requests are checked once, as the service's roles take them (`kvsvc.core.sender.check_send`,
+`kvsvc.core.receiver.check_recv`): each check refuses what no layer below could carry out, naming the values, and
+accepts everything else."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
+from kvsvc.core.auth import MIN_SECRET_CHARS, check_secret
 from kvsvc.core.messages import MAX_NAME_CHARS
-from kvsvc.core.requests import MIN_SECRET_CHARS, RecvRequest, SendRequest, check_recv, check_secret, check_send
+from kvsvc.core.receiver import RecvRequest, check_recv
+from kvsvc.core.sender import SendRequest, check_send
 
 META = synthetic_engine(
     "E", pp_size=1, tp_size=1, num_layers=2, num_kv_heads=2, head_size=8, block_size=16, num_blocks=32

@@ -18,16 +18,20 @@ from kvsvc.core.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.core.requests import SendRequest
 from kvsvc.core.sender import (
     BLOCK_ID_BYTES,
     EARLY_ENTRY_BYTES,
+    FAULT_WAITS,
+    FaultKind,
+    FaultWait,
     Landed,
     Reply,
     SendCommand,
     Sender,
+    SendRequest,
     Submit,
     WriteFault,
+    fault_wait,
     streams_by_layer,
 )
 from kvsvc.testing.clock import FakeClock
@@ -713,3 +717,15 @@ def test_a_job_a_lost_connection_ended_tells_its_reason_to_the_receive_that_asks
 @given(st.lists(st.booleans(), max_size=8))
 def test_a_layer_wise_write_streams_only_while_a_layer_is_not_computed_well(computed: list[bool]) -> None:
     assert streams_by_layer(computed) == (False in computed)
+
+
+def test_the_write_failure_table_has_a_row_for_every_failure_and_holds_blocks_while_part_may_move() -> None:
+    """The write-failure contract as a table (`FAULT_WAITS`): every way a write can fail, with or without a plane
+    asked, has a rule; a plane's `WriteFailed` waits for its own `drained`; a failure outside the contract waits for
+    the plane to settle whenever a plane was asked (part of the write may still move), and for nothing otherwise; one
+    the contract allows waits for nothing."""
+    assert set(FAULT_WAITS) == {(kind, asked) for kind in FaultKind for asked in (True, False)}
+    assert {fault_wait(FaultKind.PLANE, asked) for asked in (True, False)} == {FaultWait.DRAINED}
+    assert fault_wait(FaultKind.OUTSIDE_CONTRACT, True) is FaultWait.SETTLED
+    assert fault_wait(FaultKind.OUTSIDE_CONTRACT, False) is FaultWait.NOTHING
+    assert {fault_wait(FaultKind.WITHIN_CONTRACT, asked) for asked in (True, False)} == {FaultWait.NOTHING}

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.errors import ServiceClosed
-from kvsvc.core.requests import harness_secret
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
 from tests.unit.test_service_wiring import make_side

@@ -13,7 +13,7 @@ import pytest
 
 import kvsvc.service.remotes as remotes_module
 from kvsvc.core import planner
-from kvsvc.core.requests import harness_secret
+from kvsvc.core.auth import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
@@ -252,3 +252,18 @@ async def test_parts_of_a_write_raise_the_failure_outside_the_contract_first() -
     with pytest.raises(WriteFailed):
         await _all_written([landed(), refused()])
     assert await _all_written([landed(), landed()]) == (128, 2)
+
+
+def test_the_writer_sorts_each_failure_by_the_transport_contract() -> None:
+    """`_fault_kind` is where an exception becomes a row of the core's write-failure table: the plane's
+    `WriteFailed`, a failure the contract allows (kvsvc's own errors, `ValueError`), or anything else."""
+    from kvsvc.core.errors import PeerLost, TopologyError
+    from kvsvc.core.sender import FaultKind
+    from kvsvc.service.writing import _fault_kind
+
+    assert _fault_kind(WriteFailed("peer gone")) is FaultKind.PLANE
+    assert _fault_kind(TopologyError("no such layer")) is FaultKind.WITHIN_CONTRACT
+    assert _fault_kind(PeerLost("closed")) is FaultKind.WITHIN_CONTRACT
+    assert _fault_kind(ValueError("overlap")) is FaultKind.WITHIN_CONTRACT
+    assert _fault_kind(RuntimeError("a bug")) is FaultKind.OUTSIDE_CONTRACT
+    assert _fault_kind(MemoryError()) is FaultKind.OUTSIDE_CONTRACT

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from kvsvc.core.requests import harness_secret
+from kvsvc.core.auth import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.testing.engines import LoopbackEngine
 from kvsvc.testing.plugin import LoopbackFactory

@@ -9,11 +9,11 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.errors import KVSvcTimeout
 from kvsvc.core.layout import layer_bytes
 from kvsvc.core.messages import WorkerMetadata
 from kvsvc.core.outputs import KVConnectorOutput
-from kvsvc.core.requests import harness_secret
 from kvsvc.service import ServiceConfig, ServiceThread
 from kvsvc.testing.fakes import LoopbackTransport
 

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import is_same_host
 from kvsvc.core.errors import ServiceClosed
 from kvsvc.core.layout import layer_bytes
@@ -34,7 +35,6 @@ from kvsvc.core.messages import (
     encode,
 )
 from kvsvc.core.outputs import KVConnectorOutput
-from kvsvc.core.requests import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvsvc.transport.procfs import _scan_proc_net_tcp, far_end_uid
+from kvsvc.transport.samehost import _scan_proc_net_tcp, far_end_uid
 from kvsvc.transport.sockdiag import tcp_inode, tcp_socket
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvsvc.core.requests import harness_secret
+from kvsvc.core.auth import harness_secret
 from kvsvc.service import ServiceConfig
 from kvsvc.testing import EngineSpec, FakeClock, PeerPair
 from kvsvc.testing.plugin import LoopbackFactory

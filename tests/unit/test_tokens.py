@@ -44,7 +44,7 @@ def test_without_a_token_only_the_kernel_s_word_that_the_peer_is_this_user_stand
 
 def test_the_prompt_digest_in_params_has_128_bits() -> None:
     """At 64 bits two prompts of one digest cost about 2^32 work: one prompt's KV would load as another's."""
-    from kvsvc.vllm.params import prompt_hash
+    from kvsvc.vllm.flow import prompt_hash
 
     assert len(bytes.fromhex(prompt_hash([1, 2, 3]))) == 16
     assert prompt_hash([1, 2, 3]) != prompt_hash([1, 2, 4])

@@ -15,15 +15,16 @@ from hypothesis import strategies as st
 
 from kvsvc.core.auth import PARAMS_KEY, derive_key, sign_fields
 from kvsvc.core.groups import FULL, MAMBA, SLIDING_WINDOW
-from kvsvc.core.requests import RecvRequest, SendRequest
+from kvsvc.core.receiver import RecvRequest
+from kvsvc.core.sender import SendRequest
 from kvsvc.service.config import ServiceConfig, is_loopback
 from kvsvc.vllm.config import CONTROL_TOKEN_ENV, PROVEN_VLLM, ConnectorConfig, parse_config, version_note
-from kvsvc.vllm.flow import SchedulerFlow
-from kvsvc.vllm.params import (
+from kvsvc.vllm.flow import (
     SIGNATURE,
     SIGNED,
     ParamsError,
     RemotePrefill,
+    SchedulerFlow,
     parse_remote_prefill,
     producer_params,
     prompt_hash,
@@ -523,7 +524,7 @@ def test_nested_or_huge_values_are_refused_by_name_in_a_short_line(keyed: bool) 
 def test_a_prompt_given_as_embeddings_is_computed_locally_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
     from types import SimpleNamespace
 
-    from kvsvc.vllm.scheduler import SchedulerSide
+    from kvsvc.vllm.connector import SchedulerSide
 
     side = SchedulerSide(parse_config({}), "P", 16)
     embeds = SimpleNamespace(

@@ -21,7 +21,8 @@ from kvsvc.core.groups import state_bytes
 from kvsvc.core.layout import block_geometry, pool_regions
 from kvsvc.core.messages import ConvPart, KVGroup, MambaState, WorkerMetadata
 from kvsvc.core.outputs import KVConnectorOutput
-from kvsvc.core.requests import RecvRequest, SendRequest
+from kvsvc.core.receiver import RecvRequest
+from kvsvc.core.sender import SendRequest
 from kvsvc.service.config import ServiceConfig
 from kvsvc.vllm.config import ConnectorConfig
 from kvsvc.vllm.flow import StepMetadata

@@ -20,8 +20,8 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
+from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import SameHostAddress
-from kvsvc.core.requests import harness_secret
 from kvsvc.service import KVTransferService
 from kvsvc.transport.base import Region, Transport
 from kvsvc.transport.mooncake import MooncakeTransport
