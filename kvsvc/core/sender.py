@@ -70,6 +70,20 @@ class Submit:
     share_bytes: int = 0  # the share as D planned it; above `window_bytes`, it moves in rounds
 
 
+# A pushing P streams a request's KV layer by layer during its forward only from this many prompt tokens on
+# (`streams_during_forward`). `kvsvc bench --vllm --workload sweep` on the 2-core VM (docs/performance.md, "Prompt
+# lengths"): streaming cut push's TTFT from 2,048 tokens on, and changed nothing measurable at 1,024 and below.
+PUSH_MIN_TOKENS: Final = 1536
+
+
+def streams_during_forward(num_tokens: int, min_tokens: int = PUSH_MIN_TOKENS) -> bool:
+    """Whether a pushing P writes a request of `num_tokens` layer by layer while its forward runs (from `min_tokens`
+    on), or in one write once the forward is over, as a pulling P does. Each layer's write costs about the same
+    whatever its size, and on a host where P's copies share the cores its forward runs on they stretch the forward:
+    a short prompt's whole write after the forward is shorter than that. Raises nothing."""
+    return num_tokens >= min_tokens
+
+
 def streams_by_layer(computed: Sequence[bool]) -> bool:
     """Whether a `Submit` of a layer-wise send (`computed`: each layer's compute ended well, in order) is written
     layer by layer: only while some layer is still computing. Once every layer is computed, a D request that comes

@@ -13,9 +13,11 @@ Imports torch and kvsvc's service and transport, never vllm (the adapter hands i
   the loop's futures once, on the loop (`_on_loop`).
 - On GPU a send waits for a CUDA event per layer recorded after that layer's attention wrote it (layer-wise sends);
   on CPU the forward is over when the hook runs, so the KV is ready at once. A pushing P on CPU starts the step's
-  sends before the forward instead (`bind_step`: vLLM binds a step's metadata before its forward, and since 0.32
-  calls `start_load_kv` after it), each layer ready once `save_kv_layer` saw it written: D's fetch already waits
-  at P, so the transfer runs beside the forward. A step's per-layer state is reset at its bind, never later.
+  sends of at least `push_min_tokens` prompt tokens before the forward instead (`bind_step`: vLLM binds a step's
+  metadata before its forward, and since 0.32 calls `start_load_kv` after it), each layer ready once `save_kv_layer`
+  saw it written: D's fetch already waits at P, so the transfer runs beside the forward. Shorter ones go after the
+  forward, as a pulling P's (`kvsvc.core.sender.streams_during_forward` decides). A step's per-layer state is reset
+  at its bind, never later.
 - The forward's time (from `bind_step` to `end_step` of steps that compute) is measured here, for D's report
   gathering (`kvsvc.core.receiver.ReportGather`): an idle step's report may wait a share of it for a burst's loads.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -36,6 +39,7 @@ import torch
 
 from kvsvc.core.errors import KVSvcError, KVSvcTimeout
 from kvsvc.core.messages import WorkerMetadata
+from kvsvc.core.sender import streams_during_forward
 from kvsvc.service.config import ServiceConfig
 from kvsvc.service.gather import TorchGather
 from kvsvc.service.service import ServiceThread
@@ -141,8 +145,10 @@ class WorkerSide:
         # A pushing P on CPU: this step's sends started before the forward, one future per local layer that
         # `layer_saved` resolves (and `end_step` for any layer it never saw).
         self._layers_ready: list[concurrent.futures.Future[None]] = []
-        # A bound step whose sends wait for its `wait_for_save` (or, where vLLM never calls it, the next bind).
+        # A bound step whose sends wait for its `wait_for_save` (or, where vLLM never calls it, the next bind); for a
+        # pushing P on CPU, the sends of the step `_split` names that it writes after the forward (short prompts).
         self._unstarted: StepMetadata | None = None
+        self._split: StepMetadata | None = None
         self._forward_started: float | None = None  # `bind_step` of a step that computes, until its `end_step`
         self.forward_s = 0.0  # moving average of the forward's time (0: none measured yet)
 
@@ -243,8 +249,14 @@ class WorkerSide:
             return
         self.reports.sends_handed(spec.req_id for spec in step.sends)
         if self._device == "cpu" and self._config.mode == "push":
-            self._layers_ready = [concurrent.futures.Future() for _ in range(len(self._layer_of))]
-            self._start_sends(step, LayerFutures(list(self._layers_ready)))
+            least = self._config.push_min_tokens
+            streamed = tuple(spec for spec in step.sends if streams_during_forward(spec.num_tokens, least))
+            after = tuple(spec for spec in step.sends if not streams_during_forward(spec.num_tokens, least))
+            self._split = step
+            self._unstarted = dataclasses.replace(step, sends=after) if after else None
+            if streamed:
+                self._layers_ready = [concurrent.futures.Future() for _ in range(len(self._layer_of))]
+                self._start_sends(dataclasses.replace(step, sends=streamed), LayerFutures(list(self._layers_ready)))
         else:
             self._unstarted = step
 
@@ -327,8 +339,13 @@ class WorkerSide:
                 else:
                     ready.set_exception(failed)
             self._layers_ready = []
-            return
-        if self._unstarted is step:
+        if self._split is step:  # a pushing P: what is left are the short prompts it writes after the forward
+            self._split = None
+            deferred, self._unstarted = self._unstarted, None
+            if deferred is None:
+                return
+            step = deferred
+        elif self._unstarted is step:
             self._unstarted = None
         if not step.sends:
             return

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from workers.bench.plot import plot_comparison
-from workers.bench.vllm_compare import FULL, QUICK, Result, Run, Workload, summarize
+from workers.bench.vllm_compare import FULL, ON_REQUEST, QUICK, Result, Run, SweepPoint, Workload, summarize
 from workers.bench.vllm_ttft import TtftRun, cpu_seconds, push_together, summarize_ttft, together
-from workers.commands.bench import VLLM_WORKLOADS
+from workers.commands.bench import VLLM_ON_REQUEST, VLLM_WORKLOADS
 from workers.vllm.engines import Output
 
 WORKLOADS = (Workload("long", (10, 20)), Workload("burst", (5,) * 4))
@@ -57,7 +57,7 @@ def test_a_run_without_nixl_does_not_claim_the_nixl_target() -> None:
 
 def test_the_chart_is_a_png_and_an_empty_summary_is_refused(tmp_path: Path) -> None:
     summary = summarize(_result(12.0, 24.0), WORKLOADS)
-    out = plot_comparison(summary, tmp_path / "chart.png")
+    (out,) = plot_comparison(summary, tmp_path / "chart.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no workload"):
         plot_comparison({"workloads": {}}, tmp_path / "empty.png")
@@ -97,6 +97,7 @@ def test_kvsvc_forced_to_mooncake_is_paired_with_nixl_over_tcp_per_workload() ->
 
 def test_the_cli_names_every_workload_the_comparison_runs() -> None:
     assert VLLM_WORKLOADS == tuple(w.name for w in QUICK) == tuple(w.name for w in FULL)
+    assert tuple(w.name for w in ON_REQUEST) == VLLM_ON_REQUEST
 
 
 def test_mla_is_reported_beside_mooncakes_targets_and_its_tokens_not_compared() -> None:
@@ -140,7 +141,8 @@ def test_ttft_exposes_each_prompts_ttft_over_the_single_engines_of_the_same_repe
     assert ttft["kvsvc"]["d_ms_p50"] == pytest.approx(45.0)  # 30, 40, 50, 50
     assert "load_ratio" not in ttft["nixl"]  # the transfer targets judge the transfer workloads only
     assert summary["targets"]["load_1_2x_faster_than_nixl"]
-    assert plot_comparison(summary, Path(tempfile.mkdtemp()) / "chart.png").exists()  # the chart leaves ttft out
+    (chart,) = plot_comparison(summary, Path(tempfile.mkdtemp()) / "chart.png")  # the chart leaves ttft out
+    assert chart.exists()
     result.ttft["ttft"]["nixl"].pop()
     with pytest.raises(ValueError, match="nixl: 1 repetitions of ttft against the single engine's 2"):
         summarize(result, (Workload("ttft", (10, 20)),))
@@ -255,3 +257,46 @@ def test_push_targets_compare_each_push_flow_with_its_baseline_of_the_same_run()
     assert not tied["push_exposed_at_most_a_third_of_pull"]["met"]
     # A run without a baseline claims nothing.
     assert summarize_ttft({"kvsvc_push": runs(101.0, 60.0)}, single)["targets"] == {}
+
+
+def _sweep_result() -> Result:
+    """Two repetitions of a sweep over two lengths: kvsvc pulled and pushed, NixlConnector (bytes unknown)."""
+    result = Result()
+    result.sweep_single_ms = {128: [20.0, 22.0], 4000: [300.0, 310.0]}
+    result.sweep = {
+        "kvsvc": {
+            128: [SweepPoint(4.0, 8_388_608, 40.0), SweepPoint(6.0, 8_388_608, 44.0)],
+            4000: [SweepPoint(100.0, 262_144_000, 500.0), SweepPoint(120.0, 262_144_000, 520.0)],
+        },
+        "kvsvc_push": {128: [SweepPoint(30.0, 8_388_608, 50.0), SweepPoint(30.0, 8_388_608, 50.0)]},
+        "nixl": {128: [SweepPoint(8.0, 0, 48.0), SweepPoint(8.0, 0, 48.0)]},
+    }
+    return result
+
+
+def test_the_sweep_reports_each_lengths_transfer_size_speed_ttft_share_and_exposed_time_per_connector(
+    tmp_path: Path,
+) -> None:
+    summary = summarize(_sweep_result(), ON_REQUEST)
+    sweep = summary["workloads"]["sweep"]
+    assert sweep["lengths"] == [128, 4000] and sweep["single_ttft_ms"] == {"128": 21.0, "4000": 305.0}
+    long = sweep["kvsvc"]["4000"]
+    assert long["transfer_ms"] == 110.0 and long["mb"] == 262.144 and long["ttft_ms"] == 510.0
+    assert long["gbps"] == pytest.approx(262_144_000 / 0.110 / 1e9)
+    assert long["share"] == pytest.approx((100 / 500 + 120 / 520) / 2)  # each prompt's share, then the median
+    assert long["exposed_ms"] == 510.0 - 305.0
+    assert sweep["kvsvc_push"]["128"]["exposed_ms"] == 50.0 - 21.0 and "4000" not in sweep["kvsvc_push"]
+    assert sweep["nixl"]["128"]["mb"] is None and sweep["nixl"]["128"]["gbps"] is None  # its bytes are not known
+    # The sweep names no target and pairs nothing: the other workloads' targets do not see it.
+    assert summary["targets"]["per_workload"] == {}
+    (chart,) = plot_comparison(summary, tmp_path / "sweep.png")
+    assert chart == tmp_path / "sweep.png" and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_beside_other_workloads_is_drawn_into_a_chart_of_its_own(tmp_path: Path) -> None:
+    result = _result(12.0, 24.0)
+    result.sweep, result.sweep_single_ms = _sweep_result().sweep, _sweep_result().sweep_single_ms
+    summary = summarize(result, WORKLOADS + ON_REQUEST)
+    charts = plot_comparison(summary, tmp_path / "chart.png")
+    assert charts == [tmp_path / "chart.png", tmp_path / "chart-sweep.png"]
+    assert all(c.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for c in charts)

@@ -436,9 +436,9 @@ def worker_with(service: FakeService, **config: Any) -> WorkerSide:
     return side
 
 
-def pushing_p(service: FakeService) -> WorkerSide:
-    """A pushing P's worker on CPU, with three local layers."""
-    side = worker_with(service, mode="push")
+def pushing_p(service: FakeService, push_min_tokens: int = 0) -> WorkerSide:
+    """A pushing P's worker on CPU, with three local layers, streaming requests from `push_min_tokens` on."""
+    side = worker_with(service, mode="push", push_min_tokens=push_min_tokens)
     side._layer_of = {f"model.layers.{i}.attn": i for i in range(3)}
     return side
 
@@ -566,6 +566,34 @@ def test_a_pushing_p_on_cpu_starts_its_sends_at_the_bind_before_the_forward_each
     pulling.bind_step(step)
     pulling.begin_step(step)
     assert pulling._thread.calls == []  # type: ignore[union-attr]  # a pulling P holds after the forward
+
+
+def test_a_pushing_p_streams_only_prompts_of_push_min_tokens_and_writes_shorter_ones_after_the_forward() -> None:
+    # Per-layer writes stretch a short prompt's forward more than its whole write after it costs: below the bound the
+    # send starts after the forward, ready at once, as a pulling P's; the long prompt of the same step streams.
+    service = FakeService()
+    side = pushing_p(service, push_min_tokens=64)
+    long, short = (
+        SendRequest("long", "long", (1, 2, 3), 64, "k" * 22),
+        SendRequest("short", "short", (4,), 63, "k" * 22),
+    )
+    step = StepMetadata(sends=(short, long))
+    side.bind_step(step)
+    assert service.calls == ["send long"] and isinstance(service.ready, list)  # one future per layer
+    layers = list(side._layers_ready)
+    side.layer_saved("model.layers.0.attn", step)
+    side.end_step(step)
+    assert all(f.done() for f in layers) and service.calls == ["send long", "send short"]
+    assert service.ready is None  # the short one's KV is written: ready at once
+    assert side.streamed_layers == 1
+    # Where vLLM never calls wait_for_save, the next bind starts the short ones as written.
+    other = StepMetadata(sends=(SendRequest("s2", "s2", (5,), 10, "k" * 22),))
+    side.bind_step(other)
+    assert service.calls == ["send long", "send short"]
+    side.bind_step(StepMetadata())
+    assert service.calls == ["send long", "send short", "send s2"]
+    with pytest.raises(ValueError, match="push_min_tokens"):
+        ConnectorConfig(push_min_tokens=-1)
 
 
 def test_a_forward_that_raised_fails_the_layers_it_had_not_written_and_a_pull_send_waits_on_that_failure() -> None:

@@ -172,6 +172,11 @@ FULL = (
 TTFT = "ttft"  # the workload `workers.bench.vllm_ttft` runs: one prompt at a time through P then D
 TTFT_CONCURRENT = "ttft_concurrent"  # the same prompts all at once
 TTFT_WORKLOADS = (TTFT, TTFT_CONCURRENT)
+# The prompt-length sweep, at concurrency 1, run only when named (`--workload sweep`): every length, each connector,
+# pulled and (kvsvc) pushed. 4,000 tokens is what the CPU engines serve (`MAX_MODEL_LEN`).
+SWEEP = "sweep"
+SWEEP_LENGTHS = (128, 256, 512, 1024, 2048, 4000)
+ON_REQUEST = (Workload(SWEEP, SWEEP_LENGTHS),)
 
 
 @dataclass
@@ -197,6 +202,7 @@ class Run:
     tokens: list[list[int]]
     span_ms: float  # from the first request's load start to the last one's end: the whole batch's KV on D
     bytes: int = 0  # KV bytes moved for the whole batch
+    p_ms: float = 0.0  # P's answer to the batch (its prefill), before D was asked
 
 
 @dataclass
@@ -208,6 +214,21 @@ class Result:
     # Per ttft workload: its runs per connector, and a single engine's TTFTs per repetition.
     ttft: dict[str, dict[str, list[TtftRun]]] = field(default_factory=dict)
     single_ttft_ms: dict[str, list[list[float]]] = field(default_factory=dict)
+    # The sweep: per connector (`<name>_push` for vllm-router's push flow) and prompt length, one point per repetition;
+    # and a single engine's TTFT per length.
+    sweep: dict[str, dict[int, list[SweepPoint]]] = field(default_factory=dict)
+    sweep_single_ms: dict[int, list[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One prompt of the sweep under one connector: its KV transfer as D's scheduler saw it (blocks allocated to
+    loaded; pushed, that includes D's wait for P's prefill), the KV bytes P sent for it, and its end-to-end time to
+    first token (P's submission to D's first token)."""
+
+    transfer_ms: float
+    nbytes: int
+    ttft_ms: float
 
 
 def router_push_params(engine_id: str, port: int, router_id: str) -> dict[str, Any]:
@@ -231,6 +252,7 @@ def _engines(
     engine: dict[str, Any] | None = None,
     model_env: dict[str, str] | None = None,
     convert: bool = False,
+    push_min_tokens: int | None = None,
 ) -> dict[str, Peer]:
     def config(
         connector: str,
@@ -288,7 +310,9 @@ def _engines(
     ) -> Peer:
         p_events, d_events = root / f"{name}-P.jsonl", root / f"{name}-D.jsonl"
         port = KVSVC_BOOTSTRAP_PORTS.get(name) if not (head_split or convert) else None
-        p_push = {"mode": "push", "bootstrap_port": port} if port else {}
+        p_push: dict[str, Any] = {"mode": "push", "bootstrap_port": port} if port else {}
+        if port and push_min_tokens is not None:
+            p_push["push_min_tokens"] = push_min_tokens
         d_push = {"push_peers": [f"127.0.0.1:{port}"]} if port else {}
         p_config = config(connector, "kv_producer", f"{name}-P", p_events, p_env, staging, transport, p_push, caches[0])
         d_config = config(
@@ -400,7 +424,9 @@ def _one_run(peer: Peer, prompts: list[list[int]], tag: str, spec: BenchModel) -
     for path in (peer.events, peer.events.with_name(f"{peer.name}-P.jsonl")):
         path.unlink(missing_ok=True)
     before = peer.p.stats().get("service", {})
+    asked = time.monotonic()
     p_out = peer.p.generate(prompts, max_tokens=1, params=peer.make_p_params(len(prompts), tag))
+    p_ms = (time.monotonic() - asked) * 1e3
     call = peer.d.submit(prompts, max_tokens=2, params=peer.make_d_params(p_out, tag))
     p_stats = peer.p.settle(timeout_s=300)  # vLLM's connectors need P to step until D fetched
     d_out = peer.d.result(call, timeout_s=300)
@@ -424,7 +450,87 @@ def _one_run(peer: Peer, prompts: list[list[int]], tag: str, spec: BenchModel) -
     peer.d.settle(timeout_s=120)
     span_ms = (max(ends.values()) - min(starts.values())) * 1e3
     ttft = [(o.ttft_s or 0.0) * 1e3 for o in d_out]
-    return Run(load_ms, ttft, descriptors, [o.token_ids for o in d_out], span_ms, nbytes)
+    return Run(load_ms, ttft, descriptors, [o.token_ids for o in d_out], span_ms, nbytes, p_ms)
+
+
+def _pushed_one(peer: Peer, prompt: list[int], tag: str) -> SweepPoint:
+    """`prompt` through a kvsvc pair as vllm-router's push flow sends it (D and P at once), as a sweep point.
+
+    Raises:
+        RuntimeError: the load did not finish (EngineError: an engine failed).
+    """
+    assert peer.router_push_params is not None
+    peer.events.unlink(missing_ok=True)
+    before = peer.p.stats().get("service", {}).get("bytes_sent", 0)
+    run = push_one_at_a_time(peer.p, peer.d, [prompt], peer.router_push_params, tag)
+    p_stats = peer.p.settle(timeout_s=300)
+    peer.d.settle(timeout_s=120)
+    d_events = _events(peer.events)
+    starts = [e["t"] for e in d_events if e["kind"] == "load_start"]
+    ends = [e["t"] for e in d_events if e["kind"] == "load_end" and not e["failed"]]
+    if len(starts) != 1 or len(ends) != 1:
+        raise RuntimeError(f"{peer.name} push: {len(ends)} of 1 loads finished (logs: {peer.d.log_path})")
+    return SweepPoint((ends[0] - starts[0]) * 1e3, p_stats["service"]["bytes_sent"] - before, run.ttft_ms[0])
+
+
+def _sweep_rep(
+    peers: dict[str, Peer], base: VllmEngine, rep: int, rng: random.Random, spec: BenchModel, result: Result
+) -> list[tuple[str, Exception]]:
+    """One repetition of the sweep: for each prompt length, a single engine's TTFT, then each connector in a fresh
+    order with one prompt (pulled; a kvsvc pair also pushes one of the same length that neither engine's prefix cache
+    holds); returns the connectors that failed, with their errors. Repetition -1 warms up and is not kept."""
+    failed: list[tuple[str, Exception]] = []
+    for length in SWEEP_LENGTHS:
+        prompt = [3 + (rep + 1) * 97 + length % 89] + [rng.randrange(3, VOCAB) for _ in range(length - 1)]
+        fresh = [VOCAB - 1 - prompt[0] % (VOCAB // 2), *prompt[1:]]
+        single = single_engine_ms(base, [prompt])[0]
+        names = [n for n in peers if n not in {f for f, _ in failed}]
+        rng.shuffle(names)
+        points: dict[str, SweepPoint] = {}
+        for name in names:
+            peer = peers[name]
+            tag = f"s{rep}l{length}{name}"
+            try:
+                one = _one_run(peer, [prompt], tag, spec)
+                points[name] = SweepPoint(one.load_ms[0], one.bytes, one.p_ms + one.ttft_ms[0])
+                if peer.router_push_params is not None:
+                    points[f"{name}_push"] = _pushed_one(peer, fresh, tag)
+            except RuntimeError as exc:  # EngineError is one
+                failed.append((name, exc))
+        if rep >= 0:
+            result.sweep_single_ms.setdefault(length, []).append(single)
+            for name, point in points.items():
+                result.sweep.setdefault(name, {}).setdefault(length, []).append(point)
+    return failed
+
+
+def summarize_sweep(result: Result) -> dict[str, Any]:
+    """The sweep per connector and prompt length (string keys: `workloads.sweep.<connector>.<length>` in the JSON),
+    medians over the repetitions: `transfer_ms`, `mb` (KV bytes P sent, 10^6), `gbps` (those bytes over the transfer
+    time), `ttft_ms` (end to end), `share` (the transfer's share of TTFT; pushed, D's wait from its blocks' allocation,
+    which includes P's prefill) and `exposed_ms` (TTFT over a single engine's on a prompt of that length); and the
+    single engine's `single_ttft_ms` per length."""
+    out: dict[str, Any] = {
+        "kind": SWEEP,
+        "requests": 1,
+        "lengths": sorted(result.sweep_single_ms),
+        "single_ttft_ms": {str(n): statistics.median(ms) for n, ms in sorted(result.sweep_single_ms.items())},
+    }
+    for name, by_length in result.sweep.items():
+        out[name] = {}
+        for length, points in sorted(by_length.items()):
+            single = statistics.median(result.sweep_single_ms[length])
+            transfer = statistics.median(p.transfer_ms for p in points)
+            nbytes = statistics.median(p.nbytes for p in points)
+            out[name][str(length)] = {
+                "transfer_ms": transfer,
+                "mb": nbytes / 1e6 or None,  # None: the connector's bytes cannot be known (NixlConnector counts pieces)
+                "gbps": nbytes / (transfer * 1e6) if nbytes and transfer > 0 else None,
+                "ttft_ms": statistics.median(p.ttft_ms for p in points),
+                "share": statistics.median(p.transfer_ms / p.ttft_ms for p in points if p.ttft_ms > 0),
+                "exposed_ms": statistics.median(p.ttft_ms for p in points) - single,
+            }
+    return out
 
 
 def run_comparison(
@@ -435,21 +541,25 @@ def run_comparison(
     convert: bool = False,
     only: tuple[str, ...] = (),
     progress: Callable[[str], None] = print,
+    push_min_tokens: int | None = None,
 ) -> tuple[Result, dict[str, Any]]:
     """Run every connector on every workload (those named in `only`, when given) `reps` times; returns the runs and
     the summary (`summarize`). Each model's workloads run on engines of their own, one model after another. With
     `head_split`, kvsvc staged ("kvsvc") against kvsvc direct ("kvsvc_direct") between P TP 1 and D TP 2 instead,
     on the plain model; with `convert`, kvsvc from a P in fp8_e4m3 ("kvsvc") against kvsvc from a P in float32 that
-    converts ("kvsvc_convert"), both into a D in fp8_e4m3, on the plain model.
+    converts ("kvsvc_convert"), both into a D in fp8_e4m3, on the plain model. `push_min_tokens`: kvsvc's pushing
+    P engines stream from that many prompt tokens on (None: the connector's default).
 
     Raises:
         ValueError: `only` names no workload.
         EngineError / RuntimeError: kvsvc's engines failed, or a transfer of kvsvc's did not finish.
     """
-    workloads = tuple(w for w in (QUICK if quick else FULL) if not only or w.name in only)
+    workloads = tuple(
+        w for w in (QUICK if quick else FULL) + ON_REQUEST if w.name in only or not (only or w in ON_REQUEST)
+    )
     alone = head_split or convert  # kvsvc against itself, on the plain model
     if alone:
-        workloads = tuple(w for w in workloads if w.model == "llama" and w.name not in TTFT_WORKLOADS)
+        workloads = tuple(w for w in workloads if w.model == "llama" and w.name not in (*TTFT_WORKLOADS, SWEEP))
     if not workloads:
         known = [w.name for w in QUICK if (w.model == "llama" and w.name not in TTFT_WORKLOADS) or not alone]
         raise ValueError(f"no workload among {only}: the workloads{' of kvsvc alone' * alone} are {known}")
@@ -458,7 +568,7 @@ def run_comparison(
     result = Result()
     for model in dict.fromkeys(w.model for w in workloads):
         phase = tuple(w for w in workloads if w.model == model)
-        _run_phase(root, phase, reps, head_split, model, result, progress, convert)
+        _run_phase(root, phase, reps, head_split, model, result, progress, convert, push_min_tokens)
     return result, summarize(result, workloads)
 
 
@@ -471,6 +581,7 @@ def _run_phase(
     result: Result,
     progress: Callable[[str], None],
     convert: bool = False,
+    push_min_tokens: int | None = None,
 ) -> None:
     """One model's engines for every connector it runs with, up for `workloads` only."""
     spec = MODELS[model_name]
@@ -481,7 +592,7 @@ def _run_phase(
     kv_bytes = max(kv_bytes, MAX_MODEL_LEN * spec.kv_bytes_per_token * 5 // 4, 128 << 20)
     logs = root / f"{model_name}-engines"
     logs.mkdir()
-    peers = _engines(model, logs, kv_bytes, head_split, spec.engine, spec.env, convert)
+    peers = _engines(model, logs, kv_bytes, head_split, spec.engine, spec.env, convert, push_min_tokens)
     if not (head_split or convert):
         peers = {n: peer for n, peer in peers.items() if n in spec.peers}
     # The ttft workload's baseline: the same model in one engine without a connector.
@@ -491,7 +602,7 @@ def _run_phase(
             name="single",
             log_dir=logs,
         )
-        if any(w.name in TTFT_WORKLOADS for w in workloads)
+        if any(w.name in (*TTFT_WORKLOADS, SWEEP) for w in workloads)
         else None
     )
     if "nixl" in spec.peers and "nixl" not in peers and not (head_split or convert):
@@ -531,6 +642,14 @@ def _run_phase(
                 ]
                 names = list(peers)
                 rng.shuffle(names)
+                if workload.name == SWEEP:
+                    assert base is not None
+                    for peer_name, error in _sweep_rep(peers, base, rep, rng, spec, result):
+                        drop(peer_name, error)
+                        result.sweep.pop(peer_name, None)
+                        result.sweep.pop(f"{peer_name}_push", None)
+                    progress(f"repetition {rep + 1} of {reps}, sweep: {', '.join(sorted(peers))}")
+                    continue
                 if workload.name in TTFT_WORKLOADS:
                     assert base is not None
                     kept = result if rep >= 0 else Result()
@@ -634,6 +753,10 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
     """Medians per connector and workload, and kvsvc's ratios to each peer paired per repetition."""
     out: dict[str, Any] = {"workloads": {}, "skipped": result.skipped}
     for workload in workloads:
+        if workload.name == SWEEP:
+            if result.sweep:
+                out["workloads"][SWEEP] = summarize_sweep(result)
+            continue
         if workload.name in TTFT_WORKLOADS:
             if result.ttft.get(workload.name):
                 timed = result.ttft[workload.name]
@@ -670,7 +793,7 @@ def summarize(result: Result, workloads: tuple[Workload, ...]) -> dict[str, Any]
                 )
         out["workloads"][workload.name] = entry
     # MooncakeConnector's targets are the plain model's (long prompts and the burst); NixlConnector's every workload's.
-    plain = {w.name for w in workloads if w.model == "llama" and w.name not in TTFT_WORKLOADS}
+    plain = {w.name for w in workloads if w.model == "llama" and w.name not in (*TTFT_WORKLOADS, SWEEP)}
     moon = [e["mooncake"] for w, e in out["workloads"].items() if "mooncake" in e and w in plain]
     per_workload = {w: _nixl_targets(w, result.runs.get(w, {}), e) for w, e in out["workloads"].items()}
     per_workload = {w: t for w, t in per_workload.items() if t}

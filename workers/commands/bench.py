@@ -27,6 +27,7 @@ from workers.demo.runner import DEVICES
 
 # `workers.bench.vllm_compare`'s workloads, named here so the CLI starts without importing the vLLM harness.
 VLLM_WORKLOADS = ("long", "burst", "hybrid", "mla", "gdn", "ttft", "ttft_concurrent")
+VLLM_ON_REQUEST = ("sweep",)  # run only when named
 
 if TYPE_CHECKING:
     from workers.bench.report import BenchReport, GpuReport, LayoutResult, ScenarioResult
@@ -82,12 +83,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--reps", type=int, default=None, help="repetitions of the --vllm comparison")
     parser.add_argument(
+        "--push-min-tokens",
+        type=int,
+        default=None,
+        help="with --vllm: kvsvc's pushing P engines stream prompts of at least this many tokens layer by layer "
+        "(default: the connector's push_min_tokens)",
+    )
+    parser.add_argument(
         "--workload",
         action="append",
-        choices=VLLM_WORKLOADS,
+        choices=VLLM_WORKLOADS + VLLM_ON_REQUEST,
         default=None,
-        help="with --vllm: run only this workload (repeatable); default all: long and burst on a Llama, hybrid on "
-        "a sliding-window Llama, mla on a DeepSeek-V2 style model, gdn on a Qwen3-Next style hybrid",
+        help="with --vllm: run only this workload (repeatable); default all but sweep: long and burst on a Llama, "
+        "hybrid on a sliding-window Llama, mla on a DeepSeek-V2 style model, gdn on a Qwen3-Next style hybrid; "
+        "sweep: prompt lengths from 128 to 4,000 tokens one at a time, each connector pulled and kvsvc pushed",
     )
     parser.add_argument(
         "--head-split",
@@ -365,6 +374,36 @@ def _ttft_table(workload: str, entry: dict[str, Any], order: Sequence[str]) -> T
     return table
 
 
+def _sweep_table(entry: dict[str, Any], order: Sequence[str]) -> Table:
+    """The sweep: per prompt length and connector, one prompt at a time, the KV transfer, its size and speed, the
+    end-to-end time to first token and the transfer's share of it, and what disaggregation exposes over a single
+    engine."""
+    table = Table(
+        title="sweep: one prompt at a time through P then D (_push: D and P asked at once, vllm-router's push flow; "
+        "its transfer is D's wait from its blocks' allocation, P's prefill included); medians"
+    )
+    for column in ("tokens", "connector", "transfer ms", "MB", "GB/s", "TTFT ms", "share of TTFT", "exposed ms"):
+        table.add_column(column, justify="left" if column == "connector" else "right", no_wrap=True)
+    for length in entry["lengths"]:
+        key = str(length)
+        table.add_row(f"{length:,}", "single engine", "", "", "", f"{entry['single_ttft_ms'][key]:.1f}", "", "")
+        for name in order:
+            row = entry.get(name, {}).get(key) if isinstance(entry.get(name), dict) else None
+            if row is None:
+                continue
+            table.add_row(
+                "",
+                name,
+                f"{row['transfer_ms']:.1f}",
+                "n/a" if row["mb"] is None else f"{row['mb']:.1f}",
+                "n/a" if row["gbps"] is None else f"{row['gbps']:.2f}",
+                f"{row['ttft_ms']:.1f}",
+                f"{row['share']:.0%}",
+                f"{row['exposed_ms']:.1f}",
+            )
+    return table
+
+
 NIXL_LABELS = {"nixl": "NixlConnector / kvsvc", "nixl_tcp": "NixlConnector over TCP / kvsvc forced to Mooncake"}
 
 
@@ -373,7 +412,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     from workers.bench.plot import ORDER
     from workers.bench.vllm_compare import run_comparison
 
-    console = Console(stderr=args.json)
+    # Rich folds a table to 80 columns where the stream is no terminal (a CI log, `--json`'s stderr): give it room.
+    stream = sys.stderr if args.json else sys.stdout
+    console = Console(stderr=args.json, width=None if stream.isatty() else 160)
     split = bool(getattr(args, "head_split", False))
     convert = bool(getattr(args, "convert", False))
     _, summary = run_comparison(
@@ -383,6 +424,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         convert=convert,
         only=tuple(getattr(args, "workload", None) or ()),
         progress=lambda what: console.log(f"bench: {what}"),
+        push_min_tokens=getattr(args, "push_min_tokens", None),
     )
     title = (
         "kvsvc between P TP 1 and D TP 2, staged (kvsvc) against direct (kvsvc_direct): medians per request; ratios "
@@ -400,7 +442,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                    "MB/req", "transfer ratio", "batch ratio", "TTFT ratio", "same tokens"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("workload", "connector") else "right")
     for workload, entry in summary["workloads"].items():
-        if entry.get("kind") == "ttft":
+        if entry.get("kind") in ("ttft", "sweep"):
             continue
         for name in ORDER:
             row = entry.get(name)
@@ -443,7 +485,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             + "".join(f"\n{name} skipped: {why}" for name, why in summary["skipped"].items())
         )
     )
-    if any(entry.get("kind") != "ttft" for entry in summary["workloads"].values()):
+    if any(entry.get("kind") not in ("ttft", "sweep") for entry in summary["workloads"].values()):
         console.print(table)
     elif summary["skipped"]:  # the caption that names them is not shown
         console.print("".join(f"{name} skipped: {why}\n" for name, why in summary["skipped"].items()))
@@ -451,10 +493,15 @@ def run_vllm(args: argparse.Namespace) -> int:
         entry = summary["workloads"].get(workload)
         if entry is not None:
             console.print(_ttft_table(workload, entry, [n for name in ORDER for n in (f"{name}_push", name)]))
+    if "sweep" in summary["workloads"]:
+        console.print(
+            _sweep_table(summary["workloads"]["sweep"], [n for name in ORDER for n in (name, f"{name}_push")])
+        )
     if getattr(args, "plot", None):
         from workers.bench.plot import plot_comparison
 
-        console.print(f"chart: {plot_comparison(summary, Path(args.plot))}")
+        for chart in plot_comparison(summary, Path(args.plot)):
+            console.print(f"chart: {chart}")
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     same = all(row["same_tokens_as_kvsvc"] for e in summary["workloads"].values() if e.get("tokens_compared")
