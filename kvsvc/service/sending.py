@@ -290,10 +290,10 @@ class SendingRole:
             return None
         if acceptance.replaces is not None:  # a reconnect, or a restarted D engine: the old connection's jobs are gone
             self._replace(key, ref, acceptance.replaces)
+        # D's staging region too: P writes the windows D lends there.
+        regions = pool_regions(d) + ([(d.staging_addr, d.staging_size)] if d.staging_size else [])
         try:
-            # D's staging region too: P writes the windows D lends there.
-            staging = [(d.staging_addr, d.staging_size)] if d.staging_size else []
-            route = await self._route(d, ref, pool_regions(d) + staging, channel.ends, decision.ipc_handles)
+            route = await self._route(d, ref, regions, channel.ends, decision.ipc_handles)
         except _NoPlane as exc:
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=str(exc)))
             return None
@@ -302,6 +302,12 @@ class SendingRole:
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
         if not self._connections.holds(channel, key):  # a newer hello of this D worker replaced it while routed
+            return None
+        try:  # no await since the check: the regions published are those of the hello that stands
+            self._ctx.transport.add_peer(route.session, regions)
+        except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
+            reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
+            self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
         writes_via = plane_of(self._ctx.transport, route.session)  # once per pair, not per write
         target = WriteTarget(ref, d, writes_via, session=route.session, plane=route.kind)
@@ -328,15 +334,15 @@ class SendingRole:
         via: tuple[tuple[str, int], tuple[str, int]] | None,
         handles: list[IpcHandle],
     ) -> Route:
-        """Pick the plane for D worker `d` (`choose_transport`), publish its regions there, and for a same-host plane
-        check the claimed process against the control connection `via` and probe once (`Transport.reachable`: the
-        kernel's ptrace policy, or opening the GPU allocations `handles` D exported): refused, the pair runs on
-        Mooncake. Logs the route once.
+        """Pick the plane for D worker `d` (`choose_transport`), and for a same-host plane check the claimed process
+        against the control connection `via` and probe once (`Transport.reachable`, with the `regions` D publishes:
+        the kernel's ptrace policy, or opening the GPU allocations `handles` D exported): refused, the pair runs on
+        Mooncake. Logs the route once. The caller publishes the regions on the plane once the hello still stands.
 
         Raises:
             _NoPlane: the pair takes Mooncake, and D's hello names no Mooncake session (`needs_mooncake`) or this
                 worker's Mooncake cannot start.
-            TransportError / ValueError: a region no memory can be.
+            TransportError / ValueError: a region no memory can be (the same-host probe's check).
         """
         setting = self._ctx.config.transport
         route, refused = choose_transport(self._ctx.metadata, d, setting), ""
@@ -356,7 +362,6 @@ class SendingRole:
                 raise _NoPlane(f"writes to D worker {ref} take Mooncake ({route.reason}), and {exc}") from None
         if missing := needs_mooncake(route, d):
             raise _NoPlane(missing)
-        self._ctx.transport.add_peer(route.session, regions)
         if route.kind == "mooncake":
             # A plane asked for, or one the rule picked and the probe refused, and not had: a warning.
             level = logging.WARNING if setting == "samehost" or refused else logging.INFO

@@ -173,6 +173,50 @@ def test_kvsvc_under_multiconnector_at_pp2_gives_a_single_engines_tokens_and_its
     assert sum(1 for _ in store.rglob("*")) > before, "the sibling connector saved nothing"
 
 
+# What NVIDIA Dynamo's vLLM prefill handler sends P under its NIXL protocol, which some of its releases pick for a
+# `MultiConnector`: NixlConnector's keys, unset. D is then handed P's params as they are.
+DYNAMO_NIXL_P_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def test_dynamos_nixl_protocol_under_multiconnector_gives_a_single_engines_tokens(
+    engines: dict[str, VllmEngine],
+) -> None:
+    """Dynamo's requests as its NIXL protocol makes them, to a P whose kvsvc runs as MultiConnector's child: P's
+    request with `max_tokens` 1 and Dynamo's params, then D's with P's answer's params verbatim. D loads every
+    request (none recomputed) and its tokens are a single engine's; from X2 (other weights, under MultiConnector too)
+    they differ."""
+    d = engines["D1"]
+
+    def dynamo(p: VllmEngine, batch: list[list[int]]) -> list[list[int]]:
+        answers = p.generate(batch, max_tokens=1, params=[dict(DYNAMO_NIXL_P_PARAMS) for _ in batch])
+        params = [a.kv_transfer_params for a in answers]
+        assert all(x is not None and x["do_remote_prefill"] for x in params), params
+        return [o.token_ids for o in d.generate(batch, max_tokens=8, params=params)]
+
+    batch = prompts(360, LENGTHS, seed=8)
+    before = assert_clean(d)
+    assert dynamo(engines["MP2"], batch) == baseline(engines, batch), d.log_tail()
+    after = assert_clean(d)
+    loaded = {
+        w: per_worker(after, "reported_recving")[w] - n for w, n in per_worker(before, "reported_recving").items()
+    }
+    assert all(n == len(batch) for n in loaded.values()), loaded
+    assert all(int(w["receiver"]["failed"]) == 0 for w in after["workers"]), d.log_tail()
+    control = prompts(380, LENGTHS, seed=8)
+    for prompt, expected, got in zip(control, baseline(engines, control), dynamo(engines["X2"], control), strict=True):
+        if len(prompt) > 1:  # D computes the last prompt token itself: one token loads nothing it uses
+            assert got != expected, f"{len(prompt)} tokens of other KV went unnoticed"
+    assert_clean(engines["MP2"])
+    assert_clean(engines["X2"])
+
+
 def test_push_d_first_from_p_at_pp2_gives_a_single_engines_tokens_and_other_weights_change_them(
     engines: dict[str, VllmEngine],
 ) -> None:

@@ -481,7 +481,8 @@ def _sweep_rep(
     holds); returns the connectors that failed, with their errors. Repetition -1 warms up and is not kept."""
     failed: list[tuple[str, Exception]] = []
     for length in SWEEP_LENGTHS:
-        prompt = [3 + (rep + 1) * 97 + length % 89] + [rng.randrange(3, VOCAB) for _ in range(length - 1)]
+        first = 3 + ((rep + 1) * 97 + length % 89) % (VOCAB // 2 - 3)  # below the push prompts' first tokens
+        prompt = [first] + [rng.randrange(3, VOCAB) for _ in range(length - 1)]
         fresh = [VOCAB - 1 - prompt[0] % (VOCAB // 2), *prompt[1:]]
         single = single_engine_ms(base, [prompt])[0]
         names = [n for n in peers if n not in {f for f, _ in failed}]
@@ -586,7 +587,7 @@ def _run_phase(
     """One model's engines for every connector it runs with, up for `workloads` only."""
     spec = MODELS[model_name]
     model = str(spec.write(root))
-    longest = max(sum(w.lengths) for w in workloads)
+    longest = max(max(w.lengths) if w.name == SWEEP else sum(w.lengths) for w in workloads)  # the sweep: one at a time
     kv_bytes = longest * spec.kv_bytes_per_token * 5 // 4  # one workload, held on P or loading on D, and some slack
     # vLLM refuses to start without room for one request of `max_model_len`; state slots come on top.
     kv_bytes = max(kv_bytes, MAX_MODEL_LEN * spec.kv_bytes_per_token * 5 // 4, 128 << 20)
@@ -645,9 +646,7 @@ def _run_phase(
                 if workload.name == SWEEP:
                     assert base is not None
                     for peer_name, error in _sweep_rep(peers, base, rep, rng, spec, result):
-                        drop(peer_name, error)
-                        result.sweep.pop(peer_name, None)
-                        result.sweep.pop(f"{peer_name}_push", None)
+                        drop(peer_name, error)  # raises: every connector runs the plain model
                     progress(f"repetition {rep + 1} of {reps}, sweep: {', '.join(sorted(peers))}")
                     continue
                 if workload.name in TTFT_WORKLOADS:
