@@ -1,20 +1,22 @@
-"""P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s, each through the plane
-its D worker's pair chose at the hello (`WriteTarget.transport`).
+"""P's writes into D workers' KV blocks, `BlockWriter`: carries out the `Sender`'s `Submit`s, each through the plane its
+D worker's pair chose at the hello (`WriteTarget.transport`).
 
 Rules: each `Submit` is planned (its D worker's `PlanCache`, below), written, and ends in one value,
-`kvsvc.core.sender.WriteEnd`, set once on the future `BlockWriter.write` returned, only when none of its descriptors
-can move any more: what a failed write waits for first (its plane's `drained` future; for one that raised outside the
-plane's contract, the plane to drain, bounded; or nothing) is the core's write-failure table's decision
-(`kvsvc.core.sender.FAULT_WAITS`), so the request's blocks stay held until then. A plane's failure becomes that value
-at one place, `_fault`; the role hands the value to the `Sender`. Small writes skip the task when the plane's
-`start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and written
-one descriptor per destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region is
-written there as one stream (`kvsvc.core.staging_plans.window_plan`), gathered too when the rule picks it; D scatters
-it. A share larger than its window moves in rounds, as its `kvsvc.core.windows.FillingWindow` says: round k waits
-until D emptied round k - 2 (within the hold timeout), and each round but the last is announced. A layer-wise write
-stages each layer on its own when the rule picks it. A converting pair's writes (`kvsvc.core.formats`) are always
-staged: the gather converts P's floats into D's fp8. Part of the P role (`kvsvc.service.sending` owns it); imports
-kvsvc's core, never the D role.
+`kvsvc.core.sender.WriteEnd`, set once on the future `BlockWriter.write` returned, only when none of its descriptors can
+move any more. A plane's write ends in a value too (`kvsvc.transport.base.Written`: the bytes, or its `WriteFailed`),
+and so does each part of a write here (`Part`); only what is not the plane's fault (a plan, a window, room, a gather, a
+plane breaking its contract) raises. What a failed write waits for first (its plane's `drained` future; for one that
+raised outside the plane's contract, the plane to drain, bounded; or nothing) is the core's write-failure table's
+decision (`kvsvc.core.sender.FAULT_WAITS`), so the request's blocks stay held until then. Either failure becomes a
+`WriteFault` at one place, `_failed`; the role hands the `WriteEnd` to the `Sender`. Small writes skip the task when the
+plane's `start_write` takes them. With a staging region, a plan its rule picks is gathered there chunk by chunk and
+written one descriptor per destination run (`kvsvc.service.staging_area`). A request with a window of D's staging region
+is written there as one stream (`kvsvc.core.staging_plans.window_plan`), gathered too when the rule picks it; D scatters
+it. A share larger than its window moves in rounds, as its `kvsvc.core.windows.FillingWindow` says: round k waits until
+D emptied round k - 2 (within the hold timeout), and each round but the last is announced. A layer-wise write stages
+each layer on its own when the rule picks it. A converting pair's writes (`kvsvc.core.formats`) are always staged: the
+gather converts P's floats into D's fp8. Part of the P role (`kvsvc.service.sending` owns it); imports kvsvc's core,
+never the D role.
 
 A `PlanCache` holds what one P worker writes to one D worker, as descriptor tables planned once per request shape and
 shifted per request: the plan, its window stream when D lent a window, and the staged form of either. A request
@@ -63,7 +65,7 @@ from kvsvc.core.staging_plans import (
 )
 from kvsvc.core.windows import Fail, FillCommand, FillEvent, FillingWindow
 from kvsvc.service.context import ServiceContext
-from kvsvc.transport.base import Transport, WriteFailed
+from kvsvc.transport.base import Transport, WriteFailed, Written
 
 _PLAN_CACHE_ENTRIES = 1024  # per D worker connection
 # Descriptors cached per D worker connection, all plans together: 24 MiB, and their staged forms and window streams
@@ -275,6 +277,10 @@ __all__ = ["PlanCache", "Shifted"]
 
 log = logging.getLogger(__name__)
 
+Part = tuple[int, int] | WriteFailed
+"""How a write, or a part of one (a chunk, a layer, a round), ended: (bytes, descriptors) landed, or its plane's
+failure, once no descriptor of it can move any more."""
+
 CLOSED_MID_WRITE = "P service closed before the write finished"
 
 
@@ -397,7 +403,7 @@ class BlockWriter:
                 task.cancel()
 
     async def _write(self, command: Submit, target: WriteTarget | None, ended: asyncio.Future[WriteEnd]) -> None:
-        nbytes = ndesc = 0
+        ndesc = 0
         try:
             if target is None:
                 raise PeerLost(f"control connection to {command.dst} lost before the write")
@@ -405,22 +411,25 @@ class BlockWriter:
             if _in_rounds(command):
                 if layers is not None:  # rounds follow D's address order, not the layers: all of them first
                     await _computed(layers)
-                nbytes, ndesc = await self._write_rounds(target, command)
+                part = await self._write_rounds(target, command)
             elif layers is None:
                 table, unit = self._descriptors(target, command)
-                nbytes, ndesc = await self._write_once(target, table, command, unit)
+                part = await self._write_once(target, table, command, unit)
             else:
                 table, _ = self._descriptors(target, command)
                 ndesc = len(table)
-                nbytes, ndesc = await self._write_layerwise(target, table, layers, command)
+                part = await self._write_layerwise(target, table, layers, command)
         except asyncio.CancelledError:
             # Only `close` cancels, after `close_drain_timeout_s`: the engine is going away with its blocks.
             self._end(command, ended, WriteFault(CLOSED_MID_WRITE))
             raise
-        except Exception as exc:  # the plane, a plan, a window, room, D's rounds, a gather: `_fault` sorts them
+        except Exception as exc:  # a plan, a window, room, D's rounds, a gather, a plane outside its contract
             self._failed(command, exc, ndesc, target, ended)
             return
-        self._end(command, ended, Landed(nbytes, ndesc))
+        if isinstance(part, WriteFailed):
+            self._failed(command, part, ndesc, target, ended)
+        else:
+            self._end(command, ended, Landed(*part))
 
     def _end(self, command: Submit, ended: asyncio.Future[WriteEnd], end: WriteEnd) -> None:
         began = self._began.pop(id(command), None)
@@ -466,7 +475,7 @@ class BlockWriter:
         self,
         command: Submit,
         ndesc: int,
-        result: asyncio.Future[int],
+        result: asyncio.Future[Written],
         target: WriteTarget,
         ended: asyncio.Future[WriteEnd],
     ) -> None:
@@ -475,25 +484,27 @@ class BlockWriter:
             self._end(command, ended, WriteFault(CLOSED_MID_WRITE, ndesc))
             return
         exc = result.exception()
-        if exc is None:
-            self._end(command, ended, Landed(result.result(), ndesc))
+        written = exc if exc is not None else result.result()
+        if isinstance(written, int):
+            self._end(command, ended, Landed(written, ndesc))
         else:
-            self._failed(command, exc, ndesc, target, ended)
+            self._failed(command, written, ndesc, target, ended)
 
     def _failed(
         self,
         command: Submit,
-        exc: BaseException,
+        failure: BaseException | WriteFailed,
         ndesc: int,
         target: WriteTarget | None,
         ended: asyncio.Future[WriteEnd],
         call: str = "write",
     ) -> None:
-        """A write failed (any path; `call`: the plane's method that raised): it ends once the peer can no longer
-        make progress on it, so the request's blocks stay held until then (`_fault` says what it waits for)."""
+        """A write failed (any path: its plane's `WriteFailed`, or what raised; `call`: the plane's method it
+        reached): it ends once the peer can no longer make progress on it, so the request's blocks stay held until
+        then (`_fault` says what it waits for)."""
         self._ctx.counts["write_failures"] += 1
-        fault = WriteFault(f"{type(exc).__name__}: {exc}", ndesc)
-        drained = self._fault(command, exc, target, call)
+        fault = WriteFault(f"{type(failure).__name__}: {failure}", ndesc)
+        drained = self._fault(command, failure, target, call)
         if drained is None or drained.done():
             self._end(command, ended, fault)
             return
@@ -506,23 +517,23 @@ class BlockWriter:
         drained.add_done_callback(after_drain)
 
     def _fault(
-        self, command: Submit, exc: BaseException, target: WriteTarget | None, call: str
+        self, command: Submit, failure: BaseException | WriteFailed, target: WriteTarget | None, call: str
     ) -> asyncio.Future[Any] | None:
         """What a failed write must wait for before its blocks may be released, as the core's write-failure table
         decides (`kvsvc.core.sender.fault_wait`) from how it failed (`_fault_kind`) and whether a plane was asked;
         None for nothing."""
-        kind = _fault_kind(exc)
+        kind = _fault_kind(failure)
         if kind is FaultKind.OUTSIDE_CONTRACT:
             log.error(
                 "%s of transfer %r to %s raised outside the plane's contract",
                 call,
                 command.transfer_id,
                 command.dst,
-                exc_info=exc,
+                exc_info=failure if isinstance(failure, BaseException) else None,
             )
         match fault_wait(kind, target is not None):
             case FaultWait.DRAINED:
-                return exc.drained if isinstance(exc, WriteFailed) else None
+                return failure.drained if isinstance(failure, WriteFailed) else None
             case FaultWait.SETTLED:
                 return self._settled(command, target) if target is not None else None
             case FaultWait.NOTHING:
@@ -564,21 +575,22 @@ class BlockWriter:
 
     async def _write_once(
         self, target: WriteTarget, table: Int64Array, command: Submit, unit: Shifted | None = None
-    ) -> tuple[int, int]:
+    ) -> Part:
         """Write the descriptor table `table` (the cached plan or window stream `unit` shifted, if given), gathered
-        through the staging region when its rule picks it; (bytes, descriptors).
+        through the staging region when its rule picks it.
 
         Raises:
-            WriteFailed / StagingFull / what the gather raises: as `_write_staged` or `Transport.write`.
+            StagingFull / what the gather raises: as `_write_staged`; InvalidDescriptor / TransportClosed: as
+                `Transport.write`.
         """
         chunks = self._staged(target, table, command.window_bytes > 0, unit)
         if chunks is not None:
             return await self._write_staged(target, chunks)
-        return await target.transport.write(target.session, table), len(table)
+        return _part(await target.transport.write(target.session, table), len(table))
 
-    async def _write_rounds(self, target: WriteTarget, command: Submit) -> tuple[int, int]:
-        """Write a share larger than its window in rounds, as its `FillingWindow` says (module docstring); (bytes,
-        descriptors).
+    async def _write_rounds(self, target: WriteTarget, command: Submit) -> Part:
+        """Write a share larger than its window in rounds, as its `FillingWindow` says (module docstring); a round's
+        plane failure ends it.
 
         Raises:
             as `_stream` and `_write_once`; PeerLost / KVSvcTimeout: D did not empty a round in time;
@@ -606,24 +618,26 @@ class BlockWriter:
                     self._ctx.round_wait.observe(clock() - began)
                     continue
                 table = np.column_stack((step.src, step.dst, step.length))
-                written, submitted = await self._write_once(target, table, command)
-                nbytes, ndesc = nbytes + written, ndesc + submitted
+                part = await self._write_once(target, table, command)
+                if isinstance(part, WriteFailed):
+                    return part
+                nbytes, ndesc = nbytes + part[0], ndesc + part[1]
                 carry_out_p(fill.landed(clock()), self._side)
         finally:
             target.fills.pop(transfer_id, None)
 
-    async def _write_staged(self, target: WriteTarget, chunks: list[StagedChunk]) -> tuple[int, int]:
-        """Write `chunks` through the staging region, each as soon as it has room; returns (bytes, descriptors).
+    async def _write_staged(self, target: WriteTarget, chunks: list[StagedChunk]) -> Part:
+        """Write `chunks` through the staging region, each as soon as it has room; ends as `_all_written`.
 
         Raises:
-            WriteFailed / StagingFull / what the gather raises: the first failure, once no chunk of the write can
-                move any more bytes.
+            StagingFull / what the gather raises: as `_all_written`.
         """
         written = await _all_written(self._write_chunk(target, chunk) for chunk in chunks)
-        self._ctx.counts["staged"] += 1
+        if not isinstance(written, WriteFailed):
+            self._ctx.counts["staged"] += 1
         return written
 
-    async def _write_chunk(self, target: WriteTarget, chunk: StagedChunk) -> tuple[int, int]:
+    async def _write_chunk(self, target: WriteTarget, chunk: StagedChunk) -> Part:
         """Lend room for `chunk`, gather its pieces there, write its runs; the room goes back once nothing can read
         it any more (after a failed write's drain). A converting pair's gather converts (`TorchGather.convert`); a
         region whose copies cannot raises `TopologyError`. A cancelled chunk keeps its room: only `close` cancels."""
@@ -651,23 +665,21 @@ class BlockWriter:
         ctx.staged_gather.observe(gathered - lent)
         descriptors = np.column_stack((addr + chunk.write_offset, chunk.write_dst, chunk.write_length))
         try:
-            nbytes = await target.transport.write(target.session, descriptors)
+            written = await target.transport.write(target.session, descriptors)
         except asyncio.CancelledError:
-            raise
-        except WriteFailed as exc:
-            if exc.drained is not None and not exc.drained.done():
-                exc.drained.add_done_callback(lambda _: area.give_back(addr))
-            else:
-                area.give_back(addr)
             raise
         except BaseException:
             # A plane that raised outside its contract may still read the room; a later chunk's gather into it
             # changes only what that stray copy carries into blocks whose write failed (`_settled` holds them).
             area.give_back(addr)
             raise
+        if isinstance(written, WriteFailed) and written.drained is not None and not written.drained.done():
+            written.drained.add_done_callback(lambda _: area.give_back(addr))
+            return written
         area.give_back(addr)
-        ctx.staged_write.observe(ctx.clock() - gathered)
-        return nbytes, len(descriptors)
+        if not isinstance(written, WriteFailed):
+            ctx.staged_write.observe(ctx.clock() - gathered)
+        return _part(written, len(descriptors))
 
     async def _write_layerwise(
         self,
@@ -675,10 +687,10 @@ class BlockWriter:
         table: Int64Array,
         layers: list[asyncio.Future[None]],
         command: Submit,
-    ) -> tuple[int, int]:
+    ) -> Part:
         """Write each layer's descriptors (rows of `table`) as soon as its compute finished, later layers still
-        computing, each layer gathered through the staging region when the rule picks it for that layer; (bytes,
-        descriptors).
+        computing, each layer gathered through the staging region when the rule picks it for that layer; ends as
+        `_all_written`.
 
         A cross-layer pool puts every layer inside each block, so one descriptor spans layers: it goes once the
         last layer finished (the layer-wise gain needs per-layer tensors).
@@ -697,16 +709,19 @@ class BlockWriter:
         waited = [not ready.done() for ready in layers]  # computed while the write waits, not before it began
         computed_at = [0.0] * len(layers)
 
-        async def one(layer: int) -> tuple[int, int]:
+        async def one(layer: int) -> Part:
             await _computed(layers if is_cross_layer(meta) else [layers[layer]])
             computed_at[layer] = clock()
             if not len(per_layer[layer]):
                 return 0, 0
             written = await self._write_once(target, per_layer[layer], command)
-            ctx.layer_copy.observe(clock() - computed_at[layer])
+            if not isinstance(written, WriteFailed):
+                ctx.layer_copy.observe(clock() - computed_at[layer])
             return written
 
         written = await _all_written(one(i) for i in range(len(layers)))
+        if isinstance(written, WriteFailed):
+            return written
         for i in range(1, len(layers) if not is_cross_layer(meta) else 0):  # there, every layer waits for all
             if waited[i - 1] and waited[i]:
                 ctx.layer_compute.observe(max(0.0, computed_at[i] - computed_at[i - 1]))
@@ -751,32 +766,45 @@ async def _computed(layers: Sequence[asyncio.Future[None]]) -> None:
         raise TransferAborted(f"the compute of a layer failed: {type(exc).__name__}: {exc}") from exc
 
 
-async def _all_written(parts: Iterable[Awaitable[tuple[int, int]]]) -> tuple[int, int]:
-    """Run the writes `parts` (each returning bytes and descriptors) together; their summed counts.
+async def _all_written(parts: Iterable[Awaitable[Part]]) -> Part:
+    """Run the writes `parts` together; their summed counts, or the first plane failure among them, once every
+    failed part's descriptors stopped moving (its `drained`): the job may end only then, not after the first
+    failure's alone.
 
     Raises:
-        the first part's failure, once every failed part's descriptors stopped moving (its `drained`): the job may
-        end only then, not after the first failure's alone. A failure outside the plane's contract goes first, so
-        that the write waits for the plane too (`BlockWriter._settled`).
+        what a part raised, once the parts' drains are over: a failure outside the plane's contract first, so that
+        the write waits for the plane too (`BlockWriter._settled`), then the plane's failure is returned, then any
+        other error is raised.
     """
     results = await asyncio.gather(*parts, return_exceptions=True)
-    failures = [r for r in results if isinstance(r, BaseException)]
-    drains = [f.drained for f in failures if isinstance(f, WriteFailed) and f.drained is not None]
+    faults = [r for r in results if isinstance(r, WriteFailed)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    drains = [f.drained for f in faults if f.drained is not None]
     if drains:
         await asyncio.shield(asyncio.gather(*drains, return_exceptions=True))
-    if failures:
-        raise next((f for f in failures if _fault_kind(f) is FaultKind.OUTSIDE_CONTRACT), failures[0])
+    outside = next((e for e in errors if _fault_kind(e) is FaultKind.OUTSIDE_CONTRACT), None)
+    if outside is not None:
+        raise outside
+    if faults:
+        return faults[0]
+    if errors:
+        raise errors[0]
     done = [r for r in results if isinstance(r, tuple)]
     return sum(n for n, _ in done), sum(d for _, d in done)
 
 
-def _fault_kind(exc: BaseException) -> FaultKind:
+def _part(written: Written, descriptors: int) -> Part:
+    """A plane's write of `descriptors` descriptors as a `Part`."""
+    return written if isinstance(written, WriteFailed) else (written, descriptors)
+
+
+def _fault_kind(failure: BaseException | WriteFailed) -> FaultKind:
     """How a write failed, by the transport contract (`kvsvc.transport.base`): the plane's `WriteFailed`; a failure
     the contract allows (`KVSvcError`, `ValueError`: raised before anything was submitted, or once all it submitted
     ended); or anything else, which may leave part of the write moving."""
-    if isinstance(exc, WriteFailed):
+    if isinstance(failure, WriteFailed):
         return FaultKind.PLANE
-    return FaultKind.WITHIN_CONTRACT if isinstance(exc, KVSvcError | ValueError) else FaultKind.OUTSIDE_CONTRACT
+    return FaultKind.WITHIN_CONTRACT if isinstance(failure, KVSvcError | ValueError) else FaultKind.OUTSIDE_CONTRACT
 
 
 def _fill_error(cause: FillEvent | None, reason: str) -> Exception:

@@ -21,6 +21,7 @@ from kvsvc.transport.base import (
     TransportClosed,
     TransportStatistics,
     WriteFailed,
+    Written,
     as_rows,
     check_descriptors,
 )
@@ -31,7 +32,7 @@ _session_ids = itertools.count(1)
 class LoopbackTransport:
     """A `Transport` whose peers live in this process: `write` copies with `ctypes.memmove`.
 
-    Fault switches: `fail_next_writes(code, count, after_descriptors)` makes the next writes raise `WriteFailed`
+    Fault switches: `fail_next_writes(code, count, after_descriptors)` makes the next writes end in a `WriteFailed`
     (optionally after copying some descriptors, like a peer dying mid-write); `stall()` holds every write before it
     copies anything until `release()`. A write cancelled while stalled copied nothing and re-raises at once.
     """
@@ -61,7 +62,7 @@ class LoopbackTransport:
     # -- fault switches ---------------------------------------------------------------------------------------
 
     def fail_next_writes(self, code: int = ERR_FAILED, count: int = 1, after_descriptors: int = 0) -> None:
-        """Make the next `count` writes raise `WriteFailed(code)` after copying `after_descriptors` descriptors."""
+        """Make the next `count` writes end in `WriteFailed(code)` after copying `after_descriptors` descriptors."""
         self._fail_code, self._fail_count, self._fail_after = code, count, after_descriptors
 
     def stall(self) -> None:
@@ -89,9 +90,9 @@ class LoopbackTransport:
     def remove_peer(self, session_id: str) -> None:
         self._peers.pop(session_id, None)
 
-    async def write(self, peer: str, descriptors: Descriptors) -> int:
-        """Copy the descriptors into the peer's memory. Raises InvalidDescriptor (before copying anything),
-        WriteFailed (switched on by `fail_next_writes`), TransportClosed. Cancellation while stalled leaves
+    async def write(self, peer: str, descriptors: Descriptors) -> Written:
+        """Copy the descriptors into the peer's memory; a `WriteFailed` when `fail_next_writes` switched it on.
+        Raises InvalidDescriptor (before copying anything), TransportClosed. Cancellation while stalled leaves
         nothing copied; the copy itself is synchronous, so it cannot be interrupted halfway."""
         descriptors = as_rows(descriptors)
         if self._closed:
@@ -123,7 +124,7 @@ class LoopbackTransport:
                 self._failures += 1
                 done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 done.set_result(None)
-                raise WriteFailed(f"injected failure of a write to {peer}", self._fail_code, peer=peer, drained=done)
+                return WriteFailed(f"injected failure of a write to {peer}", self._fail_code, peer=peer, drained=done)
             self._completed += 1
             return total
         finally:
@@ -132,7 +133,7 @@ class LoopbackTransport:
     async def drained(self, peer: str | None = None) -> None:
         """Nothing ever moves in the background here: returns at once."""
 
-    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written] | None:
         """No fast path: every write goes through `write` (the service then runs it as a task)."""
         return None
 

@@ -7,7 +7,9 @@ Python object per piece on the way to the copy (a 4,032-piece table made tuples 
 machine, where its device copies take microseconds), and is checked whole (`check_table`). Invariants: a write is
 refused (`InvalidDescriptor`) before anything is submitted unless every source range lies inside registered local
 memory and every destination range inside the peer's published regions; a write never returns or raises while a
-descriptor it submitted may still move data, except a `WriteFailed` whose `drained` future says when that is over.
+descriptor it submitted may still move data, except with a `WriteFailed` whose `drained` future says when that is over.
+A data-plane fault is a value a write returns (`Written`), never an exception: a plane raises only for the caller's
+mistakes (`InvalidDescriptor`) and its owner's close (`TransportClosed`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -52,28 +54,30 @@ class InvalidDescriptor(TransportError, ValueError):
     not positive, or the peer is unknown. Nothing was written; the caller's bug or a stale peer table."""
 
 
-class WriteFailed(TransportError):
-    """The engine failed a write (peer killed or frozen, queue full, target refused an address).
+@dataclass(frozen=True, eq=False)
+class WriteFailed:
+    """How a write the engine failed ends (peer killed or frozen, queue full, target refused an address): the value
+    `Transport.write` returns, never an exception. A data-plane fault is an outcome the writer decides on (the core's
+    write-failure table, `kvsvc.core.sender.FAULT_WAITS`), not an error to unwind through it.
 
     `drained` resolves once no descriptor of the write can still move data: it is already done when the write
-    raised after every submitted descriptor finished (the usual case), and still pending (`undrained` > 0) only
+    ended after every submitted descriptor finished (the usual case), and still pending (`undrained` > 0) only
     when the peer stopped making progress, so the transport gave up waiting (see `MooncakeConfig.drain_timeout_s`).
     Do not reuse or free the source blocks, nor let the peer reuse the destination blocks, before it resolves.
     """
 
-    def __init__(
-        self,
-        message: str,
-        code: int = ERR_FAILED,
-        *,
-        peer: str = "",
-        undrained: int = 0,
-        drained: asyncio.Future[None] | None = None,
-    ) -> None:
-        super().__init__(message, code)
-        self.peer = peer
-        self.undrained = undrained
-        self.drained = drained
+    message: str
+    code: int = ERR_FAILED  # Mooncake's codes, as every `TransportError.code`
+    peer: str = ""
+    undrained: int = 0
+    drained: asyncio.Future[None] | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+Written: TypeAlias = int | WriteFailed
+"""How a write ends: the bytes written, once every descriptor landed, or the engine's `WriteFailed`."""
 
 
 class TransportClosed(TransportError):
@@ -87,9 +91,9 @@ class TransportStatistics:
     bytes_written: int = 0  # bytes of descriptors that landed
     descriptors_written: int = 0  # descriptors that landed
     writes_completed: int = 0  # writes that returned their byte count
-    failures: int = 0  # writes that raised WriteFailed
+    failures: int = 0  # writes that ended in a WriteFailed
     refused: int = 0  # writes refused before submission (InvalidDescriptor, closed transport)
-    writes_in_flight: int = 0  # writes that have not returned or raised yet
+    writes_in_flight: int = 0  # writes that have not ended yet
     descriptors_in_flight: int = 0  # descriptors submitted to the engine and not finished (includes undrained ones)
     peers: int = 0  # peers added and not removed
     registered_bytes: int = 0  # local memory registered with the engine
@@ -137,16 +141,15 @@ class Transport(Protocol):
         """Forget a peer (idempotent): later writes to it are refused; writes in flight finish on their own."""
         ...
 
-    async def write(self, peer: str, descriptors: Descriptors) -> int:
-        """Write every `(src_addr, dst_addr, length)` into `peer` (tuples or a table); return the bytes written once
-        all landed.
+    async def write(self, peer: str, descriptors: Descriptors) -> Written:
+        """Write every `(src_addr, dst_addr, length)` into `peer` (tuples or a table); the bytes written once all
+        landed, or the engine's `WriteFailed` (with its code) when it failed a descriptor or refused a submission:
+        returned once every submitted descriptor of the write finished, or, if the peer makes no progress, with
+        `drained` pending: await it before reusing the blocks.
 
         Raises:
             InvalidDescriptor: before anything is submitted, when a range is outside registered local memory or
                 the peer's regions, a length is not positive, or the peer is unknown.
-            WriteFailed: the engine failed a descriptor or refused a submission (with its code). Raised once every
-                submitted descriptor of the write finished, or, if the peer makes no progress, with `drained`
-                pending: await it before reusing the blocks.
             TransportClosed: the transport is closed.
 
         Cancellation stops submitting the remaining descriptors, then waits (shielded from further cancels) until
@@ -160,11 +163,11 @@ class Transport(Protocol):
         """Return once no descriptor to `peer` (to any peer when None) is in flight. Cancellation-safe."""
         ...
 
-    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written] | None:
         """Optional fast path for small writes: submit now, from the running loop, without a task, and return a
-        future that ends as `write` would (bytes written, `WriteFailed`, `TransportClosed`); or return None, having
-        submitted nothing, whenever `write` would do anything but submit at once. A transport without the fast
-        path always returns None. Raises nothing; cancelling the future cancels nothing."""
+        future that ends as `write` would (with what it returns, or raising `TransportClosed`); or return None,
+        having submitted nothing, whenever `write` would do anything but submit at once. A transport without the
+        fast path always returns None. Raises nothing; cancelling the future cancels nothing."""
         ...
 
     async def reachable(

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
-from kvsvc.transport.base import ERR_FAILED, WriteFailed
+from kvsvc.transport.base import ERR_FAILED, WriteFailed, Written
 from kvsvc.transport.finetimer import FineTimer
 
 # asyncio's epoll and uvloop's libuv timers both have a 1 ms floor; uvloop turns any shorter sleep into a zero
@@ -53,7 +53,7 @@ class Write:
         self.code = ERR_FAILED
         self.failed_at: float | None = None
         self.cancelled_at: float | None = None
-        self.result: asyncio.Future[int] = loop.create_future()  # when `write` may return or raise
+        self.result: asyncio.Future[Written] = loop.create_future()  # when `write` may end, and how
         self.drained: asyncio.Future[None] = loop.create_future()  # when nothing of it can move any more
 
     def fail(self, message: str, code: int, now: float) -> None:
@@ -69,16 +69,13 @@ class Write:
             self.queue.stuck.discard(self)
         if self.result.done():
             return
-        if self.error is None:
-            self.result.set_result(self.bytes_ok)
-        else:
-            self.result.set_exception(self.failure())
+        self.result.set_result(self.bytes_ok if self.error is None else self.failure())
 
     def give_up(self) -> None:
         """Resolve `result` with descriptors still in flight (the peer stopped progressing)."""
         if not self.result.done():
             self.queue.stuck.add(self)
-            self.result.set_exception(self.failure(f"; {self.pending} descriptor(s) still in flight, await .drained"))
+            self.result.set_result(self.failure(f"; {self.pending} descriptor(s) still in flight, await .drained"))
 
     def failure(self, suffix: str = "") -> WriteFailed:
         message = self.error or f"write to {self.queue.peer} cancelled"

@@ -42,6 +42,7 @@ from kvsvc.transport.base import (
     TransportStatistics,
     WriteFailed,
     WriteLedger,
+    Written,
     checked_table,
     settled,
 )
@@ -299,13 +300,13 @@ class CudaIpcTransport:
 
     # -- writes ----------------------------------------------------------------------------------------------------
 
-    async def write(self, peer: str, descriptors: Descriptors) -> int:
-        """As `Transport.write`: every byte copied on the device, or `WriteFailed`.
+    async def write(self, peer: str, descriptors: Descriptors) -> Written:
+        """As `Transport.write`: every byte copied on the device, or a `WriteFailed` when the driver refused a copy
+        (its `drained` resolves when the copies enqueued before it finished) or the peer's process is gone (code
+        -102, nothing enqueued).
 
         Raises:
             InvalidDescriptor: before anything is enqueued (ranges, lengths, an unknown peer).
-            WriteFailed: the driver refused a copy (its `drained` resolves when the copies enqueued before it
-                finished), or the peer's process is gone (code -102, nothing enqueued).
             TransportClosed: the transport is closed.
 
         Cancellation waits for the copies already enqueued (the device cannot take them back) before re-raising.
@@ -317,14 +318,14 @@ class CudaIpcTransport:
             await wait_uncancellable(future)
             raise
 
-    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written] | None:
         """As `Transport.start_write`: the copies are enqueued now. None when `write` would refuse."""
         try:
             return self._submit(peer, descriptors)
         except (InvalidDescriptor, TransportClosed):
             return None
 
-    def _submit(self, session: str, descriptors: Descriptors) -> asyncio.Future[int]:
+    def _submit(self, session: str, descriptors: Descriptors) -> asyncio.Future[Written]:
         if self._closed:
             self._ledger.refused += 1
             raise TransportClosed("the GPU plane is closed")
@@ -339,11 +340,11 @@ class CudaIpcTransport:
         assert peer is not None
         src, dst, length = table[:, 0], table[:, 1], table[:, 2]
         loop = self._own.current()
-        result: asyncio.Future[int] = loop.create_future()
+        result: asyncio.Future[Written] = loop.create_future()
         if peer.watch.gone():
             self._ledger.failures += 1
             message = f"GPU write to {session}: process {peer.address.pid} is gone"
-            result.set_exception(WriteFailed(message, ERR_GONE, peer=session, drained=settled(loop)))
+            result.set_result(WriteFailed(message, ERR_GONE, peer=session, drained=settled(loop)))
             return result
         pieces = np.stack([src, peer.mapping.here_all(dst), length], axis=1)
         self._ledger.started(len(pieces))
@@ -372,7 +373,7 @@ class CudaIpcTransport:
         event: CudaEvent | None,
         failure: CudaError | None,
         landed: asyncio.Future[None],
-        result: asyncio.Future[int],
+        result: asyncio.Future[Written],
     ) -> None:
         if event is not None:
             self._driver.release(event)
@@ -390,7 +391,7 @@ class CudaIpcTransport:
         message = f"GPU write to {session}: {error or 'cancelled'}"
         failed = WriteFailed(message, ERR_FAILED, peer=session, drained=settled(landed.get_loop()))
         if not result.done():
-            result.set_exception(failed)
+            result.set_result(failed)
 
     async def drained(self, peer: str | None = None) -> None:
         """Return once no copy is in flight (to any peer: they share one stream). Cancellation-safe."""

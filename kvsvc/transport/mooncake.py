@@ -30,6 +30,7 @@ from kvsvc.transport.base import (
     TransportClosed,
     TransportStatistics,
     WriteFailed,
+    Written,
     as_rows,
     check_descriptors,
 )
@@ -212,10 +213,10 @@ class MooncakeTransport:
 
     # -- writes ---------------------------------------------------------------------------------------------------
 
-    async def write(self, peer: str, descriptors: Descriptors) -> int:
-        """See `Transport.write`: raises InvalidDescriptor before submitting, WriteFailed, TransportClosed;
-        cancellation waits for the submitted descriptors (bounded by the engine's progress timeout plus
-        `drain_timeout_s`) before re-raising. A table is taken as tuples: the engine submits one at a time."""
+    async def write(self, peer: str, descriptors: Descriptors) -> Written:
+        """See `Transport.write`: the bytes or a `WriteFailed`; raises InvalidDescriptor before submitting and
+        TransportClosed; cancellation waits for the submitted descriptors (bounded by the engine's progress timeout
+        plus `drain_timeout_s`) before re-raising. A table is taken as tuples: the engine submits one at a time."""
         descriptors = as_rows(descriptors)
         if self._closed:
             self._counts["refused"] += 1
@@ -232,7 +233,7 @@ class MooncakeTransport:
         if queue.stuck:
             # An earlier write gave up on this peer with descriptors stuck behind it: fail fast, submit nothing.
             self._counts["refused"] += 1
-            raise WriteFailed(f"peer {peer} has descriptors stuck from a failed write", ERR_FAILED, peer=peer)
+            return WriteFailed(f"peer {peer} has descriptors stuck from a failed write", ERR_FAILED, peer=peer)
         op = self._start_op(queue, loop)
         cancelled = False
         try:
@@ -251,14 +252,14 @@ class MooncakeTransport:
         finally:
             self._end_op(op, counted=not cancelled)
 
-    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written] | None:
         """Submit a small write at once, from the running loop, without a task: the many-small-requests path.
 
-        Returns a future that resolves exactly as `write` returns or raises (bytes written, or `WriteFailed` whose
-        `drained` may still be pending, or `TransportClosed`), or None, having submitted nothing, whenever `write`
-        would do anything but submit at once: the first write to a peer (its handshake runs off the loop), a full
-        window, stuck descriptors, more than `submit_chunk` descriptors, a refused descriptor, a closed transport.
-        The caller then uses `write`, which raises what applies. Cancelling the future cancels nothing.
+        Returns a future that resolves exactly as `write` returns or raises (bytes written, or a `WriteFailed` whose
+        `drained` may still be pending, or raising `TransportClosed`), or None, having submitted nothing, whenever
+        `write` would do anything but submit at once: the first write to a peer (its handshake runs off the loop), a
+        full window, stuck descriptors, more than `submit_chunk` descriptors, a refused descriptor, a closed
+        transport. The caller then uses `write`, which raises what applies. Cancelling the future cancels nothing.
         """
         descriptors = as_rows(descriptors)
         if (
@@ -309,13 +310,9 @@ class MooncakeTransport:
             op.drained.add_done_callback(lambda _: queue.writes.discard(op))
         if not op.result.done() or op.result.cancelled():
             return
-        exc = op.result.exception()  # also marks it retrieved
-        if not counted:
+        if op.result.exception() is not None or not counted:  # (also marks it retrieved) closed mid-write
             return
-        if exc is None:
-            self._counts["completed"] += 1
-        elif isinstance(exc, WriteFailed):
-            self._counts["failures"] += 1
+        self._counts["failures" if isinstance(op.result.result(), WriteFailed) else "completed"] += 1
 
     async def _submit(self, op: Write, descriptors: Sequence[tuple[int, int, int]]) -> None:
         queue, engine, loop = op.queue, self._engine, self._loop

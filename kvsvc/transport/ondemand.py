@@ -30,6 +30,7 @@ from kvsvc.transport.base import (
     Transport,
     TransportClosed,
     TransportStatistics,
+    Written,
 )
 from kvsvc.transport.samehost import listening_sockets
 
@@ -167,12 +168,12 @@ class OnDemand:
         if self._engine is not None:
             self._engine.remove_peer(session_id)
 
-    async def write(self, peer: str, descriptors: Descriptors) -> int:
+    async def write(self, peer: str, descriptors: Descriptors) -> Written:
         if self._engine is None:
             raise InvalidDescriptor(f"Mooncake is not started on this worker; write to {peer} refused")
         return await self._engine.write(peer, descriptors)
 
-    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written] | None:
         return self._engine.start_write(peer, descriptors) if self._engine is not None else None
 
     async def drained(self, peer: str | None = None) -> None:

@@ -23,7 +23,7 @@ from typing import Protocol
 from kvsvc.core.auth import is_loopback
 from kvsvc.core.data_planes import is_same_host
 from kvsvc.core.messages import IpcHandle
-from kvsvc.transport.base import Descriptors, Region, Transport, TransportStatistics
+from kvsvc.transport.base import Descriptors, Region, Transport, TransportStatistics, Written
 from kvsvc.transport.cuda_driver import CudaError
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 from kvsvc.transport.ondemand import OnDemand
@@ -83,10 +83,10 @@ class RoutedTransport:
             return await self.local.reachable(session, regions, via, handles)
         return ""
 
-    async def write(self, peer: str, descriptors: Descriptors) -> int:
+    async def write(self, peer: str, descriptors: Descriptors) -> Written:
         return await self.plane(peer).write(peer, descriptors)
 
-    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written] | None:
         return self.plane(peer).start_write(peer, descriptors)
 
     async def drained(self, peer: str | None = None) -> None:

@@ -60,6 +60,7 @@ from kvsvc.transport.base import (
     TransportStatistics,
     WriteFailed,
     WriteLedger,
+    Written,
     checked_table,
     settled,
 )
@@ -358,7 +359,7 @@ class _Queued:
     uid: int  # the target's real uid when it was admitted: a process that changed user is not written
     table: npt.NDArray[np.int64]
     total: int
-    result: asyncio.Future[int]
+    result: asyncio.Future[Written]
     finished: bool = False
 
 
@@ -529,12 +530,12 @@ class SameHostTransport:
             self._admitted[session] = uid
         return refused
 
-    async def write(self, peer: str, descriptors: Descriptors) -> int:
-        """As `Transport.write`: every byte copied by the kernel, or `WriteFailed` with nothing left moving.
+    async def write(self, peer: str, descriptors: Descriptors) -> Written:
+        """As `Transport.write`: every byte copied by the kernel, or a `WriteFailed` with nothing left moving when
+        the kernel refused the copy or the peer died (code -102 when its process is gone).
 
         Raises:
             InvalidDescriptor: before anything is copied (ranges, lengths, an unknown peer).
-            WriteFailed: the kernel refused the copy or the peer died (code -102 when its process is gone).
             TransportClosed: the transport is closed.
 
         Cancellation waits for the copy the kernel is doing (it cannot be cut short) before re-raising.
@@ -546,7 +547,7 @@ class SameHostTransport:
             await wait_uncancellable(future)
             raise
 
-    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written] | None:
         """As `Transport.start_write`: the copy is handed to the copy thread at the end of this loop iteration. None
         when `write` would refuse (it raises the reason then)."""
         try:
@@ -554,7 +555,7 @@ class SameHostTransport:
         except (InvalidDescriptor, TransportClosed):
             return None
 
-    def _submit(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int]:
+    def _submit(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written]:
         if self._closed:
             self._ledger.refused += 1
             raise TransportClosed("same-host transport is closed")
@@ -566,7 +567,7 @@ class SameHostTransport:
             raise
         assert known is not None
         loop = self._own.current()
-        result: asyncio.Future[int] = loop.create_future()
+        result: asyncio.Future[Written] = loop.create_future()
         self._ledger.started(len(table))
         self._queue.append(_Queued(peer, known[1].pid, known[1].start, self._admitted[peer], table, total, result))
         if len(self._queue) == 1:
@@ -619,7 +620,7 @@ class SameHostTransport:
             f"same-host write to {queued.peer}: {outcome}", code, peer=queued.peer, drained=settled(loop)
         )
         if not queued.result.done():
-            queued.result.set_exception(failure)
+            queued.result.set_result(failure)
 
     async def drained(self, peer: str | None = None) -> None:
         """Return once no copy is in flight (to any peer: copies run one at a time). Cancellation-safe."""

@@ -274,12 +274,12 @@ async def test_memory_cuda_ipc_cannot_export_offers_no_plane(driver: FakeCudaDri
 async def test_a_failed_copy_or_event_fails_the_write_with_nothing_left_moving(pair: Pair, connection: Via) -> None:
     await pair.admit(connection)
     pair.driver.fail_copies = 1
-    with pytest.raises(WriteFailed, match="illegal memory access") as failed:
-        await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
-    assert failed.value.drained is not None and failed.value.drained.done()
+    failed = await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
+    assert isinstance(failed, WriteFailed) and "illegal memory access" in failed.message
+    assert failed.drained is not None and failed.drained.done()
     pair.driver.fail_events = 1
-    with pytest.raises(WriteFailed, match="cuEventQuery failed"):
-        await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
+    broken_event = await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
+    assert isinstance(broken_event, WriteFailed) and "cuEventQuery failed" in broken_event.message
     assert await pair.p.write(pair.session, [(pair.src, pair.dst, 64)]) == 64  # the plane still works
     stats = pair.p.statistics()
     assert (stats.failures, stats.writes_completed, stats.writes_in_flight) == (2, 1, 0)
@@ -303,9 +303,9 @@ async def test_a_dead_peer_fails_the_next_write_at_once(
     await pair.admit(connection)
     pair.p._peers[pair.session].watch = watch_of_an_exited_process()  # the peer's process exits
     monkeypatch.setattr(samehost, "start_time", lambda pid: -1)  # and `peer_gone`'s /proc read says the same
-    with pytest.raises(WriteFailed, match="is gone") as failed:
-        await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
-    assert failed.value.code == cuda_ipc.ERR_GONE and pair.driver.calls == []
+    failed = await pair.p.write(pair.session, [(pair.src, pair.dst, 64)])
+    assert isinstance(failed, WriteFailed) and "is gone" in failed.message
+    assert failed.code == cuda_ipc.ERR_GONE and pair.driver.calls == []
     assert await pair.p.peer_gone(pair.session)
 
 

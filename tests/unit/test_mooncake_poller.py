@@ -132,10 +132,9 @@ async def test_failed_descriptor_fails_the_write_after_the_others_finished() -> 
     await asyncio.sleep(0.02)
     assert not task.done()  # the other two may still be moving
     engine.finish(slice(1, 3))
-    with pytest.raises(WriteFailed) as info:
-        await task
-    assert info.value.code == -1 and info.value.undrained == 0
-    assert info.value.drained is not None and info.value.drained.done()
+    failed = await task
+    assert isinstance(failed, WriteFailed) and failed.code == -1 and failed.undrained == 0
+    assert failed.drained is not None and failed.drained.done()
     assert transport.statistics().failures == 1
     await transport.close()
 
@@ -148,8 +147,8 @@ async def test_refused_submission_never_polls_id_zero_and_waits_for_the_submitte
     await asyncio.sleep(0.01)
     assert not task.done()
     engine.finish(slice(0, 2))
-    with pytest.raises(WriteFailed, match="batch id 0"):
-        await task
+    refused = await task
+    assert isinstance(refused, WriteFailed) and "batch id 0" in refused.message
     assert len(engine.submitted) == 2
     await transport.close()
 
@@ -176,12 +175,11 @@ async def test_stuck_peer_fails_the_write_with_a_drained_future_and_fails_later_
     task = asyncio.create_task(transport.write("peer:1", descs(4)))
     await until(lambda: len(engine.submitted) == 4)
     engine.finish(0, -1)  # the engine failed one lane; the rest stay stuck
-    with pytest.raises(WriteFailed) as info:
-        await asyncio.wait_for(task, 5)
-    error = info.value
+    error = await asyncio.wait_for(task, 5)
+    assert isinstance(error, WriteFailed)
     assert error.undrained == 3 and error.drained is not None and not error.drained.done()
-    with pytest.raises(WriteFailed, match="stuck"):
-        await transport.write("peer:1", descs(1))
+    refused = await transport.write("peer:1", descs(1))
+    assert isinstance(refused, WriteFailed) and "stuck" in refused.message
     assert len(engine.submitted) == 4
     engine.finish(slice(1, 4), -1)
     await asyncio.wait_for(error.drained, 5)
@@ -252,7 +250,7 @@ async def test_start_write_failure_is_its_own_and_the_next_write_still_lands() -
     engine.finish(1)
     engine.finish(2, -1)
     engine.finish(3)
-    first, failed, last = await asyncio.gather(*writes, return_exceptions=True)  # type: ignore[arg-type]
+    first, failed, last = await asyncio.gather(*writes)  # type: ignore[arg-type]
     assert first == 256 and last == 256
     assert isinstance(failed, WriteFailed) and failed.drained is not None and failed.drained.done()
     await asyncio.sleep(0)

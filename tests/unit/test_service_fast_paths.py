@@ -17,7 +17,7 @@ from kvsvc.core.auth import harness_secret
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
-from kvsvc.transport.base import Descriptors, WriteFailed, as_rows
+from kvsvc.transport.base import Descriptors, WriteFailed, Written, as_rows
 from tests.unit.test_service_wiring import BLOCK, LAYERS, Side, block_bytes_of, make_side, until, wait_output
 
 
@@ -31,17 +31,17 @@ class StartingTransport(LoopbackTransport):
         self.fail_dst: set[int] = set()
         self.hold_drain: asyncio.Future[None] | None = None
 
-    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[int] | None:
+    def start_write(self, peer: str, descriptors: Descriptors) -> asyncio.Future[Written] | None:
         descriptors = as_rows(descriptors)  # the service hands a table
         loop = asyncio.get_running_loop()
-        result: asyncio.Future[int] = loop.create_future()
+        result: asyncio.Future[Written] = loop.create_future()
         self.started += 1
         if descriptors[0][1] in self.fail_dst:
             drained = self.hold_drain or loop.create_future()
             if self.hold_drain is None:
                 drained.set_result(None)
-            exc = WriteFailed(f"injected failure to {peer}", -1, peer=peer, undrained=1, drained=drained)
-            loop.call_soon(result.set_exception, exc)
+            failed = WriteFailed(f"injected failure to {peer}", -1, peer=peer, undrained=1, drained=drained)
+            loop.call_soon(result.set_result, failed)
             return result
         for src, dst, length in descriptors:
             ctypes.memmove(dst, src, length)
@@ -232,30 +232,37 @@ async def test_a_small_write_failing_outside_the_contract_after_d_left_still_wai
 
 
 async def test_parts_of_a_write_raise_the_failure_outside_the_contract_first() -> None:
-    from kvsvc.service.writing import _all_written
+    from kvsvc.core.errors import KVSvcTimeout
+    from kvsvc.service.writing import Part, _all_written
 
     loop = asyncio.get_running_loop()
     drained = loop.create_future()
-    drained.set_result(None)
+    refused_by_the_plane = WriteFailed("peer failed it", drained=drained)
 
-    async def refused() -> tuple[int, int]:
-        raise WriteFailed("peer failed it", drained=drained)
+    async def refused() -> Part:
+        return refused_by_the_plane
 
-    async def broken() -> tuple[int, int]:
+    async def broken() -> Part:
         raise RuntimeError("a plane's bug")
 
-    async def landed() -> tuple[int, int]:
+    async def timed_out() -> Part:
+        raise KVSvcTimeout("no room in time")
+
+    async def landed() -> Part:
         return 64, 1
 
+    loop.call_later(0.05, drained.set_result, None)
     with pytest.raises(RuntimeError, match="a plane's bug"):
         await _all_written([refused(), landed(), broken()])
-    with pytest.raises(WriteFailed):
-        await _all_written([landed(), refused()])
+    assert drained.done()  # the parts' failure ends only once the plane's part drained
+    assert await _all_written([landed(), refused(), timed_out()]) is refused_by_the_plane
+    with pytest.raises(KVSvcTimeout):
+        await _all_written([landed(), timed_out()])
     assert await _all_written([landed(), landed()]) == (128, 2)
 
 
 def test_the_writer_sorts_each_failure_by_the_transport_contract() -> None:
-    """`_fault_kind` is where an exception becomes a row of the core's write-failure table: the plane's
+    """`_fault_kind` is where a failure becomes a row of the core's write-failure table: the plane's
     `WriteFailed`, a failure the contract allows (kvsvc's own errors, `ValueError`), or anything else."""
     from kvsvc.core.errors import PeerLost, TopologyError
     from kvsvc.core.sender import FaultKind

@@ -23,7 +23,7 @@ import numpy as np
 from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import SameHostAddress
 from kvsvc.service import KVTransferService
-from kvsvc.transport.base import Region, Transport
+from kvsvc.transport.base import Region, Transport, WriteFailed
 from kvsvc.transport.mooncake import MooncakeTransport
 from kvsvc.transport.ondemand import OnDemand
 from kvsvc.transport.routed import RoutedTransport
@@ -371,7 +371,7 @@ async def _plane_write(plane: Transport, command: PlaneWrite) -> BenchResult:
         "span": span,
         "cpu_start": cpu,
         "cpu": time.process_time(),
-        "failures": sum(1 for r in results if isinstance(r, BaseException)),
+        "failures": sum(1 for r in results if isinstance(r, BaseException | WriteFailed)),
     }
 
 
