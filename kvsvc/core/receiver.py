@@ -8,8 +8,9 @@ receive is reported only after every P worker it asked confirmed its writes stop
 lost P worker is probed and tried again after doubling delays (`LostSources`): the driver sleeps and probes, this
 only says what and when. `ReportGather` decides when a report of landed receives waits a little for others about to
 land, so that a burst reaches the engine in one step. The engine's receive is one frozen value, `RecvRequest`,
-checked once by `check_recv` as the service's role takes it, as P's `SendRequest` is. Pure module: standard library
-and kvsvc's pure core only.
+checked once by `check_recv` as the service's role takes it, as P's `SendRequest` is. A driver carries out the
+commands of the `Receiver` and of D's lent windows through `DSide`, dispatched by `carry_out_d`, as P's through
+`PSide`. Pure module: standard library and kvsvc's pure core only.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Final, TypeAlias
+from typing import Final, Protocol, TypeAlias
 
 from kvsvc.core.auth import check_secret
 from kvsvc.core.deadlines import Deadlines
-from kvsvc.core.errors import TopologyError
+from kvsvc.core.errors import LocalProtocolError, TopologyError
 from kvsvc.core.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
 from kvsvc.core.messages import (
     FAILURE_CAUSES,
@@ -33,6 +34,7 @@ from kvsvc.core.messages import (
     TransferDone,
     TransferFailed,
     TransferRequest,
+    WindowEmptied,
     WindowFilled,
     Worker,
     WorkerMetadata,
@@ -40,6 +42,7 @@ from kvsvc.core.messages import (
     check_transfer_id,
 )
 from kvsvc.core.planner import check_block_ids, plan_transfer_arrays
+from kvsvc.core.windows import Deliver, Scatter, TellP, WindowCommand, WindowKey
 
 ToSource: TypeAlias = TransferRequest | Release | Abort | ErrorMessage
 """What D's `Receiver` sends P workers."""
@@ -774,3 +777,63 @@ def check_recv(meta: WorkerMetadata, request: RecvRequest) -> None:
     check_block_ids(meta, list(request.block_ids), request.num_tokens, "D", request.first_token)
     check_transfer_id(request.transfer_id)
     check_secret(request.secret, request.transfer_id)
+
+
+# -- carrying out the Receiver's commands ----------------------------------------------------------------------------
+# As P's `PSide`: the service's D role and the test harness implement `DSide`, and both dispatch through `carry_out_d`.
+
+DCommand: TypeAlias = RecvCommand | WindowCommand
+"""What D's core objects ask of their driver: the `Receiver`'s and a `LentWindow`'s commands."""
+
+
+class DSide(Protocol):
+    """What a D worker's driver does for its core objects (`kvsvc.service.receiving.ReceivingRole`, the harness)."""
+
+    def tell_p(self, engine_id: str, src: Worker, message: ToSource | WindowEmptied) -> None:
+        """Send `message` to P worker `src` of `engine_id`, or keep it for the connection being opened; dropped
+        when there is neither."""
+
+    def windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest | None:
+        """`request` as it goes to P worker `src`: with a window of D's staging region lent for its share (as
+        `lent_window` decides), as it is, or None (held back until there is room: the driver sends it then)."""
+
+    def scatter(self, key: WindowKey, command: Scatter) -> None:
+        """Start copying a round of window `key` into the blocks; its end goes back to `LentWindows.scattered`."""
+
+    def deliver(self, key: WindowKey, command: Deliver) -> None:
+        """Hand P's answer about window `key` to the `Receiver` (`Receiver.receive`)."""
+
+    def log(self, notice: Notice) -> None:
+        """Log (and count, for a protocol error) what the core noticed."""
+
+
+def carry_out_d(commands: Sequence[DCommand], side: DSide, key: WindowKey | None = None) -> None:
+    """Carry out what D's `Receiver` or the window `key` (`LentWindows`) decided, in order. A `TransferRequest` goes
+    as `DSide.windowed` makes it.
+
+    Raises:
+        LocalProtocolError: a window's command without the window's `key` (a driver bug).
+    """
+    for command in commands:
+        match command:
+            case SendToSource(engine_id, src, TransferRequest() as request):
+                windowed = side.windowed(engine_id, src, request)
+                if windowed is not None:
+                    side.tell_p(engine_id, src, windowed)
+            case SendToSource(engine_id, src, message):
+                side.tell_p(engine_id, src, message)
+            case Scatter():
+                side.scatter(_window(key, command), command)
+            case TellP(message):
+                window = _window(key, command)
+                side.tell_p(window[1], window[2], message)
+            case Deliver():
+                side.deliver(_window(key, command), command)
+            case Notice():
+                side.log(command)
+
+
+def _window(key: WindowKey | None, command: WindowCommand) -> WindowKey:
+    if key is None:
+        raise LocalProtocolError(f"{type(command).__name__} carried out without the window it is about")
+    return key

@@ -9,8 +9,9 @@ secret (`hold`): a request, release or abort that does not carry it is answered 
 held (so a prober learns nothing of which ids exist), and counted. What the engine asks is one frozen value,
 `SendRequest`, built by the engine's side (`kvsvc.vllm.flow`, or `KVTransferService.start_send` from an embedder's
 arguments), checked once by `check_send` as the service's role takes it, and from there passed as it is: no layer
-below re-checks it or unpacks it into arguments, and no error message shows its secret. Pure module: standard
-library and kvsvc's pure core only.
+below re-checks it or unpacks it into arguments, and no error message shows its secret. A driver (the service's P
+role, the test harness) carries out the commands of the `Sender` and of P's writes in rounds through one protocol,
+`PSide`, dispatched by the one `match` of `carry_out_p`. Pure module: standard library and kvsvc's pure core only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Final, TypeAlias, TypeVar
+from typing import Final, Protocol, TypeAlias, TypeVar
 
 from msgspec.structs import replace
 
@@ -44,6 +45,7 @@ from kvsvc.core.messages import (
     check_transfer_id,
 )
 from kvsvc.core.planner import check_block_ids, check_window
+from kvsvc.core.windows import Announce, Fail, FillCommand
 
 # What an early request costs against `max_early_request_bytes`: its block ids, at their size on the wire at worst,
 # its text (transfer id, secret, receive, reason) and what keeping any entry costs.
@@ -863,3 +865,45 @@ def check_send(meta: WorkerMetadata, request: SendRequest) -> None:
     check_block_ids(meta, list(request.block_ids), request.num_tokens, "P")
     check_transfer_id(request.transfer_id)
     check_secret(request.secret, request.transfer_id)
+
+
+# -- carrying out the Sender's commands ------------------------------------------------------------------------------
+# The service's P role and the test harness (`kvsvc.testing.pair.PeerPair`) both implement `PSide`, and both carry out
+# commands through the one `match` below, so they cannot drift apart; a driver lacking a method is a type error.
+
+PCommand: TypeAlias = SendCommand | FillCommand
+"""What P's core objects ask of their driver: the `Sender`'s and a `FillingWindow`'s commands."""
+
+
+class PSide(Protocol):
+    """What a P worker's driver does for its core objects (`kvsvc.service.sending.SendingRole`, the harness)."""
+
+    def submit(self, command: Submit) -> None:
+        """Start the write; its end goes back to `Sender.write_ended` later, never from this call."""
+
+    def reply(self, command: Reply) -> None:
+        """Send the answer to D worker `command.dst` on its control connection; dropped when it is closed."""
+
+    def announce(self, command: Announce) -> None:
+        """Tell D worker `command.dst` that a round of its window landed; dropped when its connection is closed (the
+        write in rounds then fails by `FillingWindow.peer_lost`)."""
+
+    def log(self, notice: Notice) -> None:
+        """Log (and count, for a protocol error) what the core noticed."""
+
+
+def carry_out_p(commands: Sequence[PCommand], side: PSide) -> None:
+    """Carry out what P's `Sender` or a `FillingWindow` decided, in order. A `Fail` needs no carrying out of its own:
+    the state it leaves ends the write in rounds at `round_step`, once no round of it is on the wire."""
+    for command in commands:
+        match command:
+            case Submit():
+                side.submit(command)
+            case Reply():
+                side.reply(command)
+            case Announce():
+                side.announce(command)
+            case Fail():
+                pass
+            case Notice():
+                side.log(command)

@@ -7,8 +7,12 @@ effects), as in `kvsvc.core.jobs`; an event a table lacks is a `LocalProtocolErr
 into an event against the window's round counters before the table is read (a repeat, a round out of order, a
 done answer before the last round). D takes P's frames about a window one scatter at a time, in arrival order.
 Neither side touches memory, a socket or a clock: each returns commands (`Scatter`, `TellP`, `Deliver`,
-`Announce`, `Notice`) that its driver (the service, or `kvsvc.testing.pair.PeerPair`, both through `kvsvc.core.driver`)
-carries out, and feeds back how they ended (`scattered`, `landed`). Round k is stream bytes `[k R, (k + 1) R)` in
+`Announce`, `Notice`) that its driver (the service, or `kvsvc.testing.pair.PeerPair`) carries out through the side's
+protocol (`kvsvc.core.sender.PSide`, `kvsvc.core.receiver.DSide`), and feeds back how they ended (`scattered`,
+`landed`). What every driver decides alike about windows is here too, so the service and the harness cannot drift
+apart: which object a frame goes to (`p_frame`, `d_frame`), what a write in rounds does next (`round_step`, the one
+place where it fails), whether P takes D's size of a share (`share_refusal`), and whether a request gets a window,
+keeps its own or goes without (`lent_window`, `window_choice`). Round k is stream bytes `[k R, (k + 1) R)` in
 half `k % 2` of the window (`kvsvc.core.staging_plans.window_round_bytes`); P writes round k once D emptied round k - 2,
 so P fills one half while D empties the other. Pure module: standard library, numpy and kvsvc's pure core only.
 """
@@ -20,7 +24,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Final, TypeAlias
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias
+
+from msgspec.structs import replace
 
 from kvsvc.core.errors import LocalProtocolError
 from kvsvc.core.jobs import Notice
@@ -30,14 +36,18 @@ from kvsvc.core.messages import (
     Message,
     TransferDone,
     TransferFailed,
+    TransferRequest,
     WindowEmptied,
     WindowFilled,
     Worker,
     WorkerRef,
     answers_another_receive,
 )
-from kvsvc.core.receiver import RecvReport
 from kvsvc.core.staging_plans import WindowPlan, stream_round, window_round_bytes, window_rounds
+
+if TYPE_CHECKING:  # both import this module for its commands
+    from kvsvc.core.receiver import RecvReport
+    from kvsvc.core.sender import Submit
 
 
 def lends_windows(can_scatter: bool, num_kv_groups: int) -> bool:
@@ -586,10 +596,154 @@ class FillingWindow:
         return commands
 
 
+# -- P: frames from D, and the write in rounds -------------------------------------------------------------------
+
+
+def p_frame(message: Message, fills: Mapping[str, FillingWindow], d: str) -> list[FillCommand] | None:
+    """A frame from D worker `d` at P: the commands of the write in rounds it is about (`WindowEmptied`; a debug
+    notice when no write of that transfer fills a window, a late one); None when it is the `Sender`'s (any other
+    frame): round frames pass beside the job tables."""
+    if not isinstance(message, WindowEmptied):
+        return None
+    fill = fills.get(message.transfer_id)
+    if fill is None:
+        return [Notice(f"late WindowEmptied({message.round}) for {message.transfer_id!r} from {d}", "debug")]
+    return fill.emptied(message.round)
+
+
+def share_refusal(command: Submit, nbytes: int) -> str | None:
+    """Why P refuses to write `command` into D's window when its own plan of the share comes to `nbytes` (D planned
+    another size: the rounds and D's scatter would not match what lands), or None. D's `share_bytes` is D's claim."""
+    share = command.share_bytes or command.window_bytes
+    if nbytes == share:
+        return None
+    return (
+        f"D planned a share of {share} bytes for {command.transfer_id!r} (window of {command.window_bytes}); "
+        f"this P worker writes it {nbytes}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WriteRound:
+    """Write round `index`: `length[i]` bytes from `src[i]` to window address `dst[i]`; then call `landed`."""
+
+    index: int
+    src: Int64Array
+    dst: Int64Array
+    length: Int64Array
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitHalf:
+    """Wait until D empties the half the next round needs, or `deadline` (then call `FillingWindow.expire`)."""
+
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoundsFilled:
+    """Every round landed: the write succeeded."""
+
+
+RoundStep: TypeAlias = WriteRound | AwaitHalf | RoundsFilled | Fail
+"""What the driver of a write in rounds does next; a `Fail` ends the write with its reason and cause."""
+
+
+def round_step(fill: FillingWindow, wanted: Callable[[], bool]) -> RoundStep:
+    """What P's write in rounds does next, asked whenever no round of it is on the wire. `wanted` says whether the
+    job still wants the write (`Sender.writing`): a write it no longer wants stops here, at a round's start, once
+    earlier rounds landed. The `Fail` commands `FillingWindow` returns need no carrying out of their own: the state
+    they leave ends the write here (`carry_out_p` drops them)."""
+    if fill.state is FillState.FILLING and fill.next_round and not wanted():
+        fill.stop(f"{fill.transfer_id!r} aborted after {fill.next_round} of {fill.rounds} rounds of D's window")
+    if fill.state is FillState.FILLED:
+        return RoundsFilled()
+    if fill.state is FillState.FAILED:
+        assert fill.cause is not None
+        return Fail(fill.reason, fill.cause)
+    if fill.state is FillState.WAITING:
+        assert fill.deadline is not None
+        return AwaitHalf(fill.deadline)
+    return WriteRound(fill.next_round, *fill.round_pieces(fill.next_round))
+
+
+# -- D: frames from P, and the windows ----------------------------------------------------------------------------
+
+
+def d_frame(
+    windows: LentWindows, engine_id: str, src: Worker, message: Message
+) -> tuple[WindowKey, list[WindowCommand]]:
+    """A frame from P worker `src` of `engine_id` at D: the window protocol takes it first (`LentWindows.receive`);
+    returns the window it is about and the commands."""
+    key = (getattr(message, "transfer_id", ""), engine_id, src)
+    return key, windows.receive(engine_id, src, message)
+
+
+def lent_window(
+    windows: LentWindows, key: WindowKey, req_id: str | None, waiting: str | None = None
+) -> LentWindow | Literal["lend", "hold"] | None:
+    """Whether D's `TransferRequest` for `key` goes with the window lent for it (a repeat), asks for a new one
+    ("lend": plan it, and lend it if the rule picks one and there is room), is held back ("hold": a repeat while the
+    request of the same receive, `waiting`, waits for room: that one goes out), or goes without (None: the receive
+    ended, or an earlier receive of the same transfer id still holds the window). A wait for room of another receive
+    (`waiting` not `req_id`) is the driver's to cancel unless this says "hold"."""
+    if waiting is not None and waiting == req_id:
+        return "hold"
+    window = windows.get(key)
+    if window is None:
+        return "lend" if req_id is not None else None
+    return window if window.req_id == req_id else None
+
+
+@dataclass(frozen=True, slots=True)
+class LendAt:
+    """Lend the window at `addr` of D's staging region (room was found for it)."""
+
+    addr: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitForRoom:
+    """Hold the request back up to `wait_s` for room, then send it with the window or without one."""
+
+    wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class GoWithout:
+    """Send the request without a window: P writes D's blocks (directly, or gathered in its own region)."""
+
+    reason: str
+
+
+WindowChoice: TypeAlias = LendAt | WaitForRoom | GoWithout
+
+
+def window_choice(planned: bool, addr: int | None, wait_s: float) -> WindowChoice:
+    """Once `lent_window` said "lend": whether the request gets its window now, waits for room, or goes without.
+    `planned`: the staging rule sends P's share through a window (`plan_window` returned a plan); `addr`: the room
+    the region had for it at once (None: none); `wait_s`: `window_wait_s`."""
+    if not planned:
+        return GoWithout("the staging rule writes this share into D's blocks")
+    if addr is not None:
+        return LendAt(addr)
+    if wait_s > 0:
+        return WaitForRoom(wait_s)
+    return GoWithout("no room in D's staging region, and window_wait_s is 0")
+
+
+def with_window(request: TransferRequest, window: LentWindow) -> TransferRequest:
+    """`request` carrying `window`: where P writes its share, the window's size and the share's."""
+    return replace(
+        request, window_addr=window.addr, window_bytes=window.plan.window_bytes, share_bytes=window.plan.nbytes
+    )
+
+
 __all__ = [
     "FILL_TABLE",
     "SCATTER_TABLE",
     "Announce",
+    "AwaitHalf",
     "Deliver",
     "Fail",
     "FillCommand",
@@ -597,14 +751,28 @@ __all__ = [
     "FillEvent",
     "FillState",
     "FillingWindow",
+    "GoWithout",
+    "LendAt",
     "LentWindow",
     "LentWindows",
+    "RoundStep",
+    "RoundsFilled",
     "Scatter",
     "ScatterEffect",
     "ScatterEvent",
     "ScatterState",
     "TellP",
+    "WaitForRoom",
+    "WindowChoice",
     "WindowCommand",
     "WindowKey",
+    "WriteRound",
+    "d_frame",
     "lends_windows",
+    "lent_window",
+    "p_frame",
+    "round_step",
+    "share_refusal",
+    "window_choice",
+    "with_window",
 ]

@@ -18,23 +18,24 @@ from collections.abc import Awaitable
 from dataclasses import replace as replace_plan
 
 from kvsvc.core.data_planes import rule_on
-from kvsvc.core.driver import (
-    DSide,
+from kvsvc.core.layout import block_geometry
+from kvsvc.core.messages import Message, TransferRequest, Worker, WorkerMetadata
+from kvsvc.core.planner import is_block_run
+from kvsvc.core.receiver import DSide, Receiver, RecvReport, carry_out_d
+from kvsvc.core.staging_plans import WindowPlan, plan_window
+from kvsvc.core.windows import (
     GoWithout,
     LendAt,
+    LentWindow,
+    LentWindows,
+    Scatter,
     WaitForRoom,
-    carry_out_d,
+    WindowKey,
     d_frame,
     lent_window,
     window_choice,
     with_window,
 )
-from kvsvc.core.layout import block_geometry
-from kvsvc.core.messages import Message, TransferRequest, Worker, WorkerMetadata
-from kvsvc.core.planner import is_block_run
-from kvsvc.core.receiver import Receiver, RecvReport
-from kvsvc.core.staging_plans import WindowPlan, plan_window
-from kvsvc.core.windows import LentWindow, LentWindows, Scatter, WindowKey
 from kvsvc.service.context import ServiceContext
 from kvsvc.service.staging_area import StagingArea, StagingFull
 
@@ -43,7 +44,7 @@ _WINDOW_PLAN_CACHE_ENTRIES = 1024
 
 class WindowLender:
     """The windows of one D worker in `area`, which can scatter (see module docstring). `side` (the receiving role,
-    `kvsvc.core.driver.DSide`) carries out the windows' commands: frames to P workers, P's answers to the
+    `kvsvc.core.receiver.DSide`) carries out the windows' commands: frames to P workers, P's answers to the
     `Receiver`, and the scatters, which it hands back to `scatter` here."""
 
     def __init__(self, ctx: ServiceContext, area: StagingArea, receiver: Receiver, side: DSide) -> None:
@@ -161,7 +162,7 @@ class WindowLender:
     # -- the rounds --------------------------------------------------------------------------------------------
 
     def on_p_message(self, engine_id: str, src: Worker, message: Message) -> None:
-        """A frame from P worker `src`: the window protocol takes it first (`kvsvc.core.driver.d_frame`)."""
+        """A frame from P worker `src`: the window protocol takes it first (`kvsvc.core.windows.d_frame`)."""
         key, commands = d_frame(self._windows, engine_id, src, message)
         carry_out_d(commands, self._side, key)
 

@@ -29,7 +29,6 @@ from msgspec.structs import replace
 
 from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.core.data_planes import choose_transport
-from kvsvc.core.driver import carry_out_d
 from kvsvc.core.errors import (
     HandshakeError,
     KVSvcError,
@@ -59,6 +58,7 @@ from kvsvc.core.receiver import (
     RecvReport,
     RecvRequest,
     ToSource,
+    carry_out_d,
     check_recv,
     planned_bytes,
 )
@@ -435,7 +435,7 @@ class ReceivingRole:
                 times.nbytes, times.total_s, times.handshake_s, times.queue_s, times.write_s, times.gbps,
             )  # fmt: skip
 
-    # -- carrying out the core's commands (`kvsvc.core.driver.DSide`) -------------------------------------------
+    # -- carrying out the core's commands (`kvsvc.core.receiver.DSide`) -------------------------------------------
 
     def windowed(self, engine_id: str, src: Worker, request: TransferRequest) -> TransferRequest | None:
         peer = self._outbound.get((engine_id, src))

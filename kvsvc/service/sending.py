@@ -1,7 +1,7 @@
 """The P role of a worker's service, `SendingRole`: serving D workers, driving the sans-IO `Sender`.
 
 Rules: protocol decisions live in `Sender`; this module carries out its commands as the P side of the core's
-drivers (`kvsvc.core.driver.PSide`: replies and round announcements on the connections D workers opened, writes
+drivers (`kvsvc.core.sender.PSide`: replies and round announcements on the connections D workers opened, writes
 through its `BlockWriter`) and feeds it events (hellos, requests, layers ready, each write's `WriteEnd`).
 Shares only a `ServiceContext`; never imports the D role. A request's blocks stay held until every write that may
 touch them drained. Network input never raises out of a connection handler: it gets an error frame or a close.
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from kvsvc.core.auth import HELLO_KEY, NONCE_BYTES, derive_key
 from kvsvc.core.bounds import MAX_HELLO_FRAME_BYTES, ControlConnections
 from kvsvc.core.data_planes import PLANE_NAMES, Route, choose_transport, needs_mooncake, probed, samehost_check_budget
-from kvsvc.core.driver import carry_out_p
 from kvsvc.core.errors import (
     MalformedFrame,
     PeerLost,
@@ -38,7 +37,17 @@ from kvsvc.core.messages import (
     WorkerMetadata,
     WorkerRef,
 )
-from kvsvc.core.sender import Reply, SendCommand, Sender, SenderStatistics, SendRequest, Submit, WriteEnd, check_send
+from kvsvc.core.sender import (
+    Reply,
+    SendCommand,
+    Sender,
+    SenderStatistics,
+    SendRequest,
+    Submit,
+    WriteEnd,
+    carry_out_p,
+    check_send,
+)
 from kvsvc.core.windows import Announce
 from kvsvc.service.context import ControlChannel, ServiceContext, escape_controls, notice, unkeyed_peer_check
 from kvsvc.service.writing import BlockWriter, WriteTarget
@@ -380,14 +389,14 @@ class SendingRole:
             channel.send(reply)
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
-        fill = inbound.target.frame(message)  # a write in rounds takes its frames first (`kvsvc.core.driver.p_frame`)
+        fill = inbound.target.frame(message)  # a write in rounds takes its frames first (`kvsvc.core.windows.p_frame`)
         if fill is not None:
             carry_out_p(fill, self)
             return
         now = self._ctx.clock()
         self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))
 
-    # -- carrying out the core's commands (`kvsvc.core.driver.PSide`) -------------------------------------------
+    # -- carrying out the core's commands (`kvsvc.core.sender.PSide`) -------------------------------------------
 
     def _run_send(self, commands: list[SendCommand]) -> None:
         """Carry out what the `Sender` decided on its last event (the one place the P role signals a change)."""

@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 
 from kvsvc.core.data_planes import rule_on
-from kvsvc.core.driver import AwaitHalf, PSide, RoundsFilled, carry_out_p, p_frame, round_step, share_refusal
 from kvsvc.core.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.core.formats import Conversion, as_written, conversion
 from kvsvc.core.layout import Int64Array, block_geometry, is_cross_layer, layer_addrs, pool_regions
@@ -47,10 +46,12 @@ from kvsvc.core.sender import (
     FaultKind,
     FaultWait,
     Landed,
+    PSide,
     Sender,
     Submit,
     WriteEnd,
     WriteFault,
+    carry_out_p,
     fault_wait,
     streams_by_layer,
 )
@@ -63,7 +64,17 @@ from kvsvc.core.staging_plans import (
     shift_chunks,
     window_plan,
 )
-from kvsvc.core.windows import Fail, FillCommand, FillEvent, FillingWindow
+from kvsvc.core.windows import (
+    AwaitHalf,
+    Fail,
+    FillCommand,
+    FillEvent,
+    FillingWindow,
+    RoundsFilled,
+    p_frame,
+    round_step,
+    share_refusal,
+)
 from kvsvc.service.context import ServiceContext
 from kvsvc.transport.base import Transport, WriteFailed, Written
 
@@ -304,8 +315,8 @@ class WriteTarget:
         self.session = self.session or self.meta.transport_addr
 
     def frame(self, message: Message) -> list[FillCommand] | None:
-        """A frame from this D worker, when it is a write in rounds' (`kvsvc.core.driver.p_frame`): D emptied a round of
-        a window, and the write waiting for its half goes on. None: the frame is the job tables'."""
+        """A frame from this D worker, when it is a write in rounds' (`kvsvc.core.windows.p_frame`): D emptied a round
+        of a window, and the write waiting for its half goes on. None: the frame is the job tables'."""
         commands = p_frame(message, self.fills, str(self.ref))
         if commands is not None:
             self._wake(getattr(message, "transfer_id", ""))
@@ -341,7 +352,7 @@ class WriteTarget:
 class BlockWriter:
     """The writes of one P worker (see module docstring).
 
-    `side` carries out what its writes in rounds announce (`kvsvc.core.driver.PSide`: the role); `sender` says
+    `side` carries out what its writes in rounds announce (`kvsvc.core.sender.PSide`: the role); `sender` says
     whether a job still wants its write (`Sender.writing`): a write in rounds stops at the next round once it does
     not.
     """

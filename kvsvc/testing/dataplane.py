@@ -14,14 +14,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.core.driver import WriteRound
 from kvsvc.core.errors import TopologyError
 from kvsvc.core.layout import block_geometry, pool_regions
 from kvsvc.core.messages import Worker
 from kvsvc.core.planner import Descriptor, plan_transfer
 from kvsvc.core.sender import Submit
 from kvsvc.core.staging_plans import RangeAllocator, StagingRule, count_runs, plan_staged, region_ids
-from kvsvc.core.windows import Scatter, WindowKey
+from kvsvc.core.windows import Scatter, WindowKey, WriteRound
 from kvsvc.testing.sim import SimEngine, kv_pattern
 
 ByteArray = npt.NDArray[np.uint8]

@@ -1,12 +1,12 @@
 """A back-to-back P/D peer pair for protocol tests with no event loop: `Sender`s and `Receiver`s wired by lists.
 
-Rules: `PeerPair` plays the asyncio service's part (docs/protocol.md) without I/O, through the same driver decisions
-the service takes (`kvsvc.core.driver`): it turns `Reply`/`SendToSource` commands into envelopes on an in-memory wire
+Rules: `PeerPair` plays the asyncio service's part (docs/protocol.md) without I/O, through the same driver decisions the
+service takes (`carry_out_p` and `PSide` in `kvsvc.core.sender`, `carry_out_d` and `DSide` in `kvsvc.core.receiver`, the
+window decisions in `kvsvc.core.windows`): it turns `Reply`/`SendToSource` commands into envelopes on an in-memory wire
 (`kvsvc.testing.faults`), delivers them as the other side's events, and carries out `Submit` by `plan_transfer` plus
 memmove between simulated KV pools (`kvsvc.testing.dataplane`). Nothing happens until a test calls
 `step`/`run_until_idle`/`advance`; faults are predicates the test sets. The pair checks the rule "never report a send
-while a write may touch its blocks" as it goes. Pure: numpy and kvsvc's pure core only.
-"""
+while a write may touch its blocks" as it goes. Pure: numpy and kvsvc's pure core only."""
 
 from __future__ import annotations
 
@@ -18,15 +18,27 @@ import numpy as np
 
 from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import rule_on
-from kvsvc.core.driver import (
+from kvsvc.core.jobs import Notice
+from kvsvc.core.layout import pool_regions
+from kvsvc.core.messages import TransferRequest, WindowEmptied, Worker
+from kvsvc.core.planner import Descriptor, expected_destinations, release_notifier, sources_of
+from kvsvc.core.receiver import DCommand, LoadTimes, Receiver, RecvRequest, ToSource, carry_out_d, check_recv
+from kvsvc.core.sender import Landed, PCommand, Reply, Sender, SendRequest, Submit, WriteFault, carry_out_p, check_send
+from kvsvc.core.staging_plans import StagingRule, plan_window, region_ids, window_plan
+from kvsvc.core.windows import (
+    Announce,
     AwaitHalf,
-    DCommand,
+    Deliver,
+    Fail,
+    FillingWindow,
+    FillState,
     LendAt,
-    PCommand,
+    LentWindow,
+    LentWindows,
     RoundStep,
+    Scatter,
+    WindowKey,
     WriteRound,
-    carry_out_d,
-    carry_out_p,
     d_frame,
     lent_window,
     p_frame,
@@ -34,24 +46,6 @@ from kvsvc.core.driver import (
     share_refusal,
     window_choice,
     with_window,
-)
-from kvsvc.core.jobs import Notice
-from kvsvc.core.layout import pool_regions
-from kvsvc.core.messages import TransferRequest, WindowEmptied, Worker
-from kvsvc.core.planner import Descriptor, expected_destinations, release_notifier, sources_of
-from kvsvc.core.receiver import LoadTimes, Receiver, RecvRequest, ToSource, check_recv
-from kvsvc.core.sender import Landed, Reply, Sender, SendRequest, Submit, WriteFault, check_send
-from kvsvc.core.staging_plans import StagingRule, plan_window, region_ids, window_plan
-from kvsvc.core.windows import (
-    Announce,
-    Deliver,
-    Fail,
-    FillingWindow,
-    FillState,
-    LentWindow,
-    LentWindows,
-    Scatter,
-    WindowKey,
 )
 from kvsvc.testing.clock import FakeClock
 from kvsvc.testing.dataplane import Counts, ScatterCopy, SimPlane, Write
@@ -77,7 +71,7 @@ class _Fill:
 
 @dataclass(frozen=True, slots=True)
 class _PWorker:
-    """P worker `worker`'s driver in the pair (`kvsvc.core.driver.PSide`), as `SendingRole` is in the service."""
+    """P worker `worker`'s driver in the pair (`kvsvc.core.sender.PSide`), as `SendingRole` is in the service."""
 
     pair: PeerPair
     worker: Worker
@@ -102,7 +96,7 @@ class _PWorker:
 
 @dataclass(frozen=True, slots=True)
 class _DWorker:
-    """D worker `worker`'s driver in the pair (`kvsvc.core.driver.DSide`), as `ReceivingRole` is in the service."""
+    """D worker `worker`'s driver in the pair (`kvsvc.core.receiver.DSide`), as `ReceivingRole` is in the service."""
 
     pair: PeerPair
     worker: Worker
@@ -345,7 +339,7 @@ class PeerPair(Reports, SimPlane, Faults):
         self.loads += [(worker, times) for times in self.receivers[worker].take_landed(self.clock())]
 
     def _windowed(self, d: Worker, p: Worker, request: TransferRequest) -> TransferRequest:
-        """As the D service (`kvsvc.core.driver.lent_window`): a window when the rule on Mooncake sends the share
+        """As the D service (`kvsvc.core.windows.lent_window`): a window when the rule on Mooncake sends the share
         through D and there is room now (the pair never waits for room, so never holds a request back)."""
         if not self._window_ranges:
             return request
@@ -381,7 +375,7 @@ class PeerPair(Reports, SimPlane, Faults):
             self._window_ranges[d].free(addr - self.d.metas[d].staging_addr)
 
     def _deliver(self, envelope: Envelope) -> None:
-        """Hand a message to its protocol object, as the service's drivers do (`kvsvc.core.driver`): at P, a write in
+        """Hand a message to its protocol object, as the service's drivers do (`p_frame`, `d_frame`): at P, a write in
         rounds or the `Sender`; at D, the windows, which pass the rest on to the `Receiver`."""
         self._counts.delivered += 1
         message, d, p = envelope.message, envelope.d, envelope.p

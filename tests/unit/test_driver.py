@@ -1,6 +1,6 @@
-"""The decisions every driver of the core shares (`kvsvc.core.driver`): how commands reach a side's methods, which
-object a frame goes to, what a write in rounds does next, and whether a request gets a window. The service and
-`PeerPair` both call these."""
+"""The decisions every driver of the core shares (`carry_out_p`, `carry_out_d` and the window decisions of
+`kvsvc.core.windows`): how commands reach a side's methods, which object a frame goes to, what a write in rounds does
+next, and whether a request gets a window. The service and `PeerPair` both call these."""
 
 from __future__ import annotations
 
@@ -10,25 +10,6 @@ import numpy as np
 import pytest
 from msgspec.structs import replace as replace_struct
 
-from kvsvc.core.driver import (
-    AwaitHalf,
-    DSide,
-    GoWithout,
-    LendAt,
-    PSide,
-    RoundsFilled,
-    WaitForRoom,
-    WriteRound,
-    carry_out_d,
-    carry_out_p,
-    d_frame,
-    lent_window,
-    p_frame,
-    round_step,
-    share_refusal,
-    window_choice,
-    with_window,
-)
 from kvsvc.core.errors import LocalProtocolError
 from kvsvc.core.jobs import Notice
 from kvsvc.core.messages import (
@@ -40,10 +21,33 @@ from kvsvc.core.messages import (
     Worker,
     WorkerRef,
 )
-from kvsvc.core.receiver import SendToSource, ToSource
-from kvsvc.core.sender import Reply, Submit
+from kvsvc.core.receiver import DSide, SendToSource, ToSource, carry_out_d
+from kvsvc.core.sender import PSide, Reply, Submit, carry_out_p
 from kvsvc.core.staging_plans import Way, WindowPlan
-from kvsvc.core.windows import Announce, Deliver, Fail, FillEvent, FillingWindow, LentWindows, Scatter, TellP, WindowKey
+from kvsvc.core.windows import (
+    Announce,
+    AwaitHalf,
+    Deliver,
+    Fail,
+    FillEvent,
+    FillingWindow,
+    GoWithout,
+    LendAt,
+    LentWindows,
+    RoundsFilled,
+    Scatter,
+    TellP,
+    WaitForRoom,
+    WindowKey,
+    WriteRound,
+    d_frame,
+    lent_window,
+    p_frame,
+    round_step,
+    share_refusal,
+    window_choice,
+    with_window,
+)
 
 KEY = ("t", "prefill", (0, 0))
 D0 = WorkerRef("decode", "i", 0, 0)
