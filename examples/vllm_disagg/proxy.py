@@ -25,8 +25,8 @@ import aiohttp
 from aiohttp import web
 
 log = logging.getLogger("proxy")
-PREFILLS: web.AppKey[Iterator[str]] = web.AppKey("prefills", Iterator)
-DECODES: web.AppKey[Iterator[str]] = web.AppKey("decodes", Iterator)
+PREFILLS: web.AppKey[Iterator[str]] = web.AppKey("prefills")
+DECODES: web.AppKey[Iterator[str]] = web.AppKey("decodes")
 SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
 FIRST_DECODE: web.AppKey[str] = web.AppKey("first_decode", str)
 
@@ -44,7 +44,8 @@ def _one_token(body: dict[str, Any]) -> dict[str, Any]:
 async def _disaggregated(request: web.Request, path: str) -> web.StreamResponse:
     body: dict[str, Any] = await request.json()
     app = request.app
-    session, prefill_url, decode_url = app[SESSION], next(app[PREFILLS]), next(app[DECODES])
+    prefills, decodes = app[PREFILLS], app[DECODES]
+    session, prefill_url, decode_url = app[SESSION], next(prefills), next(decodes)
     async with session.post(f"{prefill_url}{path}", json=_one_token(body)) as response:
         answer = await response.json()
         if response.status != 200:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections import Counter
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
@@ -87,6 +88,9 @@ class SendingRole:
             config.max_control_connections, config.max_control_connections_per_host, config.max_pending_hellos
         )
         self._inbound: dict[tuple[str, Worker], _Inbound] = {}
+        # Sessions a hello is routing to (checked, probed, admitted on a same-host plane) and has not published yet:
+        # no other connection's end may unpublish them meanwhile (`_forget_session`).
+        self._routing: Counter[str] = Counter()
         self._writer = BlockWriter(ctx, self, self._sender)
         self._server: asyncio.Server | None = None
         self._accepting = True
@@ -261,10 +265,7 @@ class SendingRole:
             routed = self._inbound.pop(lost, None) if lost is not None else None
             if routed is not None:  # this very connection, routed: its jobs are lost
                 self._run_send(self._sender.peer_lost(routed.ref))
-                addr = routed.target.session
-                if all(other.target.session != addr for other in self._inbound.values()):
-                    # Forget the D worker's regions (a restart publishes new ones); writes in flight still finish.
-                    self._ctx.transport.remove_peer(addr)
+                self._forget_session(routed.target.session)
             await channel.wait_closed()
 
     async def _accept_hello(self, channel: ControlChannel) -> _Inbound | None:
@@ -311,10 +312,12 @@ class SendingRole:
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
         if not self._connections.holds(channel, key):  # a newer hello of this D worker replaced it while routed
+            self._forget_session(route.session)
             return None
         try:  # no await since the check: the regions published are those of the hello that stands
             self._ctx.transport.add_peer(route.session, regions)
         except (TransportError, ValueError) as exc:  # a pool no memory can be (empty, overlapping itself)
+            self._forget_session(route.session)
             reason = f"D worker {ref} publishes an impossible KV pool: {exc}"
             self._refuse(channel, HelloRefused(version=PROTOCOL_VERSION, reason=reason))
             return None
@@ -334,6 +337,14 @@ class SendingRole:
         if routed is not None:
             routed.target.lose(f"replaced by a new connection from {ref}")
             self._run_send(self._sender.peer_lost(routed.ref))
+            self._forget_session(routed.target.session)  # a restarted D worker writes elsewhere now
+
+    def _forget_session(self, session: str) -> None:
+        """Unpublish `session` from the plane (its regions, a same-host plane's admission, a GPU plane's mapping)
+        once no D worker that stands writes to it and no hello is routing to it: what a replaced, restarted or
+        refused D worker left does not outlive it. Writes in flight to it still finish."""
+        if self._routing[session] == 0 and all(other.target.session != session for other in self._inbound.values()):
+            self._ctx.transport.remove_peer(session)
 
     async def _route(
         self,
@@ -359,10 +370,15 @@ class SendingRole:
             # Well inside the hello's own budget: D waits that long for the answer, and Mooncake must still make it.
             budget_s = samehost_check_budget(self._ctx.config.handshake_timeout_s)
             reach = self._ctx.transport.reachable(route.session, regions, via, handles)
+            self._routing[route.session] += 1
             try:
                 refused = await asyncio.wait_for(reach, budget_s)
             except TimeoutError:
                 refused = f"no answer from the check of the process within {budget_s:g} s"
+            finally:
+                self._routing[route.session] -= 1
+                if not self._routing[route.session]:
+                    del self._routing[route.session]
             route = probed(route, d, refused)
         if route.kind == "mooncake":
             try:  # the first pair on Mooncake starts this worker's engine, before D is asked to start its own

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvsvc.core.auth import harness_secret
-from kvsvc.core.data_planes import is_same_host
+from kvsvc.core.data_planes import SameHostAddress, is_same_host
 from kvsvc.core.errors import ServiceClosed
 from kvsvc.core.layout import layer_bytes
 from kvsvc.core.messages import (
@@ -573,3 +573,108 @@ async def test_a_same_host_pair_the_kernel_refuses_runs_on_mooncake_and_says_why
         await p.service.close()
         await d.service.close()
         await bootstrap.close()
+
+
+class AdmittingTransport(LoopbackTransport):
+    """Offers a same-host plane under a session of its own (`pid` stands for its process) and admits each session
+    `reachable` is asked about, as the kernel's check would; `add_peer` takes only an admitted one and `remove_peer`
+    forgets the admission, as `SameHostTransport` does. The check of a session in `gates` waits until its gate opens:
+    a probe that takes its time."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__()
+        mine = own_address()
+        self._samehost = str(SameHostAddress(mine.host, mine.uid, pid, mine.start))
+        self.admitted: set[str] = set()
+        self.ever_admitted: set[str] = set()
+        self.asked: list[str] = []
+        self.gates: dict[str, asyncio.Event] = {}
+
+    @property
+    def local_session_id(self) -> str:
+        return self._samehost
+
+    async def reachable(
+        self,
+        session: str,
+        regions: Sequence[Region],
+        via: tuple[tuple[str, int], tuple[str, int]] | None = None,
+        handles: Sequence[IpcHandle] = (),
+    ) -> str:
+        self.asked.append(session)
+        if session in self.gates:
+            await self.gates[session].wait()
+        self.admitted.add(session)
+        self.ever_admitted.add(session)
+        return ""
+
+    def add_peer(self, session_id: str, regions: Sequence[Region]) -> None:
+        assert session_id in self.admitted, f"{session_id} published without being admitted"
+        super().add_peer(session_id, regions)
+
+    def remove_peer(self, session_id: str) -> None:
+        self.admitted.discard(session_id)
+        super().remove_peer(session_id)
+
+
+def admitting_side(engine_id: str, config: ServiceConfig, seed: int, pid: int) -> Side:
+    side = make_side(engine_id, config, seed)
+    transport = AdmittingTransport(pid)
+    transport.register(side.transport._local.regions())
+    return Side(KVTransferService(side.service.metadata, transport, config), side.pool, transport)
+
+
+@pytest.fixture
+async def restarting_d() -> AsyncIterator[tuple[Side, Side, Side, str]]:
+    """P, and two D services of the same engine and worker on their own same-host sessions: a D worker and the same
+    worker restarted (another process)."""
+    config = ServiceConfig(hold_timeout_s=5, recv_timeout_s=5, early_request_timeout_s=0.3, handshake_timeout_s=5)
+    base = own_address().pid
+    p = admitting_side("prefill", config, 1, base)
+    d1, d2 = admitting_side("decode", config, 2, base + 100_001), admitting_side("decode", config, 3, base + 100_002)
+    p_meta = await p.service.start()
+    bootstrap = BootstrapServer({(0, 0): p_meta})
+    url = await bootstrap.start()
+    for d in (d1, d2):
+        await d.service.start()
+    yield p, d1, d2, url
+    for side in (p, d1, d2):
+        await side.service.close()
+    await bootstrap.close()
+
+
+async def test_a_replaced_d_worker_s_session_is_unpublished_when_its_newer_hello_is_accepted(
+    restarting_d: tuple[Side, Side, Side, str],
+) -> None:
+    p, d1, d2, url = restarting_d
+    old, new = d1.transport.local_session_id, d2.transport.local_session_id
+    p.service.start_send("p1", "t1", [3], BLOCK, secret=harness_secret("t1"))
+    d1.service.start_recv("d1", "t1", "prefill", url, [9], BLOCK, secret=harness_secret("t1"))
+    await wait_output(d1.service, "finished_recving", "d1")
+    assert old in p.transport._peers and old in p.transport.admitted  # D1's connection stays open
+    # The same D worker, restarted (its old connection not yet seen closed), says hello again: it replaces the old.
+    p.service.start_send("p2", "t2", [4], BLOCK, secret=harness_secret("t2"))
+    d2.service.start_recv("d2", "t2", "prefill", url, [9], BLOCK, secret=harness_secret("t2"))
+    await wait_output(d2.service, "finished_recving", "d2")
+    assert block_bytes_of(d2, 0, 9) == block_bytes_of(p, 0, 4)
+    assert new in p.transport._peers and new in p.transport.admitted
+    assert old not in p.transport._peers and old not in p.transport.admitted
+
+
+async def test_a_hello_replaced_while_its_session_is_checked_leaves_no_admission_behind(
+    restarting_d: tuple[Side, Side, Side, str],
+) -> None:
+    p, d1, d2, url = restarting_d
+    old, new = d1.transport.local_session_id, d2.transport.local_session_id
+    gate = p.transport.gates[old] = asyncio.Event()
+    d1.service.start_recv("d1", "t1", "prefill", url, [9], BLOCK, secret=harness_secret("t1"))
+    await until(lambda: old in p.transport.asked)  # D1's hello is accepted and its process being checked
+    await d1.service.close()  # D1 is gone; P learns it only when the check returns
+    p.service.start_send("p2", "t2", [4], BLOCK, secret=harness_secret("t2"))
+    d2.service.start_recv("d2", "t2", "prefill", url, [9], BLOCK, secret=harness_secret("t2"))
+    await wait_output(d2.service, "finished_recving", "d2")  # the newer hello stands, though the older one routes
+    gate.set()
+    await until(lambda: old in p.transport.ever_admitted and old not in p.transport.admitted)  # admitted, then let go
+    assert old not in p.transport._peers
+    assert new in p.transport._peers and new in p.transport.admitted
+    assert block_bytes_of(d2, 0, 9) == block_bytes_of(p, 0, 4)
