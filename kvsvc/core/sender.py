@@ -72,18 +72,20 @@ class Submit:
     share_bytes: int = 0  # the share as D planned it; above `window_bytes`, it moves in rounds
 
 
-# A pushing P streams a request's KV layer by layer during its forward only from this many prompt tokens on
-# (`streams_during_forward`). `kvsvc bench --vllm --workload sweep` on the 2-core VM (docs/performance.md, "Prompt
-# lengths"): streaming cut push's TTFT from 2,048 tokens on, and changed nothing measurable at 1,024 and below.
-PUSH_MIN_TOKENS: Final = 1536
+# From how many prompt tokens a pushing P on CPU streams a request's KV layer by layer during its forward
+# (`streams_during_forward`); None: never. `kvsvc bench --vllm --workload sweep`, three runs each way on the 2-core VM
+# (docs/performance.md, "Prompt lengths"): streaming from 1,536 tokens made push slower than pull at 4,000 tokens (its
+# copies stretch the forward they share the cores with), while writing after the forward kept push at least as fast
+# as pull at every length from 128 to 4,000 tokens. A host with cores to spare sets a length.
+PUSH_MIN_TOKENS: Final[int | None] = None
 
 
-def streams_during_forward(num_tokens: int, min_tokens: int = PUSH_MIN_TOKENS) -> bool:
+def streams_during_forward(num_tokens: int, min_tokens: int | None = PUSH_MIN_TOKENS) -> bool:
     """Whether a pushing P writes a request of `num_tokens` layer by layer while its forward runs (from `min_tokens`
-    on), or in one write once the forward is over, as a pulling P does. Each layer's write costs about the same
-    whatever its size, and on a host where P's copies share the cores its forward runs on they stretch the forward:
-    a short prompt's whole write after the forward is shorter than that. Raises nothing."""
-    return num_tokens >= min_tokens
+    on; None: never), or in one write once the forward is over, as a pulling P does. On a host where P's copies share
+    the cores its forward runs on, per-layer copies stretch the forward by more than the whole write after it takes.
+    Raises nothing."""
+    return min_tokens is not None and num_tokens >= min_tokens
 
 
 def streams_by_layer(computed: Sequence[bool]) -> bool:

@@ -80,9 +80,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """"push" (P): hold each request under a transfer D can derive, and tell vllm-router so, which then sends D the
     request at the same time as P; D's fetch waits at P until P's hold starts. "pull" (the default): P's params
     name the transfer, D fetches once P finished."""
-    push_min_tokens: int = PUSH_MIN_TOKENS
+    push_min_tokens: int | None = PUSH_MIN_TOKENS
     """P in push mode on CPU: a request of at least this many prompt tokens is written layer by layer during its
-    forward; a shorter one in one write after it, as in pull mode (its fetch still waits at P). 0: every request."""
+    forward; a shorter one in one write after it, as in pull mode (its fetch still waits at P). 0: every request;
+    None (the default): none, as measured best where P's copies share its forward's cores."""
     push_peers: list[str] = []
     """D: the P handshake endpoints ("host:port", as P advertises them) that a router's push params, or a router-named
     transfer's `remote_bootstrap_addr`, may name; D takes such params from no other (router params are unsigned)."""
@@ -107,7 +108,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         for name in ("idle_wait_s", "push_idle_wait_s", "report_gather_s"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be in [0, 1], got {getattr(self, name)}")
-        if self.push_min_tokens < 0:
+        if self.push_min_tokens is not None and self.push_min_tokens < 0:
             raise ValueError(f"kv_connector_extra_config['push_min_tokens'] must be >= 0, got {self.push_min_tokens}")
         if self.mode not in ("pull", "push"):
             raise ValueError(f"kv_connector_extra_config['mode'] is {self.mode!r}; expected 'pull' or 'push'")

@@ -33,6 +33,7 @@ from kvsvc.core.sender import (
     WriteFault,
     fault_wait,
     streams_by_layer,
+    streams_during_forward,
 )
 from kvsvc.testing.clock import FakeClock
 
@@ -729,3 +730,11 @@ def test_the_write_failure_table_has_a_row_for_every_failure_and_holds_blocks_wh
     assert fault_wait(FaultKind.OUTSIDE_CONTRACT, True) is FaultWait.SETTLED
     assert fault_wait(FaultKind.OUTSIDE_CONTRACT, False) is FaultWait.NOTHING
     assert {fault_wait(FaultKind.WITHIN_CONTRACT, asked) for asked in (True, False)} == {FaultWait.NOTHING}
+
+
+def test_a_pushing_p_streams_during_its_forward_only_from_the_length_configured_and_by_default_never() -> None:
+    """The default writes after the forward (the sweep on two cores: streaming stretched the forward it shares the
+    cores with); a length configured streams from there on, 0 every prompt."""
+    assert not any(streams_during_forward(n) for n in (1, 1536, 4000, 1 << 20))
+    assert [streams_during_forward(n, 2048) for n in (2047, 2048, 4000)] == [False, True, True]
+    assert streams_during_forward(1, 0)
