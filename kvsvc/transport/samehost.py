@@ -39,7 +39,7 @@ import os
 import select
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -136,33 +136,33 @@ def listening_sockets(pid: int | str = "self") -> set[tuple[str, int]]:
                 if target.startswith("socket:["):
                     inodes.add(int(target[8:-1]))
     found: set[tuple[str, int]] = set()
-    for name in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[9]) in inodes:  # TCP_LISTEN
-                ip, port = _proc_endpoint(fields[1])
-                found.add((str(ip), port))
+    for fields in _proc_tcp_rows(f"/proc/{pid}/net"):
+        if fields[3] == "0A" and int(fields[9]) in inodes:  # TCP_LISTEN
+            ip, port = _proc_endpoint(fields[1])
+            found.add((str(ip), port))
     return found
 
 
 def _scan_proc_net_tcp(local: Endpoint, remote: Endpoint) -> tuple[int, int] | None:
     """`_tcp_socket` from this network namespace's `/proc/net/tcp` and `tcp6`."""
     want = (_plain(local[0]), local[1], _plain(remote[0]), remote[1])
+    for fields in _proc_tcp_rows("/proc/net"):
+        (lip, lport), (rip, rport) = (_proc_endpoint(f) for f in fields[1:3])
+        if (lip, lport, rip, rport) == want:
+            return int(fields[7]), int(fields[9])
+    return None
+
+
+def _proc_tcp_rows(directory: str) -> Iterator[list[str]]:
+    """The fields of each socket row of `directory`'s `tcp` and `tcp6` tables (a network namespace's `/proc/net`);
+    a table that cannot be read has none."""
     for name in ("tcp", "tcp6"):
         try:
-            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+            lines = Path(f"{directory}/{name}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
-            fields = line.split()
-            (lip, lport), (rip, rport) = (_proc_endpoint(f) for f in fields[1:3])
-            if (lip, lport, rip, rport) == want:
-                return int(fields[7]), int(fields[9])
-    return None
+            yield line.split()
 
 
 def _plain(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
