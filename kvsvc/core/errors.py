@@ -8,6 +8,13 @@ layouts cannot be matched); protocol errors split into `LocalProtocolError` (we 
 
 from __future__ import annotations
 
+from typing import Final
+
+# Mooncake's own codes (transfer engine `error.h`), reused so every `TransportError.code` reads the same way.
+ERR_FAILED: Final = -1  # the engine reported the transfer failed, or refused to submit it
+ERR_ADDRESS_NOT_REGISTERED: Final = -3  # a range outside registered (local) or published (peer) memory
+ERR_ADDRESS_OVERLAPPED: Final = -7  # a registration overlaps one already registered
+
 
 class KVSvcError(Exception):
     """Base class of every error kvsvc raises on purpose."""
@@ -60,6 +67,11 @@ class TransportError(TransferError):
     def __init__(self, message: str, code: int = -1) -> None:
         super().__init__(message)
         self.code = code
+
+
+class InvalidDescriptor(TransportError, ValueError):
+    """A write was refused before submission: a range lies outside registered or published memory, a length is
+    not positive, or the peer is unknown. Nothing was written; the caller's bug or a stale peer table."""
 
 
 class PeerLost(TransferError):

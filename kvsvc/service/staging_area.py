@@ -161,8 +161,7 @@ class StagingArea:
 
 
 if TYPE_CHECKING:
-    from kvsvc.core.layout import Int64Array
-    from kvsvc.transport.base import Region
+    from kvsvc.core.layout import Int64Array, Region
 
 
 class Copies(Gather, Protocol):

@@ -1,8 +1,9 @@
 """In-process fakes of kvsvc's I/O for unit tests of the service logic: `LoopbackTransport`.
 
-Imports: stdlib, `kvsvc.core.errors`, `kvsvc.transport.base` (no mooncake, no torch). Invariants: the fake keeps the
-real transport's contract (same address checks before anything is written, same errors, same statistics, `write` never
-returns while a copy is under way); faults are switched on explicitly and never happen by chance.
+Imports: stdlib, `kvsvc.core.errors`, `kvsvc.core.layout` (the address rule), `kvsvc.transport.base` (no mooncake, no
+torch). Invariants: the fake keeps the real transport's contract (same address checks before anything is written, same
+errors, same statistics, `write` never returns while a copy is under way); faults are switched on explicitly and never
+happen by chance.
 """
 
 from __future__ import annotations
@@ -12,19 +13,10 @@ import ctypes
 import itertools
 from collections.abc import Sequence
 
+from kvsvc.core.errors import ERR_FAILED
+from kvsvc.core.layout import AddressRanges, Descriptors, Region, as_rows, check_descriptors
 from kvsvc.core.messages import IpcHandle
-from kvsvc.transport.base import (
-    ERR_FAILED,
-    AddressRanges,
-    Descriptors,
-    Region,
-    TransportClosed,
-    TransportStatistics,
-    WriteFailed,
-    Written,
-    as_rows,
-    check_descriptors,
-)
+from kvsvc.transport.base import TransportClosed, TransportStatistics, WriteFailed, Written
 
 _session_ids = itertools.count(1)
 

@@ -8,16 +8,9 @@ Imports: `kvsvc.transport.base` eagerly; `MooncakeTransport` is importable from 
 
 from __future__ import annotations
 
-from kvsvc.transport.base import (
-    AddressRanges,
-    InvalidDescriptor,
-    Region,
-    Transport,
-    TransportClosed,
-    TransportStatistics,
-    WriteFailed,
-    check_descriptors,
-)
+from kvsvc.core.errors import InvalidDescriptor
+from kvsvc.core.layout import AddressRanges, Region, check_descriptors
+from kvsvc.transport.base import Transport, TransportClosed, TransportStatistics, WriteFailed
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 __all__ = [

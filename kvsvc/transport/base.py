@@ -1,15 +1,11 @@
-"""The `Transport` protocol the asyncio service writes KV through, its statistics, errors and address checks.
+"""The `Transport` protocol the asyncio service writes KV through, its values, statistics and errors.
 
-Imports: the standard library, numpy and `kvsvc.core.errors` only (`kvsvc.core.messages` for a type; no asyncio loop
-work, no mooncake, no torch), so the pure core, the service and the fakes can all share it. A write's descriptors come
-as tuples or as one (N, 3) int64 table (`Descriptors`), the service's form: a plan of thousands of pieces then costs no
-Python object per piece on the way to the copy (a 4,032-piece table made tuples and back took 1.3 ms on the CI
-machine, where its device copies take microseconds), and is checked whole (`check_table`). Invariants: a write is
-refused (`InvalidDescriptor`) before anything is submitted unless every source range lies inside registered local
-memory and every destination range inside the peer's published regions; a write never returns or raises while a
-descriptor it submitted may still move data, except with a `WriteFailed` whose `drained` future says when that is over.
 A data-plane fault is a value a write returns (`Written`), never an exception: a plane raises only for the caller's
-mistakes (`InvalidDescriptor`) and its owner's close (`TransportClosed`).
+mistakes (`InvalidDescriptor`) and its owner's close (`TransportClosed`). Invariants: a write is refused before
+anything is submitted unless its descriptors pass the core's address rule (`kvsvc.core.layout.checked_table`: every
+source range inside registered local memory, every destination range inside the peer's published regions); a write
+never returns while a descriptor it submitted may still move data, except with a `WriteFailed` whose `drained` future
+says when that is over. Also here: what the planes that finish their own writes share (`WriteLedger`, `OwnLoop`).
 """
 
 from __future__ import annotations
@@ -17,41 +13,15 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
-import numpy as np
-import numpy.typing as npt
-
-from kvsvc.core.errors import TransportError
+from kvsvc.core.errors import ERR_FAILED, TransportError
+from kvsvc.core.layout import Descriptors, Region
 
 if TYPE_CHECKING:
     from kvsvc.core.messages import IpcHandle
-
-# Mooncake's own codes (transfer engine `error.h`), reused so every `TransportError.code` reads the same way.
-ERR_FAILED: Final = -1  # the engine reported the transfer failed, or refused to submit it
-ERR_ADDRESS_NOT_REGISTERED: Final = -3  # a range outside registered (local) or published (peer) memory
-ERR_ADDRESS_OVERLAPPED: Final = -7  # a registration overlaps one already registered
-
-Region = tuple[int, int]
-"""`(addr, length)` of a registered or published memory range."""
-
-# Up to this many rows a table is checked row by row: the array operations cost about 15 us whatever the rows, a
-# row about 0.2 us (a one-block request is the many-small-requests path).
-ROWS_CHECKED_ONE_BY_ONE: Final = 48
-
-DescriptorTable = npt.NDArray[np.int64]
-"""A write's descriptors as an (N, 3) int64 table, rows `(src_addr, dst_addr, length)`."""
-
-Descriptors = Sequence[tuple[int, int, int]] | DescriptorTable
-"""What `Transport.write` takes: `(src_addr, dst_addr, length)` tuples, or the same rows as a table."""
-
-
-class InvalidDescriptor(TransportError, ValueError):
-    """A write was refused before submission: a range lies outside registered or published memory, a length is
-    not positive, or the peer is unknown. Nothing was written; the caller's bug or a stale peer table."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,53 +170,6 @@ class Transport(Protocol):
         ...
 
 
-class AddressRanges:
-    """Sorted, non-overlapping `[start, end)` ranges, with containment and overlap checks in O(log n)."""
-
-    def __init__(self, regions: Iterable[Region] = ()) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._arrays: tuple[DescriptorTable, DescriptorTable] | None = None  # for `holds`, built when first asked
-        for addr, length in regions:
-            self.add(addr, length)
-
-    def add(self, addr: int, length: int) -> None:
-        """Add a range. Raises `TransportError` (code -7) when it overlaps one already there, or on length <= 0."""
-        if length <= 0 or addr < 0:
-            raise TransportError(f"region ({addr:#x}, {length}) is empty or negative", ERR_FAILED)
-        i = bisect_right(self._starts, addr)
-        if (i > 0 and self._ends[i - 1] > addr) or (i < len(self._starts) and self._starts[i] < addr + length):
-            raise TransportError(
-                f"region [{addr:#x}, {addr + length:#x}) overlaps a registered one", ERR_ADDRESS_OVERLAPPED
-            )
-        self._starts.insert(i, addr)
-        self._ends.insert(i, addr + length)
-        self._arrays = None
-
-    def contains(self, addr: int, length: int) -> bool:
-        """True when `[addr, addr + length)` lies inside one range."""
-        i = bisect_right(self._starts, addr) - 1
-        return i >= 0 and addr + length <= self._ends[i]
-
-    def holds(self, addr: DescriptorTable, length: DescriptorTable) -> bool:
-        """`contains` of every `[addr[i], addr[i] + length[i])` at once (lengths taken as positive)."""
-        if self._arrays is None:
-            self._arrays = (np.array(self._starts, dtype=np.int64), np.array(self._ends, dtype=np.int64))
-        starts, ends = self._arrays
-        i = np.searchsorted(starts, addr, side="right") - 1
-        return bool(np.all(i >= 0) and np.all(addr + length <= ends[np.maximum(i, 0)]))
-
-    def regions(self) -> list[Region]:
-        return [(s, e - s) for s, e in zip(self._starts, self._ends, strict=True)]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
-
-    def __len__(self) -> int:
-        return len(self._starts)
-
-
 class WriteLedger:
     """The counters and in-flight level of a plane that finishes its own writes (the same-host and GPU planes): what
     their `statistics` and `drained` read. A write is `started` once it passed its checks and `ended` exactly once."""
@@ -339,95 +262,3 @@ class OwnLoop:
         loop = asyncio.get_running_loop()
         self.loop, self._thread, self._forks = loop, threading.get_ident(), _forks
         return loop
-
-
-def as_table(descriptors: Descriptors) -> DescriptorTable:
-    """`descriptors` as an (N, 3) int64 table: a table is returned as it is, tuples are copied into one.
-
-    Raises:
-        InvalidDescriptor: they are not rows of three integers.
-    """
-    try:
-        table = np.asarray(descriptors, dtype=np.int64)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidDescriptor(f"descriptors must be (src, dst, length) rows of integers: {exc}", ERR_FAILED) from None
-    if table.size == 0:
-        return table.reshape(0, 3)
-    if table.ndim != 2 or table.shape[1] != 3:
-        raise InvalidDescriptor(
-            f"descriptors must be (src, dst, length) rows of integers, not of shape {table.shape}", ERR_FAILED
-        )
-    return table
-
-
-def as_rows(descriptors: Descriptors) -> Sequence[tuple[int, int, int]]:
-    """`descriptors` as `(src, dst, length)` tuples of Python ints, for an engine whose calls take them one by one."""
-    if not isinstance(descriptors, np.ndarray):
-        return descriptors
-    src, dst, length = descriptors.reshape(-1, 3).T.tolist()
-    return list(zip(src, dst, length, strict=True))
-
-
-def check_table(table: DescriptorTable, local: AddressRanges, remote: AddressRanges | None, peer: str) -> int:
-    """`check_descriptors` of a whole table at once: a handful of array operations whatever its length, then, only
-    when something is wrong, the row by row check that names the first offending descriptor.
-
-    Raises:
-        InvalidDescriptor: as `check_descriptors`.
-    """
-    if remote is None or not len(table):
-        return check_descriptors([], local, remote, peer)
-    if len(table) <= ROWS_CHECKED_ONE_BY_ONE:
-        return check_descriptors(table.tolist(), local, remote, peer)
-    src, dst, length = table[:, 0], table[:, 1], table[:, 2]
-    if bool(np.all(length > 0)) and local.holds(src, length) and remote.holds(dst, length):
-        return int(length.sum())
-    return check_descriptors(as_rows(table), local, remote, peer)
-
-
-def checked_table(
-    descriptors: Descriptors, local: AddressRanges, remote: AddressRanges | None, peer: str
-) -> tuple[DescriptorTable, int]:
-    """`descriptors` as a table and their total length, checked as `check_descriptors` does (tuples one by one, a
-    table whole): what a plane that copies from a table does first.
-
-    Raises:
-        InvalidDescriptor: as `check_descriptors`, or rows that are not three integers.
-    """
-    if isinstance(descriptors, np.ndarray):
-        table = as_table(descriptors)
-        return table, check_table(table, local, remote, peer)
-    total = check_descriptors(descriptors, local, remote, peer)
-    return as_table(descriptors), total
-
-
-def check_descriptors(
-    descriptors: Sequence[tuple[int, int, int]],
-    local: AddressRanges,
-    remote: AddressRanges | None,
-    peer: str,
-) -> int:
-    """Return the total length of `descriptors` if every one may be written to `peer`.
-
-    Raises:
-        InvalidDescriptor: unknown peer (`remote` is None), a length <= 0, a source range outside `local`, or a
-            destination range outside `remote`; the message names the first offending descriptor.
-    """
-    if remote is None:
-        raise InvalidDescriptor(f"unknown peer {peer!r}: add_peer it first", ERR_FAILED)
-    total = 0
-    for i, (src, dst, length) in enumerate(descriptors):
-        if length <= 0:
-            raise InvalidDescriptor(f"descriptor {i} to {peer}: length {length} is not positive", ERR_FAILED)
-        if not local.contains(src, length):
-            raise InvalidDescriptor(
-                f"descriptor {i} to {peer}: source [{src:#x}, +{length}) is outside registered local memory",
-                ERR_ADDRESS_NOT_REGISTERED,
-            )
-        if not remote.contains(dst, length):
-            raise InvalidDescriptor(
-                f"descriptor {i} to {peer}: destination [{dst:#x}, +{length}) is outside the peer's regions",
-                ERR_ADDRESS_NOT_REGISTERED,
-            )
-        total += length
-    return total

@@ -1,12 +1,12 @@
 """Completion of Mooncake writes: the descriptors in flight per peer, the `Write` each belongs to, and their poller.
 
-Imports: stdlib and `kvsvc.transport.base` only; the engine is reached through the `check_status` callable it is
-given (`transfer_check_status`). Invariants (docs/mooncake.md): an id is polled until it reports 1 or -1 and never again
-(that frees it); id 0 is a refusal, never enqueued nor polled; per peer, ids are polled from the oldest, stopping at
-the first still running one. One poll task, on the event loop, that parks when idle and never sleeps less than
-`LOOP_TIMER_FLOOR_S` on the loop's timers; only while descriptors keep finishing (one within the last
-`PROGRESS_WINDOW_S`, and at most the configured bytes in flight) does it take shorter naps, from a `FineTimer`,
-when the platform has one.
+Imports: stdlib, `kvsvc.core.errors` and `kvsvc.transport.base` only; the engine is reached through the `check_status`
+callable it is given (`transfer_check_status`). Invariants (docs/mooncake.md): an id is polled until it reports 1 or -1
+and never again (that frees it); id 0 is a refusal, never enqueued nor polled; per peer, ids are polled from the oldest,
+stopping at the first still running one. One poll task, on the event loop, that parks when idle and never sleeps less
+than `LOOP_TIMER_FLOOR_S` on the loop's timers; only while descriptors keep finishing (one within the last
+`PROGRESS_WINDOW_S`, and at most the configured bytes in flight) does it take shorter naps, from a `FineTimer`, when the
+platform has one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
-from kvsvc.transport.base import ERR_FAILED, WriteFailed, Written
+from kvsvc.core.errors import ERR_FAILED
+from kvsvc.transport.base import WriteFailed, Written
 from kvsvc.transport.finetimer import FineTimer
 
 # asyncio's epoll and uvloop's libuv timers both have a 1 ms floor; uvloop turns any shorter sleep into a zero

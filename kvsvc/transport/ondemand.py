@@ -20,18 +20,10 @@ import logging
 from collections.abc import Callable, Sequence
 
 from kvsvc.core.data_planes import is_same_host
-from kvsvc.core.errors import TransportError
+from kvsvc.core.errors import ERR_FAILED, InvalidDescriptor, TransportError
+from kvsvc.core.layout import Descriptors, Region
 from kvsvc.core.messages import IpcHandle
-from kvsvc.transport.base import (
-    ERR_FAILED,
-    Descriptors,
-    InvalidDescriptor,
-    Region,
-    Transport,
-    TransportClosed,
-    TransportStatistics,
-    Written,
-)
+from kvsvc.transport.base import Transport, TransportClosed, TransportStatistics, Written
 from kvsvc.transport.samehost import listening_sockets
 
 log = logging.getLogger(__name__)

@@ -48,20 +48,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvsvc.core.data_planes import SameHostAddress
+from kvsvc.core.errors import ERR_FAILED, InvalidDescriptor
+from kvsvc.core.layout import AddressRanges, Descriptors, Region, checked_table
 from kvsvc.core.messages import IpcHandle
 from kvsvc.transport.base import (
-    ERR_FAILED,
-    AddressRanges,
-    Descriptors,
-    InvalidDescriptor,
     OwnLoop,
-    Region,
     TransportClosed,
     TransportStatistics,
     WriteFailed,
     WriteLedger,
     Written,
-    checked_table,
     settled,
 )
 from kvsvc.transport.completion import wait_uncancellable

@@ -32,7 +32,7 @@ from kvsvc.core.data_planes import (
 )
 from kvsvc.core.errors import PeerMismatch
 from kvsvc.core.hello import make_hello
-from kvsvc.core.layout import layer_bytes
+from kvsvc.core.layout import ROWS_CHECKED_ONE_BY_ONE, layer_bytes
 from kvsvc.core.messages import IpcHandle, WorkerMetadata
 from kvsvc.core.staging_plans import StagingRule
 from kvsvc.engine.bootstrap import BootstrapServer
@@ -42,7 +42,6 @@ from kvsvc.testing.cuda import FakeCudaDriver
 from kvsvc.testing.engines import MemmoveCopies
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.transport import InvalidDescriptor, TransportClosed, WriteFailed, cuda_ipc, samehost
-from kvsvc.transport.base import ROWS_CHECKED_ONE_BY_ONE
 from kvsvc.transport.cuda_driver import CudaError, LibCuda
 from kvsvc.transport.cuda_ipc import CudaIpcTransport
 from kvsvc.transport.routed import RoutedTransport, exported_handles, with_same_host

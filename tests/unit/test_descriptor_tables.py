@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsvc.transport.base import (
+from kvsvc.core.errors import InvalidDescriptor
+from kvsvc.core.layout import (
     ROWS_CHECKED_ONE_BY_ONE,
     AddressRanges,
-    InvalidDescriptor,
     as_rows,
     as_table,
     check_descriptors,

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from kvsvc.core.errors import TransportError
+from kvsvc.core.errors import InvalidDescriptor, TransportError
 from kvsvc.testing.fakes import LoopbackTransport
-from kvsvc.transport.base import InvalidDescriptor, Transport
+from kvsvc.transport.base import Transport
 from kvsvc.transport.mooncake import MooncakeConfig
 from kvsvc.transport.ondemand import NOT_ALLOWED, OnDemand
 from kvsvc.transport.routed import RoutedTransport, start_mooncake, worker_transport

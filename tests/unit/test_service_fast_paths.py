@@ -14,10 +14,11 @@ import pytest
 import kvsvc.service.remotes as remotes_module
 from kvsvc.core import planner
 from kvsvc.core.auth import harness_secret
+from kvsvc.core.layout import Descriptors, as_rows
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
-from kvsvc.transport.base import Descriptors, WriteFailed, Written, as_rows
+from kvsvc.transport.base import WriteFailed, Written
 from tests.unit.test_service_wiring import BLOCK, LAYERS, Side, block_bytes_of, make_side, until, wait_output
 
 

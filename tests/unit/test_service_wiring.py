@@ -19,7 +19,7 @@ import pytest
 from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import SameHostAddress, is_same_host
 from kvsvc.core.errors import ServiceClosed
-from kvsvc.core.layout import layer_bytes
+from kvsvc.core.layout import Region, layer_bytes
 from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
@@ -39,7 +39,6 @@ from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport
 from kvsvc.testing.hellos import unkeyed_frames
-from kvsvc.transport.base import Region
 from kvsvc.transport.samehost import own_address
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 2, 2, 8, 4, 16

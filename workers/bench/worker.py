@@ -22,8 +22,9 @@ import numpy as np
 
 from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import SameHostAddress
+from kvsvc.core.layout import Region
 from kvsvc.service import KVTransferService
-from kvsvc.transport.base import Region, Transport, WriteFailed
+from kvsvc.transport.base import Transport, WriteFailed
 from kvsvc.transport.mooncake import MooncakeTransport
 from kvsvc.transport.ondemand import OnDemand
 from kvsvc.transport.routed import RoutedTransport
