@@ -13,18 +13,36 @@ The vectorised end of the planner (`plan_runs`, `merge_runs`) turns (layers x to
 maximal byte runs: an element is one token of one head of one K/V half, `element_bytes` long on both sides; only
 whole elements asked for are emitted; the output is sorted by source address and no two runs could merge (source
 ranges are disjoint, so after sorting a mergeable pair is always adjacent).
+
+The checks that keep a request inside what each side owns sit here too, so that one module says both where bytes go
+and where they may go: block ids inside the pool (`check_block_ids`), a window inside D's staging region
+(`check_window`), and the data plane's one address rule, which every plane (Mooncake, same-host, GPU, the fakes)
+applies before it moves a byte. A write's descriptors come as tuples or as one (N, 3) int64 table (`Descriptors`), and
+are refused (`InvalidDescriptor`) unless every source range lies inside registered local memory and every destination
+range inside the peer's published regions (`checked_table`). A plan of thousands of pieces stays one table on the way
+to the copy (a 4,032-piece table made tuples and back took 1.3 ms on the CI machine, where its device copies take
+microseconds) and is checked whole.
 """
 
 from __future__ import annotations
 
 import functools
+from bisect import bisect_right
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
-from kvsvc.core.errors import TopologyError
+from kvsvc.core.errors import (
+    ERR_ADDRESS_NOT_REGISTERED,
+    ERR_ADDRESS_OVERLAPPED,
+    ERR_FAILED,
+    InvalidDescriptor,
+    TopologyError,
+    TransportError,
+)
 from kvsvc.core.formats import as_written, check_formats, check_scales, converts
 from kvsvc.core.groups import (
     SlotRun,
@@ -326,6 +344,161 @@ def check_window(meta: WorkerMetadata, window_addr: int, window_bytes: int, shar
             f"D window [{window_addr:#x}, +{window_bytes}) lies outside D's staging region "
             f"[{meta.staging_addr:#x}, +{meta.staging_size})"
         )
+
+
+# -- what a write may touch: the data plane's address rule -------------------------------------------------------------
+
+Region = tuple[int, int]
+"""`(addr, length)` of a registered or published memory range."""
+
+# Up to this many rows a table is checked row by row: the array operations cost about 15 us whatever the rows, a
+# row about 0.2 us (a one-block request is the many-small-requests path).
+ROWS_CHECKED_ONE_BY_ONE: Final = 48
+
+DescriptorTable = npt.NDArray[np.int64]
+"""A write's descriptors as an (N, 3) int64 table, rows `(src_addr, dst_addr, length)`."""
+
+Descriptors = Sequence[tuple[int, int, int]] | DescriptorTable
+"""What `Transport.write` takes: `(src_addr, dst_addr, length)` tuples, or the same rows as a table."""
+
+
+class AddressRanges:
+    """Sorted, non-overlapping `[start, end)` ranges, with containment and overlap checks in O(log n)."""
+
+    def __init__(self, regions: Iterable[Region] = ()) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._arrays: tuple[DescriptorTable, DescriptorTable] | None = None  # for `holds`, built when first asked
+        for addr, length in regions:
+            self.add(addr, length)
+
+    def add(self, addr: int, length: int) -> None:
+        """Add a range. Raises `TransportError` (code -7) when it overlaps one already there, or on length <= 0."""
+        if length <= 0 or addr < 0:
+            raise TransportError(f"region ({addr:#x}, {length}) is empty or negative", ERR_FAILED)
+        i = bisect_right(self._starts, addr)
+        if (i > 0 and self._ends[i - 1] > addr) or (i < len(self._starts) and self._starts[i] < addr + length):
+            raise TransportError(
+                f"region [{addr:#x}, {addr + length:#x}) overlaps a registered one", ERR_ADDRESS_OVERLAPPED
+            )
+        self._starts.insert(i, addr)
+        self._ends.insert(i, addr + length)
+        self._arrays = None
+
+    def contains(self, addr: int, length: int) -> bool:
+        """True when `[addr, addr + length)` lies inside one range."""
+        i = bisect_right(self._starts, addr) - 1
+        return i >= 0 and addr + length <= self._ends[i]
+
+    def holds(self, addr: DescriptorTable, length: DescriptorTable) -> bool:
+        """`contains` of every `[addr[i], addr[i] + length[i])` at once (lengths taken as positive)."""
+        if self._arrays is None:
+            self._arrays = (np.array(self._starts, dtype=np.int64), np.array(self._ends, dtype=np.int64))
+        starts, ends = self._arrays
+        i = np.searchsorted(starts, addr, side="right") - 1
+        return bool(np.all(i >= 0) and np.all(addr + length <= ends[np.maximum(i, 0)]))
+
+    def regions(self) -> list[Region]:
+        return [(s, e - s) for s, e in zip(self._starts, self._ends, strict=True)]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+def as_table(descriptors: Descriptors) -> DescriptorTable:
+    """`descriptors` as an (N, 3) int64 table: a table is returned as it is, tuples are copied into one.
+
+    Raises:
+        InvalidDescriptor: they are not rows of three integers.
+    """
+    try:
+        table = np.asarray(descriptors, dtype=np.int64)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidDescriptor(f"descriptors must be (src, dst, length) rows of integers: {exc}", ERR_FAILED) from None
+    if table.size == 0:
+        return table.reshape(0, 3)
+    if table.ndim != 2 or table.shape[1] != 3:
+        raise InvalidDescriptor(
+            f"descriptors must be (src, dst, length) rows of integers, not of shape {table.shape}", ERR_FAILED
+        )
+    return table
+
+
+def as_rows(descriptors: Descriptors) -> Sequence[tuple[int, int, int]]:
+    """`descriptors` as `(src, dst, length)` tuples of Python ints, for an engine whose calls take them one by one."""
+    if not isinstance(descriptors, np.ndarray):
+        return descriptors
+    src, dst, length = descriptors.reshape(-1, 3).T.tolist()
+    return list(zip(src, dst, length, strict=True))
+
+
+def check_table(table: DescriptorTable, local: AddressRanges, remote: AddressRanges | None, peer: str) -> int:
+    """`check_descriptors` of a whole table at once: a handful of array operations whatever its length, then, only
+    when something is wrong, the row by row check that names the first offending descriptor.
+
+    Raises:
+        InvalidDescriptor: as `check_descriptors`.
+    """
+    if remote is None or not len(table):
+        return check_descriptors([], local, remote, peer)
+    if len(table) <= ROWS_CHECKED_ONE_BY_ONE:
+        return check_descriptors(table.tolist(), local, remote, peer)
+    src, dst, length = table[:, 0], table[:, 1], table[:, 2]
+    if bool(np.all(length > 0)) and local.holds(src, length) and remote.holds(dst, length):
+        return int(length.sum())
+    return check_descriptors(as_rows(table), local, remote, peer)
+
+
+def checked_table(
+    descriptors: Descriptors, local: AddressRanges, remote: AddressRanges | None, peer: str
+) -> tuple[DescriptorTable, int]:
+    """`descriptors` as a table and their total length, checked as `check_descriptors` does (tuples one by one, a
+    table whole): what a plane that copies from a table does first.
+
+    Raises:
+        InvalidDescriptor: as `check_descriptors`, or rows that are not three integers.
+    """
+    if isinstance(descriptors, np.ndarray):
+        table = as_table(descriptors)
+        return table, check_table(table, local, remote, peer)
+    total = check_descriptors(descriptors, local, remote, peer)
+    return as_table(descriptors), total
+
+
+def check_descriptors(
+    descriptors: Sequence[tuple[int, int, int]],
+    local: AddressRanges,
+    remote: AddressRanges | None,
+    peer: str,
+) -> int:
+    """Return the total length of `descriptors` if every one may be written to `peer`.
+
+    Raises:
+        InvalidDescriptor: unknown peer (`remote` is None), a length <= 0, a source range outside `local`, or a
+            destination range outside `remote`; the message names the first offending descriptor.
+    """
+    if remote is None:
+        raise InvalidDescriptor(f"unknown peer {peer!r}: add_peer it first", ERR_FAILED)
+    total = 0
+    for i, (src, dst, length) in enumerate(descriptors):
+        if length <= 0:
+            raise InvalidDescriptor(f"descriptor {i} to {peer}: length {length} is not positive", ERR_FAILED)
+        if not local.contains(src, length):
+            raise InvalidDescriptor(
+                f"descriptor {i} to {peer}: source [{src:#x}, +{length}) is outside registered local memory",
+                ERR_ADDRESS_NOT_REGISTERED,
+            )
+        if not remote.contains(dst, length):
+            raise InvalidDescriptor(
+                f"descriptor {i} to {peer}: destination [{dst:#x}, +{length}) is outside the peer's regions",
+                ERR_ADDRESS_NOT_REGISTERED,
+            )
+        total += length
+    return total
 
 
 def plan_transfer(

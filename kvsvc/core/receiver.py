@@ -21,9 +21,8 @@ from enum import Enum
 from typing import Final, Protocol, TypeAlias
 
 from kvsvc.core.auth import check_secret
-from kvsvc.core.deadlines import Deadlines
 from kvsvc.core.errors import LocalProtocolError, TopologyError
-from kvsvc.core.jobs import Effect, Notice, RecvEvent, RecvJob, RecvState
+from kvsvc.core.jobs import Deadlines, Effect, Notice, RecvEvent, RecvJob, RecvState
 from kvsvc.core.messages import (
     FAILURE_CAUSES,
     Abort,

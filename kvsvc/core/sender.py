@@ -26,8 +26,7 @@ from typing import Final, Protocol, TypeAlias, TypeVar
 from msgspec.structs import replace
 
 from kvsvc.core.auth import check_secret
-from kvsvc.core.deadlines import Deadlines
-from kvsvc.core.jobs import Effect, Notice, SendEvent, SendJob, SendState
+from kvsvc.core.jobs import Deadlines, Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.core.messages import (
     MAX_COUNT,
     Abort,

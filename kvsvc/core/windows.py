@@ -600,11 +600,14 @@ class FillingWindow:
 
 
 def p_frame(message: Message, fills: Mapping[str, FillingWindow], d: str) -> list[FillCommand] | None:
-    """A frame from D worker `d` at P: the commands of the write in rounds it is about (`WindowEmptied`; a debug
-    notice when no write of that transfer fills a window, a late one); None when it is the `Sender`'s (any other
-    frame): round frames pass beside the job tables."""
-    if not isinstance(message, WindowEmptied):
-        return None
+    """A frame from D worker `d` at P: the commands of the write in rounds it is about (`WindowEmptied`, as
+    `round_emptied`); None when it is the `Sender`'s (any other frame): round frames pass beside the job tables."""
+    return round_emptied(message, fills, d) if isinstance(message, WindowEmptied) else None
+
+
+def round_emptied(message: WindowEmptied, fills: Mapping[str, FillingWindow], d: str) -> list[FillCommand]:
+    """D worker `d` emptied a round of a window at P: the commands of the write in rounds filling it, or a debug
+    notice when no write of that transfer fills a window (a late frame)."""
     fill = fills.get(message.transfer_id)
     if fill is None:
         return [Notice(f"late WindowEmptied({message.round}) for {message.transfer_id!r} from {d}", "debug")]
@@ -771,6 +774,7 @@ __all__ = [
     "lends_windows",
     "lent_window",
     "p_frame",
+    "round_emptied",
     "round_step",
     "share_refusal",
     "window_choice",

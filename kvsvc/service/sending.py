@@ -34,6 +34,7 @@ from kvsvc.core.messages import (
     HelloRefused,
     IpcHandle,
     Message,
+    WindowEmptied,
     Worker,
     WorkerMetadata,
     WorkerRef,
@@ -405,9 +406,8 @@ class SendingRole:
             channel.send(reply)
 
     def _on_d_message(self, inbound: _Inbound, message: Message) -> None:
-        fill = inbound.target.frame(message)  # a write in rounds takes its frames first (`kvsvc.core.windows.p_frame`)
-        if fill is not None:
-            carry_out_p(fill, self)
+        if isinstance(message, WindowEmptied):  # a write in rounds' frame, beside the job tables (`p_frame`)
+            carry_out_p(inbound.target.emptied(message), self)
             return
         now = self._ctx.clock()
         self._run_send(self._sender.receive(inbound.ref, inbound.meta, inbound.expected, message, now))

@@ -161,7 +161,8 @@ class StagingArea:
 
 
 if TYPE_CHECKING:
-    from kvsvc.core.layout import Int64Array, Region
+    from kvsvc.core.layout import Int64Array
+    from kvsvc.core.planner import Region
 
 
 class Copies(Gather, Protocol):

@@ -40,7 +40,7 @@ from kvsvc.core.data_planes import rule_on
 from kvsvc.core.errors import KVSvcError, KVSvcTimeout, PeerLost, TopologyError, TransferAborted
 from kvsvc.core.formats import Conversion, as_written, conversion
 from kvsvc.core.layout import Int64Array, block_geometry, is_cross_layer, layer_addrs, pool_regions
-from kvsvc.core.messages import Message, WorkerMetadata, WorkerRef
+from kvsvc.core.messages import WindowEmptied, WorkerMetadata, WorkerRef
 from kvsvc.core.planner import is_block_run, plan_transfer_arrays
 from kvsvc.core.sender import (
     FaultKind,
@@ -71,7 +71,7 @@ from kvsvc.core.windows import (
     FillEvent,
     FillingWindow,
     RoundsFilled,
-    p_frame,
+    round_emptied,
     round_step,
     share_refusal,
 )
@@ -314,12 +314,10 @@ class WriteTarget:
     def __post_init__(self) -> None:
         self.session = self.session or self.meta.transport_addr
 
-    def frame(self, message: Message) -> list[FillCommand] | None:
-        """A frame from this D worker, when it is a write in rounds' (`kvsvc.core.windows.p_frame`): D emptied a round
-        of a window, and the write waiting for its half goes on. None: the frame is the job tables'."""
-        commands = p_frame(message, self.fills, str(self.ref))
-        if commands is not None:
-            self._wake(getattr(message, "transfer_id", ""))
+    def emptied(self, message: WindowEmptied) -> list[FillCommand]:
+        """D emptied a round of a window (`kvsvc.core.windows.round_emptied`): the write waiting for it goes on."""
+        commands = round_emptied(message, self.fills, str(self.ref))
+        self._wake(message.transfer_id)
         return commands
 
     async def wait(self, fill: FillingWindow, clock: Callable[[], float]) -> None:

@@ -1,6 +1,6 @@
 """In-process fakes of kvsvc's I/O for unit tests of the service logic: `LoopbackTransport`.
 
-Imports: stdlib, `kvsvc.core.errors`, `kvsvc.core.layout` (the address rule), `kvsvc.transport.base` (no mooncake, no
+Imports: stdlib, `kvsvc.core.errors`, `kvsvc.core.planner` (the address rule), `kvsvc.transport.base` (no mooncake, no
 torch). Invariants: the fake keeps the real transport's contract (same address checks before anything is written, same
 errors, same statistics, `write` never returns while a copy is under way); faults are switched on explicitly and never
 happen by chance.
@@ -14,8 +14,8 @@ import itertools
 from collections.abc import Sequence
 
 from kvsvc.core.errors import ERR_FAILED
-from kvsvc.core.layout import AddressRanges, Descriptors, Region, as_rows, check_descriptors
 from kvsvc.core.messages import IpcHandle
+from kvsvc.core.planner import AddressRanges, Descriptors, Region, as_rows, check_descriptors
 from kvsvc.transport.base import TransportClosed, TransportStatistics, WriteFailed, Written
 
 _session_ids = itertools.count(1)

@@ -9,7 +9,7 @@ Imports: `kvsvc.transport.base` eagerly; `MooncakeTransport` is importable from 
 from __future__ import annotations
 
 from kvsvc.core.errors import InvalidDescriptor
-from kvsvc.core.layout import AddressRanges, Region, check_descriptors
+from kvsvc.core.planner import AddressRanges, Region, check_descriptors
 from kvsvc.transport.base import Transport, TransportClosed, TransportStatistics, WriteFailed
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport
 

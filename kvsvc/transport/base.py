@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 from kvsvc.core.errors import ERR_FAILED, TransportError
-from kvsvc.core.layout import Descriptors, Region
+from kvsvc.core.planner import Descriptors, Region
 
 if TYPE_CHECKING:
     from kvsvc.core.messages import IpcHandle

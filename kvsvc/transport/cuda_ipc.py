@@ -30,8 +30,8 @@ import numpy.typing as npt
 
 from kvsvc.core.data_planes import SameHostAddress, check_ipc_handles
 from kvsvc.core.errors import ERR_FAILED, InvalidDescriptor, TransportError
-from kvsvc.core.layout import AddressRanges, Descriptors, Region, checked_table
 from kvsvc.core.messages import IpcHandle
+from kvsvc.core.planner import AddressRanges, Descriptors, Region, checked_table
 from kvsvc.transport.base import (
     OwnLoop,
     TransportClosed,

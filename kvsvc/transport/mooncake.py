@@ -1,6 +1,6 @@
 """`MooncakeTransport`: the `Transport` protocol on the Mooncake Transfer Engine (P2PHANDSHAKE, TCP or RDMA).
 
-Imports: stdlib, `kvsvc.core.errors`, `kvsvc.core.layout` (the address rule), `kvsvc.transport.base` and `.completion`
+Imports: stdlib, `kvsvc.core.errors`, `kvsvc.core.planner` (the address rule), `kvsvc.transport.base` and `.completion`
 (which polls what this submits); `mooncake` only lazily, inside `MooncakeTransport`. Invariants (docs/mooncake.md):
 every descriptor is its own one-descriptor batch (`transfer_submit_write`), because `transfer_check_status` only looks
 at a batch's first descriptor; every id the engine returns goes to the `CompletionPoller`, the only caller of
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsvc.core.errors import ERR_FAILED, TransportError
-from kvsvc.core.layout import AddressRanges, Descriptors, Region, as_rows, check_descriptors
 from kvsvc.core.messages import IpcHandle
+from kvsvc.core.planner import AddressRanges, Descriptors, Region, as_rows, check_descriptors
 from kvsvc.transport.base import OwnLoop, TransportClosed, TransportStatistics, WriteFailed, Written
 from kvsvc.transport.completion import LOOP_TIMER_FLOOR_S, CompletionPoller, Write, wait_uncancellable
 

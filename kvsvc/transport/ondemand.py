@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 
 from kvsvc.core.data_planes import is_same_host
 from kvsvc.core.errors import ERR_FAILED, InvalidDescriptor, TransportError
-from kvsvc.core.layout import Descriptors, Region
 from kvsvc.core.messages import IpcHandle
+from kvsvc.core.planner import Descriptors, Region
 from kvsvc.transport.base import Transport, TransportClosed, TransportStatistics, Written
 from kvsvc.transport.samehost import listening_sockets
 

@@ -22,8 +22,8 @@ from typing import Protocol
 
 from kvsvc.core.auth import is_loopback
 from kvsvc.core.data_planes import is_same_host
-from kvsvc.core.layout import Descriptors, Region
 from kvsvc.core.messages import IpcHandle
+from kvsvc.core.planner import Descriptors, Region
 from kvsvc.transport.base import Transport, TransportStatistics, Written
 from kvsvc.transport.cuda_driver import CudaError
 from kvsvc.transport.mooncake import MooncakeConfig, MooncakeTransport

@@ -32,8 +32,9 @@ from kvsvc.core.data_planes import (
 )
 from kvsvc.core.errors import PeerMismatch
 from kvsvc.core.hello import make_hello
-from kvsvc.core.layout import ROWS_CHECKED_ONE_BY_ONE, layer_bytes
+from kvsvc.core.layout import layer_bytes
 from kvsvc.core.messages import IpcHandle, WorkerMetadata
+from kvsvc.core.planner import ROWS_CHECKED_ONE_BY_ONE
 from kvsvc.core.staging_plans import StagingRule
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig

@@ -1,4 +1,4 @@
-"""`kvsvc.core.deadlines.Deadlines` against the pass over the whole table it replaces: for any sequence of deadlines
+"""`kvsvc.core.jobs.Deadlines` against the pass over the whole table it replaces: for any sequence of deadlines
 set, moved and dropped, the earliest live deadline and the keys due are the same as scanning the table."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsvc.core.deadlines import Deadlines
+from kvsvc.core.jobs import Deadlines
 
 KEYS = st.sampled_from([f"t{i}" for i in range(12)])
 TIMES = st.integers(min_value=0, max_value=50).map(float)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsvc.core.errors import InvalidDescriptor
-from kvsvc.core.layout import (
+from kvsvc.core.planner import (
     ROWS_CHECKED_ONE_BY_ONE,
     AddressRanges,
     as_rows,

@@ -14,7 +14,7 @@ import pytest
 import kvsvc.service.remotes as remotes_module
 from kvsvc.core import planner
 from kvsvc.core.auth import harness_secret
-from kvsvc.core.layout import Descriptors, as_rows
+from kvsvc.core.planner import Descriptors, as_rows
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport

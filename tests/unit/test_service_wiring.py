@@ -19,7 +19,7 @@ import pytest
 from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import SameHostAddress, is_same_host
 from kvsvc.core.errors import ServiceClosed
-from kvsvc.core.layout import Region, layer_bytes
+from kvsvc.core.layout import layer_bytes
 from kvsvc.core.messages import (
     PROTOCOL_VERSION,
     ErrorMessage,
@@ -35,6 +35,7 @@ from kvsvc.core.messages import (
     encode,
 )
 from kvsvc.core.outputs import KVConnectorOutput
+from kvsvc.core.planner import Region
 from kvsvc.engine.bootstrap import BootstrapServer
 from kvsvc.service import KVTransferService, ServiceConfig
 from kvsvc.testing.fakes import LoopbackTransport

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvsvc.core.auth import harness_secret
 from kvsvc.core.data_planes import SameHostAddress
-from kvsvc.core.layout import Region
+from kvsvc.core.planner import Region
 from kvsvc.service import KVTransferService
 from kvsvc.transport.base import Transport, WriteFailed
 from kvsvc.transport.mooncake import MooncakeTransport
