@@ -1,14 +1,14 @@
 """Authentication between the engines of one deployment: keys derived from the control token, the signature of the
 `kv_transfer_params` P hands out, the proofs of the hello, and the bootstrap addresses a D worker may fetch from.
 
-Pure module: standard library and `kvsvc.core.messages` only. Rules: the control token never leaves its process;
-each use gets a key of its own, derived from the token under a label (params, hello), so a value computed for one
-use never stands for another. MACs are compared in constant time. A transfer's secret is checked for length
-(`check_secret`) and never put into an error message. The harnesses and the synthetic runtime, which stand in for
-both engines and the router, derive a transfer's secret from its id (`harness_secret`), so that a D started before
-its P, or in another process, finds it; anyone who knows the id can derive it, so nothing else may use it. A `Key`
-never shows its bytes in a repr. An address that comes from a request is treated as written by an attacker: D builds
-every URL itself from a host and a port.
+Pure module: standard library and `kvsvc.core.messages` only. Rules: the control token never leaves its process; each
+use gets a key of its own, derived from the token under a label (params, hello), so a value computed for one use never
+stands for another. MACs are compared in constant time. A transfer's secret is checked for length
+(`kvsvc.core.messages.check_secret`, with the request's other fields) and never put into an error message. The harnesses
+and the synthetic runtime, which stand in for both engines and the router, derive a transfer's secret from its id
+(`harness_secret`), so that a D started before its P, or in another process, finds it; anyone who knows the id can
+derive it, so nothing else may use it. A `Key` never shows its bytes in a repr. An address that comes from a request is
+treated as written by an attacker: D builds every URL itself from a host and a port.
 """
 
 from __future__ import annotations
@@ -22,16 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from kvsvc.core.messages import MAX_SECRET_CHARS, METADATA_PATH
+from kvsvc.core.messages import METADATA_PATH
 
 # Labels of the derived keys: one per use of the control token.
 PARAMS_KEY: Final = "kvsvc/params/v1"
 HELLO_KEY: Final = "kvsvc/hello/v1"
 # Bytes of a hello nonce.
 NONCE_BYTES: Final = 32
-# A transfer's secret is at least this long: `secrets.token_urlsafe(16)` (128 bits) makes 22 characters. D takes
-# one of at most `MAX_SECRET_CHARS` (`kvsvc.core.messages`), as it travels in every request.
-MIN_SECRET_CHARS: Final = 16
 
 
 class Key:
@@ -215,20 +212,6 @@ def check_control_addr(bootstrap: BootstrapAddress, control_addr: str) -> None:
         raise ValueError(
             f"control address {control_addr!r} is not on the host of bootstrap address {bootstrap.url!r}: a P "
             "engine's workers must be reached on the host its handshake endpoint is reached at"
-        )
-
-
-def check_secret(secret: str, transfer_id: str) -> None:
-    """Refuse a transfer secret too short to be unguessable, or too long to carry in each request.
-
-    Raises:
-        ValueError: `secret` has fewer than `MIN_SECRET_CHARS` or more than `MAX_SECRET_CHARS` characters; the
-            message names the transfer and the length, never the secret.
-    """
-    if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS:
-        raise ValueError(
-            f"secret of transfer {transfer_id!r} has {len(secret)} characters, {MIN_SECRET_CHARS} to "
-            f"{MAX_SECRET_CHARS} needed (P draws one with secrets.token_urlsafe(16))"
         )
 
 

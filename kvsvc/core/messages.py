@@ -35,6 +35,8 @@ MAX_NAME_CHARS: Final = 1024  # engine ids, incarnations, transfer ids, addresse
 MAX_WORD_CHARS: Final = 64  # dtypes, layouts, group kinds, planes
 MAX_REASON_CHARS: Final = 2048  # a refusal's or failure's text; longer ones are cut as they are sent (`encode`)
 MAX_SECRET_CHARS: Final = 256  # a transfer's secret travels in each request
+# ...and is at least this long: `secrets.token_urlsafe(16)` (128 bits) makes 22 characters.
+MIN_SECRET_CHARS: Final = 16
 MAX_OPAQUE_BYTES: Final = 256  # nonces, proofs, IPC handles (64 bytes in CUDA)
 MAX_COUNT: Final = 2**31  # ranks, layers, heads, sizes of a block, block ids and counts, token counts
 # Why a receive failed, as D counts it (`kvsvc_load_failures_total{cause}`): P's write or D's plane failed
@@ -419,6 +421,20 @@ def check_transfer_id(transfer_id: str) -> None:
     if len(transfer_id) > MAX_NAME_CHARS:
         raise ValueError(
             f"transfer id of {len(transfer_id)} characters, limit {MAX_NAME_CHARS}: {clip(transfer_id, 80)!r}"
+        )
+
+
+def check_secret(secret: str, transfer_id: str) -> None:
+    """Refuse a transfer secret too short to be unguessable, or too long to carry in each request.
+
+    Raises:
+        ValueError: `secret` has fewer than `MIN_SECRET_CHARS` or more than `MAX_SECRET_CHARS` characters; the
+            message names the transfer and the length, never the secret.
+    """
+    if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS:
+        raise ValueError(
+            f"secret of transfer {transfer_id!r} has {len(secret)} characters, {MIN_SECRET_CHARS} to "
+            f"{MAX_SECRET_CHARS} needed (P draws one with secrets.token_urlsafe(16))"
         )
 
 

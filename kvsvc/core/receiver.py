@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, Protocol, TypeAlias
 
-from kvsvc.core.auth import check_secret
 from kvsvc.core.errors import LocalProtocolError, TopologyError
 from kvsvc.core.jobs import Deadlines, Effect, Notice, RecvEvent, RecvJob, RecvState
 from kvsvc.core.messages import (
@@ -38,6 +37,7 @@ from kvsvc.core.messages import (
     Worker,
     WorkerMetadata,
     answers_another_receive,
+    check_secret,
     check_transfer_id,
 )
 from kvsvc.core.planner import check_block_ids, plan_transfer_arrays

@@ -25,7 +25,6 @@ from typing import Final, Protocol, TypeAlias, TypeVar
 
 from msgspec.structs import replace
 
-from kvsvc.core.auth import check_secret
 from kvsvc.core.jobs import Deadlines, Effect, Notice, SendEvent, SendJob, SendState
 from kvsvc.core.messages import (
     MAX_COUNT,
@@ -41,6 +40,7 @@ from kvsvc.core.messages import (
     Worker,
     WorkerMetadata,
     WorkerRef,
+    check_secret,
     check_transfer_id,
 )
 from kvsvc.core.planner import check_block_ids, check_window

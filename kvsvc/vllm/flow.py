@@ -82,9 +82,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final
 
-from kvsvc.core.auth import MIN_SECRET_CHARS, Key, fields_verify, parse_bootstrap_addr, sign_fields
+from kvsvc.core.auth import Key, fields_verify, parse_bootstrap_addr, sign_fields
 from kvsvc.core.groups import DROPPING, FULL, MAMBA
-from kvsvc.core.messages import MAX_SECRET_CHARS, clip
+from kvsvc.core.messages import MAX_SECRET_CHARS, MIN_SECRET_CHARS, clip
 from kvsvc.core.receiver import RecvRequest
 from kvsvc.core.sender import SendRequest
 

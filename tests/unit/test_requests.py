@@ -9,8 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsvc.cli.plan import synthetic_engine
-from kvsvc.core.auth import MIN_SECRET_CHARS, check_secret
-from kvsvc.core.messages import MAX_NAME_CHARS
+from kvsvc.core.messages import MAX_NAME_CHARS, MIN_SECRET_CHARS, check_secret
 from kvsvc.core.receiver import RecvRequest, check_recv
 from kvsvc.core.sender import SendRequest, check_send
 
