@@ -2,7 +2,7 @@
 
 A data-plane fault is a value a write returns (`Written`), never an exception: a plane raises only for the caller's
 mistakes (`InvalidDescriptor`) and its owner's close (`TransportClosed`). Invariants: a write is refused before
-anything is submitted unless its descriptors pass the core's address rule (`kvsvc.core.layout.checked_table`: every
+anything is submitted unless its descriptors pass the core's address rule (`kvsvc.core.planner.checked_table`: every
 source range inside registered local memory, every destination range inside the peer's published regions); a write
 never returns while a descriptor it submitted may still move data, except with a `WriteFailed` whose `drained` future
 says when that is over. Also here: what the planes that finish their own writes share (`WriteLedger`, `OwnLoop`).

@@ -6,17 +6,18 @@ far end of the control connection).
 
 Rules: the contract of `kvsvc.transport.base.Transport`. A write is refused before anything is copied unless every
 source range lies in registered local memory and every destination range in the peer's published regions; many
-descriptors go in one call (up to `IOV_MAX` iovecs a side); the copy runs on the transport's own copy thread, which it
-blocks, never on the loop; when a write fails the call has returned, so nothing of it still moves (`drained` is done);
-a peer whose process died, or whose pid now names another process, fails the next write (ESRCH) and `peer_gone`
-tells so by its process table entry. What a peer claims (pid, start time, user) is checked against the kernel before
-it is used, and the process must hold the far end of the control connection its hello came on (`check_peer`): a
-hello cannot aim writes at a process that did not send it. Only a session that passed that check (`reachable`) is
-admitted, and `add_peer` refuses any other; before each group of copies the target's start time and real uid are
-read again. The kernel lets a process write another's memory only as `ptrace` would let it attach (same user, a PID
-namespace that sees it, a ptrace policy that allows it): `reachable` asks it once with a one-byte read. The checks
-run on threads of their own, never on the copy thread, so a slow /proc read delays no write and a copy delays no
-hello. Imports the standard library, numpy and `kvsvc.transport` modules without mooncake (no torch).
+descriptors go in one call (up to `IOV_MAX` iovecs a side), and so do the writes queued in one loop iteration to one
+peer, as the core groups them (`kvsvc.core.data_planes.coalesce`); the copy runs on the transport's own copy thread,
+which it blocks, never on the loop; when a write fails the call has returned, so nothing of it still moves (`drained` is
+done); a peer whose process died, or whose pid now names another process, fails the next write (ESRCH) and `peer_gone`
+tells so by its process table entry. What a peer claims (pid, start time, user) is checked against the kernel before it
+is used, and the process must hold the far end of the control connection its hello came on (`check_peer`): a hello
+cannot aim writes at a process that did not send it. Only a session that passed that check (`reachable`) is admitted,
+and `add_peer` refuses any other; before each group of copies the target's start time and real uid are read again. The
+kernel lets a process write another's memory only as `ptrace` would let it attach (same user, a PID namespace that sees
+it, a ptrace policy that allows it): `reachable` asks it once with a one-byte read. The checks run on threads of their
+own, never on the copy thread, so a slow /proc read delays no write and a copy delays no hello. Imports the standard
+library, numpy and `kvsvc.transport` modules without mooncake (no torch).
 
 Rules of the kernel's answers: every one comes from /proc and the kernel, never from what a peer sent; a process that
 is gone, or a file that cannot be read, answers "no" (-1, False or a reason), never raises. Reads only: nothing here
@@ -47,7 +48,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.core.data_planes import SameHostAddress
+from kvsvc.core.data_planes import COALESCE_BYTES, COALESCE_DESCRIPTORS, SameHostAddress, coalesce
 from kvsvc.core.errors import ERR_FAILED, InvalidDescriptor
 from kvsvc.core.messages import IpcHandle
 from kvsvc.core.planner import AddressRanges, Descriptors, Region, checked_table
@@ -281,10 +282,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-IOV_MAX: Final = 1024  # Linux's limit on iovecs per call, each side
+IOV_MAX: Final = COALESCE_DESCRIPTORS  # Linux's limit on iovecs per call, each side: a merged group is one call
 CLOSE_TIMEOUT_S: Final = 30.0  # a kernel copy of a whole KV pool ends well within it
 _ADDRESS_END: Final = 1 << 63  # a user-space address past this is no address (and no int64)
-GROUP_BYTES: Final = 4 << 20  # writes merged into one call up to about this much, then their completions delivered
 CHECK_THREADS: Final = 2  # /proc reads of peer checks; a check stuck in the kernel leaves the other for the next
 SLOW_CHECK_S: Final = 0.25  # a check this slow is logged with where its time went (about 1 ms on an idle host)
 ERR_GONE: Final = -102  # as Mooncake's probe says of a dead peer
@@ -383,29 +383,26 @@ def _copy_group(pid: int, tables: Sequence[npt.NDArray[np.int64]]) -> list[int |
 def _copy_all(
     writes: Sequence[tuple[int, int, int, npt.NDArray[np.int64]]],
     deliver: Callable[[int, list[int | OSError]], None],
+    max_bytes: int = COALESCE_BYTES,
+    max_descriptors: int = COALESCE_DESCRIPTORS,
 ) -> None:
-    """Copy one loop iteration's writes (pid, start time, real uid, table) in order on the copy thread, in groups of
-    consecutive writes to one process of about `GROUP_BYTES`, and `deliver(first, outcomes)` each group's outcomes
-    as soon as it landed: a burst of small writes pays few calls and few wake-ups, and a large write completes before
-    the next one starts, as the requests of a burst would one after another. Before each group the target's start
-    time and real uid are read again: a pid that now names another process is not written (ESRCH), nor a process
-    that now runs as another user (EPERM)."""
-    first = 0
-    while first < len(writes):
-        pid, start, uid = writes[first][:3]
-        end, nbytes = first, 0
-        while end < len(writes) and writes[end][0] == pid and (end == first or nbytes < GROUP_BYTES):
-            nbytes += int(writes[end][3][:, 2].sum())
-            end += 1
+    """Copy one loop iteration's writes (pid, start time, real uid, table) in order on the copy thread, in the groups
+    the core merges into one call each (`kvsvc.core.data_planes.coalesce`), and `deliver(first, outcomes)` each
+    group's outcomes as soon as it landed: a burst's requests land together, in one call and one wake-up, and a
+    large write goes alone (the bounds are the core's unless a test asks for others). Before each group the target's
+    start time and real uid are read again: a pid that now names another process is not written (ESRCH), nor a
+    process that now runs as another user (EPERM)."""
+    sizes = [((pid, start, uid), int(table[:, 2].sum()), len(table)) for pid, start, uid, table in writes]
+    for group in coalesce(sizes, max_bytes, max_descriptors):
+        pid, start, uid = writes[group.start][:3]
         if start_time(pid) != start:
             gone = OSError(errno.ESRCH, f"process {pid} (started at {start}) is gone")
-            deliver(first, [gone] * (end - first))
+            deliver(group.start, [gone] * len(group))
         elif (now := real_uid(pid)) != uid:
             other = OSError(errno.EPERM, f"process {pid} runs as uid {now}, not uid {uid} as when it was admitted")
-            deliver(first, [other] * (end - first))
+            deliver(group.start, [other] * len(group))
         else:
-            deliver(first, _copy_group(pid, [write[3] for write in writes[first:end]]))
-        first = end
+            deliver(group.start, _copy_group(pid, [writes[i][3] for i in group]))
 
 
 class SameHostTransport:

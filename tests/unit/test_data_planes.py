@@ -4,6 +4,8 @@ Mooncake otherwise, or when an operator forces it; every fallback says why, nami
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -127,45 +129,127 @@ def test_writes_merged_into_one_call_fail_one_by_one_when_the_call_fails() -> No
     assert _copy_group(os.getpid(), [good, also_good]) == [4096, 4096]
 
 
-def test_a_burst_of_small_writes_lands_in_one_group_and_large_writes_one_by_one() -> None:
+def test_a_burst_of_small_writes_lands_in_one_group_and_writes_past_the_bounds_one_by_one() -> None:
     import errno
     import os
 
     import numpy as np
 
-    from kvsvc.transport.samehost import GROUP_BYTES, _copy_all, start_time
+    from kvsvc.core.data_planes import COALESCE_DESCRIPTORS
+    from kvsvc.transport.samehost import _copy_all, start_time
 
-    src = np.arange(8 * GROUP_BYTES, dtype=np.uint64).view(np.uint8)
+    rows = COALESCE_DESCRIPTORS
+    src = np.arange(4 * rows, dtype=np.uint64).view(np.uint8)  # 32 KiB
     dst = np.zeros_like(src)
-
     start = start_time(os.getpid())
 
-    def write(offset: int, length: int) -> tuple[int, int, int, np.ndarray]:
-        table = np.array([[src.ctypes.data + offset, dst.ctypes.data + offset, length]], dtype=np.int64)
-        return os.getpid(), start, os.getuid(), table
+    def write(offset: int, pieces: int, piece: int) -> tuple[int, int, int, np.ndarray]:
+        at = offset + np.arange(pieces, dtype=np.int64) * piece
+        table = np.stack([src.ctypes.data + at, dst.ctypes.data + at, np.full(pieces, piece)], axis=1)
+        return os.getpid(), start, os.getuid(), table.astype(np.int64)
 
     delivered: list[tuple[int, list[int | OSError]]] = []
 
     def deliver(first: int, outcomes: list[int | OSError]) -> None:
         delivered.append((first, outcomes))
 
-    _copy_all([write(i * 4096, 4096) for i in range(8)], deliver)
+    _copy_all([write(i * 4096, 1, 4096) for i in range(8)], deliver)
     assert delivered == [(0, [4096] * 8)]
     delivered.clear()
-    _copy_all([write(i * GROUP_BYTES, GROUP_BYTES) for i in range(3)], deliver)
-    assert delivered == [(0, [GROUP_BYTES]), (1, [GROUP_BYTES]), (2, [GROUP_BYTES])]
-    assert (dst[: 3 * GROUP_BYTES] == src[: 3 * GROUP_BYTES]).all()
+    # Each write has as many pieces as one call takes: together they would pass the bound, so each goes alone.
+    _copy_all([write(i * rows * 8, rows, 8) for i in range(3)], deliver)
+    assert delivered == [(0, [rows * 8]), (1, [rows * 8]), (2, [rows * 8])]
+    assert (dst[: 3 * rows * 8] == src[: 3 * rows * 8]).all()
     delivered.clear()
     dst[:] = 0
-    stale = (os.getpid(), start + 1, os.getuid(), write(0, 4096)[3])  # the pid names a process started later
+    stale = (os.getpid(), start + 1, os.getuid(), write(0, 1, 4096)[3])  # the pid names a process started later
     _copy_all([stale], deliver)
     ((_, (gone,)),) = delivered
     assert isinstance(gone, OSError) and gone.errno == errno.ESRCH and not dst.any()
     delivered.clear()
-    other_user = (os.getpid(), start, os.getuid() + 1, write(0, 4096)[3])  # the process changed its real uid
+    other_user = (os.getpid(), start, os.getuid() + 1, write(0, 1, 4096)[3])  # the process changed its real uid
     _copy_all([other_user], deliver)
     ((_, (refused,)),) = delivered
     assert isinstance(refused, OSError) and refused.errno == errno.EPERM and not dst.any()
+    delivered.clear()
+    # A stale write queued behind a good one to the same pid is a target of its own: checked, and refused, alone.
+    _copy_all([write(0, 1, 4096), (*stale[:3], write(4096, 1, 4096)[3])], deliver)
+    ((first, (landed,)), (second, (late,))) = delivered
+    assert (first, landed, second) == (0, 4096, 1) and isinstance(late, OSError) and late.errno == errno.ESRCH
+    assert dst[:4096].any() and not dst[4096:8192].any()
+
+
+_queued = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 100), st.integers(0, 10)), max_size=30)
+
+
+@given(_queued, st.integers(1, 150), st.integers(1, 12))
+def test_coalesced_groups_keep_order_and_target_and_stay_within_bounds_unless_alone(
+    writes: list[tuple[int, int, int]], max_bytes: int, max_descriptors: int
+) -> None:
+    from kvsvc.core.data_planes import coalesce
+
+    groups = coalesce(writes, max_bytes, max_descriptors)
+    assert [i for group in groups for i in group] == list(range(len(writes)))  # every write once, in order
+    for group in groups:
+        members = [writes[i] for i in group]
+        assert len({target for target, _, _ in members}) == 1
+        nbytes, pieces = sum(m[1] for m in members), sum(m[2] for m in members)
+        assert len(group) == 1 or (nbytes <= max_bytes and pieces <= max_descriptors)
+    for group, after in itertools.pairwise(groups):  # greedy: the next write could not have joined
+        members, next_one = [writes[i] for i in group], writes[after.start]
+        assert (
+            next_one[0] != members[0][0]
+            or sum(m[1] for m in members) + next_one[1] > max_bytes
+            or sum(m[2] for m in members) + next_one[2] > max_descriptors
+        )
+
+
+def test_coalescing_refuses_bounds_below_one_and_negative_sizes_by_value() -> None:
+    from kvsvc.core.data_planes import coalesce
+
+    with pytest.raises(ValueError, match="max_bytes 0, max_descriptors 4"):
+        coalesce([], 0, 4)
+    with pytest.raises(ValueError, match="write 1 to 'b' has -1 bytes"):
+        coalesce([("a", 1, 1), ("b", -1, 1)])
+
+
+@given(
+    st.lists(st.lists(st.tuples(st.integers(0, 64), st.integers(1, 4096)), min_size=1, max_size=6), max_size=12),
+    st.integers(1, 8192),
+    st.integers(1, 8),
+)
+def test_coalesced_copies_land_the_same_bytes_as_writes_one_by_one(
+    queued: list[list[tuple[int, int]]], max_bytes: int, max_descriptors: int
+) -> None:
+    """The real copy path (`process_vm_writev`, into this process) against memmove write by write, for any queue of
+    writes and any bounds: each group the rule formed is delivered once, and every byte lands where its write says."""
+    import os
+
+    import numpy as np
+
+    from kvsvc.core.data_planes import coalesce
+    from kvsvc.transport.samehost import _copy_all, start_time
+
+    src = np.random.default_rng(len(queued)).integers(0, 255, 1 << 13, dtype=np.uint8)
+    # Room for the longest queue drawn (12 writes of 6 pieces of at most 64 + 4096 bytes): nothing lands past `dst`.
+    dst, expected = np.zeros(12 * 6 * 4160, dtype=np.uint8), np.zeros(12 * 6 * 4160, dtype=np.uint8)
+    start, cursor = start_time(os.getpid()), 0
+    writes, sizes = [], []
+    for pieces in queued:
+        rows = []
+        for skip, length in pieces:  # destinations never overlap: each piece lands after the one before
+            at, cursor = cursor + skip, cursor + skip + length
+            rows.append((src.ctypes.data + skip, dst.ctypes.data + at, length))
+            expected[at : at + length] = src[skip : skip + length]
+        table = np.array(rows, dtype=np.int64)
+        writes.append((os.getpid(), start, os.getuid(), table))
+        sizes.append(((os.getpid(), start, os.getuid()), int(table[:, 2].sum()), len(table)))
+    delivered: list[tuple[int, list[int | OSError]]] = []
+    _copy_all(writes, lambda first, outcomes: delivered.append((first, outcomes)), max_bytes, max_descriptors)
+    groups = coalesce(sizes, max_bytes, max_descriptors)
+    assert [(first, len(outcomes)) for first, outcomes in delivered] == [(g.start, len(g)) for g in groups]
+    assert [out for _, outcomes in delivered for out in outcomes] == [size for _, size, _ in sizes]
+    assert (dst == expected).all()
 
 
 async def test_a_routed_transport_counts_its_memory_once_and_closes_the_same_host_plane_first() -> None:
