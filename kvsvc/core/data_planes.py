@@ -9,14 +9,13 @@ takes the GPU plane (CUDA IPC: P maps D's allocations and copies on the device),
 are on, named by UUID. An operator may force Mooncake, or ask for a same-host plane (`ServiceConfig.transport`),
 which a pair that does not qualify runs without. The rule decides from the two metadata alone; the driver's one
 probe (the kernel's ptrace policy, or opening D's IPC handles) can still refuse, and the pair falls back to
-Mooncake. Which of the writes queued together on the same-host plane go in one kernel call is decided here too
-(`coalesce`). Pure module: standard library and kvsvc's pure core only.
+Mooncake. Pure module: standard library and kvsvc's pure core only.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from itertools import pairwise
@@ -44,12 +43,6 @@ GPU_GATHER_COST_S_PER_BYTE: Final = 0.002e-9
 """What gathering (on P) or scattering (on D) a byte costs on the GPU plane: a kernel on the device, about 1 TB/s."""
 SETTINGS: Final = ("auto", "mooncake", "samehost")
 PLANES: Final = ("mooncake", "samehost", "cuda_ipc")  # `Route.kind`
-COALESCE_BYTES: Final = 128 << 20
-"""The most bytes one same-host copy call merges from writes queued together: about 15-30 ms of the kernel's copy on
-a 2-core host, near one forward of the D engines measured there, so a burst of requests lands within one D step and
-is reported in one. Each call returns to a thread that must take the GIL back, which costs up to the interpreter's
-5 ms switch interval while P's engine thread runs Python: a burst pays that once, not once per request."""
-COALESCE_DESCRIPTORS: Final = 1024  # Linux's IOV_MAX iovecs a side: a merged group is one kernel call
 SAMEHOST_CHECK_S: Final = 2.0
 """The most P waits for the check of a same-host peer's process (a few /proc reads and one kernel probe, about a
 millisecond on an idle host) before the pair takes Mooncake instead."""
@@ -221,44 +214,6 @@ def check_ipc_handles(session: str, regions: Sequence[Region], handles: Sequence
 _ADDRESS_END: Final = 1 << 64
 
 
-def coalesce(
-    writes: Sequence[tuple[Hashable, int, int]],
-    max_bytes: int = COALESCE_BYTES,
-    max_descriptors: int = COALESCE_DESCRIPTORS,
-) -> list[range]:
-    """The groups of `writes` (target, bytes, descriptors), queued in this order, that each go in one copy: runs of
-    consecutive writes to one target, a write joining the run before it only while the run stays within `max_bytes`
-    and `max_descriptors`. A write that would take its run past a bound starts the next run, and one over a bound
-    goes alone: no call grows past the bounds but by a single write, and a write waits past its own bytes only for
-    the rest of its group.
-
-    Raises:
-        ValueError: a bound below 1, or a write with negative bytes or descriptors (the values named).
-    """
-    if max_bytes < 1 or max_descriptors < 1:
-        raise ValueError(
-            f"coalescing bounds must be >= 1, got max_bytes {max_bytes}, max_descriptors {max_descriptors}"
-        )
-    groups: list[range] = []
-    first, nbytes, pieces = 0, 0, 0
-    for index, (target, size, count) in enumerate(writes):
-        if size < 0 or count < 0:
-            raise ValueError(f"write {index} to {target!r} has {size} bytes and {count} descriptors; both must be >= 0")
-        joins = (
-            index > first
-            and target == writes[first][0]
-            and nbytes + size <= max_bytes
-            and pieces + count <= max_descriptors
-        )
-        if not joins and index > first:
-            groups.append(range(first, index))
-            first, nbytes, pieces = index, 0, 0
-        nbytes, pieces = nbytes + size, pieces + count
-    if writes:
-        groups.append(range(first, len(writes)))
-    return groups
-
-
 @cache
 def rule_on(kind: str, rule: StagingRule) -> StagingRule:
     """`rule` with the costs of plane `kind`: on the same-host plane a piece costs about a microsecond and a gathered
@@ -278,8 +233,6 @@ def rule_on(kind: str, rule: StagingRule) -> StagingRule:
 
 
 __all__ = [
-    "COALESCE_BYTES",
-    "COALESCE_DESCRIPTORS",
     "GPU_SCHEME",
     "IPC_HANDLE_BYTES",
     "NEEDS_MOONCAKE",
@@ -295,7 +248,6 @@ __all__ = [
     "check_ipc_handles",
     "check_transport_addr",
     "choose_transport",
-    "coalesce",
     "is_same_host",
     "needs_mooncake",
     "probed",

@@ -7,7 +7,7 @@ far end of the control connection).
 Rules: the contract of `kvsvc.transport.base.Transport`. A write is refused before anything is copied unless every
 source range lies in registered local memory and every destination range in the peer's published regions; many
 descriptors go in one call (up to `IOV_MAX` iovecs a side), and so do the writes queued in one loop iteration to one
-peer, as the core groups them (`kvsvc.core.data_planes.coalesce`); the copy runs on the transport's own copy thread,
+peer, as the core groups them (`kvsvc.core.planner.coalesce`); the copy runs on the transport's own copy thread,
 which it blocks, never on the loop; when a write fails the call has returned, so nothing of it still moves (`drained` is
 done); a peer whose process died, or whose pid now names another process, fails the next write (ESRCH) and `peer_gone`
 tells so by its process table entry. What a peer claims (pid, start time, user) is checked against the kernel before it
@@ -48,10 +48,18 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from kvsvc.core.data_planes import COALESCE_BYTES, COALESCE_DESCRIPTORS, SameHostAddress, coalesce
+from kvsvc.core.data_planes import SameHostAddress
 from kvsvc.core.errors import ERR_FAILED, InvalidDescriptor
 from kvsvc.core.messages import IpcHandle
-from kvsvc.core.planner import AddressRanges, Descriptors, Region, checked_table
+from kvsvc.core.planner import (
+    COALESCE_BYTES,
+    COALESCE_DESCRIPTORS,
+    AddressRanges,
+    Descriptors,
+    Region,
+    checked_table,
+    coalesce,
+)
 from kvsvc.transport.base import (
     OwnLoop,
     TransportClosed,
@@ -387,7 +395,7 @@ def _copy_all(
     max_descriptors: int = COALESCE_DESCRIPTORS,
 ) -> None:
     """Copy one loop iteration's writes (pid, start time, real uid, table) in order on the copy thread, in the groups
-    the core merges into one call each (`kvsvc.core.data_planes.coalesce`), and `deliver(first, outcomes)` each
+    the core merges into one call each (`kvsvc.core.planner.coalesce`), and `deliver(first, outcomes)` each
     group's outcomes as soon as it landed: a burst's requests land together, in one call and one wake-up, and a
     large write goes alone (the bounds are the core's unless a test asks for others). Before each group the target's
     start time and real uid are read again: a pid that now names another process is not written (ESRCH), nor a

@@ -135,7 +135,7 @@ def test_a_burst_of_small_writes_lands_in_one_group_and_writes_past_the_bounds_o
 
     import numpy as np
 
-    from kvsvc.core.data_planes import COALESCE_DESCRIPTORS
+    from kvsvc.core.planner import COALESCE_DESCRIPTORS
     from kvsvc.transport.samehost import _copy_all, start_time
 
     rows = COALESCE_DESCRIPTORS
@@ -186,7 +186,7 @@ _queued = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 100), st.integers
 def test_coalesced_groups_keep_order_and_target_and_stay_within_bounds_unless_alone(
     writes: list[tuple[int, int, int]], max_bytes: int, max_descriptors: int
 ) -> None:
-    from kvsvc.core.data_planes import coalesce
+    from kvsvc.core.planner import coalesce
 
     groups = coalesce(writes, max_bytes, max_descriptors)
     assert [i for group in groups for i in group] == list(range(len(writes)))  # every write once, in order
@@ -205,7 +205,7 @@ def test_coalesced_groups_keep_order_and_target_and_stay_within_bounds_unless_al
 
 
 def test_coalescing_refuses_bounds_below_one_and_negative_sizes_by_value() -> None:
-    from kvsvc.core.data_planes import coalesce
+    from kvsvc.core.planner import coalesce
 
     with pytest.raises(ValueError, match="max_bytes 0, max_descriptors 4"):
         coalesce([], 0, 4)
@@ -227,7 +227,7 @@ def test_coalesced_copies_land_the_same_bytes_as_writes_one_by_one(
 
     import numpy as np
 
-    from kvsvc.core.data_planes import coalesce
+    from kvsvc.core.planner import coalesce
     from kvsvc.transport.samehost import _copy_all, start_time
 
     src = np.random.default_rng(len(queued)).integers(0, 255, 1 << 13, dtype=np.uint8)
